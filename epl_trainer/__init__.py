@@ -1,0 +1,37 @@
+"""epl_trainer: EPL-style distributed training for TensorFlow 2 / Keras 3.
+
+Imports are lazy so that light entry points (the `epl-launch` launcher, the config
+module) start without loading TensorFlow.
+"""
+
+import importlib
+
+__version__ = "0.1.0"
+
+_EXPORTS = {
+    "Config": "epl_trainer.config",
+    "ConfigError": "epl_trainer.config",
+    "init": "epl_trainer.env",
+    "Env": "epl_trainer.env",
+    "replicate": "epl_trainer.strategies",
+    "split": "epl_trainer.strategies",
+    "set_default_strategy": "epl_trainer.strategies",
+    "Strategy": "epl_trainer.strategies",
+    "EPLTrainer": "epl_trainer.trainer",
+    "ModelSpec": "epl_trainer.trainer",
+}
+
+__all__ = [*_EXPORTS, "__version__"]
+
+
+def __getattr__(name):
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'epl_trainer' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return sorted(__all__)

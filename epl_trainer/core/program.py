@@ -1,0 +1,346 @@
+"""Plan + state -> the `tf.function` steps that train, evaluate and predict.
+
+One training step, in this order (each phase is a method below):
+
+1. split the per-worker batch on the host into lanes x micro-batches;
+2. per lane and micro-batch, the stateless forward of each stage under its device,
+   each stage recorded by its own tape; then each stage's backward under its own
+   device (a single tape would put every backward op on the device current when
+   `gradient()` is called), boundary gradients routed back by tensor key;
+3. gradients accumulated over micro-batches (scaled by 1/num_micro_batch, so the sum is
+   the mean: one TaskGraph with num_micro_batch > 1 is gradient accumulation);
+4. all-reduced per stage over every lane of the job, in fused buckets;
+5. optional global-norm clipping (the optimizer's `global_clipnorm`, over all stages),
+   before or after step 4 as `communication.clip_after_allreduce` says;
+6. the Keras optimizer applied on every lane (one optimizer per lane and stage, built
+   under the stage's device so its slots live next to the variables);
+7. float non-trainable state (BatchNorm statistics) averaged over lanes.
+
+Features are decided while the program is built (which groups, buckets, clip), never
+by flags tested inside the step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import keras
+import tensorflow as tf
+from keras import tree
+
+from epl_trainer.core import comm
+from epl_trainer.core.partition import StagedModel
+from epl_trainer.core.state import EngineState, Lane
+
+
+@dataclasses.dataclass(frozen=True)
+class ProgramOptions:
+    """What the builder needs from the config sections."""
+
+    num_micro_batch: int
+    gradients_reduce_method: str  # "mean" | "sum"
+    max_splits: int
+    num_communicators: int
+    clip_after_allreduce: bool = False
+
+
+@dataclasses.dataclass
+class _StageRun:
+    """What the forward of one stage leaves for its backward."""
+
+    tape: tf.GradientTape
+    variables: list
+    input_keys: list
+    inputs: list
+    outputs: dict
+    objective: tf.Tensor | None  # loss (last stage) or auxiliary losses, already scaled
+
+
+class Program:
+    """Builds and owns the train / evaluate / predict steps for one plan."""
+
+    def __init__(self, staged: StagedModel, state: EngineState, lanes_in_job: Sequence[Lane],
+                 loss_fn, metrics, loss_tracker, optimizers, options: ProgramOptions,
+                 host_device: str, clip_global_norm: float | None = None,
+                 step_counter=None):
+        self.staged = staged
+        self.state = state
+        self.lanes = state.lanes
+        self.loss_fn = loss_fn
+        self.metrics = metrics  # [(output index, keras metric)]
+        self.loss_tracker = loss_tracker
+        self.optimizers = optimizers  # optimizers[lane][stage]
+        self.options = options
+        self.host = host_device
+        self.clip_global_norm = clip_global_norm
+        self.step_counter = step_counter
+        # Where global-norm clipping happens (communication.clip_after_allreduce): on each
+        # lane's local gradients before the reduction (EPL's default), or on the reduced ones.
+        clipping = clip_global_norm is not None
+        self._clip_before = clipping and not options.clip_after_allreduce
+        self._clip_after = clipping and options.clip_after_allreduce
+        self.num_stages = len(staged.stages)
+        self.stage_groups = [
+            comm.CollectiveGroup(
+                devices=tuple(lane.devices[k] for lane in lanes_in_job),
+                local_devices=tuple(lane.devices[k] for lane in self.lanes))
+            for k in range(self.num_stages)]
+        self._trainable_idx = [state.stage_indices(k) for k in range(self.num_stages)]
+        self._non_trainable_idx = [state.stage_indices(k, trainable=False)
+                                   for k in range(self.num_stages)]
+        self._buckets = [self._plan_buckets(k) for k in range(self.num_stages)]
+        self.train_step = tf.function(self._train_step, reduce_retracing=True)
+        self.eval_step = tf.function(self._eval_step, reduce_retracing=True)
+        self.predict_step = tf.function(self._predict_step, reduce_retracing=True)
+
+    def _plan_buckets(self, stage: int) -> list[list[int]]:
+        variables = [self.state.model_trainable[i] for i in self._trainable_idx[stage]]
+        sizes = [int(v.value.shape.num_elements()) * v.value.dtype.size for v in variables]
+        return comm.plan_buckets(sizes, [v.dtype for v in variables], self.options.max_splits)
+
+    # ---- the training step -------------------------------------------------------------
+
+    def _train_step(self, features, labels):
+        num_lanes, num_micro = len(self.lanes), self.options.num_micro_batch
+        with tf.device(self.host):
+            feature_parts = split_batch(features, num_lanes * num_micro)
+            label_parts = split_batch(labels, num_lanes * num_micro)
+        lane_grads, lane_non_trainable = [], []
+        for li in range(num_lanes):
+            non_trainable = [v.value for v in self.state.non_trainable[li]]
+            accumulated = None
+            for m in range(num_micro):
+                part = li * num_micro + m
+                grads, non_trainable, loss, y_pred = self._forward_backward(
+                    li, feature_parts[part], label_parts[part], non_trainable)
+                accumulated = grads if accumulated is None else self._add(li, accumulated, grads)
+                self._update_metrics(label_parts[part], y_pred, loss)
+            lane_grads.append(accumulated)
+            lane_non_trainable.append(non_trainable)
+        if self._clip_before:
+            lane_grads = [self._clip(li, grads) for li, grads in enumerate(lane_grads)]
+        reduced = self._reduce_gradients(lane_grads)
+        if self._clip_after:
+            reduced = [self._clip(li, grads) for li, grads in enumerate(reduced)]
+        self._apply(reduced)
+        self._store_non_trainable(lane_non_trainable)
+        if self.step_counter is not None:
+            with tf.device(self.host):
+                self.step_counter.assign_add(1)
+
+    def _forward_backward(self, li: int, features, labels, non_trainable: list):
+        """Forward then backward of every stage for one micro-batch on lane `li`.
+
+        Returns gradients (one per trainable variable, on its stage device), the updated
+        non-trainable values, the unscaled loss and the model outputs.
+        """
+        lane = self.lanes[li]
+        staged = self.staged
+        values = dict(zip(staged.input_keys, staged.flatten_inputs(features)))
+        runs: list[_StageRun] = []
+        non_trainable = list(non_trainable)
+        scale = 1.0 / self.options.num_micro_batch
+        loss = y_pred = None
+        for k, stage in enumerate(staged.stages):
+            last = k == self.num_stages - 1
+            with tf.device(lane.devices[k]):
+                tape = tf.GradientTape(watch_accessed_variables=False)
+                with tape:
+                    input_keys = list(stage.input_keys) if k > 0 else []
+                    if last:  # the loss needs model outputs made by earlier stages too
+                        input_keys += [key for key in staged.output_keys
+                                       if key in values and key not in input_keys]
+                    inputs = [values[key] for key in input_keys]
+                    variables = [self.state.trainable[li][i].value for i in self._trainable_idx[k]]
+                    tape.watch([x for x in inputs if x.dtype.is_floating] + variables)
+                    nt_idx = self._non_trainable_idx[k]
+                    outputs, new_nt, aux = stage.model.stateless_call(
+                        variables, [non_trainable[i] for i in nt_idx],
+                        staged.stage_arguments(stage, values), training=True, return_losses=True)
+                    results = staged.stage_results(stage, outputs)
+                    objective = tf.add_n(aux) if aux else None
+                    if last:
+                        table = {**values, **results}
+                        y_pred = staged.pack_outputs([table[key] for key in staged.output_keys])
+                        loss = self.loss_fn(labels, y_pred)
+                        loss = loss if objective is None else loss + objective
+                        objective = loss
+                    if objective is not None:
+                        objective = objective * tf.cast(scale, objective.dtype)
+            for i, value in zip(nt_idx, new_nt):
+                non_trainable[i] = value
+            values.update(results)
+            runs.append(_StageRun(tape, variables, input_keys, inputs, results, objective))
+        grads = self._backward(lane, runs)
+        return grads, non_trainable, loss, y_pred
+
+    def _backward(self, lane: Lane, runs: list[_StageRun]) -> list:
+        grads: list = [None] * len(self.state.model_trainable)
+        upstream: dict = {}
+        for k in reversed(range(self.num_stages)):
+            run = runs[k]
+            with tf.device(lane.devices[k]):
+                targets, output_gradients = [], []
+                for key, value in run.outputs.items():
+                    if key in upstream:
+                        targets.append(value)
+                        output_gradients.append(upstream.pop(key))
+                if run.objective is not None:
+                    targets.append(run.objective)
+                    output_gradients.append(tf.ones_like(run.objective))
+                float_inputs = [(key, x) for key, x in zip(run.input_keys, run.inputs)
+                                if x.dtype.is_floating]
+                sources = run.variables + [x for _, x in float_inputs]
+                computed = run.tape.gradient(
+                    targets, sources, output_gradients=output_gradients,
+                    unconnected_gradients=tf.UnconnectedGradients.ZERO)
+                for i, g in zip(self._trainable_idx[k], computed[: len(run.variables)]):
+                    grads[i] = tf.convert_to_tensor(g)
+                for (key, _), g in zip(float_inputs, computed[len(run.variables):]):
+                    upstream[key] = g if key not in upstream else upstream[key] + g
+        return grads
+
+    def _add(self, li: int, accumulated: list, grads: list) -> list:
+        out = []
+        for i, (a, g) in enumerate(zip(accumulated, grads)):
+            with tf.device(self.lanes[li].devices[self.state.trainable_stage[i]]):
+                out.append(a + g)
+        return out
+
+    def _reduce_gradients(self, lane_grads: list[list]) -> list[list]:
+        """All-reduces each stage's gradients over every lane of the job."""
+        reduced = [list(grads) for grads in lane_grads]
+        for k, group in enumerate(self.stage_groups):
+            idx = self._trainable_idx[k]
+            per_member = [[grads[i] for i in idx] for grads in lane_grads]
+            results = comm.fused_all_reduce(
+                group, per_member, self._buckets[k], self.options.gradients_reduce_method,
+                num_chains=self.options.num_communicators)
+            for li, stage_grads in enumerate(results):
+                for i, g in zip(idx, stage_grads):
+                    reduced[li][i] = g
+        return reduced
+
+    def _clip(self, li: int, grads: list) -> list:
+        """Global-norm clipping over all stages of a lane (the optimizer's global_clipnorm)."""
+        lane = self.lanes[li]
+        squares = []
+        for k in range(self.num_stages):
+            with tf.device(lane.devices[k]):
+                stage_grads = [grads[i] for i in self._trainable_idx[k]]
+                if stage_grads:
+                    squares.append(tf.add_n([tf.reduce_sum(tf.square(g)) for g in stage_grads]))
+        with tf.device(lane.devices[0]):
+            norm = tf.sqrt(tf.add_n(squares))
+            factor = self.clip_global_norm / tf.maximum(norm, self.clip_global_norm)
+        clipped = []
+        for i, g in enumerate(grads):
+            with tf.device(lane.devices[self.state.trainable_stage[i]]):
+                clipped.append(g * tf.cast(factor, g.dtype))
+        return clipped
+
+    def _apply(self, reduced: list[list]) -> None:
+        for li, grads in enumerate(reduced):
+            for k in range(self.num_stages):
+                idx = self._trainable_idx[k]
+                if not idx:
+                    continue
+                with tf.device(self.lanes[li].devices[k]):
+                    self.optimizers[li][k].apply(
+                        [grads[i] for i in idx], [self.state.trainable[li][i] for i in idx])
+
+    def _store_non_trainable(self, lane_values: list[list]) -> None:
+        """Writes back non-trainable state; floats are first averaged over all lanes."""
+        synced = set(self.state.synced_non_trainable())
+        for k, group in enumerate(self.stage_groups):
+            idx = [i for i in self._non_trainable_idx[k] if i in synced]
+            if idx:
+                per_member = [[values[i] for i in idx] for values in lane_values]
+                buckets = comm.plan_buckets([1] * len(idx), [v.dtype for v in per_member[0]], 1)
+                results = comm.fused_all_reduce(group, per_member, buckets, "mean")
+                for li, member in enumerate(results):
+                    for i, value in zip(idx, member):
+                        lane_values[li][i] = value
+        for li, values in enumerate(lane_values):
+            for variable, value in zip(self.state.non_trainable[li], values):
+                variable.assign(value)
+
+    def _update_metrics(self, labels, y_pred, loss) -> None:
+        with tf.device(self.host):
+            batch = tf.shape(tree.flatten(labels)[0])[0]
+            self.loss_tracker.update_state(loss, sample_weight=batch)
+            self._update_output_metrics(labels, y_pred, None)
+
+    def _update_output_metrics(self, labels, y_pred, sample_weight) -> None:
+        flat_true, flat_pred = tree.flatten(labels), tree.flatten(y_pred)
+        for index, metric in self.metrics:
+            metric.update_state(flat_true[index], flat_pred[index], sample_weight=sample_weight)
+
+    # ---- evaluation and prediction ---------------------------------------------------------
+
+    def _forward(self, li: int, features):
+        lane = self.lanes[li]
+        staged = self.staged
+        values = dict(zip(staged.input_keys, staged.flatten_inputs(features)))
+        aux_total = []
+        for k, stage in enumerate(staged.stages):
+            with tf.device(lane.devices[k]):
+                variables = [self.state.trainable[li][i].value for i in self._trainable_idx[k]]
+                non_trainable = [self.state.non_trainable[li][i].value
+                                 for i in self._non_trainable_idx[k]]
+                outputs, _, aux = stage.model.stateless_call(
+                    variables, non_trainable, staged.stage_arguments(stage, values),
+                    training=False, return_losses=True)
+                values.update(staged.stage_results(stage, outputs))
+                aux_total.extend(tf.identity(a) for a in aux)
+        return staged.pack_outputs([values[key] for key in staged.output_keys]), aux_total
+
+    def _eval_step(self, features, labels):
+        num_lanes = len(self.lanes)
+        with tf.device(self.host):
+            features, labels, mask = pad_batch((features, labels), num_lanes)
+            parts = split_batch((features, labels, mask), num_lanes)
+        for li, (f, y, w) in enumerate(parts):
+            y_pred, aux = self._forward(li, f)
+            with tf.device(self.lanes[li].devices[-1]):
+                count = tf.reduce_sum(w)
+                # Keras reduces by the (padded) part size; undo that to average valid rows.
+                loss = self.loss_fn(y, y_pred, sample_weight=w) * tf.cast(
+                    tf.shape(w)[0], w.dtype) / tf.maximum(count, 1.0)
+                if aux:
+                    loss = loss + tf.add_n(aux)
+            with tf.device(self.host):
+                self.loss_tracker.update_state(loss, sample_weight=count)
+                self._update_output_metrics(y, y_pred, w)
+
+    def _predict_step(self, features):
+        num_lanes = len(self.lanes)
+        with tf.device(self.host):
+            batch = tf.shape(tree.flatten(features)[0])[0]
+            features, _ = pad_batch((features,), num_lanes)[:2]
+            parts = split_batch(features, num_lanes)
+        outputs = [self._forward(li, f)[0] for li, f in enumerate(parts)]
+        with tf.device(self.host):
+            joined = tree.map_structure(lambda *xs: tf.concat(xs, axis=0), *outputs)
+            return tree.map_structure(lambda x: x[:batch], joined)
+
+
+def split_batch(structure, parts: int) -> list:
+    """Splits every tensor of a nested structure into `parts` equal slices on axis 0."""
+    if parts == 1:
+        return [structure]
+    flat = tree.flatten(structure)
+    sliced = [tf.split(x, parts, axis=0) for x in flat]
+    return [tree.pack_sequence_as(structure, [s[p] for s in sliced]) for p in range(parts)]
+
+
+def pad_batch(structures: tuple, multiple: int):
+    """Pads axis 0 to a multiple of `multiple`; returns the padded structures and a mask."""
+    flat = tree.flatten(structures)
+    batch = tf.shape(flat[0])[0]
+    pad = (multiple - batch % multiple) % multiple
+    padded = tree.map_structure(
+        lambda x: tf.pad(x, [[0, pad]] + [[0, 0]] * (len(x.shape) - 1)), structures)
+    mask = tf.cast(tf.sequence_mask(batch, batch + pad), keras.backend.floatx())
+    return (*padded, mask)

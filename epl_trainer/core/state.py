@@ -1,0 +1,155 @@
+"""Engine-owned training state: one copy of the model's variables per compute lane.
+
+The user's Keras model is only used as a pure function (`stateless_call`); the engine
+decides where every variable lives. A *lane* is one device per stage of one model
+replica: with `replicate(n)` a replica has n lanes that split its micro-batch (EPL
+semantics), so every lane holds a full copy of each stage's variables on that stage's
+device. Gradients of a stage are reduced over the lane copies of the whole job.
+
+Non-trainable state rule (documented in the README):
+* floating-point non-trainable variables (BatchNorm moving statistics) are averaged over
+  all lanes after every step, so every copy stays identical;
+* random-seed state (Keras `SeedGenerator`) is per lane and offset by the lane's global
+  index, so dropout draws a different mask on each lane; lane 0 keeps the model's seed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from epl_trainer.core.ir import Plan
+from epl_trainer.core.partition import StagedModel
+
+_SEED_STRIDE = 1_000_003  # a prime: seeds of different lanes never coincide
+
+
+class StateError(ValueError):
+    """A layout the engine cannot hold."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Lane:
+    """One compute lane: global index and one device per stage."""
+
+    index: int  # global lane index in the job
+    devices: tuple[str, ...]  # devices[k] hosts stage k
+
+
+def lanes_for_worker(plan: Plan, worker: int) -> list[Lane]:
+    """The lanes this worker computes, in global lane order."""
+    counts = {tg.device_count for tg in plan.taskgraphs}
+    if len(counts) != 1:
+        raise StateError(
+            "All TaskGraphs of a replica must use the same device_count for now. Received: "
+            + ", ".join(f"{tg.name}={tg.device_count}" for tg in plan.taskgraphs))
+    if any(tg.kind != "replicate" for tg in plan.taskgraphs):
+        split = [tg.name for tg in plan.taskgraphs if tg.kind != "replicate"]
+        raise StateError(f"split TaskGraphs {split} are not supported by the engine yet.")
+    width = counts.pop()
+    lanes = []
+    for replica in range(plan.num_replicas):
+        workers = {d.worker for tg in plan.placement[replica] for d in tg}
+        if len(workers) > 1:
+            raise StateError(
+                f"Model replica {replica} spans workers {sorted(workers)}; a replica must fit "
+                "in one worker (set cluster.device_place_prefer_intra_node=True or use fewer "
+                "devices per replica).")
+        if workers != {worker}:
+            continue
+        for j in range(width):
+            devices = tuple(plan.placement[replica][k][j].name for k in range(len(plan.taskgraphs)))
+            lanes.append(Lane(replica * width + j, devices))
+    return lanes
+
+
+def total_lanes(plan: Plan) -> int:
+    return plan.num_replicas * plan.taskgraphs[0].device_count
+
+
+class EngineState:
+    """Per-lane copies of the model's variables, placed on the stage devices.
+
+    Attributes:
+      trainable[l][i]: lane l's copy of `model.trainable_variables[i]`.
+      non_trainable[l][i]: lane l's copy of `model.non_trainable_variables[i]`.
+      trainable_stage[i], non_trainable_stage[i]: the stage that owns variable i.
+    """
+
+    def __init__(self, staged: StagedModel, lanes: Sequence[Lane]):
+        model = staged.model
+        self.lanes = list(lanes)
+        self.model_trainable = list(model.trainable_variables)
+        self.model_non_trainable = list(model.non_trainable_variables)
+        self.trainable_stage = _stage_of_variables(staged, self.model_trainable)
+        self.non_trainable_stage = _stage_of_variables(staged, self.model_non_trainable)
+        self.trainable = [self._copy(lane, self.model_trainable, self.trainable_stage)
+                          for lane in self.lanes]
+        self.non_trainable = [self._copy(lane, self.model_non_trainable, self.non_trainable_stage)
+                              for lane in self.lanes]
+
+    def _copy(self, lane: Lane, variables, stages) -> list[keras.Variable]:
+        copies = []
+        for variable, stage in zip(variables, stages):
+            value = variable.value
+            if is_seed_state(variable):
+                value = np.asarray(value) + np.array([0, 0], value.dtype.as_numpy_dtype)
+                value[0] += lane.index * _SEED_STRIDE
+            with tf.device(lane.devices[stage]):
+                copies.append(keras.Variable(
+                    tf.identity(value), dtype=variable.dtype, trainable=variable.trainable,
+                    name=variable.name))
+        return copies
+
+    def stage_indices(self, stage: int, trainable: bool = True) -> list[int]:
+        owners = self.trainable_stage if trainable else self.non_trainable_stage
+        return [i for i, s in enumerate(owners) if s == stage]
+
+    def synced_non_trainable(self) -> list[int]:
+        """Indices of non-trainable variables averaged across lanes (see module doc)."""
+        return [i for i, v in enumerate(self.model_non_trainable)
+                if v.dtype.startswith("float") or v.dtype.startswith("bfloat")]
+
+    def write_back(self) -> None:
+        """Copies lane 0's values into the user's Keras model (eagerly)."""
+        for target, source in zip(self.model_trainable, self.trainable[0]):
+            target.assign(source.value)
+        for target, source in zip(self.model_non_trainable, self.non_trainable[0]):
+            if not is_seed_state(target):
+                target.assign(source.value)
+
+    def load_from_model(self) -> None:
+        """Copies the Keras model's current values into every lane (e.g. after set_weights)."""
+        for lane_vars in self.trainable:
+            for target, source in zip(lane_vars, self.model_trainable):
+                target.assign(source.value)
+        for lane_vars in self.non_trainable:
+            for target, source in zip(lane_vars, self.model_non_trainable):
+                if not is_seed_state(source):
+                    target.assign(source.value)
+
+    def resident_bytes(self) -> dict[str, int]:
+        """Bytes of variables per device, from the engine's own state."""
+        usage: dict[str, int] = {}
+        for lane_vars in self.trainable + self.non_trainable:
+            for v in lane_vars:
+                device = v.value.device
+                usage[device] = usage.get(device, 0) + int(np.prod(v.shape)) * v.value.dtype.size
+        return usage
+
+
+def is_seed_state(variable) -> bool:
+    return "seed_generator_state" in variable.path
+
+
+def _stage_of_variables(staged: StagedModel, variables) -> list[int]:
+    owner = {}
+    for stage in staged.stages:
+        for v in stage.model.weights:
+            owner.setdefault(id(v), stage.index)
+    # Variables no stage uses (e.g. a layer outside the graph) stay with stage 0.
+    return [owner.get(id(v), 0) for v in variables]

@@ -1,0 +1,88 @@
+"""The user's loss (one, or one per model output) as a single callable, Keras-style."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import keras
+from keras import tree
+
+
+class CompiledLoss:
+    """Sums one Keras loss per model output, with Keras's reduction semantics.
+
+    `loss` may be a Keras `Loss`, a loss name ("mse", "sparse_categorical_crossentropy"),
+    a function `(y_true, y_pred) -> per-sample losses`, or, for a model with several
+    outputs, a list or dict of those matching the outputs (a single loss applies to
+    every output, as in `Model.compile`).
+    """
+
+    def __init__(self, loss, output_names: Sequence[str] | None = None):
+        if loss is None:
+            raise ValueError("EPLTrainer needs a loss. Received: loss=None")
+        self._spec = loss
+        self._output_names = list(output_names or [])
+
+    def _losses_for(self, y_pred_flat_len: int) -> list[keras.losses.Loss]:
+        spec = self._spec
+        if isinstance(spec, Mapping):
+            missing = [n for n in self._output_names if n not in spec]
+            if missing or len(spec) != len(self._output_names):
+                raise ValueError(
+                    f"The loss dict must have one entry per model output {self._output_names}. "
+                    f"Received keys: {sorted(spec)}")
+            return [_as_loss(spec[name]) for name in self._output_names]
+        if isinstance(spec, (list, tuple)):
+            if len(spec) != y_pred_flat_len:
+                raise ValueError(
+                    f"The model has {y_pred_flat_len} outputs but {len(spec)} losses were given.")
+            return [_as_loss(s) for s in spec]
+        return [_as_loss(spec)] * y_pred_flat_len
+
+    def __call__(self, y_true, y_pred, sample_weight=None):
+        """The total loss: sum over outputs of each output's reduced loss."""
+        flat_pred = tree.flatten(y_pred)
+        flat_true = tree.flatten(y_true)
+        if len(flat_true) != len(flat_pred):
+            raise ValueError(
+                f"The labels have {len(flat_true)} tensor(s) but the model has "
+                f"{len(flat_pred)} output(s). Labels: {tree.map_structure(_shape, y_true)}; "
+                f"outputs: {tree.map_structure(_shape, y_pred)}")
+        losses = self._losses_for(len(flat_pred))
+        total = None
+        for loss, t, p in zip(losses, flat_true, flat_pred):
+            value = loss(t, p, sample_weight=sample_weight)
+            total = value if total is None else total + value
+        return total
+
+    @property
+    def is_sparse_categorical(self) -> bool:
+        first = self._spec if not isinstance(self._spec, (list, tuple, Mapping)) else None
+        return first is not None and "sparse_categorical" in _loss_name(first)
+
+    def name(self) -> str:
+        return _loss_name(self._spec)
+
+
+def _as_loss(spec) -> keras.losses.Loss:
+    if isinstance(spec, keras.losses.Loss):
+        return spec
+    fn = keras.losses.get(spec)
+    if fn is None:
+        raise ValueError(f"Unknown loss {spec!r}.")
+    if isinstance(fn, keras.losses.Loss):
+        return fn
+    return keras.losses.LossFunctionWrapper(fn, name=getattr(fn, "__name__", "loss"))
+
+
+def _loss_name(spec) -> str:
+    if isinstance(spec, str):
+        return spec
+    if isinstance(spec, keras.losses.Loss):
+        inner = getattr(spec, "fn", None)
+        return getattr(inner, "__name__", None) or type(spec).__name__.lower()
+    return getattr(spec, "__name__", type(spec).__name__).lower()
+
+
+def _shape(x):
+    return getattr(x, "shape", type(x).__name__)

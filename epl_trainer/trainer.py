@@ -1,0 +1,402 @@
+"""EPLTrainer: fit / evaluate / predict / checkpoints for an ordinary Keras model.
+
+The trainer is glue: it resolves the config, annotations and plan, cuts the model
+into stages, creates the engine state and program, and runs the loop with standard
+Keras callbacks. The numerics live in `core/`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from collections.abc import Callable
+
+import keras
+import numpy as np
+import tensorflow as tf
+from keras import tree
+
+from epl_trainer import checkpoint as ckpt
+from epl_trainer import data as data_lib
+from epl_trainer import strategies
+from epl_trainer.cluster import build_cluster
+from epl_trainer.config import Config
+from epl_trainer.core import comm, planner
+from epl_trainer.core.partition import partition_model, whole_model
+from epl_trainer.core.program import Program, ProgramOptions
+from epl_trainer.core.state import EngineState, lanes_for_worker
+from epl_trainer.env import Env
+from epl_trainer.losses import CompiledLoss
+from epl_trainer.metrics import resolve_metrics
+
+logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class ModelSpec:
+    """What an Estimator-style `model_fn` may return: the model and its loss/metrics."""
+
+    model: keras.Model
+    loss: object = None
+    metrics: object = None
+
+
+class EPLTrainer:
+    """Trains a Keras model with the parallelism given by annotations and config.
+
+    Args:
+      model: a Keras model, or a `model_fn` returning one (or a `ModelSpec`). A model_fn
+        is called after the config is resolved, so `epl.replicate`/`epl.split` scopes
+        inside it are recorded.
+      loss: a Keras loss (object, name or function; list/dict for several outputs).
+      optimizer: a Keras optimizer or its name. It stays the "master": its learning rate
+        (settable by callbacks) drives every replica's copy.
+      metrics: Keras metrics or names ("accuracy" is resolved from the loss, as compile).
+      strategy: `epl.Strategy(...)`, or a bare `epl.replicate(n)` / `epl.split(n)`.
+      stages: {layer-name regex: stage index}, a shortcut for `Strategy(stages=...)`.
+      split: [layer-name regex], a shortcut for `Strategy(split=...)`.
+      config: an `epl.Config`, a dict of dotted keys or a JSON/YAML path; None uses the
+        config given to `epl.init()` (or the defaults).
+    """
+
+    def __init__(self, model, loss=None, optimizer="sgd", metrics=None, strategy=None,
+                 stages=None, split=None, config=None):
+        self.config = Env.get().config if config is None else Config.load(config)
+        self.cluster = Env.get().cluster if config is None else build_cluster(self.config.cluster)
+        model, loss, metrics = _resolve_model(model, loss, metrics)
+        self.model = model
+        self.loss = CompiledLoss(loss, _output_names(model))
+        self.optimizer = keras.optimizers.get(optimizer)
+        self.metrics = resolve_metrics(metrics, self.loss.name(), _output_names(model))
+        self.loss_tracker = keras.metrics.Mean(name="loss")
+        _check_supported(self.config)
+        annotation = strategies.resolve_annotation(model, strategy=strategy, stages=stages,
+                                                   split=split)
+        self.plan = planner.build_plan(
+            annotation.taskgraphs, self.cluster.devices_by_worker, self.cluster.worker_index,
+            num_micro_batch=self.config.pipeline.num_micro_batch,
+            colocate_split_and_replicate=self.config.cluster.colocate_split_and_replicate,
+            prefer_intra_node=self.config.cluster.device_place_prefer_intra_node)
+        if len(self.plan.taskgraphs) > 1 and self.config.pipeline.strategy == "PreferForward":
+            raise NotImplementedError(
+                "pipeline.strategy='PreferForward' (GPipe order) is not implemented yet; "
+                "stages currently run each micro-batch's forward and backward in turn.")
+        if len(self.plan.taskgraphs) == 1:
+            self.staged = whole_model(model)
+        else:
+            self.staged = partition_model(model, annotation.node_taskgraph,
+                                          len(self.plan.taskgraphs))
+        self.lanes = lanes_for_worker(self.plan, self.cluster.worker_index)
+        self.lanes_in_job = sorted(
+            (lane for w in range(self.cluster.worker_num) for lane in lanes_for_worker(self.plan, w)),
+            key=lambda lane: lane.index)
+        self.model.optimizer = self.optimizer  # what Keras callbacks read (LR, iterations)
+        self._program: Program | None = None
+        self._state: EngineState | None = None
+        self.epochs_done = 0
+        self._metric_sync = None
+
+    # ---- building the engine (lazily: a subclassed model is built by its first batch) ----
+
+    def _ensure_program(self, features) -> Program:
+        if self._program is not None:
+            return self._program
+        if not self.model.built:
+            self.model(tree.map_structure(lambda x: x[:1], features))
+        self._state = EngineState(self.staged, self.lanes)
+        clip = self.optimizer.global_clipnorm
+        optimizers = [[self._replica_optimizer(lane.devices[k], self._stage_variables(li, k))
+                       for k in range(len(self.staged.stages))]
+                      for li, lane in enumerate(self.lanes)]
+        options = ProgramOptions(
+            num_micro_batch=self.config.pipeline.num_micro_batch,
+            gradients_reduce_method=self.config.communication.gradients_reduce_method,
+            max_splits=self.config.communication.max_splits,
+            num_communicators=self.config.communication.num_communicators,
+            clip_after_allreduce=self.config.communication.clip_after_allreduce)
+        with tf.device(self.cluster.host_device):
+            self.loss_tracker.reset_state()
+        self._program = Program(
+            self.staged, self._state, self.lanes_in_job, self.loss, self.metrics,
+            self.loss_tracker, optimizers, options, self.cluster.host_device,
+            clip_global_norm=clip, step_counter=self.optimizer.iterations)
+        return self._program
+
+    def _stage_variables(self, lane_index: int, stage: int) -> list:
+        return [self._state.trainable[lane_index][i] for i in self._state.stage_indices(stage)]
+
+    def _replica_optimizer(self, device: str, variables: list):
+        """A copy of the user's optimizer for one lane and stage, built on that device."""
+        config = self.optimizer.get_config()
+        config["global_clipnorm"] = None  # done over all stages by the program
+        with tf.device(device):
+            replica = type(self.optimizer).from_config(config)
+            if isinstance(self.optimizer._learning_rate, keras.Variable):
+                replica._learning_rate = self.optimizer._learning_rate  # LR callbacks reach all
+            replica.build(variables)
+        return replica
+
+    # ---- fit / evaluate / predict ------------------------------------------------------
+
+    def fit(self, x, y=None, batch_size=None, epochs=1, steps_per_epoch=None,
+            validation_data=None, callbacks=None, verbose="auto"):
+        """Trains; returns a `keras.callbacks.History` (as `Model.fit`)."""
+        dataset = data_lib.as_dataset(
+            x, y, batch_size, worker_index=self.cluster.worker_index,
+            worker_num=self.cluster.worker_num, drop_remainder=True)
+        verbose = 1 if verbose == "auto" else verbose
+        callback_list = keras.callbacks.CallbackList(
+            callbacks, add_history=True, add_progbar=verbose != 0, model=self.model,
+            verbose=verbose, epochs=self.epochs_done + epochs, steps=steps_per_epoch)
+        write_back_each_step = _needs_fresh_weights_per_step(callback_list)
+        self.model.stop_training = False
+        callback_list.on_train_begin()
+        iterator = iter(dataset) if steps_per_epoch else None
+        logs = {}
+        for epoch in range(self.epochs_done, self.epochs_done + epochs):
+            self._reset_metrics()
+            callback_list.on_epoch_begin(epoch)
+            batches = iterator if iterator is not None else iter(dataset)
+            logs = self._run_epoch(batches, steps_per_epoch, callback_list, write_back_each_step)
+            if validation_data is not None:
+                val_x, val_y = _unpack_validation(validation_data)
+                val_logs = self.evaluate(val_x, val_y, batch_size=batch_size)
+                logs.update({f"val_{k}": v for k, v in val_logs.items()})
+            self.epochs_done = epoch + 1
+            self._state.write_back()
+            callback_list.on_epoch_end(epoch, logs)
+            if self.model.stop_training:
+                break
+        if self._state is not None:
+            self._state.write_back()
+        callback_list.on_train_end(logs)
+        if self._state is not None:
+            self._state.load_from_model()  # e.g. EarlyStopping(restore_best_weights=True)
+        return self.model.history
+
+    def _run_epoch(self, batches, steps, callback_list, write_back_each_step) -> dict:
+        logs = {}
+        step = 0
+        for element in batches:
+            features, labels = data_lib.split_element(element, with_labels=True)
+            program = self._ensure_program(features)
+            self._check_batch(features)
+            callback_list.on_train_batch_begin(step)
+            start = time.perf_counter()
+            program.train_step(features, labels)
+            logs = self._logs(sync=False)
+            elapsed = time.perf_counter() - start
+            logs["samples_per_sec"] = (data_lib.batch_size_of(features) * self.cluster.worker_num
+                                       / max(elapsed, 1e-9))
+            if write_back_each_step:
+                self._state.write_back()
+            callback_list.on_train_batch_end(step, logs)
+            step += 1
+            if self.model.stop_training or (steps is not None and step >= steps):
+                break
+        if step == 0:
+            raise ValueError("The training data yielded no batch. Check the dataset, batch_size "
+                             "and steps_per_epoch.")
+        throughput = logs.pop("samples_per_sec")
+        logs = self._logs(sync=True)
+        logs["samples_per_sec"] = throughput
+        return logs
+
+    def evaluate(self, x, y=None, batch_size=None, steps=None) -> dict:
+        """Returns {"loss": ..., metric name: ...} over the data (every worker's share)."""
+        dataset = data_lib.as_dataset(x, y, batch_size, worker_index=self.cluster.worker_index,
+                                      worker_num=self.cluster.worker_num)
+        self._reset_metrics()
+        seen = 0
+        for element in dataset:
+            features, labels = data_lib.split_element(element, with_labels=True)
+            self._ensure_program(features).eval_step(features, labels)
+            seen += 1
+            if steps is not None and seen >= steps:
+                break
+        return self._logs(sync=True)
+
+    def predict(self, x, batch_size=None):
+        """Model outputs for `x` (numpy, structured like the model's outputs)."""
+        dataset = data_lib.as_dataset(x, None, batch_size)
+        outputs = []
+        for element in dataset:
+            features, _ = data_lib.split_element(element, with_labels=False)
+            outputs.append(self._ensure_program(features).predict_step(features))
+        if not outputs:
+            raise ValueError("predict received no data.")
+        return tree.map_structure(lambda *xs: np.concatenate([np.asarray(a) for a in xs]),
+                                  *outputs)
+
+    # ---- checkpoints -----------------------------------------------------------------
+
+    def save_checkpoint(self, directory: str) -> str | None:
+        """Saves engine state (weights, optimizer slots, step); only worker 0 writes."""
+        if self._state is None:
+            raise ValueError("Nothing to save yet: call fit() (or restore) first.")
+        step = int(self.optimizer.iterations.numpy())
+        if not self.cluster.is_chief:
+            return None
+        metadata = {"epochs_done": self.epochs_done, "plan": self.plan.summary()}
+        return ckpt.save(directory, self._checkpoint_variables(), metadata, step)
+
+    def restore_checkpoint(self, directory: str, features=None) -> str:
+        """Restores the newest checkpoint in `directory` into every lane.
+
+        A trainer that has not trained yet needs the model built (functional models are);
+        for subclassed models pass one batch of `features` to build it.
+        """
+        if self._program is None:
+            if features is None and not self.model.built:
+                raise ValueError("restore_checkpoint on a subclassed model that was never "
+                                 "called needs `features` (one batch) to build it.")
+            self._ensure_program(features if features is not None else _dummy_inputs(self.model))
+        path = ckpt.latest(directory)
+        expected = self._checkpoint_variables()
+        values, metadata = ckpt.load(path, expected)
+        for key, variable in expected.items():
+            variable.assign(values[key])
+        self._copy_lane0_to_all()
+        self.epochs_done = metadata.get("epochs_done", 0)
+        self._state.write_back()
+        return path
+
+    def _checkpoint_variables(self) -> dict:
+        """Lane 0's state by stable name: what a checkpoint holds."""
+        state = self._state
+        named = {f"trainable/{i}/{v.path}": state.trainable[0][i].value
+                 for i, v in enumerate(state.model_trainable)}
+        named.update({f"non_trainable/{i}/{v.path}": state.non_trainable[0][i].value
+                      for i, v in enumerate(state.model_non_trainable)})
+        for k, optimizer in enumerate(self._program.optimizers[0]):
+            for j, v in enumerate(optimizer.variables):
+                if v is not self.optimizer._learning_rate:
+                    named[f"optimizer/stage_{k}/{j}/{v.path}"] = v.value
+        named["optimizer/iterations"] = self.optimizer.iterations.value
+        if isinstance(self.optimizer._learning_rate, keras.Variable):
+            named["optimizer/learning_rate"] = self.optimizer._learning_rate.value
+        return named
+
+    def _copy_lane0_to_all(self) -> None:
+        state = self._state
+        for li in range(1, len(state.lanes)):
+            for dst, src in zip(state.trainable[li] + state.non_trainable[li],
+                                state.trainable[0] + state.non_trainable[0]):
+                if "seed_generator_state" not in src.path:
+                    dst.assign(src.value)
+            for dst_opt, src_opt in zip(self._program.optimizers[li], self._program.optimizers[0]):
+                for dst, src in zip(dst_opt.variables, src_opt.variables):
+                    if dst is not src:
+                        dst.assign(src.value)
+
+    # ---- logs and checks ---------------------------------------------------------------
+
+    def _reset_metrics(self) -> None:
+        self.loss_tracker.reset_state()
+        for _, metric in self.metrics:
+            metric.reset_state()
+
+    def _logs(self, sync: bool) -> dict:
+        metrics = [self.loss_tracker] + [m for _, m in self.metrics]
+        if sync and self.cluster.worker_num > 1:
+            return self._synced_logs(metrics)
+        return {m.name: float(m.result()) for m in metrics}
+
+    def _synced_logs(self, metrics) -> dict:
+        """Metric results over all workers: their state variables are summed first."""
+        if self._metric_sync is None:
+            hosts = tuple(devices[0].rsplit("/device:", 1)[0] + "/device:CPU:0"
+                          for devices in self.cluster.devices_by_worker)
+            group = comm.CollectiveGroup(hosts, (self.cluster.host_device,))
+            variables = [v for m in metrics for v in m.variables]
+            buckets = comm.plan_buckets([1] * len(variables), [v.dtype for v in variables], 1)
+
+            @tf.function
+            def reduce_all():
+                with tf.device(self.cluster.host_device):
+                    values = [tf.identity(v.value) for v in variables]
+                return comm.fused_all_reduce(group, [values], buckets, "sum")[0]
+
+            self._metric_sync = reduce_all
+        reduced = iter(self._metric_sync())
+        logs = {}
+        for m in metrics:
+            values = [next(reduced) for _ in m.variables]
+            logs[m.name] = float(m.stateless_result(values))
+        return logs
+
+    def _check_batch(self, features) -> None:
+        batch = data_lib.batch_size_of(features)
+        parts = len(self.lanes) * self.config.pipeline.num_micro_batch
+        if batch % parts:
+            raise ValueError(
+                "The per-worker batch must split evenly into local replicas x micro-batches. "
+                f"Received: batch_size={batch}, local_replicas={len(self.lanes)}, "
+                f"num_micro_batch={self.config.pipeline.num_micro_batch}")
+
+
+def _resolve_model(model, loss, metrics):
+    if isinstance(model, keras.Model):
+        return model, loss, metrics
+    if not callable(model):
+        raise TypeError(f"model must be a keras.Model or a model_fn. Received: {type(model).__name__}")
+    built = model()
+    if isinstance(built, ModelSpec):
+        return built.model, built.loss if loss is None else loss, (
+            built.metrics if metrics is None else metrics)
+    if isinstance(built, keras.Model):
+        return built, loss, metrics
+    raise TypeError("A model_fn must return a keras.Model or an epl_trainer.ModelSpec. "
+                    f"Received: {type(built).__name__}")
+
+
+def _output_names(model) -> list[str]:
+    names = getattr(model, "output_names", None)
+    return list(names) if names else ["output"]
+
+
+_NOT_YET = {
+    # key: (value meaning "off", issue that builds it)
+    "gradient_checkpoint.type": ("", "memory optimisations"),
+    "zero.level": ("", "memory optimisations"),
+    "offload.level": ("", "memory optimisations"),
+    "amp.level": ("", "memory optimisations"),
+    "optimizer.num_apply_group": (1, "memory optimisations"),
+    "auto.auto_parallel": (False, "automatic pipeline partition"),
+    "communication.fp16": (False, "communication options"),
+    "io.slicing": (False, "IO slicing"),
+}
+
+
+def _check_supported(config: Config) -> None:
+    """Refuses settings whose feature is not built yet instead of silently ignoring them."""
+    values = config.to_dict()
+    for key, (off, feature) in _NOT_YET.items():
+        if values[key] != off:
+            raise NotImplementedError(
+                f"{key}={values[key]!r} is not implemented yet in epl_trainer ({feature}). "
+                f"Remove it or set it to {off!r}.")
+
+
+def _needs_fresh_weights_per_step(callback_list) -> bool:
+    return any(isinstance(cb, keras.callbacks.ModelCheckpoint) and cb.save_freq != "epoch"
+               for cb in callback_list.callbacks)
+
+
+def _unpack_validation(validation_data):
+    if isinstance(validation_data, tf.data.Dataset):
+        return validation_data, None
+    if isinstance(validation_data, (tuple, list)) and len(validation_data) == 2:
+        return validation_data
+    raise ValueError("validation_data must be a tf.data.Dataset or an (x, y) tuple. "
+                     f"Received: {type(validation_data).__name__}")
+
+
+def _dummy_inputs(model):
+    return tree.map_structure(
+        lambda t: tf.zeros([1, *[d or 1 for d in t.shape[1:]]], t.dtype), model.inputs
+        if len(model.inputs) > 1 else model.inputs[0])
+
+
+ModelFn = Callable[[], "keras.Model | ModelSpec"]

@@ -1,0 +1,14 @@
+"""Shared test setup: 8 logical CPU devices, configured before TensorFlow initialises.
+
+Every test process gets the same devices; a trainer uses the first
+`cluster.virtual_devices` of them.
+"""
+
+import os
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+from epl_trainer.cluster import configure_tensorflow  # noqa: E402
+
+NUM_TEST_DEVICES = 8
+configure_tensorflow(NUM_TEST_DEVICES)
