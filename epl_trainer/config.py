@@ -1,0 +1,655 @@
+"""EPL configuration: dotted keys parsed once into one frozen dataclass per section.
+
+`Config` mirrors `epl.Config` (see docs/epl_config.md of EPL): every key is
+`"<section>.<name>"`, e.g. `"pipeline.num_micro_batch"`. Values come from, in
+increasing precedence: the default, an environment variable
+`EPL_<SECTION>_<NAME>`, a config file, and a dict of overrides. Each component
+receives only its own section, e.g. `config.pipeline.num_micro_batch`.
+
+This module must stay pure Python (no TensorFlow) so that launchers and tests can
+read a config without paying TensorFlow's import time.
+
+To add a key, add one field to its section dataclass with a kind helper
+(`_int`, `_bool`, `_enum`, ...); the registry (`KNOWN_KEYS`), environment
+variable, parsing and validation follow from it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import enum
+import functools
+import json
+import math
+import numbers
+import os
+import types
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, ClassVar
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A config key, value or file is invalid."""
+
+
+class Kind(enum.Enum):
+    """How a key's values are checked (dicts, files) and parsed (env, --epl_set).
+
+    Each value is the type named in error messages.
+    """
+
+    INT = "int"
+    OPTIONAL_INT = "int or None"
+    NUMBER = "int or float"
+    BOOL = "bool"
+    STR = "str"
+    ENUM = "one of the choices"
+    LOSS_SCALE = "'dynamic' or a positive number"
+
+
+_TRUE_STRINGS = ("true", "1", "yes")
+_FALSE_STRINGS = ("false", "0", "no")
+_NONE_STRINGS = ("", "none")
+
+
+@dataclasses.dataclass(frozen=True)
+class KeySpec:
+    """Type, default and help of one config key."""
+
+    section: str
+    name: str
+    kind: Kind
+    default: Any
+    help: str
+    choices: tuple[str, ...] = ()
+    minimum: float | None = None
+    exclusive_minimum: bool = False
+
+    @property
+    def key(self) -> str:
+        return f"{self.section}.{self.name}"
+
+    @property
+    def env_var(self) -> str:
+        return f"EPL_{self.section}_{self.name}".upper()
+
+    @property
+    def type_name(self) -> str:
+        if self.kind == Kind.ENUM:
+            return "one of " + ", ".join(repr(c) for c in self.choices)
+        return self.kind.value
+
+
+# --- Checking and parsing values.
+
+_INVALID = object()
+
+
+def _short_repr(value: Any, limit: int = 80) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _received(value: Any) -> str:
+    return f"Received: {_short_repr(value)} (type {type(value).__name__})"
+
+
+def _as_int(value: Any) -> Any:
+    # bool is an int subclass, but True for a count is almost always a mistake.
+    if isinstance(value, numbers.Integral) and not isinstance(value, bool):
+        return int(value)
+    return _INVALID
+
+
+def _as_number(value: Any) -> Any:
+    if isinstance(value, numbers.Integral):
+        return _as_int(value)
+    if isinstance(value, numbers.Real):
+        return float(value)
+    return _INVALID
+
+
+def _coerce(spec: KeySpec, value: Any) -> Any:
+    """Returns `value` in the key's Python type, or `_INVALID` if its type is wrong."""
+    kind = spec.kind
+    if kind == Kind.INT:
+        return _as_int(value)
+    if kind == Kind.OPTIONAL_INT:
+        return None if value is None else _as_int(value)
+    if kind == Kind.NUMBER:
+        return _as_number(value)
+    if kind == Kind.BOOL:
+        return value if isinstance(value, bool) else _INVALID
+    if kind in (Kind.STR, Kind.ENUM):
+        return value if isinstance(value, str) else _INVALID
+    if kind == Kind.LOSS_SCALE:
+        if isinstance(value, str):
+            return "dynamic" if value.lower() == "dynamic" else _INVALID
+        return _as_number(value)
+    raise AssertionError(f"unhandled kind {kind!r}")
+
+
+def _check_range(spec: KeySpec, value: Any, where: str) -> None:
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ConfigError(f"{where} must be a finite number. Received: {value!r}")
+    if spec.minimum is None or not isinstance(value, (int, float)):
+        return
+    if spec.exclusive_minimum and value <= spec.minimum:
+        raise ConfigError(f"{where} must be > {spec.minimum}. Received: {value!r}")
+    if value < spec.minimum:
+        raise ConfigError(f"{where} must be >= {spec.minimum}. Received: {value!r}")
+
+
+def _check(spec: KeySpec, value: Any, where: str) -> Any:
+    """Validates a Python value for `spec` strictly and returns it normalised.
+
+    `where` names the value's origin (a key, an env variable) in error messages.
+    """
+    coerced = _coerce(spec, value)
+    if coerced is _INVALID:
+        raise ConfigError(f"{where} expects {spec.type_name}. {_received(value)}")
+    if spec.kind == Kind.ENUM:
+        canonical = {choice.lower(): choice for choice in spec.choices}.get(coerced.lower())
+        if canonical is None:
+            raise ConfigError(
+                f"{where} must be one of {list(spec.choices)} (case-insensitive). "
+                f"Received: {_short_repr(value)}"
+            )
+        return canonical
+    _check_range(spec, coerced, where)
+    return coerced
+
+
+def _parse_text(spec: KeySpec, text: str, where: str) -> Any:
+    """Parses the string form of a value (env variable, --epl_set) by the key's kind."""
+    stripped = text.strip()
+    lowered = stripped.lower()
+    try:
+        if spec.kind == Kind.STR:
+            return text
+        if spec.kind == Kind.ENUM:
+            return stripped
+        if spec.kind == Kind.BOOL and lowered in _TRUE_STRINGS + _FALSE_STRINGS:
+            return lowered in _TRUE_STRINGS
+        if spec.kind == Kind.OPTIONAL_INT and lowered in _NONE_STRINGS:
+            return None
+        if spec.kind in (Kind.INT, Kind.OPTIONAL_INT):
+            return int(stripped)
+        if spec.kind == Kind.LOSS_SCALE and lowered == "dynamic":
+            return "dynamic"
+        if spec.kind in (Kind.NUMBER, Kind.LOSS_SCALE):
+            try:
+                return int(stripped)
+            except ValueError:
+                return float(stripped)
+    except ValueError:
+        pass
+    expected = spec.type_name
+    if spec.kind == Kind.BOOL:
+        expected = "bool (one of true/false/1/0/yes/no)"
+    elif spec.kind == Kind.OPTIONAL_INT:
+        expected = "int, or '' / 'none' for None"
+    raise ConfigError(f"{where} expects {expected}. Received: {_short_repr(text)}")
+
+
+def _key(default: Any, help: str, *, kind: Kind, **extra: Any) -> Any:
+    """Declares a section field; `_register` turns its metadata into a `KeySpec`."""
+    metadata = {"epl": {"kind": kind, "help": help, **extra}}
+    return dataclasses.field(default=default, metadata=metadata)
+
+
+# One declaration helper per kind keeps each row of the key table on one line.
+_int = functools.partial(_key, kind=Kind.INT)
+_optional_int = functools.partial(_key, kind=Kind.OPTIONAL_INT)
+_positive_number = functools.partial(_key, kind=Kind.NUMBER, minimum=0, exclusive_minimum=True)
+_bool = functools.partial(_key, kind=Kind.BOOL)
+_str = functools.partial(_key, kind=Kind.STR)
+_enum = functools.partial(_key, kind=Kind.ENUM)
+_loss_scale = functools.partial(_key, kind=Kind.LOSS_SCALE, minimum=0, exclusive_minimum=True)
+
+
+_SECTIONS: dict[str, type] = {}
+_KEYS: dict[str, KeySpec] = {}
+SECTIONS: Mapping[str, type] = types.MappingProxyType(_SECTIONS)
+KNOWN_KEYS: Mapping[str, KeySpec] = types.MappingProxyType(_KEYS)
+
+
+def _register(section: str):
+    """Adds a frozen section dataclass and its fields to the key registry."""
+
+    def register(cls: type) -> type:
+        assert dataclasses.is_dataclass(cls) and cls.__dataclass_params__.frozen, cls
+        cls.section_name = section
+        _SECTIONS[section] = cls
+        env_vars = {spec.env_var for spec in _KEYS.values()}
+        for field in dataclasses.fields(cls):
+            spec = KeySpec(section, field.name, default=field.default, **field.metadata["epl"])
+            # Section/key names joined by "_" must not collide in the env namespace.
+            assert spec.env_var not in env_vars, spec.env_var
+            assert _check(spec, spec.default, "default") == spec.default, spec
+            _KEYS[spec.key] = spec
+        return cls
+
+    return register
+
+
+class _Section:
+    """Validates and normalises fields, so sections built directly are checked too."""
+
+    section_name: ClassVar[str] = ""
+
+    def __post_init__(self) -> None:
+        for field in dataclasses.fields(self):
+            spec = _KEYS[f"{self.section_name}.{field.name}"]
+            value = _check(spec, getattr(self, field.name), f"Config key {spec.key!r}")
+            # Frozen dataclass: normalised enum spellings must bypass __setattr__.
+            object.__setattr__(self, field.name, value)
+
+
+# --- The key table (docs/epl_config.md of EPL, plus cluster.virtual_devices).
+
+
+@_register("pipeline")
+@dataclasses.dataclass(frozen=True)
+class PipelineConfig(_Section):
+    """Pipeline parallelism."""
+
+    num_micro_batch: int = _int(1, "Number of micro-batches per step.", minimum=1)
+    num_stages: int | None = _optional_int(None, "Stage count for automatic pipelines.", minimum=1)
+    strategy: str = _enum(
+        "PreferBackward",
+        "Schedule: backward first (like PipeDream) or forward first (like GPipe).",
+        choices=("PreferBackward", "PreferForward"),
+    )
+
+
+@_register("gradient_checkpoint")
+@dataclasses.dataclass(frozen=True)
+class GradientCheckpointConfig(_Section):
+    """Recomputation (gradient checkpointing), trading compute for peak memory."""
+
+    type: str = _enum(
+        "",
+        "How checkpoints are chosen: off, tensors tagged by the user, or automatically.",
+        choices=("", "collection", "auto"),
+    )
+    end_taskgraph: int = _int(-1, "With auto checkpointing, the taskgraph where it ends.")
+    check_gradients: bool = _bool(False, "Verify the gradients produced with checkpointing.")
+
+
+@_register("zero")
+@dataclasses.dataclass(frozen=True)
+class ZeroConfig(_Section):
+    """ZeRO sharding of data-parallel state."""
+
+    level: str = _enum(
+        "", "ZeRO level; v1 shards optimizer states, grads.", choices=("", "v0", "v1")
+    )
+
+
+@_register("offload")
+@dataclasses.dataclass(frozen=True)
+class OffloadConfig(_Section):
+    """CPU offload of model state."""
+
+    level: str = _enum("", "Offload level; v0 puts all variables on the CPU.", choices=("", "v0"))
+
+
+@_register("amp")
+@dataclasses.dataclass(frozen=True)
+class AmpConfig(_Section):
+    """Memory-efficient automatic mixed precision."""
+
+    level: str = _enum("", "Automatic mixed precision level.", choices=("", "O1"))
+    debug_log: bool = _bool(False, "Log AMP debug information.")
+    loss_scale: int | float | str = _loss_scale("dynamic", "'dynamic' or a fixed loss scale.")
+
+
+@_register("optimizer")
+@dataclasses.dataclass(frozen=True)
+class OptimizerConfig(_Section):
+    """Optimizer apply."""
+
+    num_apply_group: int = _int(1, "Groups the apply is split into to save memory.", minimum=1)
+
+
+@_register("cluster")
+@dataclasses.dataclass(frozen=True)
+class ClusterConfig(_Section):
+    """Device placement."""
+
+    device_place_prefer_intra_node: bool = _bool(True, "Keep each model replica within a node.")
+    run_visible_devices: str = _str("", "Devices visible to the run, usually set by the scheduler.")
+    colocate_split_and_replicate: bool = _bool(False, "Let taskgraphs share the same devices.")
+    virtual_devices: int = _int(0, "CPU devices to create without GPUs (0 = one).", minimum=0)
+
+
+@_register("communication")
+@dataclasses.dataclass(frozen=True)
+class CommunicationConfig(_Section):
+    """Gradient communication."""
+
+    num_communicators: int = _int(2, "Communicators in the communication pool.", minimum=1)
+    sparse_as_dense: bool = _bool(False, "Communicate sparse gradients as dense tensors.")
+    max_splits: int = _int(5, "Maximum number of fused gradient groups.", minimum=1)
+    fp16: bool = _bool(False, "Communicate gradients in float16.")
+    fp16_scale: int | float = _positive_number(128, "Gradient scale for fp16 communication.")
+    clip_after_allreduce: bool = _bool(False, "Clip gradients after the all-reduce, not before.")
+    gradients_reduce_method: str = _enum(
+        "mean", "How gradients are reduced.", choices=("mean", "sum")
+    )
+
+
+@_register("io")
+@dataclasses.dataclass(frozen=True)
+class IoConfig(_Section):
+    """Input file sharding across workers."""
+
+    slicing: bool = _bool(False, "Shard the input files across workers automatically.")
+    unbalanced_io_slicing: bool = _bool(False, "Let some workers get one extra file.")
+    drop_last_files: bool = _bool(False, "Split files evenly and drop the leftovers.")
+
+
+@_register("auto")
+@dataclasses.dataclass(frozen=True)
+class AutoConfig(_Section):
+    """Automatic parallelisation."""
+
+    auto_parallel: bool = _bool(False, "Enable automatic parallelisation (experimental).")
+
+
+def _closest(word: str, candidates: list[str]) -> str | None:
+    matches = difflib.get_close_matches(word.lower(), candidates, n=1, cutoff=0.6)
+    return matches[0] if matches else None
+
+
+def _lookup(key: str, origin: str = "") -> KeySpec:
+    """Returns the spec of `key`, or raises an error suggesting the closest key."""
+    spec = _KEYS.get(key)
+    if spec is not None:
+        return spec
+    section, _, name = key.partition(".")
+    if section in _SECTIONS:
+        # Matching the name within its section avoids suggestions driven by the
+        # shared "section." prefix alone (e.g. 'pipeline.xyz' -> 'pipeline.strategy').
+        in_section = [k for k in _KEYS if k.startswith(section + ".")]
+        names = [k.partition(".")[2] for k in in_section]
+        closest = _closest(name, names)
+        same_name = [k for k in _KEYS if k.endswith("." + name)]
+        if closest is not None:
+            closest = f"{section}.{closest}"
+        elif same_name:
+            closest = same_name[0]
+        hint = f" Keys of section {section!r}: {in_section}."
+    else:
+        closest = _closest(key, list(_KEYS))
+        hint = f" Keys are 'section.name'; sections are {list(_SECTIONS)}."
+    if closest is not None:
+        hint = f" Did you mean {closest!r}?"
+    raise ConfigError(f"Unknown config key {key!r}{origin}.{hint}")
+
+
+def parse_value(key: str, text: str, *, origin: str = "") -> Any:
+    """Parses and validates the string form of a value, as for environment variables.
+
+    Args:
+      key: a dotted config key, e.g. "pipeline.num_micro_batch".
+      text: the value as a string, e.g. "4", "true", "none", "dynamic".
+      origin: where the text came from, for error messages, e.g. "--epl_set x=1".
+
+    Returns:
+      The value in the key's type, e.g. int 4.
+
+    Raises:
+      ConfigError: the key is unknown or the text does not parse or validate.
+      TypeError: `text` is not a str.
+    """
+    if not isinstance(text, str):
+        raise TypeError(f"parse_value expects text as str. Received: {type(text).__name__}")
+    suffix = f" (from {origin})" if origin else ""
+    spec = _lookup(key, suffix)
+    where = f"{origin} (config key {key!r})" if origin else f"Config key {key!r}"
+    return _check(spec, _parse_text(spec, text, where), where)
+
+
+# --- Sources: environment, dicts, files.
+
+
+def _read_env(environ: Mapping[str, str] | None) -> dict[str, Any]:
+    # Only known variable names are read: the EPL_ prefix is shared with launcher
+    # variables, so unknown EPL_* names cannot be treated as typos.
+    environ = os.environ if environ is None else environ
+    values = {}
+    for key, spec in _KEYS.items():
+        if spec.env_var in environ:
+            origin = f"Environment variable {spec.env_var}"
+            values[key] = parse_value(key, environ[spec.env_var], origin=origin)
+    return values
+
+
+def _dict_items(param_dict: Mapping[Any, Any]):
+    """Yields (dotted key, value) from flat dotted keys and/or nested sections."""
+    for raw_key, value in param_dict.items():
+        if not isinstance(raw_key, str):
+            raise ConfigError(f"Config keys must be str. {_received(raw_key)}")
+        if raw_key in _SECTIONS:
+            # A YAML section whose keys are all commented out loads as None.
+            section = {} if value is None else value
+            if not isinstance(section, Mapping):
+                raise ConfigError(
+                    f"Config section {raw_key!r} must be a mapping of its keys. {_received(value)}"
+                )
+            for name, item in section.items():
+                if not isinstance(name, str):
+                    raise ConfigError(
+                        f"Keys of config section {raw_key!r} must be str. {_received(name)}"
+                    )
+                yield f"{raw_key}.{name}", item
+        elif "." not in raw_key and isinstance(value, Mapping):
+            closest = _closest(raw_key, list(_SECTIONS))
+            hint = f" Did you mean {closest!r}?" if closest else f" Sections: {list(_SECTIONS)}."
+            raise ConfigError(f"Unknown config section {raw_key!r}.{hint}")
+        else:
+            yield raw_key, value
+
+
+def _flatten(param_dict: Any) -> dict[str, Any]:
+    """Validates a user dict into {dotted key: normalised value}."""
+    if not isinstance(param_dict, Mapping):
+        raise TypeError(f"Config expects param_dict as a mapping. {_received(param_dict)}")
+    values: dict[str, Any] = {}
+    for key, value in _dict_items(param_dict):
+        spec = _lookup(key)
+        if key in values:
+            raise ConfigError(
+                f"Config key {key!r} is set twice (as a dotted key and inside its section)."
+            )
+        values[key] = _check(spec, value, f"Config key {key!r}")
+    return values
+
+
+def _read_file(path: str | os.PathLike) -> Any:
+    """Loads a JSON or YAML file; every failure names the file."""
+    name = os.fspath(path)
+    suffix = Path(name).suffix.lower()
+    if suffix not in (".json", ".yaml", ".yml"):
+        raise ConfigError(
+            f"Config file {name!r} must end in .json, .yaml or .yml. Received suffix: {suffix!r}"
+        )
+    try:
+        text = Path(name).read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ConfigError(f"Config file {name!r} does not exist.") from None
+    except (OSError, UnicodeDecodeError) as err:
+        raise ConfigError(f"Cannot read config file {name!r}: {err}") from err
+    if suffix == ".json":
+        try:
+            return json.loads(text)
+        except json.JSONDecodeError as err:
+            raise ConfigError(f"Config file {name!r} is not valid JSON: {err}") from err
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as err:
+        raise ConfigError(f"Config file {name!r} is not valid YAML: {err}") from err
+    # An empty YAML file (or one with only comments) means "no settings".
+    return {} if data is None else data
+
+
+# --- Config.
+
+_Layers = list[tuple[str, dict[str, Any]]]
+
+
+class Config:
+    """EPL's `epl.Config`: every key's value, grouped into frozen section dataclasses.
+
+    Precedence, highest first: `param_dict` > environment variable
+    `EPL_<SECTION>_<NAME>` > default (`Config.from_file` puts the file between the
+    overrides and the environment).
+
+    Args:
+      param_dict: {dotted key: value} and/or {section: {name: value}}. Values are
+        checked strictly: no string to number coercion, bool is not an int.
+      environ: the environment to read `EPL_*` variables from; `os.environ` if None.
+
+    Raises:
+      ConfigError: an unknown key or section, or a value of the wrong type or range.
+      TypeError: `param_dict` is not a mapping.
+    """
+
+    pipeline: PipelineConfig
+    gradient_checkpoint: GradientCheckpointConfig
+    zero: ZeroConfig
+    offload: OffloadConfig
+    amp: AmpConfig
+    optimizer: OptimizerConfig
+    cluster: ClusterConfig
+    communication: CommunicationConfig
+    io: IoConfig
+    auto: AutoConfig
+
+    def __init__(
+        self,
+        param_dict: Mapping[str, Any] | None = None,
+        *,
+        environ: Mapping[str, str] | None = None,
+    ) -> None:
+        layers = [("env", _read_env(environ))]
+        if param_dict is not None:
+            layers.append(("dict", _flatten(param_dict)))
+        self._set_layers(layers)
+
+    def _set_layers(self, layers: _Layers) -> None:
+        values = {key: spec.default for key, spec in _KEYS.items()}
+        sources = dict.fromkeys(_KEYS, "default")
+        for source, layer in layers:  # Lowest precedence first.
+            values.update(layer)
+            sources.update(dict.fromkeys(layer, source))
+        object.__setattr__(self, "_values", values)
+        object.__setattr__(self, "_sources", sources)
+        for section, cls in _SECTIONS.items():
+            fields = {
+                spec.name: values[key] for key, spec in _KEYS.items() if spec.section == section
+            }
+            object.__setattr__(self, section, cls(**fields))
+
+    @classmethod
+    def _from_layers(cls, layers: _Layers) -> Config:
+        config = cls.__new__(cls)
+        config._set_layers(layers)
+        return config
+
+    @classmethod
+    def from_file(
+        cls,
+        path: str | os.PathLike,
+        overrides: Mapping[str, Any] | None = None,
+        *,
+        environ: Mapping[str, str] | None = None,
+    ) -> Config:
+        """Loads a `.json`, `.yaml` or `.yml` file whose top level is a config dict.
+
+        Precedence: `overrides` > file > environment > default.
+
+        Raises:
+          ConfigError: the file is missing, unparsable, not a mapping, or holds an
+            invalid key or value (the message names the file).
+        """
+        data = _read_file(path)
+        name = os.fspath(path)
+        if not isinstance(data, Mapping):
+            raise ConfigError(
+                f"Config file {name!r} must hold a mapping of config keys at the top level. "
+                f"Received: {type(data).__name__}"
+            )
+        try:
+            from_file = _flatten(data)
+        except ConfigError as err:
+            raise ConfigError(f"In config file {name!r}: {err}") from err
+        layers = [("env", _read_env(environ)), ("file", from_file)]
+        if overrides is not None:
+            layers.append(("dict", _flatten(overrides)))
+        return cls._from_layers(layers)
+
+    @classmethod
+    def load(cls, source: Any = None, *, environ: Mapping[str, str] | None = None) -> Config:
+        """Returns a Config from None (defaults), a Config, a dict or a file path.
+
+        Raises:
+          TypeError: `source` is none of these.
+        """
+        if isinstance(source, Config):
+            return source
+        if source is None or isinstance(source, Mapping):
+            return cls(source, environ=environ)
+        if isinstance(source, (str, os.PathLike)):
+            return cls.from_file(source, environ=environ)
+        raise TypeError(
+            f"Config.load expects None, a Config, a dict or a file path. {_received(source)}"
+        )
+
+    def replace(self, overrides: Mapping[str, Any]) -> Config:
+        """Returns a new Config with validated `overrides` applied on top of this one."""
+        current = [(source, {key: self._values[key]}) for key, source in self._sources.items()]
+        return self._from_layers([*current, ("dict", _flatten(overrides))])
+
+    def to_dict(self) -> dict[str, Any]:
+        """Returns {dotted key: value} for every known key."""
+        return dict(self._values)
+
+    def describe(self) -> str:
+        """Returns a human-readable table of key, value, default and source."""
+        rows = [("key", "value", "default", "source")]
+        for key, spec in _KEYS.items():
+            rows.append((key, repr(self._values[key]), repr(spec.default), self._sources[key]))
+        widths = [max(len(cell) for cell in column) for column in zip(*rows, strict=True)]
+        lines = ("  ".join(map(str.ljust, row, widths)).rstrip() for row in rows)
+        return "\n".join(lines)
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Config):
+            return NotImplemented
+        return self._values == other._values
+
+    def __hash__(self) -> int:
+        return hash(tuple(self._values.items()))
+
+    def __repr__(self) -> str:
+        changed = {
+            key: value
+            for key, value in self._values.items()
+            if value != _KEYS[key].default or type(value) is not type(_KEYS[key].default)
+        }
+        return f"Config({changed})" if changed else "Config()"
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise dataclasses.FrozenInstanceError(
+            f"Config is immutable; use config.replace({{...}}). Received: setting {name!r}"
+        )
+
+    def __delattr__(self, name: str) -> None:
+        raise dataclasses.FrozenInstanceError(f"Config is immutable. Received: deleting {name!r}")

@@ -1,0 +1,613 @@
+"""Run one training script as N local worker processes: ``epl-launch``.
+
+Usage::
+
+    epl-launch --num_workers N --gpu_per_worker G [--cpu_devices_per_worker K]
+               [--log_dir DIR] [--timeout SECONDS] SCRIPT [ARGS...]
+
+    # for example
+    epl-launch --num_workers 2 --gpu_per_worker 1 train.py --epochs 3
+    python -m epl_trainer.launcher --num_workers 2 --gpu_per_worker 2 run.sh
+
+``SCRIPT`` is a ``.py`` file (run with the launcher's own Python interpreter) or a
+``.sh`` file (run with ``bash``). Everything after ``SCRIPT`` is passed to it untouched,
+even arguments that look like launcher flags. Nothing goes through a shell.
+
+What each worker ``i`` (of ``N``) gets in its environment:
+
+* ``TF_CONFIG``: ``{"cluster": {"worker": ["127.0.0.1:p0", ...]}, "task": {"type":
+  "worker", "index": i}}``, with ``N`` distinct free ports chosen by the launcher.
+* ``EPL_WORKER_INDEX=i``, ``EPL_NUM_WORKERS=N``, ``PYTHONUNBUFFERED=1``.
+* Devices. On a machine with GPUs (counted with ``nvidia-smi -L``),
+  ``CUDA_VISIBLE_DEVICES`` lists GPUs ``i*G .. i*G+G-1``; asking for more GPUs than the
+  machine has is an error. On a machine without GPUs, ``CUDA_VISIBLE_DEVICES=""`` and
+  ``EPL_CLUSTER_VIRTUAL_DEVICES=K`` (``--cpu_devices_per_worker``, default ``G``), which
+  the config system reads to create ``K`` logical CPU devices per worker, so a GPU
+  recipe runs unchanged on a laptop.
+
+Logs: every run gets ``<log_dir>/run_<YYYYmmdd-HHMMSS>_<pid>/`` (``--log_dir`` defaults
+to ``./epl_logs``) holding ``worker_<i>.log`` with that worker's stdout and stderr.
+Worker 0's output is also streamed live to the launcher's stdout; the launcher's own
+messages go to stderr.
+
+Supervision and exit codes:
+
+* every worker runs in its own process group (session), so stopping a worker also stops
+  the processes it started;
+* if a worker exits non-zero, the others are stopped (SIGTERM to their process groups,
+  SIGKILL after a grace period), the failing worker's index, exit code and last log lines
+  are printed, and the launcher exits with that code (``128 + s`` for a worker killed by
+  signal ``s``, e.g. 137 for SIGKILL);
+* ``--timeout SECONDS`` stops everything and exits with 124 once exceeded;
+* SIGINT / SIGTERM to the launcher stop all workers and exit with 130 / 143;
+* usage errors (bad flag values, a missing script, an unsupported suffix) exit with 2;
+* 0 when every worker exits with 0.
+
+Workers import ``epl_trainer`` like any other package, so install it (``pip install -e
+.``) or put it on ``PYTHONPATH``. The launcher itself never imports TensorFlow, so it
+starts in milliseconds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import codecs
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections import deque
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO
+
+PROG = "epl-launch"
+HOST = "127.0.0.1"
+VIRTUAL_DEVICES_ENV = "EPL_CLUSTER_VIRTUAL_DEVICES"
+EXIT_USAGE = 2
+EXIT_TIMEOUT = 124
+GRACE_SECONDS = 5.0
+POLL_SECONDS = 0.1
+TAIL_LINES = 20
+# How each supported script suffix is run; the script path and its args follow.
+SCRIPT_RUNNERS: dict[str, tuple[str, ...]] = {".py": (sys.executable,), ".sh": ("bash",)}
+
+
+class LaunchError(ValueError):
+    """A mistake in the launch request; the CLI prints it and exits with code 2."""
+
+
+def _positive_int(name: str):
+    """An argparse ``type=`` that accepts integers >= 1 and names the flag otherwise."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"must be an integer. Received: {name}={text!r}"
+            ) from None
+        if value < 1:
+            raise argparse.ArgumentTypeError(f"must be >= 1. Received: {name}={value}")
+        return value
+
+    return parse
+
+
+def _positive_seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"must be a number of seconds. Received: timeout={text!r}"
+        ) from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0. Received: timeout={value}")
+    return value
+
+
+# The launcher's flags, all of which take a value. Kept as data so that
+# split_script_args() knows which tokens belong to the launcher.
+_FLAGS: tuple[tuple[str, dict], ...] = (
+    (
+        "--num_workers",
+        dict(
+            type=_positive_int("num_workers"),
+            required=True,
+            metavar="N",
+            help="number of worker processes (>= 1)",
+        ),
+    ),
+    (
+        "--gpu_per_worker",
+        dict(
+            type=_positive_int("gpu_per_worker"),
+            required=True,
+            metavar="G",
+            help="GPUs given to each worker (>= 1)",
+        ),
+    ),
+    (
+        "--cpu_devices_per_worker",
+        dict(
+            type=_positive_int("cpu_devices_per_worker"),
+            default=None,
+            metavar="K",
+            help="without GPUs: logical CPU devices per worker (default: G)",
+        ),
+    ),
+    (
+        "--log_dir",
+        dict(
+            default="./epl_logs",
+            metavar="DIR",
+            help="parent of the run's log folder (default: ./epl_logs)",
+        ),
+    ),
+    (
+        "--timeout",
+        dict(
+            type=_positive_seconds,
+            default=None,
+            metavar="SECONDS",
+            help="stop everything and exit 124 after this long (default: none)",
+        ),
+    ),
+)
+
+
+def split_script_args(argv: Sequence[str]) -> tuple[list[str], list[str]]:
+    """Split ``argv`` into the launcher's part (ending with SCRIPT) and SCRIPT's args.
+
+    argparse alone would drop a ``--`` meant for the script, so the split is done by
+    hand: the first token that is neither a launcher flag nor a flag's value is SCRIPT.
+    """
+    argv = list(argv)
+    value_flags = {flag for flag, _ in _FLAGS}
+    index = 0
+    while index < len(argv):
+        token = argv[index]
+        if token == "--":  # explicit end of launcher flags; SCRIPT follows
+            return argv[: index + 2], argv[index + 2 :]
+        if not token.startswith("-") or token == "-":
+            return argv[: index + 1], argv[index + 1 :]
+        index += 2 if token in value_flags else 1  # unknown flags: argparse reports them
+    return argv, []
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    """Parse the command line; argparse exits with code 2 on a usage error.
+
+    Returns:
+        The flags plus ``script`` and ``script_args`` (everything after SCRIPT, as given).
+    """
+    parser = argparse.ArgumentParser(
+        prog=PROG,
+        description="Run SCRIPT as N local workers with TF_CONFIG set (see module docs).",
+        usage=f"{PROG} --num_workers N --gpu_per_worker G [options] SCRIPT [ARGS...]",
+        allow_abbrev=False,
+    )
+    for flag, kwargs in _FLAGS:
+        parser.add_argument(flag, **kwargs)
+    parser.add_argument("script", metavar="SCRIPT", help="a .py or .sh file")
+    parser.add_argument(
+        "script_args", nargs="*", default=[], metavar="ARGS", help="passed to SCRIPT untouched"
+    )
+    launcher_argv, script_args = split_script_args(sys.argv[1:] if argv is None else argv)
+    args = parser.parse_args(launcher_argv)
+    args.script_args = script_args
+    return args
+
+
+def build_command(script: str, args: Sequence[str]) -> list[str]:
+    """The argv that runs ``script`` with ``args`` (no shell involved).
+
+    Raises:
+        LaunchError: the script does not exist or is neither ``.py`` nor ``.sh``.
+    """
+    path = Path(script)
+    if not path.is_file():
+        raise LaunchError(f"Script not found. Received: script={script!r}")
+    runner = SCRIPT_RUNNERS.get(path.suffix.lower())
+    if runner is None:
+        raise LaunchError(
+            f"Unsupported script type {path.suffix or '(no suffix)'!r}; expected a "
+            f"{' or '.join(SCRIPT_RUNNERS)} file. Received: script={script!r}"
+        )
+    return [*runner, script, *args]
+
+
+def free_ports(count: int, host: str = HOST) -> list[int]:
+    """``count`` distinct free TCP ports on ``host``.
+
+    All sockets stay bound until every port is chosen, so the ports are distinct. Another
+    process could still take a port before a worker binds it; that race is accepted, as
+    in every launcher that hands out ports ahead of time.
+    """
+    sockets: list[socket.socket] = []
+    try:
+        for _ in range(count):
+            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            sockets.append(sock)
+            sock.bind((host, 0))
+        return [sock.getsockname()[1] for sock in sockets]
+    finally:
+        for sock in sockets:
+            sock.close()
+
+
+def detect_gpus() -> int:
+    """Number of GPUs listed by ``nvidia-smi -L``; 0 if it is missing or fails."""
+    executable = shutil.which("nvidia-smi")
+    if executable is None:
+        return 0
+    try:
+        result = subprocess.run(
+            [executable, "-L"], capture_output=True, text=True, timeout=30, check=False
+        )
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        print(f"{PROG}: warning: nvidia-smi -L failed ({exc}); assuming no GPUs", file=sys.stderr)
+        return 0
+    if result.returncode != 0:
+        print(
+            f"{PROG}: warning: nvidia-smi -L exited with {result.returncode}; assuming no GPUs",
+            file=sys.stderr,
+        )
+        return 0
+    # MIG devices are listed as indented lines under their GPU; count whole GPUs only.
+    return sum(1 for line in result.stdout.splitlines() if line.startswith("GPU "))
+
+
+def worker_env(
+    index: int,
+    ports: Sequence[int],
+    gpu_per_worker: int,
+    cpu_devices_per_worker: int | None = None,
+    num_gpus: int = 0,
+    base_env: Mapping[str, str] | None = None,
+) -> dict[str, str]:
+    """The environment of worker ``index`` in a cluster with one worker per port.
+
+    Args:
+        index: this worker's task index, ``0 <= index < len(ports)``.
+        ports: one port per worker on 127.0.0.1; ``len(ports)`` is the number of workers.
+        gpu_per_worker: GPUs per worker; also the default number of logical CPU devices
+            when the machine has no GPUs.
+        cpu_devices_per_worker: logical CPU devices per worker when there are no GPUs.
+        num_gpus: GPUs on the machine (``detect_gpus()``); 0 selects the CPU path.
+        base_env: variables to start from (the launcher passes ``os.environ``).
+
+    Returns:
+        A new dict: ``base_env`` plus ``TF_CONFIG``, ``CUDA_VISIBLE_DEVICES``,
+        ``EPL_CLUSTER_VIRTUAL_DEVICES`` (CPU path only), ``EPL_WORKER_INDEX``,
+        ``EPL_NUM_WORKERS`` and ``PYTHONUNBUFFERED``.
+
+    Raises:
+        LaunchError: a count is < 1, or the workers need more GPUs than the machine has.
+    """
+    num_workers = len(ports)
+    if num_workers < 1 or gpu_per_worker < 1:
+        raise LaunchError(
+            "A cluster needs at least one worker and one GPU per worker. "
+            f"Received: num_workers={num_workers}, gpu_per_worker={gpu_per_worker}"
+        )
+    if cpu_devices_per_worker is not None and cpu_devices_per_worker < 1:
+        raise LaunchError(
+            f"cpu_devices_per_worker must be >= 1. "
+            f"Received: cpu_devices_per_worker={cpu_devices_per_worker}"
+        )
+    if not 0 <= index < num_workers:
+        raise LaunchError(
+            f"Worker index out of range. Received: index={index}, num_workers={num_workers}"
+        )
+    env = dict(base_env or {})
+    env["TF_CONFIG"] = json.dumps(
+        {
+            "cluster": {"worker": [f"{HOST}:{port}" for port in ports]},
+            "task": {"type": "worker", "index": index},
+        }
+    )
+    if num_gpus > 0:
+        needed = num_workers * gpu_per_worker
+        if needed > num_gpus:
+            raise LaunchError(
+                f"Not enough GPUs: num_workers({num_workers}) * "
+                f"gpu_per_worker({gpu_per_worker}) = {needed} > available_gpus({num_gpus})"
+            )
+        first = index * gpu_per_worker
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in range(first, first + gpu_per_worker))
+        # A value inherited from the caller would make a GPU worker fake CPU devices.
+        env.pop(VIRTUAL_DEVICES_ENV, None)
+    else:
+        env["CUDA_VISIBLE_DEVICES"] = ""
+        virtual = gpu_per_worker if cpu_devices_per_worker is None else cpu_devices_per_worker
+        env[VIRTUAL_DEVICES_ENV] = str(virtual)
+    env["EPL_WORKER_INDEX"] = str(index)
+    env["EPL_NUM_WORKERS"] = str(num_workers)
+    env["PYTHONUNBUFFERED"] = "1"
+    return env
+
+
+def make_run_dir(log_dir: str | os.PathLike) -> Path:
+    """Create ``<log_dir>/run_<YYYYmmdd-HHMMSS>_<pid>/`` (suffixed if it already exists)."""
+    base = Path(log_dir) / f"run_{time.strftime('%Y%m%d-%H%M%S')}_{os.getpid()}"
+    candidate, attempt = base, 0
+    while True:
+        try:
+            candidate.mkdir(parents=True)
+            return candidate
+        except FileExistsError:
+            attempt += 1
+            candidate = base.with_name(f"{base.name}-{attempt}")
+
+
+def exit_code(returncode: int) -> int:
+    """A shell-style exit code: ``128 + s`` for a process killed by signal ``s``."""
+    return 128 - returncode if returncode < 0 else returncode
+
+
+def log_tail(path: Path, num_lines: int = TAIL_LINES) -> list[str]:
+    """The last ``num_lines`` lines of a log file (empty if it cannot be read)."""
+    try:
+        with open(path, encoding="utf-8", errors="replace") as file:
+            return [line.rstrip("\n") for line in deque(file, maxlen=num_lines)]
+    except OSError:
+        return []
+
+
+def _tee(pipe: IO[bytes], log_file: IO[bytes], console: IO[str] | None) -> None:
+    """Copy a worker's output to its log file and, decoded, to the console until EOF."""
+    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+    with pipe, log_file:
+        # read1 returns whatever is available, so partial lines (prompts, progress
+        # bars) reach the console without waiting for a newline.
+        while chunk := pipe.read1(65536):
+            log_file.write(chunk)
+            log_file.flush()
+            if console is None:
+                continue
+            try:
+                console.write(decoder.decode(chunk))
+                console.flush()
+            except (OSError, ValueError):
+                console = None  # a closed console must not stop the log file
+
+
+def _say(message: str) -> None:
+    """A launcher message: to stderr, so stdout carries only worker 0's output."""
+    print(f"{PROG}: {message}", file=sys.stderr, flush=True)
+
+
+def _signal_name(signum: int) -> str:
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        return f"signal {signum}"
+
+
+def _signal_group(pgid: int, signum: int) -> None:
+    try:
+        os.killpg(pgid, signum)
+    except (ProcessLookupError, PermissionError):
+        pass  # the group is already empty
+
+
+def _group_alive(pgid: int) -> bool:
+    """Whether process group ``pgid`` has a member that is not a zombie.
+
+    A grandchild orphaned by its worker waits as a zombie until init reaps it, which can
+    take a second or never happen (a launcher running as PID 1 in a container), so
+    zombies are skipped where ``/proc`` shows them.
+    """
+    try:
+        os.killpg(pgid, 0)
+    except (ProcessLookupError, PermissionError):
+        return False
+    proc = Path("/proc")
+    if not proc.is_dir():
+        return True  # no /proc (macOS): zombies count as members
+    for stat_file in proc.glob("[0-9]*/stat"):
+        try:
+            # Fields after the parenthesised command: state, ppid, pgrp, ...
+            state, _ppid, pgrp = stat_file.read_text().rsplit(")", 1)[1].split()[:3]
+        except (OSError, IndexError, ValueError):
+            continue  # the process exited while we looked
+        if int(pgrp) == pgid and state != "Z":
+            return True
+    return False
+
+
+@dataclass
+class _Worker:
+    index: int
+    process: subprocess.Popen
+    log_path: Path
+    reader: threading.Thread | None = None
+
+
+class Job:
+    """One command run as several workers, each in its own process group, supervised.
+
+    ``start()`` spawns the workers, ``wait()`` supervises them and returns the exit code
+    for the launcher, ``stop()`` stops every process group (idempotent; call it in a
+    ``finally``). ``request_stop()`` is safe to call from a signal handler.
+    """
+
+    def __init__(
+        self,
+        command: Sequence[str],
+        envs: Sequence[Mapping[str, str]],
+        run_dir: Path,
+        *,
+        console: IO[str] | None = None,
+        grace_seconds: float = GRACE_SECONDS,
+    ):
+        self.command = list(command)
+        self.envs = [dict(env) for env in envs]
+        self.run_dir = Path(run_dir)
+        self.console = sys.stdout if console is None else console
+        self.grace_seconds = grace_seconds
+        self.workers: list[_Worker] = []
+        self._stop_signal: int | None = None
+
+    def log_path(self, index: int) -> Path:
+        return self.run_dir / f"worker_{index}.log"
+
+    def start(self) -> None:
+        """Spawn every worker; worker 0's output is teed to the console."""
+        for index, env in enumerate(self.envs):
+            self.workers.append(self._spawn(index, env, stream=index == 0))
+
+    def _spawn(self, index: int, env: Mapping[str, str], stream: bool) -> _Worker:
+        log_path = self.log_path(index)
+        log_file = open(log_path, "wb")  # noqa: SIM115 - closed below or by the tee thread
+        try:
+            process = subprocess.Popen(
+                self.command,
+                env=env,
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE if stream else log_file,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,  # own process group: stop() reaches grandchildren
+            )
+        except BaseException:
+            log_file.close()
+            raise
+        worker = _Worker(index, process, log_path)
+        if stream:
+            worker.reader = threading.Thread(
+                target=_tee,
+                args=(process.stdout, log_file, self.console),
+                name=f"epl-launch-tee-{index}",
+                daemon=True,
+            )
+            worker.reader.start()
+        else:
+            log_file.close()  # the child holds its own descriptor
+        return worker
+
+    def request_stop(self, signum: int) -> None:
+        """Ask ``wait()`` to stop all workers and return ``128 + signum``."""
+        self._stop_signal = signum
+
+    def wait(self, timeout: float | None = None) -> int:
+        """Supervise the workers until all succeed, one fails, time runs out or a stop
+        is requested; returns the launcher's exit code (see the module docstring)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            if self._stop_signal is not None:
+                _say(f"received {_signal_name(self._stop_signal)}; stopping all workers")
+                self.stop()
+                return 128 + self._stop_signal
+            failed = self._first_failure()
+            if failed is not None:
+                self._report_failure(failed)
+                return exit_code(failed.process.returncode)
+            if all(worker.process.poll() == 0 for worker in self.workers):
+                self.stop()  # reaps leftover grandchildren and the tee thread
+                _say(f"all {len(self.workers)} worker(s) finished successfully")
+                return 0
+            if deadline is not None and time.monotonic() >= deadline:
+                _say(f"timeout of {timeout:g}s exceeded; stopping all workers")
+                self.stop()
+                return EXIT_TIMEOUT
+            time.sleep(POLL_SECONDS)
+
+    def _first_failure(self) -> _Worker | None:
+        for worker in self.workers:
+            if worker.process.poll() not in (None, 0):
+                return worker
+        return None
+
+    def _report_failure(self, worker: _Worker) -> None:
+        returncode = worker.process.returncode
+        how = f"was killed by {_signal_name(-returncode)}" if returncode < 0 else "failed"
+        _say(
+            f"worker {worker.index} {how} (exit code {exit_code(returncode)}); "
+            "stopping the other workers"
+        )
+        self.stop()  # also lets worker 0's tee thread finish its log before the tail
+        tail = log_tail(worker.log_path)
+        _say(f"last {len(tail)} lines of {worker.log_path}:")
+        for line in tail:
+            print(f"  | {line}", file=sys.stderr)
+        sys.stderr.flush()
+
+    def stop(self) -> None:
+        """Stop every worker's process group: SIGTERM, then SIGKILL after the grace period.
+
+        Groups whose leader already exited are signalled too, so nothing a worker
+        started outlives the launcher.
+        """
+        pgids = [worker.process.pid for worker in self.workers]  # leader pid == pgid
+        for pgid in pgids:
+            _signal_group(pgid, signal.SIGTERM)
+        deadline = time.monotonic() + self.grace_seconds
+        while time.monotonic() < deadline:
+            for worker in self.workers:
+                worker.process.poll()  # reap leaders so zombies do not count as alive
+            if not any(_group_alive(pgid) for pgid in pgids):
+                break
+            time.sleep(0.05)
+        for pgid in pgids:
+            _signal_group(pgid, signal.SIGKILL)
+        for worker in self.workers:
+            worker.process.wait()
+            if worker.reader is not None:
+                worker.reader.join(timeout=self.grace_seconds)
+
+
+def _install_signal_handlers(job: Job) -> dict[int, object]:
+    """Route SIGINT/SIGTERM to ``job.request_stop``; returns the previous handlers."""
+    if threading.current_thread() is not threading.main_thread():
+        return {}  # signal.signal only works in the main thread
+    previous = {}
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        previous[signum] = signal.signal(signum, lambda s, _frame: job.request_stop(s))
+    return previous
+
+
+def _restore_signal_handlers(previous: Mapping[int, object]) -> None:
+    for signum, handler in previous.items():
+        signal.signal(signum, handler)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """The ``epl-launch`` entry point; returns the exit code (see the module docstring)."""
+    try:
+        args = parse_args(argv)
+    except SystemExit as exc:  # argparse has printed usage or help already
+        return exc.code if isinstance(exc.code, int) else EXIT_USAGE
+    try:
+        command = build_command(args.script, args.script_args)
+        ports = free_ports(args.num_workers)
+        num_gpus = detect_gpus()
+        envs = [
+            worker_env(
+                index, ports, args.gpu_per_worker, args.cpu_devices_per_worker, num_gpus, os.environ
+            )
+            for index in range(args.num_workers)
+        ]
+    except LaunchError as exc:
+        print(f"{PROG}: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    run_dir = make_run_dir(args.log_dir)
+    job = Job(command, envs, run_dir)
+    _say(f"starting {args.num_workers} worker(s); logs in {run_dir}")
+    previous_handlers = _install_signal_handlers(job)
+    try:
+        job.start()
+        return job.wait(args.timeout)
+    finally:
+        job.stop()
+        _restore_signal_handlers(previous_handlers)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
