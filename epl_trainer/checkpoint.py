@@ -28,8 +28,7 @@ class CheckpointError(ValueError):
     """A missing, incomplete, corrupted or incompatible checkpoint."""
 
 
-def save(directory: str, variables: Mapping[str, tf.Variable], metadata: dict,
-         step: int) -> str:
+def save(directory: str, variables: Mapping[str, tf.Variable], metadata: dict, step: int) -> str:
     """Writes `variables` and `metadata` as checkpoint `ckpt-<step>`; returns its path."""
     os.makedirs(directory, exist_ok=True)
     name = f"ckpt-{step}"
@@ -39,8 +38,11 @@ def save(directory: str, variables: Mapping[str, tf.Variable], metadata: dict,
     tf.train.Checkpoint(**_trackable_names(variables)).write(os.path.join(tmp, _PREFIX))
     shapes = {key: [list(v.shape), v.dtype.name] for key, v in variables.items()}
     with open(os.path.join(tmp, _METADATA), "w") as f:
-        json.dump({"format_version": FORMAT_VERSION, "step": step, "variables": shapes,
-                   **metadata}, f, indent=1)
+        json.dump(
+            {"format_version": FORMAT_VERSION, "step": step, "variables": shapes, **metadata},
+            f,
+            indent=1,
+        )
     if os.path.exists(final):  # re-saving the same step: replace it as a whole
         shutil.rmtree(final)
     os.replace(tmp, final)
@@ -72,23 +74,29 @@ def load(path: str, expected: Mapping[str, tf.Variable]) -> tuple[dict, dict]:
         with open(metadata_path) as f:
             metadata = json.load(f)
     except FileNotFoundError as e:
-        raise CheckpointError(f"Checkpoint {path!r} is incomplete: {metadata_path!r} is missing.") from e
+        raise CheckpointError(
+            f"Checkpoint {path!r} is incomplete: {metadata_path!r} is missing."
+        ) from e
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise CheckpointError(f"Checkpoint metadata {metadata_path!r} is corrupted: {e}") from e
     if metadata.get("format_version") != FORMAT_VERSION:
         raise CheckpointError(
             f"{metadata_path!r} has format_version {metadata.get('format_version')!r}; this "
-            f"version of epl_trainer reads {FORMAT_VERSION}.")
+            f"version of epl_trainer reads {FORMAT_VERSION}."
+        )
     _check_compatible(path, metadata.get("variables", {}), expected)
     try:
         reader = tf.train.load_checkpoint(os.path.join(path, _PREFIX))
         names = _trackable_names(expected)
-        values = {key: reader.get_tensor(f"{names_key}/.ATTRIBUTES/VARIABLE_VALUE")
-                  for names_key, key in zip(names, expected)}
+        values = {
+            key: reader.get_tensor(f"{names_key}/.ATTRIBUTES/VARIABLE_VALUE")
+            for names_key, key in zip(names, expected)
+        }
     except (tf.errors.OpError, ValueError) as e:
         raise CheckpointError(
             f"Checkpoint data in {path!r} is unreadable (truncated or corrupted): "
-            f"{str(e).splitlines()[0]}") from e
+            f"{str(e).splitlines()[0]}"
+        ) from e
     return values, metadata
 
 
@@ -99,13 +107,15 @@ def _check_compatible(path: str, saved: Mapping[str, Sequence], expected) -> Non
         raise CheckpointError(
             f"Checkpoint {path!r} was written for a different model or optimizer. "
             f"Missing from it: {missing[:5]}{'...' if len(missing) > 5 else ''}; "
-            f"not in this model: {extra[:5]}{'...' if len(extra) > 5 else ''}")
+            f"not in this model: {extra[:5]}{'...' if len(extra) > 5 else ''}"
+        )
     for key, variable in expected.items():
         shape, dtype = saved[key]
         if list(variable.shape) != list(shape) or variable.dtype.name != dtype:
             raise CheckpointError(
                 f"Checkpoint {path!r} holds {key!r} with shape {shape} {dtype}, but this "
-                f"model's is {list(variable.shape)} {variable.dtype.name}.")
+                f"model's is {list(variable.shape)} {variable.dtype.name}."
+            )
 
 
 def _trackable_names(variables: Mapping[str, tf.Variable]) -> dict[str, tf.Variable]:

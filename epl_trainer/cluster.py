@@ -94,8 +94,8 @@ def parse_tf_config(environ: Mapping[str, str] | None = None) -> WorkerSpec:
     task = tf_config.get("task")
     if not isinstance(cluster, dict) or not isinstance(task, dict):
         raise ClusterError(
-            'TF_CONFIG needs a "cluster" object and a "task" object. '
-            f"Received: TF_CONFIG={raw!r}")
+            f'TF_CONFIG needs a "cluster" object and a "task" object. Received: TF_CONFIG={raw!r}'
+        )
     job_names = []
     addresses = []
     for job in ("chief", "worker"):
@@ -103,28 +103,37 @@ def parse_tf_config(environ: Mapping[str, str] | None = None) -> WorkerSpec:
         if not isinstance(hosts, list) or not all(isinstance(h, str) for h in hosts):
             raise ClusterError(
                 f'TF_CONFIG cluster["{job}"] must be a list of "host:port" strings. '
-                f"Received: {hosts!r}")
+                f"Received: {hosts!r}"
+            )
         for index, host in enumerate(hosts):
             job_names.append((job, index))
             addresses.append(host)
     if not addresses:
-        raise ClusterError(f'TF_CONFIG has no "chief" or "worker" tasks. Received: TF_CONFIG={raw!r}')
+        raise ClusterError(
+            f'TF_CONFIG has no "chief" or "worker" tasks. Received: TF_CONFIG={raw!r}'
+        )
     task_type, task_index = task.get("type"), task.get("index", 0)
     if task_type in ("ps", "evaluator"):
         raise ClusterError(
             f"This process is a {task_type!r} task. epl_trainer reduces gradients with "
             "collective all-reduce and has no parameter servers or side-car evaluators: "
-            "start only chief and worker tasks.")
+            "start only chief and worker tasks."
+        )
     if (task_type, task_index) not in job_names:
         raise ClusterError(
             f"TF_CONFIG task {task_type!r} index {task_index!r} is not in the cluster "
-            f"{dict(cluster)!r}.")
+            f"{dict(cluster)!r}."
+        )
     return WorkerSpec(tuple(addresses), tuple(job_names), job_names.index((task_type, task_index)))
 
 
-def configure_tensorflow(num_cpu_devices: int = 1, *, intra_op_threads: int | None = None,
-                         inter_op_threads: int | None = None,
-                         visible_gpus: str = "") -> None:
+def configure_tensorflow(
+    num_cpu_devices: int = 1,
+    *,
+    intra_op_threads: int | None = None,
+    inter_op_threads: int | None = None,
+    visible_gpus: str = "",
+) -> None:
     """Creates the logical CPU devices and thread pools before TensorFlow initialises.
 
     Idempotent: once TensorFlow runs, a later call only checks that at least
@@ -140,7 +149,8 @@ def configure_tensorflow(num_cpu_devices: int = 1, *, intra_op_threads: int | No
             raise ClusterError(
                 f"{num_cpu_devices} logical CPU devices were asked for, but TensorFlow is "
                 f"already initialised with {available}. Configure the device count before "
-                "TensorFlow starts (epl.init() first, or conftest.py in tests).")
+                "TensorFlow starts (epl.init() first, or conftest.py in tests)."
+            )
         return
     if visible_gpus:
         gpus = tf.config.list_physical_devices("GPU")
@@ -149,11 +159,13 @@ def configure_tensorflow(num_cpu_devices: int = 1, *, intra_op_threads: int | No
         except (ValueError, IndexError) as e:
             raise ClusterError(
                 f"cluster.run_visible_devices={visible_gpus!r} does not name visible GPUs "
-                f"(this machine has {len(gpus)}).") from e
+                f"(this machine has {len(gpus)})."
+            ) from e
         tf.config.set_visible_devices(chosen, "GPU")
     cpus = tf.config.list_physical_devices("CPU")
     tf.config.set_logical_device_configuration(
-        cpus[0], [tf.config.LogicalDeviceConfiguration() for _ in range(num_cpu_devices)])
+        cpus[0], [tf.config.LogicalDeviceConfiguration() for _ in range(num_cpu_devices)]
+    )
     if intra_op_threads:
         tf.config.threading.set_intra_op_parallelism_threads(intra_op_threads)
     if inter_op_threads:
@@ -177,7 +189,9 @@ def _start_collective_runtime(spec: WorkerSpec) -> None:
     if _COLLECTIVE_STRATEGY is None:
         resolver = tf.distribute.cluster_resolver.TFConfigClusterResolver()
         _COLLECTIVE_STRATEGY = tf.distribute.MultiWorkerMirroredStrategy(cluster_resolver=resolver)
-        logger.info("Collective runtime started: worker %d of %d", spec.worker_index, spec.worker_num)
+        logger.info(
+            "Collective runtime started: worker %d of %d", spec.worker_index, spec.worker_num
+        )
 
 
 def build_cluster(cluster_config, environ: Mapping[str, str] | None = None) -> Cluster:

@@ -13,8 +13,15 @@ logger = logging.getLogger(__name__)
 DEFAULT_BATCH_SIZE = 32
 
 
-def as_dataset(x, y=None, batch_size=None, *, worker_index: int = 0, worker_num: int = 1,
-               drop_remainder: bool = False) -> tf.data.Dataset:
+def as_dataset(
+    x,
+    y=None,
+    batch_size=None,
+    *,
+    worker_index: int = 0,
+    worker_num: int = 1,
+    drop_remainder: bool = False,
+) -> tf.data.Dataset:
     """A dataset of per-worker batches.
 
     A `tf.data.Dataset` is used as given: its elements are this worker's batches.
@@ -24,11 +31,15 @@ def as_dataset(x, y=None, batch_size=None, *, worker_index: int = 0, worker_num:
     """
     if isinstance(x, tf.data.Dataset):
         if y is not None:
-            raise ValueError("When x is a tf.data.Dataset, y must be None (the dataset yields "
-                             f"(features, labels)). Received: y of type {type(y).__name__}")
+            raise ValueError(
+                "When x is a tf.data.Dataset, y must be None (the dataset yields "
+                f"(features, labels)). Received: y of type {type(y).__name__}"
+            )
         if batch_size is not None:
-            raise ValueError("batch_size is only for numpy inputs: a tf.data.Dataset is already "
-                             f"batched. Received: batch_size={batch_size}")
+            raise ValueError(
+                "batch_size is only for numpy inputs: a tf.data.Dataset is already "
+                f"batched. Received: batch_size={batch_size}"
+            )
         return x
     batch_size = DEFAULT_BATCH_SIZE if batch_size is None else batch_size
     if not isinstance(batch_size, int) or batch_size < 1:
@@ -36,14 +47,20 @@ def as_dataset(x, y=None, batch_size=None, *, worker_index: int = 0, worker_num:
     arrays = (x,) if y is None else (x, y)
     lengths = {len(a) for a in tree.flatten(arrays)}
     if len(lengths) != 1:
-        raise ValueError(f"All input arrays must have the same length. Received lengths {sorted(lengths)}")
+        raise ValueError(
+            f"All input arrays must have the same length. Received lengths {sorted(lengths)}"
+        )
     arrays = tree.map_structure(np.asarray, arrays)
     dataset = tf.data.Dataset.from_tensor_slices(arrays if y is not None else arrays[0])
     total = lengths.pop()
     dropped = total % batch_size if drop_remainder else 0
     if dropped:
-        logger.warning("%d of %d samples do not fill a batch of %d and are skipped.",
-                       dropped, total, batch_size)
+        logger.warning(
+            "%d of %d samples do not fill a batch of %d and are skipped.",
+            dropped,
+            total,
+            batch_size,
+        )
     dataset = dataset.batch(batch_size, drop_remainder=drop_remainder)
     if worker_num > 1:
         dataset = dataset.shard(worker_num, worker_index)
@@ -56,7 +73,8 @@ def split_element(element, with_labels: bool):
         if not isinstance(element, tuple) or len(element) != 2:
             raise ValueError(
                 "Training and evaluation datasets must yield (features, labels) pairs. Received "
-                f"an element with structure {tree.map_structure(_describe, element)}")
+                f"an element with structure {tree.map_structure(_describe, element)}"
+            )
         return element
     if isinstance(element, tuple) and len(element) == 2:
         return element[0], None

@@ -30,12 +30,14 @@ class CompiledLoss:
             if missing or len(spec) != len(self._output_names):
                 raise ValueError(
                     f"The loss dict must have one entry per model output {self._output_names}. "
-                    f"Received keys: {sorted(spec)}")
+                    f"Received keys: {sorted(spec)}"
+                )
             return [_as_loss(spec[name]) for name in self._output_names]
         if isinstance(spec, (list, tuple)):
             if len(spec) != y_pred_flat_len:
                 raise ValueError(
-                    f"The model has {y_pred_flat_len} outputs but {len(spec)} losses were given.")
+                    f"The model has {y_pred_flat_len} outputs but {len(spec)} losses were given."
+                )
             return [_as_loss(s) for s in spec]
         return [_as_loss(spec)] * y_pred_flat_len
 
@@ -47,7 +49,8 @@ class CompiledLoss:
             raise ValueError(
                 f"The labels have {len(flat_true)} tensor(s) but the model has "
                 f"{len(flat_pred)} output(s). Labels: {tree.map_structure(_shape, y_true)}; "
-                f"outputs: {tree.map_structure(_shape, y_pred)}")
+                f"outputs: {tree.map_structure(_shape, y_pred)}"
+            )
         losses = self._losses_for(len(flat_pred))
         total = None
         for loss, t, p in zip(losses, flat_true, flat_pred):

@@ -9,8 +9,9 @@ import keras
 _ACCURACY_NAMES = ("accuracy", "acc")
 
 
-def resolve_metrics(metrics, loss_name: str, output_names: Sequence[str]
-                    ) -> list[tuple[int, keras.metrics.Metric]]:
+def resolve_metrics(
+    metrics, loss_name: str, output_names: Sequence[str]
+) -> list[tuple[int, keras.metrics.Metric]]:
     """Returns (output index, metric) pairs.
 
     Args:
@@ -24,7 +25,8 @@ def resolve_metrics(metrics, loss_name: str, output_names: Sequence[str]
         unknown = [k for k in metrics if k not in output_names]
         if unknown:
             raise ValueError(
-                f"metrics keys {unknown} are not model outputs. Outputs: {list(output_names)}")
+                f"metrics keys {unknown} are not model outputs. Outputs: {list(output_names)}"
+            )
         per_output = {output_names.index(k): _as_list(v) for k, v in metrics.items()}
     else:
         per_output = dict.fromkeys(range(len(output_names)), _as_list(metrics))
@@ -49,7 +51,8 @@ def _as_metric(spec, loss_name: str, prefix: str) -> keras.metrics.Metric:
         if prefix and not spec.name.startswith(prefix):
             raise ValueError(
                 f"With several outputs, pass metric names (not metric objects) or a dict per "
-                f"output. Received object {spec.name!r}.")
+                f"output. Received object {spec.name!r}."
+            )
         return spec
     if isinstance(spec, str) and spec.lower() in _ACCURACY_NAMES:
         return _accuracy_for(loss_name, name=prefix + spec)

@@ -60,8 +60,17 @@ class EPLTrainer:
         config given to `epl.init()` (or the defaults).
     """
 
-    def __init__(self, model, loss=None, optimizer="sgd", metrics=None, strategy=None,
-                 stages=None, split=None, config=None):
+    def __init__(
+        self,
+        model,
+        loss=None,
+        optimizer="sgd",
+        metrics=None,
+        strategy=None,
+        stages=None,
+        split=None,
+        config=None,
+    ):
         self.config = Env.get().config if config is None else Config.load(config)
         self.cluster = Env.get().cluster if config is None else build_cluster(self.config.cluster)
         model, loss, metrics = _resolve_model(model, loss, metrics)
@@ -71,26 +80,37 @@ class EPLTrainer:
         self.metrics = resolve_metrics(metrics, self.loss.name(), _output_names(model))
         self.loss_tracker = keras.metrics.Mean(name="loss")
         _check_supported(self.config)
-        annotation = strategies.resolve_annotation(model, strategy=strategy, stages=stages,
-                                                   split=split)
+        annotation = strategies.resolve_annotation(
+            model, strategy=strategy, stages=stages, split=split
+        )
         self.plan = planner.build_plan(
-            annotation.taskgraphs, self.cluster.devices_by_worker, self.cluster.worker_index,
+            annotation.taskgraphs,
+            self.cluster.devices_by_worker,
+            self.cluster.worker_index,
             num_micro_batch=self.config.pipeline.num_micro_batch,
             colocate_split_and_replicate=self.config.cluster.colocate_split_and_replicate,
-            prefer_intra_node=self.config.cluster.device_place_prefer_intra_node)
+            prefer_intra_node=self.config.cluster.device_place_prefer_intra_node,
+        )
         if len(self.plan.taskgraphs) > 1 and self.config.pipeline.strategy == "PreferForward":
             raise NotImplementedError(
                 "pipeline.strategy='PreferForward' (GPipe order) is not implemented yet; "
-                "stages currently run each micro-batch's forward and backward in turn.")
+                "stages currently run each micro-batch's forward and backward in turn."
+            )
         if len(self.plan.taskgraphs) == 1:
             self.staged = whole_model(model)
         else:
-            self.staged = partition_model(model, annotation.node_taskgraph,
-                                          len(self.plan.taskgraphs))
+            self.staged = partition_model(
+                model, annotation.node_taskgraph, len(self.plan.taskgraphs)
+            )
         self.lanes = lanes_for_worker(self.plan, self.cluster.worker_index)
         self.lanes_in_job = sorted(
-            (lane for w in range(self.cluster.worker_num) for lane in lanes_for_worker(self.plan, w)),
-            key=lambda lane: lane.index)
+            (
+                lane
+                for w in range(self.cluster.worker_num)
+                for lane in lanes_for_worker(self.plan, w)
+            ),
+            key=lambda lane: lane.index,
+        )
         self.model.optimizer = self.optimizer  # what Keras callbacks read (LR, iterations)
         self._program: Program | None = None
         self._state: EngineState | None = None
@@ -106,21 +126,35 @@ class EPLTrainer:
             self.model(tree.map_structure(lambda x: x[:1], features))
         self._state = EngineState(self.staged, self.lanes)
         clip = self.optimizer.global_clipnorm
-        optimizers = [[self._replica_optimizer(lane.devices[k], self._stage_variables(li, k))
-                       for k in range(len(self.staged.stages))]
-                      for li, lane in enumerate(self.lanes)]
+        optimizers = [
+            [
+                self._replica_optimizer(lane.devices[k], self._stage_variables(li, k))
+                for k in range(len(self.staged.stages))
+            ]
+            for li, lane in enumerate(self.lanes)
+        ]
         options = ProgramOptions(
             num_micro_batch=self.config.pipeline.num_micro_batch,
             gradients_reduce_method=self.config.communication.gradients_reduce_method,
             max_splits=self.config.communication.max_splits,
             num_communicators=self.config.communication.num_communicators,
-            clip_after_allreduce=self.config.communication.clip_after_allreduce)
+            clip_after_allreduce=self.config.communication.clip_after_allreduce,
+        )
         with tf.device(self.cluster.host_device):
             self.loss_tracker.reset_state()
         self._program = Program(
-            self.staged, self._state, self.lanes_in_job, self.loss, self.metrics,
-            self.loss_tracker, optimizers, options, self.cluster.host_device,
-            clip_global_norm=clip, step_counter=self.optimizer.iterations)
+            self.staged,
+            self._state,
+            self.lanes_in_job,
+            self.loss,
+            self.metrics,
+            self.loss_tracker,
+            optimizers,
+            options,
+            self.cluster.host_device,
+            clip_global_norm=clip,
+            step_counter=self.optimizer.iterations,
+        )
         return self._program
 
     def _stage_variables(self, lane_index: int, stage: int) -> list:
@@ -139,16 +173,36 @@ class EPLTrainer:
 
     # ---- fit / evaluate / predict ------------------------------------------------------
 
-    def fit(self, x, y=None, batch_size=None, epochs=1, steps_per_epoch=None,
-            validation_data=None, callbacks=None, verbose="auto"):
+    def fit(
+        self,
+        x,
+        y=None,
+        batch_size=None,
+        epochs=1,
+        steps_per_epoch=None,
+        validation_data=None,
+        callbacks=None,
+        verbose="auto",
+    ):
         """Trains; returns a `keras.callbacks.History` (as `Model.fit`)."""
         dataset = data_lib.as_dataset(
-            x, y, batch_size, worker_index=self.cluster.worker_index,
-            worker_num=self.cluster.worker_num, drop_remainder=True)
+            x,
+            y,
+            batch_size,
+            worker_index=self.cluster.worker_index,
+            worker_num=self.cluster.worker_num,
+            drop_remainder=True,
+        )
         verbose = 1 if verbose == "auto" else verbose
         callback_list = keras.callbacks.CallbackList(
-            callbacks, add_history=True, add_progbar=verbose != 0, model=self.model,
-            verbose=verbose, epochs=self.epochs_done + epochs, steps=steps_per_epoch)
+            callbacks,
+            add_history=True,
+            add_progbar=verbose != 0,
+            model=self.model,
+            verbose=verbose,
+            epochs=self.epochs_done + epochs,
+            steps=steps_per_epoch,
+        )
         write_back_each_step = _needs_fresh_weights_per_step(callback_list)
         self.model.stop_training = False
         callback_list.on_train_begin()
@@ -187,8 +241,9 @@ class EPLTrainer:
             program.train_step(features, labels)
             logs = self._logs(sync=False)
             elapsed = time.perf_counter() - start
-            logs["samples_per_sec"] = (data_lib.batch_size_of(features) * self.cluster.worker_num
-                                       / max(elapsed, 1e-9))
+            logs["samples_per_sec"] = (
+                data_lib.batch_size_of(features) * self.cluster.worker_num / max(elapsed, 1e-9)
+            )
             if write_back_each_step:
                 self._state.write_back()
             callback_list.on_train_batch_end(step, logs)
@@ -196,8 +251,10 @@ class EPLTrainer:
             if self.model.stop_training or (steps is not None and step >= steps):
                 break
         if step == 0:
-            raise ValueError("The training data yielded no batch. Check the dataset, batch_size "
-                             "and steps_per_epoch.")
+            raise ValueError(
+                "The training data yielded no batch. Check the dataset, batch_size "
+                "and steps_per_epoch."
+            )
         throughput = logs.pop("samples_per_sec")
         logs = self._logs(sync=True)
         logs["samples_per_sec"] = throughput
@@ -205,16 +262,19 @@ class EPLTrainer:
 
     def evaluate(self, x, y=None, batch_size=None, steps=None) -> dict:
         """Returns {"loss": ..., metric name: ...} over the data (every worker's share)."""
-        dataset = data_lib.as_dataset(x, y, batch_size, worker_index=self.cluster.worker_index,
-                                      worker_num=self.cluster.worker_num)
+        dataset = data_lib.as_dataset(
+            x,
+            y,
+            batch_size,
+            worker_index=self.cluster.worker_index,
+            worker_num=self.cluster.worker_num,
+        )
         self._reset_metrics()
-        seen = 0
+        if steps is not None:
+            dataset = dataset.take(steps)
         for element in dataset:
             features, labels = data_lib.split_element(element, with_labels=True)
             self._ensure_program(features).eval_step(features, labels)
-            seen += 1
-            if steps is not None and seen >= steps:
-                break
         return self._logs(sync=True)
 
     def predict(self, x, batch_size=None):
@@ -226,8 +286,7 @@ class EPLTrainer:
             outputs.append(self._ensure_program(features).predict_step(features))
         if not outputs:
             raise ValueError("predict received no data.")
-        return tree.map_structure(lambda *xs: np.concatenate([np.asarray(a) for a in xs]),
-                                  *outputs)
+        return tree.map_structure(lambda *xs: np.concatenate([np.asarray(a) for a in xs]), *outputs)
 
     # ---- checkpoints -----------------------------------------------------------------
 
@@ -249,8 +308,10 @@ class EPLTrainer:
         """
         if self._program is None:
             if features is None and not self.model.built:
-                raise ValueError("restore_checkpoint on a subclassed model that was never "
-                                 "called needs `features` (one batch) to build it.")
+                raise ValueError(
+                    "restore_checkpoint on a subclassed model that was never "
+                    "called needs `features` (one batch) to build it."
+                )
             self._ensure_program(features if features is not None else _dummy_inputs(self.model))
         path = ckpt.latest(directory)
         expected = self._checkpoint_variables()
@@ -265,10 +326,16 @@ class EPLTrainer:
     def _checkpoint_variables(self) -> dict:
         """Lane 0's state by stable name: what a checkpoint holds."""
         state = self._state
-        named = {f"trainable/{i}/{v.path}": state.trainable[0][i].value
-                 for i, v in enumerate(state.model_trainable)}
-        named.update({f"non_trainable/{i}/{v.path}": state.non_trainable[0][i].value
-                      for i, v in enumerate(state.model_non_trainable)})
+        named = {
+            f"trainable/{i}/{v.path}": state.trainable[0][i].value
+            for i, v in enumerate(state.model_trainable)
+        }
+        named.update(
+            {
+                f"non_trainable/{i}/{v.path}": state.non_trainable[0][i].value
+                for i, v in enumerate(state.model_non_trainable)
+            }
+        )
         for k, optimizer in enumerate(self._program.optimizers[0]):
             for j, v in enumerate(optimizer.variables):
                 if v is not self.optimizer._learning_rate:
@@ -281,8 +348,10 @@ class EPLTrainer:
     def _copy_lane0_to_all(self) -> None:
         state = self._state
         for li in range(1, len(state.lanes)):
-            for dst, src in zip(state.trainable[li] + state.non_trainable[li],
-                                state.trainable[0] + state.non_trainable[0]):
+            for dst, src in zip(
+                state.trainable[li] + state.non_trainable[li],
+                state.trainable[0] + state.non_trainable[0],
+            ):
                 if "seed_generator_state" not in src.path:
                     dst.assign(src.value)
             for dst_opt, src_opt in zip(self._program.optimizers[li], self._program.optimizers[0]):
@@ -306,8 +375,10 @@ class EPLTrainer:
     def _synced_logs(self, metrics) -> dict:
         """Metric results over all workers: their state variables are summed first."""
         if self._metric_sync is None:
-            hosts = tuple(devices[0].rsplit("/device:", 1)[0] + "/device:CPU:0"
-                          for devices in self.cluster.devices_by_worker)
+            hosts = tuple(
+                devices[0].rsplit("/device:", 1)[0] + "/device:CPU:0"
+                for devices in self.cluster.devices_by_worker
+            )
             group = comm.CollectiveGroup(hosts, (self.cluster.host_device,))
             variables = [v for m in metrics for v in m.variables]
             buckets = comm.plan_buckets([1] * len(variables), [v.dtype for v in variables], 1)
@@ -333,22 +404,30 @@ class EPLTrainer:
             raise ValueError(
                 "The per-worker batch must split evenly into local replicas x micro-batches. "
                 f"Received: batch_size={batch}, local_replicas={len(self.lanes)}, "
-                f"num_micro_batch={self.config.pipeline.num_micro_batch}")
+                f"num_micro_batch={self.config.pipeline.num_micro_batch}"
+            )
 
 
 def _resolve_model(model, loss, metrics):
     if isinstance(model, keras.Model):
         return model, loss, metrics
     if not callable(model):
-        raise TypeError(f"model must be a keras.Model or a model_fn. Received: {type(model).__name__}")
+        raise TypeError(
+            f"model must be a keras.Model or a model_fn. Received: {type(model).__name__}"
+        )
     built = model()
     if isinstance(built, ModelSpec):
-        return built.model, built.loss if loss is None else loss, (
-            built.metrics if metrics is None else metrics)
+        return (
+            built.model,
+            built.loss if loss is None else loss,
+            (built.metrics if metrics is None else metrics),
+        )
     if isinstance(built, keras.Model):
         return built, loss, metrics
-    raise TypeError("A model_fn must return a keras.Model or an epl_trainer.ModelSpec. "
-                    f"Received: {type(built).__name__}")
+    raise TypeError(
+        "A model_fn must return a keras.Model or an epl_trainer.ModelSpec. "
+        f"Received: {type(built).__name__}"
+    )
 
 
 def _output_names(model) -> list[str]:
@@ -376,12 +455,15 @@ def _check_supported(config: Config) -> None:
         if values[key] != off:
             raise NotImplementedError(
                 f"{key}={values[key]!r} is not implemented yet in epl_trainer ({feature}). "
-                f"Remove it or set it to {off!r}.")
+                f"Remove it or set it to {off!r}."
+            )
 
 
 def _needs_fresh_weights_per_step(callback_list) -> bool:
-    return any(isinstance(cb, keras.callbacks.ModelCheckpoint) and cb.save_freq != "epoch"
-               for cb in callback_list.callbacks)
+    return any(
+        isinstance(cb, keras.callbacks.ModelCheckpoint) and cb.save_freq != "epoch"
+        for cb in callback_list.callbacks
+    )
 
 
 def _unpack_validation(validation_data):
@@ -389,14 +471,17 @@ def _unpack_validation(validation_data):
         return validation_data, None
     if isinstance(validation_data, (tuple, list)) and len(validation_data) == 2:
         return validation_data
-    raise ValueError("validation_data must be a tf.data.Dataset or an (x, y) tuple. "
-                     f"Received: {type(validation_data).__name__}")
+    raise ValueError(
+        "validation_data must be a tf.data.Dataset or an (x, y) tuple. "
+        f"Received: {type(validation_data).__name__}"
+    )
 
 
 def _dummy_inputs(model):
     return tree.map_structure(
-        lambda t: tf.zeros([1, *[d or 1 for d in t.shape[1:]]], t.dtype), model.inputs
-        if len(model.inputs) > 1 else model.inputs[0])
+        lambda t: tf.zeros([1, *[d or 1 for d in t.shape[1:]]], t.dtype),
+        model.inputs if len(model.inputs) > 1 else model.inputs[0],
+    )
 
 
 ModelFn = Callable[[], "keras.Model | ModelSpec"]

@@ -8,7 +8,7 @@ import os
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
-from epl_trainer.cluster import configure_tensorflow  # noqa: E402
+from epl_trainer.cluster import configure_tensorflow
 
 NUM_TEST_DEVICES = 8
 configure_tensorflow(NUM_TEST_DEVICES)

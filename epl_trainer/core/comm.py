@@ -45,8 +45,9 @@ def ordering_token(device: str, chain: int = 0):
     key = (device, chain)
     if key not in _ordering_tokens:
         with tf.init_scope(), tf.device(device):
-            _ordering_tokens[key] = tf.Variable(0.0, trainable=False,
-                                                name=f"epl_ordering_token_{chain}")
+            _ordering_tokens[key] = tf.Variable(
+                0.0, trainable=False, name=f"epl_ordering_token_{chain}"
+            )
     return _ordering_tokens[key].handle
 
 
@@ -70,8 +71,13 @@ class CollectiveGroup:
     def key(self) -> int:
         return group_key(self.devices)
 
-    def all_reduce(self, values: Sequence[tf.Tensor], reduction: str = "mean",
-                   instance_key: int | None = None, chain: int = 0) -> list[tf.Tensor]:
+    def all_reduce(
+        self,
+        values: Sequence[tf.Tensor],
+        reduction: str = "mean",
+        instance_key: int | None = None,
+        chain: int = 0,
+    ) -> list[tf.Tensor]:
         """All-reduces one tensor per local member; returns one result per local member.
 
         Args:
@@ -83,7 +89,8 @@ class CollectiveGroup:
         if len(values) != len(self.local_devices):
             raise ValueError(
                 f"all_reduce needs one value per local member ({len(self.local_devices)}). "
-                f"Received: {len(values)} values")
+                f"Received: {len(values)} values"
+            )
         if self.size == 1:
             return list(values)
         if reduction not in ("mean", "sum"):
@@ -92,12 +99,19 @@ class CollectiveGroup:
         results = []
         for device, value in zip(self.local_devices, values):
             with tf.device(device):
-                results.append(tf.raw_ops.CollectiveReduceV2(
-                    input=value, group_size=self.size, group_key=self.key,
-                    instance_key=instance_key,
-                    ordering_token=[ordering_token(device, chain)],
-                    merge_op="Add", final_op="Div" if reduction == "mean" else "Id",
-                    communication_hint="auto", timeout_seconds=0.0))
+                results.append(
+                    tf.raw_ops.CollectiveReduceV2(
+                        input=value,
+                        group_size=self.size,
+                        group_key=self.key,
+                        instance_key=instance_key,
+                        ordering_token=[ordering_token(device, chain)],
+                        merge_op="Add",
+                        final_op="Div" if reduction == "mean" else "Id",
+                        communication_hint="auto",
+                        timeout_seconds=0.0,
+                    )
+                )
         return results
 
 
@@ -140,9 +154,13 @@ def _balanced_runs(indices: list[int], sizes: list[int], parts: int) -> list[lis
     return runs
 
 
-def fused_all_reduce(group: CollectiveGroup, per_member: Sequence[Sequence[tf.Tensor]],
-                     buckets: Sequence[Sequence[int]], reduction: str,
-                     num_chains: int = 1) -> list[list[tf.Tensor]]:
+def fused_all_reduce(
+    group: CollectiveGroup,
+    per_member: Sequence[Sequence[tf.Tensor]],
+    buckets: Sequence[Sequence[int]],
+    reduction: str,
+    num_chains: int = 1,
+) -> list[list[tf.Tensor]]:
     """All-reduces lists of tensors, one collective per bucket of flattened tensors.
 
     Args:

@@ -51,7 +51,8 @@ class StagedModel:
         if len(flat) != len(self.input_keys):
             raise ValueError(
                 f"The model takes {len(self.input_keys)} input tensor(s) but the data has "
-                f"{len(flat)}. Received element structure: {tree.map_structure(_shape_of, x)}")
+                f"{len(flat)}. Received element structure: {tree.map_structure(_shape_of, x)}"
+            )
         return flat
 
     def pack_outputs(self, flat_outputs: Sequence):
@@ -66,7 +67,6 @@ class StagedModel:
             outputs = stage.model(self.stage_arguments(stage, values), training=training)
             values.update(self.stage_results(stage, outputs))
         return self.pack_outputs([values[k] for k in self.output_keys])
-
 
     def stage_arguments(self, stage: Stage, values: Mapping):
         """The argument to call `stage.model` with, from the table of routed tensors."""
@@ -83,8 +83,13 @@ class StagedModel:
 
 def whole_model(model: keras.Model) -> StagedModel:
     """One stage holding the unmodified model (any model type, including subclassed)."""
-    stage = Stage(0, model, (("inputs", 0, 0),), (("outputs", 0, 0),),
-                  tuple(layer.name for layer in model.layers))
+    stage = Stage(
+        0,
+        model,
+        (("inputs", 0, 0),),
+        (("outputs", 0, 0),),
+        tuple(layer.name for layer in model.layers),
+    )
     return StagedModel(model, (stage,), stage.input_keys, stage.output_keys, whole_model=True)
 
 
@@ -99,13 +104,15 @@ def functional_graph(model: keras.Model) -> keras.Model:
         if not model.built or getattr(model, "_functional", None) is None:
             raise PartitionError(
                 f"Sequential model {model.name!r} has no input shape yet; give its first layer "
-                "an `input_shape` or call it once before partitioning.")
+                "an `input_shape` or call it once before partitioning."
+            )
         return model._functional
     if not hasattr(model, "_nodes_by_depth"):
         raise PartitionError(
             f"Model {model.name!r} ({type(model).__name__}) is a subclassed model: only "
             "functional and Sequential models can be cut into several TaskGraphs. Use one "
-            "TaskGraph (plain data parallelism) or rebuild it with the functional API.")
+            "TaskGraph (plain data parallelism) or rebuild it with the functional API."
+        )
     return model
 
 
@@ -120,8 +127,9 @@ def compute_nodes(model: keras.Model) -> list:
     return nodes
 
 
-def partition_model(model: keras.Model, node_stage: Mapping | Callable,
-                    num_stages: int) -> StagedModel:
+def partition_model(
+    model: keras.Model, node_stage: Mapping | Callable, num_stages: int
+) -> StagedModel:
     """Cuts `model` into `num_stages` sub-models.
 
     Args:
@@ -143,21 +151,24 @@ def partition_model(model: keras.Model, node_stage: Mapping | Callable,
         if not 0 <= stage < num_stages:
             raise PartitionError(
                 f"Layer {node.operation.name!r} was assigned to stage {stage}, but there are "
-                f"{num_stages} stages (0..{num_stages - 1}).")
+                f"{num_stages} stages (0..{num_stages - 1})."
+            )
         for tensor in node.input_tensors:
             source = producer_stage[tensor_key(tensor)]
             if source > stage:
                 raise PartitionError(
                     f"Stage {stage} (layer {node.operation.name!r}) consumes "
                     f"{tensor_key(tensor)[0]!r}, an output of the later stage {source}. "
-                    "Stages must only consume outputs of earlier stages.")
+                    "Stages must only consume outputs of earlier stages."
+                )
         for tensor in node.output_tensors:
             producer_stage[tensor_key(tensor)] = stage
         assigned[stage].append(node)
     for stage, stage_nodes in enumerate(assigned):
         if not stage_nodes:
             raise PartitionError(
-                f"Stage {stage} of {num_stages} has no layers. Every stage needs at least one.")
+                f"Stage {stage} of {num_stages} has no layers. Every stage needs at least one."
+            )
     output_keys = tuple(tensor_key(t) for t in graph.outputs)
     consumer_stages: dict[TensorKey, set[int]] = {}
     for node in nodes:
@@ -165,7 +176,8 @@ def partition_model(model: keras.Model, node_stage: Mapping | Callable,
             consumer_stages.setdefault(tensor_key(tensor), set()).add(stage_of(node))
     stages = tuple(
         _build_stage(k, assigned[k], producer_stage, consumer_stages, output_keys)
-        for k in range(num_stages))
+        for k in range(num_stages)
+    )
     _check_disjoint_weights(stages)
     return StagedModel(model, stages, tuple(tensor_key(t) for t in graph.inputs), output_keys)
 
@@ -182,15 +194,18 @@ def _build_stage(index, nodes, producer_stage, consumer_stages, model_output_key
         for tensor in node.output_tensors:
             tensors[tensor_key(tensor)] = tensor
     produced = {tensor_key(t) for node in nodes for t in node.output_tensors}
-    outputs = [k for k in produced
-               if consumer_stages.get(k, set()) - {index} or k in model_output_keys]
+    outputs = [
+        k for k in produced if consumer_stages.get(k, set()) - {index} or k in model_output_keys
+    ]
     outputs.sort(key=lambda k: (k not in model_output_keys, k))
     if not outputs:
         raise PartitionError(f"Stage {index} produces nothing that later stages or the model use.")
     inputs = list(consumed_outside)
     sub_model = keras.Model(
-        inputs=[tensors[k] for k in inputs], outputs=[tensors[k] for k in outputs],
-        name=f"stage_{index}")
+        inputs=[tensors[k] for k in inputs],
+        outputs=[tensors[k] for k in outputs],
+        name=f"stage_{index}",
+    )
     names = tuple(dict.fromkeys(node.operation.name for node in nodes))
     return Stage(index, sub_model, tuple(inputs), tuple(outputs), names)
 
@@ -204,7 +219,8 @@ def _check_disjoint_weights(stages: Sequence[Stage]) -> None:
                 raise PartitionError(
                     f"Weight {variable.path!r} is used by stage {first[0]} and stage "
                     f"{stage.index}: a layer shared across stages must be in one stage. "
-                    "Assign all calls of that layer to the same stage.")
+                    "Assign all calls of that layer to the same stage."
+                )
 
 
 def _shape_of(x):

@@ -60,10 +60,20 @@ class _StageRun:
 class Program:
     """Builds and owns the train / evaluate / predict steps for one plan."""
 
-    def __init__(self, staged: StagedModel, state: EngineState, lanes_in_job: Sequence[Lane],
-                 loss_fn, metrics, loss_tracker, optimizers, options: ProgramOptions,
-                 host_device: str, clip_global_norm: float | None = None,
-                 step_counter=None):
+    def __init__(
+        self,
+        staged: StagedModel,
+        state: EngineState,
+        lanes_in_job: Sequence[Lane],
+        loss_fn,
+        metrics,
+        loss_tracker,
+        optimizers,
+        options: ProgramOptions,
+        host_device: str,
+        clip_global_norm: float | None = None,
+        step_counter=None,
+    ):
         self.staged = staged
         self.state = state
         self.lanes = state.lanes
@@ -84,11 +94,14 @@ class Program:
         self.stage_groups = [
             comm.CollectiveGroup(
                 devices=tuple(lane.devices[k] for lane in lanes_in_job),
-                local_devices=tuple(lane.devices[k] for lane in self.lanes))
-            for k in range(self.num_stages)]
+                local_devices=tuple(lane.devices[k] for lane in self.lanes),
+            )
+            for k in range(self.num_stages)
+        ]
         self._trainable_idx = [state.stage_indices(k) for k in range(self.num_stages)]
-        self._non_trainable_idx = [state.stage_indices(k, trainable=False)
-                                   for k in range(self.num_stages)]
+        self._non_trainable_idx = [
+            state.stage_indices(k, trainable=False) for k in range(self.num_stages)
+        ]
         self._buckets = [self._plan_buckets(k) for k in range(self.num_stages)]
         self.train_step = tf.function(self._train_step, reduce_retracing=True)
         self.eval_step = tf.function(self._eval_step, reduce_retracing=True)
@@ -113,7 +126,8 @@ class Program:
             for m in range(num_micro):
                 part = li * num_micro + m
                 grads, non_trainable, loss, y_pred = self._forward_backward(
-                    li, feature_parts[part], label_parts[part], non_trainable)
+                    li, feature_parts[part], label_parts[part], non_trainable
+                )
                 accumulated = grads if accumulated is None else self._add(li, accumulated, grads)
                 self._update_metrics(label_parts[part], y_pred, loss)
             lane_grads.append(accumulated)
@@ -149,15 +163,22 @@ class Program:
                 with tape:
                     input_keys = list(stage.input_keys) if k > 0 else []
                     if last:  # the loss needs model outputs made by earlier stages too
-                        input_keys += [key for key in staged.output_keys
-                                       if key in values and key not in input_keys]
+                        input_keys += [
+                            key
+                            for key in staged.output_keys
+                            if key in values and key not in input_keys
+                        ]
                     inputs = [values[key] for key in input_keys]
                     variables = [self.state.trainable[li][i].value for i in self._trainable_idx[k]]
                     tape.watch([x for x in inputs if x.dtype.is_floating] + variables)
                     nt_idx = self._non_trainable_idx[k]
                     outputs, new_nt, aux = stage.model.stateless_call(
-                        variables, [non_trainable[i] for i in nt_idx],
-                        staged.stage_arguments(stage, values), training=True, return_losses=True)
+                        variables,
+                        [non_trainable[i] for i in nt_idx],
+                        staged.stage_arguments(stage, values),
+                        training=True,
+                        return_losses=True,
+                    )
                     results = staged.stage_results(stage, outputs)
                     objective = tf.add_n(aux) if aux else None
                     if last:
@@ -189,15 +210,19 @@ class Program:
                 if run.objective is not None:
                     targets.append(run.objective)
                     output_gradients.append(tf.ones_like(run.objective))
-                float_inputs = [(key, x) for key, x in zip(run.input_keys, run.inputs)
-                                if x.dtype.is_floating]
+                float_inputs = [
+                    (key, x) for key, x in zip(run.input_keys, run.inputs) if x.dtype.is_floating
+                ]
                 sources = run.variables + [x for _, x in float_inputs]
                 computed = run.tape.gradient(
-                    targets, sources, output_gradients=output_gradients,
-                    unconnected_gradients=tf.UnconnectedGradients.ZERO)
+                    targets,
+                    sources,
+                    output_gradients=output_gradients,
+                    unconnected_gradients=tf.UnconnectedGradients.ZERO,
+                )
                 for i, g in zip(self._trainable_idx[k], computed[: len(run.variables)]):
                     grads[i] = tf.convert_to_tensor(g)
-                for (key, _), g in zip(float_inputs, computed[len(run.variables):]):
+                for (key, _), g in zip(float_inputs, computed[len(run.variables) :]):
                     upstream[key] = g if key not in upstream else upstream[key] + g
         return grads
 
@@ -215,8 +240,12 @@ class Program:
             idx = self._trainable_idx[k]
             per_member = [[grads[i] for i in idx] for grads in lane_grads]
             results = comm.fused_all_reduce(
-                group, per_member, self._buckets[k], self.options.gradients_reduce_method,
-                num_chains=self.options.num_communicators)
+                group,
+                per_member,
+                self._buckets[k],
+                self.options.gradients_reduce_method,
+                num_chains=self.options.num_communicators,
+            )
             for li, stage_grads in enumerate(results):
                 for i, g in zip(idx, stage_grads):
                     reduced[li][i] = g
@@ -248,7 +277,8 @@ class Program:
                     continue
                 with tf.device(self.lanes[li].devices[k]):
                     self.optimizers[li][k].apply(
-                        [grads[i] for i in idx], [self.state.trainable[li][i] for i in idx])
+                        [grads[i] for i in idx], [self.state.trainable[li][i] for i in idx]
+                    )
 
     def _store_non_trainable(self, lane_values: list[list]) -> None:
         """Writes back non-trainable state; floats are first averaged over all lanes."""
@@ -287,11 +317,16 @@ class Program:
         for k, stage in enumerate(staged.stages):
             with tf.device(lane.devices[k]):
                 variables = [self.state.trainable[li][i].value for i in self._trainable_idx[k]]
-                non_trainable = [self.state.non_trainable[li][i].value
-                                 for i in self._non_trainable_idx[k]]
+                non_trainable = [
+                    self.state.non_trainable[li][i].value for i in self._non_trainable_idx[k]
+                ]
                 outputs, _, aux = stage.model.stateless_call(
-                    variables, non_trainable, staged.stage_arguments(stage, values),
-                    training=False, return_losses=True)
+                    variables,
+                    non_trainable,
+                    staged.stage_arguments(stage, values),
+                    training=False,
+                    return_losses=True,
+                )
                 values.update(staged.stage_results(stage, outputs))
                 aux_total.extend(tf.identity(a) for a in aux)
         return staged.pack_outputs([values[key] for key in staged.output_keys]), aux_total
@@ -306,8 +341,11 @@ class Program:
             with tf.device(self.lanes[li].devices[-1]):
                 count = tf.reduce_sum(w)
                 # Keras reduces by the (padded) part size; undo that to average valid rows.
-                loss = self.loss_fn(y, y_pred, sample_weight=w) * tf.cast(
-                    tf.shape(w)[0], w.dtype) / tf.maximum(count, 1.0)
+                loss = (
+                    self.loss_fn(y, y_pred, sample_weight=w)
+                    * tf.cast(tf.shape(w)[0], w.dtype)
+                    / tf.maximum(count, 1.0)
+                )
                 if aux:
                     loss = loss + tf.add_n(aux)
             with tf.device(self.host):
@@ -341,6 +379,7 @@ def pad_batch(structures: tuple, multiple: int):
     batch = tf.shape(flat[0])[0]
     pad = (multiple - batch % multiple) % multiple
     padded = tree.map_structure(
-        lambda x: tf.pad(x, [[0, pad]] + [[0, 0]] * (len(x.shape) - 1)), structures)
+        lambda x: tf.pad(x, [[0, pad]] + [[0, 0]] * (len(x.shape) - 1)), structures
+    )
     mask = tf.cast(tf.sequence_mask(batch, batch + pad), keras.backend.floatx())
     return (*padded, mask)

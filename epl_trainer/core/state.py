@@ -46,7 +46,8 @@ def lanes_for_worker(plan: Plan, worker: int) -> list[Lane]:
     if len(counts) != 1:
         raise StateError(
             "All TaskGraphs of a replica must use the same device_count for now. Received: "
-            + ", ".join(f"{tg.name}={tg.device_count}" for tg in plan.taskgraphs))
+            + ", ".join(f"{tg.name}={tg.device_count}" for tg in plan.taskgraphs)
+        )
     if any(tg.kind != "replicate" for tg in plan.taskgraphs):
         split = [tg.name for tg in plan.taskgraphs if tg.kind != "replicate"]
         raise StateError(f"split TaskGraphs {split} are not supported by the engine yet.")
@@ -58,7 +59,8 @@ def lanes_for_worker(plan: Plan, worker: int) -> list[Lane]:
             raise StateError(
                 f"Model replica {replica} spans workers {sorted(workers)}; a replica must fit "
                 "in one worker (set cluster.device_place_prefer_intra_node=True or use fewer "
-                "devices per replica).")
+                "devices per replica)."
+            )
         if workers != {worker}:
             continue
         for j in range(width):
@@ -87,10 +89,13 @@ class EngineState:
         self.model_non_trainable = list(model.non_trainable_variables)
         self.trainable_stage = _stage_of_variables(staged, self.model_trainable)
         self.non_trainable_stage = _stage_of_variables(staged, self.model_non_trainable)
-        self.trainable = [self._copy(lane, self.model_trainable, self.trainable_stage)
-                          for lane in self.lanes]
-        self.non_trainable = [self._copy(lane, self.model_non_trainable, self.non_trainable_stage)
-                              for lane in self.lanes]
+        self.trainable = [
+            self._copy(lane, self.model_trainable, self.trainable_stage) for lane in self.lanes
+        ]
+        self.non_trainable = [
+            self._copy(lane, self.model_non_trainable, self.non_trainable_stage)
+            for lane in self.lanes
+        ]
 
     def _copy(self, lane: Lane, variables, stages) -> list[keras.Variable]:
         copies = []
@@ -100,9 +105,14 @@ class EngineState:
                 value = np.asarray(value) + np.array([0, 0], value.dtype.as_numpy_dtype)
                 value[0] += lane.index * _SEED_STRIDE
             with tf.device(lane.devices[stage]):
-                copies.append(keras.Variable(
-                    tf.identity(value), dtype=variable.dtype, trainable=variable.trainable,
-                    name=variable.name))
+                copies.append(
+                    keras.Variable(
+                        tf.identity(value),
+                        dtype=variable.dtype,
+                        trainable=variable.trainable,
+                        name=variable.name,
+                    )
+                )
         return copies
 
     def stage_indices(self, stage: int, trainable: bool = True) -> list[int]:
@@ -111,8 +121,11 @@ class EngineState:
 
     def synced_non_trainable(self) -> list[int]:
         """Indices of non-trainable variables averaged across lanes (see module doc)."""
-        return [i for i, v in enumerate(self.model_non_trainable)
-                if v.dtype.startswith("float") or v.dtype.startswith("bfloat")]
+        return [
+            i
+            for i, v in enumerate(self.model_non_trainable)
+            if v.dtype.startswith("float") or v.dtype.startswith("bfloat")
+        ]
 
     def write_back(self) -> None:
         """Copies lane 0's values into the user's Keras model (eagerly)."""

@@ -1,0 +1,665 @@
+"""EPL's annotation API: `replicate` / `split` scopes, `set_default_strategy`, and the
+equivalent data form `Strategy` (a layer-name regex -> stage mapping).
+
+Two ways to say which TaskGraph each part of a model belongs to:
+
+1. Scopes, as in EPL. Every Keras `Node` (one call of a layer or a Keras op on
+   KerasTensors) created while building a functional model is tagged with the
+   TaskGraph that is current at that moment::
+
+       with epl.replicate(1, name="stage_0"):
+           x = block1(inputs)
+       with epl.replicate(1, name="stage_1"):
+           outputs = block2(x)
+
+2. Data, validated once and printable::
+
+       Strategy(stages={"embed|encoder_[0-5]": 0, "encoder_([6-9]|1[01])|head": 1})
+
+`resolve_annotation(model, ...)` turns either into a `ModelAnnotation`: the TaskGraph
+requests (`StrategySpec`, device counts possibly unresolved) and the TaskGraph of every
+compute node of the model. The planner resolves the device counts.
+
+Recording rules (EPL's):
+
+* Each scope is one TaskGraph, numbered in order of first entry. Re-entering the same
+  scope object, or a scope with the same name, reuses its TaskGraph.
+* `set_default_strategy(s)` opens a new TaskGraph that collects everything built
+  outside a `with` block from then on; each call opens the next one (FastNN's BERT calls
+  it once per stage).
+* Nodes built before any scope or default belong to the first TaskGraph. Nodes built
+  outside any scope after one closed, with no default set, join the most recently used
+  `replicate` TaskGraph (EPL does the same, so a loss written after the last stage's
+  block stays in the last stage).
+* Strategies do not nest.
+
+The recording state is process-global, like EPL's `Env`; `reset_annotations()` clears it
+(`epl.init()` calls it). Tags already attached to nodes survive a reset.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import logging
+import numbers
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from epl_trainer.core.ir import StrategySpec
+
+__all__ = [
+    "NODE_ATTR",
+    "ModelAnnotation",
+    "Strategy",
+    "StrategySpec",
+    "TaskGraphRecord",
+    "current_scope",
+    "current_taskgraph",
+    "model_nodes",
+    "replicate",
+    "reset_annotations",
+    "resolve_annotation",
+    "set_default_strategy",
+    "split",
+]
+
+logger = logging.getLogger(__name__)
+
+NODE_ATTR = "_epl_taskgraph"  # attribute holding a Node's TaskGraphRecord (or None)
+
+
+# --------------------------------------------------------------------- strategies
+class _StrategyBase:
+    """A TaskGraph request; a context manager (a scope) and a value at once."""
+
+    kind = ""
+
+    def __init__(self, device_count: int | None = None, name: str | None = None):
+        self._device_count = _check_device_count(device_count, self.kind)
+        self._name = _check_name(name, self.kind)
+
+    @property
+    def device_count(self) -> int | None:
+        return self._device_count
+
+    @property
+    def name(self) -> str | None:
+        return self._name
+
+    @property
+    def spec(self) -> StrategySpec:
+        return StrategySpec(self.kind, self._device_count, self._name)
+
+    def __enter__(self):
+        _enter_scope(self)
+        return self
+
+    def __exit__(self, *exc_info) -> bool:
+        _exit_scope(self)
+        return False
+
+    def __repr__(self) -> str:
+        name = f", name={self._name!r}" if self._name is not None else ""
+        return f"{self.kind}(device_count={self._device_count!r}{name})"
+
+    def __eq__(self, other) -> bool:
+        return type(other) is type(self) and other.spec == self.spec
+
+    def __hash__(self) -> int:
+        return hash(self.spec)
+
+
+class replicate(_StrategyBase):  # lowercase: EPL's public name
+    """Data-parallel TaskGraph: each model replica runs it on `device_count` devices
+    (default 1), splitting the micro-batch across them."""
+
+    kind = "replicate"
+
+
+class split(_StrategyBase):  # lowercase: EPL's public name
+    """Tensor-split TaskGraph: its layers are split over `device_count` devices
+    (None = every device of the job, with `cluster.colocate_split_and_replicate`)."""
+
+    kind = "split"
+
+
+def _check_device_count(value, kind: str) -> int | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(
+            f"{kind}(device_count=...) must be a positive int or None. "
+            f"Received: device_count={value!r} of type {type(value).__name__}"
+        )
+    if value < 1:
+        raise ValueError(f"{kind}(device_count=...) must be >= 1. Received: device_count={value!r}")
+    return int(value)
+
+
+def _check_name(value, kind: str) -> str | None:
+    if value is None:
+        return None
+    if not isinstance(value, str):
+        raise TypeError(f"{kind}(name=...) must be a str or None. Received: name={value!r}")
+    if not value:
+        raise ValueError(f"{kind}(name=...) must not be empty. Received: name=''")
+    return value
+
+
+# ---------------------------------------------------------------------- recording
+@dataclass(eq=False)
+class TaskGraphRecord:
+    """A TaskGraph opened while recording; attached to Keras nodes as `NODE_ATTR`."""
+
+    session: int  # recording session (bumped by reset_annotations)
+    index: int  # order of creation within the session
+    strategy: _StrategyBase  # the scope or default that opened it
+
+    @property
+    def spec(self) -> StrategySpec:
+        return self.strategy.spec
+
+    def __repr__(self) -> str:
+        return f"<TaskGraph {self.index} {self.strategy!r}>"
+
+
+class _Recording:
+    """State of one recording session."""
+
+    def __init__(self, session: int):
+        self.session = session
+        self.records: list[TaskGraphRecord] = []
+        self.by_name: dict[str, TaskGraphRecord] = {}
+        self.by_object: dict[int, tuple[_StrategyBase, TaskGraphRecord]] = {}
+        self.scope: _StrategyBase | None = None  # the active `with` block
+        self.scope_record: TaskGraphRecord | None = None
+        self.default_record: TaskGraphRecord | None = None
+        self.last_replicate: TaskGraphRecord | None = None
+
+    def current(self) -> TaskGraphRecord | None:
+        return self.scope_record or self.default_record or self.last_replicate
+
+    def open(self, strategy: _StrategyBase, reuse_object: bool) -> TaskGraphRecord:
+        """The TaskGraph `strategy` stands for: an existing one, or a new one."""
+        name = strategy.name
+        if name is not None and name in self.by_name:
+            record = self.by_name[name]
+            if record.spec != strategy.spec:
+                raise ValueError(
+                    f"TaskGraph {name!r} was opened as {record.strategy!r} and cannot be "
+                    f"re-entered as {strategy!r}. Use another name for a different "
+                    "TaskGraph."
+                )
+            return record
+        if reuse_object and id(strategy) in self.by_object:
+            return self.by_object[id(strategy)][1]
+        record = TaskGraphRecord(self.session, len(self.records), strategy)
+        self.records.append(record)
+        if name is not None:
+            self.by_name[name] = record
+        # Keep the object alive with its id so the id cannot be reused by another one.
+        self.by_object[id(strategy)] = (strategy, record)
+        return record
+
+
+_SESSIONS = itertools.count()
+_RECORDING = _Recording(next(_SESSIONS))
+
+
+def reset_annotations() -> None:
+    """Forgets every scope, default strategy and TaskGraph recorded so far."""
+    global _RECORDING
+    _RECORDING = _Recording(next(_SESSIONS))
+
+
+def current_taskgraph() -> TaskGraphRecord | None:
+    """The TaskGraph a node built now would join (None: the first TaskGraph)."""
+    return _RECORDING.current()
+
+
+def current_scope() -> _StrategyBase | None:
+    """The strategy (scope, default, or last replicate scope) new nodes are recorded
+    under, or None before any annotation. For debugging."""
+    record = _RECORDING.current()
+    return record.strategy if record is not None else None
+
+
+def set_default_strategy(strategy: replicate | split | None) -> None:
+    """Opens a new TaskGraph for everything built outside a `with` block from now on.
+
+    Each call opens the next TaskGraph (unless `strategy` is named after an existing
+    one); `None` removes the default.
+
+    Raises:
+      TypeError: `strategy` is not a `replicate`/`split` (or None).
+      ValueError: called inside a `with replicate/split` block.
+    """
+    if strategy is not None and not isinstance(strategy, _StrategyBase):
+        hint = (
+            " A Strategy mapping is passed to the trainer or resolve_annotation()."
+            if isinstance(strategy, Strategy)
+            else ""
+        )
+        raise TypeError(
+            "set_default_strategy() takes replicate(...), split(...) or None. "
+            f"Received: {strategy!r}.{hint}"
+        )
+    recording = _RECORDING
+    if recording.scope is not None:
+        raise ValueError(
+            f"set_default_strategy({strategy!r}) cannot be called inside the "
+            f"`with {recording.scope!r}` block; call it outside any scope."
+        )
+    if strategy is None:
+        recording.default_record = None
+        return
+    _install_node_hook()
+    record = recording.open(strategy, reuse_object=False)
+    recording.default_record = record
+    if strategy.kind == "replicate":
+        recording.last_replicate = record
+
+
+def _enter_scope(strategy: _StrategyBase) -> None:
+    recording = _RECORDING
+    if recording.scope is not None:
+        raise ValueError(
+            f"Strategy annotations do not nest: cannot enter {strategy!r} inside "
+            f"{recording.scope!r}. Close the outer `with` block first; each layer belongs "
+            "to exactly one TaskGraph."
+        )
+    _install_node_hook()
+    recording.scope_record = recording.open(strategy, reuse_object=True)
+    recording.scope = strategy
+
+
+def _exit_scope(strategy: _StrategyBase) -> None:
+    recording = _RECORDING
+    if recording.scope is not strategy:
+        return  # reset_annotations() ran inside the block: nothing to close
+    if strategy.kind == "replicate":
+        recording.last_replicate = recording.scope_record
+    recording.scope = recording.scope_record = None
+
+
+def _install_node_hook() -> None:
+    """Tags every new Keras Node with the current TaskGraph (idempotent).
+
+    Keras also creates nodes when a Model is built from intermediate tensors (it clones
+    the graph between them); clones get the TaskGraph of the node they copy rather than
+    whatever is current at clone time.
+    """
+    from keras.src.models import functional
+    from keras.src.ops.node import Node
+
+    if not getattr(Node.__init__, "_epl_hook", False):
+        original_init = Node.__init__
+
+        @functools.wraps(original_init)
+        def init(self, *args, **kwargs):
+            original_init(self, *args, **kwargs)
+            setattr(self, NODE_ATTR, _RECORDING.current())
+
+        init._epl_hook = True
+        Node.__init__ = init
+
+    if not getattr(functional.clone_graph_nodes, "_epl_hook", False):
+        original_clone = functional.clone_graph_nodes
+
+        @functools.wraps(original_clone)
+        def clone_graph_nodes(inputs, outputs):
+            from keras import tree
+
+            cloned_inputs, cloned_outputs = original_clone(inputs, outputs)
+            _copy_tags(tree.flatten(outputs), tree.flatten(cloned_outputs))
+            return cloned_inputs, cloned_outputs
+
+        clone_graph_nodes._epl_hook = True
+        functional.clone_graph_nodes = clone_graph_nodes
+
+
+def _copy_tags(original_tensors: list, cloned_tensors: list) -> None:
+    """Walks an original graph and its Keras clone side by side, copying node tags."""
+    pending = list(zip(original_tensors, cloned_tensors, strict=False))
+    seen: set[int] = set()
+    while pending:
+        original, clone = pending.pop()
+        source, target = _producer(original), _producer(clone)
+        if (
+            source is None
+            or target is None
+            or target.is_input
+            or id(target) in seen
+            or source.operation is not target.operation
+        ):
+            continue
+        seen.add(id(target))
+        setattr(target, NODE_ATTR, getattr(source, NODE_ATTR, None))
+        pending.extend(
+            zip(source.arguments.keras_tensors, target.arguments.keras_tensors, strict=False)
+        )
+
+
+def _producer(tensor):
+    history = getattr(tensor, "_keras_history", None)
+    if history is None or history.operation is None:
+        return None
+    return history.operation._inbound_nodes[history.node_index]
+
+
+# ---------------------------------------------------------------------- data form
+@dataclass(frozen=True)
+class _Pattern:
+    label: str  # "stage 1 ('encoder_9')" or "split ('head')"
+    regex: re.Pattern
+    taskgraph: int
+
+
+@dataclass(frozen=True)
+class Strategy:
+    """Annotations as data: which layers form which TaskGraph.
+
+    Args:
+      default: strategy of every stage TaskGraph, or of the single TaskGraph when no
+        stages are given. Default `replicate(1)`.
+      stages: `{layer-name regex: stage index}`; indices are ints 0..S-1, each used at
+        least once (several regexes may share a stage).
+      split: layer-name regexes whose layers form one `split(None)` TaskGraph placed
+        after the stages (or after the default TaskGraph).
+
+    Regexes are applied with `re.fullmatch` to layer names, so "encoder_1" does not match
+    "encoder_10" (write "encoder_1.*" for a prefix). With `stages`, every layer must
+    match exactly one regex; Keras ops on KerasTensors (e.g. `x + y`) that match none
+    join the latest TaskGraph among their inputs.
+    """
+
+    default: _StrategyBase | None = None
+    stages: Mapping[str, int] | None = None
+    split: Sequence[str] | None = None
+
+    def __post_init__(self):
+        default = replicate(1) if self.default is None else self.default
+        if not isinstance(default, _StrategyBase):
+            raise TypeError(
+                "Strategy(default=...) must be replicate(...) or split(...). "
+                f"Received: default={self.default!r}"
+            )
+        object.__setattr__(self, "default", default)
+        object.__setattr__(self, "stages", _check_stages(self.stages))
+        object.__setattr__(self, "split", _check_split(self.split))
+
+    def __hash__(self) -> int:
+        stages = tuple(sorted(self.stages.items())) if self.stages else None
+        return hash((self.default, stages, self.split))
+
+    @property
+    def num_stages(self) -> int:
+        return len(set(self.stages.values())) if self.stages else 0
+
+    def taskgraph_specs(self) -> tuple[StrategySpec, ...]:
+        """The TaskGraphs this mapping defines: stages (or the default), then split."""
+        if self.stages:
+            specs = [
+                StrategySpec(self.default.kind, self.default.device_count, f"stage_{i}")
+                for i in range(self.num_stages)
+            ]
+        else:
+            specs = [self.default.spec]
+        if self.split:
+            specs.append(StrategySpec("split", None, "split"))
+        return tuple(specs)
+
+    def patterns(self) -> tuple[_Pattern, ...]:
+        """Compiled regexes with the TaskGraph index each one selects."""
+        found = [
+            _Pattern(f"stage {stage} ({regex!r})", re.compile(regex), stage)
+            for regex, stage in (self.stages or {}).items()
+        ]
+        split_index = max(self.num_stages, 1)
+        found += [
+            _Pattern(f"split ({regex!r})", re.compile(regex), split_index)
+            for regex in self.split or ()
+        ]
+        return tuple(found)
+
+    def match(self, layer_name: str) -> tuple[tuple[str, int], ...]:
+        """(pattern label, TaskGraph index) of every regex that fullmatches the name."""
+        return tuple(
+            (p.label, p.taskgraph) for p in self.patterns() if p.regex.fullmatch(layer_name)
+        )
+
+
+def _check_stages(stages) -> dict[str, int] | None:
+    if stages is None:
+        return None
+    if not isinstance(stages, Mapping):
+        raise TypeError(
+            f"stages must be a dict {{layer-name regex: stage index}}. Received: stages={stages!r}"
+        )
+    if not stages:
+        return None
+    for regex, stage in stages.items():
+        _compile(regex, "stages")
+        if isinstance(stage, bool) or not isinstance(stage, numbers.Integral) or stage < 0:
+            raise ValueError(
+                f"Stage indices must be ints >= 0. Received: {regex!r}: "
+                f"{stage!r} in stages={dict(stages)!r}"
+            )
+    used = {int(s) for s in stages.values()}
+    missing = sorted(set(range(max(used) + 1)) - used)
+    if missing:
+        raise ValueError(
+            f"Stage indices must be contiguous from 0; stage {missing[0]} is "
+            f"missing. Received: stages={dict(stages)!r}"
+        )
+    return {regex: int(stage) for regex, stage in stages.items()}
+
+
+def _check_split(patterns) -> tuple[str, ...] | None:
+    if patterns is None:
+        return None
+    if isinstance(patterns, str):
+        patterns = [patterns]
+    if not isinstance(patterns, Sequence):
+        raise TypeError(f"split must be a list of layer-name regexes. Received: {patterns!r}")
+    for regex in patterns:
+        _compile(regex, "split")
+    return tuple(patterns) or None
+
+
+def _compile(regex, where: str) -> re.Pattern:
+    if not isinstance(regex, str):
+        raise TypeError(f"{where} keys must be regex strings. Received: {regex!r}")
+    try:
+        return re.compile(regex)
+    except re.error as error:
+        raise ValueError(f"Invalid regex {regex!r} in {where}: {error}") from None
+
+
+# --------------------------------------------------------------------- resolution
+@dataclass(frozen=True, eq=False)
+class ModelAnnotation:
+    """Which TaskGraph every compute node of a model belongs to."""
+
+    taskgraphs: tuple[StrategySpec, ...]
+    node_taskgraph: Mapping[Any, int]  # Node -> TaskGraph index, in topological order
+    source: str = "scopes"  # "scopes", "strategy" or "default" (plain data parallelism)
+
+    @property
+    def nodes(self) -> tuple:
+        """The model's compute nodes in topological order."""
+        return tuple(self.node_taskgraph)
+
+    def taskgraph_nodes(self, index: int) -> tuple:
+        return tuple(n for n, k in self.node_taskgraph.items() if k == index)
+
+    def taskgraph_name(self, index: int) -> str:
+        name = self.taskgraphs[index].name
+        return name if name is not None else f"taskgraph_{index}"
+
+    def describe(self) -> str:
+        """A table: TaskGraphs, then every node with its TaskGraph."""
+        lines = [f"{len(self.taskgraphs)} TaskGraph(s) (from {self.source}):"]
+        for i, spec in enumerate(self.taskgraphs):
+            count = "auto" if spec.device_count is None else spec.device_count
+            lines.append(f"  {i} {self.taskgraph_name(i)}: {spec.kind}, device_count={count}")
+        rows = [("node", "type", "taskgraph")]
+        rows += [
+            (_node_label(node), type(node.operation).__name__, f"{k} {self.taskgraph_name(k)}")
+            for node, k in self.node_taskgraph.items()
+        ]
+        widths = [max(len(row[i]) for row in rows) for i in range(3)]
+        for row in rows:
+            lines.append("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip())
+        return "\n".join(lines)
+
+
+def _node_label(node) -> str:
+    operation = node.operation
+    inbound = operation._inbound_nodes
+    if len(inbound) > 1:
+        index = next(i for i, n in enumerate(inbound) if n is node)
+        return f"{operation.name}[{index}]"
+    return operation.name
+
+
+def model_nodes(model) -> list:
+    """The compute nodes of a functional (or built Sequential) model, topologically
+    ordered, input nodes excluded."""
+    import keras
+
+    graph = model
+    if isinstance(model, keras.Sequential):
+        graph = getattr(model, "_functional", None)
+        if graph is None:
+            raise ValueError(
+                f"Sequential model {model.name!r} is not built; give its first "
+                "layer an input shape or call it once first."
+            )
+    if not hasattr(graph, "_nodes_by_depth"):
+        raise TypeError(
+            "Annotations need a functional Keras model "
+            "(keras.Model(inputs, outputs)) or a built Sequential; a subclassed "
+            f"model has no layer graph. Received: {type(model).__name__}"
+        )
+    nodes = []
+    for depth in sorted(graph._nodes_by_depth, reverse=True):
+        for node in graph._nodes_by_depth[depth]:
+            if not (node.is_input or isinstance(node.operation, keras.layers.InputLayer)):
+                nodes.append(node)
+    return nodes
+
+
+def resolve_annotation(model, strategy=None, stages=None, split=None) -> ModelAnnotation:
+    """The TaskGraphs of `model` and the TaskGraph of each of its compute nodes.
+
+    Args:
+      model: a functional Keras model (or a built Sequential).
+      strategy: a `Strategy`, a bare `replicate(n)`/`split(n)` (one TaskGraph for the
+        whole model), or None.
+      stages, split: shortcuts for `Strategy(stages=..., split=...)`.
+
+    Without a data form, the scope tags recorded while the model was built are used
+    (untagged nodes go to TaskGraph 0); without those either, the whole model is one
+    `replicate(1)` TaskGraph (plain data parallelism). A data form wins over scope tags.
+
+    Raises:
+      ValueError: a layer matches no pattern or several, a pattern matches no layer, or
+        the same mapping is given twice.
+      TypeError: unsupported `strategy` or model.
+    """
+    nodes = model_nodes(model)
+    data_form = _data_form(strategy, stages, split)
+    if data_form is None:
+        return _from_scope_tags(nodes)
+    if any(getattr(node, NODE_ATTR, None) is not None for node in nodes):
+        logger.warning(
+            "Model %r was built inside replicate/split scopes and a %r was also "
+            "given; the data form wins and the scopes are ignored.",
+            model.name,
+            data_form,
+        )
+    return _from_strategy(nodes, data_form, model.name)
+
+
+def _data_form(strategy, stages, split_patterns) -> Strategy | None:
+    if strategy is not None and not isinstance(strategy, Strategy | _StrategyBase):
+        raise TypeError(
+            "strategy must be a Strategy, replicate(...), split(...) or None. "
+            f"Received: {strategy!r}"
+        )
+    base = Strategy(default=strategy) if isinstance(strategy, _StrategyBase) else strategy
+    if stages is None and split_patterns is None:
+        return base
+    if base is None:
+        return Strategy(stages=stages, split=split_patterns)
+    if stages is not None and base.stages:
+        raise ValueError(
+            f"Stages were given twice: in strategy={base!r} and as "
+            f"stages={stages!r}. Give them once."
+        )
+    if split_patterns is not None and base.split:
+        raise ValueError(
+            f"Split patterns were given twice: in strategy={base!r} and as "
+            f"split={split_patterns!r}. Give them once."
+        )
+    return Strategy(
+        default=base.default,
+        stages=stages if stages is not None else base.stages,
+        split=split_patterns if split_patterns is not None else base.split,
+    )
+
+
+def _from_scope_tags(nodes: list) -> ModelAnnotation:
+    tags = {node: getattr(node, NODE_ATTR, None) for node in nodes}
+    unique = {id(r): r for r in tags.values() if r is not None}
+    records = sorted(unique.values(), key=lambda r: (r.session, r.index))
+    if not records:
+        return ModelAnnotation(
+            (StrategySpec("replicate", 1, None),), dict.fromkeys(nodes, 0), source="default"
+        )
+    index = {id(r): i for i, r in enumerate(records)}
+    assignment = {node: 0 if tag is None else index[id(tag)] for node, tag in tags.items()}
+    return ModelAnnotation(tuple(r.spec for r in records), assignment, source="scopes")
+
+
+def _from_strategy(nodes: list, strategy: Strategy, model_name: str) -> ModelAnnotation:
+    import keras
+
+    patterns = strategy.patterns()
+    hits = dict.fromkeys((p.label for p in patterns), 0)
+    assignment: dict = {}
+    for node in nodes:
+        name = node.operation.name
+        matched = [p for p in patterns if p.regex.fullmatch(name)]
+        for p in matched:
+            hits[p.label] += 1
+        is_layer = isinstance(node.operation, keras.layers.Layer)
+        if len(matched) > 1:
+            raise ValueError(
+                f"Layer {name!r} matches several patterns: "
+                f"{', '.join(p.label for p in matched)}. Each layer must match exactly one "
+                "(patterns are applied with re.fullmatch)."
+            )
+        if matched:
+            assignment[node] = matched[0].taskgraph
+        elif is_layer and strategy.stages:
+            raise ValueError(
+                f"Layer {name!r} matches no stage or split pattern (patterns are applied "
+                f"with re.fullmatch). Received: stages={strategy.stages!r}, "
+                f"split={strategy.split!r}"
+            )
+        elif is_layer:
+            assignment[node] = 0
+        else:  # a Keras op such as `x + y`: follow its latest input
+            assignment[node] = max((assignment.get(p, 0) for p in node.parent_nodes), default=0)
+    for label, count in hits.items():
+        if count == 0:
+            names = sorted({node.operation.name for node in nodes})
+            raise ValueError(
+                f"{label} matches no layer of model {model_name!r}. Its layers: {names}"
+            )
+    return ModelAnnotation(strategy.taskgraph_specs(), assignment, source="strategy")

@@ -1,0 +1,85 @@
+"""Worker script for multi-worker tests: trains a small model, saves its weights.
+
+Run under `epl-launch` (TF_CONFIG set) or alone (one worker). Usage:
+  train_dp.py OUTPUT_DIR [--steps N] [--fail_worker K] [--global_batch B]
+Worker w writes OUTPUT_DIR/weights_<w>.npz. With --fail_worker K, worker K raises
+after its first step.
+"""
+
+import argparse
+import os
+import sys
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir, os.pardir))
+
+import numpy as np
+
+import epl_trainer as epl
+
+
+def make_data(n=96):
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(n, 6)).astype("float32")
+    y = rng.integers(0, 3, n)
+    return x, y
+
+
+def make_model():
+    import keras
+
+    keras.utils.set_random_seed(0)
+    inp = keras.Input((6,))
+    h = keras.layers.Dense(16, activation="relu", name="dense_in")(inp)
+    h = keras.layers.LayerNormalization(name="norm")(h)
+    out = keras.layers.Dense(3, name="logits")(h)
+    return keras.Model(inp, out)
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("output_dir")
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--global_batch", type=int, default=16)
+    parser.add_argument("--fail_worker", type=int, default=-1)
+    args = parser.parse_args()
+    env = epl.init()
+    import keras
+
+    cluster = env.cluster
+    trainer = epl.EPLTrainer(
+        make_model(),
+        keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        keras.optimizers.SGD(0.1),
+    )
+    x, y = make_data()
+    per_worker = args.global_batch // cluster.worker_num
+
+    class FailAfterFirstStep(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            if cluster.worker_index == args.fail_worker:
+                raise RuntimeError(f"worker {cluster.worker_index} fails on purpose")
+
+    history = trainer.fit(
+        x,
+        y,
+        batch_size=per_worker,
+        epochs=1,
+        steps_per_epoch=args.steps,
+        callbacks=[FailAfterFirstStep()],
+        verbose=0,
+    )
+    os.makedirs(args.output_dir, exist_ok=True)
+    np.savez(
+        os.path.join(args.output_dir, f"weights_{cluster.worker_index}.npz"),
+        *trainer.model.get_weights(),
+    )
+    print(
+        f"worker {cluster.worker_index}/{cluster.worker_num} devices={len(cluster.local_devices)} "
+        f"loss={history.history['loss'][-1]:.6f}",
+        flush=True,
+    )
+
+
+if __name__ == "__main__":
+    main()
