@@ -142,7 +142,7 @@ def test_dropout_seeds_differ_per_replica_and_lane0_keeps_the_models():
     x, y = mlp_data()
     trainer.fit(x, y, batch_size=16, steps_per_epoch=1, verbose=0)
     state = trainer._state
-    index = [i for i, v in enumerate(state.model_non_trainable) if "seed_generator" in v.path][0]
+    index = next(i for i, v in enumerate(state.model_non_trainable) if "seed_generator" in v.path)
     seeds = [int(np.asarray(lane[index].value)[0]) for lane in state.non_trainable]
     assert len(set(seeds)) == 4
     assert seeds[0] == int(np.asarray(state.model_non_trainable[index].value)[0])
