@@ -28,15 +28,29 @@ class CheckpointError(ValueError):
     """A missing, incomplete, corrupted or incompatible checkpoint."""
 
 
-def save(directory: str, variables: Mapping[str, tf.Variable], metadata: dict, step: int) -> str:
-    """Writes `variables` and `metadata` as checkpoint `ckpt-<step>`; returns its path."""
+def save(
+    directory: str,
+    variables: Mapping[str, tf.Variable],
+    metadata: dict,
+    step: int,
+    descriptions: Mapping[str, str] | None = None,
+) -> str:
+    """Writes `variables` and `metadata` as checkpoint `ckpt-<step>`; returns its path.
+
+    Keys should be positional and stable ("trainable/3"); `descriptions` (e.g. the
+    variable paths) are stored beside them only to make error messages readable.
+    """
+    descriptions = descriptions or {}
     os.makedirs(directory, exist_ok=True)
     name = f"ckpt-{step}"
     final = os.path.join(directory, name)
     tmp = os.path.join(directory, f".tmp-{name}-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     tf.train.Checkpoint(**_trackable_names(variables)).write(os.path.join(tmp, _PREFIX))
-    shapes = {key: [list(v.shape), v.dtype.name] for key, v in variables.items()}
+    shapes = {
+        key: [list(v.shape), v.dtype.name, descriptions.get(key, key)]
+        for key, v in variables.items()
+    }
     with open(os.path.join(tmp, _METADATA), "w") as f:
         json.dump(
             {"format_version": FORMAT_VERSION, "step": step, "variables": shapes, **metadata},
@@ -63,7 +77,9 @@ def latest(directory: str) -> str:
     return path
 
 
-def load(path: str, expected: Mapping[str, tf.Variable]) -> tuple[dict, dict]:
+def load(
+    path: str, expected: Mapping[str, tf.Variable], descriptions: Mapping[str, str] | None = None
+) -> tuple[dict, dict]:
     """Reads a checkpoint and checks it against the variables it must fill.
 
     Returns:
@@ -84,7 +100,7 @@ def load(path: str, expected: Mapping[str, tf.Variable]) -> tuple[dict, dict]:
             f"{metadata_path!r} has format_version {metadata.get('format_version')!r}; this "
             f"version of epl_trainer reads {FORMAT_VERSION}."
         )
-    _check_compatible(path, metadata.get("variables", {}), expected)
+    _check_compatible(path, metadata.get("variables", {}), expected, descriptions or {})
     try:
         reader = tf.train.load_checkpoint(os.path.join(path, _PREFIX))
         names = _trackable_names(expected)
@@ -92,7 +108,7 @@ def load(path: str, expected: Mapping[str, tf.Variable]) -> tuple[dict, dict]:
             key: reader.get_tensor(f"{names_key}/.ATTRIBUTES/VARIABLE_VALUE")
             for names_key, key in zip(names, expected)
         }
-    except (tf.errors.OpError, ValueError) as e:
+    except (tf.errors.OpError, ValueError, IndexError, OSError) as e:
         raise CheckpointError(
             f"Checkpoint data in {path!r} is unreadable (truncated or corrupted): "
             f"{str(e).splitlines()[0]}"
@@ -100,21 +116,23 @@ def load(path: str, expected: Mapping[str, tf.Variable]) -> tuple[dict, dict]:
     return values, metadata
 
 
-def _check_compatible(path: str, saved: Mapping[str, Sequence], expected) -> None:
-    missing = [k for k in expected if k not in saved]
-    extra = [k for k in saved if k not in expected]
+def _check_compatible(path: str, saved: Mapping[str, Sequence], expected, descriptions) -> None:
+    missing = [descriptions.get(k, k) for k in expected if k not in saved]
+    extra = [saved[k][2] for k in saved if k not in expected]
     if missing or extra:
         raise CheckpointError(
-            f"Checkpoint {path!r} was written for a different model or optimizer. "
-            f"Missing from it: {missing[:5]}{'...' if len(missing) > 5 else ''}; "
-            f"not in this model: {extra[:5]}{'...' if len(extra) > 5 else ''}"
+            f"Checkpoint {path!r} was written for a different model or optimizer: it holds "
+            f"{len(saved)} variables, this trainer has {len(expected)}. "
+            f"Not in the checkpoint: {missing[:5]}; only in the checkpoint: {extra[:5]}"
         )
     for key, variable in expected.items():
-        shape, dtype = saved[key]
+        shape, dtype, saved_name = saved[key]
         if list(variable.shape) != list(shape) or variable.dtype.name != dtype:
             raise CheckpointError(
-                f"Checkpoint {path!r} holds {key!r} with shape {shape} {dtype}, but this "
-                f"model's is {list(variable.shape)} {variable.dtype.name}."
+                f"Checkpoint {path!r} was written for a different model: it holds {saved_name!r} "
+                f"with shape {shape} {dtype}, where this model has "
+                f"{descriptions.get(key, key)!r} with shape {list(variable.shape)} "
+                f"{variable.dtype.name}."
             )
 
 

@@ -88,3 +88,50 @@ def batch_size_of(structure) -> int:
 
 def _describe(x):
     return getattr(x, "shape", type(x).__name__)
+
+
+class EpochBatches:
+    """Per-epoch batches, with Keras's `steps_per_epoch` semantics.
+
+    Without `steps_per_epoch` each epoch is one pass over the dataset. With it, one
+    iterator continues across epochs; when the data runs out at an epoch boundary it
+    starts a new pass, and when it runs out mid-epoch that epoch ends early (with a
+    warning), as `Model.fit` does.
+    """
+
+    def __init__(self, dataset: tf.data.Dataset, steps_per_epoch: int | None):
+        if steps_per_epoch is not None and (
+            not isinstance(steps_per_epoch, int) or steps_per_epoch < 1
+        ):
+            raise ValueError(
+                f"steps_per_epoch must be a positive int or None. Received: {steps_per_epoch!r}"
+            )
+        self.dataset = dataset
+        self.steps_per_epoch = steps_per_epoch
+        self._iterator = None
+
+    def epoch(self):
+        if self.steps_per_epoch is None:
+            yield from self.dataset
+            return
+        produced = 0
+        while produced < self.steps_per_epoch:
+            fresh = self._iterator is None
+            if fresh:
+                self._iterator = iter(self.dataset)
+            try:
+                element = next(self._iterator)
+            except StopIteration:
+                self._iterator = None
+                if fresh or produced:
+                    if produced:
+                        logger.warning(
+                            "The data ran out after %d of %d steps of this epoch; the next "
+                            "epoch starts a new pass.",
+                            produced,
+                            self.steps_per_epoch,
+                        )
+                    return
+                continue
+            produced += 1
+            yield element

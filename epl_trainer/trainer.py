@@ -206,13 +206,12 @@ class EPLTrainer:
         write_back_each_step = _needs_fresh_weights_per_step(callback_list)
         self.model.stop_training = False
         callback_list.on_train_begin()
-        iterator = iter(dataset) if steps_per_epoch else None
+        batches = data_lib.EpochBatches(dataset, steps_per_epoch)
         logs = {}
         for epoch in range(self.epochs_done, self.epochs_done + epochs):
             self._reset_metrics()
             callback_list.on_epoch_begin(epoch)
-            batches = iterator if iterator is not None else iter(dataset)
-            logs = self._run_epoch(batches, steps_per_epoch, callback_list, write_back_each_step)
+            logs = self._run_epoch(batches.epoch(), callback_list, write_back_each_step)
             if validation_data is not None:
                 val_x, val_y = _unpack_validation(validation_data)
                 val_logs = self.evaluate(val_x, val_y, batch_size=batch_size)
@@ -229,7 +228,7 @@ class EPLTrainer:
             self._state.load_from_model()  # e.g. EarlyStopping(restore_best_weights=True)
         return self.model.history
 
-    def _run_epoch(self, batches, steps, callback_list, write_back_each_step) -> dict:
+    def _run_epoch(self, batches, callback_list, write_back_each_step) -> dict:
         logs = {}
         step = 0
         for element in batches:
@@ -248,7 +247,7 @@ class EPLTrainer:
                 self._state.write_back()
             callback_list.on_train_batch_end(step, logs)
             step += 1
-            if self.model.stop_training or (steps is not None and step >= steps):
+            if self.model.stop_training:
                 break
         if step == 0:
             raise ValueError(
@@ -298,7 +297,8 @@ class EPLTrainer:
         if not self.cluster.is_chief:
             return None
         metadata = {"epochs_done": self.epochs_done, "plan": self.plan.summary()}
-        return ckpt.save(directory, self._checkpoint_variables(), metadata, step)
+        variables, names = self._checkpoint_variables()
+        return ckpt.save(directory, variables, metadata, step, names)
 
     def restore_checkpoint(self, directory: str, features=None) -> str:
         """Restores the newest checkpoint in `directory` into every lane.
@@ -314,8 +314,8 @@ class EPLTrainer:
                 )
             self._ensure_program(features if features is not None else _dummy_inputs(self.model))
         path = ckpt.latest(directory)
-        expected = self._checkpoint_variables()
-        values, metadata = ckpt.load(path, expected)
+        expected, names = self._checkpoint_variables()
+        values, metadata = ckpt.load(path, expected, names)
         for key, variable in expected.items():
             variable.assign(values[key])
         self._copy_lane0_to_all()
@@ -323,27 +323,27 @@ class EPLTrainer:
         self._state.write_back()
         return path
 
-    def _checkpoint_variables(self) -> dict:
-        """Lane 0's state by stable name: what a checkpoint holds."""
+    def _checkpoint_variables(self) -> tuple[dict, dict]:
+        """Lane 0's state under positional keys, and readable names for those keys."""
         state = self._state
-        named = {
-            f"trainable/{i}/{v.path}": state.trainable[0][i].value
-            for i, v in enumerate(state.model_trainable)
-        }
-        named.update(
-            {
-                f"non_trainable/{i}/{v.path}": state.non_trainable[0][i].value
-                for i, v in enumerate(state.model_non_trainable)
-            }
-        )
+        named, names = {}, {}
+
+        def add(key, variable, description):
+            named[key] = variable
+            names[key] = description
+
+        for i, v in enumerate(state.model_trainable):
+            add(f"trainable/{i}", state.trainable[0][i].value, v.path)
+        for i, v in enumerate(state.model_non_trainable):
+            add(f"non_trainable/{i}", state.non_trainable[0][i].value, v.path)
         for k, optimizer in enumerate(self._program.optimizers[0]):
             for j, v in enumerate(optimizer.variables):
                 if v is not self.optimizer._learning_rate:
-                    named[f"optimizer/stage_{k}/{j}/{v.path}"] = v.value
-        named["optimizer/iterations"] = self.optimizer.iterations.value
+                    add(f"optimizer/stage_{k}/{j}", v.value, f"stage {k} optimizer {v.path}")
+        add("optimizer/iterations", self.optimizer.iterations.value, "optimizer iterations")
         if isinstance(self.optimizer._learning_rate, keras.Variable):
-            named["optimizer/learning_rate"] = self.optimizer._learning_rate.value
-        return named
+            add("optimizer/learning_rate", self.optimizer._learning_rate.value, "learning rate")
+        return named, names
 
     def _copy_lane0_to_all(self) -> None:
         state = self._state

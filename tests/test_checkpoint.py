@@ -1,0 +1,100 @@
+"""Engine checkpoints: a restored run continues exactly as the uninterrupted one."""
+
+import os
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+from _models import LOSS, max_weight_difference, mlp, mlp_data
+
+import epl_trainer as epl
+from epl_trainer.checkpoint import CheckpointError
+
+
+def _trainer(model, devices=2):
+    return epl.EPLTrainer(
+        model, LOSS, keras.optimizers.Adam(0.01), config={"cluster.virtual_devices": devices}
+    )
+
+
+def _dataset():
+    x, y = mlp_data()
+    return tf.data.Dataset.from_tensor_slices((x, y)).batch(16)
+
+
+def test_restore_into_a_fresh_trainer_continues_identically(tmp_path):
+    uninterrupted = mlp()
+    _trainer(uninterrupted).fit(_dataset(), epochs=4, verbose=0)
+
+    first = _trainer(mlp())
+    first.fit(_dataset(), epochs=2, verbose=0)
+    path = first.save_checkpoint(str(tmp_path))
+    assert os.path.basename(path) == "ckpt-8"
+
+    resumed_model = mlp(seed=123)  # different initial weights: all must come from the checkpoint
+    resumed = _trainer(resumed_model)
+    resumed.restore_checkpoint(str(tmp_path))
+    assert resumed.epochs_done == 2
+    assert int(resumed.optimizer.iterations.numpy()) == 8
+    history = resumed.fit(_dataset(), epochs=2, verbose=0)
+    assert max_weight_difference(uninterrupted, resumed_model) == 0.0
+    assert history.epoch == [2, 3]
+
+
+def test_restore_fills_every_replica(tmp_path):
+    first = _trainer(mlp(), devices=1)
+    first.fit(_dataset(), epochs=1, verbose=0)
+    first.save_checkpoint(str(tmp_path))
+    resumed = _trainer(mlp(seed=9), devices=4)
+    resumed.restore_checkpoint(str(tmp_path))
+    state = resumed._state
+    for lane in state.trainable[1:]:
+        for a, b in zip(lane, state.trainable[0]):
+            np.testing.assert_array_equal(np.asarray(a.value), np.asarray(b.value))
+
+
+def test_latest_points_to_the_newest_complete_checkpoint(tmp_path):
+    trainer = _trainer(mlp())
+    trainer.fit(_dataset(), epochs=1, verbose=0)
+    trainer.save_checkpoint(str(tmp_path))
+    trainer.fit(_dataset(), epochs=1, verbose=0)
+    trainer.save_checkpoint(str(tmp_path))
+    assert (tmp_path / "latest").read_text() == "ckpt-8"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt-4", "ckpt-8", "latest"]
+
+
+def test_missing_checkpoint_is_a_clear_error(tmp_path):
+    with pytest.raises(CheckpointError, match="No checkpoint in"):
+        _trainer(mlp()).restore_checkpoint(str(tmp_path))
+
+
+def test_corrupted_checkpoint_data_names_the_file(tmp_path):
+    trainer = _trainer(mlp())
+    trainer.fit(_dataset(), epochs=1, verbose=0)
+    path = trainer.save_checkpoint(str(tmp_path))
+    for name in os.listdir(path):
+        if ".data-" in name:
+            with open(os.path.join(path, name), "r+b") as f:
+                f.truncate(10)
+    with pytest.raises(CheckpointError, match="unreadable"):
+        _trainer(mlp()).restore_checkpoint(str(tmp_path))
+    assert os.path.isdir(path)  # never removed or overwritten by a failed restore
+
+
+def test_corrupted_metadata_is_a_clear_error(tmp_path):
+    trainer = _trainer(mlp())
+    trainer.fit(_dataset(), epochs=1, verbose=0)
+    path = trainer.save_checkpoint(str(tmp_path))
+    with open(os.path.join(path, "metadata.json"), "w") as f:
+        f.write("{not json")
+    with pytest.raises(CheckpointError, match=r"metadata\.json.*corrupted"):
+        _trainer(mlp()).restore_checkpoint(str(tmp_path))
+
+
+def test_checkpoint_of_a_different_model_is_rejected(tmp_path):
+    trainer = _trainer(mlp())
+    trainer.fit(_dataset(), epochs=1, verbose=0)
+    trainer.save_checkpoint(str(tmp_path))
+    with pytest.raises(CheckpointError, match="shape"):
+        _trainer(mlp(width=32)).restore_checkpoint(str(tmp_path))

@@ -1,0 +1,151 @@
+"""Standard Keras callbacks, progress output and TensorBoard summaries work with EPLTrainer."""
+
+import csv
+import glob
+import os
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+from _models import LOSS, keras_reference, max_weight_difference, mlp, mlp_data
+
+import epl_trainer as epl
+
+
+def _trainer(model=None, devices=2, optimizer=None, metrics=None):
+    return epl.EPLTrainer(
+        model or mlp(),
+        LOSS,
+        optimizer or keras.optimizers.SGD(0.1),
+        metrics=metrics,
+        config={"cluster.virtual_devices": devices},
+    )
+
+
+def _scalar_tags(logdir):
+    tags = set()
+    for path in glob.glob(os.path.join(logdir, "**", "events.out.tfevents.*"), recursive=True):
+        for event in tf.compat.v1.train.summary_iterator(path):
+            for value in event.summary.value:
+                tags.add(value.tag)
+    return tags
+
+
+def test_history_and_tensorboard_get_loss_learning_rate_and_throughput(tmp_path):
+    x, y = mlp_data()
+    trainer = _trainer(metrics=["accuracy"])
+    history = trainer.fit(
+        x,
+        y,
+        batch_size=16,
+        epochs=2,
+        verbose=0,
+        callbacks=[keras.callbacks.TensorBoard(str(tmp_path), update_freq=1)],
+    )
+    assert isinstance(history, keras.callbacks.History)
+    assert len(history.history["loss"]) == 2
+    assert {"loss", "accuracy", "samples_per_sec"} <= set(history.history)
+    tags = _scalar_tags(tmp_path)
+    assert {"epoch_loss", "epoch_learning_rate", "epoch_samples_per_sec"} <= tags
+
+
+def test_progress_bar_shows_loss_and_samples_per_second(capsys):
+    x, y = mlp_data()
+    _trainer().fit(x, y, batch_size=16, epochs=1, verbose=1)
+    out = capsys.readouterr().out
+    assert "loss:" in out and "samples_per_sec:" in out and "4/4" in out
+
+
+def test_csv_logger_and_model_checkpoint(tmp_path):
+    x, y = mlp_data()
+    model = mlp()
+    trainer = _trainer(model)
+    weights_path = str(tmp_path / "epoch{epoch}.weights.h5")
+    trainer.fit(
+        x,
+        y,
+        batch_size=16,
+        epochs=2,
+        verbose=0,
+        callbacks=[
+            keras.callbacks.CSVLogger(str(tmp_path / "log.csv")),
+            keras.callbacks.ModelCheckpoint(weights_path, save_weights_only=True),
+        ],
+    )
+    with open(tmp_path / "log.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert [int(r["epoch"]) for r in rows] == [0, 1] and "loss" in rows[0]
+    restored = mlp(seed=5)
+    restored.load_weights(str(tmp_path / "epoch2.weights.h5"))
+    assert max_weight_difference(restored, model) == 0.0
+
+
+def test_early_stopping_stops_training():
+    x, y = mlp_data()
+    stopper = keras.callbacks.EarlyStopping(monitor="loss", patience=0, min_delta=1e9)
+    history = _trainer().fit(x, y, batch_size=16, epochs=10, verbose=0, callbacks=[stopper])
+    assert len(history.history["loss"]) == 2
+
+
+def test_early_stopping_restores_best_weights_into_the_engine():
+    x, y = mlp_data()
+    model = mlp()
+    trainer = _trainer(model, optimizer=keras.optimizers.SGD(5.0))  # diverges: epoch 0 is best
+    stopper = keras.callbacks.EarlyStopping(monitor="loss", patience=1, restore_best_weights=True)
+    trainer.fit(x, y, batch_size=16, epochs=6, verbose=0, callbacks=[stopper])
+    np.testing.assert_allclose(trainer.predict(x), model.predict(x, verbose=0), atol=1e-5)
+
+
+def test_learning_rate_scheduler_reaches_every_replica():
+    x, y = mlp_data()
+
+    def schedule(epoch, lr):
+        return 0.1 / (1 + epoch)
+
+    reference = mlp()
+    keras_reference(
+        reference,
+        x,
+        y,
+        keras.optimizers.SGD(0.1),
+        batch_size=16,
+        steps=2,
+        epochs=3,
+        callbacks=[keras.callbacks.LearningRateScheduler(schedule)],
+    )
+    model = mlp()
+    _trainer(model, devices=4).fit(
+        x,
+        y,
+        batch_size=16,
+        epochs=3,
+        steps_per_epoch=2,
+        verbose=0,
+        callbacks=[keras.callbacks.LearningRateScheduler(schedule)],
+    )
+    assert max_weight_difference(reference, model) < 1e-5
+
+
+def test_validation_data_adds_val_logs():
+    x, y = mlp_data()
+    history = _trainer(metrics=["accuracy"]).fit(
+        x, y, batch_size=16, epochs=1, verbose=0, validation_data=(x[:20], y[:20])
+    )
+    assert {"val_loss", "val_accuracy"} <= set(history.history)
+
+
+@pytest.mark.parametrize(("steps", "expected"), [(None, 12), (2, 6), (3, 7)])
+def test_steps_per_epoch_follows_keras(steps, expected):
+    """4 batches of data, 3 epochs: with 3 steps per epoch Keras runs 3, 1 (data ran out), 3."""
+    x, y = mlp_data()
+    reference = mlp()
+    keras_reference(
+        reference, x, y, keras.optimizers.SGD(0.1), batch_size=16, steps=steps, epochs=3
+    )
+    model = mlp()
+    trainer = _trainer(model)
+    trainer.fit(x, y, batch_size=16, epochs=3, steps_per_epoch=steps, verbose=0)
+    assert int(trainer.optimizer.iterations.numpy()) == expected
+    assert int(reference.optimizer.iterations.numpy()) == expected
+    assert max_weight_difference(reference, model) < 1e-5
