@@ -1,0 +1,76 @@
+"""Real worker processes on 127.0.0.1 under epl-launch."""
+
+import os
+import subprocess
+import sys
+import time
+
+import keras
+import numpy as np
+import pytest
+
+import epl_trainer as epl
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPT = os.path.join(ROOT, "tests", "scripts", "train_dp.py")
+sys.path.insert(0, os.path.dirname(SCRIPT))
+import train_dp  # noqa: E402
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
+
+
+def _launch(tmp_path, num_workers, devices_per_worker, *script_args):
+    command = [
+        sys.executable,
+        "-m",
+        "epl_trainer.launcher",
+        "--num_workers",
+        str(num_workers),
+        "--gpu_per_worker",
+        str(devices_per_worker),
+        "--log_dir",
+        str(tmp_path / "logs"),
+        SCRIPT,
+        str(tmp_path / "out"),
+        *script_args,
+    ]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("EPL_")}
+    env["PYTHONPATH"] = os.pathsep.join([ROOT, env.get("PYTHONPATH", "")])
+    return subprocess.run(command, capture_output=True, text=True, timeout=200, env=env)
+
+
+def _single_process_weights(steps=3, global_batch=16):
+    model = train_dp.make_model()
+    trainer = epl.EPLTrainer(
+        model,
+        keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        keras.optimizers.SGD(0.1),
+        config={"cluster.virtual_devices": 1},
+    )
+    x, y = train_dp.make_data()
+    trainer.fit(x, y, batch_size=global_batch, steps_per_epoch=steps, verbose=0)
+    return model.get_weights()
+
+
+@pytest.mark.parametrize("devices_per_worker", [1, 2])
+def test_two_workers_end_with_identical_weights_equal_to_one_process(tmp_path, devices_per_worker):
+    result = _launch(tmp_path, 2, devices_per_worker)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert f"worker 0/2 devices={devices_per_worker}" in result.stdout
+    weights = [np.load(tmp_path / "out" / f"weights_{w}.npz") for w in range(2)]
+    expected = _single_process_weights()
+    for w in range(2):
+        for i, value in enumerate(expected):
+            np.testing.assert_allclose(weights[w][f"arr_{i}"], value, atol=1e-5)
+    for key in weights[0]:
+        np.testing.assert_array_equal(weights[0][key], weights[1][key])
+
+
+def test_a_failing_worker_stops_the_job_with_its_error(tmp_path):
+    start = time.monotonic()
+    result = _launch(tmp_path, 2, 1, "--fail_worker", "1", "--steps", "1000")
+    elapsed = time.monotonic() - start
+    assert result.returncode == 1
+    assert "worker 1 fails on purpose" in result.stderr
+    assert "worker 1 failed (exit code 1)" in result.stderr
+    assert elapsed < 60
