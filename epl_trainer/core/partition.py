@@ -58,11 +58,22 @@ class StagedModel:
     def pack_outputs(self, flat_outputs: Sequence):
         if self.whole_model:
             return flat_outputs[0]
-        return tree.pack_sequence_as(self.model._outputs_struct, list(flat_outputs))
+        # A Sequential keeps its output structure on the functional graph it builds.
+        outputs_struct = functional_graph(self.model)._outputs_struct
+        return tree.pack_sequence_as(outputs_struct, list(flat_outputs))
 
     def forward(self, x, training: bool = False):
         """Runs the stages with their own variables; equals `model(x)`."""
-        values = dict(zip(self.input_keys, self.flatten_inputs(x)))
+        flat = self.flatten_inputs(x)
+        if not self.whole_model:
+            # Convert as model(x) does: a later stage may get a routed model input next to
+            # tensors from earlier stages, and Keras refuses arrays mixed with tensors.
+            graph_inputs = functional_graph(self.model).inputs
+            flat = [
+                v if v is None else keras.ops.convert_to_tensor(v, dtype=t.dtype)
+                for v, t in zip(flat, graph_inputs)
+            ]
+        values = dict(zip(self.input_keys, flat))
         for stage in self.stages:
             outputs = stage.model(self.stage_arguments(stage, values), training=training)
             values.update(self.stage_results(stage, outputs))
@@ -95,7 +106,12 @@ def whole_model(model: keras.Model) -> StagedModel:
 
 def tensor_key(tensor) -> TensorKey:
     history = tensor._keras_history
-    return (history.operation.name, history.node_index, history.tensor_index)
+    # keras.Model(inputs=<an Input plus intermediate tensors>) re-creates the InputLayer's
+    # node and rewrites the original Input tensor's history (node_index 1, 2, ...). An
+    # Input tensor has one real node, so its key stays at node 0.
+    is_input = isinstance(history.operation, keras.layers.InputLayer)
+    node_index = 0 if is_input else history.node_index
+    return (history.operation.name, node_index, history.tensor_index)
 
 
 def functional_graph(model: keras.Model) -> keras.Model:
@@ -174,11 +190,12 @@ def partition_model(
     for node in nodes:
         for tensor in node.input_tensors:
             consumer_stages.setdefault(tensor_key(tensor), set()).add(stage_of(node))
+    # Before building sub-models: keras.Model fails cryptically on some shared layers.
+    _check_disjoint_weights(assigned)
     stages = tuple(
         _build_stage(k, assigned[k], producer_stage, consumer_stages, output_keys)
         for k in range(num_stages)
     )
-    _check_disjoint_weights(stages)
     return StagedModel(model, stages, tuple(tensor_key(t) for t in graph.inputs), output_keys)
 
 
@@ -201,6 +218,19 @@ def _build_stage(index, nodes, producer_stage, consumer_stages, model_output_key
     if not outputs:
         raise PartitionError(f"Stage {index} produces nothing that later stages or the model use.")
     inputs = list(consumed_outside)
+    # keras.Model clones the graph between intermediate inputs and outputs and maps the
+    # *layer* that produced each input to a new InputLayer (Keras 3 clone_graph_nodes),
+    # so another call of that layer inside this stage would be replaced too.
+    stage_operations = {id(node.operation) for node in nodes}
+    for key in inputs:
+        operation = tensors[key]._keras_history.operation
+        if id(operation) in stage_operations:
+            raise PartitionError(
+                f"Layer {operation.name!r} is called in stage {producer_stage[key]} and again "
+                f"in stage {index}, which consumes the output of the first call. A layer "
+                "shared across stages must be in one stage. Assign all calls of that layer "
+                "to the same stage."
+            )
     sub_model = keras.Model(
         inputs=[tensors[k] for k in inputs],
         outputs=[tensors[k] for k in outputs],
@@ -210,17 +240,19 @@ def _build_stage(index, nodes, producer_stage, consumer_stages, model_output_key
     return Stage(index, sub_model, tuple(inputs), tuple(outputs), names)
 
 
-def _check_disjoint_weights(stages: Sequence[Stage]) -> None:
-    owner: dict[int, tuple[int, str]] = {}
-    for stage in stages:
-        for variable in stage.model.weights:
-            first = owner.setdefault(id(variable), (stage.index, variable.path))
-            if first[0] != stage.index:
-                raise PartitionError(
-                    f"Weight {variable.path!r} is used by stage {first[0]} and stage "
-                    f"{stage.index}: a layer shared across stages must be in one stage. "
-                    "Assign all calls of that layer to the same stage."
-                )
+def _check_disjoint_weights(assigned: Sequence[Sequence]) -> None:
+    """Every variable is used by the nodes of one stage only (`assigned[k]`: stage k's nodes)."""
+    owner: dict[int, int] = {}
+    for stage, nodes in enumerate(assigned):
+        for node in nodes:
+            for variable in getattr(node.operation, "weights", ()):
+                first = owner.setdefault(id(variable), stage)
+                if first != stage:
+                    raise PartitionError(
+                        f"Weight {variable.path!r} is used by stage {first} and stage "
+                        f"{stage}: a layer shared across stages must be in one stage. "
+                        "Assign all calls of that layer to the same stage."
+                    )
 
 
 def _shape_of(x):
