@@ -237,8 +237,9 @@ class EPLTrainer:
             self._check_batch(features)
             callback_list.on_train_batch_begin(step)
             start = time.perf_counter()
-            program.train_step(features, labels)
-            logs = self._logs(sync=False)
+            logs = {
+                name: float(value) for name, value in program.train_step(features, labels).items()
+            }
             elapsed = time.perf_counter() - start
             logs["samples_per_sec"] = (
                 data_lib.batch_size_of(features) * self.cluster.worker_num / max(elapsed, 1e-9)
@@ -255,7 +256,7 @@ class EPLTrainer:
                 "and steps_per_epoch."
             )
         throughput = logs.pop("samples_per_sec")
-        logs = self._logs(sync=True)
+        logs = self._logs()
         logs["samples_per_sec"] = throughput
         return logs
 
@@ -274,7 +275,7 @@ class EPLTrainer:
         for element in dataset:
             features, labels = data_lib.split_element(element, with_labels=True)
             self._ensure_program(features).eval_step(features, labels)
-        return self._logs(sync=True)
+        return self._logs()
 
     def predict(self, x, batch_size=None):
         """Model outputs for `x` (numpy, structured like the model's outputs)."""
@@ -366,9 +367,9 @@ class EPLTrainer:
         for _, metric in self.metrics:
             metric.reset_state()
 
-    def _logs(self, sync: bool) -> dict:
+    def _logs(self) -> dict:
         metrics = [self.loss_tracker] + [m for _, m in self.metrics]
-        if sync and self.cluster.worker_num > 1:
+        if self.cluster.worker_num > 1:
             return self._synced_logs(metrics)
         return {m.name: float(m.result()) for m in metrics}
 

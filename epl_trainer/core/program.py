@@ -142,6 +142,13 @@ class Program:
         if self.step_counter is not None:
             with tf.device(self.host):
                 self.step_counter.assign_add(1)
+        return self._metric_results()
+
+    def _metric_results(self) -> dict:
+        """Running metric values, computed in the step so one call returns the logs."""
+        with tf.device(self.host):
+            metrics = [self.loss_tracker] + [m for _, m in self.metrics]
+            return {m.name: m.result() for m in metrics}
 
     def _forward_backward(self, li: int, features, labels, non_trainable: list):
         """Forward then backward of every stage for one micro-batch on lane `li`.

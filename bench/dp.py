@@ -1,0 +1,120 @@
+"""Data-parallel step rate: EPLTrainer vs Keras `fit` and vs MirroredStrategy + `fit`.
+
+Usage: python bench/dp.py [--steps 60] [--repeats 3] [--batch 256] [--width 512]
+
+One process, 2 logical CPU devices. Each configuration is timed `repeats` times
+(interleaved, after a warm-up `fit` that traces the step) and the median is reported.
+Logical devices share this machine's cores: the 2-device rows measure overhead of the
+data-parallel machinery, not a speedup.
+"""
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir))
+
+from epl_trainer.cluster import configure_tensorflow  # noqa: E402
+
+configure_tensorflow(2)
+
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+import epl_trainer as epl  # noqa: E402
+
+
+def make_model(width):
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((128,))
+    h = inputs
+    for i in range(3):
+        h = keras.layers.Dense(width, activation="relu", name=f"dense_{i}")(h)
+    outputs = keras.layers.Dense(10, name="logits")(h)
+    return keras.Model(inputs, outputs)
+
+
+def make_dataset(batch):
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(batch * 8, 128)).astype("float32")
+    y = rng.integers(0, 10, batch * 8).astype("int32")
+    return tf.data.Dataset.from_tensor_slices((x, y)).batch(batch, drop_remainder=True).repeat()
+
+
+LOSS = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+
+def keras_runner(width, batch, strategy=None):
+    scope = strategy.scope() if strategy else _null_scope()
+    with scope:
+        model = make_model(width)
+        model.compile(keras.optimizers.SGD(0.01), LOSS)
+    dataset = make_dataset(batch)
+    return lambda steps: model.fit(dataset, epochs=1, steps_per_epoch=steps, verbose=0)
+
+
+def epl_runner(width, batch, devices):
+    trainer = epl.EPLTrainer(make_model(width), LOSS, keras.optimizers.SGD(0.01),
+                             config={"cluster.virtual_devices": devices})
+    dataset = make_dataset(batch)
+    return lambda steps: trainer.fit(dataset, epochs=1, steps_per_epoch=steps, verbose=0)
+
+
+class _null_scope:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def steps_per_second(run, steps):
+    start = time.perf_counter()
+    run(steps)
+    return steps / (time.perf_counter() - start)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--batch", type=int, default=256)
+    parser.add_argument("--width", type=int, default=512)
+    args = parser.parse_args()
+    devices = [d.name for d in tf.config.list_logical_devices("CPU")]
+    mirrored = tf.distribute.MirroredStrategy(devices)
+    pairs = [
+        ("1 device", "Keras fit", keras_runner(args.width, args.batch),
+         "EPLTrainer", epl_runner(args.width, args.batch, 1)),
+        ("2 logical devices", "MirroredStrategy + fit",
+         keras_runner(args.width, args.batch, mirrored),
+         "EPLTrainer", epl_runner(args.width, args.batch, 2)),
+    ]
+    for _, _, baseline, _, ours in pairs:  # warm-up: trace and build everything
+        baseline(3)
+        ours(3)
+    rows = []
+    for setting, baseline_name, baseline, ours_name, ours in pairs:
+        base_rates, our_rates = [], []
+        for _ in range(args.repeats):
+            base_rates.append(steps_per_second(baseline, args.steps))
+            our_rates.append(steps_per_second(ours, args.steps))
+        base, mine = statistics.median(base_rates), statistics.median(our_rates)
+        rows.append((setting, baseline_name, base, ours_name, mine, mine / base))
+    print(f"\nDense {args.width}x3, batch {args.batch}, {args.steps} steps x {args.repeats} "
+          f"repeats (median); {os.cpu_count()} CPU cores")
+    header = ("setting", "baseline", "steps/s", "ours", "steps/s", "ours/baseline")
+    widths = (18, 24, 9, 11, 9, 13)
+    print("  ".join(h.ljust(w) for h, w in zip(header, widths)))
+    print("  ".join("-" * w for w in widths))
+    for setting, bname, base, oname, mine, ratio in rows:
+        cells = (setting, bname, f"{base:.1f}", oname, f"{mine:.1f}", f"{ratio:.2f}x")
+        print("  ".join(c.ljust(w) for c, w in zip(cells, widths)))
+
+
+if __name__ == "__main__":
+    main()
