@@ -110,28 +110,42 @@ class EpochBatches:
         self.steps_per_epoch = steps_per_epoch
         self._iterator = None
 
-    def epoch(self):
+    def run_epoch(self, step_fn) -> int:
+        """Calls `step_fn(step_index, iterator)` once per step; returns the steps run.
+
+        `step_fn` pulls its batch from the iterator (inside a compiled function) and
+        returns True to stop early; running out of data raises OutOfRangeError there.
+        """
         if self.steps_per_epoch is None:
-            yield from self.dataset
-            return
-        produced = 0
-        while produced < self.steps_per_epoch:
+            iterator, steps = iter(self.dataset), 0
+            while True:
+                try:
+                    stop = step_fn(steps, iterator)
+                except (StopIteration, tf.errors.OutOfRangeError):
+                    return steps
+                steps += 1
+                if stop:
+                    return steps
+        steps = 0
+        while steps < self.steps_per_epoch:
             fresh = self._iterator is None
             if fresh:
                 self._iterator = iter(self.dataset)
             try:
-                element = next(self._iterator)
-            except StopIteration:
+                stop = step_fn(steps, self._iterator)
+            except (StopIteration, tf.errors.OutOfRangeError):
                 self._iterator = None
-                if fresh or produced:
-                    if produced:
+                if fresh or steps:
+                    if steps:
                         logger.warning(
                             "The data ran out after %d of %d steps of this epoch; the next "
                             "epoch starts a new pass.",
-                            produced,
+                            steps,
                             self.steps_per_epoch,
                         )
-                    return
+                    return steps
                 continue
-            produced += 1
-            yield element
+            steps += 1
+            if stop:
+                return steps
+        return steps

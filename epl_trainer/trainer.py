@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import re
 import time
 from collections.abc import Callable
 
@@ -24,7 +25,7 @@ from epl_trainer.cluster import build_cluster
 from epl_trainer.config import Config
 from epl_trainer.core import comm, planner
 from epl_trainer.core.partition import partition_model, whole_model
-from epl_trainer.core.program import Program, ProgramOptions
+from epl_trainer.core.program import BATCH_SIZE_KEY, BATCH_SPLIT_ERROR, Program, ProgramOptions
 from epl_trainer.core.state import EngineState, lanes_for_worker
 from epl_trainer.env import Env
 from epl_trainer.losses import CompiledLoss
@@ -119,6 +120,13 @@ class EPLTrainer:
 
     # ---- building the engine (lazily: a subclassed model is built by its first batch) ----
 
+    def _ensure_program_for(self, dataset) -> Program:
+        """Builds the program; an unbuilt (subclassed) model is first called on one batch."""
+        if self._program is None and not self.model.built:
+            element = next(iter(dataset.take(1)))
+            return self._ensure_program(data_lib.split_element(element, with_labels=False)[0])
+        return self._ensure_program(None)
+
     def _ensure_program(self, features) -> Program:
         if self._program is not None:
             return self._program
@@ -211,7 +219,7 @@ class EPLTrainer:
         for epoch in range(self.epochs_done, self.epochs_done + epochs):
             self._reset_metrics()
             callback_list.on_epoch_begin(epoch)
-            logs = self._run_epoch(batches.epoch(), callback_list, write_back_each_step)
+            logs = self._run_epoch(batches, callback_list, write_back_each_step)
             if validation_data is not None:
                 val_x, val_y = _unpack_validation(validation_data)
                 val_logs = self.evaluate(val_x, val_y, batch_size=batch_size)
@@ -229,28 +237,24 @@ class EPLTrainer:
         return self.model.history
 
     def _run_epoch(self, batches, callback_list, write_back_each_step) -> dict:
+        program = self._ensure_program_for(batches.dataset)
         logs = {}
-        step = 0
-        for element in batches:
-            features, labels = data_lib.split_element(element, with_labels=True)
-            program = self._ensure_program(features)
-            self._check_batch(features)
-            callback_list.on_train_batch_begin(step)
+
+        def step(index, iterator):
+            nonlocal logs
+            callback_list.on_train_batch_begin(index)
             start = time.perf_counter()
-            logs = {
-                name: float(value) for name, value in program.train_step(features, labels).items()
-            }
+            results = _run_checked(program.train_on_iterator, iterator)
+            batch = int(results.pop(BATCH_SIZE_KEY))
+            logs = {name: float(value) for name, value in results.items()}
             elapsed = time.perf_counter() - start
-            logs["samples_per_sec"] = (
-                data_lib.batch_size_of(features) * self.cluster.worker_num / max(elapsed, 1e-9)
-            )
+            logs["samples_per_sec"] = batch * self.cluster.worker_num / max(elapsed, 1e-9)
             if write_back_each_step:
                 self._state.write_back()
-            callback_list.on_train_batch_end(step, logs)
-            step += 1
-            if self.model.stop_training:
-                break
-        if step == 0:
+            callback_list.on_train_batch_end(index, logs)
+            return self.model.stop_training
+
+        if batches.run_epoch(step) == 0:
             raise ValueError(
                 "The training data yielded no batch. Check the dataset, batch_size "
                 "and steps_per_epoch."
@@ -310,10 +314,10 @@ class EPLTrainer:
         if self._program is None:
             if features is None and not self.model.built:
                 raise ValueError(
-                    "restore_checkpoint on a subclassed model that was never "
-                    "called needs `features` (one batch) to build it."
+                    "restore_checkpoint on a subclassed model that was never called needs "
+                    "`features` (one batch) to build it."
                 )
-            self._ensure_program(features if features is not None else _dummy_inputs(self.model))
+            self._ensure_program(features)
         path = ckpt.latest(directory)
         expected, names = self._checkpoint_variables()
         values, metadata = ckpt.load(path, expected, names)
@@ -398,15 +402,16 @@ class EPLTrainer:
             logs[m.name] = float(m.stateless_result(values))
         return logs
 
-    def _check_batch(self, features) -> None:
-        batch = data_lib.batch_size_of(features)
-        parts = len(self.lanes) * self.config.pipeline.num_micro_batch
-        if batch % parts:
-            raise ValueError(
-                "The per-worker batch must split evenly into local replicas x micro-batches. "
-                f"Received: batch_size={batch}, local_replicas={len(self.lanes)}, "
-                f"num_micro_batch={self.config.pipeline.num_micro_batch}"
-            )
+
+def _run_checked(step_fn, *args):
+    """Runs a step; the in-graph batch-split assertion becomes the ValueError it stands for."""
+    try:
+        return step_fn(*args)
+    except tf.errors.InvalidArgumentError as e:
+        found = re.search(rf"\[({re.escape(BATCH_SPLIT_ERROR)}.*?)\] \[(\d+)\]", e.message)
+        if found:
+            raise ValueError(found.group(1) + found.group(2)) from None
+        raise
 
 
 def _resolve_model(model, loss, metrics):
@@ -475,13 +480,6 @@ def _unpack_validation(validation_data):
     raise ValueError(
         "validation_data must be a tf.data.Dataset or an (x, y) tuple. "
         f"Received: {type(validation_data).__name__}"
-    )
-
-
-def _dummy_inputs(model):
-    return tree.map_structure(
-        lambda t: tf.zeros([1, *[d or 1 for d in t.shape[1:]]], t.dtype),
-        model.inputs if len(model.inputs) > 1 else model.inputs[0],
     )
 
 

@@ -7,6 +7,7 @@ difference is the order of floating-point sums across replicas).
 import keras
 import numpy as np
 import pytest
+import tensorflow as tf
 from _models import (
     LOSS,
     keras_reference,
@@ -215,3 +216,16 @@ def test_model_fn_returning_a_model_spec():
     history = trainer.fit(x, y, batch_size=16, steps_per_epoch=2, verbose=0)
     assert "accuracy" in history.history
     assert max_weight_difference(reference, trainer.model) < ATOL
+
+
+def test_a_batch_that_does_not_split_is_a_clear_error_static_and_dynamic():
+    x, y = mlp_data(n=67)
+    with pytest.raises(
+        ValueError, match=r"replicas x micro-batches.*batch_size=15.*local_replicas=2"
+    ):
+        _trainer(mlp(), 2).fit(x, y, batch_size=15, verbose=0)  # static batch dimension
+    dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(16)  # last batch has 3 rows
+    trainer = _trainer(mlp(), 2)
+    with pytest.raises(ValueError, match=r"local_replicas=2, num_micro_batch=1, batch_size=3$"):
+        trainer.fit(dataset, verbose=0)
+    assert int(trainer.optimizer.iterations.numpy()) == 4  # the 4 full batches were trained

@@ -103,7 +103,9 @@ class Program:
             state.stage_indices(k, trainable=False) for k in range(self.num_stages)
         ]
         self._buckets = [self._plan_buckets(k) for k in range(self.num_stages)]
-        self.train_step = tf.function(self._train_step, reduce_retracing=True)
+        # Pulling the batch inside the compiled step (as Keras does) saves a Python-level
+        # round trip per step; it matters for small, fast steps.
+        self.train_on_iterator = tf.function(self._train_on_iterator, reduce_retracing=True)
         self.eval_step = tf.function(self._eval_step, reduce_retracing=True)
         self.predict_step = tf.function(self._predict_step, reduce_retracing=True)
 
@@ -114,9 +116,14 @@ class Program:
 
     # ---- the training step -------------------------------------------------------------
 
+    def _train_on_iterator(self, iterator):
+        features, labels = split_element(next(iterator))
+        return self._train_step(features, labels)
+
     def _train_step(self, features, labels):
         num_lanes, num_micro = len(self.lanes), self.options.num_micro_batch
-        with tf.device(self.host):
+        batch = self._checked_batch_size(features, num_lanes * num_micro)
+        with tf.device(self.host), tf.control_dependencies([batch]):  # check, then split
             feature_parts = split_batch(features, num_lanes * num_micro)
             label_parts = split_batch(labels, num_lanes * num_micro)
         lane_grads, lane_non_trainable = [], []
@@ -139,10 +146,34 @@ class Program:
             reduced = [self._clip(li, grads) for li, grads in enumerate(reduced)]
         self._apply(reduced)
         self._store_non_trainable(lane_non_trainable)
-        if self.step_counter is not None:
-            with tf.device(self.host):
+        # Depend on the data itself (a static batch size folds into a constant), so a
+        # step whose input ran out increments nothing.
+        with tf.device(self.host), tf.control_dependencies([batch, tree.flatten(features)[0]]):
+            if self.step_counter is not None:
                 self.step_counter.assign_add(1)
-        return self._metric_results()
+            return {**self._metric_results(), BATCH_SIZE_KEY: batch}
+
+    def _checked_batch_size(self, features, parts: int):
+        """The batch size, checked to split into lanes x micro-batches.
+
+        A static batch dimension is checked while tracing (a ValueError); a dynamic one
+        by an in-graph assertion whose message starts with BATCH_SPLIT_ERROR.
+        """
+        first = tree.flatten(features)[0]
+        static = first.shape[0]
+        terms = f"local_replicas={len(self.lanes)}, num_micro_batch={self.options.num_micro_batch}"
+        if static is not None and static % parts:
+            raise ValueError(f"{BATCH_SPLIT_ERROR} Received: batch_size={static}, {terms}")
+        with tf.device(self.host):
+            batch = tf.shape(first)[0]
+            if static is None:
+                check = tf.debugging.Assert(
+                    tf.equal(batch % parts, 0),
+                    [f"{BATCH_SPLIT_ERROR} Received: {terms}, batch_size=", batch],
+                )
+                with tf.control_dependencies([check]):
+                    batch = tf.identity(batch)
+        return batch
 
     def _metric_results(self) -> dict:
         """Running metric values, computed in the step so one call returns the logs."""
@@ -369,6 +400,20 @@ class Program:
         with tf.device(self.host):
             joined = tree.map_structure(lambda *xs: tf.concat(xs, axis=0), *outputs)
             return tree.map_structure(lambda x: x[:batch], joined)
+
+
+BATCH_SIZE_KEY = "_batch_size"
+BATCH_SPLIT_ERROR = "The per-worker batch must split evenly into local replicas x micro-batches."
+
+
+def split_element(element):
+    """(features, labels) from a training dataset element, checked while tracing."""
+    if not isinstance(element, tuple) or len(element) != 2:
+        raise ValueError(
+            "Training and evaluation datasets must yield (features, labels) pairs. Received "
+            f"an element with structure {tree.map_structure(lambda x: x.shape, element)}"
+        )
+    return element
 
 
 def split_batch(structure, parts: int) -> list:
