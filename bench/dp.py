@@ -17,7 +17,7 @@ import time
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir))
 
-from epl_trainer.cluster import configure_tensorflow  # noqa: E402
+from epl_trainer.cluster import configure_tensorflow
 
 configure_tensorflow(2)
 
@@ -58,8 +58,12 @@ def keras_runner(width, batch, strategy=None):
 
 
 def epl_runner(width, batch, devices):
-    trainer = epl.EPLTrainer(make_model(width), LOSS, keras.optimizers.SGD(0.01),
-                             config={"cluster.virtual_devices": devices})
+    trainer = epl.EPLTrainer(
+        make_model(width),
+        LOSS,
+        keras.optimizers.SGD(0.01),
+        config={"cluster.virtual_devices": devices},
+    )
     dataset = make_dataset(batch)
     return lambda steps: trainer.fit(dataset, epochs=1, steps_per_epoch=steps, verbose=0)
 
@@ -88,11 +92,20 @@ def main():
     devices = [d.name for d in tf.config.list_logical_devices("CPU")]
     mirrored = tf.distribute.MirroredStrategy(devices)
     pairs = [
-        ("1 device", "Keras fit", keras_runner(args.width, args.batch),
-         "EPLTrainer", epl_runner(args.width, args.batch, 1)),
-        ("2 logical devices", "MirroredStrategy + fit",
-         keras_runner(args.width, args.batch, mirrored),
-         "EPLTrainer", epl_runner(args.width, args.batch, 2)),
+        (
+            "1 device",
+            "Keras fit",
+            keras_runner(args.width, args.batch),
+            "EPLTrainer",
+            epl_runner(args.width, args.batch, 1),
+        ),
+        (
+            "2 logical devices",
+            "MirroredStrategy + fit",
+            keras_runner(args.width, args.batch, mirrored),
+            "EPLTrainer",
+            epl_runner(args.width, args.batch, 2),
+        ),
     ]
     for _, _, baseline, _, ours in pairs:  # warm-up: trace and build everything
         baseline(3)
@@ -105,8 +118,10 @@ def main():
             our_rates.append(steps_per_second(ours, args.steps))
         base, mine = statistics.median(base_rates), statistics.median(our_rates)
         rows.append((setting, baseline_name, base, ours_name, mine, mine / base))
-    print(f"\nDense {args.width}x3, batch {args.batch}, {args.steps} steps x {args.repeats} "
-          f"repeats (median); {os.cpu_count()} CPU cores")
+    print(
+        f"\nDense {args.width}x3, batch {args.batch}, {args.steps} steps x {args.repeats} "
+        f"repeats (median); {os.cpu_count()} CPU cores"
+    )
     header = ("setting", "baseline", "steps/s", "ours", "steps/s", "ours/baseline")
     widths = (18, 24, 9, 11, 9, 13)
     print("  ".join(h.ljust(w) for h, w in zip(header, widths)))

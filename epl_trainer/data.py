@@ -63,7 +63,18 @@ def as_dataset(
         )
     dataset = dataset.batch(batch_size, drop_remainder=drop_remainder)
     if worker_num > 1:
-        dataset = dataset.shard(worker_num, worker_index)
+        # Every worker must run the same number of steps, or one would wait forever in
+        # a collective its peers never join: batches that cannot be dealt evenly are left out.
+        num_batches = total // batch_size if drop_remainder else -(-total // batch_size)
+        usable = num_batches - num_batches % worker_num
+        if usable < num_batches:
+            logger.warning(
+                "%d batch(es) of %d cannot be dealt evenly to %d workers and are skipped.",
+                num_batches - usable,
+                num_batches,
+                worker_num,
+            )
+        dataset = dataset.take(usable).shard(worker_num, worker_index)
     return dataset.prefetch(tf.data.AUTOTUNE)
 
 

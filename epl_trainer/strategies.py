@@ -526,6 +526,12 @@ def _node_label(node) -> str:
     return operation.name
 
 
+def _has_layer_graph(model) -> bool:
+    import keras
+
+    return isinstance(model, keras.Sequential) or hasattr(model, "_nodes_by_depth")
+
+
 def model_nodes(model) -> list:
     """The compute nodes of a functional (or built Sequential) model, topologically
     ordered, input nodes excluded."""
@@ -571,8 +577,16 @@ def resolve_annotation(model, strategy=None, stages=None, split=None) -> ModelAn
         the same mapping is given twice.
       TypeError: unsupported `strategy` or model.
     """
-    nodes = model_nodes(model)
     data_form = _data_form(strategy, stages, split)
+    if not _has_layer_graph(model) and (
+        data_form is None or not (data_form.stages or data_form.split)
+    ):
+        # A subclassed model has no layer graph to cut, but as one TaskGraph (plain data
+        # parallelism) it needs none.
+        if data_form is None:
+            return ModelAnnotation((StrategySpec("replicate", 1, None),), {}, source="default")
+        return ModelAnnotation(data_form.taskgraph_specs(), {}, source="strategy")
+    nodes = model_nodes(model)
     if data_form is None:
         return _from_scope_tags(nodes)
     if any(getattr(node, NODE_ATTR, None) is not None for node in nodes):

@@ -92,6 +92,12 @@ class EPLTrainer:
             colocate_split_and_replicate=self.config.cluster.colocate_split_and_replicate,
             prefer_intra_node=self.config.cluster.device_place_prefer_intra_node,
         )
+        split = [tg.name for tg in self.plan.taskgraphs if tg.kind == "split"]
+        if split:
+            raise NotImplementedError(
+                f"split TaskGraphs {split} are not implemented yet in epl_trainer (tensor "
+                "split and expert parallelism); use replicate for now."
+            )
         if len(self.plan.taskgraphs) > 1 and self.config.pipeline.strategy == "PreferForward":
             raise NotImplementedError(
                 "pipeline.strategy='PreferForward' (GPipe order) is not implemented yet; "
@@ -457,6 +463,12 @@ _NOT_YET = {
 def _check_supported(config: Config) -> None:
     """Refuses settings whose feature is not built yet instead of silently ignoring them."""
     values = config.to_dict()
+    if values["pipeline.num_stages"] is not None and not values["auto.auto_parallel"]:
+        raise ValueError(
+            "pipeline.num_stages only applies to the automatic pipeline "
+            "(auto.auto_parallel=True); give stages with epl.replicate scopes or stages=. "
+            f"Received: pipeline.num_stages={values['pipeline.num_stages']}"
+        )
     for key, (off, feature) in _NOT_YET.items():
         if values[key] != off:
             raise NotImplementedError(

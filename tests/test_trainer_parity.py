@@ -229,3 +229,54 @@ def test_a_batch_that_does_not_split_is_a_clear_error_static_and_dynamic():
     with pytest.raises(ValueError, match=r"local_replicas=2, num_micro_batch=1, batch_size=3$"):
         trainer.fit(dataset, verbose=0)
     assert int(trainer.optimizer.iterations.numpy()) == 4  # the 4 full batches were trained
+
+
+class SubclassedMLP(keras.Model):
+    def __init__(self):
+        super().__init__()
+        self.hidden = keras.layers.Dense(16, activation="relu")
+        self.logits = keras.layers.Dense(3)
+
+    def call(self, x):
+        return self.logits(self.hidden(x))
+
+
+def test_subclassed_model_trains_data_parallel():
+    x, y = mlp_data()
+    keras.utils.set_random_seed(3)
+    reference = SubclassedMLP()
+    reference(x[:1])
+    initial = reference.get_weights()
+    keras_reference(reference, x, y, keras.optimizers.SGD(0.1), batch_size=16, steps=3)
+    model = SubclassedMLP()  # not built: the trainer builds it from the first batch
+    trainer = _trainer(model, 2)
+    model(x[:1])
+    model.set_weights(initial)
+    trainer.fit(x, y, batch_size=16, steps_per_epoch=3, verbose=0)
+    assert max_weight_difference(reference, model) < ATOL
+
+
+def test_unbuilt_features_are_refused_not_ignored():
+    with pytest.raises(NotImplementedError, match=r"zero\.level='v1' is not implemented yet"):
+        _trainer(mlp(), 2, **{"zero.level": "v1"})
+    with pytest.raises(NotImplementedError, match="split TaskGraphs"):
+        epl.EPLTrainer(
+            mlp(),
+            LOSS,
+            "sgd",
+            split=["logits"],
+            config={"cluster.virtual_devices": 2, "cluster.colocate_split_and_replicate": True},
+        )
+    with pytest.raises(ValueError, match="num_stages only applies"):
+        _trainer(mlp(), 2, **{"pipeline.num_stages": 2})
+
+
+def test_impossible_layouts_name_every_term():
+    from epl_trainer.core.ir import PlanError
+
+    with pytest.raises(PlanError, match="3"):
+        epl.EPLTrainer(
+            mlp(), LOSS, "sgd", strategy=epl.replicate(3), config={"cluster.virtual_devices": 2}
+        )
+    with pytest.raises(epl.ConfigError, match=r"Did you mean 'pipeline\.num_micro_batch'"):
+        _trainer(mlp(), 2, **{"pipeline.num_micro_batches": 2})

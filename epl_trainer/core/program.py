@@ -214,7 +214,7 @@ class Program:
                         variables,
                         [non_trainable[i] for i in nt_idx],
                         staged.stage_arguments(stage, values),
-                        training=True,
+                        **_training_kwargs(stage.model, True),
                         return_losses=True,
                     )
                     results = staged.stage_results(stage, outputs)
@@ -362,7 +362,7 @@ class Program:
                     variables,
                     non_trainable,
                     staged.stage_arguments(stage, values),
-                    training=False,
+                    **_training_kwargs(stage.model, False),
                     return_losses=True,
                 )
                 values.update(staged.stage_results(stage, outputs))
@@ -435,3 +435,9 @@ def pad_batch(structures: tuple, multiple: int):
     )
     mask = tf.cast(tf.sequence_mask(batch, batch + pad), keras.backend.floatx())
     return (*padded, mask)
+
+
+def _training_kwargs(model, training: bool) -> dict:
+    # `stateless_call` forwards `training` unconditionally; a subclassed `call` may not
+    # accept it (Keras's own `__call__` drops it in that case, so do we).
+    return {"training": training} if getattr(model, "_call_has_training_arg", True) else {}
