@@ -354,5 +354,9 @@ def test_sequential_and_subclassed_models():
         def call(self, x):
             return x
 
+    # A subclassed model has no layer graph: fine as one TaskGraph, an error with stages.
+    whole = resolve_annotation(Sub())
+    assert [spec.kind for spec in whole.taskgraphs] == ["replicate"]
+    assert resolve_annotation(Sub(), strategy=replicate(2)).taskgraphs[0].device_count == 2
     with pytest.raises(TypeError, match="functional Keras model"):
-        resolve_annotation(Sub())
+        resolve_annotation(Sub(), stages={"a": 0})
