@@ -19,6 +19,7 @@ _EXPORTS = {
     "Strategy": "epl_trainer.strategies",
     "EPLTrainer": "epl_trainer.trainer",
     "ModelSpec": "epl_trainer.trainer",
+    "plot_schedule": "epl_trainer.plot",
 }
 
 __all__ = [*_EXPORTS, "__version__"]

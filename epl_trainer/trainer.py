@@ -98,11 +98,6 @@ class EPLTrainer:
                 f"split TaskGraphs {split} are not implemented yet in epl_trainer (tensor "
                 "split and expert parallelism); use replicate for now."
             )
-        if len(self.plan.taskgraphs) > 1 and self.config.pipeline.strategy == "PreferForward":
-            raise NotImplementedError(
-                "pipeline.strategy='PreferForward' (GPipe order) is not implemented yet; "
-                "stages currently run each micro-batch's forward and backward in turn."
-            )
         if len(self.plan.taskgraphs) == 1:
             self.staged = whole_model(model)
         else:
@@ -153,6 +148,7 @@ class EPLTrainer:
             max_splits=self.config.communication.max_splits,
             num_communicators=self.config.communication.num_communicators,
             clip_after_allreduce=self.config.communication.clip_after_allreduce,
+            pipeline_strategy=self.config.pipeline.strategy,
         )
         with tf.device(self.cluster.host_device):
             self.loss_tracker.reset_state()

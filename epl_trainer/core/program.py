@@ -3,10 +3,11 @@
 One training step, in this order (each phase is a method below):
 
 1. split the per-worker batch on the host into lanes x micro-batches;
-2. per lane and micro-batch, the stateless forward of each stage under its device,
-   each stage recorded by its own tape; then each stage's backward under its own
-   device (a single tape would put every backward op on the device current when
-   `gradient()` is called), boundary gradients routed back by tensor key;
+2. per lane, the forward and backward of every (stage, micro-batch) in the order of the
+   pipeline schedule (pipeline.py, schedule.py): stateless forward under the stage's
+   device recorded by its own tape, backward under the same device (a single tape would
+   put every backward op on the device current when `gradient()` is called), boundary
+   gradients routed back by tensor key;
 3. gradients accumulated over micro-batches (scaled by 1/num_micro_batch, so the sum is
    the mean: one TaskGraph with num_micro_batch > 1 is gradient accumulation);
 4. all-reduced per stage over every lane of the job, in fused buckets;
@@ -31,6 +32,8 @@ from keras import tree
 
 from epl_trainer.core import comm
 from epl_trainer.core.partition import StagedModel
+from epl_trainer.core.pipeline import LaneExecutor, training_kwargs
+from epl_trainer.core.schedule import execution_order, make_schedule
 from epl_trainer.core.state import EngineState, Lane
 
 
@@ -43,18 +46,7 @@ class ProgramOptions:
     max_splits: int
     num_communicators: int
     clip_after_allreduce: bool = False
-
-
-@dataclasses.dataclass
-class _StageRun:
-    """What the forward of one stage leaves for its backward."""
-
-    tape: tf.GradientTape
-    variables: list
-    input_keys: list
-    inputs: list
-    outputs: dict
-    objective: tf.Tensor | None  # loss (last stage) or auxiliary losses, already scaled
+    pipeline_strategy: str = "PreferBackward"
 
 
 class Program:
@@ -103,6 +95,23 @@ class Program:
             state.stage_indices(k, trainable=False) for k in range(self.num_stages)
         ]
         self._buckets = [self._plan_buckets(k) for k in range(self.num_stages)]
+        self.schedule = make_schedule(
+            options.pipeline_strategy, self.num_stages, options.num_micro_batch
+        )
+        order = execution_order(self.schedule)
+        self.executors = [
+            LaneExecutor(
+                staged,
+                lane.devices,
+                state.trainable[li],
+                self._trainable_idx,
+                self._non_trainable_idx,
+                order,
+                options.num_micro_batch,
+                loss_fn,
+            )
+            for li, lane in enumerate(self.lanes)
+        ]
         # Pulling the batch inside the compiled step (as Keras does) saves a Python-level
         # round trip per step; it matters for small, fast steps.
         self.train_on_iterator = tf.function(self._train_on_iterator, reduce_retracing=True)
@@ -127,17 +136,17 @@ class Program:
             feature_parts = split_batch(features, num_lanes * num_micro)
             label_parts = split_batch(labels, num_lanes * num_micro)
         lane_grads, lane_non_trainable = [], []
-        for li in range(num_lanes):
-            non_trainable = [v.value for v in self.state.non_trainable[li]]
-            accumulated = None
-            for m in range(num_micro):
-                part = li * num_micro + m
-                grads, non_trainable, loss, y_pred = self._forward_backward(
-                    li, feature_parts[part], label_parts[part], non_trainable
-                )
-                accumulated = grads if accumulated is None else self._add(li, accumulated, grads)
-                self._update_metrics(label_parts[part], y_pred, loss)
-            lane_grads.append(accumulated)
+        for li, executor in enumerate(self.executors):
+            parts = slice(li * num_micro, (li + 1) * num_micro)
+            grads, non_trainable, micro_batches = executor.run(
+                feature_parts[parts],
+                label_parts[parts],
+                [v.value for v in self.state.non_trainable[li]],
+                task_scope=f"lane{li}",
+            )
+            for mb in micro_batches:
+                self._update_metrics(mb.labels, mb.y_pred, mb.loss)
+            lane_grads.append(grads)
             lane_non_trainable.append(non_trainable)
         if self._clip_before:
             lane_grads = [self._clip(li, grads) for li, grads in enumerate(lane_grads)]
@@ -180,96 +189,6 @@ class Program:
         with tf.device(self.host):
             metrics = [self.loss_tracker] + [m for _, m in self.metrics]
             return {m.name: m.result() for m in metrics}
-
-    def _forward_backward(self, li: int, features, labels, non_trainable: list):
-        """Forward then backward of every stage for one micro-batch on lane `li`.
-
-        Returns gradients (one per trainable variable, on its stage device), the updated
-        non-trainable values, the unscaled loss and the model outputs.
-        """
-        lane = self.lanes[li]
-        staged = self.staged
-        values = dict(zip(staged.input_keys, staged.flatten_inputs(features)))
-        runs: list[_StageRun] = []
-        non_trainable = list(non_trainable)
-        scale = 1.0 / self.options.num_micro_batch
-        loss = y_pred = None
-        for k, stage in enumerate(staged.stages):
-            last = k == self.num_stages - 1
-            with tf.device(lane.devices[k]):
-                tape = tf.GradientTape(watch_accessed_variables=False)
-                with tape:
-                    input_keys = list(stage.input_keys) if k > 0 else []
-                    if last:  # the loss needs model outputs made by earlier stages too
-                        input_keys += [
-                            key
-                            for key in staged.output_keys
-                            if key in values and key not in input_keys
-                        ]
-                    inputs = [values[key] for key in input_keys]
-                    variables = [self.state.trainable[li][i].value for i in self._trainable_idx[k]]
-                    tape.watch([x for x in inputs if x.dtype.is_floating] + variables)
-                    nt_idx = self._non_trainable_idx[k]
-                    outputs, new_nt, aux = stage.model.stateless_call(
-                        variables,
-                        [non_trainable[i] for i in nt_idx],
-                        staged.stage_arguments(stage, values),
-                        **_training_kwargs(stage.model, True),
-                        return_losses=True,
-                    )
-                    results = staged.stage_results(stage, outputs)
-                    objective = tf.add_n(aux) if aux else None
-                    if last:
-                        table = {**values, **results}
-                        y_pred = staged.pack_outputs([table[key] for key in staged.output_keys])
-                        loss = self.loss_fn(labels, y_pred)
-                        loss = loss if objective is None else loss + objective
-                        objective = loss
-                    if objective is not None:
-                        objective = objective * tf.cast(scale, objective.dtype)
-            for i, value in zip(nt_idx, new_nt):
-                non_trainable[i] = value
-            values.update(results)
-            runs.append(_StageRun(tape, variables, input_keys, inputs, results, objective))
-        grads = self._backward(lane, runs)
-        return grads, non_trainable, loss, y_pred
-
-    def _backward(self, lane: Lane, runs: list[_StageRun]) -> list:
-        grads: list = [None] * len(self.state.model_trainable)
-        upstream: dict = {}
-        for k in reversed(range(self.num_stages)):
-            run = runs[k]
-            with tf.device(lane.devices[k]):
-                targets, output_gradients = [], []
-                for key, value in run.outputs.items():
-                    if key in upstream:
-                        targets.append(value)
-                        output_gradients.append(upstream.pop(key))
-                if run.objective is not None:
-                    targets.append(run.objective)
-                    output_gradients.append(tf.ones_like(run.objective))
-                float_inputs = [
-                    (key, x) for key, x in zip(run.input_keys, run.inputs) if x.dtype.is_floating
-                ]
-                sources = run.variables + [x for _, x in float_inputs]
-                computed = run.tape.gradient(
-                    targets,
-                    sources,
-                    output_gradients=output_gradients,
-                    unconnected_gradients=tf.UnconnectedGradients.ZERO,
-                )
-                for i, g in zip(self._trainable_idx[k], computed[: len(run.variables)]):
-                    grads[i] = tf.convert_to_tensor(g)
-                for (key, _), g in zip(float_inputs, computed[len(run.variables) :]):
-                    upstream[key] = g if key not in upstream else upstream[key] + g
-        return grads
-
-    def _add(self, li: int, accumulated: list, grads: list) -> list:
-        out = []
-        for i, (a, g) in enumerate(zip(accumulated, grads)):
-            with tf.device(self.lanes[li].devices[self.state.trainable_stage[i]]):
-                out.append(a + g)
-        return out
 
     def _reduce_gradients(self, lane_grads: list[list]) -> list[list]:
         """All-reduces each stage's gradients over every lane of the job."""
@@ -362,7 +281,7 @@ class Program:
                     variables,
                     non_trainable,
                     staged.stage_arguments(stage, values),
-                    **_training_kwargs(stage.model, False),
+                    **training_kwargs(stage.model, False),
                     return_losses=True,
                 )
                 values.update(staged.stage_results(stage, outputs))
@@ -435,9 +354,3 @@ def pad_batch(structures: tuple, multiple: int):
     )
     mask = tf.cast(tf.sequence_mask(batch, batch + pad), keras.backend.floatx())
     return (*padded, mask)
-
-
-def _training_kwargs(model, training: bool) -> dict:
-    # `stateless_call` forwards `training` unconditionally; a subclassed `call` may not
-    # accept it (Keras's own `__call__` drops it in that case, so do we).
-    return {"training": training} if getattr(model, "_call_has_training_arg", True) else {}

@@ -17,6 +17,8 @@ import numpy as np
 
 import epl_trainer as epl
 
+STAGES = {"dense_in": 0, "norm|logits": 1}
+
 
 def make_data(n=96):
     rng = np.random.default_rng(0)
@@ -42,8 +44,10 @@ def main():
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--global_batch", type=int, default=16)
     parser.add_argument("--fail_worker", type=int, default=-1)
+    parser.add_argument("--two_stages", action="store_true", help="dense_in | norm+logits")
+    parser.add_argument("--num_micro_batch", type=int, default=1)
     args = parser.parse_args()
-    env = epl.init()
+    env = epl.init({"pipeline.num_micro_batch": args.num_micro_batch})
     import keras
 
     cluster = env.cluster
@@ -51,6 +55,7 @@ def main():
         make_model(),
         keras.losses.SparseCategoricalCrossentropy(from_logits=True),
         keras.optimizers.SGD(0.1),
+        stages=STAGES if args.two_stages else None,
     )
     x, y = make_data()
     per_worker = args.global_batch // cluster.worker_num

@@ -1,0 +1,182 @@
+"""One lane's micro-batches through its stages, in pipeline-schedule order.
+
+A lane is one device per stage (see state.py). Each (stage, micro-batch) forward is a
+stateless call of the stage's sub-model recorded by its own tape; each backward is that
+tape's `gradient()` called under the stage's device, with the gradients of the stage's
+outputs routed back by tensor key. The schedule (schedule.py: GPipe or 1F1B) is data;
+here it becomes control dependencies: every task of a stage waits for the previous task
+of the same stage, so the runtime follows the schedule and frees a micro-batch's
+activations as soon as its backward has run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import tensorflow as tf
+
+from epl_trainer.core.partition import StagedModel
+from epl_trainer.core.schedule import FORWARD, Task
+
+
+@dataclasses.dataclass
+class _StageRun:
+    """What the forward of one (stage, micro-batch) leaves for its backward."""
+
+    tape: tf.GradientTape
+    variables: list
+    input_keys: list
+    inputs: list
+    outputs: dict
+    objective: tf.Tensor | None  # loss (last stage) or auxiliary losses, already scaled
+
+
+@dataclasses.dataclass
+class MicroBatch:
+    """The tensors of one micro-batch while it moves through the stages."""
+
+    values: dict  # tensor key -> tensor: model inputs and stage outputs
+    labels: object
+    runs: dict = dataclasses.field(default_factory=dict)  # stage -> _StageRun
+    upstream: dict = dataclasses.field(default_factory=dict)  # key -> gradient of the loss
+    loss: tf.Tensor | None = None
+    y_pred: object = None
+
+
+class LaneExecutor:
+    """Builds one lane's forward and backward ops for a training step.
+
+    Args:
+      staged: the model cut into stages.
+      devices: the lane's device per stage.
+      variables: the lane's trainable variable copies (model order).
+      trainable_idx, non_trainable_idx: per stage, the model-order indices it owns.
+      order: (stage, Task) pairs in a dependency-respecting order (schedule.py).
+      num_micro_batch: micro-batches per step (losses are scaled by its inverse).
+      loss_fn: `(labels, y_pred) -> scalar` for one micro-batch.
+    """
+
+    def __init__(
+        self,
+        staged: StagedModel,
+        devices,
+        variables,
+        trainable_idx,
+        non_trainable_idx,
+        order: list[tuple[int, Task]],
+        num_micro_batch: int,
+        loss_fn,
+    ):
+        self.staged = staged
+        self.devices = devices
+        self.variables = variables
+        self.trainable_idx = trainable_idx
+        self.non_trainable_idx = non_trainable_idx
+        self.order = order
+        self.num_micro_batch = num_micro_batch
+        self.loss_fn = loss_fn
+        self.num_stages = len(staged.stages)
+
+    def run(self, feature_parts, label_parts, non_trainable: list, task_scope=None):
+        """Emits every task of the schedule for this lane.
+
+        Returns:
+          (gradients summed over micro-batches, one per trainable variable on its stage
+          device; the updated non-trainable values; the micro-batches, for metrics).
+        """
+        micro_batches = [
+            MicroBatch(dict(zip(self.staged.input_keys, self.staged.flatten_inputs(f))), y)
+            for f, y in zip(feature_parts, label_parts)
+        ]
+        non_trainable = list(non_trainable)
+        grads: list = [None] * len(self.variables)
+        previous: list = [None] * self.num_stages  # per stage: tensors ending its last task
+        for stage, task in self.order:
+            mb = micro_batches[task.micro_batch]
+            after = [] if previous[stage] is None else previous[stage]
+            name = f"{task_scope or 'lane'}_stage{stage}_{task.kind}{task.micro_batch}"
+            with tf.name_scope(name), tf.control_dependencies(after):
+                if task.kind == FORWARD:
+                    previous[stage] = self._forward(stage, mb, non_trainable)
+                else:
+                    previous[stage] = self._backward(stage, mb, grads)
+        return grads, non_trainable, micro_batches
+
+    def _forward(self, k: int, mb: MicroBatch, non_trainable: list) -> list:
+        staged, stage = self.staged, self.staged.stages[k]
+        last = k == self.num_stages - 1
+        with tf.device(self.devices[k]):
+            tape = tf.GradientTape(watch_accessed_variables=False)
+            with tape:
+                input_keys = list(stage.input_keys) if k > 0 else []
+                if last:  # the loss needs model outputs made by earlier stages too
+                    input_keys += [
+                        key
+                        for key in staged.output_keys
+                        if key in mb.values and key not in input_keys
+                    ]
+                inputs = [mb.values[key] for key in input_keys]
+                variables = [self.variables[i].value for i in self.trainable_idx[k]]
+                tape.watch([x for x in inputs if x.dtype.is_floating] + variables)
+                nt_idx = self.non_trainable_idx[k]
+                outputs, new_nt, aux = stage.model.stateless_call(
+                    variables,
+                    [non_trainable[i] for i in nt_idx],
+                    staged.stage_arguments(stage, mb.values),
+                    **training_kwargs(stage.model, True),
+                    return_losses=True,
+                )
+                results = staged.stage_results(stage, outputs)
+                objective = tf.add_n(aux) if aux else None
+                if last:
+                    table = {**mb.values, **results}
+                    mb.y_pred = staged.pack_outputs([table[key] for key in staged.output_keys])
+                    loss = self.loss_fn(mb.labels, mb.y_pred)
+                    mb.loss = loss if objective is None else loss + objective
+                    objective = mb.loss
+                if objective is not None:
+                    objective = objective * tf.cast(1.0 / self.num_micro_batch, objective.dtype)
+        for i, value in zip(nt_idx, new_nt):
+            non_trainable[i] = value
+        mb.values.update(results)
+        mb.runs[k] = _StageRun(tape, variables, input_keys, inputs, results, objective)
+        markers = list(_flat_tensors(results)) + ([objective] if objective is not None else [])
+        return markers
+
+    def _backward(self, k: int, mb: MicroBatch, grads: list) -> list:
+        run = mb.runs.pop(k)  # drop the tape's Python references once used
+        with tf.device(self.devices[k]):
+            targets, output_gradients = [], []
+            for key, value in run.outputs.items():
+                if key in mb.upstream:
+                    targets.append(value)
+                    output_gradients.append(mb.upstream.pop(key))
+            if run.objective is not None:
+                targets.append(run.objective)
+                output_gradients.append(tf.ones_like(run.objective))
+            float_inputs = [
+                (key, x) for key, x in zip(run.input_keys, run.inputs) if x.dtype.is_floating
+            ]
+            computed = run.tape.gradient(
+                targets,
+                run.variables + [x for _, x in float_inputs],
+                output_gradients=output_gradients,
+                unconnected_gradients=tf.UnconnectedGradients.ZERO,
+            )
+            computed = [tf.convert_to_tensor(g) for g in computed]
+            for i, g in zip(self.trainable_idx[k], computed[: len(run.variables)]):
+                grads[i] = g if grads[i] is None else grads[i] + g
+            for (key, _), g in zip(float_inputs, computed[len(run.variables) :]):
+                mb.upstream[key] = g if key not in mb.upstream else mb.upstream[key] + g
+        return computed
+
+
+def training_kwargs(model, training: bool) -> dict:
+    # `stateless_call` forwards `training` unconditionally; a subclassed `call` may not
+    # accept it (Keras's own `__call__` drops it in that case, so do we).
+    return {"training": training} if getattr(model, "_call_has_training_arg", True) else {}
+
+
+def _flat_tensors(results: dict):
+    for value in results.values():
+        yield from tf.nest.flatten(value)

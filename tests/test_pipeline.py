@@ -1,0 +1,167 @@
+"""Pipeline parallelism: parity with single-device Keras, schedule edges and placement.
+
+Tolerance: weights after 3 SGD steps agree with Keras `fit` on the same global batch to
+atol 1e-5 (observed <= ~1e-7: only the order of floating-point sums differs).
+"""
+
+import itertools
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+from _models import LOSS, keras_reference, max_weight_difference
+
+import epl_trainer as epl
+from epl_trainer.core import schedule as schedule_lib
+
+ATOL = 1e-5
+
+# Stage maps for 2, 3 and 4 stages. The Add joins block_2 with block_0's output: with 3
+# and 4 stages that skip connection crosses from stage 0 over stage 1.
+STAGE_MAPS = {
+    2: {"block_0|block_1": 0, "block_2|skip_add|block_3|head": 1},
+    3: {"block_0": 0, "block_1|block_2": 1, "skip_add|block_3|head": 2},
+    4: {"block_0": 0, "block_1": 1, "block_2|skip_add": 2, "block_3|head": 3},
+}
+
+
+def skip_model(seed=2):
+    keras.utils.set_random_seed(seed)
+    inputs = keras.Input((8,), name="x")
+    h0 = keras.layers.Dense(16, activation="tanh", name="block_0")(inputs)
+    h1 = keras.layers.Dense(16, activation="tanh", name="block_1")(h0)
+    h2 = keras.layers.Dense(16, activation="tanh", name="block_2")(h1)
+    joined = keras.layers.Add(name="skip_add")([h2, h0])
+    h3 = keras.layers.LayerNormalization(name="block_3")(joined)
+    return keras.Model(inputs, keras.layers.Dense(3, name="head")(h3))
+
+
+def skip_data(n=48):
+    rng = np.random.default_rng(4)
+    return rng.normal(size=(n, 8)).astype("float32"), rng.integers(0, 3, n).astype("int32")
+
+
+def _pipeline_trainer(model, stages, devices, num_micro_batch, strategy="PreferBackward"):
+    return epl.EPLTrainer(
+        model,
+        LOSS,
+        keras.optimizers.SGD(0.1),
+        stages=STAGE_MAPS[stages],
+        config={
+            "cluster.virtual_devices": devices,
+            "pipeline.num_micro_batch": num_micro_batch,
+            "pipeline.strategy": strategy,
+        },
+    )
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", ["PreferForward", "PreferBackward"])
+@pytest.mark.parametrize("num_stages", [2, 3, 4])
+@pytest.mark.parametrize("num_micro_batch", [1, 2, 4, 8])
+def test_pipeline_matches_single_device_keras(num_stages, strategy, num_micro_batch):
+    x, y = skip_data()
+    reference = skip_model()
+    keras_reference(reference, x, y, keras.optimizers.SGD(0.1), batch_size=16, steps=3)
+    model = skip_model()
+    trainer = _pipeline_trainer(model, num_stages, num_stages, num_micro_batch, strategy)
+    trainer.fit(x, y, batch_size=16, steps_per_epoch=3, verbose=0)
+    assert len(trainer.plan.taskgraphs) == num_stages and trainer.plan.num_replicas == 1
+    assert max_weight_difference(reference, model) < ATOL
+
+
+def test_two_pipelines_of_two_stages_match_keras():
+    x, y = skip_data()
+    reference = skip_model()
+    keras_reference(reference, x, y, keras.optimizers.SGD(0.1), batch_size=16, steps=3)
+    model = skip_model()
+    trainer = _pipeline_trainer(model, 2, 4, 4)
+    trainer.fit(x, y, batch_size=16, steps_per_epoch=3, verbose=0)
+    assert trainer.plan.num_replicas == 2
+    assert max_weight_difference(reference, model) < ATOL
+
+
+def _traced_graph(trainer, x, y):
+    dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(16)
+    trainer.fit(dataset, steps_per_epoch=1, verbose=0)
+    return trainer._program.train_on_iterator.get_concrete_function(iter(dataset)).graph
+
+
+def _ops_of(graph, lane, stage, task):
+    """Ops of one task. The tape names gradient ops after the forward op they differentiate
+    ("gradient_tape/<forward scope>/..."), so a backward task's ops carry either name."""
+    forward_scope = f"lane{lane}_stage{stage}_F{task.micro_batch}/"
+    if task.kind == schedule_lib.FORWARD:
+        return [
+            op
+            for op in graph.get_operations()
+            if forward_scope in op.name and not op.name.startswith("gradient_tape/")
+        ]
+    markers = (f"gradient_tape/{forward_scope}", f"lane{lane}_stage{stage}_B{task.micro_batch}/")
+    return [op for op in graph.get_operations() if any(m in op.name for m in markers)]
+
+
+@pytest.mark.parametrize("strategy", ["PreferForward", "PreferBackward"])
+def test_the_built_step_enforces_the_schedule_with_control_edges(strategy):
+    x, y = skip_data()
+    trainer = _pipeline_trainer(skip_model(), 3, 3, 4, strategy)
+    graph = _traced_graph(trainer, x, y)
+    expected = schedule_lib.make_schedule(strategy, 3, 4)
+    assert trainer._program.schedule == expected
+    for stage, tasks in enumerate(expected):
+        for before, after in itertools.pairwise(tasks):
+            before_ops = {op.name for op in _ops_of(graph, 0, stage, before)}
+            after_ops = _ops_of(graph, 0, stage, after)
+            assert before_ops and after_ops, (stage, before, after)
+            edges = [c for op in after_ops for c in op.control_inputs if c.name in before_ops]
+            assert edges, f"stage {stage}: no control edge from {before} to {after}"
+
+
+def test_each_stage_runs_forward_and_backward_on_its_own_device():
+    x, y = skip_data()
+    trainer = _pipeline_trainer(skip_model(), 4, 4, 2)
+    graph = _traced_graph(trainer, x, y)
+    lane = trainer.lanes[0]
+    for stage in range(4):
+        device = lane.devices[stage]
+        for task in schedule_lib.make_schedule("PreferBackward", 4, 2)[stage]:
+            ops = _ops_of(graph, 0, stage, task)
+            assert ops
+            # Ops that carry no kernel of their own (no-ops, identities of control edges)
+            # may stay unplaced; every computing op is on the stage's device.
+            placed = [op for op in ops if op.device]
+            assert placed and all(op.device == device for op in placed), (
+                stage,
+                task,
+                {op.device for op in placed},
+            )
+        for i in trainer._state.stage_indices(stage):
+            assert trainer._state.trainable[0][i].value.device.endswith(device.split("/")[-1])
+
+
+def test_a_stage_consuming_a_later_stage_is_an_error():
+    from epl_trainer.core.partition import PartitionError
+
+    with pytest.raises(PartitionError, match=r"Stage 0 .*consumes .*later stage 1"):
+        epl.EPLTrainer(
+            skip_model(),
+            LOSS,
+            "sgd",
+            stages={"block_0|block_1|block_3|head": 0, "block_2|skip_add": 1},
+            config={"cluster.virtual_devices": 2},
+        )
+
+
+def test_more_stages_than_devices_is_an_error():
+    from epl_trainer.core.ir import PlanError
+
+    with pytest.raises(PlanError, match="4"):
+        _pipeline_trainer(skip_model(), 4, 2, 1)
+
+
+def test_a_batch_that_does_not_split_into_micro_batches_is_an_error():
+    x, y = skip_data()
+    trainer = _pipeline_trainer(skip_model(), 2, 2, 4)
+    with pytest.raises(ValueError, match="batch_size=6, local_replicas=1, num_micro_batch=4"):
+        trainer.fit(x, y, batch_size=6, verbose=0)
