@@ -74,3 +74,12 @@ def test_a_failing_worker_stops_the_job_with_its_error(tmp_path):
     assert "worker 1 fails on purpose" in result.stderr
     assert "worker 1 failed (exit code 1)" in result.stderr
     assert elapsed < 60
+
+
+def test_two_stages_per_worker_with_data_parallelism_between_workers(tmp_path):
+    result = _launch(tmp_path, 2, 2, "--two_stages", "--num_micro_batch", "2")
+    assert result.returncode == 0, result.stdout + result.stderr
+    weights = [np.load(tmp_path / "out" / f"weights_{w}.npz") for w in range(2)]
+    for w in range(2):
+        for i, value in enumerate(_single_process_weights()):
+            np.testing.assert_allclose(weights[w][f"arr_{i}"], value, atol=1e-5)

@@ -5,6 +5,10 @@ atol 1e-5 (observed <= ~1e-7: only the order of floating-point sums differs).
 """
 
 import itertools
+import json
+import os
+import subprocess
+import sys
 
 import keras
 import numpy as np
@@ -165,3 +169,25 @@ def test_a_batch_that_does_not_split_into_micro_batches_is_an_error():
     trainer = _pipeline_trainer(skip_model(), 2, 2, 4)
     with pytest.raises(ValueError, match="batch_size=6, local_replicas=1, num_micro_batch=4"):
         trainer.fit(x, y, batch_size=6, verbose=0)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_1f1b_peak_memory_is_clearly_below_gpipe():
+    """4 stages, 8 micro-batches, each strategy measured in a fresh process."""
+    script = os.path.join(os.path.dirname(__file__), "scripts", "pipeline_memory.py")
+    peaks = {}
+    for strategy in ("PreferForward", "PreferBackward"):
+        result = subprocess.run(
+            [sys.executable, script, strategy],
+            capture_output=True,
+            text=True,
+            timeout=240,
+            check=True,
+        )
+        peaks[strategy] = json.loads(result.stdout.strip().splitlines()[-1])["peak_bytes"]
+    print(
+        f"\npeak bytes: GPipe {peaks['PreferForward']:,}  1F1B {peaks['PreferBackward']:,}  "
+        f"ratio {peaks['PreferBackward'] / peaks['PreferForward']:.2f}"
+    )
+    assert peaks["PreferBackward"] < 0.75 * peaks["PreferForward"]
