@@ -191,3 +191,44 @@ def test_1f1b_peak_memory_is_clearly_below_gpipe():
         f"ratio {peaks['PreferBackward'] / peaks['PreferForward']:.2f}"
     )
     assert peaks["PreferBackward"] < 0.75 * peaks["PreferForward"]
+
+
+def _annotated_skip_model(use_default_strategy: bool):
+    """skip_model's layers, with stages given by EPL annotations while building."""
+    keras.utils.set_random_seed(2)
+    inputs = keras.Input((8,), name="x")
+    if use_default_strategy:  # FastNN's BERT: set_default_strategy again for each stage
+        epl.set_default_strategy(epl.replicate(1))
+        h0 = keras.layers.Dense(16, activation="tanh", name="block_0")(inputs)
+        h1 = keras.layers.Dense(16, activation="tanh", name="block_1")(h0)
+        epl.set_default_strategy(epl.replicate(1))
+        h2 = keras.layers.Dense(16, activation="tanh", name="block_2")(h1)
+        joined = keras.layers.Add(name="skip_add")([h2, h0])
+        h3 = keras.layers.LayerNormalization(name="block_3")(joined)
+        outputs = keras.layers.Dense(3, name="head")(h3)
+    else:
+        with epl.replicate(1, name="stage_0"):
+            h0 = keras.layers.Dense(16, activation="tanh", name="block_0")(inputs)
+            h1 = keras.layers.Dense(16, activation="tanh", name="block_1")(h0)
+        with epl.replicate(1, name="stage_1"):
+            h2 = keras.layers.Dense(16, activation="tanh", name="block_2")(h1)
+            joined = keras.layers.Add(name="skip_add")([h2, h0])
+            h3 = keras.layers.LayerNormalization(name="block_3")(joined)
+            outputs = keras.layers.Dense(3, name="head")(h3)
+    return keras.Model(inputs, outputs)
+
+
+@pytest.mark.parametrize("use_default_strategy", [False, True])
+def test_stages_from_epl_annotations_match_keras(use_default_strategy):
+    x, y = skip_data()
+    reference = skip_model()
+    keras_reference(reference, x, y, keras.optimizers.SGD(0.1), batch_size=16, steps=3)
+    epl.init({"cluster.virtual_devices": 2, "pipeline.num_micro_batch": 4})
+    try:
+        model = _annotated_skip_model(use_default_strategy)
+        trainer = epl.EPLTrainer(model, LOSS, keras.optimizers.SGD(0.1))
+        trainer.fit(x, y, batch_size=16, steps_per_epoch=3, verbose=0)
+    finally:
+        epl.init()  # clear annotations and config for the other tests
+    assert len(trainer.plan.taskgraphs) == 2
+    assert max_weight_difference(reference, model) < ATOL
