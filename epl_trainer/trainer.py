@@ -24,6 +24,7 @@ from epl_trainer import strategies
 from epl_trainer.cluster import build_cluster
 from epl_trainer.config import Config
 from epl_trainer.core import comm, planner
+from epl_trainer.core.auto_partition import auto_partition
 from epl_trainer.core.partition import partition_model, whole_model
 from epl_trainer.core.program import BATCH_SIZE_KEY, BATCH_SPLIT_ERROR, Program, ProgramOptions
 from epl_trainer.core.state import EngineState, lanes_for_worker
@@ -81,9 +82,7 @@ class EPLTrainer:
         self.metrics = resolve_metrics(metrics, self.loss.name(), _output_names(model))
         self.loss_tracker = keras.metrics.Mean(name="loss")
         _check_supported(self.config)
-        annotation = strategies.resolve_annotation(
-            model, strategy=strategy, stages=stages, split=split
-        )
+        annotation, auto = _annotate(model, self.config, strategy, stages, split)
         self.plan = planner.build_plan(
             annotation.taskgraphs,
             self.cluster.devices_by_worker,
@@ -91,6 +90,9 @@ class EPLTrainer:
             num_micro_batch=self.config.pipeline.num_micro_batch,
             colocate_split_and_replicate=self.config.cluster.colocate_split_and_replicate,
             prefer_intra_node=self.config.cluster.device_place_prefer_intra_node,
+            pipeline_strategy=self.config.pipeline.strategy,
+            stage_costs=auto.stage_costs if auto else None,
+            cut_description=auto.cut_description if auto else None,
         )
         split = [tg.name for tg in self.plan.taskgraphs if tg.kind == "split"]
         if split:
@@ -416,6 +418,36 @@ def _run_checked(step_fn, *args):
         raise
 
 
+def _annotate(model, config: Config, strategy, stages, split):
+    """The model's TaskGraphs: from annotations, or cut automatically (auto.auto_parallel).
+
+    Returns (annotation, AutoPartition or None).
+    """
+    if not config.auto.auto_parallel:
+        annotation = strategies.resolve_annotation(
+            model, strategy=strategy, stages=stages, split=split
+        )
+        return annotation, None
+    num_stages = config.pipeline.num_stages
+    if num_stages is None:
+        raise ValueError(
+            "auto.auto_parallel=True needs pipeline.num_stages (how many stages to cut). "
+            "Received: pipeline.num_stages=None"
+        )
+    given = {"strategy": strategy, "stages": stages, "split": split}
+    given = {k: v for k, v in given.items() if v is not None}
+    scoped = strategies.resolve_annotation(model).source == "scopes"
+    if given or scoped:
+        raise ValueError(
+            "auto.auto_parallel=True cuts the model itself; do not also annotate it. Received: "
+            + (", ".join(f"{k}={v!r}" for k, v in given.items()) or "replicate/split scopes")
+        )
+    auto = auto_partition(model, num_stages)
+    logger.info("Automatic pipeline partition:\n%s", auto.describe())
+    annotation = strategies.ModelAnnotation(auto.taskgraph_specs(), auto.node_stage, source="auto")
+    return annotation, auto
+
+
 def _resolve_model(model, loss, metrics):
     if isinstance(model, keras.Model):
         return model, loss, metrics
@@ -450,7 +482,6 @@ _NOT_YET = {
     "offload.level": ("", "memory optimisations"),
     "amp.level": ("", "memory optimisations"),
     "optimizer.num_apply_group": (1, "memory optimisations"),
-    "auto.auto_parallel": (False, "automatic pipeline partition"),
     "communication.fp16": (False, "communication options"),
     "io.slicing": (False, "IO slicing"),
 }

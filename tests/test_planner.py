@@ -247,6 +247,58 @@ def test_to_dict_round_trips_through_json():
     assert again == plan
 
 
+def test_summary_shows_pipeline_strategy_stage_costs_and_cut():
+    plan = build_plan(
+        [rep(1, "stage_0"), rep(1, "stage_1"), rep(1, "stage_2")],
+        cluster(1, 6),
+        0,
+        num_micro_batch=4,
+        pipeline_strategy="PreferForward",
+        stage_costs=[1.75e6, 1.75e6, 1.85e6],
+        cut_description="stages 1.. start at node 29 'attn_4', node 57 'attn_8'",
+    )
+    text = plan.summary()
+    print(f"\n{text}")
+    assert "Pipeline: 3 TaskGraphs, strategy PreferForward" in text
+    header = next(line for line in text.splitlines() if line.startswith("TaskGraph"))
+    assert header.split()[:4] == ["TaskGraph", "kind", "devices", "cost"]
+    stage_2 = next(line for line in text.splitlines() if line.startswith("2 stage_2"))
+    assert stage_2.split()[:5] == ["2", "stage_2", "replicate", "1", "1.85M"]
+    assert "Stage costs: 1.75M, 1.75M, 1.85M; spread max/min = 1.057" in text
+    assert "Cut: stages 1.. start at node 29 'attn_4', node 57 'attn_8'" in text
+    assert plan.stage_costs == (1.75e6, 1.75e6, 1.85e6)
+    assert plan.stage_cost_spread == pytest.approx(1.85 / 1.75)
+    again = Plan.from_dict(json.loads(json.dumps(plan.to_dict())))
+    assert again == plan
+
+
+def test_summary_without_costs_has_no_cost_column_and_one_taskgraph_no_pipeline():
+    single = build_plan([rep(1)], cluster(1, 2), 0, num_micro_batch=1)
+    assert single.pipeline_strategy == "PreferBackward"
+    assert single.stage_costs is None and single.stage_cost_spread is None
+    text = single.summary()
+    assert "Pipeline:" not in text and "cost" not in text and "Cut:" not in text
+    two = build_plan([rep(1, "a"), rep(1, "b")], cluster(1, 2), 0, num_micro_batch=2)
+    assert "Pipeline: 2 TaskGraphs, strategy PreferBackward" in two.summary()
+
+
+def test_plans_serialised_without_the_new_fields_still_load():
+    plan = build_plan([rep(1, "a"), rep(1, "b")], cluster(1, 2), 0, num_micro_batch=2)
+    data = plan.to_dict()
+    for key in ("pipeline_strategy", "stage_costs", "cut_description"):
+        del data[key]
+    assert Plan.from_dict(data) == plan
+
+
+def test_stage_costs_must_match_the_taskgraphs_and_strategy_must_be_known():
+    with pytest.raises(PlanError, match=r"stage_costs has 1 entries for 2 TaskGraphs"):
+        build_plan(
+            [rep(1, "a"), rep(1, "b")], cluster(1, 2), 0, num_micro_batch=1, stage_costs=[1.0]
+        )
+    with pytest.raises(PlanError, match=r"pipeline_strategy must be one of .*'Backward'"):
+        build_plan([rep(1)], cluster(1, 2), 0, num_micro_batch=1, pipeline_strategy="Backward")
+
+
 def test_inconsistent_hand_made_plan_is_rejected():
     device = Device(0, 0, "/device:CPU:0")
     with pytest.raises(PlanError, match="device_count=2"):

@@ -11,10 +11,12 @@ degree (`num_replicas`) is how many model replicas the job runs.
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass
 
 KINDS = ("replicate", "split")
+PIPELINE_STRATEGIES = ("PreferBackward", "PreferForward")  # EPL's pipeline.strategy values
 
 _DEVICE_SUFFIX = re.compile(r"(?:^|/)device:([A-Za-z_]+):(\d+)$")
 _SUMMARY_MAX_REPLICAS = 8  # wider tables stop being readable; the rest is elided
@@ -97,6 +99,11 @@ class Plan:
     worker_num: int
     worker_index: int  # the worker this process is
     colocate_split_and_replicate: bool
+    pipeline_strategy: str = "PreferBackward"  # schedule of a multi-TaskGraph pipeline
+    # Optional cost of each TaskGraph (e.g. forward FLOPs per sample from an automatic
+    # partition) and a text saying where the model was cut; shown by summary().
+    stage_costs: tuple[float, ...] | None = None
+    cut_description: str | None = None
 
     def __post_init__(self):
         # Internal invariant: the planner builds consistent plans; a hand-made Plan
@@ -118,6 +125,18 @@ class Plan:
                         f"but TaskGraph {taskgraph.name!r} has device_count="
                         f"{taskgraph.device_count}"
                     )
+        if self.pipeline_strategy not in PIPELINE_STRATEGIES:
+            raise PlanError(
+                f"pipeline_strategy must be one of {PIPELINE_STRATEGIES}. "
+                f"Received: pipeline_strategy={self.pipeline_strategy!r}"
+            )
+        if self.stage_costs is not None:
+            object.__setattr__(self, "stage_costs", tuple(float(c) for c in self.stage_costs))
+            if len(self.stage_costs) != len(self.taskgraphs):
+                raise PlanError(
+                    f"stage_costs has {len(self.stage_costs)} entries for "
+                    f"{len(self.taskgraphs)} TaskGraphs. Received: stage_costs={self.stage_costs}"
+                )
 
     # ----------------------------------------------------------------- queries
     @property
@@ -165,16 +184,27 @@ class Plan:
         """All devices hosting a TaskGraph, replica-major."""
         return tuple(device for row in self.placement for device in row[taskgraph_index])
 
+    @property
+    def stage_cost_spread(self) -> float | None:
+        """max / min of `stage_costs` (inf if a stage costs 0), None without costs."""
+        if not self.stage_costs:
+            return None
+        low, high = min(self.stage_costs), max(self.stage_costs)
+        return high / low if low > 0 else (1.0 if high == 0 else math.inf)
+
     # ------------------------------------------------------------ rendering
     def summary(self) -> str:
         """A readable table: one row per TaskGraph, one column per replica."""
         shown = min(self.num_replicas, _SUMMARY_MAX_REPLICAS)
-        header = ["TaskGraph", "kind", "devices"] + [f"replica {r}" for r in range(shown)]
+        costs = self.stage_costs
+        header = ["TaskGraph", "kind", "devices"] + (["cost"] if costs else [])
+        header += [f"replica {r}" for r in range(shown)]
         if shown < self.num_replicas:
             header.append(f"... ({self.num_replicas - shown} more)")
         rows = []
         for tg in self.taskgraphs:
             cells = [f"{tg.index} {tg.name}", tg.kind, str(tg.device_count)]
+            cells += [format_count(costs[tg.index])] if costs else []
             cells += [_device_list(self.placement[r][tg.index]) for r in range(shown)]
             if shown < self.num_replicas:
                 cells.append("...")
@@ -193,6 +223,18 @@ class Plan:
             _format_row(["-" * w for w in widths], widths),
         ]
         lines += [_format_row(row, widths) for row in rows]
+        if self.num_taskgraphs > 1:
+            lines.append(
+                f"Pipeline: {self.num_taskgraphs} TaskGraphs, strategy {self.pipeline_strategy}"
+            )
+        if costs:
+            spread = self.stage_cost_spread
+            lines.append(
+                f"Stage costs: {', '.join(format_count(c) for c in costs)}; "
+                f"spread max/min = {spread:.3f}"
+            )
+        if self.cut_description:
+            lines.append(f"Cut: {self.cut_description}")
         return "\n".join(lines)
 
     def __str__(self) -> str:
@@ -211,6 +253,9 @@ class Plan:
             "worker_num": self.worker_num,
             "worker_index": self.worker_index,
             "colocate_split_and_replicate": self.colocate_split_and_replicate,
+            "pipeline_strategy": self.pipeline_strategy,
+            "stage_costs": None if self.stage_costs is None else list(self.stage_costs),
+            "cut_description": self.cut_description,
         }
 
     @classmethod
@@ -228,7 +273,19 @@ class Plan:
             worker_num=data["worker_num"],
             worker_index=data["worker_index"],
             colocate_split_and_replicate=data["colocate_split_and_replicate"],
+            # Absent from plans serialised before these fields existed.
+            pipeline_strategy=data.get("pipeline_strategy", "PreferBackward"),
+            stage_costs=data.get("stage_costs"),
+            cut_description=data.get("cut_description"),
         )
+
+
+def format_count(value: float) -> str:
+    """A count with 3 significant digits and an SI suffix: 950, 12.3k, 4.5M, 1.2G."""
+    for scale, suffix in ((1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if abs(value) >= scale:
+            return f"{value / scale:.3g}{suffix}"
+    return f"{value:.3g}" if value != int(value) else str(int(value))
 
 
 def _device_list(devices: tuple[Device, ...]) -> str:

@@ -34,6 +34,9 @@ def build_plan(
     num_micro_batch: int,
     colocate_split_and_replicate: bool = False,
     prefer_intra_node: bool = True,
+    pipeline_strategy: str = "PreferBackward",
+    stage_costs: Sequence[float] | None = None,
+    cut_description: str | None = None,
 ) -> Plan:
     """Places every TaskGraph of every model replica on the job's devices.
 
@@ -47,6 +50,11 @@ def build_plan(
         accumulation), >= 1.
       colocate_split_and_replicate: all TaskGraphs of a replica share its devices.
       prefer_intra_node: keep a replica on one worker when it fits (see module doc).
+      pipeline_strategy: EPL's `pipeline.strategy` ("PreferBackward" or
+        "PreferForward"), recorded in the plan and shown by `summary()`.
+      stage_costs: optional cost of each TaskGraph (one per TaskGraph, e.g. the
+        forward FLOPs per sample `auto_partition` balanced), shown by `summary()`.
+      cut_description: optional text saying where the model was cut.
 
     Returns:
       The `Plan`.
@@ -76,6 +84,9 @@ def build_plan(
         worker_num=worker_num,
         worker_index=worker_index,
         colocate_split_and_replicate=bool(colocate_split_and_replicate),
+        pipeline_strategy=pipeline_strategy,
+        stage_costs=None if stage_costs is None else tuple(stage_costs),
+        cut_description=cut_description,
     )
 
 

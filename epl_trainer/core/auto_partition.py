@@ -1,0 +1,498 @@
+"""Automatic pipeline partition: cut an unannotated functional model into S contiguous
+stages balanced by the static cost model (`core/cost.py`).
+
+Steps, in order:
+
+1. Cost every compute node (`cost.nodes_cost`), in topological order.
+2. Find repeated blocks (`find_repeated_blocks`): runs of consecutive nodes whose
+   structural signatures (class, weight shapes, input/output shapes, dtypes) repeat
+   with a fixed period, e.g. 12 transformer layers built from plain layers (7 nodes
+   each) or 12 calls of a custom block Layer (1 node each). Blocks are found by their
+   position in the graph, never by layer names.
+3. Candidate cuts (`cut_candidates`): the boundaries between consecutive blocks when
+   blocks carry most of the model's FLOPs, otherwise every node boundary. Nodes before
+   the first block (embeddings) join the first stage and nodes after the last (the head)
+   the last stage. A cut never separates two calls of the same layer (a shared layer
+   must live in one stage).
+4. Choose S-1 cuts among the candidates (`balanced_cuts`): an exact dynamic program
+   minimising the largest stage cost, ties broken by the smallest largest stage
+   parameter count, then by the earliest cuts.
+
+Stage cost = forward FLOPs per sample. The backward pass costs ~2x the forward of the
+same layers, so it does not move the best cut; parameter counts only break ties.
+
+Stages are contiguous in topological order, so every stage only consumes model inputs
+and outputs of earlier stages; `core.partition.partition_model` routes skip connections
+that jump over a stage.
+"""
+
+from __future__ import annotations
+
+import itertools
+import numbers
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from epl_trainer.core.cost import NodeCost, format_bytes, nodes_cost, tensor_bytes
+from epl_trainer.core.ir import StrategySpec, format_count
+from epl_trainer.core.partition import compute_nodes, tensor_key
+
+__all__ = [
+    "CUT_AT",
+    "AutoPartition",
+    "CutCandidates",
+    "RepeatedRun",
+    "auto_partition",
+    "balanced_cuts",
+    "boundary_bytes",
+    "cut_candidates",
+    "find_repeated_blocks",
+    "node_signature",
+]
+
+CUT_AT = ("blocks", "nodes")
+# Repeated blocks are used as the cut grid only when they carry at least this share of
+# the model's FLOPs; otherwise a few accidental repeats would forbid good cuts.
+MIN_BLOCK_FLOPS_SHARE = 0.5
+_TIE_RTOL = 1e-9
+
+
+@dataclass(frozen=True)
+class RepeatedRun:
+    """`count` consecutive blocks of `period` nodes each, starting at node `start`."""
+
+    start: int
+    period: int
+    count: int
+    kinds: tuple[str, ...]  # class names of one block's nodes
+
+    @property
+    def stop(self) -> int:
+        return self.start + self.period * self.count
+
+    @property
+    def block_starts(self) -> tuple[int, ...]:
+        return tuple(self.start + i * self.period for i in range(self.count))
+
+    def describe(self) -> str:
+        kinds = ", ".join(self.kinds[:8]) + (", ..." if len(self.kinds) > 8 else "")
+        noun = "node" if self.period == 1 else "nodes"
+        return (
+            f"{self.count} blocks of {self.period} {noun} ({kinds}) "
+            f"at nodes {self.start}-{self.stop - 1}"
+        )
+
+
+@dataclass(frozen=True)
+class CutCandidates:
+    """Where stages may start: node indices in (0, num_nodes), ascending."""
+
+    positions: tuple[int, ...]
+    runs: tuple[RepeatedRun, ...]  # the blocks the positions come from (empty: nodes)
+    num_nodes: int
+    excluded_shared: int = 0  # positions dropped to keep a shared layer's calls together
+
+    @property
+    def max_stages(self) -> int:
+        return len(self.positions) + 1
+
+    @property
+    def num_blocks(self) -> int:
+        return sum(run.count for run in self.runs)
+
+    def describe(self) -> str:
+        if not self.runs:
+            text = f"no repeated blocks; cuts may fall between any of the {self.num_nodes} nodes"
+        else:
+            text = "; ".join(run.describe() for run in self.runs) + "; cuts only between blocks"
+        if self.excluded_shared:
+            text += f" ({self.excluded_shared} cut(s) excluded inside shared layers' calls)"
+        return text
+
+
+@dataclass(frozen=True, eq=False)
+class AutoPartition:
+    """The result of `auto_partition`: stage of every node, costs and cuts."""
+
+    model_name: str
+    nodes: tuple  # compute nodes in topological order
+    costs: tuple[NodeCost, ...]  # aligned with `nodes`
+    cuts: tuple[int, ...]  # node index where stage 1, 2, ... S-1 starts
+    candidates: CutCandidates
+    boundary_bytes: tuple[int, ...]  # activation bytes per sample crossing each cut
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.cuts) + 1
+
+    @property
+    def stage_ranges(self) -> tuple[tuple[int, int], ...]:
+        """[start, stop) node indices of every stage."""
+        bounds = (0, *self.cuts, len(self.nodes))
+        return tuple(itertools.pairwise(bounds))
+
+    @property
+    def node_stage(self) -> dict:
+        """Node -> stage index, for every compute node (what `partition_model` takes)."""
+        return {
+            node: stage
+            for stage, (start, stop) in enumerate(self.stage_ranges)
+            for node in self.nodes[start:stop]
+        }
+
+    @property
+    def stage_costs(self) -> tuple[float, ...]:
+        """Forward FLOPs per sample of every stage."""
+        return tuple(float(sum(c.flops for c in self.costs[a:b])) for a, b in self.stage_ranges)
+
+    @property
+    def stage_params(self) -> tuple[int, ...]:
+        return tuple(sum(c.params for c in self.costs[a:b]) for a, b in self.stage_ranges)
+
+    @property
+    def spread(self) -> float:
+        """max / min stage cost (1.0 is perfect balance; inf if a stage costs 0)."""
+        costs = self.stage_costs
+        low, high = min(costs), max(costs)
+        return high / low if low > 0 else (1.0 if high == 0 else float("inf"))
+
+    @property
+    def cut_names(self) -> tuple[str, ...]:
+        """The first node of every stage after the first."""
+        return tuple(self.costs[i].name for i in self.cuts)
+
+    @property
+    def cut_description(self) -> str:
+        """One line for `Plan.summary()`: where the model was cut, and why there."""
+        starts = ", ".join(
+            f"node {i} {name!r}" for i, name in zip(self.cuts, self.cut_names, strict=True)
+        )
+        where = f"stages 1.. start at {starts}" if self.cuts else "one stage, no cut"
+        return f"automatic, cost = forward FLOPs per sample; {where}; {self.candidates.describe()}"
+
+    def taskgraph_specs(self, kind: str = "replicate", device_count: int | None = 1):
+        """One `StrategySpec` per stage, named `stage_<i>`, for the planner."""
+        return tuple(StrategySpec(kind, device_count, f"stage_{i}") for i in range(self.num_stages))
+
+    def describe(self) -> str:
+        """A table of the stages with their nodes, blocks, FLOPs, parameters and the
+        bytes each sends to later stages per sample."""
+        block_starts = [s for run in self.candidates.runs for s in run.block_starts]
+        header = ("stage", "nodes", "first .. last", "blocks", "FLOPs", "params", "sends")
+        rows = []
+        for stage, (a, b) in enumerate(self.stage_ranges):
+            blocks = [i for i, s in enumerate(block_starts) if a <= s < b]
+            sends = format_bytes(self.boundary_bytes[stage]) if stage < len(self.cuts) else "-"
+            rows.append(
+                (
+                    str(stage),
+                    f"{a}-{b - 1}",
+                    self.costs[a].name
+                    if b - a == 1
+                    else f"{self.costs[a].name} .. {self.costs[b - 1].name}",
+                    f"{blocks[0]}-{blocks[-1]}" if blocks else "-",
+                    format_count(self.stage_costs[stage]),
+                    format_count(self.stage_params[stage]),
+                    sends,
+                )
+            )
+        widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
+        costs = self.stage_costs
+        lines = [
+            f"Automatic pipeline partition of model {self.model_name!r}: "
+            f"{self.num_stages} stage(s) over {len(self.nodes)} nodes; "
+            "cost = forward FLOPs per sample",
+            f"Candidates: {self.candidates.describe()}",
+            "  ".join(h.ljust(w) for h, w in zip(header, widths, strict=True)).rstrip(),
+            "  ".join("-" * w for w in widths),
+        ]
+        lines += [
+            "  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip() for row in rows
+        ]
+        lines.append(
+            f"spread max/min = {self.spread:.3f} "
+            f"(max {format_count(max(costs))}, min {format_count(min(costs))})"
+        )
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return self.describe()
+
+
+# ------------------------------------------------------------------ entry point
+def auto_partition(model, num_stages: int, cut_at: str = "blocks") -> AutoPartition:
+    """Cuts `model` into `num_stages` contiguous stages balanced by forward FLOPs.
+
+    Args:
+      model: a functional Keras model or a built Sequential.
+      num_stages: number of pipeline stages, >= 1.
+      cut_at: "blocks" (default): cut only between repeated blocks when the model has
+        them, else between any nodes; "nodes": between any nodes.
+
+    Returns:
+      An `AutoPartition`; `node_stage` feeds `partition_model(model, node_stage, S)`.
+
+    Raises:
+      ValueError: `num_stages` < 1 or not an int, unknown `cut_at`, or more stages
+        than the model has cut points for.
+      PartitionError: a subclassed model (no layer graph to cut).
+    """
+    if isinstance(num_stages, bool) or not isinstance(num_stages, numbers.Integral):
+        raise ValueError(
+            f"num_stages must be an int >= 1 (pipeline.num_stages). Received: "
+            f"num_stages={num_stages!r}"
+        )
+    if num_stages < 1:
+        raise ValueError(f"num_stages must be >= 1 (pipeline.num_stages). Received: {num_stages}")
+    if cut_at not in CUT_AT:
+        raise ValueError(f"cut_at must be one of {CUT_AT}. Received: cut_at={cut_at!r}")
+    nodes = tuple(compute_nodes(model))
+    if not nodes:
+        raise ValueError(f"Model {model.name!r} has no layers to cut into {num_stages} stage(s).")
+    costs = tuple(nodes_cost(nodes))
+    crossing = boundary_bytes(nodes)
+    candidates = cut_candidates(nodes, costs, crossing, cut_at=cut_at)
+    if num_stages > candidates.max_stages:
+        raise ValueError(_too_many_stages(model.name, num_stages, candidates))
+    cuts = balanced_cuts(
+        [c.flops for c in costs], [c.params for c in costs], candidates.positions, num_stages
+    )
+    return AutoPartition(
+        model_name=model.name,
+        nodes=nodes,
+        costs=costs,
+        cuts=cuts,
+        candidates=candidates,
+        boundary_bytes=tuple(int(crossing[i]) for i in cuts),
+    )
+
+
+def _too_many_stages(name: str, num_stages: int, candidates: CutCandidates) -> str:
+    if candidates.runs:
+        what = f"{candidates.num_blocks} blocks"
+        why = f"cuts fall only between blocks ({candidates.describe()})"
+        hint = "; cut_at='nodes' also cuts inside blocks"
+    else:
+        what = f"{candidates.num_nodes} compute nodes"
+        why = "a stage needs at least one node"
+        hint = ""
+    if candidates.excluded_shared:
+        why += (
+            f", and {candidates.excluded_shared} cut point(s) would separate calls of a "
+            "shared layer"
+        )
+    return (
+        f"Cannot cut {num_stages} stages from model {name!r} with {what}: {why}, so at "
+        f"most {candidates.max_stages} stage(s). Use pipeline.num_stages <= "
+        f"{candidates.max_stages}{hint}. Received: num_stages={num_stages}"
+    )
+
+
+# ------------------------------------------------------------------ repeated blocks
+def node_signature(node) -> tuple:
+    """What makes two nodes structurally the same: class, weight shapes, input and
+    output shapes (batch dim dropped) and output dtypes. Names are ignored."""
+    operation = node.operation
+    return (
+        type(operation).__name__,
+        tuple(tuple(w.shape) for w in getattr(operation, "weights", ())),
+        tuple(tuple(t.shape)[1:] for t in node.input_tensors),
+        tuple((tuple(t.shape)[1:], str(t.dtype)) for t in node.output_tensors),
+    )
+
+
+def find_repeated_blocks(
+    nodes: Sequence, crossing: Sequence[int] | None = None
+) -> tuple[RepeatedRun, ...]:
+    """Runs of consecutive, structurally identical blocks, in node order.
+
+    Greedy: the run covering the most nodes (ties: the shorter block) is taken, then the
+    parts before and after it are searched the same way. A block must contain a node
+    with weights (two ReLUs in a row are not a block). When a run can start at several
+    offsets (e.g. a LayerNormalization before the first block looks like the last node
+    of a block), the offset whose block boundaries carry the fewest activation bytes is
+    chosen, so cuts fall where one tensor crosses rather than a residual pair
+    (`crossing`, from `boundary_bytes(nodes)`; without it the earliest offset).
+    """
+    ids: dict[tuple, int] = {}
+    signature = np.array([ids.setdefault(node_signature(n), len(ids)) for n in nodes], np.int64)
+    weighted = np.array([bool(getattr(n.operation, "weights", ())) for n in nodes], dtype=bool)
+    crossing = np.zeros(len(nodes) + 1) if crossing is None else np.asarray(crossing)
+    runs: list[RepeatedRun] = []
+    pending = [(0, len(nodes))]
+    while pending:
+        lo, hi = pending.pop()
+        run = _best_run(signature, weighted, crossing, lo, hi)
+        if run is None:
+            continue
+        kinds = tuple(type(n.operation).__name__ for n in nodes[run[0] : run[0] + run[1]])
+        runs.append(RepeatedRun(run[0], run[1], run[2], kinds))
+        pending += [(lo, run[0]), (run[0] + run[1] * run[2], hi)]
+    return tuple(sorted(runs, key=lambda r: r.start))
+
+
+def _best_run(signature, weighted, crossing, lo: int, hi: int):
+    """(start, period, count) of the best periodic run inside [lo, hi), or None."""
+    best = None  # (coverage, -period, start, count)
+    for period in range(1, (hi - lo) // 2 + 1):
+        same = signature[lo : hi - period] == signature[lo + period : hi]
+        edges = np.diff(np.concatenate(([0], same.astype(np.int8), [0])))
+        starts, ends = np.flatnonzero(edges == 1), np.flatnonzero(edges == -1)
+        # A run of matches of length L spans L + period periodic nodes.
+        for first, stop in zip(starts, ends, strict=True):
+            length = int(stop - first) + period
+            count = length // period
+            coverage = count * period
+            if count < 2 or (best is not None and (coverage, -period) <= best[:2]):
+                continue
+            first = lo + int(first)
+            if not weighted[first : first + period].any():
+                continue
+            offsets = range(first, first + length - coverage + 1)
+            loads = [_interior_load(crossing, a, period, count) for a in offsets]
+            start = offsets[int(np.argmin(loads))]
+            best = (coverage, -period, start, count)
+    if best is None:
+        return None
+    return best[2], -best[1], best[3]
+
+
+def _interior_load(crossing, start: int, period: int, count: int) -> float:
+    """Bytes crossing the boundaries between the blocks of a run starting at `start`."""
+    return float(sum(crossing[start + i * period] for i in range(1, count)))
+
+
+def cut_candidates(
+    nodes: Sequence,
+    costs: Sequence[NodeCost],
+    crossing: Sequence[int] | None = None,
+    cut_at: str = "blocks",
+) -> CutCandidates:
+    """Node indices where a stage may start (see the module doc, step 3)."""
+    n = len(nodes)
+    runs: tuple[RepeatedRun, ...] = ()
+    if cut_at == "blocks":
+        runs = find_repeated_blocks(nodes, crossing)
+        total = sum(c.flops for c in costs)
+        in_blocks = sum(c.flops for run in runs for c in costs[run.start : run.stop])
+        if total > 0 and in_blocks < MIN_BLOCK_FLOPS_SHARE * total:
+            runs = ()
+    if runs:
+        positions = set()
+        for run in runs:
+            positions.update(run.block_starts[1:])
+        for before, after in itertools.pairwise(runs):
+            positions.update((before.stop, after.start))  # either side of the nodes between
+    else:
+        positions = set(range(1, n))
+    valid = [p for p in sorted(positions) if 0 < p < n]
+    allowed = _outside_shared_layers(nodes)
+    kept = tuple(p for p in valid if allowed[p])
+    return CutCandidates(kept, runs, n, excluded_shared=len(valid) - len(kept))
+
+
+def _outside_shared_layers(nodes: Sequence) -> np.ndarray:
+    """allowed[p]: cutting before node p keeps every layer's calls in one stage."""
+    allowed = np.ones(len(nodes) + 1, dtype=bool)
+    span: dict[int, list[int]] = {}
+    for i, node in enumerate(nodes):
+        span.setdefault(id(node.operation), [i, i])[1] = i
+    for first, last in span.values():
+        allowed[first + 1 : last + 1] = False
+    return allowed
+
+
+def boundary_bytes(nodes: Sequence) -> np.ndarray:
+    """crossing[p]: bytes per sample of tensors made before node p and used at or after
+    it (what a cut before node p sends forward; model inputs are not counted)."""
+    produced: dict = {}
+    for i, node in enumerate(nodes):
+        for tensor in node.output_tensors:
+            produced[tensor_key(tensor)] = (i, tensor_bytes(tensor))
+    last_use: dict = {}
+    for j, node in enumerate(nodes):
+        for tensor in node.input_tensors:
+            key = tensor_key(tensor)
+            if key in produced:
+                last_use[key] = j
+    delta = np.zeros(len(nodes) + 2, dtype=np.int64)
+    for key, (i, size) in produced.items():
+        if key in last_use and last_use[key] > i:
+            delta[i + 1] += size
+            delta[last_use[key] + 1] -= size
+    return np.cumsum(delta)[: len(nodes) + 1]
+
+
+# ------------------------------------------------------------------ the cut itself
+def balanced_cuts(
+    costs: Sequence[float],
+    params: Sequence[float],
+    candidates: Sequence[int],
+    num_stages: int,
+) -> tuple[int, ...]:
+    """The `num_stages - 1` candidate positions that minimise the largest stage cost.
+
+    Exact dynamic program over the candidates (O(S * C^2), vectorised over one axis).
+    Among partitions with the optimal largest cost, the one with the smallest largest
+    stage parameter count wins; then the earliest cuts.
+
+    Args:
+      costs, params: per node, in node order.
+      candidates: node indices in (0, len(costs)) where a stage may start.
+      num_stages: S, with 1 <= S <= len(candidates) + 1.
+
+    Returns:
+      Ascending node indices where stages 1..S-1 start.
+    """
+    n = len(costs)
+    positions = sorted(set(candidates))
+    if positions and not 0 < positions[0] <= positions[-1] < n:
+        raise ValueError(f"candidates must lie in (0, {n}). Received: {positions}")
+    if not 1 <= num_stages <= len(positions) + 1:
+        raise ValueError(
+            f"num_stages must be in [1, {len(positions) + 1}] for {len(positions)} "
+            f"candidate cut(s). Received: num_stages={num_stages}"
+        )
+    bounds = np.array([0, *positions, n])
+    cost_prefix = np.concatenate(([0.0], np.cumsum(np.asarray(costs, dtype=np.float64))))[bounds]
+    param_prefix = np.concatenate(([0.0], np.cumsum(np.asarray(params, dtype=np.float64))))[bounds]
+    bottleneck, _ = _min_max_dp(cost_prefix, None, np.inf, num_stages)
+    limit = bottleneck * (1 + _TIE_RTOL) + _TIE_RTOL
+    _, chosen = _min_max_dp(param_prefix, cost_prefix, limit, num_stages)
+    return tuple(int(bounds[i]) for i in chosen[1:-1])
+
+
+def _min_max_dp(objective, constraint, limit: float, num_stages: int):
+    """Minimises the largest segment sum of `objective` (prefix sums at the candidate
+    bounds) over partitions into `num_stages` segments whose `constraint` segment sums
+    stay <= limit. Returns (value, bound indices including 0 and the last)."""
+    m = len(objective)
+    last = m - 1
+
+    def segment_ok(t):
+        if constraint is None:
+            return np.ones(t, dtype=bool)
+        return constraint[t] - constraint[:t] <= limit
+
+    best = np.full(m, np.inf)  # best[t]: bounds 0..t covered by the stages so far
+    best[1:] = objective[1:] - objective[0]
+    if constraint is not None:
+        best[1:] = np.where(constraint[1:] - constraint[0] <= limit, best[1:], np.inf)
+    choices = []
+    for _ in range(1, num_stages):
+        new = np.full(m, np.inf)
+        choice = np.zeros(m, dtype=np.int64)
+        for t in range(1, m):
+            options = np.maximum(best[:t], objective[t] - objective[:t])
+            options = np.where(segment_ok(t), options, np.inf)
+            i = int(np.argmin(options))
+            new[t], choice[t] = options[i], i
+        best = new
+        choices.append(choice)
+    chosen = [last]
+    for choice in reversed(choices):
+        chosen.append(int(choice[chosen[-1]]))
+    chosen.append(0)
+    return float(best[last]), chosen[::-1]
