@@ -25,11 +25,13 @@ from epl_trainer.cluster import build_cluster
 from epl_trainer.config import Config
 from epl_trainer.core import comm, planner
 from epl_trainer.core.auto_partition import auto_partition
+from epl_trainer.core.builder import build_engine
 from epl_trainer.core.partition import partition_model, whole_model
-from epl_trainer.core.program import BATCH_SIZE_KEY, BATCH_SPLIT_ERROR, Program, ProgramOptions
+from epl_trainer.core.program import BATCH_SIZE_KEY, BATCH_SPLIT_ERROR, Program
 from epl_trainer.core.state import EngineState, lanes_for_worker
 from epl_trainer.env import Env
 from epl_trainer.losses import CompiledLoss
+from epl_trainer.memory import build_report
 from epl_trainer.metrics import resolve_metrics
 
 logger = logging.getLogger(__name__)
@@ -135,45 +137,25 @@ class EPLTrainer:
             return self._program
         if not self.model.built:
             self.model(tree.map_structure(lambda x: x[:1], features))
-        self._state = EngineState(self.staged, self.lanes)
-        clip = self.optimizer.global_clipnorm
-        optimizers = [
-            [
-                self._replica_optimizer(lane.devices[k], self._stage_variables(li, k))
-                for k in range(len(self.staged.stages))
-            ]
-            for li, lane in enumerate(self.lanes)
-        ]
-        options = ProgramOptions(
-            num_micro_batch=self.config.pipeline.num_micro_batch,
-            gradients_reduce_method=self.config.communication.gradients_reduce_method,
-            max_splits=self.config.communication.max_splits,
-            num_communicators=self.config.communication.num_communicators,
-            clip_after_allreduce=self.config.communication.clip_after_allreduce,
-            pipeline_strategy=self.config.pipeline.strategy,
-        )
         with tf.device(self.cluster.host_device):
             self.loss_tracker.reset_state()
-        self._program = Program(
+        self._state, self._program = build_engine(
             self.staged,
-            self._state,
+            self.lanes,
             self.lanes_in_job,
+            self.config,
+            self.cluster.host_device,
             self.loss,
             self.metrics,
             self.loss_tracker,
-            optimizers,
-            options,
-            self.cluster.host_device,
-            clip_global_norm=clip,
+            self._replica_optimizer,
+            clip_global_norm=self.optimizer.global_clipnorm,
             step_counter=self.optimizer.iterations,
         )
         return self._program
 
-    def _stage_variables(self, lane_index: int, stage: int) -> list:
-        return [self._state.trainable[lane_index][i] for i in self._state.stage_indices(stage)]
-
     def _replica_optimizer(self, device: str, variables: list):
-        """A copy of the user's optimizer for one lane and stage, built on that device."""
+        """A copy of the user's optimizer for some variables, built on `device`."""
         config = self.optimizer.get_config()
         config["global_clipnorm"] = None  # done over all stages by the program
         with tf.device(device):
@@ -296,6 +278,19 @@ class EPLTrainer:
             raise ValueError("predict received no data.")
         return tree.map_structure(lambda *xs: np.concatenate([np.asarray(a) for a in xs]), *outputs)
 
+    def memory_report(self, print_table: bool = True):
+        """Bytes of parameters, gradients and optimizer state per device (engine state).
+
+        Returns an `epl_trainer.memory.MemoryReport` (index it by device name); prints
+        it as a table unless `print_table=False`.
+        """
+        if self._program is None:
+            raise ValueError("memory_report() needs the engine: call fit() or restore first.")
+        report = build_report(self._state, self._program.update, self.lanes)
+        if print_table:
+            print(report)
+        return report
+
     # ---- checkpoints -----------------------------------------------------------------
 
     def save_checkpoint(self, directory: str) -> str | None:
@@ -345,10 +340,9 @@ class EPLTrainer:
             add(f"trainable/{i}", state.trainable[0][i].value, v.path)
         for i, v in enumerate(state.model_non_trainable):
             add(f"non_trainable/{i}", state.non_trainable[0][i].value, v.path)
-        for k, optimizer in enumerate(self._program.optimizers[0]):
-            for j, v in enumerate(optimizer.variables):
-                if v is not self.optimizer._learning_rate:
-                    add(f"optimizer/stage_{k}/{j}", v.value, f"stage {k} optimizer {v.path}")
+        for key, v in self._program.update.checkpoint_variables().items():
+            if v is not self.optimizer._learning_rate:
+                add(key, v.value, f"{key} ({v.path})")
         add("optimizer/iterations", self.optimizer.iterations.value, "optimizer iterations")
         if isinstance(self.optimizer._learning_rate, keras.Variable):
             add("optimizer/learning_rate", self.optimizer._learning_rate.value, "learning rate")
@@ -361,12 +355,9 @@ class EPLTrainer:
                 state.trainable[li] + state.non_trainable[li],
                 state.trainable[0] + state.non_trainable[0],
             ):
-                if "seed_generator_state" not in src.path:
+                if dst is not src and "seed_generator_state" not in src.path:
                     dst.assign(src.value)
-            for dst_opt, src_opt in zip(self._program.optimizers[li], self._program.optimizers[0]):
-                for dst, src in zip(dst_opt.variables, src_opt.variables):
-                    if dst is not src:
-                        dst.assign(src.value)
+        self._program.update.after_restore()
 
     # ---- logs and checks ---------------------------------------------------------------
 
@@ -479,9 +470,7 @@ _NOT_YET = {
     # key: (value meaning "off", issue that builds it)
     "gradient_checkpoint.type": ("", "memory optimisations"),
     "zero.level": ("", "memory optimisations"),
-    "offload.level": ("", "memory optimisations"),
     "amp.level": ("", "memory optimisations"),
-    "optimizer.num_apply_group": (1, "memory optimisations"),
     "communication.fp16": (False, "communication options"),
     "io.slicing": (False, "IO slicing"),
 }

@@ -54,6 +54,9 @@ class LaneExecutor:
       order: (stage, Task) pairs in a dependency-respecting order (schedule.py).
       num_micro_batch: micro-batches per step (losses are scaled by its inverse).
       loss_fn: `(labels, y_pred) -> scalar` for one micro-batch.
+      hooks: what passes may replace while the program is built (the Program): its
+        `stage_calls[k]` (how stage k's forward runs: plain stateless call, or recomputed
+        segments) and `loss_scale` (None, or a callable giving the AMP loss scale).
     """
 
     def __init__(
@@ -66,6 +69,7 @@ class LaneExecutor:
         order: list[tuple[int, Task]],
         num_micro_batch: int,
         loss_fn,
+        hooks,
     ):
         self.staged = staged
         self.devices = devices
@@ -75,6 +79,7 @@ class LaneExecutor:
         self.order = order
         self.num_micro_batch = num_micro_batch
         self.loss_fn = loss_fn
+        self.hooks = hooks
         self.num_stages = len(staged.stages)
 
     def run(self, feature_parts, label_parts, non_trainable: list, task_scope=None):
@@ -119,12 +124,11 @@ class LaneExecutor:
                 variables = [self.variables[i].value for i in self.trainable_idx[k]]
                 tape.watch([x for x in inputs if x.dtype.is_floating] + variables)
                 nt_idx = self.non_trainable_idx[k]
-                outputs, new_nt, aux = stage.model.stateless_call(
+                outputs, new_nt, aux = self.hooks.stage_calls[k](
                     variables,
                     [non_trainable[i] for i in nt_idx],
                     staged.stage_arguments(stage, mb.values),
-                    **training_kwargs(stage.model, True),
-                    return_losses=True,
+                    True,
                 )
                 results = staged.stage_results(stage, outputs)
                 objective = tf.add_n(aux) if aux else None
@@ -135,7 +139,9 @@ class LaneExecutor:
                     mb.loss = loss if objective is None else loss + objective
                     objective = mb.loss
                 if objective is not None:
-                    objective = objective * tf.cast(1.0 / self.num_micro_batch, objective.dtype)
+                    objective = tf.cast(objective, tf.float32) * (1.0 / self.num_micro_batch)
+                    if self.hooks.loss_scale is not None:  # AMP: scaled so fp16 grads survive
+                        objective = objective * self.hooks.loss_scale()
         for i, value in zip(nt_idx, new_nt):
             non_trainable[i] = value
         mb.values.update(results)
@@ -169,6 +175,18 @@ class LaneExecutor:
             for (key, _), g in zip(float_inputs, computed[len(run.variables) :]):
                 mb.upstream[key] = g if key not in mb.upstream else mb.upstream[key] + g
         return computed
+
+
+def stateless_stage_call(model):
+    """The default way to run a stage: `(variables, non_trainable, args, training) ->
+    (outputs, new non-trainable values, auxiliary losses)`."""
+
+    def call(variables, non_trainable, args, training):
+        return model.stateless_call(
+            variables, non_trainable, args, **training_kwargs(model, training), return_losses=True
+        )
+
+    return call
 
 
 def training_kwargs(model, training: bool) -> dict:

@@ -32,7 +32,7 @@ from keras import tree
 
 from epl_trainer.core import comm
 from epl_trainer.core.partition import StagedModel
-from epl_trainer.core.pipeline import LaneExecutor, training_kwargs
+from epl_trainer.core.pipeline import LaneExecutor, stateless_stage_call, training_kwargs
 from epl_trainer.core.schedule import execution_order, make_schedule
 from epl_trainer.core.state import EngineState, Lane
 
@@ -60,7 +60,6 @@ class Program:
         loss_fn,
         metrics,
         loss_tracker,
-        optimizers,
         options: ProgramOptions,
         host_device: str,
         clip_global_norm: float | None = None,
@@ -72,7 +71,12 @@ class Program:
         self.loss_fn = loss_fn
         self.metrics = metrics  # [(output index, keras metric)]
         self.loss_tracker = loss_tracker
-        self.optimizers = optimizers  # optimizers[lane][stage]
+        # Set by the builder (builder.py) before the first step: reduces and applies the
+        # gradients (ReplicatedUpdate, or ZeRO's sharded update).
+        self.update = None
+        # Replaced by passes (recompute, AMP) before the first step; see pipeline.py.
+        self.stage_calls = [stateless_stage_call(stage.model) for stage in staged.stages]
+        self.loss_scale = None
         self.options = options
         self.host = host_device
         self.clip_global_norm = clip_global_norm
@@ -80,8 +84,8 @@ class Program:
         # Where global-norm clipping happens (communication.clip_after_allreduce): on each
         # lane's local gradients before the reduction (EPL's default), or on the reduced ones.
         clipping = clip_global_norm is not None
-        self._clip_before = clipping and not options.clip_after_allreduce
-        self._clip_after = clipping and options.clip_after_allreduce
+        self.clip_before = clipping and not options.clip_after_allreduce
+        self.clip_after = clipping and options.clip_after_allreduce
         self.num_stages = len(staged.stages)
         self.stage_groups = [
             comm.CollectiveGroup(
@@ -90,8 +94,8 @@ class Program:
             )
             for k in range(self.num_stages)
         ]
-        self._trainable_idx = [state.stage_indices(k) for k in range(self.num_stages)]
-        self._non_trainable_idx = [
+        self.trainable_idx = [state.stage_indices(k) for k in range(self.num_stages)]
+        self.non_trainable_idx = [
             state.stage_indices(k, trainable=False) for k in range(self.num_stages)
         ]
         self._buckets = [self._plan_buckets(k) for k in range(self.num_stages)]
@@ -104,11 +108,12 @@ class Program:
                 staged,
                 lane.devices,
                 state.trainable[li],
-                self._trainable_idx,
-                self._non_trainable_idx,
+                self.trainable_idx,
+                self.non_trainable_idx,
                 order,
                 options.num_micro_batch,
                 loss_fn,
+                hooks=self,
             )
             for li, lane in enumerate(self.lanes)
         ]
@@ -119,7 +124,7 @@ class Program:
         self.predict_step = tf.function(self._predict_step, reduce_retracing=True)
 
     def _plan_buckets(self, stage: int) -> list[list[int]]:
-        variables = [self.state.model_trainable[i] for i in self._trainable_idx[stage]]
+        variables = [self.state.model_trainable[i] for i in self.trainable_idx[stage]]
         sizes = [int(v.value.shape.num_elements()) * v.value.dtype.size for v in variables]
         return comm.plan_buckets(sizes, [v.dtype for v in variables], self.options.max_splits)
 
@@ -148,12 +153,7 @@ class Program:
                 self._update_metrics(mb.labels, mb.y_pred, mb.loss)
             lane_grads.append(grads)
             lane_non_trainable.append(non_trainable)
-        if self._clip_before:
-            lane_grads = [self._clip(li, grads) for li, grads in enumerate(lane_grads)]
-        reduced = self._reduce_gradients(lane_grads)
-        if self._clip_after:
-            reduced = [self._clip(li, grads) for li, grads in enumerate(reduced)]
-        self._apply(reduced)
+        self.update(lane_grads)
         self._store_non_trainable(lane_non_trainable)
         # Depend on the data itself (a static batch size folds into a constant), so a
         # step whose input ran out increments nothing.
@@ -190,11 +190,11 @@ class Program:
             metrics = [self.loss_tracker] + [m for _, m in self.metrics]
             return {m.name: m.result() for m in metrics}
 
-    def _reduce_gradients(self, lane_grads: list[list]) -> list[list]:
+    def all_reduce_gradients(self, lane_grads: list[list]) -> list[list]:
         """All-reduces each stage's gradients over every lane of the job."""
         reduced = [list(grads) for grads in lane_grads]
         for k, group in enumerate(self.stage_groups):
-            idx = self._trainable_idx[k]
+            idx = self.trainable_idx[k]
             per_member = [[grads[i] for i in idx] for grads in lane_grads]
             results = comm.fused_all_reduce(
                 group,
@@ -208,13 +208,13 @@ class Program:
                     reduced[li][i] = g
         return reduced
 
-    def _clip(self, li: int, grads: list) -> list:
+    def clip(self, li: int, grads: list) -> list:
         """Global-norm clipping over all stages of a lane (the optimizer's global_clipnorm)."""
         lane = self.lanes[li]
         squares = []
         for k in range(self.num_stages):
             with tf.device(lane.devices[k]):
-                stage_grads = [grads[i] for i in self._trainable_idx[k]]
+                stage_grads = [grads[i] for i in self.trainable_idx[k]]
                 if stage_grads:
                     squares.append(tf.add_n([tf.reduce_sum(tf.square(g)) for g in stage_grads]))
         with tf.device(lane.devices[0]):
@@ -226,22 +226,11 @@ class Program:
                 clipped.append(g * tf.cast(factor, g.dtype))
         return clipped
 
-    def _apply(self, reduced: list[list]) -> None:
-        for li, grads in enumerate(reduced):
-            for k in range(self.num_stages):
-                idx = self._trainable_idx[k]
-                if not idx:
-                    continue
-                with tf.device(self.lanes[li].devices[k]):
-                    self.optimizers[li][k].apply(
-                        [grads[i] for i in idx], [self.state.trainable[li][i] for i in idx]
-                    )
-
     def _store_non_trainable(self, lane_values: list[list]) -> None:
         """Writes back non-trainable state; floats are first averaged over all lanes."""
         synced = set(self.state.synced_non_trainable())
         for k, group in enumerate(self.stage_groups):
-            idx = [i for i in self._non_trainable_idx[k] if i in synced]
+            idx = [i for i in self.non_trainable_idx[k] if i in synced]
             if idx:
                 per_member = [[values[i] for i in idx] for values in lane_values]
                 buckets = comm.plan_buckets([1] * len(idx), [v.dtype for v in per_member[0]], 1)
@@ -249,9 +238,12 @@ class Program:
                 for li, member in enumerate(results):
                     for i, value in zip(idx, member):
                         lane_values[li][i] = value
+        assigned: set[int] = set()  # under offload the lanes share one copy
         for li, values in enumerate(lane_values):
             for variable, value in zip(self.state.non_trainable[li], values):
-                variable.assign(value)
+                if id(variable) not in assigned:
+                    assigned.add(id(variable))
+                    variable.assign(value)
 
     def _update_metrics(self, labels, y_pred, loss) -> None:
         with tf.device(self.host):
@@ -273,9 +265,9 @@ class Program:
         aux_total = []
         for k, stage in enumerate(staged.stages):
             with tf.device(lane.devices[k]):
-                variables = [self.state.trainable[li][i].value for i in self._trainable_idx[k]]
+                variables = [self.state.trainable[li][i].value for i in self.trainable_idx[k]]
                 non_trainable = [
-                    self.state.non_trainable[li][i].value for i in self._non_trainable_idx[k]
+                    self.state.non_trainable[li][i].value for i in self.non_trainable_idx[k]
                 ]
                 outputs, _, aux = stage.model.stateless_call(
                     variables,

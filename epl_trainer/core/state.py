@@ -82,20 +82,46 @@ class EngineState:
       trainable_stage[i], non_trainable_stage[i]: the stage that owns variable i.
     """
 
-    def __init__(self, staged: StagedModel, lanes: Sequence[Lane]):
+    def __init__(self, staged: StagedModel, lanes: Sequence[Lane], host_device: str | None = None):
         model = staged.model
         self.lanes = list(lanes)
+        self.host_device = host_device
         self.model_trainable = list(model.trainable_variables)
         self.model_non_trainable = list(model.non_trainable_variables)
         self.trainable_stage = _stage_of_variables(staged, self.model_trainable)
         self.non_trainable_stage = _stage_of_variables(staged, self.model_non_trainable)
-        self.trainable = [
-            self._copy(lane, self.model_trainable, self.trainable_stage) for lane in self.lanes
-        ]
-        self.non_trainable = [
-            self._copy(lane, self.model_non_trainable, self.non_trainable_stage)
-            for lane in self.lanes
-        ]
+        if host_device is None:
+            self.trainable = [
+                self._copy(lane, self.model_trainable, self.trainable_stage) for lane in self.lanes
+            ]
+            self.non_trainable = [
+                self._copy(lane, self.model_non_trainable, self.non_trainable_stage)
+                for lane in self.lanes
+            ]
+        else:
+            self._share_on_host()
+
+    def _share_on_host(self) -> None:
+        """Offload: one copy on the host for all local lanes; compute devices read each
+        weight when they use it. Seed state stays per lane (different dropout masks)."""
+        first = self.lanes[0]
+        host_lane = Lane(first.index, (self.host_device,) * len(first.devices))
+        host_stages = [0] * len(self.model_trainable)
+        shared = self._copy(host_lane, self.model_trainable, host_stages)
+        self.trainable = [shared for _ in self.lanes]
+        nt_stages = [0] * len(self.model_non_trainable)
+        shared_nt = self._copy(host_lane, self.model_non_trainable, nt_stages)
+        self.non_trainable = []
+        for lane in self.lanes:
+            own = self._copy(
+                Lane(lane.index, host_lane.devices), self.model_non_trainable, nt_stages
+            )
+            self.non_trainable.append(
+                [
+                    own[i] if is_seed_state(v) else shared_nt[i]
+                    for i, v in enumerate(self.model_non_trainable)
+                ]
+            )
 
     def _copy(self, lane: Lane, variables, stages) -> list[keras.Variable]:
         copies = []
@@ -146,13 +172,21 @@ class EngineState:
                     target.assign(source.value)
 
     def resident_bytes(self) -> dict[str, int]:
-        """Bytes of variables per device, from the engine's own state."""
+        """Bytes of variables per device, from the engine's own state (shared copies once)."""
         usage: dict[str, int] = {}
+        seen: set[int] = set()
         for lane_vars in self.trainable + self.non_trainable:
             for v in lane_vars:
+                if id(v) in seen:
+                    continue
+                seen.add(id(v))
                 device = v.value.device
-                usage[device] = usage.get(device, 0) + int(np.prod(v.shape)) * v.value.dtype.size
+                usage[device] = usage.get(device, 0) + variable_bytes(v)
         return usage
+
+
+def variable_bytes(variable) -> int:
+    return int(np.prod(variable.shape)) * variable.value.dtype.size
 
 
 def is_seed_state(variable) -> bool:

@@ -1,0 +1,137 @@
+"""The update half of a step: reduce gradients across lanes, clip, apply the optimizer.
+
+`ReplicatedUpdate` is plain data parallelism: every lane all-reduces its stage
+gradients (fused buckets) and applies its own optimizer copy. Its options are the
+memory features that do not change where gradients go:
+
+* `num_apply_group` (grouped apply): each (lane, stage) update runs as N size-balanced
+  groups, each with its own optimizer copy built on that group's variables, chained by
+  control dependencies so one group's temporaries are freed before the next starts;
+* `shared_variables` (offload): the local lanes share one copy of the variables on the
+  host; it is updated once per worker, on the host, after the reduction.
+
+ZeRO (zero.py) replaces the reduction and the apply with sharded versions.
+"""
+
+from __future__ import annotations
+
+import tensorflow as tf
+
+from epl_trainer.core import comm
+from epl_trainer.core.state import variable_bytes
+
+
+def balanced_groups(sizes: list[int], num_groups: int) -> list[list[int]]:
+    """Contiguous runs of indices with about equal total size (at most num_groups)."""
+    buckets = comm.plan_buckets(sizes, ["same"] * len(sizes), max(1, num_groups))
+    return [sorted(b) for b in buckets]
+
+
+class ReplicatedUpdate:
+    """All-reduce, optional global-norm clip, then apply on every lane (or on the host).
+
+    Args:
+      program: the Program under construction (stages, lanes, groups, state, options).
+      make_optimizer: `(device, variables) -> built Keras optimizer`.
+      num_apply_group: optimizer.num_apply_group.
+      shared_variables: lanes share one variable copy (offload): apply once, on `apply_device`.
+      apply_device: where shared variables live (the host).
+    """
+
+    def __init__(
+        self,
+        program,
+        make_optimizer,
+        num_apply_group: int = 1,
+        shared_variables: bool = False,
+        apply_device: str | None = None,
+    ):
+        self.program = program
+        self.shared_variables = shared_variables
+        state = program.state
+        lanes = program.lanes[:1] if shared_variables else program.lanes
+        self.groups = []  # groups[stage] = list of index lists (model order)
+        for k in range(program.num_stages):
+            idx = program.trainable_idx[k]
+            sizes = [int(state.model_trainable[i].value.shape.num_elements()) for i in idx]
+            self.groups.append(
+                [[idx[j] for j in g] for g in balanced_groups(sizes, num_apply_group)]
+                if idx
+                else []
+            )
+        # optimizers[lane][stage][group]
+        self.optimizers = [
+            [
+                [
+                    make_optimizer(
+                        apply_device or lane.devices[k], [state.trainable[li][i] for i in group]
+                    )
+                    for group in self.groups[k]
+                ]
+                for k in range(program.num_stages)
+            ]
+            for li, lane in enumerate(lanes)
+        ]
+
+    def __call__(self, lane_grads: list[list]) -> None:
+        program = self.program
+        if program.clip_before:
+            lane_grads = [program.clip(li, grads) for li, grads in enumerate(lane_grads)]
+        reduced = program.all_reduce_gradients(lane_grads)
+        if program.clip_after:
+            reduced = [program.clip(li, grads) for li, grads in enumerate(reduced)]
+        self.apply(reduced)
+
+    def apply(self, reduced: list[list]) -> None:
+        program = self.program
+        for li, optimizers in enumerate(self.optimizers):
+            for k, stage_optimizers in enumerate(optimizers):
+                device = self.optimizers_device(li, k)
+                previous = []
+                for group, optimizer in zip(self.groups[k], stage_optimizers):
+                    with tf.device(device), tf.control_dependencies(previous):
+                        optimizer.apply(
+                            [reduced[li][i] for i in group],
+                            [program.state.trainable[li][i] for i in group],
+                        )
+                        # Next group starts after this one's variables are written.
+                        previous = [
+                            program.state.trainable[li][i].value.read_value() for i in group[:1]
+                        ]
+
+    def optimizers_device(self, li: int, stage: int) -> str:
+        variables = self.optimizers[li][stage][0].variables if self.optimizers[li][stage] else []
+        return variables[0].value.device if variables else self.program.lanes[li].devices[stage]
+
+    def checkpoint_variables(self) -> dict:
+        """{positional name: variable}: lane 0's optimizer state (every lane holds the same)."""
+        named = {}
+        for k, stage_optimizers in enumerate(self.optimizers[0]):
+            for g, optimizer in enumerate(stage_optimizers):
+                for j, v in enumerate(optimizer.variables):
+                    named[f"optimizer/stage_{k}/group_{g}/{j}"] = v
+        return named
+
+    def after_restore(self) -> None:
+        """Copies lane 0's restored optimizer state to the other lanes."""
+        for lane in self.optimizers[1:]:
+            for stage, stage0 in zip(lane, self.optimizers[0]):
+                for optimizer, optimizer0 in zip(stage, stage0):
+                    for dst, src in zip(optimizer.variables, optimizer0.variables):
+                        if dst is not src:
+                            dst.assign(src.value)
+
+    def gradient_bytes(self) -> dict[str, int]:
+        """Bytes of reduced gradients per compute device (every lane holds its full stage)."""
+        program, usage = self.program, {}
+        for lane in program.lanes:
+            for k, device in enumerate(lane.devices):
+                count = sum(
+                    variable_bytes(program.state.model_trainable[i])
+                    for i in program.trainable_idx[k]
+                )
+                usage[device] = usage.get(device, 0) + count
+        return usage
+
+    def all_optimizer_variables(self) -> list:
+        return [v for lane in self.optimizers for stage in lane for o in stage for v in o.variables]

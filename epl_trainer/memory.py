@@ -1,0 +1,88 @@
+"""`trainer.memory_report()`: bytes per device, read from the engine's own state.
+
+Rows are devices; columns are what the engine keeps there: parameters (trainable and
+non-trainable variable copies), optimizer state (slots and counters of the optimizer
+copies placed there), and gradients after the reduction (the full stage gradients for
+plain data parallelism, only the owned shard under ZeRO v1). Shared copies (offload)
+count once. A device can appear with the role "host" and as a compute device when, as
+with simulated CPU devices, the host CPU also computes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from epl_trainer.core.state import variable_bytes
+
+
+@dataclasses.dataclass
+class DeviceMemory:
+    device: str
+    parameters: int = 0
+    gradients: int = 0
+    optimizer: int = 0
+
+    @property
+    def total(self) -> int:
+        return self.parameters + self.gradients + self.optimizer
+
+
+@dataclasses.dataclass
+class MemoryReport:
+    devices: dict[str, DeviceMemory]
+
+    def __getitem__(self, device: str) -> DeviceMemory:
+        return self.devices[device]
+
+    def totals(self) -> DeviceMemory:
+        total = DeviceMemory("total")
+        for row in self.devices.values():
+            total.parameters += row.parameters
+            total.gradients += row.gradients
+            total.optimizer += row.optimizer
+        return total
+
+    def __str__(self) -> str:
+        header = ("device", "parameters", "gradients", "optimizer", "total")
+        rows = [*self.devices.values(), self.totals()]
+        cells = [header] + [
+            (
+                r.device.rsplit("/", 1)[-1] if r.device != "total" else "total",
+                _mb(r.parameters),
+                _mb(r.gradients),
+                _mb(r.optimizer),
+                _mb(r.total),
+            )
+            for r in rows
+        ]
+        widths = [max(len(row[i]) for row in cells) for i in range(len(header))]
+        lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths)) for row in cells]
+        lines.insert(1, "  ".join("-" * w for w in widths))
+        return "\n".join(lines)
+
+
+def build_report(state, update, lanes) -> MemoryReport:
+    devices: dict[str, DeviceMemory] = {}
+
+    def row(device: str) -> DeviceMemory:
+        return devices.setdefault(device, DeviceMemory(device))
+
+    for lane in lanes:  # compute devices appear even when they hold nothing (offload)
+        for device in lane.devices:
+            row(device)
+    seen: set[int] = set()
+    for variable in [v for vs in state.trainable + state.non_trainable for v in vs]:
+        if id(variable) not in seen:
+            seen.add(id(variable))
+            row(variable.value.device).parameters += variable_bytes(variable)
+    for variable in update.all_optimizer_variables():
+        if id(variable) not in seen:
+            seen.add(id(variable))
+            row(variable.value.device).optimizer += variable_bytes(variable)
+    for device, count in update.gradient_bytes().items():
+        row(device).gradients += count
+    return MemoryReport(devices)
+
+
+def _mb(count: int) -> str:
+    return f"{count / 2**20:.2f} MiB"
