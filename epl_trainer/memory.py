@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from epl_trainer.core.cost import format_bytes
 from epl_trainer.core.state import variable_bytes
 
 
@@ -48,10 +49,10 @@ class MemoryReport:
         cells = [header] + [
             (
                 r.device.rsplit("/", 1)[-1] if r.device != "total" else "total",
-                _mb(r.parameters),
-                _mb(r.gradients),
-                _mb(r.optimizer),
-                _mb(r.total),
+                format_bytes(r.parameters),
+                format_bytes(r.gradients),
+                format_bytes(r.optimizer),
+                format_bytes(r.total),
             )
             for r in rows
         ]
@@ -82,7 +83,3 @@ def build_report(state, update, lanes) -> MemoryReport:
     for device, count in update.gradient_bytes().items():
         row(device).gradients += count
     return MemoryReport(devices)
-
-
-def _mb(count: int) -> str:
-    return f"{count / 2**20:.2f} MiB"

@@ -469,7 +469,6 @@ def _output_names(model) -> list[str]:
 _NOT_YET = {
     # key: (value meaning "off", issue that builds it)
     "gradient_checkpoint.type": ("", "memory optimisations"),
-    "zero.level": ("", "memory optimisations"),
     "amp.level": ("", "memory optimisations"),
     "communication.fp16": (False, "communication options"),
     "io.slicing": (False, "IO slicing"),

@@ -95,3 +95,32 @@ def test_memory_report_of_plain_data_parallelism_counts_every_replica():
         assert row.parameters >= params and row.gradients == params
         assert row.optimizer >= 2 * params  # Adam: two slots per weight
     assert "parameters" in str(report)
+
+
+@pytest.mark.parametrize("level", ["v0", "v1"])
+@pytest.mark.parametrize("num_micro_batch", [1, 2])
+def test_zero_matches_keras_with_and_without_gradient_accumulation(level, num_micro_batch):
+    x, y = mlp_data()
+    reference = mlp(width=24)
+    keras_reference(reference, x, y, keras.optimizers.Adam(0.01), batch_size=16, steps=3)
+    model = mlp(width=24)
+    trainer = _trainer(
+        model, 4, **{"zero.level": level, "pipeline.num_micro_batch": num_micro_batch}
+    )
+    trainer.fit(x, y, batch_size=16, steps_per_epoch=3, verbose=0)
+    assert max_weight_difference(reference, model) < ATOL
+
+
+def test_zero_v1_memory_report_shards_optimizer_state_and_gradients():
+    x, y = mlp_data()
+    model = mlp(width=64)
+    trainer = _trainer(model, 4, **{"zero.level": "v1"})
+    trainer.fit(x, y, batch_size=16, steps_per_epoch=1, verbose=0)
+    report = trainer.memory_report()
+    sizes = [variable_bytes(v) for v in model.trainable_variables]
+    total, largest = sum(sizes), max(sizes)
+    for lane in trainer.lanes:
+        row = report[lane.devices[0]]
+        # Adam: 2 slots per owned weight (+ small counters): about total*2/4 per replica.
+        assert abs(row.optimizer - 2 * total / 4) <= 2 * largest + 64
+        assert abs(row.gradients - total / 4) <= largest

@@ -6,7 +6,8 @@ step):
 
 1. state placement: per-lane copies on the stage devices, or one shared copy on the
    host (`offload.level="v0"`);
-2. the update: plain all-reduce + apply (`ReplicatedUpdate`, with grouped apply when
+2. the update: ZeRO's sharded reduce / apply / gather (`zero.level` "v0" or "v1",
+   zero.py), or plain all-reduce + apply (`ReplicatedUpdate`, with grouped apply when
    `optimizer.num_apply_group` > 1 and a single host-side apply under offload).
 """
 
@@ -17,6 +18,7 @@ from epl_trainer.core.partition import StagedModel
 from epl_trainer.core.program import Program, ProgramOptions
 from epl_trainer.core.state import EngineState
 from epl_trainer.core.update import ReplicatedUpdate
+from epl_trainer.core.zero import ZeroUpdate
 
 
 def build_engine(
@@ -55,6 +57,16 @@ def build_engine(
         clip_global_norm=clip_global_norm,
         step_counter=step_counter,
     )
+    if config.zero.level:
+        if offload or config.optimizer.num_apply_group > 1:
+            raise ValueError(
+                "zero.level shards the optimizer across replicas and cannot be combined with "
+                f"offload.level or optimizer.num_apply_group yet. Received: zero.level="
+                f"{config.zero.level!r}, offload.level={config.offload.level!r}, "
+                f"optimizer.num_apply_group={config.optimizer.num_apply_group}"
+            )
+        program.update = ZeroUpdate(program, make_optimizer, level=config.zero.level)
+        return state, program
     program.update = ReplicatedUpdate(
         program,
         make_optimizer,

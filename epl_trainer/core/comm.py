@@ -27,6 +27,7 @@ _GROUP_KEY_BASE = 0x2000_0000
 _INSTANCE_KEY_BASE = 0x1000_0000
 _instance_counter = itertools.count(_INSTANCE_KEY_BASE)
 _ordering_tokens: dict[tuple[str, int], tf.Variable] = {}
+_measured_ranks: dict[tuple[str, ...], dict[str, int]] = {}
 
 
 def next_instance_key() -> int:
@@ -49,6 +50,39 @@ def ordering_token(device: str, chain: int = 0):
                 0.0, trainable=False, name=f"epl_ordering_token_{chain}"
             )
     return _ordering_tokens[key].handle
+
+
+def collective_rank_order(devices: Sequence[str]) -> list[str]:
+    """The members of a V2 collective group in the rank order TensorFlow gives them.
+
+    TF ranks a group once, when it first forms (`CollectiveParamResolverLocal::
+    CompleteDefaultRanking` in TF 2.21), whatever order the members were listed or
+    joined in:
+
+    1. members are grouped by task, and the tasks are ordered by their task name
+       `/job:J/replica:R/task:T` compared **as strings** (a `std::set<string>`), so
+       task 10 comes between tasks 1 and 2;
+    2. inside a task, devices are ordered by their parsed name (`DeviceNameUtils::
+       CompareFullNames`): device type as a string, then the device index **as a
+       number**, so CPU:10 comes after CPU:9;
+    3. GPUs are the exception to step 2: starting from the lowest-numbered GPU, TF
+       follows the strongest interconnect links (NVLink / PCIe peer links), or the
+       ConfigProto's `gpu_options.experimental.collective_ring_order`, which this rule
+       cannot see. Call `CollectiveGroup.measure_ranks()` once for GPU groups.
+
+    Evidence (tests/test_comm.py and a one-off 11-worker run): a gather of each
+    member's index, with the members listed in a scrambled order, comes back in the
+    order CPU:0, 1, ..., 9, 10, 11 on 12 logical devices, and task:0, 1, 10, 2, ..., 9
+    for 11 workers with one device each.
+    """
+    return sorted(devices, key=_rank_sort_key)
+
+
+def _rank_sort_key(device: str):
+    spec = tf.DeviceSpec.from_string(device)
+    # Names without a job/task are expanded by TF to the local task before grouping.
+    task = f"/job:{spec.job or 'localhost'}/replica:{spec.replica or 0}/task:{spec.task or 0}"
+    return task, spec.device_type or "", spec.device_index or 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -114,6 +148,195 @@ class CollectiveGroup:
                 )
         return results
 
+    def rank_of(self, device: str) -> int:
+        """The rank TensorFlow gives `device` in this group (see `collective_rank_order`).
+
+        Gathers and reduce-scatters lay out chunks by this rank: chunk r of a
+        reduce-scatter goes to the member of rank r, and an all-gather concatenates the
+        members' inputs by rank. Uses the ranks `measure_ranks()` observed, when it ran
+        for this group, and the documented rule otherwise.
+        """
+        if device not in self.devices:
+            raise ValueError(
+                f"{device!r} is not a member of the group. Received members: {self.devices}"
+            )
+        measured = _measured_ranks.get(tuple(self.devices))
+        if measured is not None:
+            return measured[device]
+        return collective_rank_order(self.devices).index(device)
+
+    def measure_ranks(self) -> list[int]:
+        """Runs one gather of each member's position to learn TF's ranks; remembers them.
+
+        Needed on GPUs, whose order inside a worker follows interconnect links. Runs
+        eagerly (also when called while a function is traced); in a multi-worker job every
+        worker must call it at the same point of the program build, like any collective.
+
+        Returns:
+          The rank of each local member.
+        """
+        if not self.local_devices:
+            raise ValueError(f"measure_ranks needs a local member. Received: {self}")
+        if self.size == 1:
+            return [0]
+        instance_key = next_instance_key()
+
+        @tf.function
+        def gather_positions():
+            results = []
+            for device in self.local_devices:
+                with tf.device(device):
+                    results.append(
+                        tf.raw_ops.CollectiveGatherV2(
+                            input=tf.constant([self.devices.index(device)], tf.int32),
+                            group_size=self.size,
+                            group_key=self.key,
+                            instance_key=instance_key,
+                            ordering_token=[ordering_token(device, 0)],
+                            communication_hint="auto",
+                            timeout_seconds=0.0,
+                        )
+                    )
+            return results[0]
+
+        with tf.init_scope():
+            positions = [int(p) for p in gather_positions().numpy()]
+        _measured_ranks[tuple(self.devices)] = {self.devices[p]: r for r, p in enumerate(positions)}
+        return [self.rank_of(device) for device in self.local_devices]
+
+    def reduce_scatter(
+        self,
+        values: Sequence[tf.Tensor],
+        reduction: str = "mean",
+        instance_key: int | None = None,
+        chain: int = 0,
+    ) -> list[tf.Tensor]:
+        """Reduces flat buffers over the group; each member keeps the chunk of its rank.
+
+        Args:
+          values: `values[i]`, on `local_devices[i]`, is a 1-D tensor of length
+            `size * B` (the same on every member).
+          reduction: "mean" or "sum".
+          instance_key: a key from `next_instance_key()`; allocated here if None.
+          chain: which ordering-token chain (communicator) to use.
+
+        Returns:
+          For each local member, elements `[r*B, (r+1)*B)` of the reduced buffer, where
+          r = `rank_of(member)`. A group of one returns its input whole.
+        """
+        self._check_flat("reduce_scatter", values, divisible=True)
+        if reduction not in ("mean", "sum"):
+            raise ValueError(f"reduction must be 'mean' or 'sum'. Received: {reduction!r}")
+        if self.size == 1:
+            return list(values)
+        instance_key = next_instance_key() if instance_key is None else instance_key
+        results = []
+        for device, value in zip(self.local_devices, values):
+            with tf.device(device):
+                token = [ordering_token(device, chain)]
+                if tf.DeviceSpec.from_string(device).device_type == "GPU":
+                    # TF implements reduce-scatter only with NCCL ("undef" otherwise).
+                    chunk = tf.raw_ops.CollectiveReduceScatterV2(
+                        input=value,
+                        group_size=self.size,
+                        group_key=self.key,
+                        instance_key=instance_key,
+                        ordering_token=token,
+                        merge_op="Add",
+                        final_op="Div" if reduction == "mean" else "Id",
+                        communication_hint="nccl",
+                        timeout_seconds=0.0,
+                    )
+                else:
+                    # No CPU kernel exists for CollectiveReduceScatterV2. An all-to-all
+                    # moves the same bytes as a ring reduce-scatter ((N-1)/N of the
+                    # buffer per member); the member then sums the N chunks it received.
+                    received = tf.raw_ops.CollectiveAllToAllV2(
+                        input=tf.reshape(value, [self.size, -1]),
+                        group_size=self.size,
+                        group_key=self.key,
+                        instance_key=instance_key,
+                        ordering_token=token,
+                        communication_hint="auto",
+                        timeout_seconds=0.0,
+                    )
+                    chunk = tf.reduce_sum(received, axis=0)
+                    if reduction == "mean":
+                        chunk = chunk / tf.cast(self.size, chunk.dtype)
+                length = value.shape[0]
+                if length is not None:
+                    chunk = tf.ensure_shape(chunk, [length // self.size])
+                results.append(chunk)
+        return results
+
+    def all_gather(
+        self,
+        values: Sequence[tf.Tensor],
+        instance_key: int | None = None,
+        chain: int = 0,
+    ) -> list[tf.Tensor]:
+        """Concatenates every member's 1-D tensor, in rank order, on every local member.
+
+        Args:
+          values: `values[i]`, on `local_devices[i]`, is a 1-D tensor of length B (the
+            same on every member).
+          instance_key: a key from `next_instance_key()`; allocated here if None.
+          chain: which ordering-token chain (communicator) to use.
+
+        Returns:
+          For each local member a tensor of length `size * B`; elements `[r*B, (r+1)*B)`
+          come from the member of rank r. A group of one returns its input.
+        """
+        self._check_flat("all_gather", values, divisible=False)
+        if self.size == 1:
+            return list(values)
+        instance_key = next_instance_key() if instance_key is None else instance_key
+        results = []
+        for device, value in zip(self.local_devices, values):
+            with tf.device(device):
+                # CollectiveGatherV2 has no bfloat16 kernel; a gather only copies bits, so
+                # bfloat16 travels bit-cast as float16 (same width) and is cast back.
+                wire = value if value.dtype != tf.bfloat16 else tf.bitcast(value, tf.float16)
+                gathered = tf.raw_ops.CollectiveGatherV2(
+                    input=wire,
+                    group_size=self.size,
+                    group_key=self.key,
+                    instance_key=instance_key,
+                    ordering_token=[ordering_token(device, chain)],
+                    communication_hint="auto",
+                    timeout_seconds=0.0,
+                )
+                if value.dtype == tf.bfloat16:
+                    gathered = tf.bitcast(gathered, tf.bfloat16)
+                length = value.shape[0]
+                if length is not None:
+                    gathered = tf.ensure_shape(gathered, [length * self.size])
+                results.append(gathered)
+        return results
+
+    def _check_flat(self, name: str, values: Sequence[tf.Tensor], divisible: bool) -> None:
+        if len(values) != len(self.local_devices):
+            raise ValueError(
+                f"{name} needs one value per local member ({len(self.local_devices)}). "
+                f"Received: {len(values)} values"
+            )
+        ranks = {v.shape.rank for v in values}
+        if ranks != {1}:
+            raise ValueError(
+                f"{name} takes flat (1-D) tensors. Received shapes: {[v.shape for v in values]}"
+            )
+        lengths = {v.shape[0] for v in values}
+        if len(lengths) > 1:
+            raise ValueError(
+                f"{name} needs the same length on every member. Received lengths: {lengths}"
+            )
+        length = lengths.pop()
+        if divisible and length is not None and length % self.size:
+            raise ValueError(
+                f"{name} needs a length divisible by the group size. Received: "
+                f"length={length}, group_size={self.size}"
+            )
+
 
 def plan_buckets(sizes: Sequence[int], dtypes: Sequence, max_splits: int) -> list[list[int]]:
     """Groups tensors into at most `max_splits` buckets per dtype, balanced by size.
@@ -145,8 +368,10 @@ def _balanced_runs(indices: list[int], sizes: list[int], parts: int) -> list[lis
         runs_left = parts - len(runs) - 1
         items_left = len(indices) - sum(len(r) for r in runs) - len(current)
         # Close the run once it holds its share of the bytes, keeping one item per
-        # remaining run.
-        if runs_left > 0 and items_left >= runs_left and filled >= total * (len(runs) + 1) / parts:
+        # remaining run; close it anyway when only one item per remaining run is left
+        # (otherwise every later item lands in this run).
+        reached = filled >= total * (len(runs) + 1) / parts
+        if runs_left > 0 and items_left >= runs_left and (reached or items_left == runs_left):
             runs.append(current)
             current = []
     if current:
