@@ -1,0 +1,182 @@
+"""Memory features, measured: peak memory and step time per configuration.
+
+Usage: python bench/memory.py [--steps 10] [--only gc,amp,apply,amp_speed]
+
+Every configuration runs in a fresh process (peak memory is process-wide on CPU), which
+builds the trainer, runs one step to trace, resets the allocator statistics and then
+times `--steps` steps. "step peak" is the peak during those steps minus the memory held
+before them (weights, optimizer state): the activations and temporaries of a step.
+The last table evaluates the ZeRO paper's per-device model-state formulas for the
+measured model: 2+2+12 bytes per parameter (fp16 weights and gradients, fp32 Adam
+states and master weights), 2+2+12/N with optimizer-state sharding, 2+14/N with
+gradients sharded too.
+"""
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir)
+
+# name -> (model, config overrides)
+CONFIGS = {
+    "gc": [
+        ("deep MLP, GC off", "deep", {}),
+        ("deep MLP, GC auto", "deep", {"gradient_checkpoint.type": "auto"}),
+    ],
+    "amp": [
+        ("matmul model, fp32", "wide", {}),
+        ("matmul model, AMP O1 bfloat16", "wide", {"amp.level": "O1", "amp.dtype": "bfloat16"}),
+        ("matmul model, AMP O1 float16", "wide", {"amp.level": "O1", "amp.dtype": "float16"}),
+    ],
+    "apply": [
+        ("many weights, apply groups 1", "many", {"optimizer.num_apply_group": 1}),
+        ("many weights, apply groups 8", "many", {"optimizer.num_apply_group": 8}),
+    ],
+}
+
+
+def build_model(kind):
+    import keras
+
+    keras.utils.set_random_seed(0)
+    if kind == "deep":  # activation-dominated: 24 Dense(1024) layers, batch 256
+        inputs = keras.Input((1024,))
+        h = inputs
+        for i in range(24):
+            h = keras.layers.Dense(1024, activation="relu", name=f"dense_{i}")(h)
+        return keras.Model(inputs, keras.layers.Dense(10, name="head")(h)), 256, (1024,)
+    if kind == "wide":  # matmul-heavy
+        inputs = keras.Input((2048,))
+        h = inputs
+        for i in range(4):
+            h = keras.layers.Dense(2048, activation="relu", name=f"dense_{i}")(h)
+        return keras.Model(inputs, keras.layers.Dense(10, name="head")(h)), 256, (2048,)
+    # "many": optimizer-state heavy, small activations: 16 x Dense(1024) on batch 8
+    inputs = keras.Input((1024,))
+    h = inputs
+    for i in range(16):
+        h = keras.layers.Dense(1024, name=f"dense_{i}")(h)
+    return keras.Model(inputs, keras.layers.Dense(10, name="head")(h)), 8, (1024,)
+
+
+def measure(kind, overrides, steps):
+    """Runs in the child process; returns a dict of measurements."""
+    sys.path.insert(0, ROOT)
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    from epl_trainer.cluster import configure_tensorflow
+
+    configure_tensorflow(1)
+    import keras
+    import numpy as np
+    import tensorflow as tf
+
+    import epl_trainer as epl
+
+    model, batch, shape = build_model(kind)
+    trainer = epl.EPLTrainer(
+        model,
+        keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        keras.optimizers.Adam(1e-4),
+        config={"cluster.virtual_devices": 1, **overrides},
+    )
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(batch, *shape)).astype("float32")
+    y = rng.integers(0, 10, batch).astype("int32")
+    dataset = tf.data.Dataset.from_tensors((x, y)).repeat()
+    trainer.fit(dataset, steps_per_epoch=1, verbose=0)
+    resident = tf.config.experimental.get_memory_info("CPU:0")["current"]
+    tf.config.experimental.reset_memory_stats("CPU:0")
+    start = time.perf_counter()
+    trainer.fit(dataset, steps_per_epoch=steps, verbose=0)
+    seconds = (time.perf_counter() - start) / steps
+    peak = tf.config.experimental.get_memory_info("CPU:0")["peak"]
+    params = sum(int(np.prod(v.shape)) for v in model.trainable_variables)
+    return {
+        "peak": peak,
+        "resident": resident,
+        "step_peak": peak - resident,
+        "step_ms": seconds * 1e3,
+        "params": params,
+    }
+
+
+def run_child(kind, overrides, steps):
+    command = [
+        sys.executable,
+        os.path.abspath(__file__),
+        "--child",
+        json.dumps([kind, overrides, steps]),
+    ]
+    result = subprocess.run(command, capture_output=True, text=True, check=True, timeout=900)
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def mib(count):
+    return f"{count / 2**20:.1f}"
+
+
+def print_table(title, rows):
+    header = ("configuration", "peak MiB", "step peak MiB", "ms/step", "vs first")
+    widths = (32, 9, 14, 8, 26)
+    print(f"\n{title}")
+    print("  ".join(h.ljust(w) for h, w in zip(header, widths)))
+    print("  ".join("-" * w for w in widths))
+    first = rows[0][1]
+    for name, r in rows:
+        ratio = (
+            f"step peak {r['step_peak'] / first['step_peak']:.2f}x, "
+            f"time {r['step_ms'] / first['step_ms']:.2f}x"
+        )
+        cells = (name, mib(r["peak"]), mib(r["step_peak"]), f"{r['step_ms']:.1f}", ratio)
+        print("  ".join(c.ljust(w) for c, w in zip(cells, widths)))
+
+
+def print_zero_formulas(params, n=4):
+    print(
+        f"\nZeRO paper model-state bytes per device for this model's {params:,} parameters "
+        f"(mixed-precision Adam), N = {n} data-parallel devices"
+    )
+    rows = [
+        ("baseline 2+2+12 bytes/param", 16 * params),
+        ("optimizer states sharded 2+2+12/N", (4 + 12 / n) * params),
+        ("+ gradients sharded 2+14/N", (2 + 14 / n) * params),
+    ]
+    for name, value in rows:
+        print(f"  {name:<34} {value / 2**20:9.1f} MiB")
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--only", default="gc,amp,apply")
+    parser.add_argument("--child", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        print(json.dumps(measure(*json.loads(args.child))))
+        return
+    params = None
+    for group in args.only.split(","):
+        rows = [
+            (name, run_child(kind, overrides, args.steps))
+            for name, kind, overrides in CONFIGS[group]
+        ]
+        print_table(
+            {
+                "gc": "Gradient checkpointing",
+                "amp": "Memory-efficient AMP",
+                "apply": "Grouped apply (Adam)",
+            }[group],
+            rows,
+        )
+        if group == "apply":
+            params = rows[0][1]["params"]
+    if params:
+        print_zero_formulas(params)
+
+
+if __name__ == "__main__":
+    main()
