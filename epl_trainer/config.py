@@ -307,6 +307,11 @@ class AmpConfig(_Section):
     level: str = _enum("", "Automatic mixed precision level.", choices=("", "O1"))
     debug_log: bool = _bool(False, "Log AMP debug information.")
     loss_scale: int | float | str = _loss_scale("dynamic", "'dynamic' or a fixed loss scale.")
+    dtype: str = _enum("float16", "Compute dtype of O1 layers.", choices=("float16", "bfloat16"))
+    initial_scale_power: int = _int(16, "Dynamic loss scaling starts at 2**power.", minimum=0)
+    loss_scale_window: int = _int(1000, "Clean steps before the loss scale doubles.", minimum=1)
+    hysteresis: int = _int(2, "Overflows that halve the loss scale (reset on growth).", minimum=1)
+    min_loss_scale: int | float = _positive_number(1, "Lowest loss scale; overflow there: error.")
 
 
 @_register("optimizer")

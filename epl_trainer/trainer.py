@@ -23,7 +23,7 @@ from epl_trainer import data as data_lib
 from epl_trainer import strategies
 from epl_trainer.cluster import build_cluster
 from epl_trainer.config import Config
-from epl_trainer.core import comm, planner
+from epl_trainer.core import amp, comm, planner
 from epl_trainer.core.auto_partition import auto_partition
 from epl_trainer.core.builder import build_engine
 from epl_trainer.core.partition import partition_model, whole_model
@@ -137,6 +137,16 @@ class EPLTrainer:
             return self._program
         if not self.model.built:
             self.model(tree.map_structure(lambda x: x[:1], features))
+        if self.config.amp.level:  # compute in low precision, float32 weights cast on use
+            changed = amp.apply_mixed_precision(self.model, self.config.amp.dtype)
+            if self.config.amp.debug_log:
+                logger.info(
+                    "AMP %s: %d layers compute in %s: %s",
+                    self.config.amp.level,
+                    len(changed),
+                    self.config.amp.dtype,
+                    changed,
+                )
         with tf.device(self.cluster.host_device):
             self.loss_tracker.reset_state()
         self._state, self._program = build_engine(
@@ -245,10 +255,10 @@ class EPLTrainer:
                 "The training data yielded no batch. Check the dataset, batch_size "
                 "and steps_per_epoch."
             )
-        throughput = logs.pop("samples_per_sec")
-        logs = self._logs()
-        logs["samples_per_sec"] = throughput
-        return logs
+        # Epoch logs: metrics reduced over all workers, plus the last step's other values
+        # (throughput, AMP loss scale and skipped steps).
+        metric_logs = self._logs()
+        return {**metric_logs, **{k: v for k, v in logs.items() if k not in metric_logs}}
 
     def evaluate(self, x, y=None, batch_size=None, steps=None) -> dict:
         """Returns {"loss": ..., metric name: ...} over the data (every worker's share)."""
@@ -403,6 +413,8 @@ def _run_checked(step_fn, *args):
     try:
         return step_fn(*args)
     except tf.errors.InvalidArgumentError as e:
+        if (error := amp.min_scale_error(e)) is not None:
+            raise error from None
         found = re.search(rf"\[({re.escape(BATCH_SPLIT_ERROR)}.*?)\] \[(\d+)\]", e.message)
         if found:
             raise ValueError(found.group(1) + found.group(2)) from None
@@ -469,7 +481,6 @@ def _output_names(model) -> list[str]:
 _NOT_YET = {
     # key: (value meaning "off", issue that builds it)
     "gradient_checkpoint.type": ("", "memory optimisations"),
-    "amp.level": ("", "memory optimisations"),
     "communication.fp16": (False, "communication options"),
     "io.slicing": (False, "IO slicing"),
 }

@@ -18,8 +18,9 @@ from epl_trainer.config import (
     parse_value,
 )
 
-# Written out by hand from docs/epl_config.md, plus cluster.virtual_devices, so that a
-# changed default in the registry is caught rather than silently mirrored.
+# Written out by hand from docs/epl_config.md, plus cluster.virtual_devices and the
+# DeepSpeed-style loss-scaling keys of amp, so that a changed default in the registry is
+# caught rather than silently mirrored.
 EXPECTED_DEFAULTS = {
     "pipeline.num_micro_batch": 1,
     "pipeline.num_stages": None,
@@ -32,6 +33,11 @@ EXPECTED_DEFAULTS = {
     "amp.level": "",
     "amp.debug_log": False,
     "amp.loss_scale": "dynamic",
+    "amp.dtype": "float16",
+    "amp.initial_scale_power": 16,
+    "amp.loss_scale_window": 1000,
+    "amp.hysteresis": 2,
+    "amp.min_loss_scale": 1,
     "optimizer.num_apply_group": 1,
     "cluster.device_place_prefer_intra_node": True,
     "cluster.run_visible_devices": "",
@@ -258,6 +264,27 @@ def test_int_accepted_for_float_field_and_kept_as_given():
     assert make({"amp.loss_scale": "DYNAMIC"}).amp.loss_scale == "dynamic"
 
 
+def test_amp_loss_scaling_keys():
+    # DeepSpeed's quickstart "fp16" section, spelled as amp keys.
+    amp = make(
+        {
+            "amp": {
+                "level": "O1",
+                "initial_scale_power": 12,
+                "loss_scale_window": 500,
+                "hysteresis": 1,
+                "min_loss_scale": 0.25,
+            }
+        }
+    ).amp
+    assert (amp.initial_scale_power, amp.loss_scale_window, amp.hysteresis) == (12, 500, 1)
+    assert amp.min_loss_scale == 0.25 and amp.dtype == "float16"
+    env = make(EPL_AMP_DTYPE="bfloat16", EPL_AMP_MIN_LOSS_SCALE="2", EPL_AMP_HYSTERESIS="3").amp
+    assert (env.dtype, env.min_loss_scale, env.hysteresis) == ("bfloat16", 2, 3)
+    with pytest.raises(ConfigError, match=r"'amp.dtype' must be one of \['float16', 'bfloat16'\]"):
+        make({"amp.dtype": "float8"})
+
+
 @pytest.mark.parametrize(
     ("key", "value", "canonical"),
     [
@@ -268,6 +295,7 @@ def test_int_accepted_for_float_field_and_kept_as_given():
         ("gradient_checkpoint.type", "Auto", "auto"),
         ("zero.level", "V1", "v1"),
         ("offload.level", "V0", "v0"),
+        ("amp.dtype", "BFloat16", "bfloat16"),
     ],
 )
 def test_enums_are_case_insensitive_and_normalised(key, value, canonical):
@@ -294,6 +322,10 @@ def test_bad_enum_lists_allowed_values():
         ("communication.max_splits", 0, ">= 1"),
         ("communication.fp16_scale", 0, "> 0"),
         ("amp.loss_scale", -1.0, "> 0"),
+        ("amp.initial_scale_power", -1, ">= 0"),
+        ("amp.loss_scale_window", 0, ">= 1"),
+        ("amp.hysteresis", 0, ">= 1"),
+        ("amp.min_loss_scale", 0, "> 0"),
     ],
 )
 def test_range_errors_name_key_and_value(key, value, bound):

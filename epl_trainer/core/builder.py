@@ -6,14 +6,23 @@ step):
 
 1. state placement: per-lane copies on the stage devices, or one shared copy on the
    host (`offload.level="v0"`);
-2. the update: ZeRO's sharded reduce / apply / gather (`zero.level` "v0" or "v1",
+2. the update (below);
+3. AMP (`amp.level="O1"`): loss scaling around the update: the objective is scaled,
+   local gradients unscaled, and the whole update skipped unless every lane's gradients
+   are finite (the model itself was switched to a mixed dtype policy before the state
+   was created, see `amp.apply_mixed_precision`).
+
+The update: ZeRO's sharded reduce / apply / gather (`zero.level` "v0" or "v1",
    zero.py), or plain all-reduce + apply (`ReplicatedUpdate`, with grouped apply when
    `optimizer.num_apply_group` > 1 and a single host-side apply under offload).
 """
 
 from __future__ import annotations
 
+import tensorflow as tf
+
 from epl_trainer.config import Config
+from epl_trainer.core import amp
 from epl_trainer.core.partition import StagedModel
 from epl_trainer.core.program import Program, ProgramOptions
 from epl_trainer.core.state import EngineState
@@ -66,12 +75,62 @@ def build_engine(
                 f"optimizer.num_apply_group={config.optimizer.num_apply_group}"
             )
         program.update = ZeroUpdate(program, make_optimizer, level=config.zero.level)
-        return state, program
-    program.update = ReplicatedUpdate(
-        program,
-        make_optimizer,
-        num_apply_group=config.optimizer.num_apply_group,
-        shared_variables=offload,
-        apply_device=host_device if offload else None,
-    )
+    else:
+        program.update = ReplicatedUpdate(
+            program,
+            make_optimizer,
+            num_apply_group=config.optimizer.num_apply_group,
+            shared_variables=offload,
+            apply_device=host_device if offload else None,
+        )
+    if config.amp.level:
+        apply_amp(program, config.amp, host_device)
     return state, program
+
+
+def apply_amp(program: Program, amp_config, host_device: str) -> None:
+    """Loss scaling around the program's update (DeepSpeed's dynamic scaler or a fixed one).
+
+    Every lane checks its own unscaled gradients; one scalar all-reduce over all lanes of
+    the job makes the decision global, so every lane and worker applies or skips together
+    (the collectives inside a skipped update are skipped everywhere).
+    """
+    scaler = amp.make_loss_scaler(amp_config, host_device)
+    program.loss_scale = scaler.scale
+    program.output_cast = amp.float32_outputs
+    program.extra_logs.update(
+        loss_scale=scaler.scale, skipped_steps=lambda: scaler.skipped_steps.value()
+    )
+    inner = program.update
+    everyone = program.stage_groups[0]
+
+    def update_if_finite(lane_grads: list[list]) -> None:
+        scale = scaler.scale()
+        lane_grads = [amp.unscale_gradients(grads, scale) for grads in lane_grads]
+        flags = []
+        for lane, grads in zip(program.lanes, lane_grads):
+            with tf.device(lane.devices[0]):
+                flags.append(tf.cast(amp.all_finite(grads), tf.float32))
+        finite_everywhere = everyone.all_reduce(flags, "sum")[0] >= everyone.size
+        amp.apply_if_finite(finite_everywhere, lambda: inner(lane_grads))
+        scaler.update(finite_everywhere)
+
+    program.update = AmpUpdate(inner, update_if_finite, scaler)
+
+
+class AmpUpdate:
+    """An update wrapped by loss scaling: same interface, plus the scaler's state."""
+
+    def __init__(self, inner, call, scaler):
+        self.inner, self._call, self.scaler = inner, call, scaler
+
+    def __call__(self, lane_grads) -> None:
+        self._call(lane_grads)
+
+    def checkpoint_variables(self) -> dict:
+        named = dict(self.inner.checkpoint_variables())
+        named.update({f"amp/{i}": v for i, v in enumerate(self.scaler.variables)})
+        return named
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)

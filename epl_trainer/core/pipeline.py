@@ -131,10 +131,13 @@ class LaneExecutor:
                     True,
                 )
                 results = staged.stage_results(stage, outputs)
+                aux = self.hooks.output_cast(list(aux))
                 objective = tf.add_n(aux) if aux else None
                 if last:
                     table = {**mb.values, **results}
-                    mb.y_pred = staged.pack_outputs([table[key] for key in staged.output_keys])
+                    mb.y_pred = self.hooks.output_cast(
+                        staged.pack_outputs([table[key] for key in staged.output_keys])
+                    )
                     loss = self.loss_fn(mb.labels, mb.y_pred)
                     mb.loss = loss if objective is None else loss + objective
                     objective = mb.loss

@@ -77,6 +77,8 @@ class Program:
         # Replaced by passes (recompute, AMP) before the first step; see pipeline.py.
         self.stage_calls = [stateless_stage_call(stage.model) for stage in staged.stages]
         self.loss_scale = None
+        self.output_cast = _identity  # AMP: float32 outputs/aux losses for losses and metrics
+        self.extra_logs = {}  # name -> callable giving a tensor, added to every step's logs
         self.options = options
         self.host = host_device
         self.clip_global_norm = clip_global_norm
@@ -188,7 +190,9 @@ class Program:
         """Running metric values, computed in the step so one call returns the logs."""
         with tf.device(self.host):
             metrics = [self.loss_tracker] + [m for _, m in self.metrics]
-            return {m.name: m.result() for m in metrics}
+            logs = {m.name: m.result() for m in metrics}
+            logs.update({name: value() for name, value in self.extra_logs.items()})
+            return logs
 
     def all_reduce_gradients(self, lane_grads: list[list]) -> list[list]:
         """All-reduces each stage's gradients over every lane of the job."""
@@ -278,7 +282,8 @@ class Program:
                 )
                 values.update(staged.stage_results(stage, outputs))
                 aux_total.extend(tf.identity(a) for a in aux)
-        return staged.pack_outputs([values[key] for key in staged.output_keys]), aux_total
+        outputs = staged.pack_outputs([values[key] for key in staged.output_keys])
+        return self.output_cast(outputs), self.output_cast(aux_total)
 
     def _eval_step(self, features, labels):
         num_lanes = len(self.lanes)
@@ -315,6 +320,10 @@ class Program:
 
 BATCH_SIZE_KEY = "_batch_size"
 BATCH_SPLIT_ERROR = "The per-worker batch must split evenly into local replicas x micro-batches."
+
+
+def _identity(x):
+    return x
 
 
 def split_element(element):
