@@ -20,6 +20,8 @@ _EXPORTS = {
     "EPLTrainer": "epl_trainer.trainer",
     "ModelSpec": "epl_trainer.trainer",
     "plot_schedule": "epl_trainer.plot",
+    "add_to_collection": "epl_trainer.core.recompute",
+    "get_collection": "epl_trainer.core.recompute",
 }
 
 __all__ = [*_EXPORTS, "__version__"]

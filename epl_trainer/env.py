@@ -7,6 +7,7 @@ import threading
 from epl_trainer import strategies
 from epl_trainer.cluster import Cluster, build_cluster
 from epl_trainer.config import Config
+from epl_trainer.core import recompute
 
 
 class Env:
@@ -40,10 +41,12 @@ def init(config=None) -> Env:
 
     Configures TensorFlow's devices (the first call wins: TensorFlow cannot be
     reconfigured once running), starts the collective runtime for multi-worker jobs
-    and clears annotations recorded by earlier `replicate`/`split` scopes.
+    and clears annotations recorded by earlier `replicate`/`split` scopes and
+    checkpoints marked with `add_to_collection`.
     """
     env = _make_env(Config.load(config))
     strategies.reset_annotations()
+    recompute.clear_collections()
     with Env._lock:
         Env._instance = env
     return env

@@ -28,6 +28,7 @@ from epl_trainer.core.auto_partition import auto_partition
 from epl_trainer.core.builder import build_engine
 from epl_trainer.core.partition import partition_model, whole_model
 from epl_trainer.core.program import BATCH_SIZE_KEY, BATCH_SPLIT_ERROR, Program
+from epl_trainer.core.recompute import check_stage_gradients
 from epl_trainer.core.state import EngineState, lanes_for_worker
 from epl_trainer.env import Env
 from epl_trainer.losses import CompiledLoss
@@ -127,7 +128,8 @@ class EPLTrainer:
 
     def _ensure_program_for(self, dataset) -> Program:
         """Builds the program; an unbuilt (subclassed) model is first called on one batch."""
-        if self._program is None and not self.model.built:
+        needs_batch = not self.model.built or self.config.gradient_checkpoint.check_gradients
+        if self._program is None and needs_batch:
             element = next(iter(dataset.take(1)))
             return self._ensure_program(data_lib.split_element(element, with_labels=False)[0])
         return self._ensure_program(None)
@@ -162,7 +164,17 @@ class EPLTrainer:
             clip_global_norm=self.optimizer.global_clipnorm,
             step_counter=self.optimizer.iterations,
         )
+        if self.config.gradient_checkpoint.check_gradients and self._program.recomputed:
+            self._check_recompute_gradients(features)
         return self._program
+
+    def _check_recompute_gradients(self, features) -> None:
+        """gradient_checkpoint.check_gradients: compare recomputed and plain gradients once."""
+        if features is None:
+            raise ValueError("gradient_checkpoint.check_gradients needs a batch to compare on.")
+        parts = len(self.lanes) * self.config.pipeline.num_micro_batch
+        micro_batch = tree.map_structure(lambda x: x[: max(1, x.shape[0] // parts)], features)
+        check_stage_gradients(self.staged, self._program.recomputed, micro_batch)
 
     def _replica_optimizer(self, device: str, variables: list):
         """A copy of the user's optimizer for some variables, built on `device`."""
@@ -480,7 +492,6 @@ def _output_names(model) -> list[str]:
 
 _NOT_YET = {
     # key: (value meaning "off", issue that builds it)
-    "gradient_checkpoint.type": ("", "memory optimisations"),
     "communication.fp16": (False, "communication options"),
     "io.slicing": (False, "IO slicing"),
 }

@@ -257,8 +257,10 @@ def test_subclassed_model_trains_data_parallel():
 
 
 def test_unbuilt_features_are_refused_not_ignored():
-    with pytest.raises(NotImplementedError, match=r"gradient_checkpoint\.type='auto' is not implemented yet"):
-        _trainer(mlp(), 2, **{"gradient_checkpoint.type": "auto"})
+    with pytest.raises(
+        NotImplementedError, match=r"communication\.fp16=True is not implemented yet"
+    ):
+        _trainer(mlp(), 2, **{"communication.fp16": True})
     with pytest.raises(NotImplementedError, match="split TaskGraphs"):
         epl.EPLTrainer(
             mlp(),

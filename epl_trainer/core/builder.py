@@ -6,8 +6,10 @@ step):
 
 1. state placement: per-lane copies on the stage devices, or one shared copy on the
    host (`offload.level="v0"`);
-2. the update (below);
-3. AMP (`amp.level="O1"`): loss scaling around the update: the objective is scaled,
+2. gradient checkpointing (`gradient_checkpoint.type`): the checkpointed stages run as
+   segments whose insides are recomputed in backward (recompute.py);
+3. the update (below);
+4. AMP (`amp.level="O1"`): loss scaling around the update: the objective is scaled,
    local gradients unscaled, and the whole update skipped unless every lane's gradients
    are finite (the model itself was switched to a mixed dtype policy before the state
    was created, see `amp.apply_mixed_precision`).
@@ -25,6 +27,7 @@ from epl_trainer.config import Config
 from epl_trainer.core import amp
 from epl_trainer.core.partition import StagedModel
 from epl_trainer.core.program import Program, ProgramOptions
+from epl_trainer.core.recompute import apply_recompute
 from epl_trainer.core.state import EngineState
 from epl_trainer.core.update import ReplicatedUpdate
 from epl_trainer.core.zero import ZeroUpdate
@@ -66,6 +69,8 @@ def build_engine(
         clip_global_norm=clip_global_norm,
         step_counter=step_counter,
     )
+    if config.gradient_checkpoint.type:
+        apply_recompute(program, config.gradient_checkpoint)
     if config.zero.level:
         if offload or config.optimizer.num_apply_group > 1:
             raise ValueError(

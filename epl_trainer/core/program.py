@@ -77,6 +77,7 @@ class Program:
         # Replaced by passes (recompute, AMP) before the first step; see pipeline.py.
         self.stage_calls = [stateless_stage_call(stage.model) for stage in staged.stages]
         self.loss_scale = None
+        self.recomputed = {}  # stage -> RecomputedStage (gradient checkpointing pass)
         self.output_cast = _identity  # AMP: float32 outputs/aux losses for losses and metrics
         self.extra_logs = {}  # name -> callable giving a tensor, added to every step's logs
         self.options = options

@@ -196,7 +196,7 @@ def is_seed_state(variable) -> bool:
 def _stage_of_variables(staged: StagedModel, variables) -> list[int]:
     owner = {}
     for stage in staged.stages:
-        for v in stage.model.weights:
+        for v in stage.model.variables:  # .weights leaves out SeedGenerator states
             owner.setdefault(id(v), stage.index)
     # Variables no stage uses (e.g. a layer outside the graph) stay with stage 0.
     return [owner.get(id(v), 0) for v in variables]
