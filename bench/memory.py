@@ -27,6 +27,11 @@ CONFIGS = {
         ("8-layer transformer, GC off", "deep", {}),
         ("8-layer transformer, GC auto", "deep", {"gradient_checkpoint.type": "auto"}),
     ],
+    # The same with 64-wide attention heads: attention dominates the recomputed forward.
+    "gc_heads64": [
+        ("transformer key_dim 64, GC off", "deep64", {}),
+        ("transformer key_dim 64, GC auto", "deep64", {"gradient_checkpoint.type": "auto"}),
+    ],
     # float16 is left out: this CPU has no fast float16 kernels (measured ~450x slower).
     "amp": [
         ("activation-heavy MLP, fp32", "wide", {}),
@@ -47,12 +52,13 @@ def build_model(kind):
     import keras
 
     keras.utils.set_random_seed(0)
-    if kind == "deep":  # activation-dominated: pre-norm transformer, d=128, T=64, batch 32
+    if kind in ("deep", "deep64"):  # activations dominate: pre-norm, d=128, T=64, batch 32
         tokens = keras.Input((64,), dtype="int32")
         h = keras.layers.Embedding(1000, 128, name="embed")(tokens)
         for i in range(8):
             a = keras.layers.LayerNormalization(name=f"ln_a{i}")(h)
-            a = keras.layers.MultiHeadAttention(2, 64, name=f"attn{i}")(a, a)
+            key_dim = 64 if kind == "deep64" else 4
+            a = keras.layers.MultiHeadAttention(2, key_dim, name=f"attn{i}")(a, a)
             h = keras.layers.Add(name=f"res_a{i}")([h, a])
             f = keras.layers.LayerNormalization(name=f"ln_f{i}")(h)
             f = keras.layers.Dense(512, activation="gelu", name=f"up{i}")(f)
@@ -172,7 +178,7 @@ def print_zero_formulas(params, n=4):
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=10)
-    parser.add_argument("--only", default="gc,amp,amp_speed,apply")
+    parser.add_argument("--only", default="gc,gc_heads64,amp,amp_speed,apply")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
@@ -186,7 +192,8 @@ def main():
         ]
         print_table(
             {
-                "gc": "Gradient checkpointing",
+                "gc": "Gradient checkpointing (attention key_dim 4)",
+                "gc_heads64": "Gradient checkpointing (attention key_dim 64)",
                 "amp": "Memory-efficient AMP (memory)",
                 "amp_speed": "AMP step time (matmul-heavy)",
                 "apply": "Grouped apply (Adam)",
