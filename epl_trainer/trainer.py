@@ -319,6 +319,14 @@ class EPLTrainer:
         """Saves engine state (weights, optimizer slots, step); only worker 0 writes."""
         if self._state is None:
             raise ValueError("Nothing to save yet: call fit() (or restore) first.")
+        if self.config.zero.level and self.cluster.worker_num > 1:
+            # Each worker holds only its replicas' optimizer shards; worker 0 alone
+            # cannot write them all.
+            raise NotImplementedError(
+                "save_checkpoint with zero.level across several workers is not implemented "
+                f"yet. Received: zero.level={self.config.zero.level!r}, "
+                f"worker_num={self.cluster.worker_num}"
+            )
         step = int(self.optimizer.iterations.numpy())
         if not self.cluster.is_chief:
             return None

@@ -124,3 +124,17 @@ def test_zero_v1_memory_report_shards_optimizer_state_and_gradients():
         # Adam: 2 slots per owned weight (+ small counters): about total*2/4 per replica.
         assert abs(row.optimizer - 2 * total / 4) <= 2 * largest + 64
         assert abs(row.gradients - total / 4) <= largest
+
+
+def test_zero_checkpoint_restores_every_shard(tmp_path):
+    x, y = mlp_data()
+    uninterrupted = mlp()
+    _trainer(uninterrupted, 4, **{"zero.level": "v1"}).fit(x, y, batch_size=16, epochs=2, verbose=0)
+    first = _trainer(mlp(), 4, **{"zero.level": "v1"})
+    first.fit(x, y, batch_size=16, epochs=1, verbose=0)
+    first.save_checkpoint(str(tmp_path))
+    resumed_model = mlp(seed=7)
+    resumed = _trainer(resumed_model, 4, **{"zero.level": "v1"})
+    resumed.restore_checkpoint(str(tmp_path))
+    resumed.fit(x, y, batch_size=16, epochs=1, verbose=0)
+    assert max_weight_difference(uninterrupted, resumed_model) < 1e-6
