@@ -120,7 +120,10 @@ def assert_forward_matches(model, result, num_stages, x):
 def test_nodes_are_costed_in_model_nodes_order(gpt):
     nodes = compute_nodes(gpt)
     assert nodes == model_nodes(gpt)
-    assert [c.name for c in node_costs(gpt)][:4] == ["embed", "attn_0", "add", "ln1_0"]
+    names = [c.name for c in node_costs(gpt)][:4]
+    # `x + a` is an auto-named op ("add", "add_4", ... depending on what ran before).
+    assert names[:2] == ["embed", "attn_0"] and names[2].startswith("add")
+    assert names[3] == "ln1_0"
 
 
 def test_repeated_transformer_blocks_are_found_by_structure(gpt):
