@@ -88,15 +88,21 @@ class ReplicatedUpdate:
             for k, stage_optimizers in enumerate(optimizers):
                 device = self.optimizers_device(li, k)
                 previous = []
-                for group, optimizer in zip(self.groups[k], stage_optimizers):
+                # Last layers first: backward produces their gradients first, so each
+                # group can run (and free its gradients) while backward continues.
+                pairs = list(zip(self.groups[k], stage_optimizers))
+                for group, optimizer in reversed(pairs):
                     with tf.device(device), tf.control_dependencies(previous):
                         optimizer.apply(
                             [reduced[li][i] for i in group],
                             [program.state.trainable[li][i] for i in group],
                         )
-                        # Next group starts after this one's variables are written.
+                        # Next group starts after this one's variables are written. Only
+                        # one element of each is kept as the marker: holding whole reads
+                        # would force copies when later groups write.
                         previous = [
-                            program.state.trainable[li][i].value.read_value() for i in group[:1]
+                            tf.reshape(program.state.trainable[li][i].value.read_value(), [-1])[:1]
+                            for i in group
                         ]
 
     def optimizers_device(self, li: int, stage: int) -> str:
