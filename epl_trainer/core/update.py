@@ -27,6 +27,13 @@ def balanced_groups(sizes: list[int], num_groups: int) -> list[list[int]]:
     return [sorted(b) for b in buckets]
 
 
+def _written(variables) -> list:
+    """Markers that exist once `variables` have been written (ops on a resource run in
+    program order). One element of each is kept: holding whole reads would force copies
+    when later groups write."""
+    return [tf.reshape(v.value.read_value(), [-1])[:1] for v in variables]
+
+
 class ReplicatedUpdate:
     """All-reduce, optional global-norm clip, then apply on every lane (or on the host).
 
@@ -90,20 +97,15 @@ class ReplicatedUpdate:
                 previous = []
                 # Last layers first: backward produces their gradients first, so each
                 # group can run (and free its gradients) while backward continues.
-                pairs = list(zip(self.groups[k], stage_optimizers))
-                for group, optimizer in reversed(pairs):
+                pairs = list(zip(self.groups[k], stage_optimizers))[::-1]
+                for position, (group, optimizer) in enumerate(pairs):
                     with tf.device(device), tf.control_dependencies(previous):
                         optimizer.apply(
                             [reduced[li][i] for i in group],
                             [program.state.trainable[li][i] for i in group],
                         )
-                        # Next group starts after this one's variables are written. Only
-                        # one element of each is kept as the marker: holding whole reads
-                        # would force copies when later groups write.
-                        previous = [
-                            tf.reshape(program.state.trainable[li][i].value.read_value(), [-1])[:1]
-                            for i in group
-                        ]
+                        if position + 1 < len(pairs):  # the next group waits for this one
+                            previous = _written(program.state.trainable[li][i] for i in group)
 
     def optimizers_device(self, li: int, stage: int) -> str:
         variables = self.optimizers[li][stage][0].variables if self.optimizers[li][stage] else []
