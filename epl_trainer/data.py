@@ -8,6 +8,8 @@ import numpy as np
 import tensorflow as tf
 from keras import tree
 
+from epl_trainer.core import program
+
 logger = logging.getLogger(__name__)
 
 DEFAULT_BATCH_SIZE = 32
@@ -81,24 +83,10 @@ def as_dataset(
 def split_element(element, with_labels: bool):
     """(features, labels) from a dataset element; labels None for prediction inputs."""
     if with_labels:
-        if not isinstance(element, tuple) or len(element) != 2:
-            raise ValueError(
-                "Training and evaluation datasets must yield (features, labels) pairs. Received "
-                f"an element with structure {tree.map_structure(_describe, element)}"
-            )
-        return element
+        return program.split_element(element)  # the check the compiled step also makes
     if isinstance(element, tuple) and len(element) == 2:
         return element[0], None
     return element, None
-
-
-def batch_size_of(structure) -> int:
-    first = tree.flatten(structure)[0]
-    return int(first.shape[0])
-
-
-def _describe(x):
-    return getattr(x, "shape", type(x).__name__)
 
 
 class EpochBatches:

@@ -11,7 +11,6 @@ import dataclasses
 import logging
 import re
 import time
-from collections.abc import Callable
 
 import keras
 import numpy as np
@@ -538,6 +537,3 @@ def _unpack_validation(validation_data):
         "validation_data must be a tf.data.Dataset or an (x, y) tuple. "
         f"Received: {type(validation_data).__name__}"
     )
-
-
-ModelFn = Callable[[], "keras.Model | ModelSpec"]
