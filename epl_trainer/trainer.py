@@ -28,6 +28,7 @@ from epl_trainer.core.builder import build_engine
 from epl_trainer.core.partition import partition_model, whole_model
 from epl_trainer.core.program import BATCH_SIZE_KEY, BATCH_SPLIT_ERROR, Program
 from epl_trainer.core.recompute import check_stage_gradients
+from epl_trainer.core.split import find_split_layers
 from epl_trainer.core.state import EngineState, lanes_for_worker
 from epl_trainer.env import Env
 from epl_trainer.losses import CompiledLoss
@@ -96,19 +97,22 @@ class EPLTrainer:
             stage_costs=auto.stage_costs if auto else None,
             cut_description=auto.cut_description if auto else None,
         )
-        split = [tg.name for tg in self.plan.taskgraphs if tg.kind == "split"]
-        if split:
-            raise NotImplementedError(
-                f"split TaskGraphs {split} are not implemented yet in epl_trainer (tensor "
-                "split and expert parallelism); use replicate for now."
+        has_split = any(tg.kind == "split" for tg in self.plan.taskgraphs)
+        self.lanes = lanes_for_worker(self.plan, self.cluster.worker_index)
+        self.split_layers = []
+        if has_split:
+            # Colocated TaskGraphs share every device of a lane: one stage, whose split
+            # layers run on the lane's shards (core/split.py).
+            self.staged = whole_model(model)
+            self.split_layers = find_split_layers(
+                model, annotation, self.plan.taskgraphs, self.plan.taskgraphs[0].device_count
             )
-        if len(self.plan.taskgraphs) == 1:
+        elif len(self.plan.taskgraphs) == 1:
             self.staged = whole_model(model)
         else:
             self.staged = partition_model(
                 model, annotation.node_taskgraph, len(self.plan.taskgraphs)
             )
-        self.lanes = lanes_for_worker(self.plan, self.cluster.worker_index)
         self.lanes_in_job = sorted(
             (
                 lane
@@ -162,6 +166,8 @@ class EPLTrainer:
             self._replica_optimizer,
             clip_global_norm=self.optimizer.global_clipnorm,
             step_counter=self.optimizer.iterations,
+            split_layers=self.split_layers,
+            split_width=self.plan.taskgraphs[0].device_count if self.split_layers else 1,
         )
         if self.config.gradient_checkpoint.check_gradients and self._program.recomputed:
             self._check_recompute_gradients(features)
@@ -329,6 +335,8 @@ class EPLTrainer:
         step = int(self.optimizer.iterations.numpy())
         if not self.cluster.is_chief:
             return None
+        if self._state.sharded:
+            self._state.write_back()  # sharded variables are saved from the Keras model
         metadata = {"epochs_done": self.epochs_done, "plan": self.plan.summary()}
         variables, names = self._checkpoint_variables()
         return ckpt.save(directory, variables, metadata, step, names)
@@ -366,7 +374,9 @@ class EPLTrainer:
             names[key] = description
 
         for i, v in enumerate(state.model_trainable):
-            add(f"trainable/{i}", state.trainable[0][i].value, v.path)
+            # Sharded variables (split layers) are saved whole, from the Keras model.
+            source = v if i in state.sharded else state.trainable[0][i]
+            add(f"trainable/{i}", source.value, v.path)
         for i, v in enumerate(state.model_non_trainable):
             add(f"non_trainable/{i}", state.non_trainable[0][i].value, v.path)
         for key, v in self._program.update.checkpoint_variables().items():
@@ -386,6 +396,7 @@ class EPLTrainer:
             ):
                 if dst is not src and "seed_generator_state" not in src.path:
                     dst.assign(src.value)
+        state.load_sharded_from_model()  # each lane's own slice, over the copy above
         self._program.update.after_restore()
 
     # ---- logs and checks ---------------------------------------------------------------

@@ -105,12 +105,18 @@ def resolve_taskgraphs(
     taskgraphs = list(taskgraphs)
     if not taskgraphs:
         raise PlanError("A plan needs at least one TaskGraph. Received: taskgraphs=[]")
+    fields = [_spec_fields(spec, index) for index, spec in enumerate(taskgraphs)]
+    # Colocated with a split TaskGraph, replicate(None) spans the same devices (EPL's
+    # recipe: replicate(n) features and split(n) classifier on the same n devices).
+    split_counts = [count for kind, count, _ in fields if kind == "split"]
+    colocated_width = None
+    if colocate_split_and_replicate and split_counts:
+        colocated_width = max((c for c in split_counts if c is not None), default=total_devices)
     resolved = []
-    for index, spec in enumerate(taskgraphs):
-        kind, device_count, name = _spec_fields(spec, index)
+    for index, (kind, device_count, name) in enumerate(fields):
         name = name if name is not None else f"taskgraph_{index}"
         if device_count is None and kind == "replicate":
-            device_count = 1
+            device_count = colocated_width or 1
         elif device_count is None:
             if not colocate_split_and_replicate:
                 raise PlanError(
