@@ -23,12 +23,12 @@ from epl_trainer import strategies
 from epl_trainer.cluster import build_cluster
 from epl_trainer.config import Config
 from epl_trainer.core import amp, comm, planner
+from epl_trainer.core import split as split_lib
 from epl_trainer.core.auto_partition import auto_partition
 from epl_trainer.core.builder import build_engine
 from epl_trainer.core.partition import partition_model, whole_model
 from epl_trainer.core.program import BATCH_SIZE_KEY, BATCH_SPLIT_ERROR, Program
 from epl_trainer.core.recompute import check_stage_gradients
-from epl_trainer.core.split import find_split_layers
 from epl_trainer.core.state import EngineState, lanes_for_worker
 from epl_trainer.env import Env
 from epl_trainer.losses import CompiledLoss
@@ -104,9 +104,12 @@ class EPLTrainer:
             # Colocated TaskGraphs share every device of a lane: one stage, whose split
             # layers run on the lane's shards (core/split.py).
             self.staged = whole_model(model)
-            self.split_layers = find_split_layers(
+            self.split_layers = split_lib.find_split_layers(
                 model, annotation, self.plan.taskgraphs, self.plan.taskgraphs[0].device_count
             )
+            outputs = len(tree.flatten(model.outputs))
+            split_lib.sparse_outputs(self.loss._losses_for(outputs), self.split_layers)
+            split_lib.check_split_metrics(self.metrics, self.split_layers)
         elif len(self.plan.taskgraphs) == 1:
             self.staged = whole_model(model)
         else:

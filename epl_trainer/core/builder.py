@@ -130,7 +130,7 @@ def apply_split(program: Program, runtime) -> None:
     program.split = runtime
     num_outputs = len(tree.flatten(program.staged.model.outputs))
     loss = split.SplitLoss(program.loss_fn, runtime, num_outputs)
-    split.check_split_metrics(program.metrics, runtime)
+    split.check_split_metrics(program.metrics, runtime.layers)
     program.loss_fn = loss
     for executor in program.executors:
         executor.loss_fn = loss

@@ -140,9 +140,7 @@ def _moe_layer(layer, index_of, width) -> SplitLayer:
             f"{width} devices of a replica cannot share evenly (num_experts % devices must "
             "be 0)."
         )
-    variables = tuple(
-        ShardedVariable(index_of[id(v)], 0, width) for v in layer.expert_variables()
-    )
+    variables = tuple(ShardedVariable(index_of[id(v)], 0, width) for v in layer.expert_variables())
     return SplitLayer(layer, "moe", variables)
 
 
@@ -207,7 +205,12 @@ class SplitRuntime:
         return self.ranks[li]
 
     def dense_outputs(self) -> dict[int, SplitLayer]:
-        return {s.output_index: s for s in self.layers if s.kind == "dense"}
+        return dense_outputs(self.layers)
+
+
+def dense_outputs(split_layers: Sequence[SplitLayer]) -> dict[int, SplitLayer]:
+    """{flat model output index: the split Dense producing it}."""
+    return {s.output_index: s for s in split_layers if s.kind == "dense"}
 
 
 def split_stage_call(model, runtime: SplitRuntime, training_kwargs):
@@ -304,9 +307,9 @@ def sharded_cross_entropy(logits, labels, lane_comm, sparse: bool, sample_weight
     if sparse:
         local = tf.cast(tf.reshape(labels, [-1]), tf.int32) - rank * classes
         inside = tf.logical_and(local >= 0, local < classes)
-        onehot = tf.one_hot(tf.where(inside, local, 0), classes) * tf.cast(inside, tf.float32)[
-            :, None
-        ]
+        onehot = (
+            tf.one_hot(tf.where(inside, local, 0), classes) * tf.cast(inside, tf.float32)[:, None]
+        )
     else:
         onehot = tf.cast(labels, tf.float32)
 
@@ -379,6 +382,44 @@ def _cross_entropy_kind(loss) -> tuple[str, dict] | None:
     return None
 
 
+def sparse_outputs(losses, split_layers: Sequence[SplitLayer]) -> dict[int, bool]:
+    """{split output index: sparse labels?}, checking each split output's loss."""
+    found = {}
+    for index, split in dense_outputs(split_layers).items():
+        loss = losses[index]
+        kind = _cross_entropy_kind(loss)
+        if kind is None:
+            raise SplitError(
+                f"The output of split Dense {split.layer.name!r} needs a (sparse) "
+                "categorical cross-entropy loss, computed shard-wise. Received: "
+                f"{type(loss).__name__} {getattr(loss, 'name', '')!r}"
+            )
+        sparse, config = kind
+        from_logits = bool(config.get("from_logits", False))
+        if from_logits == split.softmax:
+            raise SplitError(
+                f"split Dense {split.layer.name!r} has "
+                f"activation={'softmax' if split.softmax else 'linear'} but its loss has "
+                f"from_logits={from_logits}; use softmax with from_logits=False or a linear "
+                "activation with from_logits=True."
+            )
+        unsupported = {
+            k: v
+            for k, v in config.items()
+            if k in ("label_smoothing", "ignore_class", "axis") and v not in (0, 0.0, None, -1)
+        }
+        if unsupported or getattr(loss, "reduction", "sum_over_batch_size") not in (
+            "sum_over_batch_size",
+            None,
+        ):
+            raise SplitError(
+                f"The loss of split Dense {split.layer.name!r} must be a plain cross-entropy "
+                f"(mean over the batch). Received options: {unsupported or loss.reduction}"
+            )
+        found[index] = sparse == "sparse"
+    return found
+
+
 class SplitLoss:
     """The trainer's loss with every split Dense output computed shard-wise.
 
@@ -388,39 +429,7 @@ class SplitLoss:
     def __init__(self, compiled_loss, runtime: SplitRuntime, num_outputs: int):
         self.runtime = runtime
         self.losses = compiled_loss._losses_for(num_outputs)
-        self.sparse = {}
-        for index, split in runtime.dense_outputs().items():
-            loss = self.losses[index]
-            kind = _cross_entropy_kind(loss)
-            if kind is None:
-                raise SplitError(
-                    f"The output of split Dense {split.layer.name!r} needs a (sparse) "
-                    "categorical cross-entropy loss, computed shard-wise. Received: "
-                    f"{type(loss).__name__} {getattr(loss, 'name', '')!r}"
-                )
-            sparse, config = kind
-            from_logits = bool(config.get("from_logits", False))
-            if from_logits == split.softmax:
-                raise SplitError(
-                    f"split Dense {split.layer.name!r} has "
-                    f"activation={'softmax' if split.softmax else 'linear'} but its loss has "
-                    f"from_logits={from_logits}; use softmax with from_logits=False or a linear "
-                    "activation with from_logits=True."
-                )
-            unsupported = {
-                k: v
-                for k, v in config.items()
-                if k in ("label_smoothing", "ignore_class", "axis") and v not in (0, 0.0, None, -1)
-            }
-            if unsupported or getattr(loss, "reduction", "sum_over_batch_size") not in (
-                "sum_over_batch_size",
-                None,
-            ):
-                raise SplitError(
-                    f"The loss of split Dense {split.layer.name!r} must be a plain cross-entropy "
-                    f"(mean over the batch). Received options: {unsupported or loss.reduction}"
-                )
-            self.sparse[index] = sparse == "sparse"
+        self.sparse = sparse_outputs(self.losses, runtime.layers)
 
     def __call__(self, y_true, y_pred, sample_weight=None):
         flat_true, flat_pred = tree.flatten(y_true), tree.flatten(y_pred)
@@ -439,9 +448,7 @@ class SplitLoss:
                         if sample_weight is None
                         else lane_comm.gather_rows(tf.cast(sample_weight, tf.float32))
                     )
-                    value = sharded_cross_entropy(
-                        p, labels, lane_comm, self.sparse[index], weights
-                    )
+                    value = sharded_cross_entropy(p, labels, lane_comm, self.sparse[index], weights)
             else:
                 value = loss(t, p, sample_weight=sample_weight)
             total = value if total is None else total + value
@@ -451,15 +458,15 @@ class SplitLoss:
 _ACCURACY = (keras.metrics.SparseCategoricalAccuracy, keras.metrics.CategoricalAccuracy)
 
 
-def check_split_metrics(metrics, runtime: SplitRuntime) -> None:
+def check_split_metrics(metrics, split_layers: Sequence[SplitLayer]) -> None:
     """Only accuracy can be computed from sharded logits (by a distributed argmax)."""
-    outputs = runtime.dense_outputs()
+    outputs = dense_outputs(split_layers)
     for index, metric in metrics:
         if index in outputs and not isinstance(metric, _ACCURACY):
             raise SplitError(
                 f"Metric {metric.name!r} reads the sharded logits of split Dense "
                 f"{outputs[index].layer.name!r}; only SparseCategoricalAccuracy and "
-                "CategoricalAccuracy (\"accuracy\") are computed on split outputs."
+                'CategoricalAccuracy ("accuracy") are computed on split outputs.'
             )
 
 
