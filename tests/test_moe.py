@@ -249,3 +249,29 @@ def test_trainer_on_two_devices_trains_on_the_aux_loss():
         expected_eval.append(float(cross_entropy(y[half], logits)) + float(sum(model.losses)))
     loss = trainer.evaluate(x, y, batch_size=8)["loss"]
     assert loss == pytest.approx(np.mean(expected_eval), rel=1e-5)
+
+
+def test_mixed_precision_routes_in_float32_and_computes_experts_in_float16():
+    x = np.random.default_rng(6).normal(size=(4, 8, 6)).astype("float32")
+    full = MoE(4, 8, top_k=2, num_groups=2)
+    mixed = MoE(4, 8, top_k=2, num_groups=2, dtype="mixed_float16")
+    full.build(x.shape)
+    mixed.build(x.shape)
+    mixed.set_weights(full.get_weights())
+    out_mixed = mixed(x, training=True)
+    assert out_mixed.dtype == tf.float16 and mixed.losses[0].dtype == tf.float32
+    np.testing.assert_allclose(out_mixed, full(x, training=True), atol=2e-2)
+    tokens = x.reshape(2, 16, 6)
+    np.testing.assert_array_equal(
+        mixed.route(tokens.astype("float16"), True).dispatch, full.route(tokens, True).dispatch
+    )
+
+
+def test_unknown_token_count_uses_a_dynamic_capacity():
+    layer = MoE(4, 8, num_groups=2, min_capacity=1)
+    x = np.random.default_rng(7).normal(size=(6, 4, 3)).astype("float32")
+    layer.build(x.shape)
+    dynamic = tf.function(
+        lambda t: layer(t, training=True), input_signature=[tf.TensorSpec([None, 4, 3])]
+    )
+    np.testing.assert_allclose(dynamic(x), layer(x, training=True), atol=1e-6)

@@ -140,8 +140,10 @@ class MoE(keras.layers.Layer):
         d, e, h = input_shape[-1], self.num_experts, self.expert_hidden
         if d is None:
             raise ValueError(f"MoE needs a known last (model) dim. Received: shape {input_shape}")
+        # autocast=False: under mixed precision the router still reads float32 weights,
+        # so routing decisions do not change with the compute dtype.
         self.gate_kernel = self.add_weight(
-            shape=(d, e), initializer=self.gate_initializer, name="gate_kernel"
+            shape=(d, e), initializer=self.gate_initializer, name="gate_kernel", autocast=False
         )
         per_expert = _PerExpert(self.kernel_initializer)
         self.w_in = self.add_weight(shape=(e, d, h), initializer=per_expert, name="w_in")
