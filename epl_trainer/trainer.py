@@ -213,6 +213,11 @@ class EPLTrainer:
         if parse_fn is not None or file_format is not None:
             dataset = self._files_dataset(x, y, batch_size, parse_fn, file_format, steps_per_epoch)
         else:
+            if self.config.io.slicing and isinstance(x, tf.data.Dataset):
+                logger.warning(
+                    "io.slicing slices files given as fit(files, parse_fn=...); a "
+                    "tf.data.Dataset is used as given (shard it with epl.io.slice_files)."
+                )
             dataset = data_lib.as_dataset(
                 x,
                 y,
