@@ -140,8 +140,15 @@ def _moe_layer(layer, index_of, width) -> SplitLayer:
             f"{width} devices of a replica cannot share evenly (num_experts % devices must "
             "be 0)."
         )
-    variables = tuple(ShardedVariable(index_of[id(v)], 0, width) for v in layer.expert_variables())
+    variables = tuple(
+        ShardedVariable(index_of[id(v)], 0, width) for v in _expert_weights(layer)
+    )
     return SplitLayer(layer, "moe", variables)
+
+
+def _expert_weights(layer) -> list:
+    """The MoE's stacked expert weights (leading expert axis), in `expert_ffn` order."""
+    return [layer.w_in, layer.b_in, layer.w_out, layer.b_out]
 
 
 class SplitRuntime:
@@ -275,8 +282,29 @@ def _dense_call(shards, lane_comm):
 
 
 def _moe_call(layer, shards, lane_comm):
+    """The MoE layer's `call` with this lane's E/n experts: routing stays local, and the
+    dispatched tokens go to their expert's lane and come back by all-to-all."""
+
     def call(inputs, training=None):
-        return layer.sharded_call(inputs, shards, lane_comm, training=training)
+        training = bool(training)
+        n, experts = lane_comm.size, layer.num_experts
+        local = experts // n
+        d = inputs.shape[-1]
+        tokens = tf.reshape(inputs, [layer.num_groups, -1, d])
+        routing = layer.route(tokens, training)
+        dispatched = layer.dispatch_tokens(tokens, routing.dispatch)  # [E, G*C, d]
+        # Block r of the expert axis (experts of rank r) goes to rank r; what arrives is
+        # [sender, local expert, slot, d] -> [local expert, sender-major slots, d].
+        arrived = tf.reshape(lane_comm.all_to_all(dispatched), [n, local, -1, d])
+        mine = tf.reshape(tf.transpose(arrived, [1, 0, 2, 3]), [local, -1, d])
+        weights = [tf.cast(w, tokens.dtype) for w in shards]
+        done = tf.reshape(layer.expert_ffn(mine, *weights), [local, n, -1, d])
+        # Back to the senders: block m holds sender m's tokens; it returns them in
+        # expert order ([E, G*C, d]), as `combine_outputs` expects.
+        back = tf.reshape(tf.transpose(done, [1, 0, 2, 3]), [experts, -1, d])
+        outputs = layer.combine_outputs(lane_comm.all_to_all(back), routing.combine)
+        layer.add_loss(layer.aux_loss_coef * routing.aux_loss)
+        return tf.reshape(outputs, tf.shape(inputs))
 
     return call
 
