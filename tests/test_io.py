@@ -1,5 +1,7 @@
 """IO slicing: the file-sharing rule, the per-worker tf.data pipeline and fit(files)."""
 
+import dataclasses
+
 import keras
 import numpy as np
 import pytest
@@ -236,6 +238,10 @@ def test_fit_on_files_needs_a_parse_fn_and_no_labels(tmp_path):
         trainer.fit(paths, y, parse_fn=parse_example, verbose=0)
     with pytest.raises(ValueError, match="parse_fn=None, file_format='text'"):
         trainer.fit(paths, file_format="text", verbose=0)
+    # Several workers: an epoch bounded by each worker's share could end unevenly.
+    trainer.cluster = dataclasses.replace(trainer.cluster, worker_num=2)
+    with pytest.raises(ValueError, match=r"needs steps_per_epoch .* worker_num=2"):
+        trainer.fit(paths, parse_fn=parse_example, verbose=0)
 
 
 @pytest.mark.slow

@@ -275,3 +275,21 @@ def test_unknown_token_count_uses_a_dynamic_capacity():
         lambda t: layer(t, training=True), input_signature=[tf.TensorSpec([None, 4, 3])]
     )
     np.testing.assert_allclose(dynamic(x), layer(x, training=True), atol=1e-6)
+
+
+def test_call_equals_its_steps_with_experts_run_in_two_shards():
+    """What expert parallelism does: route, dispatch, each shard runs E/2 experts, combine."""
+    layer = MoE(4, 8, top_k=2, num_groups=2, capacity_factor=0.75, min_capacity=1)
+    x = np.random.default_rng(8).normal(size=(4, 6, 5)).astype("float32")
+    layer.build(x.shape)
+    tokens = x.reshape(2, 12, 5)
+    routing = layer.route(tokens, training=True)
+    expert_inputs = layer.dispatch_tokens(tokens, routing.dispatch)
+    assert expert_inputs.shape == (4, 2 * routing.capacity, 5)
+    weights = [np.asarray(v) for v in (layer.w_in, layer.b_in, layer.w_out, layer.b_out)]
+    shards = [
+        layer.expert_ffn(expert_inputs[i : i + 2], *(w[i : i + 2] for w in weights)) for i in (0, 2)
+    ]
+    outputs = layer.combine_outputs(tf.concat(shards, axis=0), routing.combine)
+    expected = layer(x, training=True)
+    np.testing.assert_allclose(np.reshape(outputs, x.shape), expected, atol=1e-6)

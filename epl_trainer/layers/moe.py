@@ -34,8 +34,10 @@ Routing, in the order `call` applies it:
 
 Weights are stacked along a leading expert axis so the split engine can shard experts
 by slicing that axis: `gate_kernel [d, E]`, `w_in [E, d, h]`, `b_in [E, h]`,
-`w_out [E, h, d]`, `b_out [E, d]`. `route`, `expert_ffn` and `call` are separate so the
-engine can put an all-to-all between dispatch and the experts.
+`w_out [E, h, d]`, `b_out [E, d]`. `call` is `route` -> `dispatch_tokens` ([E, G*C, d])
+-> `expert_ffn` (a pure function of the weight slices it is given) -> `combine_outputs`,
+so an expert-parallel engine can run the same steps with an all-to-all after dispatch
+and another before combine, each device holding E / n experts.
 """
 
 from __future__ import annotations
@@ -224,21 +226,30 @@ class MoE(keras.layers.Layer):
             )
         tokens = tf.reshape(inputs, [groups, -1, d])  # group g = g-th contiguous chunk
         routing = self.route(tokens, training)
-        dispatch = tf.cast(routing.dispatch, tokens.dtype)
-        combine = tf.cast(routing.combine, tokens.dtype)
-        expert_inputs = tf.einsum("gsec,gsd->egcd", dispatch, tokens)
-        expert_inputs = tf.reshape(expert_inputs, [self.num_experts, -1, d])  # [E, G*C, d]
+        expert_inputs = self.dispatch_tokens(tokens, routing.dispatch)
         expert_outputs = self.expert_ffn(
             expert_inputs,
-            tf.cast(self.w_in, tokens.dtype),
-            tf.cast(self.b_in, tokens.dtype),
-            tf.cast(self.w_out, tokens.dtype),
-            tf.cast(self.b_out, tokens.dtype),
+            *(tf.cast(w, tokens.dtype) for w in (self.w_in, self.b_in, self.w_out, self.b_out)),
         )
-        expert_outputs = tf.reshape(expert_outputs, [self.num_experts, groups, -1, d])
-        outputs = tf.einsum("gsec,egcd->gsd", combine, expert_outputs)
+        outputs = self.combine_outputs(expert_outputs, routing.combine)
         self.add_loss(self.aux_loss_coef * routing.aux_loss)
         return tf.reshape(outputs, tf.shape(inputs))
+
+    def dispatch_tokens(self, tokens_grouped, dispatch):
+        """`[G, S, d]` tokens -> `[E, G*C, d]` expert inputs (row e: expert e's slots,
+        group-major), the tensor an expert-parallel engine all-to-alls along E."""
+        dispatch = tf.cast(dispatch, tokens_grouped.dtype)
+        expert_inputs = tf.einsum("gsec,gsd->egcd", dispatch, tokens_grouped)
+        return tf.reshape(expert_inputs, [self.num_experts, -1, tokens_grouped.shape[-1]])
+
+    def combine_outputs(self, expert_outputs, combine):
+        """`[E, G*C, d]` expert outputs -> `[G, S, d]`, weighted by `combine [G, S, E, C]`."""
+        dynamic = tf.shape(combine)
+        groups, capacity = (combine.shape[i] or dynamic[i] for i in (0, 3))  # static if known
+        d = expert_outputs.shape[-1]
+        expert_outputs = tf.reshape(expert_outputs, [self.num_experts, groups, capacity, d])
+        combine = tf.cast(combine, expert_outputs.dtype)
+        return tf.einsum("gsec,egcd->gsd", combine, expert_outputs)
 
     def compute_output_shape(self, input_shape):
         return input_shape
