@@ -310,7 +310,11 @@ class Program:
 
     def _update_metrics(self, labels, y_pred, loss) -> None:
         with tf.device(self.host):
-            batch = tf.shape(tree.flatten(labels)[0])[0]
+            first = tree.flatten(labels)[0]
+            # A static batch size is a constant: tie it to the data, so a step whose input
+            # ran out does not count its samples.
+            with tf.control_dependencies([first]):
+                batch = tf.identity(tf.shape(first)[0])
             self.loss_tracker.update_state(loss, sample_weight=batch)
             self._update_output_metrics(labels, y_pred, None)
 
