@@ -562,14 +562,8 @@ def _output_names(model) -> list[str]:
     return list(names) if names else ["output"]
 
 
-_NOT_YET = {
-    # key: (value meaning "off", issue that builds it)
-    "communication.fp16": (False, "communication options"),
-}
-
-
 def _check_supported(config: Config) -> None:
-    """Refuses settings whose feature is not built yet instead of silently ignoring them."""
+    """Refuses settings that cannot apply instead of silently ignoring them."""
     values = config.to_dict()
     if values["pipeline.num_stages"] is not None and not values["auto.auto_parallel"]:
         raise ValueError(
@@ -577,12 +571,6 @@ def _check_supported(config: Config) -> None:
             "(auto.auto_parallel=True); give stages with epl.replicate scopes or stages=. "
             f"Received: pipeline.num_stages={values['pipeline.num_stages']}"
         )
-    for key, (off, feature) in _NOT_YET.items():
-        if values[key] != off:
-            raise NotImplementedError(
-                f"{key}={values[key]!r} is not implemented yet in epl_trainer ({feature}). "
-                f"Remove it or set it to {off!r}."
-            )
 
 
 def _needs_fresh_weights_per_step(callback_list) -> bool:

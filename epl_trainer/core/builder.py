@@ -65,6 +65,9 @@ def build_engine(
         num_communicators=config.communication.num_communicators,
         clip_after_allreduce=config.communication.clip_after_allreduce,
         pipeline_strategy=config.pipeline.strategy,
+        fp16_scale=config.communication.fp16_scale if config.communication.fp16 else None,
+        # ZeRO exchanges flat dense buffers, so it reduces slices as dense tensors.
+        sparse_gradients=not config.communication.sparse_as_dense and not config.zero.level,
     )
     program = Program(
         staged,
@@ -83,6 +86,12 @@ def build_engine(
     if config.gradient_checkpoint.type:
         apply_recompute(program, config.gradient_checkpoint)
     if config.zero.level:
+        if config.communication.fp16:
+            raise ValueError(
+                "communication.fp16 compresses all-reduced gradients; ZeRO reduce-scatters "
+                f"them and does not support it yet. Received: zero.level={config.zero.level!r}, "
+                "communication.fp16=True"
+            )
         if offload or config.optimizer.num_apply_group > 1:
             raise ValueError(
                 "zero.level shards the optimizer across replicas and cannot be combined with "
