@@ -19,7 +19,7 @@ from keras import tree
 
 from epl_trainer import checkpoint as ckpt
 from epl_trainer import data as data_lib
-from epl_trainer import strategies
+from epl_trainer import deepspeed, strategies
 from epl_trainer.cluster import build_cluster
 from epl_trainer.config import Config
 from epl_trainer.core import amp, comm, planner
@@ -61,7 +61,9 @@ class EPLTrainer:
       stages: {layer-name regex: stage index}, a shortcut for `Strategy(stages=...)`.
       split: [layer-name regex], a shortcut for `Strategy(split=...)`.
       config: an `epl.Config`, a dict of dotted keys or a JSON/YAML path; None uses the
-        config given to `epl.init()` (or the defaults).
+        config given to `epl.init()` (or the defaults). A DeepSpeed config (JSON path,
+        dict or `epl_trainer.deepspeed.DeepSpeedConfig`) is translated on top of
+        `epl.init()`'s config, and its optimizer/scheduler replace `optimizer`.
     """
 
     def __init__(
@@ -75,6 +77,7 @@ class EPLTrainer:
         split=None,
         config=None,
     ):
+        config, optimizer, self.deepspeed = deepspeed.trainer_setup(config, optimizer)
         self.config = Env.get().config if config is None else Config.load(config)
         self.cluster = Env.get().cluster if config is None else build_cluster(self.config.cluster)
         model, loss, metrics = _resolve_model(model, loss, metrics)
@@ -117,6 +120,10 @@ class EPLTrainer:
             ),
             key=lambda lane: lane.index,
         )
+        if self.deepspeed is not None:  # accumulation steps may follow from the lane count
+            self.config, self.plan = self.deepspeed.resolve_plan(
+                self.config, self.plan, len(self.lanes_in_job)
+            )
         self.model.optimizer = self.optimizer  # what Keras callbacks read (LR, iterations)
         self._program: Program | None = None
         self._state: EngineState | None = None
@@ -200,6 +207,10 @@ class EPLTrainer:
         verbose="auto",
     ):
         """Trains; returns a `keras.callbacks.History` (as `Model.fit`)."""
+        if self.deepspeed is not None:  # batch sizes, monitors and steps_per_print
+            batch_size = self.deepspeed.fit_batch_size(x, batch_size, self.plan, len(self.lanes))
+            extra = self.deepspeed.callbacks(self.loss_tracker, self.cluster.is_chief)
+            callbacks = [*(callbacks or []), *extra]
         dataset = data_lib.as_dataset(
             x,
             y,
