@@ -113,7 +113,7 @@ def require_value(section: Mapping, key: str, accepted, where: str, why: str) ->
 
 
 def is_off(value: Any) -> bool:
-    """An optional DeepSpeed feature left off: absent, null, false or {"enabled": false}."""
+    """An optional DeepSpeed feature left off: null, false, {} or {"enabled": false, ...}."""
     if value is None or value is False:
         return True
-    return isinstance(value, Mapping) and value.get("enabled", False) is False
+    return isinstance(value, Mapping) and (not value or value.get("enabled") is False)

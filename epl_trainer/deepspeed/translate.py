@@ -342,7 +342,7 @@ def _memory(values: Mapping, base: Config) -> dict:
     for key, (accepted, why) in _ZERO_DEFAULT_ONLY.items():
         require_value(zero, key, (accepted,), "zero_optimization", why)
     if (
-        not is_off(zero.get("offload_param"))
+        zero.get("offload_param")
         and _offload_device(zero, "offload_param", _OFFLOAD_PARAM_KEYS) != "none"
     ):
         raise DeepSpeedConfigError(
