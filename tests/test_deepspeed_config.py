@@ -254,7 +254,7 @@ def test_auto_optimizer_params_come_from_the_trainer_optimizer():
 
 def test_auto_lr_from_a_scheduled_trainer_optimizer_is_an_error():
     trainer_optimizer = keras.optimizers.SGD(schedules.WarmupLR())
-    with pytest.raises(DeepSpeedConfigError, match="optimizer.params.lr='auto'"):
+    with pytest.raises(DeepSpeedConfigError, match=r"optimizer\.params\.lr='auto'"):
         _translate({"optimizer": {"type": "SGD", "params": {"lr": "auto"}}}, trainer_optimizer)
 
 
@@ -316,7 +316,7 @@ def test_one_cycle_cycles_adam_momentum_and_not_sgd(caplog):
 
 
 def test_scheduler_errors_name_the_key():
-    with pytest.raises(DeepSpeedConfigError, match="scheduler.type must be one of"):
+    with pytest.raises(DeepSpeedConfigError, match=r"scheduler\.type must be one of"):
         _translate({"scheduler": {"type": "Cosine", "params": {}}})
     with pytest.raises(DeepSpeedConfigError, match="did you mean 'warmup_num_steps'"):
         _translate({"scheduler": {"type": "WarmupLR", "params": {"warmup_steps": 3}}})
@@ -424,7 +424,7 @@ def test_deepspeed_configs_are_told_apart_from_native_ones(tmp_path):
 def test_unreadable_file_names_the_file(tmp_path):
     bad = tmp_path / "ds.json"
     bad.write_text("{not json")
-    with pytest.raises(DeepSpeedConfigError, match="ds.json' is not valid JSON"):
+    with pytest.raises(DeepSpeedConfigError, match=r"ds\.json' is not valid JSON"):
         DeepSpeedConfig(str(bad))
 
 
