@@ -503,3 +503,25 @@ def test_deepspeed_config_and_native_config_train_to_identical_weights(case):
     assert int(ds_trainer.optimizer.iterations.numpy()) == 6
     # The weights moved: the comparison is not between two untouched models.
     assert not np.array_equal(ds_model.get_weights()[0], mlp(seed=3).get_weights()[0])
+
+
+def test_deepspeed_config_flag():
+    from absl import flags
+
+    from epl_trainer import flags as epl_flags
+
+    flag_values = flags.FlagValues()
+    epl_flags.define_flags(flag_values)
+    flag_values(["prog"])
+    assert epl_flags.deepspeed_config_from_flags(flag_values) is None
+    flag_values(["prog", f"--deepspeed_config={STAGE2}"])
+    ds = epl_flags.deepspeed_config_from_flags(flag_values, total_num_steps=50)
+    assert isinstance(ds, DeepSpeedConfig) and ds.total_num_steps == 50
+    assert ds.values["zero_optimization"]["stage"] == 2
+
+
+def test_example_configs_in_configs_dir_translate():
+    configs = Path(__file__).parents[1] / "configs"
+    for path in sorted(configs.glob("ds_*.json")):
+        setup = _translate(str(path))
+        assert setup.config.zero.level or setup.config.offload.level, path.name
