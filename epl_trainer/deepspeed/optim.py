@@ -42,23 +42,15 @@ from epl_trainer.deepspeed.keys import (
 
 logger = logging.getLogger(__name__)
 
-# type (lower case) -> (Keras class, DeepSpeed's default params).
-_OPTIMIZERS: dict[str, tuple[type, dict[str, Any]]] = {
-    "adam": (
-        keras.optimizers.AdamW,
-        {"lr": 1e-3, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.0},
-    ),
-    "adamw": (
-        keras.optimizers.AdamW,
-        {"lr": 1e-3, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.0},
-    ),
-    "adagrad": (keras.optimizers.Adagrad, {"lr": 1e-2, "eps": 1e-10, "weight_decay": 0.0}),
-    "lamb": (keras.optimizers.Lamb, {"lr": 1e-3, "betas": [0.9, 0.999], "eps": 1e-8}),
-    "lion": (keras.optimizers.Lion, {"lr": 1e-3, "betas": [0.9, 0.999], "weight_decay": 0.0}),
-    "sgd": (
-        keras.optimizers.SGD,
-        {"lr": None, "momentum": 0.0, "nesterov": False, "weight_decay": 0.0},
-    ),
+# type (lower case) -> DeepSpeed's default params (the Keras class: _TYPE_KWARGS).
+_ADAM_DEFAULTS = {"lr": 1e-3, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.0}
+_OPTIMIZERS: dict[str, dict[str, Any]] = {
+    "adam": _ADAM_DEFAULTS,
+    "adamw": _ADAM_DEFAULTS,
+    "adagrad": {"lr": 1e-2, "eps": 1e-10, "weight_decay": 0.0},
+    "lamb": {"lr": 1e-3, "betas": [0.9, 0.999], "eps": 1e-8},
+    "lion": {"lr": 1e-3, "betas": [0.9, 0.999], "weight_decay": 0.0},
+    "sgd": {"lr": None, "momentum": 0.0, "nesterov": False, "weight_decay": 0.0},
 }
 # Extra params each type accepts, beyond its defaults table.
 _EXTRA_PARAMS = {
@@ -122,7 +114,7 @@ def build_optimizer(
             "DeepSpeed config optimizer.type must be one of Adam, AdamW, Adagrad, Lamb, Lion, "
             f"SGD (case-insensitive). Received: {name!r}"
         )
-    cls, defaults = _OPTIMIZERS[kind]
+    defaults = _OPTIMIZERS[kind]
     given = section.get("params") or {}
     check_keys(given, set(defaults) | _EXTRA_PARAMS[kind], "'optimizer.params'")
     params = dict(defaults)
@@ -156,65 +148,75 @@ def build_optimizer(
     weight_decay = as_float(
         params.get("weight_decay", 0.0), "optimizer.params.weight_decay", minimum=0.0
     )
-    cls = _check_type_params(kind, name, params, weight_decay, kwargs, cls)
+    cls = _TYPE_KWARGS[kind](kind, params, weight_decay, kwargs)
     if cls in (keras.optimizers.AdamW, keras.optimizers.Lion):
         # Decoupled weight decay; Keras's AdamW defaults to 0.004, DeepSpeed to 0.
         kwargs["weight_decay"] = weight_decay
     return cls(**kwargs), lr
 
 
-def _check_type_params(kind, name, params, weight_decay, kwargs, cls):
-    """Per-type params; returns the Keras class (Adam without adam_w_mode is plain Adam)."""
-    coupled = "PyTorch's coupled (L2) weight decay has no Keras optimizer; use AdamW"
-    if kind in ("adam", "adamw"):
-        if not as_bool(params.get("bias_correction", True), "optimizer.params.bias_correction"):
-            raise unsupported(
-                "optimizer.params.bias_correction", False, "Keras Adam always corrects"
-            )
-        as_bool(
-            params.get("torch_adam", False), "optimizer.params.torch_adam"
-        )  # kernel choice only
-        kwargs["amsgrad"] = as_bool(params.get("amsgrad", False), "optimizer.params.amsgrad")
-        if kind == "adam" and not as_bool(
-            params.get("adam_w_mode", True), "optimizer.params.adam_w_mode"
-        ):
-            if weight_decay:
-                raise unsupported(
-                    "optimizer.params.weight_decay", weight_decay, coupled + " (adam_w_mode: true)"
-                )
-            return keras.optimizers.Adam
-    elif kind == "adagrad":
+_COUPLED = "PyTorch's coupled (L2) weight decay has no Keras optimizer; use AdamW"
+
+
+def _param(params: Mapping, key: str, convert, default):
+    return convert(params.get(key, default), f"optimizer.params.{key}")
+
+
+def _adam_kwargs(kind: str, params: Mapping, weight_decay: float, kwargs: dict) -> type:
+    if not _param(params, "bias_correction", as_bool, True):
+        raise unsupported("optimizer.params.bias_correction", False, "Keras Adam always corrects")
+    _param(params, "torch_adam", as_bool, False)  # picks DeepSpeed's kernel only
+    kwargs["amsgrad"] = _param(params, "amsgrad", as_bool, False)
+    if kind == "adam" and not _param(params, "adam_w_mode", as_bool, True):
         if weight_decay:
-            raise unsupported("optimizer.params.weight_decay", weight_decay, coupled)
-        if as_float(params.get("lr_decay", 0.0), "optimizer.params.lr_decay"):
-            raise unsupported("optimizer.params.lr_decay", params["lr_decay"], "use a scheduler")
-        kwargs["initial_accumulator_value"] = as_float(
-            params.get("initial_accumulator_value", 0.0),
-            "optimizer.params.initial_accumulator_value",
-        )
-    elif kind == "lamb":
-        for key in ("weight_decay", "max_coeff", "min_coeff"):
-            if key in params:
-                raise unsupported(
-                    f"optimizer.params.{key}",
-                    params[key],
-                    "Keras's Lamb has no trust-ratio clamp or in-ratio weight decay",
-                )
-        if not as_bool(params.get("bias_correction", True), "optimizer.params.bias_correction"):
-            raise unsupported(
-                "optimizer.params.bias_correction", False, "Keras Lamb always corrects"
-            )
-    elif kind == "sgd":
-        if weight_decay:
-            raise unsupported("optimizer.params.weight_decay", weight_decay, coupled)
-        if as_float(params.get("dampening", 0.0), "optimizer.params.dampening"):
-            raise unsupported(
-                "optimizer.params.dampening", params["dampening"], "Keras SGD has no dampening"
-            )
-        kwargs["momentum"] = as_float(params["momentum"], "optimizer.params.momentum", minimum=0.0)
-        kwargs["nesterov"] = as_bool(params["nesterov"], "optimizer.params.nesterov")
-    del name
-    return cls
+            raise unsupported("optimizer.params.weight_decay", weight_decay, _COUPLED)
+        return keras.optimizers.Adam
+    return keras.optimizers.AdamW
+
+
+def _adagrad_kwargs(kind: str, params: Mapping, weight_decay: float, kwargs: dict) -> type:
+    if weight_decay:
+        raise unsupported("optimizer.params.weight_decay", weight_decay, _COUPLED)
+    if _param(params, "lr_decay", as_float, 0.0):
+        raise unsupported("optimizer.params.lr_decay", params["lr_decay"], "use a scheduler")
+    kwargs["initial_accumulator_value"] = _param(params, "initial_accumulator_value", as_float, 0.0)
+    return keras.optimizers.Adagrad
+
+
+def _lamb_kwargs(kind: str, params: Mapping, weight_decay: float, kwargs: dict) -> type:
+    for key in ("weight_decay", "max_coeff", "min_coeff"):
+        if key in params:
+            why = "Keras's Lamb has no trust-ratio clamp or in-ratio weight decay"
+            raise unsupported(f"optimizer.params.{key}", params[key], why)
+    if not _param(params, "bias_correction", as_bool, True):
+        raise unsupported("optimizer.params.bias_correction", False, "Keras Lamb always corrects")
+    return keras.optimizers.Lamb
+
+
+def _lion_kwargs(kind: str, params: Mapping, weight_decay: float, kwargs: dict) -> type:
+    return keras.optimizers.Lion
+
+
+def _sgd_kwargs(kind: str, params: Mapping, weight_decay: float, kwargs: dict) -> type:
+    if weight_decay:
+        raise unsupported("optimizer.params.weight_decay", weight_decay, _COUPLED)
+    if _param(params, "dampening", as_float, 0.0):
+        why = "Keras SGD has no dampening"
+        raise unsupported("optimizer.params.dampening", params["dampening"], why)
+    kwargs["momentum"] = as_float(params["momentum"], "optimizer.params.momentum", minimum=0.0)
+    kwargs["nesterov"] = _param(params, "nesterov", as_bool, False)
+    return keras.optimizers.SGD
+
+
+# Per-type params -> Keras keyword arguments; each returns the Keras class to build.
+_TYPE_KWARGS = {
+    "adam": _adam_kwargs,
+    "adamw": _adam_kwargs,
+    "adagrad": _adagrad_kwargs,
+    "lamb": _lamb_kwargs,
+    "lion": _lion_kwargs,
+    "sgd": _sgd_kwargs,
+}
 
 
 # ---- scheduler ---------------------------------------------------------------------------
