@@ -410,6 +410,12 @@ def test_gradient_clipping_auto_comes_from_the_trainer_optimizer():
     assert not unclipped.config.communication.clip_after_allreduce
 
 
+def test_missing_gradient_clipping_drops_the_optimizer_clipnorm_with_a_warning(caplog):
+    setup = _translate({}, keras.optimizers.SGD(global_clipnorm=3.0))
+    assert setup.optimizer.global_clipnorm is None  # DeepSpeed's default: no clipping
+    assert "global_clipnorm=3.0 is not used" in caplog.text
+
+
 def test_deepspeed_configs_are_told_apart_from_native_ones(tmp_path):
     assert deepspeed.is_deepspeed_config({"train_batch_size": 8})
     assert deepspeed.is_deepspeed_config({"optimizer": {"type": "Adam", "params": {}}})

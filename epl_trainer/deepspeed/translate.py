@@ -429,6 +429,13 @@ def _optimizer(values: Mapping, trainer_optimizer, ds: DeepSpeedConfig):
             total_num_steps=ds.total_num_steps,
         )
     clip = values.get("gradient_clipping", 0.0)
+    if "gradient_clipping" not in values and trainer_optimizer.global_clipnorm:
+        logger.warning(
+            "The DeepSpeed config has no gradient_clipping (DeepSpeed's default: no clipping), "
+            'so the optimizer\'s global_clipnorm=%s is not used; set "gradient_clipping": '
+            '"auto" to keep it.',
+            trainer_optimizer.global_clipnorm,
+        )
     if is_auto(clip):
         clip = trainer_optimizer.global_clipnorm or 0.0  # Hugging Face's max_grad_norm
     clip = as_float(clip, "gradient_clipping", minimum=0.0) or None
