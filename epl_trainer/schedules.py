@@ -225,7 +225,7 @@ class _OneCycleShape(_DeepSpeedSchedule):
         return (step - self._total + 1.0) / float(max(self.decay_step_size, 1))
 
 
-_CYCLE_KEYS = (
+CYCLE_KEYS = (
     "cycle_first_step_size",
     "cycle_second_step_size",
     "cycle_first_stair_count",
@@ -243,7 +243,7 @@ class OneCycle(_OneCycleShape):
     `decay_step_size` or `decay_lr_rate` is 0.
     """
 
-    _config_keys = ("cycle_min_lr", "cycle_max_lr", "decay_lr_rate", *_CYCLE_KEYS)
+    _config_keys = ("cycle_min_lr", "cycle_max_lr", "decay_lr_rate", *CYCLE_KEYS)
 
     def __init__(
         self,
@@ -290,7 +290,7 @@ class OneCycleMomentum(_OneCycleShape):
     (step - cycle + 1) / decay_step_size), or max when either is 0.
     """
 
-    _config_keys = ("cycle_min_mom", "cycle_max_mom", "decay_mom_rate", *_CYCLE_KEYS)
+    _config_keys = ("cycle_min_mom", "cycle_max_mom", "decay_mom_rate", *CYCLE_KEYS)
 
     def __init__(
         self,

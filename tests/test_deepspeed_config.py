@@ -397,6 +397,12 @@ def test_unknown_and_unsupported_keys_are_errors(values, match):
         _translate(values)
 
 
+def test_native_keys_in_a_deepspeed_config_point_to_the_base_config():
+    match = r"EPL config keys \['cluster\.virtual_devices'\]"
+    with pytest.raises(DeepSpeedConfigError, match=match):
+        _translate({"train_batch_size": 8, "cluster.virtual_devices": 2})
+
+
 def test_disabled_unsupported_features_are_accepted():
     setup = _translate({"wandb": {"enabled": False}, "flops_profiler": {"enabled": False}})
     assert setup.monitors == ()

@@ -356,7 +356,7 @@ def _make_schedule(name: str, params: dict, learning_rate: float):
     if name == "LRRangeTest":
         return schedules.LRRangeTest(**params), None
     cycle_momentum = params.pop("cycle_momentum", True)
-    shape = {k: params[k] for k in schedules._CYCLE_KEYS if k in params}
+    shape = {k: params[k] for k in schedules.CYCLE_KEYS if k in params}
     momentum_keys = ("cycle_min_mom", "cycle_max_mom", "decay_mom_rate")
     momentum = {k: params.pop(k) for k in momentum_keys if k in params}
     for key in ("cycle_min_lr", "cycle_max_lr"):

@@ -219,6 +219,18 @@ class DeepSpeedConfig:
                 raise DeepSpeedConfigError(
                     f"DeepSpeed config {self.name!r} is not valid JSON: {err}"
                 ) from err
+        if not isinstance(source, Mapping):
+            raise DeepSpeedConfigError(
+                f"DeepSpeed config {self.name} must be a JSON object. "
+                f"Received: {type(source).__name__}"
+            )
+        native = [k for k in source if k not in TOP_LEVEL_KEYS and (k in SECTIONS or "." in k)]
+        if native:
+            raise DeepSpeedConfigError(
+                f"DeepSpeed config {self.name} holds EPL config keys {native}; put them in "
+                "epl.init()'s config (or DeepSpeedConfig(base=...)), which the DeepSpeed keys "
+                "are applied on top of."
+            )
         check_keys(source, TOP_LEVEL_KEYS, f"the top level of {self.name}")
         self.values: dict[str, Any] = dict(source)
         self.base = base
