@@ -109,7 +109,7 @@ def unsupported(where: str, value: Any, why: str) -> DeepSpeedConfigError:
 def require_value(section: Mapping, key: str, accepted, where: str, why: str) -> None:
     """Accepts `key` only at the value(s) that need no feature we lack."""
     if key in section and section[key] not in accepted:
-        raise unsupported(f"{where}.{key}", section[key], why)
+        raise unsupported(f"{where}.{key}" if where else key, section[key], why)
 
 
 def is_off(value: Any) -> bool:

@@ -73,7 +73,7 @@ _KNOWN_UNSUPPORTED = {
 SCHEDULERS = ("WarmupLR", "WarmupDecayLR", "WarmupCosineLR", "OneCycle", "LRRangeTest")
 
 
-def _trainer_value(optimizer, name: str, where: str):
+def trainer_value(optimizer, name: str, where: str):
     """A value of the trainer's own optimizer, the source of "auto" (as HF's TrainingArguments)."""
     if name == "lr":
         if isinstance(optimizer._learning_rate, keras.optimizers.schedules.LearningRateSchedule):
@@ -121,7 +121,7 @@ def build_optimizer(
     for key, value in given.items():
         where = f"optimizer.params.{key}"
         if is_auto(value):
-            value = _trainer_value(trainer_optimizer, key, where)
+            value = trainer_value(trainer_optimizer, key, where)
             if value is None:
                 value = defaults.get(key)
             if value is None:

@@ -235,7 +235,9 @@ class DeepSpeedConfig:
         self.values: dict[str, Any] = dict(source)
         self.base = base
         self.warmup_num_steps = as_int(warmup_num_steps, "warmup_num_steps", minimum=0)
-        self.total_num_steps = total_num_steps
+        self.total_num_steps = (
+            None if total_num_steps is None else as_int(total_num_steps, "total_num_steps")
+        )
 
     @classmethod
     def load(cls, source: Any) -> DeepSpeedConfig:
@@ -431,7 +433,7 @@ def _optimizer(values: Mapping, trainer_optimizer, ds: DeepSpeedConfig):
         optimizer, lr = optim.build_optimizer(values["optimizer"], trainer_optimizer)
     else:
         optimizer = trainer_optimizer
-        lr = optim._trainer_value(trainer_optimizer, "lr", "scheduler (learning rate)")
+        lr = optim.trainer_value(trainer_optimizer, "lr", "scheduler (learning rate)")
     schedule = momentum = None
     if "scheduler" in values:
         schedule, momentum = optim.build_schedule(
