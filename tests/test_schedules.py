@@ -163,6 +163,9 @@ def test_momentum_cycling_drives_adam_beta_1():
     cycled.apply([keras.ops.ones((1,))], [variable])
     first_moment = float(cycled._momentums[0].numpy()[0])
     assert first_moment == pytest.approx(1 - 0.7)  # beta_1 at step 0: 0.9 - 0.4 * 0.5
+    cycled.apply([keras.ops.ones((1,))], [variable])
+    # beta_1 at step 1 is the cycle's low point 0.5: m = 0.5 * 0.3 + 0.5 * 1.
+    assert float(cycled._momentums[0].numpy()[0]) == pytest.approx(0.65)
     assert cycled.beta_1 == pytest.approx(0.9)  # the configured value is restored
 
 
