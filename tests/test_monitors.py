@@ -165,3 +165,64 @@ def test_monitor_without_tracker_logs_keras_loss(tmp_path):
     assert rows[1:] == [["16", "0.10000000149011612"], ["32", "0.10000000149011612"]] + [
         [str(16 * k), "0.10000000149011612"] for k in (3, 4)
     ]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_two_workers_monitor_from_worker_zero_and_match_one_process(tmp_path):
+    """Real workers: batch arithmetic over workers, one CSV writer, weights as one process."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    scripts = os.path.join(root, "tests", "scripts")
+    values = {
+        "train_batch_size": 32,
+        "train_micro_batch_size_per_gpu": 8,
+        "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+        "csv_monitor": {"enabled": True, "output_path": str(tmp_path), "job_name": "mw"},
+    }
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps(values))
+    command = [
+        sys.executable,
+        "-m",
+        "epl_trainer.launcher",
+        "--num_workers",
+        "2",
+        "--gpu_per_worker",
+        "1",
+        "--log_dir",
+        str(tmp_path / "logs"),
+        os.path.join(scripts, "train_deepspeed.py"),
+        str(path),
+        str(tmp_path / "out"),
+    ]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("EPL_")}
+    env["PYTHONPATH"] = os.pathsep.join([root, scripts, env.get("PYTHONPATH", "")])
+    result = subprocess.run(command, capture_output=True, text=True, timeout=200, env=env)
+    assert result.returncode == 0, result.stdout + result.stderr
+    # 2 workers x 1 device: 32 = 8 x 2 accumulation steps x 2 lanes.
+    expected = "BatchSizes(train_batch_size=32, micro_batch_size=8, gradient_accumulation_steps=2"
+    for worker in range(2):
+        assert (tmp_path / "out" / f"batch_{worker}.txt").read_text().startswith(expected)
+    rows = _rows(tmp_path / "mw" / "Train_Samples_train_loss.csv")
+    assert [r[0] for r in rows] == ["step", "0", "32", "64"]  # one writer: no duplicates
+
+    sys.path.insert(0, scripts)
+    import train_dp
+
+    reference = train_dp.make_model()
+    trainer = epl.EPLTrainer(
+        reference,
+        LOSS,
+        config=DeepSpeedConfig({k: values[k] for k in list(values)[:3]}, base=TWO_DEVICES),
+    )
+    x, y = train_dp.make_data()
+    trainer.fit(x, y, epochs=1, steps_per_epoch=3, verbose=0)
+    for worker in range(2):
+        weights = np.load(tmp_path / "out" / f"weights_{worker}.npz")
+        for i, value in enumerate(reference.get_weights()):
+            np.testing.assert_allclose(weights[f"arr_{i}"], value, atol=1e-5)
