@@ -537,3 +537,20 @@ def test_example_configs_in_configs_dir_translate():
     for path in sorted(configs.glob("ds_*.json")):
         setup = _translate(str(path))
         assert setup.config.zero.level or setup.config.offload.level, path.name
+
+
+def test_activation_checkpointing_recomputes_and_trains_like_without():
+    x, y = mlp_data()
+    ds = {
+        "train_batch_size": 16,
+        "activation_checkpointing": {},
+        "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+    }
+    recomputed_model, plain_model = mlp(seed=5), mlp(seed=5)
+    trainer = epl.EPLTrainer(recomputed_model, LOSS, config=DeepSpeedConfig(ds, base=TWO_DEVICES))
+    trainer.fit(x, y, steps_per_epoch=2, verbose=0)
+    assert trainer._program.recomputed  # the stage runs as recomputed segments
+    plain = epl.EPLTrainer(plain_model, LOSS, keras.optimizers.SGD(0.1), config=TWO_DEVICES)
+    plain.fit(x, y, batch_size=16, steps_per_epoch=2, verbose=0)
+    for a, b in zip(recomputed_model.get_weights(), plain_model.get_weights()):
+        np.testing.assert_allclose(a, b, atol=1e-6)
