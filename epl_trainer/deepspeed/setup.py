@@ -17,6 +17,8 @@ from epl_trainer.deepspeed.keys import DeepSpeedConfigError
 
 @dataclasses.dataclass(frozen=True)
 class MonitorSpec:
+    """An enabled `tensorboard` or `csv_monitor` section: where its files go."""
+
     kind: str  # "tensorboard" or "csv_monitor"
     output_path: str
     job_name: str
