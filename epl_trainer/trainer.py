@@ -19,8 +19,8 @@ from keras import tree
 
 from epl_trainer import checkpoint as ckpt
 from epl_trainer import data as data_lib
+from epl_trainer import deepspeed, strategies
 from epl_trainer import io as io_lib
-from epl_trainer import strategies
 from epl_trainer.cluster import build_cluster
 from epl_trainer.config import Config
 from epl_trainer.core import amp, comm, planner
@@ -63,7 +63,9 @@ class EPLTrainer:
       stages: {layer-name regex: stage index}, a shortcut for `Strategy(stages=...)`.
       split: [layer-name regex], a shortcut for `Strategy(split=...)`.
       config: an `epl.Config`, a dict of dotted keys or a JSON/YAML path; None uses the
-        config given to `epl.init()` (or the defaults).
+        config given to `epl.init()` (or the defaults). A DeepSpeed config (JSON path,
+        dict or `epl_trainer.deepspeed.DeepSpeedConfig`) is translated on top of
+        `epl.init()`'s config, and its optimizer/scheduler replace `optimizer`.
     """
 
     def __init__(
@@ -77,6 +79,7 @@ class EPLTrainer:
         split=None,
         config=None,
     ):
+        config, optimizer, self.deepspeed = deepspeed.trainer_setup(config, optimizer)
         self.config = Env.get().config if config is None else Config.load(config)
         self.cluster = Env.get().cluster if config is None else build_cluster(self.config.cluster)
         model, loss, metrics = _resolve_model(model, loss, metrics)
@@ -125,6 +128,10 @@ class EPLTrainer:
             ),
             key=lambda lane: lane.index,
         )
+        if self.deepspeed is not None:  # accumulation steps may follow from the lane count
+            self.config, self.plan = self.deepspeed.resolve_plan(
+                self.config, self.plan, len(self.lanes_in_job)
+            )
         self.model.optimizer = self.optimizer  # what Keras callbacks read (LR, iterations)
         self._program: Program | None = None
         self._state: EngineState | None = None
@@ -219,6 +226,10 @@ class EPLTrainer:
         per worker. With `io.slicing=True` each worker reads only its share of the files
         (`epl_trainer.io`).
         """
+        if self.deepspeed is not None:  # batch sizes, monitors and steps_per_print
+            batch_size = self.deepspeed.fit_batch_size(x, batch_size, self.plan, len(self.lanes))
+            extra = self.deepspeed.callbacks(self.loss_tracker, self.cluster.is_chief)
+            callbacks = [*(callbacks or []), *extra]
         if parse_fn is not None or file_format is not None:
             dataset = self._files_dataset(x, y, batch_size, parse_fn, file_format, steps_per_epoch)
         else:
