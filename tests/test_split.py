@@ -291,3 +291,20 @@ def test_metrics_other_than_accuracy_on_a_split_output_are_refused():
         lambda: split_trainer(head_model(), 2, metrics=["sparse_top_k_categorical_accuracy"])
     )
     assert "sparse_top_k_categorical_accuracy" in message
+
+
+def test_split_head_under_bf16_amp_trains_close_to_float32():
+    x, y = data()
+    fp32 = head_model()
+    split_trainer(fp32, 4).fit(x, y, batch_size=16, steps_per_epoch=3, verbose=0)
+    bf16 = head_model()
+    trainer = split_trainer(bf16, 4, **{"amp.level": "O1", "amp.dtype": "bfloat16"})
+    history = trainer.fit(x, y, batch_size=16, steps_per_epoch=3, verbose=0)
+    assert np.isfinite(history.history["loss"][0])
+    assert max_weight_difference(fp32, bf16) < 2e-2
+
+
+def test_plan_summary_names_the_colocated_split():
+    trainer = split_trainer(head_model(), 2)
+    summary = trainer.plan.summary()
+    assert "split layers are sharded" in summary and "Pipeline:" not in summary
