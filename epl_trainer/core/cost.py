@@ -18,6 +18,11 @@ Conventions:
   layers count on the outer layer.
 * `flops` are forward FLOPs, a multiply-add counted as 2. The backward pass costs about
   twice the forward of the same layer, so it does not change which cut balances best.
+* `activation_bytes` are the node's output bytes: what the next nodes keep for backward.
+  Layers that keep internals (attention probabilities, a GELU's intermediates) keep
+  more; `core/analytic.py` counts those for transformers.
+* `NodeCost` is defined in `core/estimate.py`, the TensorFlow-free estimator that turns
+  these rows (via `auto_partition.model_cost`) into per-device memory and traffic.
 
 Per-layer FLOPs (batch 1; `rows` = product of the non-batch dims except the last):
 
@@ -56,11 +61,11 @@ import math
 import string
 from collections import Counter
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import keras
 import numpy as np
 
+from epl_trainer.core.estimate import NodeCost
 from epl_trainer.core.ir import format_count
 from epl_trainer.core.partition import compute_nodes
 
@@ -114,27 +119,6 @@ DATA_MOVEMENT = frozenset(
     }
 )
 _ATTENTION_SOFTMAX_FLOPS = 5
-
-
-@dataclass(frozen=True)
-class NodeCost:
-    """The static cost of one compute node (one layer call), per sample.
-
-    Attributes:
-      name: layer name, with `[i]` for the i-th call of a shared layer.
-      params: weight elements of the layer (0 on its second and later calls).
-      flops: forward FLOPs with batch 1 (see the module doc for the formulas).
-      activation_bytes: bytes of the node's outputs with batch 1.
-      kind: the layer/op class name.
-      param_bytes: bytes of those weights.
-    """
-
-    name: str
-    params: int
-    flops: int
-    activation_bytes: int
-    kind: str = ""
-    param_bytes: int = 0
 
 
 def node_costs(model: keras.Model) -> list[NodeCost]:
