@@ -26,6 +26,7 @@ from __future__ import annotations
 import numbers
 
 from epl_trainer.core.estimate import ModelCost, NodeCost
+from epl_trainer.core.ir import format_count
 
 __all__ = ["BERT_SIZES", "HEADS", "bert", "params_only", "resnet50", "transformer"]
 
@@ -100,6 +101,7 @@ def transformer(
         activation_bytes=_F32 * sh * (3 if embedding_norm else 1),
         kind="Embedding",
         param_bytes=_F32 * embed_params,
+        largest_tensor_bytes=_F32 * sh,
     )
     layer_params = 4 * h * h + 4 * h + 2 * h * f + f + h + 4 * h
     layer_flops = 2 * s * (4 * h * h + 2 * h * f) + 4 * s * s * h + 5 * a * s * s + 20 * sh
@@ -112,6 +114,7 @@ def transformer(
             activation_bytes=_F32 * layer_kept,
             kind="TransformerLayer",
             param_bytes=_F32 * layer_params,
+            largest_tensor_bytes=_F32 * max(s * f, a * s * s),
         )
         for i in range(layers)
     ]
@@ -127,6 +130,7 @@ def transformer(
         activation_bytes=_F32 * head_kept,
         kind="Head",
         param_bytes=_F32 * head_params,
+        largest_tensor_bytes=_F32 * max(sh, rows * outputs),
     )
     nodes = (embed, *blocks, head_node)
     # Every block boundary passes the residual stream, s*h floats per sample.
@@ -205,6 +209,7 @@ def resnet50(image_size: int = 224, num_classes: int = 1000) -> ModelCost:
         _F32 * ((image_size + 6) ** 2 * 3 + 2 * stem_out + stem_out + size * size * 64),
         kind="ResNetStem",
         param_bytes=_F32 * params,
+        largest_tensor_bytes=_F32 * stem_out,
     )
     nodes, crossing, channels = [stem], [0, _F32 * size * size * 64], 64
     for stage, (filters, count, stride) in enumerate(_RESNET50_STAGES):
@@ -231,6 +236,7 @@ def resnet50(image_size: int = 224, num_classes: int = 1000) -> ModelCost:
                     _F32 * kept,
                     kind="Bottleneck",
                     param_bytes=_F32 * params,
+                    largest_tensor_bytes=_F32 * 4 * filters * positions,
                 )
             )
             size, channels = out_size, 4 * filters
@@ -265,9 +271,9 @@ def params_only(params: float, name: str | None = None) -> ModelCost:
         raise ValueError(f"params must be a number >= 1. Received: params={params!r}")
     count = round(params)
     return ModelCost(
-        name=name or f"{count:.3g} parameters",
+        name=name or f"{format_count(count)}-parameter model",
         nodes=(NodeCost("model", count, 0, 0, kind="Parameters", param_bytes=_F32 * count),),
         cut_positions=(),
         crossing_bytes=(0, 0),
-        description=f"{count:,} parameters (activations unknown)",
+        description="known by its parameter count only (no activations, no stage cuts)",
     )

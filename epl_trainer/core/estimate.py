@@ -36,7 +36,9 @@ recomputed in backward. A stage keeps `inflight` micro-batches alive: all M with
 
 Peak per device = parameters + optimizer state + the stage's full gradients (the trainer
 accumulates them before the reduction even under ZeRO v1) + activations + a backward
-workspace of twice the largest node's activation (the incoming and outgoing gradient).
+workspace of twice the largest tensor (its incoming and outgoing gradient). On one host
+(logical CPU devices) the process also holds the Keras model's own float32 weights,
+which the trainer writes back to (`Estimate.host_bytes`).
 
 Communication per step: bytes each device sends with ring collectives (all-reduce
 2(N-1)/N of the buffer, reduce-scatter and all-gather (N-1)/N each): plain data
@@ -105,6 +107,8 @@ class NodeCost:
         graphs, `core/cost.py` counts the node's outputs).
       kind: the layer/op/block class name.
       param_bytes: bytes of those weights.
+      largest_tensor_bytes: bytes of the node's largest single tensor with batch 1, for
+        nodes that are whole blocks (0: the node is one op; `activation_bytes` is it).
     """
 
     name: str
@@ -113,6 +117,11 @@ class NodeCost:
     activation_bytes: int
     kind: str = ""
     param_bytes: int = 0
+    largest_tensor_bytes: int = 0
+
+    @property
+    def largest_tensor(self) -> int:
+        return self.largest_tensor_bytes or self.activation_bytes
 
 
 @dataclass(frozen=True)
@@ -262,6 +271,18 @@ class Estimate:
     @property
     def max_peak(self) -> int:
         return max(stage.peak for stage in self.stages)
+
+    @property
+    def host_bytes(self) -> int:
+        """The user's Keras model's own weights (float32), kept once per worker process."""
+        return 4 * self.model.params
+
+    def worker_bytes(self, devices_per_worker: int | None = None) -> int:
+        """Peak bytes of one worker process whose devices share one memory (logical CPU
+        devices): the peaks of its devices, stage by stage, plus `host_bytes`."""
+        per_worker = devices_per_worker or self.plan.devices_per_worker
+        per_stage = per_worker // len(self.stages)  # each replica block holds every stage
+        return per_stage * sum(stage.peak for stage in self.stages) + self.host_bytes
 
     def to_dict(self) -> dict:
         """JSON-serialisable numbers (what `epl-plan --json` prints)."""
@@ -482,11 +503,13 @@ def _stage(model, plan: Plan, options: TrainOptions, k: int, start: int, stop: i
     stage_input = model.input_bytes if k == 0 else model.crossing_bytes[start]
     plain = sum(node.activation_bytes for node in nodes)
     kept, segment = _checkpointed(model, start, stop)
+    # A later stage's input is an activation (16-bit under AMP); the first stage's is data.
+    low_input = stage_input * (low if k > 0 else 1)
     activations = {
         "fp32": mb * (stage_input + plain),
         "gc": mb * (stage_input + kept),
-        "amp": mb * (stage_input + plain * low),
-        "amp+gc": mb * (stage_input + kept * low),
+        "amp": mb * (low_input + plain * low),
+        "amp+gc": mb * (low_input + kept * low),
     }
     scale = low if options.amp else 1.0
     selected = (
@@ -495,7 +518,7 @@ def _stage(model, plan: Plan, options: TrainOptions, k: int, start: int, stop: i
         else ("amp+gc" if options.amp else "gc")
     )
     inflight = m if options.pipeline_strategy == "PreferForward" else min(num_stages - k, m)
-    largest = max(node.activation_bytes for node in nodes)
+    largest = max(node.largest_tensor for node in nodes)
     # Ring collectives: each device sends 2(N-1)/N of an all-reduce buffer, (N-1)/N of
     # a reduce-scatter or all-gather buffer.
     share = (n - 1) / n
