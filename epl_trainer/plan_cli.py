@@ -217,8 +217,9 @@ def render(result: estimate.Estimate, device_memory: int | None = None) -> str:
     lines += _table(header, rows)
     lines += [
         "  activations = bytes per micro-batch x micro-batches kept alive"
-        " (+ one recomputed segment with gc); peak adds the full stage gradients before"
-        " the reduction and the backward workspace",
+        " (+ one recomputed segment with gc);\n  peak = parameters + optimizer + the full stage"
+        " gradients (accumulated before the reduction) + activations + collective buffers"
+        " + backward workspace",
         "",
         "Activations per micro-batch and device:",
     ]

@@ -32,13 +32,17 @@ per sample, times the micro-batch size, halved for 16-bit activations under AMP)
 the stage's input. With gradient checkpointing only the tensors crossing the segment
 boundaries (`ModelCost.checkpoint_positions`) are kept, and one segment at a time is
 recomputed in backward. A stage keeps `inflight` micro-batches alive: all M with GPipe
-(PreferForward), min(S - s, M) for stage s with 1F1B (PreferBackward).
+(PreferForward), min(S - s, M) for stage s with 1F1B (PreferBackward), read from the
+schedule itself (`core/schedule.py`). The bubble is GPipe's (S - 1) / (M + S - 1), the
+same for both schedules.
 
 Peak per device = parameters + optimizer state + the stage's full gradients (the trainer
 accumulates them before the reduction even under ZeRO v1) + activations + a backward
-workspace of twice the largest tensor (its incoming and outgoing gradient). On one host
-(logical CPU devices) the process also holds the Keras model's own float32 weights,
-which the trainer writes back to (`Estimate.host_bytes`).
+workspace of twice the largest tensor (its incoming and outgoing gradient) + collective
+buffers when N > 1: the fused all-reduce buffers hold one more copy of the gradients;
+a reduce-scatter (v1) holds the packed gradients and the received blocks (TF's CPU
+collectives run it as an all-to-all), two copies. v0's all-gather of the updated
+parameters runs after the gradients are freed, so it adds no more than its all-reduce.
 
 Communication per step: bytes each device sends with ring collectives (all-reduce
 2(N-1)/N of the buffer, reduce-scatter and all-gather (N-1)/N each): plain data
@@ -58,6 +62,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from epl_trainer.core.ir import Plan
+from epl_trainer.core.schedule import bubble_fraction, make_schedule, peak_in_flight
 
 __all__ = [
     "AMP_MODES",
@@ -228,6 +233,7 @@ class StageEstimate:
     inflight: int  # micro-batches whose activations a device keeps alive
     recompute: int  # bytes of the one segment recomputed at a time (gc only)
     workspace: int  # backward gradients of the largest node
+    comm_buffers: int  # collective buffers of the gradient reduction
     comm_data_parallel: int  # bytes sent per step
     comm_pipeline: int  # bytes sent per step
 
@@ -242,7 +248,7 @@ class StageEstimate:
     @property
     def peak(self) -> int:
         states = self.parameters + self.optimizer + max(self.gradients, self.full_gradients)
-        return states + self.activation_peak + self.workspace
+        return states + self.activation_peak + self.workspace + self.comm_buffers
 
     @property
     def comm(self) -> int:
@@ -272,17 +278,12 @@ class Estimate:
     def max_peak(self) -> int:
         return max(stage.peak for stage in self.stages)
 
-    @property
-    def host_bytes(self) -> int:
-        """The user's Keras model's own weights (float32), kept once per worker process."""
-        return 4 * self.model.params
-
     def worker_bytes(self, devices_per_worker: int | None = None) -> int:
-        """Peak bytes of one worker process whose devices share one memory (logical CPU
-        devices): the peaks of its devices, stage by stage, plus `host_bytes`."""
+        """Peak bytes of one worker whose devices share one memory (logical CPU devices):
+        the peaks of its devices, each replica block holding every stage once."""
         per_worker = devices_per_worker or self.plan.devices_per_worker
-        per_stage = per_worker // len(self.stages)  # each replica block holds every stage
-        return per_stage * sum(stage.peak for stage in self.stages) + self.host_bytes
+        per_stage = per_worker // len(self.stages)
+        return per_stage * sum(stage.peak for stage in self.stages)
 
     def to_dict(self) -> dict:
         """JSON-serialisable numbers (what `epl-plan --json` prints)."""
@@ -309,6 +310,7 @@ class Estimate:
                     "inflight_micro_batches": s.inflight,
                     "activation_peak": s.activation_peak,
                     "workspace": s.workspace,
+                    "comm_buffers": s.comm_buffers,
                     "peak": s.peak,
                     "comm_data_parallel": s.comm_data_parallel,
                     "comm_pipeline": s.comm_pipeline,
@@ -319,11 +321,6 @@ class Estimate:
 
 
 # ------------------------------------------------------------------ arithmetic
-def bubble_fraction(num_stages: int, num_micro_batch: int) -> float:
-    """GPipe's idle share of a pipeline step, (S - 1) / (M + S - 1); 1F1B has the same."""
-    return (num_stages - 1) / (num_micro_batch + num_stages - 1)
-
-
 def model_state_bytes(
     params: float, data_parallel: int, zero: str = "", amp: str = "", optimizer: str = "adam"
 ) -> tuple[float, float, float]:
@@ -482,14 +479,17 @@ def estimate(
             f"{num_stages} stages need {num_stages - 1} cut(s). Received: cuts={list(cuts)}"
         )
     bounds = (0, *cuts, len(model.nodes))
+    # The schedule the trainer runs, as data: how many micro-batches each stage keeps.
+    schedule = make_schedule(options.pipeline_strategy, num_stages, options.num_micro_batch)
+    in_flight = peak_in_flight(schedule)
     stages = tuple(
-        _stage(model, plan, options, k, start, stop)
+        _stage(model, plan, options, k, start, stop, in_flight)
         for k, (start, stop) in enumerate(itertools.pairwise(bounds))
     )
     return Estimate(model, plan, options, stages, plan.num_replicas, tuple(cuts))
 
 
-def _stage(model, plan: Plan, options: TrainOptions, k: int, start: int, stop: int):
+def _stage(model, plan: Plan, options: TrainOptions, k, start, stop, in_flight):
     nodes = model.nodes[start:stop]
     num_stages, m, mb = plan.num_taskgraphs, options.num_micro_batch, options.micro_batch_size
     # A stage's devices each hold a full copy of its variables (replicate(n) lanes too).
@@ -517,7 +517,7 @@ def _stage(model, plan: Plan, options: TrainOptions, k: int, start: int, stop: i
         if not options.gc
         else ("amp+gc" if options.amp else "gc")
     )
-    inflight = m if options.pipeline_strategy == "PreferForward" else min(num_stages - k, m)
+    inflight = in_flight[k]
     largest = max(node.largest_tensor for node in nodes)
     # Ring collectives: each device sends 2(N-1)/N of an all-reduce buffer, (N-1)/N of
     # a reduce-scatter or all-gather buffer.
@@ -547,6 +547,7 @@ def _stage(model, plan: Plan, options: TrainOptions, k: int, start: int, stop: i
         inflight=inflight,
         recompute=round(mb * segment * scale) if options.gc else 0,
         workspace=round(2 * mb * largest * scale),
+        comm_buffers=0 if n == 1 else round(wire * (2 if options.zero == "v1" else 1)),
         comm_data_parallel=round(comm_dp) if n > 1 else 0,
         comm_pipeline=round(sends * mb * m * scale),
     )
