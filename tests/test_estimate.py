@@ -197,7 +197,6 @@ CASES = [
     ("transformer, 2 stages x 4 mb", "transformer", 2, 16,
      {"auto.auto_parallel": True, "pipeline.num_stages": 2, "pipeline.num_micro_batch": 4},
      {"num_micro_batch": 4}),
-    ("MLP, data-parallel 2", "mlp", 2, 256, {}, {}),
     ("MLP, data-parallel 2, zero v1", "mlp", 2, 256, {"zero.level": "v1"}, {"zero": "v1"}),
 ]  # fmt: skip
 
