@@ -215,6 +215,13 @@ def render(result: estimate.Estimate, device_memory: int | None = None) -> str:
                 f"{s.peak / device_memory:.0%}" + (" (too big)" if s.peak > device_memory else "")
             )
     lines += _table(header, rows)
+    if device_memory:
+        worst = max(result.stages, key=lambda s: s.peak)
+        verdict = "fits" if worst.peak <= device_memory else "does NOT fit"
+        lines.append(
+            f"  largest peak {fmt(worst.peak)} (stage {worst.index}) {verdict} in "
+            f"{fmt(device_memory)} per device"
+        )
     lines += [
         "  activations = bytes per micro-batch x micro-batches kept alive"
         " (+ one recomputed segment with gc);\n  peak = parameters + optimizer + the full stage"

@@ -76,7 +76,9 @@ def test_bubble_is_gpipe_formula_and_matches_the_simulated_schedule(strategy):
             rows.append((num_stages, num_micro_batch, result.bubble, idle))
             assert result.bubble == pytest.approx(formula)
             assert idle == pytest.approx(formula)
-    print(f"\n{strategy}: (S, M, estimate, simulated idle) " + str(rows))
+    print(f"\n{strategy}: bubble (S-1)/(M+S-1) vs idle share of the simulated schedule")
+    for num_stages, num_micro_batch, bubble, idle in rows:
+        print(f"  S={num_stages} M={num_micro_batch:2}  formula {bubble:.3f}  simulated {idle:.3f}")
 
 
 def _small_transformer_n(layers):

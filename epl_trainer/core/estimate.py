@@ -53,6 +53,7 @@ output activations forward and input gradients backward for every micro-batch.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 import numbers
@@ -295,7 +296,7 @@ class Estimate:
             "global_batch": self.global_batch,
             "bubble_fraction": self.bubble,
             "cuts": list(self.cuts),
-            "options": self.options.__dict__,
+            "options": dataclasses.asdict(self.options),
             "stages": [
                 {
                     "index": s.index,
