@@ -205,6 +205,7 @@ def render(result: estimate.Estimate, device_memory: int | None = None) -> str:
         acts = f"{fmt(s.activations[s.selected])} x {s.inflight}" + (
             f" + {fmt(s.recompute)}" if s.recompute else ""
         )
+        acts = acts if model.has_activations else "unknown"
         sizes = (s.parameters, s.gradients, s.optimizer, s.model_states)
         cells = [str(s.index), str(s.devices), format_count(s.params), *map(fmt, sizes)]
         rows.append([*cells, acts, fmt(s.peak)])

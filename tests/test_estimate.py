@@ -137,6 +137,21 @@ def test_data_parallel_communication_per_zero_level():
     assert sent["v0"].gradients == 4e9
 
 
+def test_replicate_n_splits_the_micro_batch_over_its_devices():
+    model = _small_transformer()
+    one = estimate.estimate(model, _plan(1, per_worker=4), TrainOptions(micro_batch_size=8))
+    wide_plan = planner.build_plan(
+        [StrategySpec("replicate", 2, "stage_0")],
+        estimate.virtual_cluster(1, 4, "CPU"),
+        0,
+        num_micro_batch=1,
+    )
+    wide = estimate.estimate(model, wide_plan, TrainOptions(micro_batch_size=8))
+    assert one.stages[0].devices == wide.stages[0].devices == 4  # 4 x 1 or 2 x 2 lanes
+    assert wide.stages[0].activations["fp32"] * 2 == one.stages[0].activations["fp32"]
+    assert wide.stages[0].model_states == one.stages[0].model_states
+
+
 # ------------------------------------------------------------------ model descriptions
 def test_published_model_sizes():
     assert analytic.bert("base").params == 108_893_186  # BERT-base for question answering

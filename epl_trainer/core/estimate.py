@@ -456,7 +456,8 @@ def estimate(
       model: the model's costs.
       plan: one TaskGraph per pipeline stage (each `replicate`); its `num_micro_batch`
         must equal `options.num_micro_batch`.
-      options: micro-batch size, ZeRO level, AMP, gradient checkpointing, optimizer.
+      options: micro-batch size (per model replica; `replicate(n)` gives each of its n
+        devices 1/n), ZeRO level, AMP, gradient checkpointing, optimizer.
       cuts: node indices where stages 1.. start; default `partition_stages`.
 
     Raises:
@@ -492,9 +493,12 @@ def estimate(
 
 def _stage(model, plan: Plan, options: TrainOptions, k, start, stop, in_flight):
     nodes = model.nodes[start:stop]
-    num_stages, m, mb = plan.num_taskgraphs, options.num_micro_batch, options.micro_batch_size
-    # A stage's devices each hold a full copy of its variables (replicate(n) lanes too).
-    n = plan.num_replicas * plan.taskgraphs[k].device_count
+    num_stages, m = plan.num_taskgraphs, options.num_micro_batch
+    # A stage's devices each hold a full copy of its variables (replicate(n) lanes too),
+    # and replicate(n) splits the replica's micro-batch over its n devices.
+    width = plan.taskgraphs[k].device_count
+    n = plan.num_replicas * width
+    mb = options.micro_batch_size / width
     params = sum(node.params for node in nodes)
     parameters, gradients, optimizer = model_state_bytes(
         params, n, options.zero, options.amp, options.optimizer
