@@ -39,8 +39,9 @@ class MicroBatch:
     labels: object
     runs: dict = dataclasses.field(default_factory=dict)  # stage -> _StageRun
     upstream: dict = dataclasses.field(default_factory=dict)  # key -> gradient of the loss
-    loss: tf.Tensor | None = None
+    loss: tf.Tensor | None = None  # reported: the loss plus every stage's auxiliary losses
     y_pred: object = None
+    earlier_aux: list = dataclasses.field(default_factory=list)  # aux losses of earlier stages
 
 
 class LaneExecutor:
@@ -139,8 +140,13 @@ class LaneExecutor:
                         staged.pack_outputs([table[key] for key in staged.output_keys])
                     )
                     loss = self.loss_fn(mb.labels, mb.y_pred)
-                    mb.loss = loss if objective is None else loss + objective
-                    objective = mb.loss
+                    objective = loss if objective is None else loss + objective
+                    # Earlier stages trained on their own auxiliary losses; the reported
+                    # loss includes them too (tf.stop_gradient: not differentiated twice).
+                    reported = [tf.stop_gradient(a) for a in mb.earlier_aux]
+                    mb.loss = tf.add_n([objective, *reported]) if reported else objective
+                elif objective is not None:
+                    mb.earlier_aux.append(objective)
                 if objective is not None:
                     objective = tf.cast(objective, tf.float32) * (1.0 / self.num_micro_batch)
                     if self.hooks.loss_scale is not None:  # AMP: scaled so fp16 grads survive
