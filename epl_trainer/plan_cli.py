@@ -17,12 +17,12 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import math
 import os
 import sys
 
 from epl_trainer.config import Config, ConfigError
 from epl_trainer.core import analytic, estimate, planner
-from epl_trainer.core.estimate import format_si_bytes as fmt
 from epl_trainer.core.ir import PlanError, StrategySpec, format_count
 
 MODELS = ("transformer", "bert", "resnet50")
@@ -279,13 +279,56 @@ def _table(header, rows) -> list[str]:
     return out
 
 
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "kb": 1e3,
+    "mb": 1e6,
+    "gb": 1e9,
+    "tb": 1e12,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+}
+
+
+def parse_bytes(text: str) -> int:
+    """'32GB' (1e9 bytes per GB, as the ZeRO paper and GPU vendors count), '80GiB',
+    '1.5e10' -> bytes."""
+    value = str(text).strip().lower().replace(" ", "")
+    number = value.rstrip("kmgtib")
+    unit = value[len(number) :]
+    try:
+        count = float(number) * _UNITS[unit]
+    except (ValueError, KeyError):
+        raise ValueError(
+            f"Cannot read a byte count from {text!r}; write e.g. 32GB, 80GiB or 3.2e10."
+        ) from None
+    if not math.isfinite(count) or count <= 0:
+        raise ValueError(f"A byte count must be positive and finite. Received: {text!r}")
+    return int(count)
+
+
+def fmt(count: float) -> str:
+    """Bytes with decimal units (GB = 1e9, the ZeRO paper's unit): '31.4 GB'."""
+    for scale, unit in ((1e12, "TB"), (1e9, "GB"), (1e6, "MB"), (1e3, "kB")):
+        if abs(count) >= scale:
+            return (
+                f"{count / scale:.3g} {unit}"
+                if count / scale < 100
+                else f"{count / scale:.0f} {unit}"
+            )
+    return f"{count:.0f} B"
+
+
 def main(argv=None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
         model = model_from_args(args, parser)
         options, num_stages, prefer_intra_node = options_from_args(args)
-        device_memory = estimate.parse_bytes(args.device_memory) if args.device_memory else None
+        device_memory = parse_bytes(args.device_memory) if args.device_memory else None
         result = plan_and_estimate(
             model,
             options,

@@ -193,9 +193,6 @@ def test_errors_name_the_bad_value():
         estimate.estimate(_small_transformer(), _plan(1, num_micro_batch=2), TrainOptions())
     with pytest.raises(ValueError, match="hidden must be divisible by heads"):
         analytic.transformer(2, 100, 3, 10, 8)
-    with pytest.raises(ValueError, match="Cannot read a byte count from '32 GX'"):
-        estimate.parse_bytes("32 GX")
-    assert estimate.parse_bytes("32GB") == 32e9 and estimate.parse_bytes("1GiB") == 2**30
 
 
 # ------------------------------------------------------------------ against measurement

@@ -109,6 +109,14 @@ def test_bad_arguments_exit_2_with_the_reason(capsys, args, message):
     assert message in capsys.readouterr().err
 
 
+def test_byte_counts():
+    assert plan_cli.parse_bytes("32GB") == 32e9 and plan_cli.parse_bytes("1GiB") == 2**30
+    assert plan_cli.parse_bytes("3.2e10") == 32e9
+    with pytest.raises(ValueError, match="Cannot read a byte count from '32 GX'"):
+        plan_cli.parse_bytes("32 GX")
+    assert plan_cli.fmt(31.41e9) == "31.4 GB" and plan_cli.fmt(120e9) == "120 GB"
+
+
 def test_needs_no_tensorflow_and_is_a_console_script():
     code = (
         "import sys\n"

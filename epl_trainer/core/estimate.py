@@ -55,7 +55,6 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import math
 import numbers
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -77,9 +76,7 @@ __all__ = [
     "balanced_cuts",
     "bubble_fraction",
     "estimate",
-    "format_si_bytes",
     "model_state_bytes",
-    "parse_bytes",
     "partition_stages",
     "virtual_cluster",
 ]
@@ -279,12 +276,15 @@ class Estimate:
     def max_peak(self) -> int:
         return max(stage.peak for stage in self.stages)
 
-    def worker_bytes(self, devices_per_worker: int | None = None) -> int:
-        """Peak bytes of one worker whose devices share one memory (logical CPU devices):
-        the peaks of its devices, each replica block holding every stage once."""
-        per_worker = devices_per_worker or self.plan.devices_per_worker
-        per_stage = per_worker // len(self.stages)
-        return per_stage * sum(stage.peak for stage in self.stages)
+    def worker_bytes(self, worker: int = 0) -> int:
+        """Peak bytes of one worker whose devices share one memory (logical CPU
+        devices, where the allocator's peak is process-wide): the sum of the peaks of
+        the devices the plan places on it."""
+        return sum(
+            self.stages[k].peak * sum(device.worker == worker for device in devices)
+            for row in self.plan.placement
+            for k, devices in enumerate(row)
+        )
 
     def to_dict(self) -> dict:
         """JSON-serialisable numbers (what `epl-plan --json` prints)."""
@@ -571,47 +571,3 @@ def _checkpointed(model: ModelCost, start: int, stop: int) -> tuple[int, int]:
         for a, b in itertools.pairwise(edges)
     )
     return kept, segment
-
-
-# ------------------------------------------------------------------ units
-_UNITS = {
-    "": 1,
-    "b": 1,
-    "kb": 1e3,
-    "mb": 1e6,
-    "gb": 1e9,
-    "tb": 1e12,
-    "kib": 2**10,
-    "mib": 2**20,
-    "gib": 2**30,
-    "tib": 2**40,
-}
-
-
-def parse_bytes(text: str) -> int:
-    """'32GB' (1e9 bytes per GB, as the ZeRO paper and GPU vendors count), '80GiB',
-    '1.5e10' -> bytes."""
-    value = str(text).strip().lower().replace(" ", "")
-    number = value.rstrip("kmgtib")
-    unit = value[len(number) :]
-    try:
-        count = float(number) * _UNITS[unit]
-    except (ValueError, KeyError):
-        raise ValueError(
-            f"Cannot read a byte count from {text!r}; write e.g. 32GB, 80GiB or 3.2e10."
-        ) from None
-    if not math.isfinite(count) or count <= 0:
-        raise ValueError(f"A byte count must be positive and finite. Received: {text!r}")
-    return int(count)
-
-
-def format_si_bytes(count: float) -> str:
-    """Bytes with decimal units (GB = 1e9, the ZeRO paper's unit): '31.4 GB'."""
-    for scale, unit in ((1e12, "TB"), (1e9, "GB"), (1e6, "MB"), (1e3, "kB")):
-        if abs(count) >= scale:
-            return (
-                f"{count / scale:.3g} {unit}"
-                if count / scale < 100
-                else f"{count / scale:.0f} {unit}"
-            )
-    return f"{count:.0f} B"
