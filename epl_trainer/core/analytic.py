@@ -17,6 +17,9 @@ h = hidden size, f = feed-forward size, a = heads):
 * 4 s*f with GELU (Keras's exact erf form keeps x/sqrt(2), 1+erf(.), x/2 and the
   output), 1 s*f with ReLU (its output).
 
+Under AMP these are 16-bit except the LayerNormalizations' 4 s*h, which Keras computes
+in at least float32 (`NodeCost.float32_bytes`).
+
 Measured on this machine (peak memory of 2-, 4- and 8-layer Keras transformers with
 s=64, h=128, f=512, a=4 trained by EPLTrainer in fresh processes), each layer adds
 30.5 s*h per sample against 28 s*h from these counts; `tests/test_estimate.py` compares
@@ -104,6 +107,7 @@ def transformer(
         kind="Embedding",
         param_bytes=_F32 * embed_params,
         largest_tensor_bytes=_F32 * sh,
+        float32_bytes=_F32 * 2 * sh if embedding_norm else 0,
     )
     layer_params = 4 * h * h + 4 * h + 2 * h * f + f + h + 4 * h
     layer_flops = 2 * s * (4 * h * h + 2 * h * f) + 4 * s * s * h + 5 * a * s * s + 20 * sh
@@ -117,6 +121,7 @@ def transformer(
             kind="TransformerLayer",
             param_bytes=_F32 * layer_params,
             largest_tensor_bytes=_F32 * max(s * f, a * s * s),
+            float32_bytes=_F32 * 4 * sh,  # the two LayerNormalizations' input and factor
         )
         for i in range(layers)
     ]
@@ -133,6 +138,7 @@ def transformer(
         kind="Head",
         param_bytes=_F32 * head_params,
         largest_tensor_bytes=_F32 * max(sh, rows * outputs),
+        float32_bytes=_F32 * 2 * sh if final_norm else 0,
     )
     nodes = (embed, *blocks, head_node)
     # Every block boundary passes the residual stream, s*h floats per sample.

@@ -112,6 +112,8 @@ class NodeCost:
       param_bytes: bytes of those weights.
       largest_tensor_bytes: bytes of the node's largest single tensor with batch 1, for
         nodes that are whole blocks (0: the node is one op; `activation_bytes` is it).
+      float32_bytes: the part of `activation_bytes` computed in float32 even under AMP
+        (Keras's LayerNormalization normalises in at least float32).
     """
 
     name: str
@@ -121,6 +123,7 @@ class NodeCost:
     kind: str = ""
     param_bytes: int = 0
     largest_tensor_bytes: int = 0
+    float32_bytes: int = 0
 
     @property
     def largest_tensor(self) -> int:
@@ -507,13 +510,15 @@ def _stage(model, plan: Plan, options: TrainOptions, k, start, stop, in_flight):
     low = 2 / model.activation_dtype_bytes  # 16-bit activations under AMP
     stage_input = model.input_bytes if k == 0 else model.crossing_bytes[start]
     plain = sum(node.activation_bytes for node in nodes)
-    kept, segment = _checkpointed(model, start, stop)
+    # Under AMP the activations are 16-bit except what layers keep in float32.
+    plain_amp = sum(_amp_bytes(node, low) for node in nodes)
+    kept, segment, segment_amp = _checkpointed(model, start, stop, low)
     # A later stage's input is an activation (16-bit under AMP); the first stage's is data.
     low_input = stage_input * (low if k > 0 else 1)
     activations = {
         "fp32": mb * (stage_input + plain),
         "gc": mb * (stage_input + kept),
-        "amp": mb * (low_input + plain * low),
+        "amp": mb * (low_input + plain_amp),
         "amp+gc": mb * (low_input + kept * low),
     }
     scale = low if options.amp else 1.0
@@ -550,7 +555,7 @@ def _stage(model, plan: Plan, options: TrainOptions, k, start, stop, in_flight):
         activations={key: round(value) for key, value in activations.items()},
         selected=selected,
         inflight=inflight,
-        recompute=round(mb * segment * scale) if options.gc else 0,
+        recompute=round(mb * (segment_amp if options.amp else segment)) if options.gc else 0,
         workspace=round(2 * mb * largest * scale),
         comm_buffers=0 if n == 1 else round(wire * (2 if options.zero == "v1" else 1)),
         comm_data_parallel=round(comm_dp) if n > 1 else 0,
@@ -558,16 +563,19 @@ def _stage(model, plan: Plan, options: TrainOptions, k, start, stop, in_flight):
     )
 
 
-def _checkpointed(model: ModelCost, start: int, stop: int) -> tuple[int, int]:
+def _checkpointed(model: ModelCost, start: int, stop: int, low: float):
     """(bytes kept at checkpoint boundaries inside [start, stop), largest segment's
-    activation bytes), per sample."""
+    activation bytes, the same under AMP), per sample."""
     positions = model.checkpoint_positions
     positions = model.cut_positions if positions is None else positions
     inner = sorted(p for p in positions if start < p < stop)
     kept = sum(model.crossing_bytes[p] for p in inner)
-    edges = [start, *inner, stop]
-    segment = max(
-        sum(node.activation_bytes for node in model.nodes[a:b])
-        for a, b in itertools.pairwise(edges)
-    )
-    return kept, segment
+    edges = list(itertools.pairwise([start, *inner, stop]))
+    nodes = model.nodes
+    segment = max(sum(node.activation_bytes for node in nodes[a:b]) for a, b in edges)
+    segment_amp = max(sum(_amp_bytes(node, low) for node in nodes[a:b]) for a, b in edges)
+    return kept, segment, segment_amp
+
+
+def _amp_bytes(node: NodeCost, low: float) -> float:
+    return (node.activation_bytes - node.float32_bytes) * low + node.float32_bytes

@@ -79,7 +79,7 @@ def main():
     trainer.fit(dataset, steps_per_epoch=1, verbose=0)  # trace and build
     resident = tf.config.experimental.get_memory_info("CPU:0")["current"]
     tf.config.experimental.reset_memory_stats("CPU:0")
-    trainer.fit(dataset, steps_per_epoch=3, verbose=0)
+    trainer.fit(dataset, steps_per_epoch=2, verbose=0)
     peak = tf.config.experimental.get_memory_info("CPU:0")["peak"]
     params = sum(int(np.prod(v.shape)) for v in model.trainable_variables)
     print(json.dumps({"peak": peak, "resident": resident, "params": params, "batch": batch}))
