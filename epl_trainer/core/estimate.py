@@ -27,8 +27,8 @@ gradients (P_os+g): with "master" Adam, 7.5e9 parameters and N = 64 that is 120 
 31.4 GB and 16.6 GB per device (GB = 1e9 bytes). "master" is not what `amp.level="O1"`
 does; it is there to compare with the paper and with DeepSpeed.
 
-Activations per micro-batch: the bytes kept for backward (`NodeCost.activation_bytes`
-per sample, times the micro-batch size, halved for 16-bit activations under AMP), plus
+Activations per micro-batch: the bytes kept for backward (`NodeCost.kept_bytes` per
+sample, times the micro-batch size, halved for 16-bit activations under AMP), plus
 the stage's input. With gradient checkpointing only the tensors crossing the segment
 boundaries (`ModelCost.checkpoint_positions`) are kept, and one segment at a time is
 recomputed in backward. A stage keeps `inflight` micro-batches alive: all M with GPipe
@@ -106,13 +106,15 @@ class NodeCost:
       name: layer name, with `[i]` for the i-th call of a shared layer.
       params: weight elements (0 on a shared layer's second and later calls).
       flops: forward FLOPs with batch 1.
-      activation_bytes: bytes the node keeps for backward with batch 1 (for Keras
-        graphs, `core/cost.py` counts the node's outputs).
+      activation_bytes: bytes of the node's outputs with batch 1 (for an analytic block,
+        everything the block keeps for backward).
       kind: the layer/op/block class name.
       param_bytes: bytes of those weights.
       largest_tensor_bytes: bytes of the node's largest single tensor with batch 1, for
         nodes that are whole blocks (0: the node is one op; `activation_bytes` is it).
-      float32_bytes: the part of `activation_bytes` computed in float32 even under AMP
+      internal_bytes: bytes the node keeps for backward besides its outputs (attention
+        projections and probabilities, a GELU's intermediates, a normalising factor).
+      float32_bytes: the part of `kept_bytes` computed in float32 even under AMP
         (Keras's LayerNormalization normalises in at least float32).
     """
 
@@ -124,6 +126,12 @@ class NodeCost:
     param_bytes: int = 0
     largest_tensor_bytes: int = 0
     float32_bytes: int = 0
+    internal_bytes: int = 0
+
+    @property
+    def kept_bytes(self) -> int:
+        """Bytes kept for backward with batch 1."""
+        return self.activation_bytes + self.internal_bytes
 
     @property
     def largest_tensor(self) -> int:
@@ -179,7 +187,7 @@ class ModelCost:
 
     @property
     def has_activations(self) -> bool:
-        return any(node.activation_bytes for node in self.nodes)
+        return any(node.kept_bytes for node in self.nodes)
 
     @property
     def max_stages(self) -> int:
@@ -509,7 +517,7 @@ def _stage(model, plan: Plan, options: TrainOptions, k, start, stop, in_flight):
     full_gradients = model_state_bytes(params, 1, "", options.amp, options.optimizer)[1]
     low = 2 / model.activation_dtype_bytes  # 16-bit activations under AMP
     stage_input = model.input_bytes if k == 0 else model.crossing_bytes[start]
-    plain = sum(node.activation_bytes for node in nodes)
+    plain = sum(node.kept_bytes for node in nodes)
     # Under AMP the activations are 16-bit except what layers keep in float32.
     plain_amp = sum(_amp_bytes(node, low) for node in nodes)
     kept, segment, segment_amp = _checkpointed(model, start, stop, low)
@@ -572,10 +580,10 @@ def _checkpointed(model: ModelCost, start: int, stop: int, low: float):
     kept = sum(model.crossing_bytes[p] for p in inner)
     edges = list(itertools.pairwise([start, *inner, stop]))
     nodes = model.nodes
-    segment = max(sum(node.activation_bytes for node in nodes[a:b]) for a, b in edges)
+    segment = max(sum(node.kept_bytes for node in nodes[a:b]) for a, b in edges)
     segment_amp = max(sum(_amp_bytes(node, low) for node in nodes[a:b]) for a, b in edges)
     return kept, segment, segment_amp
 
 
 def _amp_bytes(node: NodeCost, low: float) -> float:
-    return (node.activation_bytes - node.float32_bytes) * low + node.float32_bytes
+    return (node.kept_bytes - node.float32_bytes) * low + node.float32_bytes
