@@ -96,9 +96,16 @@ class EpochBatches:
     iterator continues across epochs; when the data runs out at an epoch boundary it
     starts a new pass, and when it runs out mid-epoch that epoch ends early (with a
     warning), as `Model.fit` does.
+
+    `position` counts the batches taken from the current pass. A checkpoint records it,
+    and a resumed run passes it back as `start_position`: the first pass then skips that
+    many batches, so a deterministic dataset (the same batches in the same order in a
+    fresh process) neither repeats nor skips a sample.
     """
 
-    def __init__(self, dataset: tf.data.Dataset, steps_per_epoch: int | None):
+    def __init__(
+        self, dataset: tf.data.Dataset, steps_per_epoch: int | None, start_position: int = 0
+    ):
         if steps_per_epoch is not None and (
             not isinstance(steps_per_epoch, int) or steps_per_epoch < 1
         ):
@@ -107,44 +114,63 @@ class EpochBatches:
             )
         self.dataset = dataset
         self.steps_per_epoch = steps_per_epoch
+        self.position = start_position
+        self._skip = start_position
         self._iterator = None
 
-    def run_epoch(self, step_fn) -> int:
+    def _new_pass(self):
+        skip, self._skip = self._skip, 0
+        self.position = skip
+        return iter(self.dataset.skip(skip) if skip else self.dataset)
+
+    def run_epoch(self, step_fn, first_step: int = 0, after_step=None) -> int:
         """Calls `step_fn(step_index, iterator)` once per step; returns the steps run.
 
         `step_fn` pulls its batch from the iterator (inside a compiled function) and
         returns True to stop early; running out of data raises OutOfRangeError there.
+        Step indices start at `first_step` (a resumed epoch); `after_step(step_index)`
+        runs once `position` counts the step's batch.
         """
+        steps = first_step
         if self.steps_per_epoch is None:
-            iterator, steps = iter(self.dataset), 0
+            iterator = self._new_pass()
             while True:
                 try:
                     stop = step_fn(steps, iterator)
                 except (StopIteration, tf.errors.OutOfRangeError):
-                    return steps
+                    self.position = 0  # the next epoch starts a new pass
+                    return steps - first_step
                 steps += 1
+                self.position += 1
+                if after_step is not None:
+                    after_step(steps - 1)
                 if stop:
-                    return steps
-        steps = 0
+                    return steps - first_step
         while steps < self.steps_per_epoch:
             fresh = self._iterator is None
             if fresh:
-                self._iterator = iter(self.dataset)
+                # A resumed pass that is already used up is not a fresh (empty) dataset.
+                fresh = self._skip == 0
+                self._iterator = self._new_pass()
             try:
                 stop = step_fn(steps, self._iterator)
             except (StopIteration, tf.errors.OutOfRangeError):
                 self._iterator = None
-                if fresh or steps:
-                    if steps:
+                self.position = 0
+                if fresh or steps > first_step:
+                    if steps > first_step:
                         logger.warning(
                             "The data ran out after %d of %d steps of this epoch; the next "
                             "epoch starts a new pass.",
                             steps,
                             self.steps_per_epoch,
                         )
-                    return steps
+                    return steps - first_step
                 continue
             steps += 1
+            self.position += 1
+            if after_step is not None:
+                after_step(steps - 1)
             if stop:
-                return steps
-        return steps
+                return steps - first_step
+        return steps - first_step

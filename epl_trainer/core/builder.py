@@ -56,6 +56,7 @@ def build_engine(
         num_communicators=config.communication.num_communicators,
         clip_after_allreduce=config.communication.clip_after_allreduce,
         pipeline_strategy=config.pipeline.strategy,
+        collective_timeout_seconds=config.communication.timeout_seconds,
     )
     program = Program(
         staged,
@@ -90,7 +91,50 @@ def build_engine(
         )
     if config.amp.level:
         apply_amp(program, config.amp, host_device)
+    else:
+        apply_nonfinite_guard(program, host_device)
     return state, program
+
+
+def apply_nonfinite_guard(program: Program, host_device: str) -> None:
+    """Without AMP: a step whose gradients are not finite is skipped everywhere and counted.
+
+    A NaN or Inf loss gives non-finite gradients, and applying them would destroy the
+    weights and the optimizer state. As under AMP (where the loss scaler owns this), every
+    lane checks its gradients and one scalar all-reduce makes the decision global. The
+    trainer reads the `nonfinite_steps` log after each step and stops with an error
+    naming the step, or warns and goes on (`optimizer.nonfinite_loss`).
+    """
+    with tf.init_scope(), tf.device(host_device):
+        count = tf.Variable(0, dtype=tf.int64, trainable=False, name="nonfinite_steps")
+    inner = program.update
+    everyone = program.stage_groups[0]
+
+    def update_if_finite(lane_grads: list[list]) -> None:
+        flags = []
+        for lane, grads in zip(program.lanes, lane_grads):
+            with tf.device(lane.devices[0]):
+                flags.append(tf.cast(amp.all_finite(grads), tf.float32))
+        finite_everywhere = everyone.all_reduce(flags, "sum")[0] >= everyone.size
+        applied = amp.apply_if_finite(finite_everywhere, lambda: inner(lane_grads))
+        with tf.device(host_device):
+            count.assign_add(tf.cast(tf.logical_not(applied), tf.int64))
+
+    program.extra_logs["nonfinite_steps"] = count.value
+    program.update = GuardedUpdate(inner, update_if_finite)
+
+
+class GuardedUpdate:
+    """An update wrapped by a finiteness check: same interface and state as `inner`."""
+
+    def __init__(self, inner, call):
+        self.inner, self._call = inner, call
+
+    def __call__(self, lane_grads) -> None:
+        self._call(lane_grads)
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
 
 
 def apply_amp(program: Program, amp_config, host_device: str) -> None:

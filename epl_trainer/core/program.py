@@ -47,6 +47,7 @@ class ProgramOptions:
     num_communicators: int
     clip_after_allreduce: bool = False
     pipeline_strategy: str = "PreferBackward"
+    collective_timeout_seconds: float = 0.0  # communication.timeout_seconds; 0 waits forever
 
 
 class Program:
@@ -94,6 +95,7 @@ class Program:
             comm.CollectiveGroup(
                 devices=tuple(lane.devices[k] for lane in lanes_in_job),
                 local_devices=tuple(lane.devices[k] for lane in self.lanes),
+                timeout_seconds=options.collective_timeout_seconds,
             )
             for k in range(self.num_stages)
         ]
