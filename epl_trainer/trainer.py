@@ -218,6 +218,7 @@ class EPLTrainer:
             worker_num=self.cluster.worker_num,
             drop_remainder=True,
         )
+        data_lib.check_element_spec(dataset.element_spec, self.model, with_labels=True)
         verbose = 1 if verbose == "auto" else verbose
         # A fresh trainer with checkpoint.dir resumes its newest checkpoint; `epochs` then
         # counts from the job's first epoch (Keras's initial_epoch), so a restarted script
@@ -316,6 +317,7 @@ class EPLTrainer:
             worker_index=self.cluster.worker_index,
             worker_num=self.cluster.worker_num,
         )
+        data_lib.check_element_spec(dataset.element_spec, self.model, with_labels=True)
         self._reset_metrics()
         if steps is not None:
             dataset = dataset.take(steps)
@@ -328,6 +330,7 @@ class EPLTrainer:
     def predict(self, x, batch_size=None):
         """Model outputs for `x` (numpy, structured like the model's outputs)."""
         dataset = data_lib.as_dataset(x, None, batch_size)
+        data_lib.check_element_spec(dataset.element_spec, self.model, with_labels=False)
         outputs = []
         for element in dataset:
             features, _ = data_lib.split_element(element, with_labels=False)

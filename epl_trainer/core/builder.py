@@ -92,18 +92,20 @@ def build_engine(
     if config.amp.level:
         apply_amp(program, config.amp, host_device)
     else:
-        apply_nonfinite_guard(program, host_device)
+        apply_nonfinite_guard(program, host_device, config.optimizer.nonfinite_loss == "skip")
     return state, program
 
 
-def apply_nonfinite_guard(program: Program, host_device: str) -> None:
+def apply_nonfinite_guard(program: Program, host_device: str, skip_metrics: bool) -> None:
     """Without AMP: a step whose gradients are not finite is skipped everywhere and counted.
 
     A NaN or Inf loss gives non-finite gradients, and applying them would destroy the
     weights and the optimizer state. As under AMP (where the loss scaler owns this), every
     lane checks its gradients and one scalar all-reduce makes the decision global. The
     trainer reads the `nonfinite_steps` log after each step and stops with an error
-    naming the step, or warns and goes on (`optimizer.nonfinite_loss`).
+    naming the step, or warns and goes on (`optimizer.nonfinite_loss`); when it goes on
+    (`skip_metrics`), non-finite micro-batch losses are also left out of the running
+    metrics, so one bad batch does not turn the epoch's loss into NaN.
     """
     with tf.init_scope(), tf.device(host_device):
         count = tf.Variable(0, dtype=tf.int64, trainable=False, name="nonfinite_steps")
@@ -120,6 +122,19 @@ def apply_nonfinite_guard(program: Program, host_device: str) -> None:
         with tf.device(host_device):
             count.assign_add(tf.cast(tf.logical_not(applied), tf.int64))
 
+    if skip_metrics:
+        update_metrics = program._update_metrics
+
+        def update_finite_metrics(labels, y_pred, loss) -> None:
+            def update():
+                update_metrics(labels, y_pred, loss)
+                return tf.constant(True)
+
+            with tf.device(host_device):
+                finite = tf.reduce_all(tf.math.is_finite(loss))
+            tf.cond(finite, update, lambda: tf.constant(False))
+
+        program._update_metrics = update_finite_metrics
     program.extra_logs["nonfinite_steps"] = count.value
     program.update = GuardedUpdate(inner, update_if_finite)
 
