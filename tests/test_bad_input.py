@@ -338,8 +338,8 @@ CASES = [
             _trainer(mlp(width=32)).restore_checkpoint(str(p / "ckpt")),
         ),
         CheckpointError,
-        r"was written for a different model: it holds 'sequential.*|.*dense_in/kernel' with "
-        r"shape \[6, 16\] float32, where this model has .*\[6, 32\]",
+        r"ckpt-2' was written for a different model: it holds 'dense_in/kernel' with shape "
+        r"\[6, 16\] float32, where this model has 'dense_in/kernel' with shape \[6, 32\] float32",
     ),
     (
         "corrupt checkpoint is not overwritten by auto-resume",
@@ -394,37 +394,37 @@ CASES = [
         "launcher zero workers",
         lambda p: _cli(p, "--num_workers", "0", "--gpu_per_worker", "1", "x.py"),
         CliExit,
-        r"exit 2: .*argument --num_workers: must be >= 1\. Received: num_workers=0",
+        r"(?s)exit 2: .*argument --num_workers: must be >= 1\. Received: num_workers=0",
     ),
     (
         "launcher negative restarts",
         lambda p: _cli(p, "--num_workers", "1", "--gpu_per_worker", "1", "--max_restarts=-1", "x"),
         CliExit,
-        r"exit 2: .*argument --max_restarts: must be >= 0\. Received: max_restarts=-1",
+        r"(?s)exit 2: .*argument --max_restarts: must be >= 0\. Received: max_restarts=-1",
     ),
     (
         "launcher timeout not a number",
         lambda p: _cli(p, "--num_workers", "1", "--gpu_per_worker", "1", "--timeout", "1h", "x"),
         CliExit,
-        r"exit 2: .*argument --timeout: must be a number of seconds\. Received: timeout='1h'",
+        r"(?s)exit 2: .*argument --timeout: must be a number of seconds\. Received: timeout='1h'",
     ),
     (
         "launcher shell syntax is a file name",
         lambda p: _cli(p, "--num_workers", "1", "--gpu_per_worker", "1", "t.py; touch pwned"),
         CliExit,
-        r"exit 2: .*Script not found\. Received: script='t\.py; touch pwned'",
+        r"(?s)exit 2: .*Script not found\. Received: script='t\.py; touch pwned'",
     ),
     (
         "launcher unsupported script",
         lambda p: _cli(p, "--num_workers", "1", "--gpu_per_worker", "1", _write(p, "run.rb", "")),
         CliExit,
-        r"exit 2: .*Unsupported script type '\.rb'",
+        r"(?s)exit 2: .*Unsupported script type '\.rb'",
     ),
     (
         "launcher missing count",
         lambda p: _cli(p, "--gpu_per_worker", "1", "x.py"),
         CliExit,
-        r"exit 2: .*the following arguments are required: --num_workers",
+        r"(?s)exit 2: .*the following arguments are required: --num_workers",
     ),
 ]
 
@@ -442,7 +442,7 @@ def test_the_table_covers_every_kind_of_input():
 def test_bad_input_is_a_clear_error(tmp_path, name, run, error, message):
     with pytest.raises(error, match=message) as info:
         run(tmp_path)
-    assert type(info.value) is error or issubclass(type(info.value), error)
+    assert type(info.value) is error  # exactly this type, not a subclass or a wrapper
 
 
 def test_nothing_was_run_through_a_shell(tmp_path, monkeypatch):
