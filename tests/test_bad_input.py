@@ -445,11 +445,18 @@ def test_bad_input_is_a_clear_error(tmp_path, name, run, error, message):
     assert type(info.value) is error  # exactly this type, not a subclass or a wrapper
 
 
-def test_nothing_was_run_through_a_shell(tmp_path, monkeypatch):
+@pytest.mark.timeout(60)
+def test_nothing_is_run_through_a_shell(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    with pytest.raises(CliExit):
-        _cli(tmp_path, "--num_workers", "1", "--gpu_per_worker", "1", "t.py; touch pwned")
-    assert not (tmp_path / "pwned").exists()
+    script = _write(
+        tmp_path,
+        "ok; touch pwned.py",
+        "import pathlib, sys\npathlib.Path('received').write_text(repr(sys.argv[1:]))\n",
+    )
+    argv = ["--num_workers", "1", "--gpu_per_worker", "1", script, "$(touch pwned2)", "`id`"]
+    _cli(tmp_path, *argv)
+    assert (tmp_path / "received").read_text() == repr(["$(touch pwned2)", "`id`"])
+    assert not (tmp_path / "pwned").exists() and not (tmp_path / "pwned2").exists()
 
 
 # ---- random config dicts: only ConfigError, whatever the input

@@ -98,3 +98,94 @@ def test_checkpoint_of_a_different_model_is_rejected(tmp_path):
     trainer.save_checkpoint(str(tmp_path))
     with pytest.raises(CheckpointError, match="shape"):
         _trainer(mlp(width=32)).restore_checkpoint(str(tmp_path))
+
+
+def test_amp_loss_scale_state_is_restored(tmp_path):
+    config = {
+        "cluster.virtual_devices": 1,
+        "amp.level": "O1",
+        "amp.dtype": "bfloat16",
+        "amp.initial_scale_power": 4,
+        "amp.loss_scale_window": 2,
+    }
+    trainer = epl.EPLTrainer(mlp(), LOSS, keras.optimizers.Adam(0.01), config=config)
+    trainer.fit(_dataset(), epochs=1, verbose=0)  # 4 clean steps: the scale doubles twice
+    scale = float(trainer._program.update.scaler.scale())
+    assert scale == 2.0**6
+    trainer.save_checkpoint(str(tmp_path))
+    resumed = epl.EPLTrainer(mlp(seed=3), LOSS, keras.optimizers.Adam(0.01), config=config)
+    resumed.restore_checkpoint(str(tmp_path))
+    assert float(resumed._program.update.scaler.scale()) == scale
+
+
+def test_keep_max_keeps_only_the_newest(tmp_path):
+    trainer = _trainer(mlp())
+    for _ in range(3):
+        trainer.fit(_dataset(), epochs=1, verbose=0)
+        trainer.save_checkpoint(str(tmp_path), keep_max=2)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt-12", "ckpt-8", "latest"]
+
+
+def test_stale_temporary_folders_of_dead_saves_are_removed(tmp_path):
+    stale = tmp_path / ".tmp-ckpt-4-999999999"  # no such process
+    stale.mkdir(parents=True)
+    (stale / "state.index").write_text("half written")
+    trainer = _trainer(mlp())
+    trainer.fit(_dataset(), epochs=1, verbose=0)
+    trainer.save_checkpoint(str(tmp_path))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt-4", "latest"]
+
+
+class _Interrupt(Exception):
+    pass
+
+
+def test_fit_with_checkpoint_dir_resumes_mid_epoch_like_an_uninterrupted_run(tmp_path):
+    config = {"checkpoint.dir": str(tmp_path), "checkpoint.save_steps": 3}
+    uninterrupted = mlp()
+    _trainer(uninterrupted).fit(_dataset(), epochs=2, verbose=0)
+
+    class InterruptAtStep7(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            if int(self.model.optimizer.iterations.numpy()) == 7:
+                raise _Interrupt()
+
+    first = epl.EPLTrainer(
+        mlp(), LOSS, keras.optimizers.Adam(0.01), config={"cluster.virtual_devices": 2, **config}
+    )
+    with pytest.raises(_Interrupt):
+        first.fit(_dataset(), epochs=2, callbacks=[InterruptAtStep7()], verbose=0)
+    # Saved at steps 3, 4 (the first epoch's end) and 6: the second epoch's third batch is next.
+    assert (tmp_path / "latest").read_text() == "ckpt-6"
+
+    resumed_model = mlp(seed=5)
+    resumed = epl.EPLTrainer(
+        resumed_model,
+        LOSS,
+        keras.optimizers.Adam(0.01),
+        config={"cluster.virtual_devices": 2, **config},
+    )
+    history = resumed.fit(_dataset(), epochs=2, verbose=0)  # epochs counts from the start
+    assert history.epoch == [1]
+    assert resumed.epochs_done == 2
+    assert max_weight_difference(uninterrupted, resumed_model) == 0.0
+
+
+def test_damaged_newest_checkpoint_stops_auto_resume_and_is_kept(tmp_path):
+    trainer = _trainer(mlp())
+    trainer.fit(_dataset(), epochs=1, verbose=0)
+    path = trainer.save_checkpoint(str(tmp_path))
+    (data,) = [os.path.join(path, n) for n in os.listdir(path) if ".data-" in n]
+    with open(data, "r+b") as f:
+        f.truncate(10)
+    before = sorted(os.listdir(tmp_path)), sorted(os.listdir(path))
+    resumed = epl.EPLTrainer(
+        mlp(),
+        LOSS,
+        keras.optimizers.Adam(0.01),
+        config={"cluster.virtual_devices": 2, "checkpoint.dir": str(tmp_path)},
+    )
+    with pytest.raises(CheckpointError, match=r"state\.data-00000-of-00001' is truncated"):
+        resumed.fit(_dataset(), epochs=2, verbose=0)
+    assert (sorted(os.listdir(tmp_path)), sorted(os.listdir(path))) == before
+    assert os.path.getsize(data) == 10
