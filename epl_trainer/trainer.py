@@ -462,7 +462,11 @@ class EPLTrainer:
             add(f"non_trainable/{i}", state.non_trainable[0][i].value, v.path)
         for key, v in self._program.update.checkpoint_variables().items():
             if v is not self.optimizer._learning_rate:
-                add(key, v.value, f"{key} ({v.path})")
+                # The loss scaler's state is plain tf.Variables, not Keras variables.
+                if isinstance(v, keras.Variable):
+                    add(key, v.value, f"{key} ({v.path})")
+                else:
+                    add(key, v, f"{key} ({v.name})")
         add("optimizer/iterations", self.optimizer.iterations.value, "optimizer iterations")
         if isinstance(self.optimizer._learning_rate, keras.Variable):
             add("optimizer/learning_rate", self.optimizer._learning_rate.value, "learning rate")
