@@ -1,5 +1,6 @@
 """Engine checkpoints: a restored run continues exactly as the uninterrupted one."""
 
+import json
 import os
 
 import keras
@@ -189,3 +190,35 @@ def test_damaged_newest_checkpoint_stops_auto_resume_and_is_kept(tmp_path):
         resumed.fit(_dataset(), epochs=2, verbose=0)
     assert (sorted(os.listdir(tmp_path)), sorted(os.listdir(path))) == before
     assert os.path.getsize(data) == 10
+
+
+def test_resume_with_steps_per_epoch_continues_the_same_pass(tmp_path):
+    # 8 batches, 3 steps per epoch: one iterator runs on across epochs (Keras semantics),
+    # so the input position differs from the step within the epoch.
+    def fit(model, callbacks=(), **config):
+        config = {"cluster.virtual_devices": 2, **config}
+        trainer = epl.EPLTrainer(model, LOSS, keras.optimizers.Adam(0.01), config=config)
+        dataset = tf.data.Dataset.from_tensor_slices(mlp_data()).batch(8)
+        return trainer.fit(
+            dataset, epochs=3, steps_per_epoch=3, callbacks=list(callbacks), verbose=0
+        )
+
+    uninterrupted = mlp()
+    fit(uninterrupted)
+
+    class InterruptAtStep5(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            if int(self.model.optimizer.iterations.numpy()) == 5:
+                raise _Interrupt()
+
+    config = {"checkpoint.dir": str(tmp_path), "checkpoint.save_steps": 2}
+    with pytest.raises(_Interrupt):
+        fit(mlp(), [InterruptAtStep5()], **config)
+    # The newest checkpoint is step 4: the second epoch's first step, batch 4 of the pass.
+    assert (tmp_path / "latest").read_text() == "ckpt-4"
+    metadata = json.loads((tmp_path / "ckpt-4" / "metadata.json").read_text())
+    position = metadata["epochs_done"], metadata["step_in_epoch"], metadata["input_position"]
+    assert position == (1, 1, 4)
+    resumed = mlp(seed=7)
+    fit(resumed, **config)
+    assert max_weight_difference(uninterrupted, resumed) == 0.0
