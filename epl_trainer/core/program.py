@@ -53,6 +53,7 @@ class ProgramOptions:
     # communication.sparse_as_dense=False: embedding gradients (IndexedSlices) are
     # all-gathered as slices instead of being made dense and all-reduced.
     sparse_gradients: bool = False
+    collective_timeout_seconds: float = 0.0  # communication.timeout_seconds; 0 waits forever
 
 
 class Program:
@@ -103,6 +104,7 @@ class Program:
             comm.CollectiveGroup(
                 devices=tuple(lane.devices[k] for lane in lanes_in_job),
                 local_devices=tuple(lane.devices[k] for lane in self.lanes),
+                timeout_seconds=options.collective_timeout_seconds,
             )
             for k in range(self.num_stages)
         ]
