@@ -83,7 +83,14 @@ def build_engine(
         step_counter=step_counter,
     )
     if split_layers:
-        apply_split(program, split.SplitRuntime(split_layers, lanes, lanes_in_job, split_width))
+        runtime = split.SplitRuntime(
+            split_layers,
+            lanes,
+            lanes_in_job,
+            split_width,
+            timeout_seconds=config.communication.timeout_seconds,
+        )
+        apply_split(program, runtime)
     if config.gradient_checkpoint.type:
         apply_recompute(program, config.gradient_checkpoint)
     if config.zero.level:

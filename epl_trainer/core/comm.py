@@ -539,7 +539,7 @@ class LaneCollectives:
             instance_key=self._next_key(),
             ordering_token=[ordering_token(self.device, 0)],
             communication_hint="auto",
-            timeout_seconds=0.0,
+            timeout_seconds=self.group.timeout_seconds,
         )
 
     def _gather(self, x):

@@ -263,7 +263,9 @@ class Program:
                 if self.stage_groups[0].devices.index(d) % self.split.width == rank
             )
             group = comm.CollectiveGroup(
-                job_devices, tuple(self.lanes[li].devices[0] for li in members)
+                job_devices,
+                tuple(self.lanes[li].devices[0] for li in members),
+                timeout_seconds=self.options.collective_timeout_seconds,
             )
             per_member = [[lane_grads[li][i] for i in sharded] for li in members]
             buckets = comm.plan_buckets(
