@@ -54,9 +54,9 @@ flags.DEFINE_integer("doc_stride", 32, "Tokens between the starts of a context's
 flags.DEFINE_integer("max_query_length", 24, "Questions are truncated to this many tokens.")
 flags.DEFINE_integer("train_batch_size", 32, "Per-worker batch (replicas x micro-batches).")
 flags.DEFINE_integer("predict_batch_size", 64, "Batch size for prediction.")
-flags.DEFINE_float("learning_rate", 2e-3, "Peak Adam learning rate.")
+flags.DEFINE_float("learning_rate", 3e-3, "Peak Adam learning rate.")
 flags.DEFINE_float("warmup_proportion", 0.1, "Fraction of the steps with linear LR warmup.")
-flags.DEFINE_integer("num_train_epochs", 4, "Passes over the training windows.")
+flags.DEFINE_integer("num_train_epochs", 6, "Passes over the training windows.")
 flags.DEFINE_integer("n_best_size", 20, "Start/end candidates per window.")
 flags.DEFINE_integer("max_answer_length", 30, "Longest answer, in WordPiece tokens.")
 flags.DEFINE_integer(
@@ -220,7 +220,7 @@ def main(argv):
             "start_logits": keras.losses.SparseCategoricalCrossentropy(from_logits=True),
             "end_logits": keras.losses.SparseCategoricalCrossentropy(from_logits=True),
         },
-        optimizer=keras.optimizers.Adam(learning_rate_schedule(total_steps)),
+        optimizer=keras.optimizers.Adam(learning_rate_schedule(total_steps), global_clipnorm=1.0),
     )
     print(f"{config}\n{trainer.plan.summary()}")
 

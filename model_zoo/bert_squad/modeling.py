@@ -76,6 +76,8 @@ PRESETS = {
         num_attention_heads=4,
         intermediate_size=256,
         max_position_embeddings=128,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
     ),
     "base": dict(
         hidden_size=768, num_hidden_layers=12, num_attention_heads=12, intermediate_size=3072
