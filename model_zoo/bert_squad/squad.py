@@ -12,6 +12,7 @@ gives the token its most context, which the answer post-processing needs.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import logging
 from pathlib import Path
@@ -152,63 +153,77 @@ def convert_examples_to_features(
             f"[CLS]/[SEP] tokens. Received: max_seq_length={max_seq_length}, "
             f"max_query_length={max_query_length}"
         )
+    # Contexts are shared by several questions and words repeat: tokenize each word once.
+    tokenize = functools.lru_cache(maxsize=None)(tokenizer.tokenize)
     features = []
-    unique_id = 1000000000
     for example_index, example in enumerate(examples):
         query_tokens = tokenizer.tokenize(example.question_text)[:max_query_length]
-        tok_to_orig, orig_to_tok, doc_pieces = [], [], []
-        for i, word in enumerate(example.doc_tokens):
-            orig_to_tok.append(len(doc_pieces))
-            for piece in tokenizer.tokenize(word):
-                tok_to_orig.append(i)
-                doc_pieces.append(piece)
-        tok_start = tok_end = None
+        doc_pieces, tok_to_orig, orig_to_tok = _context_pieces(example.doc_tokens, tokenize)
+        answer = None
         if is_training:
-            tok_start = orig_to_tok[example.start_position]
-            last_word = example.end_position + 1
-            tok_end = (
-                orig_to_tok[last_word] - 1
-                if last_word < len(example.doc_tokens)
-                else (len(doc_pieces) - 1)
-            )
-            tok_start, tok_end = _improve_answer_span(
-                doc_pieces, tok_start, tok_end, tokenizer, example.answer_texts[0]
-            )
+            answer = _answer_pieces(example, doc_pieces, orig_to_tok, tokenizer)
         max_tokens_for_doc = max_seq_length - len(query_tokens) - 3
         spans = doc_spans(len(doc_pieces), max_tokens_for_doc, doc_stride)
-        for span_index, (span_start, span_length) in enumerate(spans):
-            tokens = ["[CLS]", *query_tokens, "[SEP]"]
-            segment_ids = [0] * len(tokens)
-            token_to_orig, is_max_context = {}, {}
-            for i in range(span_length):
-                position = span_start + i
-                token_to_orig[len(tokens)] = tok_to_orig[position]
-                is_max_context[len(tokens)] = _is_max_context(spans, span_index, position)
-                tokens.append(doc_pieces[position])
-                segment_ids.append(1)
-            tokens.append("[SEP]")
-            segment_ids.append(1)
-            input_ids = tokenizer.convert_tokens_to_ids(tokens)
-            input_mask = [1] * len(input_ids)
-            padding = max_seq_length - len(input_ids)
-            feature = InputFeatures(
-                unique_id=unique_id,
-                example_index=example_index,
-                doc_span_index=span_index,
-                tokens=tokens,
-                token_to_orig_map=token_to_orig,
-                token_is_max_context=is_max_context,
-                input_ids=input_ids + [0] * padding,
-                input_mask=input_mask + [0] * padding,
-                segment_ids=segment_ids + [0] * padding,
-            )
-            if is_training and span_start <= tok_start and tok_end < span_start + span_length:
-                offset = len(query_tokens) + 2
-                feature.start_position = tok_start - span_start + offset
-                feature.end_position = tok_end - span_start + offset
+        for span_index in range(len(spans)):
+            feature = _window(spans, span_index, query_tokens, doc_pieces, tok_to_orig, tokenizer)
+            feature.unique_id = 1000000000 + len(features)
+            feature.example_index = example_index
+            feature.input_ids += [0] * (max_seq_length - len(feature.input_ids))
+            feature.input_mask += [0] * (max_seq_length - len(feature.input_mask))
+            feature.segment_ids += [0] * (max_seq_length - len(feature.segment_ids))
+            span_start, span_length = spans[span_index]
+            if answer and span_start <= answer[0] and answer[1] < span_start + span_length:
+                offset = len(query_tokens) + 2 - span_start
+                feature.start_position = answer[0] + offset
+                feature.end_position = answer[1] + offset
             features.append(feature)
-            unique_id += 1
     return features
+
+
+def _context_pieces(doc_tokens, tokenize):
+    """WordPiece tokens of the context words, piece -> word and word -> first piece."""
+    pieces, tok_to_orig, orig_to_tok = [], [], []
+    for i, word in enumerate(doc_tokens):
+        orig_to_tok.append(len(pieces))
+        for piece in tokenize(word):
+            tok_to_orig.append(i)
+            pieces.append(piece)
+    return pieces, tok_to_orig, orig_to_tok
+
+
+def _answer_pieces(example, doc_pieces, orig_to_tok, tokenizer) -> tuple[int, int]:
+    """The training answer's first and last context piece."""
+    start = orig_to_tok[example.start_position]
+    last_word = example.end_position + 1
+    end = orig_to_tok[last_word] - 1 if last_word < len(orig_to_tok) else len(doc_pieces) - 1
+    return _improve_answer_span(doc_pieces, start, end, tokenizer, example.answer_texts[0])
+
+
+def _window(spans, span_index, query_tokens, doc_pieces, tok_to_orig, tokenizer):
+    """`[CLS] question [SEP] context window [SEP]`, unpadded, with its context maps."""
+    span_start, span_length = spans[span_index]
+    tokens = ["[CLS]", *query_tokens, "[SEP]"]
+    segment_ids = [0] * len(tokens)
+    token_to_orig, is_max_context = {}, {}
+    for position in range(span_start, span_start + span_length):
+        token_to_orig[len(tokens)] = tok_to_orig[position]
+        is_max_context[len(tokens)] = _is_max_context(spans, span_index, position)
+        tokens.append(doc_pieces[position])
+        segment_ids.append(1)
+    tokens.append("[SEP]")
+    segment_ids.append(1)
+    input_ids = tokenizer.convert_tokens_to_ids(tokens)
+    return InputFeatures(
+        unique_id=0,
+        example_index=0,
+        doc_span_index=span_index,
+        tokens=tokens,
+        token_to_orig_map=token_to_orig,
+        token_is_max_context=is_max_context,
+        input_ids=input_ids,
+        input_mask=[1] * len(input_ids),
+        segment_ids=segment_ids,
+    )
 
 
 def doc_spans(num_tokens: int, max_tokens: int, stride: int) -> list[tuple[int, int]]:
