@@ -15,6 +15,7 @@ import tensorflow as tf
 import epl_trainer as epl
 from model_zoo.bert_squad import builtin_data, checkpoint, squad
 from model_zoo.bert_squad.modeling import BertConfig, build_squad_model
+from model_zoo.bert_squad.recipe import DEFAULT_CONFIG, environ_with_defaults
 from model_zoo.bert_squad.tokenization import FullTokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -225,11 +226,17 @@ def test_recipe_builds_a_two_stage_pipeline_and_trains_two_steps(recipe, builtin
     model.to_json()  # TensorBoard writes the graph: the cut must leave the model intact
 
 
-def test_default_run_uses_the_pipeline_recipe():
-    from model_zoo.bert_squad.__main__ import DEFAULT_CONFIG
-
+def test_default_run_uses_the_pipeline_recipe_and_a_given_recipe_replaces_it():
     recipe = json.loads((ROOT / "configs/bert_squad_pipeline.json").read_text())
     assert {k: recipe[k] for k in DEFAULT_CONFIG} == DEFAULT_CONFIG
+    default = epl.Config({}, environ=environ_with_defaults(None, environ={}))
+    assert default.pipeline.num_micro_batch == 4 and default.cluster.virtual_devices == 2
+    dp = epl.Config.from_file(
+        ROOT / "configs/dp.json", environ=environ_with_defaults("configs/dp.json", environ={})
+    )
+    assert dp.pipeline.num_micro_batch == 1  # dp.json's meaning, not the pipeline's
+    launched = environ_with_defaults(None, environ={"EPL_CLUSTER_VIRTUAL_DEVICES": "4"})
+    assert epl.Config({}, environ=launched).cluster.virtual_devices == 4
 
 
 def test_model_input_used_by_a_later_stage_keeps_the_model_serialisable():

@@ -39,6 +39,7 @@ import epl_trainer.flags as epl_flags  # defines --epl_config and --epl_set
 from model_zoo.bert_squad import builtin_data, evaluation, squad
 from model_zoo.bert_squad.checkpoint import load_google_checkpoint
 from model_zoo.bert_squad.modeling import PRESETS, BertConfig, build_squad_model
+from model_zoo.bert_squad.recipe import environ_with_defaults
 from model_zoo.bert_squad.tokenization import FullTokenizer
 
 FLAGS = flags.FLAGS
@@ -69,17 +70,6 @@ flags.DEFINE_integer("builtin_train_paragraphs", 1500, "Built-in data: training 
 flags.DEFINE_integer("builtin_dev_paragraphs", 100, "Built-in data: dev paragraphs.")
 flags.DEFINE_string("output_dir", "/tmp/epl_bert_squad", "Logs, predictions and metrics.")
 flags.DEFINE_integer("seed", 0, "Seed of the built-in data, the shuffling and the weights.")
-
-# The defaults of configs/bert_squad_pipeline.json (a test keeps them equal), given as
-# environment defaults so --epl_config / --epl_set / epl-launch still override them.
-DEFAULT_CONFIG = {"cluster.virtual_devices": 2, "pipeline.num_micro_batch": 4}
-
-
-def environ_with_defaults() -> dict[str, str]:
-    environ = dict(os.environ)
-    for key, value in DEFAULT_CONFIG.items():
-        environ.setdefault("EPL_" + key.replace(".", "_").upper(), str(value))
-    return environ
 
 
 def input_files(output_dir: Path) -> dict:
@@ -201,7 +191,7 @@ def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
     start_time = time.perf_counter()
-    config = epl_flags.config_from_flags(environ=environ_with_defaults())
+    config = epl_flags.config_from_flags(environ=environ_with_defaults(FLAGS.epl_config))
     cluster = epl.init(config).cluster  # configures the devices: before any TF work
     output_dir = Path(FLAGS.output_dir)
     paths = input_files(output_dir)
