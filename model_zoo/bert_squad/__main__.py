@@ -204,6 +204,10 @@ def main(argv):
         print(f"Train: {len(train_features)} windows, {train[1]} steps per epoch")
     # The learning rate follows a schedule over the whole run, so it needs the step count.
     total_steps = train[1] * FLAGS.num_train_epochs if train else 1
+    # The loss is the sum of the start and end cross-entropies; Google's run_squad.py
+    # averages them. Adam's steps do not depend on that factor of 2, except through the
+    # clipping at global norm 1.0 (over all stages, as Google's optimizer clips), which
+    # therefore bites at half of Google's gradient norm.
     trainer = epl.EPLTrainer(
         build_model(config, bert, FLAGS.num_stages),
         loss={
