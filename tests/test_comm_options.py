@@ -51,11 +51,30 @@ def step_graph(trainer, x, y, batch_size=16):
     return trainer._program.train_on_iterator.get_concrete_function(iter(dataset)).graph
 
 
+def all_ops(graph):
+    """Every op of a graph and of the functions it calls (e.g. a tf.cond's branches: the
+    update runs inside one, skipped when gradients are not finite)."""
+    for op in graph.get_operations():
+        yield op
+        for attr in ("then_branch", "else_branch", "f", "body", "cond"):
+            try:
+                name = op.get_attr(attr).name
+            except (ValueError, AttributeError):
+                continue
+            function = graph._get_function(name)
+            if function is not None and hasattr(function, "graph"):
+                yield from all_ops(function.graph)
+
+
 def collectives(graph, op_type, device_suffix="CPU:0"):
+    """The gradient collectives on one device (scalar ones, e.g. the finiteness vote,
+    left out)."""
     return [
         op
-        for op in graph.get_operations()
-        if op.type == op_type and op.device.endswith(device_suffix)
+        for op in all_ops(graph)
+        if op.type == op_type
+        and op.device.endswith(device_suffix)
+        and op.inputs[0].shape.num_elements() != 1
     ]
 
 
