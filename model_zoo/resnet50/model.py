@@ -18,6 +18,10 @@ SMALL_IMAGE_SIZE = 32  # the small variant's CIFAR-sized input
 # ResNet-50 is widths (64, 128, 256, 512) with (3, 4, 6, 3) blocks.
 SMALL_WIDTHS = (16, 32, 64)
 SMALL_BLOCKS = (1, 1, 1)
+# The small variant's BatchNormalization momentum: PyTorch's 0.1 update (Keras's 0.99 makes
+# the moving statistics lag behind fast-changing weights in a run of a few hundred steps,
+# and validation, which uses them, then trails training accuracy far behind).
+BN_MOMENTUM = 0.9
 
 
 def build_model(
@@ -67,7 +71,7 @@ def small_resnet_features(images, widths=SMALL_WIDTHS, blocks=SMALL_BLOCKS):
     Keras's ResNet-50 (`conv2_block1_1_conv`, ...).
     """
     x = keras.layers.Conv2D(widths[0], 3, padding="same", use_bias=False, name="conv1_conv")(images)
-    x = keras.layers.BatchNormalization(epsilon=1.001e-5, name="conv1_bn")(x)
+    x = keras.layers.BatchNormalization(epsilon=1.001e-5, momentum=BN_MOMENTUM, name="conv1_bn")(x)
     x = keras.layers.Activation("relu", name="conv1_relu")(x)
     for stage, (width, count) in enumerate(zip(widths, blocks, strict=True)):
         for block in range(count):
@@ -86,16 +90,24 @@ def bottleneck_block(x, width: int, stride: int, *, shortcut_conv: bool, name: s
     """
     if shortcut_conv:
         shortcut = keras.layers.Conv2D(4 * width, 1, strides=stride, name=f"{name}_0_conv")(x)
-        shortcut = keras.layers.BatchNormalization(epsilon=1.001e-5, name=f"{name}_0_bn")(shortcut)
+        shortcut = keras.layers.BatchNormalization(
+            epsilon=1.001e-5, momentum=BN_MOMENTUM, name=f"{name}_0_bn"
+        )(shortcut)
     else:
         shortcut = x
     x = keras.layers.Conv2D(width, 1, strides=stride, name=f"{name}_1_conv")(x)
-    x = keras.layers.BatchNormalization(epsilon=1.001e-5, name=f"{name}_1_bn")(x)
+    x = keras.layers.BatchNormalization(
+        epsilon=1.001e-5, momentum=BN_MOMENTUM, name=f"{name}_1_bn"
+    )(x)
     x = keras.layers.Activation("relu", name=f"{name}_1_relu")(x)
     x = keras.layers.Conv2D(width, 3, padding="same", name=f"{name}_2_conv")(x)
-    x = keras.layers.BatchNormalization(epsilon=1.001e-5, name=f"{name}_2_bn")(x)
+    x = keras.layers.BatchNormalization(
+        epsilon=1.001e-5, momentum=BN_MOMENTUM, name=f"{name}_2_bn"
+    )(x)
     x = keras.layers.Activation("relu", name=f"{name}_2_relu")(x)
     x = keras.layers.Conv2D(4 * width, 1, name=f"{name}_3_conv")(x)
-    x = keras.layers.BatchNormalization(epsilon=1.001e-5, name=f"{name}_3_bn")(x)
+    x = keras.layers.BatchNormalization(
+        epsilon=1.001e-5, momentum=BN_MOMENTUM, name=f"{name}_3_bn"
+    )(x)
     x = keras.layers.Add(name=f"{name}_add")([shortcut, x])
     return keras.layers.Activation("relu", name=f"{name}_out")(x)
