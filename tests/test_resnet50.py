@@ -40,6 +40,7 @@ def test_recipes_exist():
     assert {p.name for p in RECIPES} >= {"resnet50_dp.json", "resnet50_split.json"}
 
 
+@pytest.mark.slow  # a few steps, but compiling a ResNet train step takes 10-60 s on 2 cores
 @pytest.mark.parametrize("path", [_recipe_param(p) for p in RECIPES])
 def test_every_recipe_runs_two_steps(path, tmp_path):
     config = epl.Config.from_file(path)
@@ -132,6 +133,13 @@ def test_defaults_are_the_small_data_parallel_run():
     assert recipe.default_num_classes(options) == recipe.SMALL_CLASSES
     assert options.config.gradient_checkpoint.type == ""
     assert options.config.zero.level == ""
+
+
+def test_imagenet_files_default_to_1000_classes():
+    options = _parsed_options(["--train_files=/data/train-*"])
+    assert recipe.default_num_classes(options) == recipe.IMAGENET_CLASSES
+    split = _parsed_options(["--split_classifier"])
+    assert recipe.default_num_classes(split) == recipe.SPLIT_CLASSES
 
 
 def test_shortcut_flag_contradicting_epl_set_is_an_error():
@@ -258,6 +266,7 @@ def test_imagenet_label_out_of_range_is_an_error(imagenet_files):
         list(dataset)
 
 
+@pytest.mark.slow  # compiles a ResNet train step, like the recipe runs
 def test_recipe_trains_on_imagenet_tfrecords_with_gc_and_zero(imagenet_files):
     """The real-data path end to end; also the memory flags on a ResNet (one run: each
     run compiles a ResNet train step, the slow part of these tests)."""

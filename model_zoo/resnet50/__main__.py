@@ -41,8 +41,8 @@ flags.DEFINE_boolean(
 flags.DEFINE_integer(
     "num_classes",
     None,
-    "Classifier outputs. Default: 10,000 with the split classifier (FastNN's recipe), "
-    "else 1000 for ResNet-50 and 10 for --small.",
+    "Classifier outputs. Default: 1000 with --train_files (ImageNet), else 10,000 with the "
+    "split classifier (FastNN's recipe), 1000 for ResNet-50 and 10 for --small.",
 )
 flags.DEFINE_integer("image_size", None, "Square input side. Default: 32 (--small) or 224.")
 flags.DEFINE_boolean(

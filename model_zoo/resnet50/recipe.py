@@ -94,10 +94,12 @@ def wants_split(options: Options) -> bool:
 
 
 def default_num_classes(options: Options) -> int:
-    """--num_classes when given; else 10,000 for the split recipe (FastNN's), 1000 for
-    ResNet-50 (ImageNet), 10 for the small variant."""
+    """--num_classes when given; else 1000 with ImageNet files, 10,000 for the split
+    recipe on generated data (FastNN's), 1000 for ResNet-50 and 10 for the small variant."""
     if options.num_classes is not None:
         return options.num_classes
+    if options.train_files:
+        return IMAGENET_CLASSES
     if wants_split(options):
         return SPLIT_CLASSES
     return SMALL_CLASSES if options.small else IMAGENET_CLASSES
