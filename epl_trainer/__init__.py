@@ -18,16 +18,22 @@ _EXPORTS = {
     "set_default_strategy": "epl_trainer.strategies",
     "Strategy": "epl_trainer.strategies",
     "EPLTrainer": "epl_trainer.trainer",
+    "DeepSpeedConfig": "epl_trainer.deepspeed",
     "ModelSpec": "epl_trainer.trainer",
     "plot_schedule": "epl_trainer.plot",
     "add_to_collection": "epl_trainer.core.recompute",
     "get_collection": "epl_trainer.core.recompute",
 }
 
-__all__ = [*_EXPORTS, "__version__"]
+# Submodules reachable as attributes (`epl.io.slice_files`, `epl.layers.MoE`).
+_SUBMODULES = ("io", "layers")
+
+__all__ = [*_EXPORTS, *_SUBMODULES, "__version__"]
 
 
 def __getattr__(name):
+    if name in _SUBMODULES:
+        return importlib.import_module(f"epl_trainer.{name}")
     module = _EXPORTS.get(name)
     if module is None:
         raise AttributeError(f"module 'epl_trainer' has no attribute {name!r}")

@@ -7,6 +7,9 @@ from collections.abc import Mapping, Sequence
 import keras
 from keras import tree
 
+# Not exported by keras.losses, but what Keras itself wraps loss functions with.
+from keras.src.losses.losses import LossFunctionWrapper
+
 
 class CompiledLoss:
     """Sums one Keras loss per model output, with Keras's reduction semantics.
@@ -75,7 +78,7 @@ def _as_loss(spec) -> keras.losses.Loss:
         raise ValueError(f"Unknown loss {spec!r}.")
     if isinstance(fn, keras.losses.Loss):
         return fn
-    return keras.losses.LossFunctionWrapper(fn, name=getattr(fn, "__name__", "loss"))
+    return LossFunctionWrapper(fn, name=getattr(fn, "__name__", "loss"))
 
 
 def _loss_name(spec) -> str:

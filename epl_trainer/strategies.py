@@ -381,7 +381,12 @@ class Strategy:
     split: Sequence[str] | None = None
 
     def __post_init__(self):
-        default = replicate(1) if self.default is None else self.default
+        # With split patterns the rest of the model defaults to replicate(None): one
+        # device, or the split's devices when colocated (see planner.resolve_taskgraphs).
+        if self.default is not None:
+            default = self.default
+        else:
+            default = replicate(None) if self.split else replicate(1)
         if not isinstance(default, _StrategyBase):
             raise TypeError(
                 "Strategy(default=...) must be replicate(...) or split(...). "

@@ -19,10 +19,12 @@ from keras import tree
 
 from epl_trainer import checkpoint as ckpt
 from epl_trainer import data as data_lib
-from epl_trainer import strategies
+from epl_trainer import deepspeed, strategies
+from epl_trainer import io as io_lib
 from epl_trainer.cluster import build_cluster
 from epl_trainer.config import Config
 from epl_trainer.core import amp, comm, planner
+from epl_trainer.core import split as split_lib
 from epl_trainer.core.auto_partition import auto_partition
 from epl_trainer.core.builder import build_engine
 from epl_trainer.core.partition import partition_model, whole_model
@@ -61,7 +63,9 @@ class EPLTrainer:
       stages: {layer-name regex: stage index}, a shortcut for `Strategy(stages=...)`.
       split: [layer-name regex], a shortcut for `Strategy(split=...)`.
       config: an `epl.Config`, a dict of dotted keys or a JSON/YAML path; None uses the
-        config given to `epl.init()` (or the defaults).
+        config given to `epl.init()` (or the defaults). A DeepSpeed config (JSON path,
+        dict or `epl_trainer.deepspeed.DeepSpeedConfig`) is translated on top of
+        `epl.init()`'s config, and its optimizer/scheduler replace `optimizer`.
     """
 
     def __init__(
@@ -75,6 +79,7 @@ class EPLTrainer:
         split=None,
         config=None,
     ):
+        config, optimizer, self.deepspeed = deepspeed.trainer_setup(config, optimizer)
         self.config = Env.get().config if config is None else Config.load(config)
         self.cluster = Env.get().cluster if config is None else build_cluster(self.config.cluster)
         model, loss, metrics = _resolve_model(model, loss, metrics)
@@ -96,19 +101,25 @@ class EPLTrainer:
             stage_costs=auto.stage_costs if auto else None,
             cut_description=auto.cut_description if auto else None,
         )
-        split = [tg.name for tg in self.plan.taskgraphs if tg.kind == "split"]
-        if split:
-            raise NotImplementedError(
-                f"split TaskGraphs {split} are not implemented yet in epl_trainer (tensor "
-                "split and expert parallelism); use replicate for now."
+        has_split = any(tg.kind == "split" for tg in self.plan.taskgraphs)
+        self.lanes = lanes_for_worker(self.plan, self.cluster.worker_index)
+        self.split_layers = []
+        if has_split:
+            # Colocated TaskGraphs share every device of a lane: one stage, whose split
+            # layers run on the lane's shards (core/split.py).
+            self.staged = whole_model(model)
+            self.split_layers = split_lib.find_split_layers(
+                model, annotation, self.plan.taskgraphs, self.plan.taskgraphs[0].device_count
             )
-        if len(self.plan.taskgraphs) == 1:
+            outputs = len(tree.flatten(model.outputs))
+            split_lib.sparse_outputs(self.loss._losses_for(outputs), self.split_layers)
+            split_lib.check_split_metrics(self.metrics, self.split_layers)
+        elif len(self.plan.taskgraphs) == 1:
             self.staged = whole_model(model)
         else:
             self.staged = partition_model(
                 model, annotation.node_taskgraph, len(self.plan.taskgraphs)
             )
-        self.lanes = lanes_for_worker(self.plan, self.cluster.worker_index)
         self.lanes_in_job = sorted(
             (
                 lane
@@ -117,6 +128,10 @@ class EPLTrainer:
             ),
             key=lambda lane: lane.index,
         )
+        if self.deepspeed is not None:  # accumulation steps may follow from the lane count
+            self.config, self.plan = self.deepspeed.resolve_plan(
+                self.config, self.plan, len(self.lanes_in_job)
+            )
         self.model.optimizer = self.optimizer  # what Keras callbacks read (LR, iterations)
         self._program: Program | None = None
         self._state: EngineState | None = None
@@ -162,6 +177,8 @@ class EPLTrainer:
             self._replica_optimizer,
             clip_global_norm=self.optimizer.global_clipnorm,
             step_counter=self.optimizer.iterations,
+            split_layers=self.split_layers,
+            split_width=self.plan.taskgraphs[0].device_count if self.split_layers else 1,
         )
         if self.config.gradient_checkpoint.check_gradients and self._program.recomputed:
             self._check_recompute_gradients(features)
@@ -198,16 +215,37 @@ class EPLTrainer:
         validation_data=None,
         callbacks=None,
         verbose="auto",
+        parse_fn=None,
+        file_format=None,
     ):
-        """Trains; returns a `keras.callbacks.History` (as `Model.fit`)."""
-        dataset = data_lib.as_dataset(
-            x,
-            y,
-            batch_size,
-            worker_index=self.cluster.worker_index,
-            worker_num=self.cluster.worker_num,
-            drop_remainder=True,
-        )
+        """Trains; returns a `keras.callbacks.History` (as `Model.fit`).
+
+        With `parse_fn`, `x` is a list of file names or a glob: records are read with
+        `file_format` ("tfrecord" by default, "text", or a callable `files -> Dataset`),
+        parsed by `parse_fn(record) -> (features, labels)` and batched by `batch_size`
+        per worker. With `io.slicing=True` each worker reads only its share of the files
+        (`epl_trainer.io`).
+        """
+        if self.deepspeed is not None:  # batch sizes, monitors and steps_per_print
+            batch_size = self.deepspeed.fit_batch_size(x, batch_size, self.plan, len(self.lanes))
+            extra = self.deepspeed.callbacks(self.loss_tracker, self.cluster.is_chief)
+            callbacks = [*(callbacks or []), *extra]
+        if parse_fn is not None or file_format is not None:
+            dataset = self._files_dataset(x, y, batch_size, parse_fn, file_format, steps_per_epoch)
+        else:
+            if self.config.io.slicing and isinstance(x, tf.data.Dataset):
+                logger.warning(
+                    "io.slicing slices files given as fit(files, parse_fn=...); a "
+                    "tf.data.Dataset is used as given (shard it with epl.io.slice_files)."
+                )
+            dataset = data_lib.as_dataset(
+                x,
+                y,
+                batch_size,
+                worker_index=self.cluster.worker_index,
+                worker_num=self.cluster.worker_num,
+                drop_remainder=True,
+            )
         verbose = 1 if verbose == "auto" else verbose
         callback_list = keras.callbacks.CallbackList(
             callbacks,
@@ -242,6 +280,39 @@ class EPLTrainer:
         if self._state is not None:
             self._state.load_from_model()  # e.g. EarlyStopping(restore_best_weights=True)
         return self.model.history
+
+    def _files_dataset(self, files, y, batch_size, parse_fn, file_format, steps_per_epoch):
+        """This worker's batches from input files (sliced across workers with io.slicing)."""
+        if parse_fn is None or y is not None:
+            raise ValueError(
+                "Training from files needs x = file names or a glob, y=None and a parse_fn "
+                f"mapping one record to (features, labels). Received: y={type(y).__name__}, "
+                f"parse_fn={parse_fn!r}, file_format={file_format!r}"
+            )
+        workers = self.cluster.worker_num
+        if workers > 1 and steps_per_epoch is None:
+            # A worker's share holds an unknown number of records: an epoch bounded by the
+            # data would let one worker stop while its peers wait in a collective.
+            raise ValueError(
+                "Training from files on several workers needs steps_per_epoch (each "
+                f"worker's files repeat). Received: steps_per_epoch=None, worker_num={workers}"
+            )
+        files = io_lib.expand_files(files)
+        if self.config.io.slicing:
+            files = io_lib.slice_files(
+                files,
+                worker_index=self.cluster.worker_index,
+                replicas_per_worker=[len(lanes_for_worker(self.plan, w)) for w in range(workers)],
+                unbalanced_io_slicing=self.config.io.unbalanced_io_slicing,
+                drop_last_files=self.config.io.drop_last_files,
+            )
+        return io_lib.files_dataset(
+            files,
+            parse_fn,
+            data_lib.DEFAULT_BATCH_SIZE if batch_size is None else batch_size,
+            file_format=file_format or "tfrecord",
+            repeat=workers > 1,
+        )
 
     def _run_epoch(self, batches, callback_list, write_back_each_step) -> dict:
         program = self._ensure_program_for(batches.dataset)
@@ -329,6 +400,8 @@ class EPLTrainer:
         step = int(self.optimizer.iterations.numpy())
         if not self.cluster.is_chief:
             return None
+        if self._state.sharded:
+            self._state.write_back()  # sharded variables are saved from the Keras model
         metadata = {"epochs_done": self.epochs_done, "plan": self.plan.summary()}
         variables, names = self._checkpoint_variables()
         return ckpt.save(directory, variables, metadata, step, names)
@@ -366,7 +439,9 @@ class EPLTrainer:
             names[key] = description
 
         for i, v in enumerate(state.model_trainable):
-            add(f"trainable/{i}", state.trainable[0][i].value, v.path)
+            # Sharded variables (split layers) are saved whole, from the Keras model.
+            source = v if i in state.sharded else state.trainable[0][i]
+            add(f"trainable/{i}", source.value, v.path)
         for i, v in enumerate(state.model_non_trainable):
             add(f"non_trainable/{i}", state.non_trainable[0][i].value, v.path)
         for key, v in self._program.update.checkpoint_variables().items():
@@ -386,6 +461,7 @@ class EPLTrainer:
             ):
                 if dst is not src and "seed_generator_state" not in src.path:
                     dst.assign(src.value)
+        state.load_sharded_from_model()  # each lane's own slice, over the copy above
         self._program.update.after_restore()
 
     # ---- logs and checks ---------------------------------------------------------------
@@ -497,15 +573,8 @@ def _output_names(model) -> list[str]:
     return list(names) if names else ["output"]
 
 
-_NOT_YET = {
-    # key: (value meaning "off", issue that builds it)
-    "communication.fp16": (False, "communication options"),
-    "io.slicing": (False, "IO slicing"),
-}
-
-
 def _check_supported(config: Config) -> None:
-    """Refuses settings whose feature is not built yet instead of silently ignoring them."""
+    """Refuses settings that cannot apply instead of silently ignoring them."""
     values = config.to_dict()
     if values["pipeline.num_stages"] is not None and not values["auto.auto_parallel"]:
         raise ValueError(
@@ -513,12 +582,6 @@ def _check_supported(config: Config) -> None:
             "(auto.auto_parallel=True); give stages with epl.replicate scopes or stages=. "
             f"Received: pipeline.num_stages={values['pipeline.num_stages']}"
         )
-    for key, (off, feature) in _NOT_YET.items():
-        if values[key] != off:
-            raise NotImplementedError(
-                f"{key}={values[key]!r} is not implemented yet in epl_trainer ({feature}). "
-                f"Remove it or set it to {off!r}."
-            )
 
 
 def _needs_fresh_weights_per_step(callback_list) -> bool:

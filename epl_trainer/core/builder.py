@@ -22,10 +22,12 @@ The update: ZeRO's sharded reduce / apply / gather (`zero.level` "v0" or "v1",
 from __future__ import annotations
 
 import tensorflow as tf
+from keras import tree
 
 from epl_trainer.config import Config
-from epl_trainer.core import amp
+from epl_trainer.core import amp, split
 from epl_trainer.core.partition import StagedModel
+from epl_trainer.core.pipeline import training_kwargs
 from epl_trainer.core.program import Program, ProgramOptions
 from epl_trainer.core.recompute import apply_recompute
 from epl_trainer.core.state import EngineState
@@ -45,10 +47,17 @@ def build_engine(
     make_optimizer,
     clip_global_norm=None,
     step_counter=None,
+    split_layers=(),
+    split_width: int = 1,
 ) -> tuple[EngineState, Program]:
     """Creates the engine state and the program for this worker's lanes."""
     offload = config.offload.level == "v0"
-    state = EngineState(staged, lanes, host_device=host_device if offload else None)
+    if split_layers:
+        _check_split_compatible(config, clip_global_norm)
+    sharded = {sv.index: sv for layer in split_layers for sv in layer.variables}
+    state = EngineState(
+        staged, lanes, host_device=host_device if offload else None, sharded=sharded
+    )
     options = ProgramOptions(
         num_micro_batch=config.pipeline.num_micro_batch,
         gradients_reduce_method=config.communication.gradients_reduce_method,
@@ -56,6 +65,9 @@ def build_engine(
         num_communicators=config.communication.num_communicators,
         clip_after_allreduce=config.communication.clip_after_allreduce,
         pipeline_strategy=config.pipeline.strategy,
+        fp16_scale=config.communication.fp16_scale if config.communication.fp16 else None,
+        # ZeRO exchanges flat dense buffers, so it reduces slices as dense tensors.
+        sparse_gradients=not config.communication.sparse_as_dense and not config.zero.level,
     )
     program = Program(
         staged,
@@ -69,9 +81,17 @@ def build_engine(
         clip_global_norm=clip_global_norm,
         step_counter=step_counter,
     )
+    if split_layers:
+        apply_split(program, split.SplitRuntime(split_layers, lanes, lanes_in_job, split_width))
     if config.gradient_checkpoint.type:
         apply_recompute(program, config.gradient_checkpoint)
     if config.zero.level:
+        if config.communication.fp16:
+            raise ValueError(
+                "communication.fp16 compresses all-reduced gradients; ZeRO reduce-scatters "
+                f"them and does not support it yet. Received: zero.level={config.zero.level!r}, "
+                "communication.fp16=True"
+            )
         if offload or config.optimizer.num_apply_group > 1:
             raise ValueError(
                 "zero.level shards the optimizer across replicas and cannot be combined with "
@@ -91,6 +111,42 @@ def build_engine(
     if config.amp.level:
         apply_amp(program, config.amp, host_device)
     return state, program
+
+
+def _check_split_compatible(config: Config, clip_global_norm) -> None:
+    combined = {
+        "zero.level": config.zero.level,
+        "offload.level": config.offload.level,
+        "gradient_checkpoint.type": config.gradient_checkpoint.type,
+    }
+    combined = {k: v for k, v in combined.items() if v}
+    if combined:
+        raise split.SplitError(
+            "split layers cannot be combined with "
+            + ", ".join(f"{k}={v!r}" for k, v in combined.items())
+            + " yet; remove those settings or the split annotation."
+        )
+    if clip_global_norm is not None and not config.communication.clip_after_allreduce:
+        raise split.SplitError(
+            "global_clipnorm with split layers needs communication.clip_after_allreduce=True: "
+            "a lane's local gradient holds only its shard, so the norm is taken after the "
+            f"reduction. Received: global_clipnorm={clip_global_norm}"
+        )
+
+
+def apply_split(program: Program, runtime) -> None:
+    """Split layers run on the lane's shards; split outputs get the sharded loss."""
+    program.split = runtime
+    num_outputs = len(tree.flatten(program.staged.model.outputs))
+    loss = split.SplitLoss(program.loss_fn, runtime, num_outputs)
+    split.check_split_metrics(program.metrics, runtime.layers)
+    program.loss_fn = loss
+    for executor in program.executors:
+        executor.loss_fn = loss
+    for k, stage in enumerate(program.staged.stages):
+        call = split.split_stage_call(stage.model, runtime, training_kwargs)
+        program.stage_calls[k] = call
+        program.eval_stage_calls[k] = call
 
 
 def apply_amp(program: Program, amp_config, host_device: str) -> None:

@@ -385,6 +385,7 @@ def fused_all_reduce(
     buckets: Sequence[Sequence[int]],
     reduction: str,
     num_chains: int = 1,
+    wire_fp16_scale: float | None = None,
 ) -> list[list[tf.Tensor]]:
     """All-reduces lists of tensors, one collective per bucket of flattened tensors.
 
@@ -395,6 +396,9 @@ def fused_all_reduce(
       buckets: index lists from `plan_buckets`.
       reduction: "mean" or "sum".
       num_chains: buckets are spread round-robin over this many ordering chains.
+      wire_fp16_scale: `communication.fp16`: float32 buckets travel as float16 after
+        being multiplied by this scale (so small gradients do not underflow), and are
+        divided by it again after the reduction. None sends buckets as they are.
 
     Returns:
       The reduced tensors, same structure as `per_member`.
@@ -407,7 +411,13 @@ def fused_all_reduce(
         for device, tensors in zip(group.local_devices, per_member):
             with tf.device(device):
                 flats.append(tf.concat([tf.reshape(tensors[i], [-1]) for i in bucket], axis=0))
+        dtype = flats[0].dtype
+        compress = wire_fp16_scale is not None and dtype == tf.float32
+        if compress:
+            flats = [_to_fp16_wire(flat, wire_fp16_scale) for flat in flats]
         reduced = group.all_reduce(flats, reduction, chain=bucket_index % num_chains)
+        if compress:
+            reduced = [_from_fp16_wire(flat, wire_fp16_scale, dtype) for flat in reduced]
         for member, (device, flat) in enumerate(zip(group.local_devices, reduced)):
             template = per_member[member]
             with tf.device(device):
@@ -417,5 +427,198 @@ def fused_all_reduce(
     return results
 
 
+def all_gather_slices(
+    group: CollectiveGroup, per_member: Sequence[tf.IndexedSlices], reduction: str
+) -> list[tf.IndexedSlices]:
+    """Reduces sparse (IndexedSlices) gradients by gathering every member's rows.
+
+    The result holds every member's (index, row) pairs; repeated indices are summed by
+    whoever applies it (Keras optimizers do), so it equals the dense all-reduce without
+    moving a dense [vocabulary, dim] tensor. "mean" divides the rows by the group size.
+    """
+    if reduction not in ("mean", "sum"):
+        raise ValueError(f"reduction must be 'mean' or 'sum'. Received: {reduction!r}")
+    if group.size == 1:
+        return list(per_member)
+    row_shape = per_member[0].values.shape[1:]
+    flat_values = []
+    for device, g in zip(group.local_devices, per_member):
+        with tf.device(device):
+            flat_values.append(tf.reshape(g.values, [-1]))
+    values = group.all_gather(flat_values)
+    indices = group.all_gather([g.indices for g in per_member])
+    results = []
+    for device, v, i, g in zip(group.local_devices, values, indices, per_member):
+        with tf.device(device):
+            rows = tf.reshape(v, [-1, *row_shape])
+            if reduction == "mean":
+                rows = rows / tf.cast(group.size, rows.dtype)
+            results.append(tf.IndexedSlices(rows, i, g.dense_shape))
+    return results
+
+
+def _to_fp16_wire(flat, scale: float):
+    with tf.device(flat.device):
+        return tf.cast(flat * scale, tf.float16)
+
+
+def _from_fp16_wire(flat, scale: float, dtype):
+    with tf.device(flat.device):
+        return tf.cast(flat, dtype) * (1.0 / scale)
+
+
 def _num_elements(tensor) -> int:
     return int(tensor.shape.num_elements())
+
+
+# ---- collectives issued lane by lane (split layers) ------------------------------------
+#
+# Data-parallel reductions above see every local member at once. A split layer instead
+# runs inside one lane's forward: each lane's ops are traced separately, so the members
+# of one collective are created at different points of the program. They still meet
+# because every lane of a group issues the same sequence of collectives: the t-th one
+# of each lane uses instance key `first_key + t`.
+
+_KEYS_PER_LANE_GROUP = 1 << 16
+
+
+def reserve_instance_keys(count: int) -> int:
+    """Reserves `count` consecutive instance keys; returns the first (same on every worker
+    when called at the same point of the program build)."""
+    global _instance_counter
+    first = next(_instance_counter)
+    _instance_counter = itertools.count(first + count)
+    return first
+
+
+class LaneCollectives:
+    """One lane's side of the collectives among a fixed group of lanes.
+
+    Args:
+      group: the member devices (each lane's device, one per lane); `local_devices` is
+        this lane's device alone.
+      first_key: the instance key of this lane's first collective (shared by the group).
+      limit: how many collectives the group may issue from `first_key`.
+      chain: the ordering-token chain to use.
+
+    `gather_rows` and `all_to_all` are differentiable (an all-gather's adjoint is a
+    reduce-scatter, an all-to-all's is the all-to-all back); `reduce` is not (it is used
+    on statistics whose gradient the caller defines).
+    """
+
+    def __init__(self, group: CollectiveGroup, first_key: int, limit: int = _KEYS_PER_LANE_GROUP):
+        if len(group.local_devices) != 1:
+            raise ValueError(
+                f"LaneCollectives needs exactly one local member. Received: {group.local_devices}"
+            )
+        self.group = group
+        self.device = group.local_devices[0]
+        self.rank = group.rank_of(self.device)
+        self._first_key, self._limit, self._issued = first_key, limit, 0
+
+    @property
+    def size(self) -> int:
+        return self.group.size
+
+    def _next_key(self) -> int:
+        if self._issued >= self._limit:
+            raise RuntimeError(
+                f"A lane issued more than {self._limit} split collectives in one program."
+            )
+        self._issued += 1
+        return self._first_key + self._issued - 1
+
+    def _common(self) -> dict:
+        return dict(
+            group_size=self.size,
+            group_key=self.group.key,
+            instance_key=self._next_key(),
+            ordering_token=[ordering_token(self.device, 0)],
+            communication_hint="auto",
+            timeout_seconds=0.0,
+        )
+
+    def _gather(self, x):
+        wire = tf.bitcast(x, tf.float16) if x.dtype == tf.bfloat16 else x
+        out = tf.raw_ops.CollectiveGatherV2(input=wire, **self._common())
+        out = tf.bitcast(out, tf.bfloat16) if x.dtype == tf.bfloat16 else out
+        if x.shape[0] is not None:
+            out = tf.ensure_shape(out, [x.shape[0] * self.size, *x.shape[1:]])
+        return out
+
+    def _exchange(self, x):
+        wire = tf.bitcast(x, tf.float16) if x.dtype == tf.bfloat16 else x
+        # The op exchanges element r of axis 0 with member r: one flat row per member.
+        rows = tf.reshape(wire, [self.size, -1])
+        out = tf.raw_ops.CollectiveAllToAllV2(input=rows, **self._common())
+        out = tf.reshape(out, tf.shape(wire))
+        out = tf.bitcast(out, tf.bfloat16) if x.dtype == tf.bfloat16 else out
+        return tf.ensure_shape(out, x.shape)
+
+    def gather_rows(self, x):
+        """Every member's `x` stacked on axis 0 in rank order (same shape on every member).
+
+        Gradient: the upstream rows of this member, summed over the members
+        (a reduce-scatter), which is exactly the all-gather's adjoint.
+        """
+        if self.size == 1:
+            return x
+        if not x.dtype.is_floating:
+            with tf.device(self.device):
+                return self._gather(x)
+
+        @tf.custom_gradient
+        def gather(value):
+            with tf.device(self.device):
+                out = self._gather(value)
+
+            def grad(upstream):
+                with tf.device(self.device):
+                    received = self._exchange(upstream)  # chunk m: member m's upstream rows
+                    chunks = tf.reshape(received, [self.size, -1, *upstream.shape[1:]])
+                    return tf.reduce_sum(chunks, axis=0)
+
+            return out, grad
+
+        return gather(x)
+
+    def all_to_all(self, x):
+        """Chunk r of axis 0 goes to the member of rank r; received chunks are stacked by
+        the sender's rank. Its own adjoint."""
+        if self.size == 1:
+            return x
+        if x.shape[0] is not None and x.shape[0] % self.size:
+            raise ValueError(
+                f"all_to_all needs axis 0 divisible by the group size. Received: shape "
+                f"{x.shape}, group_size={self.size}"
+            )
+        if not x.dtype.is_floating:
+            with tf.device(self.device):
+                return self._exchange(x)
+
+        @tf.custom_gradient
+        def exchange(value):
+            with tf.device(self.device):
+                out = self._exchange(value)
+
+            def grad(upstream):
+                with tf.device(self.device):
+                    return self._exchange(upstream)
+
+            return out, grad
+
+        return exchange(x)
+
+    def reduce(self, x, op: str = "sum"):
+        """Element-wise "sum" or "max" over the members (no gradient)."""
+        if op not in ("sum", "max"):
+            raise ValueError(f"op must be 'sum' or 'max'. Received: {op!r}")
+        if self.size == 1:
+            return x
+        with tf.device(self.device):
+            return tf.raw_ops.CollectiveReduceV2(
+                input=tf.stop_gradient(x),
+                merge_op="Add" if op == "sum" else "Max",
+                final_op="Id",
+                **self._common(),
+            )

@@ -39,8 +39,9 @@ class MicroBatch:
     labels: object
     runs: dict = dataclasses.field(default_factory=dict)  # stage -> _StageRun
     upstream: dict = dataclasses.field(default_factory=dict)  # key -> gradient of the loss
-    loss: tf.Tensor | None = None
+    loss: tf.Tensor | None = None  # reported: the loss plus every stage's auxiliary losses
     y_pred: object = None
+    earlier_aux: list = dataclasses.field(default_factory=list)  # aux losses of earlier stages
 
 
 class LaneExecutor:
@@ -139,8 +140,13 @@ class LaneExecutor:
                         staged.pack_outputs([table[key] for key in staged.output_keys])
                     )
                     loss = self.loss_fn(mb.labels, mb.y_pred)
-                    mb.loss = loss if objective is None else loss + objective
-                    objective = mb.loss
+                    objective = loss if objective is None else loss + objective
+                    # Earlier stages trained on their own auxiliary losses; the reported
+                    # loss includes them too (tf.stop_gradient: not differentiated twice).
+                    reported = [tf.stop_gradient(a) for a in mb.earlier_aux]
+                    mb.loss = tf.add_n([objective, *reported]) if reported else objective
+                elif objective is not None:
+                    mb.earlier_aux.append(objective)
                 if objective is not None:
                     objective = tf.cast(objective, tf.float32) * (1.0 / self.num_micro_batch)
                     if self.hooks.loss_scale is not None:  # AMP: scaled so fp16 grads survive
@@ -172,12 +178,32 @@ class LaneExecutor:
                 output_gradients=output_gradients,
                 unconnected_gradients=tf.UnconnectedGradients.ZERO,
             )
-            computed = [tf.convert_to_tensor(g) for g in computed]
+            keep_slices = getattr(self.hooks, "sparse_gradients", False)
+            computed = [
+                g if keep_slices and position < len(run.variables) and _is_slices(g)
+                else tf.convert_to_tensor(g)
+                for position, g in enumerate(computed)
+            ]
             for i, g in zip(self.trainable_idx[k], computed[: len(run.variables)]):
-                grads[i] = g if grads[i] is None else grads[i] + g
+                grads[i] = g if grads[i] is None else accumulate(grads[i], g)
             for (key, _), g in zip(float_inputs, computed[len(run.variables) :]):
                 mb.upstream[key] = g if key not in mb.upstream else mb.upstream[key] + g
         return computed
+
+
+def _is_slices(gradient) -> bool:
+    return isinstance(gradient, tf.IndexedSlices)
+
+
+def accumulate(total, gradient):
+    """Sum of two gradients; two IndexedSlices stay slices (their rows concatenated)."""
+    if _is_slices(total) and _is_slices(gradient):
+        return tf.IndexedSlices(
+            tf.concat([total.values, gradient.values], axis=0),
+            tf.concat([total.indices, gradient.indices], axis=0),
+            total.dense_shape,
+        )
+    return tf.convert_to_tensor(total) + tf.convert_to_tensor(gradient)
 
 
 def stateless_stage_call(model):

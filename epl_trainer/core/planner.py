@@ -105,21 +105,33 @@ def resolve_taskgraphs(
     taskgraphs = list(taskgraphs)
     if not taskgraphs:
         raise PlanError("A plan needs at least one TaskGraph. Received: taskgraphs=[]")
+    fields = [_spec_fields(spec, index) for index, spec in enumerate(taskgraphs)]
+    # Colocated with a split TaskGraph, replicate(None) spans the same devices (EPL's
+    # recipe: replicate(n) features and split(n) classifier on the same n devices).
+    # Likewise split(None) spans the replicated TaskGraphs' devices when they give a
+    # count, and the whole job otherwise.
+    split_counts = [count for kind, count, _ in fields if kind == "split"]
+    replicate_counts = [c for kind, c, _ in fields if kind == "replicate" and c is not None]
+    colocated_width = None
+    if colocate_split_and_replicate and split_counts:
+        given = [c for c in split_counts if c is not None] or [
+            c for c in replicate_counts if c > 1
+        ]
+        colocated_width = max(given, default=total_devices)
     resolved = []
-    for index, spec in enumerate(taskgraphs):
-        kind, device_count, name = _spec_fields(spec, index)
+    for index, (kind, device_count, name) in enumerate(fields):
         name = name if name is not None else f"taskgraph_{index}"
         if device_count is None and kind == "replicate":
-            device_count = 1
+            device_count = colocated_width or 1
         elif device_count is None:
-            if not colocate_split_and_replicate:
+            if colocated_width is None:
                 raise PlanError(
                     f"split TaskGraph {name!r} has no device_count. Give it one "
                     f"(split(device_count=N)), or set "
                     f"cluster.colocate_split_and_replicate=True so it spans all "
                     f"{total_devices} devices of the job."
                 )
-            device_count = total_devices
+            device_count = colocated_width
         resolved.append(TaskGraph(index=index, name=name, kind=kind, device_count=device_count))
     names = [tg.name for tg in resolved]
     duplicates = sorted({n for n in names if names.count(n) > 1})

@@ -23,6 +23,7 @@ by flags tested inside the step.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from collections.abc import Sequence
 
@@ -32,8 +33,9 @@ from keras import tree
 
 from epl_trainer.core import comm
 from epl_trainer.core.partition import StagedModel
-from epl_trainer.core.pipeline import LaneExecutor, stateless_stage_call, training_kwargs
+from epl_trainer.core.pipeline import LaneExecutor, stateless_stage_call
 from epl_trainer.core.schedule import execution_order, make_schedule
+from epl_trainer.core.split import update_split_accuracy
 from epl_trainer.core.state import EngineState, Lane
 
 
@@ -47,6 +49,10 @@ class ProgramOptions:
     num_communicators: int
     clip_after_allreduce: bool = False
     pipeline_strategy: str = "PreferBackward"
+    fp16_scale: float | None = None  # communication.fp16: gradients cross as float16
+    # communication.sparse_as_dense=False: embedding gradients (IndexedSlices) are
+    # all-gathered as slices instead of being made dense and all-reduced.
+    sparse_gradients: bool = False
 
 
 class Program:
@@ -76,6 +82,9 @@ class Program:
         self.update = None
         # Replaced by passes (recompute, AMP) before the first step; see pipeline.py.
         self.stage_calls = [stateless_stage_call(stage.model) for stage in staged.stages]
+        self.eval_stage_calls = list(self.stage_calls)  # forward only: never recomputed
+        # Tensor split (split.py): the SplitRuntime, set by the builder's split pass.
+        self.split = None
         self.loss_scale = None
         self.recomputed = {}  # stage -> RecomputedStage (gradient checkpointing pass)
         self.output_cast = _identity  # AMP: float32 outputs/aux losses for losses and metrics
@@ -98,10 +107,14 @@ class Program:
             for k in range(self.num_stages)
         ]
         self.trainable_idx = [state.stage_indices(k) for k in range(self.num_stages)]
+        # Sharded variables (split layers) are reduced over their shard group instead.
+        self.reduced_idx = [
+            [i for i in idx if i not in state.sharded] for idx in self.trainable_idx
+        ]
         self.non_trainable_idx = [
             state.stage_indices(k, trainable=False) for k in range(self.num_stages)
         ]
-        self._buckets = [self._plan_buckets(k) for k in range(self.num_stages)]
+        self.sparse_gradients = options.sparse_gradients  # read by the lanes' backward
         self.schedule = make_schedule(
             options.pipeline_strategy, self.num_stages, options.num_micro_batch
         )
@@ -126,8 +139,9 @@ class Program:
         self.eval_step = tf.function(self._eval_step, reduce_retracing=True)
         self.predict_step = tf.function(self._predict_step, reduce_retracing=True)
 
-    def _plan_buckets(self, stage: int) -> list[list[int]]:
-        variables = [self.state.model_trainable[i] for i in self.trainable_idx[stage]]
+    def _plan_buckets(self, indices: Sequence[int]) -> list[list[int]]:
+        """Buckets (positions into `indices`) of at most max_splits per dtype."""
+        variables = [self.state.model_trainable[i] for i in indices]
         sizes = [int(v.value.shape.num_elements()) * v.value.dtype.size for v in variables]
         return comm.plan_buckets(sizes, [v.dtype for v in variables], self.options.max_splits)
 
@@ -144,16 +158,18 @@ class Program:
             feature_parts = split_batch(features, num_lanes * num_micro)
             label_parts = split_batch(labels, num_lanes * num_micro)
         lane_grads, lane_non_trainable = [], []
+        self._begin_trace()
         for li, executor in enumerate(self.executors):
             parts = slice(li * num_micro, (li + 1) * num_micro)
-            grads, non_trainable, micro_batches = executor.run(
-                feature_parts[parts],
-                label_parts[parts],
-                [v.value for v in self.state.non_trainable[li]],
-                task_scope=f"lane{li}",
-            )
-            for mb in micro_batches:
-                self._update_metrics(mb.labels, mb.y_pred, mb.loss)
+            with self.lane_scope(li):
+                grads, non_trainable, micro_batches = executor.run(
+                    feature_parts[parts],
+                    label_parts[parts],
+                    [v.value for v in self.state.non_trainable[li]],
+                    task_scope=f"lane{li}",
+                )
+                for mb in micro_batches:
+                    self._update_metrics(mb.labels, mb.y_pred, mb.loss)
             lane_grads.append(grads)
             lane_non_trainable.append(non_trainable)
         self.update(lane_grads)
@@ -195,40 +211,103 @@ class Program:
             logs.update({name: value() for name, value in self.extra_logs.items()})
             return logs
 
+    def lane_scope(self, li: int):
+        """Makes lane li current for split layers (a no-op without them)."""
+        return self.split.lane(li) if self.split is not None else contextlib.nullcontext()
+
+    def _begin_trace(self) -> None:
+        if self.split is not None:
+            self.split.begin_trace()
+
     def all_reduce_gradients(self, lane_grads: list[list]) -> list[list]:
         """All-reduces each stage's gradients over every lane of the job."""
         reduced = [list(grads) for grads in lane_grads]
+        if self.split is not None:
+            self._reduce_sharded(lane_grads, reduced)
         for k, group in enumerate(self.stage_groups):
-            idx = self.trainable_idx[k]
+            idx = [i for i in self.reduced_idx[k] if not _is_slices(lane_grads[0][i])]
+            for i in self.reduced_idx[k]:
+                if _is_slices(lane_grads[0][i]):
+                    gathered = comm.all_gather_slices(
+                        group,
+                        [grads[i] for grads in lane_grads],
+                        self.options.gradients_reduce_method,
+                    )
+                    for li, g in enumerate(gathered):
+                        reduced[li][i] = g
             per_member = [[grads[i] for i in idx] for grads in lane_grads]
             results = comm.fused_all_reduce(
                 group,
                 per_member,
-                self._buckets[k],
+                self._plan_buckets(idx),
                 self.options.gradients_reduce_method,
                 num_chains=self.options.num_communicators,
+                wire_fp16_scale=self.options.fp16_scale,
             )
             for li, stage_grads in enumerate(results):
                 for i, g in zip(idx, stage_grads):
                     reduced[li][i] = g
         return reduced
 
+    def _reduce_sharded(self, lane_grads: list[list], reduced: list[list]) -> None:
+        """Sharded gradients: summed over the lanes holding the same shard (one per
+        replica), divided by the job's lane count for "mean" (see split.py)."""
+        sharded = sorted(self.state.sharded)
+        scale = 1.0 / self.stage_groups[0].size
+        for rank in range(self.split.width):
+            members = [li for li in range(len(self.lanes)) if self.split.shard_rank(li) == rank]
+            job_devices = tuple(
+                d for d in self.stage_groups[0].devices
+                if self.stage_groups[0].devices.index(d) % self.split.width == rank
+            )
+            group = comm.CollectiveGroup(
+                job_devices, tuple(self.lanes[li].devices[0] for li in members)
+            )
+            per_member = [[lane_grads[li][i] for i in sharded] for li in members]
+            buckets = comm.plan_buckets(
+                [_num_bytes(g) for g in per_member[0]],
+                [g.dtype for g in per_member[0]],
+                self.options.max_splits,
+            )
+            results = comm.fused_all_reduce(
+                group, per_member, buckets, "sum", wire_fp16_scale=self.options.fp16_scale
+            )
+            for li, grads in zip(members, results):
+                for i, g in zip(sharded, grads):
+                    with tf.device(self.lanes[li].devices[0]):
+                        mean = self.options.gradients_reduce_method == "mean"
+                        reduced[li][i] = g * tf.cast(scale, g.dtype) if mean else g
+
     def clip(self, li: int, grads: list) -> list:
-        """Global-norm clipping over all stages of a lane (the optimizer's global_clipnorm)."""
+        """Global-norm clipping over all stages of a lane (the optimizer's global_clipnorm).
+
+        With split layers the norm adds every shard's squares (a sum over the replica's
+        lanes), so it is the norm of the whole model's gradient.
+        """
         lane = self.lanes[li]
         squares = []
         for k in range(self.num_stages):
             with tf.device(lane.devices[k]):
-                stage_grads = [grads[i] for i in self.trainable_idx[k]]
+                stage_grads = [grads[i] for i in self.reduced_idx[k]]
                 if stage_grads:
-                    squares.append(tf.add_n([tf.reduce_sum(tf.square(g)) for g in stage_grads]))
+                    squares.append(tf.add_n([_sum_of_squares(g) for g in stage_grads]))
+        if self.split is not None and self.state.sharded:
+            with self.lane_scope(li), tf.device(lane.devices[0]):
+                shard_squares = tf.add_n(
+                    [tf.reduce_sum(tf.square(grads[i])) for i in sorted(self.state.sharded)]
+                )
+                squares.append(self.split.active.reduce(shard_squares, "sum"))
         with tf.device(lane.devices[0]):
             norm = tf.sqrt(tf.add_n(squares))
             factor = self.clip_global_norm / tf.maximum(norm, self.clip_global_norm)
         clipped = []
         for i, g in enumerate(grads):
             with tf.device(lane.devices[self.state.trainable_stage[i]]):
-                clipped.append(g * tf.cast(factor, g.dtype))
+                if _is_slices(g):
+                    values = g.values * tf.cast(factor, g.values.dtype)
+                    clipped.append(tf.IndexedSlices(values, g.indices, g.dense_shape))
+                else:
+                    clipped.append(g * tf.cast(factor, g.dtype))
         return clipped
 
     def _store_non_trainable(self, lane_values: list[list]) -> None:
@@ -252,14 +331,26 @@ class Program:
 
     def _update_metrics(self, labels, y_pred, loss) -> None:
         with tf.device(self.host):
-            batch = tf.shape(tree.flatten(labels)[0])[0]
+            first = tree.flatten(labels)[0]
+            # A static batch size is a constant: tie it to the data, so a step whose input
+            # ran out does not count its samples.
+            with tf.control_dependencies([first]):
+                batch = tf.identity(tf.shape(first)[0])
             self.loss_tracker.update_state(loss, sample_weight=batch)
             self._update_output_metrics(labels, y_pred, None)
 
     def _update_output_metrics(self, labels, y_pred, sample_weight) -> None:
         flat_true, flat_pred = tree.flatten(labels), tree.flatten(y_pred)
+        split_outputs = self.split.dense_outputs() if self.split is not None else {}
         for index, metric in self.metrics:
-            metric.update_state(flat_true[index], flat_pred[index], sample_weight=sample_weight)
+            if index in split_outputs:
+                update_split_accuracy(
+                    metric, flat_true[index], flat_pred[index], self.split.active, sample_weight
+                )
+            else:
+                metric.update_state(
+                    flat_true[index], flat_pred[index], sample_weight=sample_weight
+                )
 
     # ---- evaluation and prediction ---------------------------------------------------------
 
@@ -274,12 +365,8 @@ class Program:
                 non_trainable = [
                     self.state.non_trainable[li][i].value for i in self.non_trainable_idx[k]
                 ]
-                outputs, _, aux = stage.model.stateless_call(
-                    variables,
-                    non_trainable,
-                    staged.stage_arguments(stage, values),
-                    **training_kwargs(stage.model, False),
-                    return_losses=True,
+                outputs, _, aux = self.eval_stage_calls[k](
+                    variables, non_trainable, staged.stage_arguments(stage, values), False
                 )
                 values.update(staged.stage_results(stage, outputs))
                 aux_total.extend(tf.identity(a) for a in aux)
@@ -291,21 +378,23 @@ class Program:
         with tf.device(self.host):
             features, labels, mask = pad_batch((features, labels), num_lanes)
             parts = split_batch((features, labels, mask), num_lanes)
+        self._begin_trace()
         for li, (f, y, w) in enumerate(parts):
-            y_pred, aux = self._forward(li, f)
-            with tf.device(self.lanes[li].devices[-1]):
-                count = tf.reduce_sum(w)
-                # Keras reduces by the (padded) part size; undo that to average valid rows.
-                loss = (
-                    self.loss_fn(y, y_pred, sample_weight=w)
-                    * tf.cast(tf.shape(w)[0], w.dtype)
-                    / tf.maximum(count, 1.0)
-                )
-                if aux:
-                    loss = loss + tf.add_n(aux)
-            with tf.device(self.host):
-                self.loss_tracker.update_state(loss, sample_weight=count)
-                self._update_output_metrics(y, y_pred, w)
+            with self.lane_scope(li):
+                y_pred, aux = self._forward(li, f)
+                with tf.device(self.lanes[li].devices[-1]):
+                    count = tf.reduce_sum(w)
+                    # Keras reduces by the (padded) part size; undo that to average valid rows.
+                    loss = (
+                        self.loss_fn(y, y_pred, sample_weight=w)
+                        * tf.cast(tf.shape(w)[0], w.dtype)
+                        / tf.maximum(count, 1.0)
+                    )
+                    if aux:
+                        loss = loss + tf.add_n(aux)
+                with tf.device(self.host):
+                    self.loss_tracker.update_state(loss, sample_weight=count)
+                    self._update_output_metrics(y, y_pred, w)
 
     def _predict_step(self, features):
         num_lanes = len(self.lanes)
@@ -313,10 +402,39 @@ class Program:
             batch = tf.shape(tree.flatten(features)[0])[0]
             features, _ = pad_batch((features,), num_lanes)[:2]
             parts = split_batch(features, num_lanes)
-        outputs = [self._forward(li, f)[0] for li, f in enumerate(parts)]
+        self._begin_trace()
+        outputs = []
+        for li, f in enumerate(parts):
+            with self.lane_scope(li):
+                outputs.append(self._forward(li, f)[0])
         with tf.device(self.host):
+            if self.split is not None:
+                return self._join_split_predictions(outputs, batch)
             joined = tree.map_structure(lambda *xs: tf.concat(xs, axis=0), *outputs)
             return tree.map_structure(lambda x: x[:batch], joined)
+
+    def _join_split_predictions(self, outputs: list, batch):
+        """Rows of every lane, in lane order; a split output's class slices are joined
+        per replica (each lane holds its classes for all of the replica's rows)."""
+        width = self.split.width
+        split_outputs = self.split.dense_outputs()
+        flat = [tree.flatten(o) for o in outputs]
+        joined = []
+        for index in range(len(flat[0])):
+            pieces = [f[index] for f in flat]
+            if index in split_outputs:
+                layer = split_outputs[index]
+                replicas = [
+                    tf.concat(pieces[r : r + width], axis=1)
+                    for r in range(0, len(pieces), width)
+                ]
+                value = tf.concat(replicas, axis=0)
+                if layer.softmax:
+                    value = tf.nn.softmax(value)
+            else:
+                value = tf.concat(pieces, axis=0)
+            joined.append(value[:batch])
+        return tree.pack_sequence_as(outputs[0], joined)
 
 
 BATCH_SIZE_KEY = "_batch_size"
@@ -325,6 +443,21 @@ BATCH_SPLIT_ERROR = "The per-worker batch must split evenly into local replicas 
 
 def _identity(x):
     return x
+
+
+def _is_slices(gradient) -> bool:
+    return isinstance(gradient, tf.IndexedSlices)
+
+
+def _sum_of_squares(gradient):
+    """Squared norm of a gradient. Slices count row by row (repeated indices are not
+    summed first), as Keras's `global_norm` does, so clipping matches `Model.fit`."""
+    values = gradient.values if _is_slices(gradient) else gradient
+    return tf.reduce_sum(tf.square(values))
+
+
+def _num_bytes(tensor) -> int:
+    return int(tensor.shape.num_elements()) * tensor.dtype.size
 
 
 def split_element(element):

@@ -16,7 +16,7 @@ Non-trainable state rule (documented in the README):
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import keras
 import numpy as np
@@ -48,9 +48,13 @@ def lanes_for_worker(plan: Plan, worker: int) -> list[Lane]:
             "All TaskGraphs of a replica must use the same device_count for now. Received: "
             + ", ".join(f"{tg.name}={tg.device_count}" for tg in plan.taskgraphs)
         )
-    if any(tg.kind != "replicate" for tg in plan.taskgraphs):
-        split = [tg.name for tg in plan.taskgraphs if tg.kind != "replicate"]
-        raise StateError(f"split TaskGraphs {split} are not supported by the engine yet.")
+    split = [tg.name for tg in plan.taskgraphs if tg.kind == "split"]
+    if split and not plan.colocate_split_and_replicate:
+        raise StateError(
+            f"split TaskGraphs {split} need cluster.colocate_split_and_replicate=True (the "
+            "split layers then share the devices of the replicated ones, EPL's documented "
+            "recipe); split on separate devices is not supported."
+        )
     width = counts.pop()
     lanes = []
     for replica in range(plan.num_replicas):
@@ -82,10 +86,21 @@ class EngineState:
       trainable_stage[i], non_trainable_stage[i]: the stage that owns variable i.
     """
 
-    def __init__(self, staged: StagedModel, lanes: Sequence[Lane], host_device: str | None = None):
+    def __init__(
+        self,
+        staged: StagedModel,
+        lanes: Sequence[Lane],
+        host_device: str | None = None,
+        sharded: Mapping[int, object] | None = None,
+    ):
         model = staged.model
         self.lanes = list(lanes)
         self.host_device = host_device
+        # Split layers (split.py): trainable index -> ShardedVariable. Lane l holds slice
+        # `lane.index % num_shards` (its rank in the replica).
+        self.sharded = dict(sharded or {})
+        if self.sharded and host_device is not None:
+            raise StateError("Split layers cannot be combined with offload (offload.level).")
         self.model_trainable = list(model.trainable_variables)
         self.model_non_trainable = list(model.non_trainable_variables)
         self.trainable_stage = _stage_of_variables(staged, self.model_trainable)
@@ -125,8 +140,10 @@ class EngineState:
 
     def _copy(self, lane: Lane, variables, stages) -> list[keras.Variable]:
         copies = []
-        for variable, stage in zip(variables, stages):
+        for position, (variable, stage) in enumerate(zip(variables, stages)):
             value = variable.value
+            if variable.trainable and position in self.sharded:
+                value = self._shard_of(position, value, lane)
             if is_seed_state(variable):
                 value = np.asarray(value) + np.array([0, 0], value.dtype.as_numpy_dtype)
                 value[0] += lane.index * _SEED_STRIDE
@@ -153,23 +170,44 @@ class EngineState:
             if v.dtype.startswith("float") or v.dtype.startswith("bfloat")
         ]
 
+    def _shard_of(self, index: int, value, lane: Lane):
+        spec = self.sharded[index]
+        return spec.slice(value, lane.index % spec.num_shards)
+
+    def full_value(self, index: int):
+        """Trainable variable `index` as the model sees it: sharded ones are joined from
+        the lanes of this worker's first replica."""
+        if index not in self.sharded:
+            return self.trainable[0][index].value
+        spec = self.sharded[index]
+        shards = [self.trainable[r][index].value for r in range(spec.num_shards)]
+        with tf.device(self.model_trainable[index].value.device):
+            return tf.concat(shards, axis=spec.axis)
+
     def write_back(self) -> None:
-        """Copies lane 0's values into the user's Keras model (eagerly)."""
-        for target, source in zip(self.model_trainable, self.trainable[0]):
-            target.assign(source.value)
+        """Copies lane 0's values (sharded ones joined) into the user's Keras model."""
+        for i, target in enumerate(self.model_trainable):
+            target.assign(self.full_value(i))
         for target, source in zip(self.model_non_trainable, self.non_trainable[0]):
             if not is_seed_state(target):
                 target.assign(source.value)
 
     def load_from_model(self) -> None:
         """Copies the Keras model's current values into every lane (e.g. after set_weights)."""
-        for lane_vars in self.trainable:
-            for target, source in zip(lane_vars, self.model_trainable):
-                target.assign(source.value)
+        for lane, lane_vars in zip(self.lanes, self.trainable):
+            for i, (target, source) in enumerate(zip(lane_vars, self.model_trainable)):
+                value = source.value
+                target.assign(self._shard_of(i, value, lane) if i in self.sharded else value)
         for lane_vars in self.non_trainable:
             for target, source in zip(lane_vars, self.model_non_trainable):
                 if not is_seed_state(source):
                     target.assign(source.value)
+
+    def load_sharded_from_model(self) -> None:
+        """Slices the Keras model's values of sharded variables into every lane."""
+        for lane, lane_vars in zip(self.lanes, self.trainable):
+            for i in self.sharded:
+                lane_vars[i].assign(self._shard_of(i, self.model_trainable[i].value, lane))
 
     def resident_bytes(self) -> dict[str, int]:
         """Bytes of variables per device, from the engine's own state (shared copies once)."""

@@ -111,19 +111,30 @@ class ReplicatedUpdate:
         variables = self.optimizers[li][stage][0].variables if self.optimizers[li][stage] else []
         return variables[0].value.device if variables else self.program.lanes[li].devices[stage]
 
+    @property
+    def _distinct_lanes(self) -> int:
+        """Lanes whose optimizer state differs: one, or one per shard rank with split
+        layers (each lane of a replica updates its own shard)."""
+        sharded = self.program.state.sharded
+        return next(iter(sharded.values())).num_shards if sharded else 1
+
     def checkpoint_variables(self) -> dict:
-        """{positional name: variable}: lane 0's optimizer state (every lane holds the same)."""
+        """{positional name: variable}: lane 0's optimizer state (every lane holds the
+        same), or the first replica's lanes' with split layers."""
         named = {}
-        for k, stage_optimizers in enumerate(self.optimizers[0]):
-            for g, optimizer in enumerate(stage_optimizers):
-                for j, v in enumerate(optimizer.variables):
-                    named[f"optimizer/stage_{k}/group_{g}/{j}"] = v
+        for lane in range(self._distinct_lanes):
+            prefix = "optimizer" if lane == 0 else f"optimizer/lane_{lane}"
+            for k, stage_optimizers in enumerate(self.optimizers[lane]):
+                for g, optimizer in enumerate(stage_optimizers):
+                    for j, v in enumerate(optimizer.variables):
+                        named[f"{prefix}/stage_{k}/group_{g}/{j}"] = v
         return named
 
     def after_restore(self) -> None:
-        """Copies lane 0's restored optimizer state to the other lanes."""
-        for lane in self.optimizers[1:]:
-            for stage, stage0 in zip(lane, self.optimizers[0]):
+        """Copies the restored optimizer state to the lanes that hold the same."""
+        distinct = self._distinct_lanes
+        for li, lane in enumerate(self.optimizers):
+            for stage, stage0 in zip(lane, self.optimizers[li % distinct]):
                 for optimizer, optimizer0 in zip(stage, stage0):
                     for dst, src in zip(optimizer.variables, optimizer0.variables):
                         if dst is not src:
@@ -132,10 +143,10 @@ class ReplicatedUpdate:
     def gradient_bytes(self) -> dict[str, int]:
         """Bytes of reduced gradients per compute device (every lane holds its full stage)."""
         program, usage = self.program, {}
-        for lane in program.lanes:
-            for k, device in enumerate(lane.devices):
+        for li, lane in enumerate(program.lanes):
+            for k, device in enumerate(lane.devices[: program.num_stages]):
                 count = sum(
-                    variable_bytes(program.state.model_trainable[i])
+                    variable_bytes(program.state.trainable[li][i])
                     for i in program.trainable_idx[k]
                 )
                 usage[device] = usage.get(device, 0) + count

@@ -1,0 +1,511 @@
+"""Tensor split (`epl.split`): layers whose weights are sharded over the lanes of a replica.
+
+With `cluster.colocate_split_and_replicate=True` a model replica of width n has n lanes,
+one per device. Layers annotated `replicate` run data parallel on each lane's rows, as
+everywhere else. Layers annotated `split` are replaced, while the lane's forward is
+traced, by distributed implementations that read only the lane's shard:
+
+* **Dense classifier** (a Dense that produces a model output): the kernel and bias are
+  sharded by output column. Each lane all-gathers the features of the replica's rows
+  (`LaneCollectives.gather_rows`), computes its slice of the logits for every row, and
+  the (sparse) softmax cross-entropy is computed shard-wise: the row maximum and the sum
+  of exponentials are reduced across the lanes, so no device ever holds the full logits
+  (`sharded_cross_entropy`). Predictions for accuracy metrics come from a distributed
+  argmax (`sharded_argmax`).
+* **Mixture of experts** (`epl_trainer.layers.MoE`): experts are sharded, routing stays
+  local, and tokens travel to their expert's lane and back by all-to-all (`moe_call`).
+
+Every other layer inside a split scope runs replicated on the lane's own rows.
+
+Gradient scaling, so every gradient is still divided by the number of lanes in the job
+(the data-parallel mean): lane j's objective is the mean loss over its own rows, as in
+plain data parallelism, but the sharded cross-entropy gives each shard the gradient of
+*all* the replica's rows. Since every lane's upstream gradient is the same, the shard
+of lane j receives sum_m dO_m/dW_j = n * dL_replica/dW_j, and the features of lane j
+receive, through the all-gather's adjoint, their own rows' full gradient. Sharded
+variables are then summed over the lanes holding the same shard (one per replica) and
+divided by the job's lane count, like every replicated variable.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Sequence
+
+import keras
+import tensorflow as tf
+from keras import tree
+from keras.src.backend.common.stateless_scope import StatelessScope
+
+from epl_trainer.core import comm
+
+
+class SplitError(ValueError):
+    """A split annotation the engine cannot execute."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardedVariable:
+    """A trainable variable held as `num_shards` slices along `axis`, one per rank."""
+
+    index: int  # position in model.trainable_variables
+    axis: int
+    num_shards: int
+
+    def slice(self, value, rank: int):
+        size = value.shape[self.axis] // self.num_shards
+        begin = [0] * len(value.shape)
+        begin[self.axis] = rank * size
+        shape = list(value.shape)
+        shape[self.axis] = size
+        return tf.slice(value, begin, shape)
+
+
+@dataclasses.dataclass(frozen=True)
+class SplitLayer:
+    """One layer replaced by its distributed implementation."""
+
+    layer: keras.layers.Layer
+    kind: str  # "dense" (sharded classifier) or "moe"
+    variables: tuple[ShardedVariable, ...]
+    output_index: int | None = None  # dense: which flat model output it produces
+    softmax: bool = False  # dense: the layer applies softmax (fused into the loss)
+
+
+def is_moe(layer) -> bool:
+    return callable(getattr(layer, "route", None)) and callable(getattr(layer, "expert_ffn", None))
+
+
+def find_split_layers(model, annotation, taskgraphs, width: int) -> list[SplitLayer]:
+    """The layers of split TaskGraphs that get a sharded implementation, validated."""
+    split_tgs = {tg.index for tg in taskgraphs if tg.kind == "split"}
+    layers: dict[int, keras.layers.Layer] = {}
+    for node, tg in annotation.node_taskgraph.items():
+        if tg in split_tgs and isinstance(node.operation, keras.layers.Layer):
+            layers.setdefault(id(node.operation), node.operation)
+    index_of = {id(v): i for i, v in enumerate(model.trainable_variables)}
+    found = []
+    for layer in layers.values():
+        if is_moe(layer):
+            found.append(_moe_layer(layer, index_of, width))
+        elif isinstance(layer, keras.layers.Dense):
+            found.append(_dense_layer(model, layer, index_of, width))
+    if not found:
+        names = sorted(layer.name for layer in layers.values())
+        raise SplitError(
+            "The split TaskGraph holds no layer the engine can shard (a Dense classifier "
+            f"producing a model output, or an epl_trainer.layers.MoE). Its layers: {names}"
+        )
+    return found
+
+
+def _dense_layer(model, layer, index_of, width) -> SplitLayer:
+    if len(layer._inbound_nodes) != 1:
+        raise SplitError(f"split Dense {layer.name!r} is called more than once; call it once.")
+    output = layer._inbound_nodes[0].output_tensors[0]
+    outputs = tree.flatten(model.outputs)
+    position = next((i for i, t in enumerate(outputs) if t is output), None)
+    if position is None:
+        raise SplitError(
+            f"split Dense {layer.name!r} must produce a model output (its logits are sharded "
+            "by class and only the loss and accuracy metrics read them); put the layers "
+            "after it outside the split scope or make its output the model's output."
+        )
+    activation = keras.activations.serialize(layer.activation)
+    name = activation if isinstance(activation, str) else activation.get("config", {})
+    if name not in ("linear", "softmax"):
+        raise SplitError(
+            f"split Dense {layer.name!r} must have a linear or softmax activation (the "
+            f"softmax is fused into the sharded cross-entropy). Received: {activation!r}"
+        )
+    if len(layer.kernel.shape) != 2:
+        raise SplitError(f"split Dense {layer.name!r} needs 2-D inputs (batch, features).")
+    units = layer.kernel.shape[1]
+    if units % width:
+        raise SplitError(
+            f"split Dense {layer.name!r} has units={units}, which the {width} devices of a "
+            "replica cannot share evenly (units % devices must be 0)."
+        )
+    variables = [ShardedVariable(index_of[id(layer.kernel)], 1, width)]
+    if layer.use_bias:
+        variables.append(ShardedVariable(index_of[id(layer.bias)], 0, width))
+    return SplitLayer(layer, "dense", tuple(variables), position, name == "softmax")
+
+
+def _moe_layer(layer, index_of, width) -> SplitLayer:
+    if layer.num_experts % width:
+        raise SplitError(
+            f"split MoE {layer.name!r} has num_experts={layer.num_experts}, which the "
+            f"{width} devices of a replica cannot share evenly (num_experts % devices must "
+            "be 0)."
+        )
+    variables = tuple(
+        ShardedVariable(index_of[id(v)], 0, width) for v in _expert_weights(layer)
+    )
+    return SplitLayer(layer, "moe", variables)
+
+
+def _expert_weights(layer) -> list:
+    """The MoE's stacked expert weights (leading expert axis), in `expert_ffn` order."""
+    return [layer.w_in, layer.b_in, layer.w_out, layer.b_out]
+
+
+class SplitRuntime:
+    """The split layers of a program and each local lane's collectives.
+
+    `lane(li)` makes lane li current while its forward, backward, loss and metrics are
+    traced; `begin_trace()` gives every lane fresh instance keys for a new trace.
+    """
+
+    def __init__(self, split_layers: Sequence[SplitLayer], lanes, lanes_in_job, width: int):
+        self.layers = list(split_layers)
+        self.width = width
+        self.sharded = {sv.index: sv for s in self.layers for sv in s.variables}
+        self.lanes = list(lanes)
+        by_index = {lane.index: lane for lane in lanes_in_job}
+        self._groups = []
+        for lane in self.lanes:
+            first = lane.index - lane.index % width
+            members = tuple(by_index[first + j].devices[0] for j in range(width))
+            self._groups.append(comm.CollectiveGroup(members, (lane.devices[0],)))
+        self.ranks = [g.rank_of(g.local_devices[0]) for g in self._groups]
+        for lane, rank in zip(self.lanes, self.ranks):
+            if rank != lane.index % width:
+                raise SplitError(
+                    f"Lane {lane.index} on {lane.devices[0]} has collective rank {rank}, not "
+                    f"its position {lane.index % width} in the replica; split needs devices "
+                    "whose collective order follows their index."
+                )
+        self.comms: list[comm.LaneCollectives] = []
+        self._active: int | None = None
+        self.begin_trace()
+
+    @property
+    def num_replicas_in_job(self) -> int:
+        return max(1, len({g.key for g in self._groups}))
+
+    def begin_trace(self) -> None:
+        """Fresh instance keys (a block per replica group) for the next traced function."""
+        keys = comm._KEYS_PER_LANE_GROUP
+        first = comm.reserve_instance_keys(keys * 64)
+        self.comms = [
+            comm.LaneCollectives(g, first + (lane.index // self.width) % 64 * keys, keys)
+            for g, lane in zip(self._groups, self.lanes)
+        ]
+
+    @contextlib.contextmanager
+    def lane(self, li: int):
+        previous, self._active = self._active, li
+        try:
+            yield
+        finally:
+            self._active = previous
+
+    @property
+    def active(self) -> comm.LaneCollectives:
+        if self._active is None:
+            raise RuntimeError("A split layer ran outside a lane (internal error).")
+        return self.comms[self._active]
+
+    def shard_rank(self, li: int) -> int:
+        return self.ranks[li]
+
+    def dense_outputs(self) -> dict[int, SplitLayer]:
+        return dense_outputs(self.layers)
+
+
+def dense_outputs(split_layers: Sequence[SplitLayer]) -> dict[int, SplitLayer]:
+    """{flat model output index: the split Dense producing it}."""
+    return {s.output_index: s for s in split_layers if s.kind == "dense"}
+
+
+def split_stage_call(model, runtime: SplitRuntime, training_kwargs):
+    """A stage call (see pipeline.py) that runs split layers on the lane's shards.
+
+    Keras's `stateless_call` insists on a full-shape value for every variable; sharded
+    variables are left out of the mapping here and read only by the replacement calls.
+    """
+    trainable = list(model.trainable_variables)
+    non_trainable = list(model.non_trainable_variables)
+
+    def call(variables, non_trainable_values, args, training):
+        sharded_values = {}
+        mapping = []
+        for i, (variable, value) in enumerate(zip(trainable, variables)):
+            if i in runtime.sharded:
+                sharded_values[i] = value
+            else:
+                mapping.append((variable, value))
+        mapping += list(zip(non_trainable, non_trainable_values))
+        lane_comm = runtime.active
+        with StatelessScope(state_mapping=mapping, collect_losses=True) as scope:
+            with _replaced_calls(runtime, sharded_values, lane_comm, training):
+                outputs = model.call(args, **training_kwargs(model, training))
+            losses = list(model.losses)
+        new_non_trainable = [scope.get_current_value(v) for v in non_trainable]
+        return outputs, new_non_trainable, losses
+
+    return call
+
+
+@contextlib.contextmanager
+def _replaced_calls(runtime, sharded_values, lane_comm, training):
+    replaced = []
+    try:
+        for split in runtime.layers:
+            shards = [sharded_values[sv.index] for sv in split.variables]
+            if split.kind == "dense":
+                fn = _dense_call(shards, lane_comm)
+            else:
+                fn = _moe_call(split.layer, shards, lane_comm)
+            object.__setattr__(split.layer, "call", fn)
+            replaced.append(split.layer)
+        yield
+    finally:
+        for layer in replaced:
+            object.__delattr__(layer, "call")
+
+
+def _dense_call(shards, lane_comm):
+    kernel = shards[0]
+    bias = shards[1] if len(shards) > 1 else None
+
+    def call(inputs, training=None):
+        rows = lane_comm.gather_rows(inputs)
+        logits = tf.matmul(rows, tf.cast(kernel, rows.dtype))
+        if bias is not None:
+            logits = logits + tf.cast(bias, logits.dtype)
+        return logits  # softmax, if any, is fused into the sharded cross-entropy
+
+    return call
+
+
+def _moe_call(layer, shards, lane_comm):
+    """The MoE layer's `call` with this lane's E/n experts: routing stays local, and the
+    dispatched tokens go to their expert's lane and come back by all-to-all."""
+
+    def call(inputs, training=None):
+        training = bool(training)
+        n, experts = lane_comm.size, layer.num_experts
+        local = experts // n
+        d = inputs.shape[-1]
+        tokens = tf.reshape(inputs, [layer.num_groups, -1, d])
+        routing = layer.route(tokens, training)
+        dispatched = layer.dispatch_tokens(tokens, routing.dispatch)  # [E, G*C, d]
+        # Block r of the expert axis (experts of rank r) goes to rank r; what arrives is
+        # [sender, local expert, slot, d] -> [local expert, sender-major slots, d].
+        arrived = tf.reshape(lane_comm.all_to_all(dispatched), [n, local, -1, d])
+        mine = tf.reshape(tf.transpose(arrived, [1, 0, 2, 3]), [local, -1, d])
+        weights = [tf.cast(w, tokens.dtype) for w in shards]
+        done = tf.reshape(layer.expert_ffn(mine, *weights), [local, n, -1, d])
+        # Back to the senders: block m holds sender m's tokens; it returns them in
+        # expert order ([E, G*C, d]), as `combine_outputs` expects.
+        back = tf.reshape(tf.transpose(done, [1, 0, 2, 3]), [experts, -1, d])
+        outputs = layer.combine_outputs(lane_comm.all_to_all(back), routing.combine)
+        layer.add_loss(layer.aux_loss_coef * routing.aux_loss)
+        return tf.reshape(outputs, tf.shape(inputs))
+
+    return call
+
+
+# ---- the sharded loss and metrics --------------------------------------------------------
+
+
+def sharded_cross_entropy(logits, labels, lane_comm, sparse: bool, sample_weight=None):
+    """Softmax cross-entropy over class-sharded logits; the mean over this lane's rows.
+
+    Args:
+      logits: [B, c]: this lane's class slice (classes [rank*c, (rank+1)*c)) of every
+        row of the replica (rows in rank order, B = n * b).
+      labels: sparse [B] class ids, or dense [B, c] (this lane's class slice).
+      lane_comm: the lane's `LaneCollectives`.
+      sample_weight: optional [B] weights (rows in the same order).
+
+    Returns:
+      sum over this lane's b rows of weight * loss, divided by b (Keras's
+      "sum_over_batch_size"). Its gradient covers every row (see the module doc).
+    """
+    n, rank = lane_comm.size, lane_comm.rank
+    logits = tf.cast(logits, tf.float32)
+    classes = logits.shape[1]
+    rows = tf.shape(logits)[0]
+    own = rows // n
+    weights = tf.ones([rows]) if sample_weight is None else tf.cast(sample_weight, tf.float32)
+    if sparse:
+        local = tf.cast(tf.reshape(labels, [-1]), tf.int32) - rank * classes
+        inside = tf.logical_and(local >= 0, local < classes)
+        onehot = (
+            tf.one_hot(tf.where(inside, local, 0), classes) * tf.cast(inside, tf.float32)[:, None]
+        )
+    else:
+        onehot = tf.cast(labels, tf.float32)
+
+    @tf.custom_gradient
+    def cross_entropy(x):
+        row_max = lane_comm.reduce(tf.reduce_max(x, axis=1), "max")
+        exp = tf.exp(x - row_max[:, None])
+        local = tf.stack(
+            [
+                tf.reduce_sum(exp, axis=1),
+                tf.reduce_sum(onehot * x, axis=1),
+                tf.reduce_sum(onehot, axis=1),
+            ],
+            axis=1,
+        )
+        total = lane_comm.reduce(local, "sum")
+        sum_exp, target, label_mass = total[:, 0], total[:, 1], total[:, 2]
+        per_row = label_mass * (row_max + tf.math.log(sum_exp)) - target
+        mine = tf.range(rows) // own == rank
+        value = tf.reduce_sum(tf.where(mine, per_row * weights, 0.0)) / tf.cast(own, tf.float32)
+
+        def grad(upstream):
+            probs = exp / sum_exp[:, None]
+            scale = upstream * weights / tf.cast(own, tf.float32)
+            return (probs * label_mass[:, None] - onehot) * scale[:, None]
+
+        return value, grad
+
+    return cross_entropy(logits)
+
+
+def sharded_argmax(logits, lane_comm):
+    """The predicted class of each of this lane's own rows, from class-sharded logits.
+
+    Each lane sends the row maximum and argmax of its slice to the lane owning the row
+    (an all-to-all); ties go to the lowest class, as `argmax` of the full logits does.
+    """
+    n, rank = lane_comm.size, lane_comm.rank
+    logits = tf.stop_gradient(tf.cast(logits, tf.float32))
+    classes = logits.shape[1]
+    best = tf.reduce_max(logits, axis=1)
+    arg = tf.cast(tf.argmax(logits, axis=1), tf.int64) + rank * classes
+    best = tf.reshape(lane_comm.all_to_all(best), [n, -1])  # [shard, own rows]
+    arg = tf.reshape(lane_comm.all_to_all(arg), [n, -1])
+    winner = tf.argmax(best, axis=0, output_type=tf.int32)
+    return tf.gather(tf.transpose(arg), winner, batch_dims=1)
+
+
+def gather_dense_labels(labels, lane_comm):
+    """One-hot labels [b, C] of this lane's rows -> [B, c]: every row, this lane's classes."""
+    n = lane_comm.size
+    b, classes = tf.shape(labels)[0], labels.shape[1]
+    blocks = tf.transpose(tf.reshape(labels, [b, n, classes // n]), [1, 0, 2])
+    return tf.reshape(lane_comm.all_to_all(blocks), [-1, classes // n])
+
+
+_SPARSE_CE = "sparse_categorical_crossentropy"
+_DENSE_CE = "categorical_crossentropy"
+
+
+def _cross_entropy_kind(loss) -> tuple[str, dict] | None:
+    """("sparse" | "dense", config) for a Keras softmax cross-entropy, else None."""
+    fn = getattr(loss, "fn", None)
+    name = getattr(fn, "__name__", "")
+    config = dict(getattr(loss, "_fn_kwargs", {}) or {})
+    if isinstance(loss, keras.losses.SparseCategoricalCrossentropy) or name == _SPARSE_CE:
+        return "sparse", config
+    if isinstance(loss, keras.losses.CategoricalCrossentropy) or name == _DENSE_CE:
+        return "dense", config
+    return None
+
+
+def sparse_outputs(losses, split_layers: Sequence[SplitLayer]) -> dict[int, bool]:
+    """{split output index: sparse labels?}, checking each split output's loss."""
+    found = {}
+    for index, split in dense_outputs(split_layers).items():
+        loss = losses[index]
+        kind = _cross_entropy_kind(loss)
+        if kind is None:
+            raise SplitError(
+                f"The output of split Dense {split.layer.name!r} needs a (sparse) "
+                "categorical cross-entropy loss, computed shard-wise. Received: "
+                f"{type(loss).__name__} {getattr(loss, 'name', '')!r}"
+            )
+        sparse, config = kind
+        from_logits = bool(config.get("from_logits", False))
+        if from_logits == split.softmax:
+            raise SplitError(
+                f"split Dense {split.layer.name!r} has "
+                f"activation={'softmax' if split.softmax else 'linear'} but its loss has "
+                f"from_logits={from_logits}; use softmax with from_logits=False or a linear "
+                "activation with from_logits=True."
+            )
+        unsupported = {
+            k: v
+            for k, v in config.items()
+            if k in ("label_smoothing", "ignore_class", "axis") and v not in (0, 0.0, None, -1)
+        }
+        if unsupported or getattr(loss, "reduction", "sum_over_batch_size") not in (
+            "sum_over_batch_size",
+            None,
+        ):
+            raise SplitError(
+                f"The loss of split Dense {split.layer.name!r} must be a plain cross-entropy "
+                f"(mean over the batch). Received options: {unsupported or loss.reduction}"
+            )
+        found[index] = sparse == "sparse"
+    return found
+
+
+class SplitLoss:
+    """The trainer's loss with every split Dense output computed shard-wise.
+
+    Called inside a lane (see `SplitRuntime.lane`); other outputs use their Keras loss.
+    """
+
+    def __init__(self, compiled_loss, runtime: SplitRuntime, num_outputs: int):
+        self.runtime = runtime
+        self.losses = compiled_loss._losses_for(num_outputs)
+        self.sparse = sparse_outputs(self.losses, runtime.layers)
+
+    def __call__(self, y_true, y_pred, sample_weight=None):
+        flat_true, flat_pred = tree.flatten(y_true), tree.flatten(y_pred)
+        lane_comm = self.runtime.active
+        total = None
+        for index, (loss, t, p) in enumerate(zip(self.losses, flat_true, flat_pred)):
+            if index in self.sparse:
+                with tf.device(lane_comm.device):
+                    labels = (
+                        lane_comm.gather_rows(tf.reshape(t, [-1]))
+                        if self.sparse[index]
+                        else gather_dense_labels(t, lane_comm)
+                    )
+                    weights = (
+                        None
+                        if sample_weight is None
+                        else lane_comm.gather_rows(tf.cast(sample_weight, tf.float32))
+                    )
+                    value = sharded_cross_entropy(p, labels, lane_comm, self.sparse[index], weights)
+            else:
+                value = loss(t, p, sample_weight=sample_weight)
+            total = value if total is None else total + value
+        return total
+
+
+_ACCURACY = (keras.metrics.SparseCategoricalAccuracy, keras.metrics.CategoricalAccuracy)
+
+
+def check_split_metrics(metrics, split_layers: Sequence[SplitLayer]) -> None:
+    """Only accuracy can be computed from sharded logits (by a distributed argmax)."""
+    outputs = dense_outputs(split_layers)
+    for index, metric in metrics:
+        if index in outputs and not isinstance(metric, _ACCURACY):
+            raise SplitError(
+                f"Metric {metric.name!r} reads the sharded logits of split Dense "
+                f"{outputs[index].layer.name!r}; only SparseCategoricalAccuracy and "
+                'CategoricalAccuracy ("accuracy") are computed on split outputs.'
+            )
+
+
+def update_split_accuracy(metric, labels, logits, lane_comm, sample_weight=None) -> None:
+    """Updates an accuracy metric from this lane's rows, predicted by `sharded_argmax`."""
+    with tf.device(lane_comm.device):
+        predicted = sharded_argmax(logits, lane_comm)
+        if isinstance(metric, keras.metrics.CategoricalAccuracy):
+            truth = tf.argmax(labels, axis=-1)
+        else:
+            truth = tf.cast(tf.reshape(labels, [-1]), tf.int64)
+        matches = tf.cast(tf.equal(truth, predicted), tf.float32)
+    # Skip the wrapper's own function (it would need the full logits) and feed the mean.
+    keras.metrics.Mean.update_state(metric, matches, sample_weight=sample_weight)

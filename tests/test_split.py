@@ -1,0 +1,291 @@
+"""Tensor split of large classifiers (EPL's replicate(n) features + split(n) head).
+
+Tolerance: weights after 3 SGD steps agree with single-device Keras to atol 1e-5 (the
+only differences are float summation orders across lanes and shards).
+"""
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+from _models import LOSS, keras_reference, max_weight_difference
+
+import epl_trainer as epl
+from epl_trainer.core.split import SplitError
+
+ATOL = 1e-5
+COLOCATE = {"cluster.colocate_split_and_replicate": True}
+
+
+def head_model(classes=8, seed=1, activation=None):
+    keras.utils.set_random_seed(seed)
+    x = keras.Input((6,), name="x")
+    h = keras.layers.Dense(16, activation="relu", name="features")(x)
+    out = keras.layers.Dense(classes, activation=activation, name="head")(h)
+    return keras.Model(x, out)
+
+
+def resnet_like(classes, seed=1):
+    """Conv features with residual blocks (no BatchNorm: per-lane batch statistics would
+    differ from one device) and a large classifier."""
+    keras.utils.set_random_seed(seed)
+    image = keras.Input((8, 8, 3), name="image")
+    h = keras.layers.Conv2D(8, 3, padding="same", activation="relu", name="stem")(image)
+    for i in range(2):
+        r = keras.layers.Conv2D(8, 3, padding="same", activation="relu", name=f"block{i}_a")(h)
+        r = keras.layers.Conv2D(8, 3, padding="same", name=f"block{i}_b")(r)
+        h = keras.layers.Activation("relu", name=f"block{i}_out")(
+            keras.layers.Add(name=f"block{i}_add")([h, r])
+        )
+    h = keras.layers.GlobalAveragePooling2D(name="pool")(h)
+    out = keras.layers.Dense(classes, name="classifier")(h)
+    return keras.Model(image, out)
+
+
+def data(n=64, classes=8, seed=0):
+    rng = np.random.default_rng(seed)
+    return rng.normal(size=(n, 6)).astype("float32"), rng.integers(0, classes, n).astype("int32")
+
+
+def image_data(n, classes, seed=0):
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(n, 8, 8, 3)).astype("float32")
+    return x, rng.integers(0, classes, n).astype("int32")
+
+
+def split_trainer(model, devices, loss=LOSS, optimizer=None, metrics=None, **config):
+    config = {"cluster.virtual_devices": devices, **COLOCATE, **config}
+    return epl.EPLTrainer(
+        model,
+        loss,
+        optimizer or keras.optimizers.SGD(0.1),
+        metrics=metrics,
+        split=[_head_name(model)],
+        config=config,
+    )
+
+
+def _head_name(model):
+    return model.layers[-1].name
+
+
+@pytest.mark.parametrize("devices", [2, 4, 8])
+def test_split_head_matches_single_device_keras(devices):
+    """On 8 devices with replicate(4)-width replicas there are two replicas: sharded
+    gradients are also reduced across replicas."""
+    x, y = data()
+    reference = head_model()
+    keras_reference(reference, x, y, keras.optimizers.SGD(0.1), batch_size=16, steps=3)
+    model = head_model()
+    config = {"cluster.virtual_devices": devices}
+    if devices == 8:  # two replicas of width 4
+        trainer = epl.EPLTrainer(
+            model,
+            LOSS,
+            keras.optimizers.SGD(0.1),
+            strategy=epl.Strategy(default=epl.replicate(4), split=["head"]),
+            config={**config, **COLOCATE},
+        )
+    else:
+        trainer = split_trainer(model, devices)
+    history = trainer.fit(x, y, batch_size=16, epochs=1, steps_per_epoch=3, verbose=0)
+    assert max_weight_difference(reference, model) < ATOL
+    assert np.isfinite(history.history["loss"][0])
+    kinds = [tg.kind for tg in trainer.plan.taskgraphs]
+    assert kinds == ["replicate", "split"]
+    assert trainer.plan.num_replicas == (2 if devices == 8 else 1)
+
+
+def test_each_lane_holds_one_column_shard():
+    model = head_model(classes=8)
+    trainer = split_trainer(model, 4)
+    x, y = data()
+    trainer.fit(x, y, batch_size=16, epochs=1, steps_per_epoch=1, verbose=0)
+    state = trainer._state
+    kernel_index = next(
+        i for i, v in enumerate(state.model_trainable) if v is model.layers[-1].kernel
+    )
+    shards = [state.trainable[li][kernel_index] for li in range(4)]
+    assert [tuple(s.shape) for s in shards] == [(16, 2)] * 4
+    assert [s.value.device.rsplit(":", 1)[-1] for s in shards] == ["0", "1", "2", "3"]
+    joined = np.concatenate([np.asarray(s.value) for s in shards], axis=1)
+    np.testing.assert_array_equal(joined, model.layers[-1].kernel.numpy())
+    report = trainer.memory_report(print_table=False)
+    full = 16 * 8 * 4
+    head_params_per_device = [report[d].parameters for d in sorted(report.devices)]
+    assert len(head_params_per_device) == 4
+    assert len(set(head_params_per_device)) == 1  # every lane holds the same bytes
+    features_bytes = (6 * 16 + 16) * 4
+    assert head_params_per_device[0] == features_bytes + (full + 8 * 4) // 4
+
+
+@pytest.mark.parametrize("classes", [1000, 100_000])
+def test_resnet_like_features_with_a_large_split_classifier(classes):
+    x, y = image_data(48, classes)
+    reference = resnet_like(classes)
+    keras_reference(reference, x, y, keras.optimizers.SGD(0.1), batch_size=16, steps=3)
+    reference_loss = float(LOSS(y[32:48], reference(x[32:48])))
+
+    model = resnet_like(classes)
+    trainer = split_trainer(model, 4)
+    trainer.fit(x, y, batch_size=16, epochs=1, steps_per_epoch=3, verbose=0)
+    assert max_weight_difference(reference, model) < ATOL
+    loss = trainer.evaluate(x[32:48], y[32:48], batch_size=16)["loss"]
+    assert loss == pytest.approx(reference_loss, abs=1e-5)
+
+    # No tensor of the full logits' size exists anywhere in the traced training step.
+    graph = trainer._program.train_on_iterator.get_concrete_function(
+        iter(tf.data.Dataset.from_tensor_slices((x, y)).batch(16))
+    ).graph
+    full_logits = 16 * classes
+    largest = 0
+    for op in _all_ops(graph):
+        for out in op.outputs:
+            if out.shape.is_fully_defined():
+                largest = max(largest, out.shape.num_elements())
+                assert out.shape.num_elements() < full_logits, (op.name, out.shape)
+    kernel_shard = 8 * classes // 4
+    assert largest >= kernel_shard  # the check saw the shards themselves
+
+
+def _all_ops(graph):
+    yield from graph.get_operations()
+    for function in graph._functions.values():
+        yield from _all_ops(function.graph) if hasattr(function, "graph") else ()
+
+
+def test_softmax_head_and_one_hot_labels_match_keras():
+    x, y = data()
+    onehot = np.eye(8, dtype="float32")[y]
+    loss = keras.losses.CategoricalCrossentropy()
+    reference = head_model(activation="softmax")
+    reference.compile(optimizer=keras.optimizers.SGD(0.1), loss=loss, metrics=["accuracy"])
+    reference.fit(x, onehot, batch_size=16, steps_per_epoch=3, shuffle=False, verbose=0)
+
+    model = head_model(activation="softmax")
+    trainer = split_trainer(model, 4, loss=loss, metrics=["accuracy"])
+    trainer.fit(x, onehot, batch_size=16, epochs=1, steps_per_epoch=3, verbose=0)
+    assert max_weight_difference(reference, model) < ATOL
+    expected = reference.evaluate(x, onehot, batch_size=16, verbose=0, return_dict=True)
+    got = trainer.evaluate(x, onehot, batch_size=16)
+    assert got["loss"] == pytest.approx(expected["loss"], abs=1e-5)
+    assert got["accuracy"] == pytest.approx(expected["accuracy"])
+    probabilities = trainer.predict(x[:10], batch_size=10)
+    np.testing.assert_allclose(probabilities, reference.predict(x[:10], verbose=0), atol=1e-6)
+
+
+def test_accuracy_from_the_distributed_argmax_matches_keras():
+    x, y = data(n=64)
+    reference = head_model()
+    reference.compile(loss=LOSS, metrics=["accuracy"])
+    expected = reference.evaluate(x, y, batch_size=16, verbose=0, return_dict=True)
+    trainer = split_trainer(head_model(), 4, metrics=["accuracy"])
+    got = trainer.evaluate(x, y, batch_size=16)
+    assert got["accuracy"] == pytest.approx(expected["accuracy"])
+    assert got["loss"] == pytest.approx(expected["loss"], abs=1e-5)
+    # Uneven final batch: padding rows get weight 0 on every lane.
+    got = trainer.evaluate(x[:50], y[:50], batch_size=16)
+    expected = reference.evaluate(x[:50], y[:50], batch_size=16, verbose=0, return_dict=True)
+    assert got["accuracy"] == pytest.approx(expected["accuracy"])
+    assert got["loss"] == pytest.approx(expected["loss"], abs=1e-5)
+
+
+def test_adam_and_clipping_after_allreduce_match_keras():
+    x, y = data()
+    reference = head_model()
+    optimizer = keras.optimizers.Adam(0.01, global_clipnorm=0.5)
+    keras_reference(reference, x, y, optimizer, batch_size=16, steps=3)
+    model = head_model()
+    trainer = split_trainer(
+        model,
+        4,
+        optimizer=keras.optimizers.Adam(0.01, global_clipnorm=0.5),
+        **{"communication.clip_after_allreduce": True},
+    )
+    trainer.fit(x, y, batch_size=16, epochs=1, steps_per_epoch=3, verbose=0)
+    assert max_weight_difference(reference, model) < ATOL
+
+
+def test_checkpoint_restores_every_shard_and_its_slots(tmp_path):
+    x, y = data()
+    model = head_model()
+    trainer = split_trainer(model, 4, optimizer=keras.optimizers.Adam(0.01))
+    trainer.fit(x, y, batch_size=16, epochs=1, steps_per_epoch=2, verbose=0)
+    trainer.save_checkpoint(str(tmp_path))
+    trainer.fit(x, y, batch_size=16, epochs=1, steps_per_epoch=2, verbose=0)
+    expected = [w.copy() for w in model.get_weights()]
+
+    fresh = head_model(seed=7)
+    restored = split_trainer(fresh, 4, optimizer=keras.optimizers.Adam(0.01))
+    restored.restore_checkpoint(str(tmp_path))
+    restored.fit(x, y, batch_size=16, epochs=1, steps_per_epoch=2, verbose=0)
+    for a, b in zip(expected, fresh.get_weights()):
+        np.testing.assert_array_equal(a, b)
+
+
+def _error(callable_, error=SplitError):
+    with pytest.raises(error) as info:
+        callable_()
+    return str(info.value)
+
+
+def test_units_that_do_not_split_evenly_are_refused():
+    message = _error(lambda: split_trainer(head_model(classes=6), 4))
+    assert "units=6" in message and "4 devices" in message
+
+
+def test_split_dense_that_is_not_a_model_output_is_refused():
+    keras.utils.set_random_seed(0)
+    x = keras.Input((6,))
+    h = keras.layers.Dense(8, name="wide")(x)
+    out = keras.layers.Dense(3, name="out")(h)
+    model = keras.Model(x, out)
+    trainer = lambda: epl.EPLTrainer(  # noqa: E731
+        model, LOSS, split=["wide"], config={"cluster.virtual_devices": 2, **COLOCATE}
+    )
+    assert "must produce a model output" in _error(trainer)
+
+
+def test_a_loss_that_is_not_cross_entropy_is_refused():
+    message = _error(lambda: split_trainer(head_model(), 2, loss="mse"))
+    assert "cross-entropy" in message and "head" in message
+
+
+def test_from_logits_must_match_the_activation():
+    message = _error(lambda: split_trainer(head_model(activation="softmax"), 2, loss=LOSS))
+    assert "from_logits=True" in message
+
+
+def test_split_without_colocation_is_refused():
+    model = head_model()
+    with pytest.raises(ValueError, match="colocate_split_and_replicate=True"):
+        epl.EPLTrainer(
+            model,
+            LOSS,
+            split=["head"],
+            config={"cluster.virtual_devices": 4},
+            strategy=epl.Strategy(default=epl.replicate(2)),
+        )
+
+
+def test_split_with_zero_is_refused():
+    x, y = data()
+    trainer = split_trainer(head_model(), 2, **{"zero.level": "v1"})
+    message = _error(lambda: trainer.fit(x, y, batch_size=16, steps_per_epoch=1, verbose=0))
+    assert "zero.level='v1'" in message
+
+
+def test_clipping_before_the_reduction_is_refused_with_a_hint():
+    x, y = data()
+    trainer = split_trainer(
+        head_model(), 2, optimizer=keras.optimizers.SGD(0.1, global_clipnorm=1.0)
+    )
+    message = _error(lambda: trainer.fit(x, y, batch_size=16, steps_per_epoch=1, verbose=0))
+    assert "clip_after_allreduce=True" in message
+
+
+def test_metrics_other_than_accuracy_on_a_split_output_are_refused():
+    message = _error(
+        lambda: split_trainer(head_model(), 2, metrics=["sparse_top_k_categorical_accuracy"])
+    )
+    assert "sparse_top_k_categorical_accuracy" in message
