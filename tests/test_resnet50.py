@@ -29,22 +29,12 @@ def _options(config, **overrides):
     return recipe.Options(**values)
 
 
-def _recipe_param(path):
-    marks = ()
-    if path.name == "resnet50_split.json":
-        # Only the engine's "not implemented yet" is expected; any other error fails.
-        marks = pytest.mark.xfail(
-            raises=NotImplementedError, strict=False, reason="split engine lands with #5"
-        )
-    return pytest.param(path, id=path.stem, marks=marks)
-
-
 def test_recipes_exist():
     assert {p.name for p in RECIPES} >= {"resnet50_dp.json", "resnet50_split.json"}
 
 
 @pytest.mark.slow  # a few steps, but compiling a ResNet train step takes 10-60 s on 2 cores
-@pytest.mark.parametrize("path", [_recipe_param(p) for p in RECIPES])
+@pytest.mark.parametrize("path", RECIPES, ids=lambda p: p.stem)
 def test_every_recipe_runs_two_steps(path, tmp_path):
     config = epl.Config.from_file(path)
     metrics = recipe.train(_options(config, num_classes=None, output_dir=str(tmp_path)))
@@ -57,7 +47,7 @@ def test_every_recipe_runs_two_steps(path, tmp_path):
 
 
 def test_split_recipe_plans_features_replicated_and_classifier_split():
-    """EPL's large-classifier layout, checked up to the plan (runs once split lands)."""
+    """EPL's large-classifier layout, as the planner places it."""
     config = epl.Config.from_file(CONFIGS / "resnet50_split.json")
     options = _options(config)
     assert recipe.wants_split(options)
@@ -229,9 +219,15 @@ def imagenet_files(tmp_path):
     return tmp_path
 
 
-def test_imagenet_reader_shifts_one_based_labels(imagenet_files):
-    files = data_lib.worker_files(str(imagenet_files / "train-*"))
+def test_worker_files_are_the_sorted_glob_on_one_worker(imagenet_files):
+    options = _options(epl.Config({"cluster.virtual_devices": 2}))
+    trainer = recipe.build_trainer(options, epl.init(options.config).cluster)
+    files = recipe.worker_files(str(imagenet_files / "train-*"), trainer)
     assert [Path(f).name for f in files] == ["train-00000-of-00002", "train-00001-of-00002"]
+
+
+def test_imagenet_reader_shifts_one_based_labels(imagenet_files):
+    files = sorted(str(f) for f in imagenet_files.glob("train-*"))
     dataset = data_lib.imagenet_dataset(
         files, image_size=24, num_classes=3, batch_size=4, training=False
     )
@@ -245,7 +241,7 @@ def test_imagenet_reader_shifts_one_based_labels(imagenet_files):
 
 def test_imagenet_reader_with_zero_based_labels_and_training_augmentation(imagenet_files):
     dataset = data_lib.imagenet_dataset(
-        data_lib.worker_files(str(imagenet_files / "train-*")),
+        sorted(str(f) for f in imagenet_files.glob("train-*")),
         image_size=16,
         num_classes=4,
         batch_size=4,

@@ -202,38 +202,3 @@ def imagenet_dataset(
     dataset = dataset.map(parse, num_parallel_calls=tf.data.AUTOTUNE)
     dataset = dataset.batch(batch_size, drop_remainder=training)
     return dataset.prefetch(tf.data.AUTOTUNE)
-
-
-# ----------------------------------------------------------------------- file sharding
-def worker_files(pattern: str) -> list[str]:
-    """This worker's share of the files matching `pattern`: the one call site for slicing.
-
-    Uses `epl_trainer.io.slice_files` (the `io.*` keys: files weighted by each worker's
-    replicas, `io.unbalanced_io_slicing`, `io.drop_last_files`).
-    """
-    try:
-        from epl_trainer.io import slice_files
-    except ImportError:
-        # FALLBACK, until epl_trainer.io (branch `iomoe`) is merged; delete it then.
-        slice_files = _shard_by_worker_index
-    return slice_files(pattern)
-
-
-def _shard_by_worker_index(pattern: str) -> list[str]:
-    """FALLBACK for `epl_trainer.io.slice_files`: worker w reads files w, w+N, w+2N, ...
-
-    Only shards by worker index (no replica weighting, no `io.*` keys). Refuses a job with
-    more workers than files, where some worker would get nothing and hang the others.
-    """
-    from epl_trainer.env import Env
-
-    files = sorted(tf.io.gfile.glob(pattern))
-    if not files:
-        raise ValueError(f"No file matches the pattern. Received: {pattern!r}")
-    cluster = Env.get().cluster
-    if len(files) < cluster.worker_num:
-        raise ValueError(
-            f"{len(files)} file(s) cannot be shared by {cluster.worker_num} workers. "
-            f"Received: {pattern!r}"
-        )
-    return files[cluster.worker_index :: cluster.worker_num]

@@ -24,6 +24,8 @@ from pathlib import Path
 import keras
 
 import epl_trainer as epl
+from epl_trainer.core.state import lanes_for_worker
+from epl_trainer.io import slice_files
 from model_zoo.resnet50 import data as data_lib
 from model_zoo.resnet50 import model as model_lib
 
@@ -121,21 +123,44 @@ def build_trainer(options: Options, cluster) -> epl.EPLTrainer:
     model = model_lib.build_model(
         num_classes, small=options.small, image_size=options.image_size, seed=options.seed
     )
+    split = wants_split(options)
     metrics = ["accuracy"]
-    if num_classes > 5:
+    # A split classifier's logits stay sharded; the engine computes accuracy from a
+    # distributed argmax, but has no distributed top-k.
+    if num_classes > 5 and not split:
         metrics.append(keras.metrics.SparseTopKCategoricalAccuracy(5, name="top5_accuracy"))
     return epl.EPLTrainer(
         model,
         loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
         optimizer=keras.optimizers.Adam(options.learning_rate),
         metrics=metrics,
-        strategy=parallel_strategy(wants_split(options), cluster.total_gpu_num),
+        strategy=parallel_strategy(split, cluster.total_gpu_num),
         config=options.config,
     )
 
 
-def datasets(options: Options, cluster, num_classes: int, image_size: int):
+def worker_files(pattern: str, trainer: epl.EPLTrainer) -> list[str]:
+    """This worker's share of the files matching `pattern` (`epl.io.slice_files`).
+
+    Shares are proportional to each worker's replicas in the trainer's plan, and
+    `io.unbalanced_io_slicing` / `io.drop_last_files` decide what happens to files that
+    do not divide evenly. The recipe always slices: `io.slicing` itself only concerns
+    `EPLTrainer.fit(files, parse_fn=...)`, and this pipeline shuffles and augments, which
+    that reader does not.
+    """
+    workers = range(trainer.cluster.worker_num)
+    return slice_files(
+        pattern,
+        worker_index=trainer.cluster.worker_index,
+        replicas_per_worker=[len(lanes_for_worker(trainer.plan, w)) for w in workers],
+        unbalanced_io_slicing=trainer.config.io.unbalanced_io_slicing,
+        drop_last_files=trainer.config.io.drop_last_files,
+    )
+
+
+def datasets(options: Options, trainer: epl.EPLTrainer, num_classes: int, image_size: int):
     """(training, validation) datasets of this worker's batches."""
+    cluster = trainer.cluster
     if options.train_files:
         common = dict(
             image_size=image_size,
@@ -145,12 +170,12 @@ def datasets(options: Options, cluster, num_classes: int, image_size: int):
             seed=options.seed + cluster.worker_index,
         )
         train = data_lib.imagenet_dataset(
-            data_lib.worker_files(options.train_files), training=True, **common
+            worker_files(options.train_files, trainer), training=True, **common
         )
         validation = None
         if options.validation_files:
             validation = data_lib.imagenet_dataset(
-                data_lib.worker_files(options.validation_files), training=False, **common
+                worker_files(options.validation_files, trainer), training=False, **common
             )
         return train, validation
     # Generated: distinct streams per worker and for validation, the same classes.
@@ -172,7 +197,7 @@ def train(options: Options) -> dict:
     image_size = trainer.model.input_shape[1]
     if options.verbose:
         print(trainer.plan.summary())
-    train_data, validation_data = datasets(options, cluster, num_classes, image_size)
+    train_data, validation_data = datasets(options, trainer, num_classes, image_size)
     initial = trainer.evaluate(validation_data) if validation_data is not None else None
     callbacks = []
     if options.output_dir and cluster.is_chief:
