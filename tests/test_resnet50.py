@@ -44,6 +44,10 @@ def test_every_recipe_runs_two_steps(path, tmp_path):
     assert written["config"] == config.to_dict()
     assert written["plan"]["devices_per_replica"] * written["plan"]["num_replicas"] == 2
     assert list((tmp_path / "logs").rglob("events.out.tfevents.*"))  # TensorBoard
+    kinds = [tg["kind"] for tg in written["plan"]["taskgraphs"]]
+    split = path.name == "resnet50_split.json"
+    assert kinds == (["replicate", "split"] if split else ["replicate"])
+    assert written["num_classes"] == (recipe.SPLIT_CLASSES if split else recipe.SMALL_CLASSES)
 
 
 def test_split_recipe_plans_features_replicated_and_classifier_split():
