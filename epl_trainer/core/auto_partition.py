@@ -14,9 +14,13 @@ Steps, in order:
    the first block (embeddings) join the first stage and nodes after the last (the head)
    the last stage. A cut never separates two calls of the same layer (a shared layer
    must live in one stage).
-4. Choose S-1 cuts among the candidates (`balanced_cuts`): an exact dynamic program
+4. Choose S-1 cuts among the candidates (`estimate.partition_stages`, the same cut
+   `epl-plan` makes for models it only knows by their sizes): an exact dynamic program
    minimising the largest stage cost, ties broken by the smallest largest stage
    parameter count, then by the earliest cuts.
+
+Steps 1-3 make the model's `estimate.ModelCost` (`model_cost`); `AutoPartition.estimate`
+hands it, with the cut, to the estimator for per-device memory and communication.
 
 Stage cost = forward FLOPs per sample. The backward pass costs ~2x the forward of the
 same layers, so it does not move the best cut; parameter counts only break ties.
@@ -35,7 +39,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from epl_trainer.core import estimate
 from epl_trainer.core.cost import NodeCost, format_bytes, nodes_cost, tensor_bytes
+from epl_trainer.core.estimate import balanced_cuts
 from epl_trainer.core.ir import StrategySpec, format_count
 from epl_trainer.core.partition import compute_nodes, tensor_key
 
@@ -49,6 +55,7 @@ __all__ = [
     "boundary_bytes",
     "cut_candidates",
     "find_repeated_blocks",
+    "model_cost",
     "node_signature",
 ]
 
@@ -56,7 +63,6 @@ CUT_AT = ("blocks", "nodes")
 # Repeated blocks are used as the cut grid only when they carry at least this share of
 # the model's FLOPs; otherwise a few accidental repeats would forbid good cuts.
 MIN_BLOCK_FLOPS_SHARE = 0.5
-_TIE_RTOL = 1e-9
 
 
 @dataclass(frozen=True)
@@ -122,6 +128,7 @@ class AutoPartition:
     cuts: tuple[int, ...]  # node index where stage 1, 2, ... S-1 starts
     candidates: CutCandidates
     boundary_bytes: tuple[int, ...]  # activation bytes per sample crossing each cut
+    model_cost: estimate.ModelCost | None = None  # what the cut was chosen on
 
     @property
     def num_stages(self) -> int:
@@ -175,6 +182,13 @@ class AutoPartition:
     def taskgraph_specs(self, kind: str = "replicate", device_count: int | None = 1):
         """One `StrategySpec` per stage, named `stage_<i>`, for the planner."""
         return tuple(StrategySpec(kind, device_count, f"stage_{i}") for i in range(self.num_stages))
+
+    def estimate(self, plan, options: estimate.TrainOptions) -> estimate.Estimate:
+        """Per-device memory and communication of these stages on `plan`
+        (`core/estimate.py`); `plan` has one TaskGraph per stage."""
+        if self.model_cost is None:
+            raise ValueError("This AutoPartition was built without a model_cost.")
+        return estimate.estimate(self.model_cost, plan, options, cuts=self.cuts)
 
     def describe(self) -> str:
         """A table of the stages with their nodes, blocks, FLOPs, parameters and the
@@ -256,9 +270,8 @@ def auto_partition(model, num_stages: int, cut_at: str = "blocks") -> AutoPartit
     candidates = cut_candidates(nodes, costs, crossing, cut_at=cut_at)
     if num_stages > candidates.max_stages:
         raise ValueError(_too_many_stages(model.name, num_stages, candidates))
-    cuts = balanced_cuts(
-        [c.flops for c in costs], [c.params for c in costs], candidates.positions, num_stages
-    )
+    cost = _model_cost(model, costs, crossing, candidates)
+    cuts = estimate.partition_stages(cost, num_stages)
     return AutoPartition(
         model_name=model.name,
         nodes=nodes,
@@ -266,6 +279,37 @@ def auto_partition(model, num_stages: int, cut_at: str = "blocks") -> AutoPartit
         cuts=cuts,
         candidates=candidates,
         boundary_bytes=tuple(int(crossing[i]) for i in cuts),
+        model_cost=cost,
+    )
+
+
+def model_cost(model, cut_at: str = "blocks") -> estimate.ModelCost:
+    """The estimator's view of a functional Keras model: node costs (`core/cost.py`),
+    stage cuts allowed by `cut_candidates` and the activation bytes crossing each.
+
+    Gradient checkpointing is estimated with segments between the same candidates
+    (one repeated block per segment), as `gradient_checkpoint.type="auto"` cuts
+    transformer-like models.
+    """
+    if cut_at not in CUT_AT:
+        raise ValueError(f"cut_at must be one of {CUT_AT}. Received: cut_at={cut_at!r}")
+    nodes = tuple(compute_nodes(model))
+    if not nodes:
+        raise ValueError(f"Model {model.name!r} has no layers to estimate.")
+    costs = tuple(nodes_cost(nodes))
+    crossing = boundary_bytes(nodes)
+    return _model_cost(model, costs, crossing, cut_candidates(nodes, costs, crossing, cut_at))
+
+
+def _model_cost(model, costs, crossing, candidates: CutCandidates) -> estimate.ModelCost:
+    inputs = list(getattr(model, "inputs", None) or [])
+    return estimate.ModelCost(
+        name=model.name,
+        nodes=tuple(costs),
+        cut_positions=candidates.positions,
+        crossing_bytes=tuple(int(c) for c in crossing),
+        input_bytes=sum(tensor_bytes(t) for t in inputs),
+        description=f"Keras model, {len(costs)} nodes; {candidates.describe()}",
     )
 
 
@@ -423,76 +467,3 @@ def boundary_bytes(nodes: Sequence) -> np.ndarray:
             delta[i + 1] += size
             delta[last_use[key] + 1] -= size
     return np.cumsum(delta)[: len(nodes) + 1]
-
-
-# ------------------------------------------------------------------ the cut itself
-def balanced_cuts(
-    costs: Sequence[float],
-    params: Sequence[float],
-    candidates: Sequence[int],
-    num_stages: int,
-) -> tuple[int, ...]:
-    """The `num_stages - 1` candidate positions that minimise the largest stage cost.
-
-    Exact dynamic program over the candidates (O(S * C^2), vectorised over one axis).
-    Among partitions with the optimal largest cost, the one with the smallest largest
-    stage parameter count wins; then the earliest cuts.
-
-    Args:
-      costs, params: per node, in node order.
-      candidates: node indices in (0, len(costs)) where a stage may start.
-      num_stages: S, with 1 <= S <= len(candidates) + 1.
-
-    Returns:
-      Ascending node indices where stages 1..S-1 start.
-    """
-    n = len(costs)
-    positions = sorted(set(candidates))
-    if positions and not 0 < positions[0] <= positions[-1] < n:
-        raise ValueError(f"candidates must lie in (0, {n}). Received: {positions}")
-    if not 1 <= num_stages <= len(positions) + 1:
-        raise ValueError(
-            f"num_stages must be in [1, {len(positions) + 1}] for {len(positions)} "
-            f"candidate cut(s). Received: num_stages={num_stages}"
-        )
-    bounds = np.array([0, *positions, n])
-    cost_prefix = np.concatenate(([0.0], np.cumsum(np.asarray(costs, dtype=np.float64))))[bounds]
-    param_prefix = np.concatenate(([0.0], np.cumsum(np.asarray(params, dtype=np.float64))))[bounds]
-    bottleneck, _ = _min_max_dp(cost_prefix, None, np.inf, num_stages)
-    limit = bottleneck * (1 + _TIE_RTOL) + _TIE_RTOL
-    _, chosen = _min_max_dp(param_prefix, cost_prefix, limit, num_stages)
-    return tuple(int(bounds[i]) for i in chosen[1:-1])
-
-
-def _min_max_dp(objective, constraint, limit: float, num_stages: int):
-    """Minimises the largest segment sum of `objective` (prefix sums at the candidate
-    bounds) over partitions into `num_stages` segments whose `constraint` segment sums
-    stay <= limit. Returns (value, bound indices including 0 and the last)."""
-    m = len(objective)
-    last = m - 1
-
-    def segment_ok(t):
-        if constraint is None:
-            return np.ones(t, dtype=bool)
-        return constraint[t] - constraint[:t] <= limit
-
-    best = np.full(m, np.inf)  # best[t]: bounds 0..t covered by the stages so far
-    best[1:] = objective[1:] - objective[0]
-    if constraint is not None:
-        best[1:] = np.where(constraint[1:] - constraint[0] <= limit, best[1:], np.inf)
-    choices = []
-    for _ in range(1, num_stages):
-        new = np.full(m, np.inf)
-        choice = np.zeros(m, dtype=np.int64)
-        for t in range(1, m):
-            options = np.maximum(best[:t], objective[t] - objective[:t])
-            options = np.where(segment_ok(t), options, np.inf)
-            i = int(np.argmin(options))
-            new[t], choice[t] = options[i], i
-        best = new
-        choices.append(choice)
-    chosen = [last]
-    for choice in reversed(choices):
-        chosen.append(int(choice[chosen[-1]]))
-    chosen.append(0)
-    return float(best[last]), chosen[::-1]

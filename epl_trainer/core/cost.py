@@ -18,6 +18,14 @@ Conventions:
   layers count on the outer layer.
 * `flops` are forward FLOPs, a multiply-add counted as 2. The backward pass costs about
   twice the forward of the same layer, so it does not change which cut balances best.
+* `activation_bytes` are the node's output bytes: what the next nodes keep for backward.
+  `internal_bytes` is what the layer keeps inside besides (TensorFlow's gradients of
+  Keras's layers): MultiHeadAttention its scaled query, key, value, attention
+  probabilities and context; LayerNormalization its normalising factor (float32, plus a
+  float32 copy of a 16-bit input); a GELU activation x/sqrt(2), 1+erf(.) and x/2
+  (Keras's exact form). `core/analytic.py` counts the same for its transformer layers.
+* `NodeCost` is defined in `core/estimate.py`, the TensorFlow-free estimator that turns
+  these rows (via `auto_partition.model_cost`) into per-device memory and traffic.
 
 Per-layer FLOPs (batch 1; `rows` = product of the non-batch dims except the last):
 
@@ -56,11 +64,11 @@ import math
 import string
 from collections import Counter
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import keras
 import numpy as np
 
+from epl_trainer.core.estimate import NodeCost
 from epl_trainer.core.ir import format_count
 from epl_trainer.core.partition import compute_nodes
 
@@ -114,27 +122,6 @@ DATA_MOVEMENT = frozenset(
     }
 )
 _ATTENTION_SOFTMAX_FLOPS = 5
-
-
-@dataclass(frozen=True)
-class NodeCost:
-    """The static cost of one compute node (one layer call), per sample.
-
-    Attributes:
-      name: layer name, with `[i]` for the i-th call of a shared layer.
-      params: weight elements of the layer (0 on its second and later calls).
-      flops: forward FLOPs with batch 1 (see the module doc for the formulas).
-      activation_bytes: bytes of the node's outputs with batch 1.
-      kind: the layer/op class name.
-      param_bytes: bytes of those weights.
-    """
-
-    name: str
-    params: int
-    flops: int
-    activation_bytes: int
-    kind: str = ""
-    param_bytes: int = 0
 
 
 def node_costs(model: keras.Model) -> list[NodeCost]:
@@ -236,6 +223,7 @@ def _node_cost(node, label: str, seen: set[int]) -> NodeCost:
         param_bytes += size * _dtype_bytes(weight.dtype)
     outputs = list(node.output_tensors)
     activation_bytes = sum(tensor_bytes(t) for t in outputs)
+    internal, float32 = _internal_bytes(node)
     return NodeCost(
         name=label,
         params=params,
@@ -243,7 +231,46 @@ def _node_cost(node, label: str, seen: set[int]) -> NodeCost:
         activation_bytes=activation_bytes,
         kind=type(operation).__name__,
         param_bytes=param_bytes,
+        internal_bytes=internal,
+        float32_bytes=float32,
     )
+
+
+_GELU_KEPT = 3  # x/sqrt(2), 1 + erf(.), x/2; the output is counted as the node's output
+
+
+def _internal_bytes(node) -> tuple[int, int]:
+    """(bytes a layer keeps for backward besides its outputs, the float32 part of them)."""
+    operation = node.operation
+    outputs = list(node.output_tensors)
+    if not outputs:
+        return 0, 0
+    out = outputs[0]
+    if isinstance(operation, keras.layers.MultiHeadAttention):
+        args, kwargs = node.arguments.args, node.arguments.kwargs
+        query = args[0] if args else kwargs["query"]
+        value = args[1] if len(args) > 1 else kwargs["value"]
+        key = args[2] if len(args) > 2 else kwargs.get("key")
+        key = value if key is None else key
+        heads, key_dim = operation.num_heads, operation.key_dim
+        value_dim = operation.value_dim or key_dim
+        q_len, k_len, v_len = _rows(query.shape), _rows(key.shape), _rows(value.shape)
+        elements = heads * (
+            q_len * key_dim
+            + k_len * key_dim
+            + v_len * value_dim
+            + q_len * k_len
+            + q_len * value_dim
+        )
+        return elements * _dtype_bytes(out.dtype), 0
+    if isinstance(operation, keras.layers.LayerNormalization):
+        elements = _elements(out.shape)
+        copies = 1 if _dtype_bytes(out.dtype) >= 4 else 2  # factor (+ float32 input copy)
+        return 4 * elements * copies, 4 * elements * copies
+    activation = getattr(operation, "activation", None)
+    if getattr(activation, "__name__", "") == "gelu":
+        return _GELU_KEPT * tensor_bytes(out), 0
+    return 0, 0
 
 
 def _flops(node) -> float:

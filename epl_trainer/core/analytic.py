@@ -1,0 +1,287 @@
+"""Models described by their sizes alone, as `estimate.ModelCost`s (no TensorFlow).
+
+`epl-plan` estimates models far larger than this machine can build, so their costs come
+from formulas rather than from a Keras graph (`core/cost.py` does that for models that
+exist). Every node is a whole block (embedding, one transformer layer, one ResNet
+bottleneck block, the head), and stages may start at any block boundary, as the
+automatic partition cuts between repeated blocks.
+
+Activations kept for backward per transformer layer and sample, in elements, counted
+from the tensors TensorFlow's gradients of Keras's layers keep (s = sequence length,
+h = hidden size, f = feed-forward size, a = heads):
+
+* 10 s*h: each LayerNormalization's input and normalising factor (2 x 2), the
+  attention input, the scaled query, key and value (4), the attention context (1) and
+  the feed-forward input (1);
+* a*s^2: the attention probabilities (softmax output);
+* 4 s*f with GELU (Keras's exact erf form keeps x/sqrt(2), 1+erf(.), x/2 and the
+  output), 1 s*f with ReLU (its output).
+
+Under AMP these are 16-bit except the LayerNormalizations' 4 s*h, which Keras computes
+in at least float32 (`NodeCost.float32_bytes`).
+
+Measured on this machine (peak memory of 2-, 4- and 8-layer Keras transformers with
+s=64, h=128, f=512, a=4 trained by EPLTrainer in fresh processes), each layer adds
+30.5 s*h per sample against 28 s*h from these counts; `tests/test_estimate.py` compares
+whole peaks.
+"""
+
+from __future__ import annotations
+
+import numbers
+
+from epl_trainer.core.estimate import ModelCost, NodeCost
+from epl_trainer.core.ir import format_count
+
+__all__ = ["BERT_SIZES", "HEADS", "bert", "params_only", "resnet50", "transformer"]
+
+# Published sizes (Devlin et al. 2018, table in section 3): layers, hidden, heads, ffn.
+BERT_SIZES = {
+    "tiny": (2, 128, 2, 512),
+    "small": (4, 512, 8, 2048),
+    "base": (12, 768, 12, 3072),
+    "large": (24, 1024, 16, 4096),
+}
+HEADS = ("lm", "span", "pool")
+_FFN_KEPT = {"gelu": 4, "relu": 1}  # s*f tensors kept per layer (see the module doc)
+_F32 = 4
+
+
+def _check_sizes(**sizes) -> None:
+    for key, value in sizes.items():
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+            raise ValueError(f"{key} must be an int >= 1. Received: {key}={value!r}")
+
+
+def transformer(
+    layers: int,
+    hidden: int,
+    heads: int,
+    vocab: int,
+    seq_len: int,
+    ffn: int | None = None,
+    *,
+    max_position: int | None = None,
+    type_vocab: int = 0,
+    embedding_norm: bool = False,
+    final_norm: bool = True,
+    head: str = "lm",
+    num_classes: int = 2,
+    activation: str = "gelu",
+    name: str = "transformer",
+) -> ModelCost:
+    """A transformer encoder: embeddings, `layers` attention + feed-forward layers, a head.
+
+    Args:
+      layers, hidden, heads, vocab, seq_len: the usual sizes; `hidden % heads == 0`.
+      ffn: feed-forward size (default 4 * hidden).
+      max_position: learned position embeddings (default `seq_len`; 0 for none).
+      type_vocab: token-type embeddings (BERT: 2).
+      embedding_norm: a LayerNormalization after the embeddings (BERT).
+      final_norm: a LayerNormalization before the head (pre-LN models).
+      head: "lm" (vocab logits per position), "span" (start/end logits per position,
+        SQuAD) or "pool" (mean over positions, `num_classes` logits).
+      activation: "gelu" or "relu" in the feed-forward block.
+    """
+    ffn = 4 * hidden if ffn is None else ffn
+    max_position = seq_len if max_position is None else max_position
+    _check_sizes(layers=layers, hidden=hidden, heads=heads, vocab=vocab, seq_len=seq_len, ffn=ffn)
+    if hidden % heads:
+        raise ValueError(
+            f"hidden must be divisible by heads. Received: hidden={hidden}, heads={heads}"
+        )
+    if head not in HEADS:
+        raise ValueError(f"head must be one of {HEADS}. Received: head={head!r}")
+    if activation not in _FFN_KEPT:
+        raise ValueError(
+            f"activation must be one of {tuple(_FFN_KEPT)}. Received: activation={activation!r}"
+        )
+    s, h, f, a = seq_len, hidden, ffn, heads
+    sh = s * h
+    embed_params = (vocab + max_position + type_vocab) * h + (2 * h if embedding_norm else 0)
+    embed = NodeCost(
+        "embeddings",
+        embed_params,
+        flops=sh * (2 if max_position or type_vocab else 1),
+        activation_bytes=_F32 * sh * (3 if embedding_norm else 1),
+        kind="Embedding",
+        param_bytes=_F32 * embed_params,
+        largest_tensor_bytes=_F32 * sh,
+        float32_bytes=_F32 * 2 * sh if embedding_norm else 0,
+    )
+    layer_params = 4 * h * h + 4 * h + 2 * h * f + f + h + 4 * h
+    layer_flops = 2 * s * (4 * h * h + 2 * h * f) + 4 * s * s * h + 5 * a * s * s + 20 * sh
+    layer_kept = 10 * sh + a * s * s + _FFN_KEPT[activation] * s * f
+    blocks = [
+        NodeCost(
+            f"layer_{i}",
+            layer_params,
+            flops=layer_flops,
+            activation_bytes=_F32 * layer_kept,
+            kind="TransformerLayer",
+            param_bytes=_F32 * layer_params,
+            largest_tensor_bytes=_F32 * max(s * f, a * s * s),
+            float32_bytes=_F32 * 4 * sh,  # the two LayerNormalizations' input and factor
+        )
+        for i in range(layers)
+    ]
+    outputs = {"lm": vocab, "span": 2, "pool": num_classes}[head]
+    rows = 1 if head == "pool" else s
+    head_params = h * outputs + outputs + (2 * h if final_norm else 0)
+    # Kept: the final norm's input and factor, the head's input, logits and softmax.
+    head_kept = (2 * sh if final_norm else 0) + sh + 2 * rows * outputs
+    head_node = NodeCost(
+        f"{head}_head",
+        head_params,
+        flops=2 * rows * h * outputs + (8 * sh if final_norm else 0),
+        activation_bytes=_F32 * head_kept,
+        kind="Head",
+        param_bytes=_F32 * head_params,
+        largest_tensor_bytes=_F32 * max(sh, rows * outputs),
+        float32_bytes=_F32 * 2 * sh if final_norm else 0,
+    )
+    nodes = (embed, *blocks, head_node)
+    # Every block boundary passes the residual stream, s*h floats per sample.
+    crossing = (0, *([_F32 * sh] * (len(nodes) - 1)), 0)
+    return ModelCost(
+        name=name,
+        nodes=nodes,
+        # The embeddings join the first stage and the head the last, as the automatic
+        # partition does (cuts only between repeated blocks).
+        cut_positions=tuple(range(2, len(nodes) - 1)),
+        crossing_bytes=crossing,
+        checkpoint_positions=tuple(range(1, len(nodes))),
+        input_bytes=4 * s * (2 if type_vocab else 1) + 4 * (2 if head == "span" else 1),
+        description=(
+            f"{layers} layers, hidden {h}, {a} heads, ffn {f}, vocab {vocab}, "
+            f"sequence {s}, {head} head"
+        ),
+    )
+
+
+def bert(size: str = "base", seq_len: int = 384, vocab: int = 30522) -> ModelCost:
+    """BERT with the published sizes and a SQuAD span head (post-LN, as Google's BERT).
+
+    `bert("base")` has 108,893,186 parameters and `bert("large")` 334,094,338, the counts
+    of BERT-for-question-answering (BERT's 110M / 340M include the unused pooler).
+    """
+    if size not in BERT_SIZES:
+        raise ValueError(f"size must be one of {tuple(BERT_SIZES)}. Received: size={size!r}")
+    layers, hidden, heads, ffn = BERT_SIZES[size]
+    return transformer(
+        layers,
+        hidden,
+        heads,
+        vocab,
+        seq_len,
+        ffn,
+        max_position=max(512, seq_len),
+        type_vocab=2,
+        embedding_norm=True,
+        final_norm=False,
+        head="span",
+        name=f"bert_{size}",
+    )
+
+
+# ResNet-50 v1 as keras.applications.ResNet50 builds it: (filters, blocks, first stride).
+_RESNET50_STAGES = ((64, 3, 1), (128, 4, 2), (256, 6, 2), (512, 3, 2))
+
+
+def resnet50(image_size: int = 224, num_classes: int = 1000) -> ModelCost:
+    """ResNet-50 (keras.applications.ResNet50: convolutions with biases, BatchNorm with
+    moving statistics), one node per bottleneck block plus the stem and the head.
+
+    Per convolution + BatchNorm + ReLU the convolution output (kept by BatchNorm) and
+    the ReLU output (kept by ReLU and the next convolution) are counted; a block's last
+    convolution and its shortcut keep their outputs, the add + ReLU its output.
+    """
+    _check_sizes(image_size=image_size, num_classes=num_classes)
+    if image_size < 32:
+        raise ValueError(f"image_size must be >= 32. Received: image_size={image_size}")
+
+    def conv(k, cin, cout, positions):
+        params = k * k * cin * cout + cout + 4 * cout  # kernel, bias, BatchNorm (4 per ch)
+        return params, 2 * k * k * cin * cout * positions
+
+    def shrink(size, stride):
+        return (size + stride - 1) // stride
+
+    size = shrink(shrink(image_size, 2), 2)  # conv1 stride 2, max-pool stride 2
+    params, flops = conv(7, 3, 64, shrink(image_size, 2) ** 2)
+    stem_out = shrink(image_size, 2) ** 2 * 64
+    stem = NodeCost(
+        "stem",
+        params,
+        flops,
+        _F32 * ((image_size + 6) ** 2 * 3 + 2 * stem_out + stem_out + size * size * 64),
+        kind="ResNetStem",
+        param_bytes=_F32 * params,
+        largest_tensor_bytes=_F32 * stem_out,
+    )
+    nodes, crossing, channels = [stem], [0, _F32 * size * size * 64], 64
+    for stage, (filters, count, stride) in enumerate(_RESNET50_STAGES):
+        for block in range(count):
+            step = stride if block == 0 else 1
+            out_size = shrink(size, step)
+            positions = out_size * out_size
+            parts = [
+                conv(1, channels, filters, positions),
+                conv(3, filters, filters, positions),
+                conv(1, filters, 4 * filters, positions),
+            ]
+            kept = 2 * 2 * filters * positions + 4 * filters * positions * 2
+            if block == 0:  # projection shortcut
+                parts.append(conv(1, channels, 4 * filters, positions))
+                kept += 4 * filters * positions
+            params = sum(p for p, _ in parts)
+            flops = sum(fl for _, fl in parts) + 4 * filters * positions  # + the add
+            nodes.append(
+                NodeCost(
+                    f"conv{stage + 2}_block{block + 1}",
+                    params,
+                    flops,
+                    _F32 * kept,
+                    kind="Bottleneck",
+                    param_bytes=_F32 * params,
+                    largest_tensor_bytes=_F32 * 4 * filters * positions,
+                )
+            )
+            size, channels = out_size, 4 * filters
+            crossing.append(_F32 * positions * channels)
+    params = channels * num_classes + num_classes
+    nodes.append(
+        NodeCost(
+            "head",
+            params,
+            2 * channels * num_classes + size * size * channels,
+            _F32 * (channels + 2 * num_classes),
+            kind="Head",
+            param_bytes=_F32 * params,
+        )
+    )
+    crossing.append(0)
+    return ModelCost(
+        name="resnet50",
+        nodes=tuple(nodes),
+        cut_positions=tuple(range(2, len(nodes) - 1)),
+        crossing_bytes=tuple(crossing),
+        checkpoint_positions=tuple(range(1, len(nodes))),
+        input_bytes=_F32 * image_size * image_size * 3 + 4,
+        description=f"ResNet-50, {image_size}x{image_size} images, {num_classes} classes",
+    )
+
+
+def params_only(params: float, name: str | None = None) -> ModelCost:
+    """A model known only by its parameter count: model states, no activations or cuts
+    (how the ZeRO paper states its model sizes)."""
+    if isinstance(params, bool) or not isinstance(params, numbers.Real) or not params >= 1:
+        raise ValueError(f"params must be a number >= 1. Received: params={params!r}")
+    count = round(params)
+    return ModelCost(
+        name=name or f"{format_count(count)}-parameter model",
+        nodes=(NodeCost("model", count, 0, 0, kind="Parameters", param_bytes=_F32 * count),),
+        cut_positions=(),
+        crossing_bytes=(0, 0),
+        description="known by its parameter count only (no activations, no stage cuts)",
+    )
