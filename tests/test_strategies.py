@@ -272,7 +272,7 @@ def test_stage_indices_must_be_contiguous():
 def test_strategy_is_printable_and_matchable_without_a_model():
     strategy = Strategy(stages={"embed|enc_1": 0, "enc_10|head": 1}, split=["logits"])
     assert repr(strategy) == (
-        "Strategy(default=replicate(device_count=1), stages={'embed|"
+        "Strategy(default=replicate(device_count=None), stages={'embed|"
         "enc_1': 0, 'enc_10|head': 1}, split=('logits',))"
     )
     assert strategy.match("enc_10") == (("stage 1 ('enc_10|head')", 1),)
@@ -293,8 +293,9 @@ def test_bare_replicate_is_one_taskgraph():
 
 def test_split_list_forms_a_split_taskgraph_after_the_default():
     annotation = resolve_annotation(plain_model(), split=["head"])
+    # replicate(None): one device, or the split's devices when colocated (below).
     assert annotation.taskgraphs == (
-        StrategySpec("replicate", 1, None),
+        StrategySpec("replicate", None, None),
         StrategySpec("split", None, "split"),
     )
     assert by_name(annotation) == {
@@ -312,6 +313,7 @@ def test_split_list_forms_a_split_taskgraph_after_the_default():
         colocate_split_and_replicate=True,
     )
     assert plan.num_replicas == 1 and plan.taskgraphs[1].device_count == 4
+    assert plan.taskgraphs[0].device_count == 4  # data parallel on the split's devices
 
 
 def test_stages_and_split_together():
