@@ -18,6 +18,7 @@ _EXPORTS = {
     "set_default_strategy": "epl_trainer.strategies",
     "Strategy": "epl_trainer.strategies",
     "EPLTrainer": "epl_trainer.trainer",
+    "DeepSpeedConfig": "epl_trainer.deepspeed",
     "ModelSpec": "epl_trainer.trainer",
     "plot_schedule": "epl_trainer.plot",
     "add_to_collection": "epl_trainer.core.recompute",

@@ -13,11 +13,12 @@ so `configure_tensorflow` is the single function that does it (tests call it fro
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
 import os
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 
 import tensorflow as tf
 
@@ -29,6 +30,19 @@ _COLLECTIVE_STRATEGY = None  # keeps the multi-worker runtime alive for the proc
 
 class ClusterError(ValueError):
     """A malformed TF_CONFIG or an impossible device request."""
+
+
+class WorkerLostError(RuntimeError):
+    """A collective failed because a peer worker died, hung or became unreachable.
+
+    Attributes:
+      workers: indices of the workers found unreachable (empty when every peer still
+        answered, i.e. one is alive but stuck or slower than the timeout).
+    """
+
+    def __init__(self, message: str, workers: tuple[int, ...] = ()):
+        super().__init__(message)
+        self.workers = workers
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,6 +69,7 @@ class Cluster:
       devices_by_worker: the compute devices of every worker (same count on each).
       host_device: this worker's CPU, where inputs and metric state live.
       device_type: "GPU" or "CPU".
+      addresses: every worker's "host:port" from TF_CONFIG (for error messages).
     """
 
     worker_num: int
@@ -63,6 +78,7 @@ class Cluster:
     devices_by_worker: tuple[tuple[str, ...], ...]
     host_device: str
     device_type: str
+    addresses: tuple[str, ...] = ()
 
     @property
     def total_gpu_num(self) -> int:
@@ -72,6 +88,31 @@ class Cluster:
     @property
     def is_chief(self) -> bool:
         return self.worker_index == 0
+
+    def task_name(self, worker: int) -> str:
+        """`/job:J/replica:0/task:T` of a worker, as the collective runtime names it."""
+        return self.devices_by_worker[worker][0].rsplit("/device:", 1)[0]
+
+    def unreachable_workers(self, probe_seconds: float = 5.0) -> dict[int, str]:
+        """Asks every peer's collective service whether it is alive.
+
+        Returns:
+          {worker index: why it is unreachable} for every peer that did not answer
+          within `probe_seconds` (this worker is never probed).
+        """
+        from tensorflow.python.eager import context  # the health check MWMS itself uses
+
+        lost = {}
+        for worker in range(self.worker_num):
+            if worker == self.worker_index:
+                continue
+            try:
+                context.context().check_collective_ops_peer_health(
+                    self.task_name(worker), timeout_in_ms=int(probe_seconds * 1000)
+                )
+            except tf.errors.OpError as e:
+                lost[worker] = f"{type(e).__name__}: {str(e).splitlines()[0]}"
+        return lost
 
 
 def parse_tf_config(environ: Mapping[str, str] | None = None) -> WorkerSpec:
@@ -216,7 +257,71 @@ def build_cluster(cluster_config, environ: Mapping[str, str] | None = None) -> C
         devices_by_worker=devices_by_worker,
         host_device=f"{_task_prefix(spec, spec.worker_index)}/device:CPU:0",
         device_type=device_type,
+        addresses=spec.addresses,
     )
+
+
+# What a collective raises when a peer is gone: its own timeout (DeadlineExceeded), a
+# refused or dropped connection (Unavailable), or an abort started by another collective
+# or by MultiWorkerMirroredStrategy's health check (Aborted / Cancelled / Unavailable).
+_PEER_FAILURES = (
+    tf.errors.DeadlineExceededError,
+    tf.errors.UnavailableError,
+    tf.errors.AbortedError,
+    tf.errors.CancelledError,
+)
+
+
+@contextlib.contextmanager
+def detect_lost_workers(cluster: Cluster, timeout_seconds: float) -> Iterator[None]:
+    """Turns a collective failure in a multi-worker job into a `WorkerLostError`.
+
+    The error names each peer that no longer answers, so a user sees "worker 1
+    (127.0.0.1:4321) is unreachable" instead of a bare DeadlineExceededError. Single-
+    worker jobs, and errors other than peer failures, pass through unchanged.
+    """
+    try:
+        yield
+    except _PEER_FAILURES as e:
+        if cluster.worker_num == 1:
+            raise
+        lost = cluster.unreachable_workers()
+        cause = _first_message_line(str(e))
+        if lost:
+            names = "; ".join(
+                f"worker {w} ({_address(cluster, w)}, {cluster.task_name(w)}): {why}"
+                for w, why in sorted(lost.items())
+            )
+            message = (
+                f"Worker {cluster.worker_index} stopped: a collective failed because "
+                f"{len(lost)} peer worker(s) are unreachable: {names}. The job cannot "
+                "continue without them; restart it (epl-launch --max_restarts N resumes from "
+                "the newest checkpoint). "
+            )
+        else:
+            message = (
+                f"Worker {cluster.worker_index} stopped: a collective did not complete within "
+                f"communication.timeout_seconds={timeout_seconds:g}, yet every peer still "
+                "answers: one of them is stuck or slower than the timeout (raise it for long "
+                "pauses such as checkpoints on slow storage). "
+            )
+        raise WorkerLostError(
+            message + f"Collective error: {type(e).__name__}: {cause}", tuple(sorted(lost))
+        ) from e
+
+
+def _first_message_line(text: str) -> str:
+    """The line of a TF error that says what happened (not the traceback around it)."""
+    noise = ("Graph execution error", "Detected at node", "File ", "[[", "The error could be")
+    for line in text.splitlines():
+        line = line.strip()
+        if line and not line.startswith(noise):
+            return line
+    return text.strip()[:200]
+
+
+def _address(cluster: Cluster, worker: int) -> str:
+    return cluster.addresses[worker] if worker < len(cluster.addresses) else "unknown address"
 
 
 def _task_prefix(spec: WorkerSpec, worker: int) -> str:

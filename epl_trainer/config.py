@@ -320,6 +320,9 @@ class OptimizerConfig(_Section):
     """Optimizer apply."""
 
     num_apply_group: int = _int(1, "Groups the apply is split into to save memory.", minimum=1)
+    nonfinite_loss: str = _enum(
+        "error", "fp32 step with non-finite gradients: stop, or skip it.", choices=("error", "skip")
+    )
 
 
 @_register("cluster")
@@ -347,6 +350,17 @@ class CommunicationConfig(_Section):
     gradients_reduce_method: str = _enum(
         "mean", "How gradients are reduced.", choices=("mean", "sum")
     )
+    timeout_seconds: int | float = _positive_number(600, "Collective wait before a peer is dead.")
+
+
+@_register("checkpoint")
+@dataclasses.dataclass(frozen=True)
+class CheckpointConfig(_Section):
+    """Periodic checkpoints during fit, and automatic resume from the newest one."""
+
+    dir: str = _str("", "Folder for fit's checkpoints; resume from its newest ('' = off).")
+    save_steps: int = _int(0, "Save every N steps (0: at each epoch end).", minimum=0)
+    keep_max: int = _int(5, "Newest checkpoints kept; older ones are deleted.", minimum=1)
 
 
 @_register("io")
@@ -534,6 +548,7 @@ class Config:
     optimizer: OptimizerConfig
     cluster: ClusterConfig
     communication: CommunicationConfig
+    checkpoint: CheckpointConfig
     io: IoConfig
     auto: AutoConfig
 

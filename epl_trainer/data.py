@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 
 import numpy as np
 import tensorflow as tf
@@ -89,6 +90,53 @@ def split_element(element, with_labels: bool):
     return element, None
 
 
+def check_element_spec(element_spec, model, with_labels: bool) -> None:
+    """Checks a dataset's features against the model's inputs before anything is traced.
+
+    Compares the structure (dict keys, number of inputs), the rank and every known
+    non-batch dimension, so a mismatched dataset fails with one error that shows both
+    sides instead of a shape error deep inside a compiled step. Models whose inputs are
+    not known yet (subclassed, never called) are not checked.
+    """
+    features, _ = split_element(element_spec, with_labels)
+    try:
+        expected = model.input
+    except (AttributeError, ValueError):
+        return
+    wanted = tree.map_structure(lambda t: tuple(t.shape), expected)
+    given = tree.map_structure(lambda s: getattr(s, "shape", None), features)
+
+    def fail(why: str):
+        raise ValueError(
+            f"The dataset's features do not match the model's inputs: {why}. "
+            f"Model inputs: {wanted}; dataset features: {given}"
+        )
+
+    if isinstance(expected, Mapping):
+        if not isinstance(features, Mapping):
+            fail(f"the model takes a dict with keys {sorted(expected)}")
+        missing = sorted(set(expected) - set(features))
+        if missing:
+            fail(f"missing key(s) {missing}")
+        pairs = [(repr(key), expected[key], features[key]) for key in expected]
+    else:
+        inputs, specs = tree.flatten(expected), tree.flatten(features)
+        if len(inputs) != len(specs):
+            fail(f"the model has {len(inputs)} input(s), the dataset gives {len(specs)} tensor(s)")
+        pairs = [(str(i), kt, spec) for i, (kt, spec) in enumerate(zip(inputs, specs))]
+    for name, keras_tensor, spec in pairs:
+        shape = getattr(spec, "shape", None)
+        if shape is None or shape.rank is None:
+            continue
+        want = tuple(keras_tensor.shape)
+        dims_differ = any(
+            w is not None and g is not None and w != g
+            for w, g in zip(want[1:], shape.as_list()[1:])
+        )
+        if shape.rank != len(want) or dims_differ:
+            fail(f"input {name} expects shape {want}, the dataset gives {tuple(shape.as_list())}")
+
+
 class EpochBatches:
     """Per-epoch batches, with Keras's `steps_per_epoch` semantics.
 
@@ -96,9 +144,16 @@ class EpochBatches:
     iterator continues across epochs; when the data runs out at an epoch boundary it
     starts a new pass, and when it runs out mid-epoch that epoch ends early (with a
     warning), as `Model.fit` does.
+
+    `position` counts the batches taken from the current pass. A checkpoint records it,
+    and a resumed run passes it back as `start_position`: the first pass then skips that
+    many batches, so a deterministic dataset (the same batches in the same order in a
+    fresh process) neither repeats nor skips a sample.
     """
 
-    def __init__(self, dataset: tf.data.Dataset, steps_per_epoch: int | None):
+    def __init__(
+        self, dataset: tf.data.Dataset, steps_per_epoch: int | None, start_position: int = 0
+    ):
         if steps_per_epoch is not None and (
             not isinstance(steps_per_epoch, int) or steps_per_epoch < 1
         ):
@@ -107,44 +162,63 @@ class EpochBatches:
             )
         self.dataset = dataset
         self.steps_per_epoch = steps_per_epoch
+        self.position = start_position
+        self._skip = start_position
         self._iterator = None
 
-    def run_epoch(self, step_fn) -> int:
+    def _new_pass(self):
+        skip, self._skip = self._skip, 0
+        self.position = skip
+        return iter(self.dataset.skip(skip) if skip else self.dataset)
+
+    def run_epoch(self, step_fn, first_step: int = 0, after_step=None) -> int:
         """Calls `step_fn(step_index, iterator)` once per step; returns the steps run.
 
         `step_fn` pulls its batch from the iterator (inside a compiled function) and
         returns True to stop early; running out of data raises OutOfRangeError there.
+        Step indices start at `first_step` (a resumed epoch); `after_step(step_index)`
+        runs once `position` counts the step's batch.
         """
+        steps = first_step
         if self.steps_per_epoch is None:
-            iterator, steps = iter(self.dataset), 0
+            iterator = self._new_pass()
             while True:
                 try:
                     stop = step_fn(steps, iterator)
                 except (StopIteration, tf.errors.OutOfRangeError):
-                    return steps
+                    self.position = 0  # the next epoch starts a new pass
+                    return steps - first_step
                 steps += 1
+                self.position += 1
+                if after_step is not None:
+                    after_step(steps - 1)
                 if stop:
-                    return steps
-        steps = 0
+                    return steps - first_step
         while steps < self.steps_per_epoch:
             fresh = self._iterator is None
             if fresh:
-                self._iterator = iter(self.dataset)
+                # A resumed pass that is already used up is not a fresh (empty) dataset.
+                fresh = self._skip == 0
+                self._iterator = self._new_pass()
             try:
                 stop = step_fn(steps, self._iterator)
             except (StopIteration, tf.errors.OutOfRangeError):
                 self._iterator = None
-                if fresh or steps:
-                    if steps:
+                self.position = 0
+                if fresh or steps > first_step:
+                    if steps > first_step:
                         logger.warning(
                             "The data ran out after %d of %d steps of this epoch; the next "
                             "epoch starts a new pass.",
                             steps,
                             self.steps_per_epoch,
                         )
-                    return steps
+                    return steps - first_step
                 continue
             steps += 1
+            self.position += 1
+            if after_step is not None:
+                after_step(steps - 1)
             if stop:
-                return steps
-        return steps
+                return steps - first_step
+        return steps - first_step

@@ -1,5 +1,8 @@
 """absl flags that build an EPL `Config`: `--epl_config=PATH` and `--epl_set KEY=VALUE`.
 
+`--deepspeed_config=PATH` names a DeepSpeed JSON config for the trainer
+(`EPLTrainer(config=deepspeed_config_from_flags())`), applied on top of the EPL config.
+
 Importing this module defines both flags on `absl.flags.FLAGS`, so a script only
 needs::
 
@@ -45,6 +48,14 @@ def define_flags(flag_values: flags.FlagValues = flags.FLAGS) -> None:
             "Repeatable; later values win.",
             flag_values=flag_values,
         )
+    if "deepspeed_config" not in flag_values:
+        flags.DEFINE_string(
+            "deepspeed_config",
+            None,
+            "Path to a DeepSpeed JSON config; EPLTrainer translates it on top of the EPL "
+            "config (--epl_config, --epl_set).",
+            flag_values=flag_values,
+        )
 
 
 def parse_assignments(assignments: Iterable[str]) -> dict[str, Any]:
@@ -85,6 +96,23 @@ def config_from_flags(
     if path:
         return Config.from_file(os.path.expanduser(path), overrides, environ=environ)
     return Config(overrides, environ=environ)
+
+
+def deepspeed_config_from_flags(flag_values: flags.FlagValues = flags.FLAGS, **kwargs):
+    """The `--deepspeed_config` file as a `DeepSpeedConfig` for `EPLTrainer(config=...)`.
+
+    Returns None when the flag is unset, so `EPLTrainer(config=None)` keeps using
+    `epl.init()`'s config. `kwargs` go to `DeepSpeedConfig` (e.g. `total_num_steps`).
+
+    Raises:
+      DeepSpeedConfigError: the file cannot be read or holds an unknown key.
+    """
+    path = flag_values.deepspeed_config
+    if not path:
+        return None
+    from epl_trainer.deepspeed import DeepSpeedConfig  # imports Keras: only when used
+
+    return DeepSpeedConfig(os.path.expanduser(path), **kwargs)
 
 
 define_flags()

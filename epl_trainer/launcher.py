@@ -3,7 +3,7 @@
 Usage::
 
     epl-launch --num_workers N --gpu_per_worker G [--cpu_devices_per_worker K]
-               [--log_dir DIR] [--timeout SECONDS] SCRIPT [ARGS...]
+               [--log_dir DIR] [--timeout SECONDS] [--max_restarts R] SCRIPT [ARGS...]
 
     # for example
     epl-launch --num_workers 2 --gpu_per_worker 1 train.py --epochs 3
@@ -17,7 +17,8 @@ What each worker ``i`` (of ``N``) gets in its environment:
 
 * ``TF_CONFIG``: ``{"cluster": {"worker": ["127.0.0.1:p0", ...]}, "task": {"type":
   "worker", "index": i}}``, with ``N`` distinct free ports chosen by the launcher.
-* ``EPL_WORKER_INDEX=i``, ``EPL_NUM_WORKERS=N``, ``PYTHONUNBUFFERED=1``.
+* ``EPL_WORKER_INDEX=i``, ``EPL_NUM_WORKERS=N``, ``PYTHONUNBUFFERED=1``, and
+  ``EPL_RESTART_ATTEMPT`` (0, then 1, 2, ... for each restart of the job).
 * Devices. On a machine with GPUs (counted with ``nvidia-smi -L``),
   ``CUDA_VISIBLE_DEVICES`` lists GPUs ``i*G .. i*G+G-1``; asking for more GPUs than the
   machine has is an error. On a machine without GPUs, ``CUDA_VISIBLE_DEVICES=""`` and
@@ -38,7 +39,12 @@ Supervision and exit codes:
   SIGKILL after a grace period), the failing worker's index, exit code and last log lines
   are printed, and the launcher exits with that code (``128 + s`` for a worker killed by
   signal ``s``, e.g. 137 for SIGKILL);
-* ``--timeout SECONDS`` stops everything and exits with 124 once exceeded;
+* ``--max_restarts R`` (default 0): after a failure, the whole job is started again (new
+  ports, every worker), up to R times; a script that sets ``checkpoint.dir`` resumes from
+  its newest checkpoint. Logs of restart k are ``worker_<i>.restart_<k>.log``. The exit
+  code is the last attempt's;
+* ``--timeout SECONDS`` stops everything and exits with 124 once exceeded (over all
+  attempts; a timed-out job is not restarted);
 * SIGINT / SIGTERM to the launcher stop all workers and exit with 130 / 143;
 * usage errors (bad flag values, a missing script, an unsupported suffix) exit with 2;
 * 0 when every worker exits with 0.
@@ -95,6 +101,23 @@ def _positive_int(name: str):
             ) from None
         if value < 1:
             raise argparse.ArgumentTypeError(f"must be >= 1. Received: {name}={value}")
+        return value
+
+    return parse
+
+
+def _non_negative_int(name: str):
+    """An argparse ``type=`` that accepts integers >= 0 and names the flag otherwise."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"must be an integer. Received: {name}={text!r}"
+            ) from None
+        if value < 0:
+            raise argparse.ArgumentTypeError(f"must be >= 0. Received: {name}={value}")
         return value
 
     return parse
@@ -157,6 +180,15 @@ _FLAGS: tuple[tuple[str, dict], ...] = (
             default=None,
             metavar="SECONDS",
             help="stop everything and exit 124 after this long (default: none)",
+        ),
+    ),
+    (
+        "--max_restarts",
+        dict(
+            type=_non_negative_int("max_restarts"),
+            default=0,
+            metavar="R",
+            help="restart the whole job up to R times after a failure (default: 0)",
         ),
     ),
 )
@@ -447,7 +479,10 @@ class Job:
         *,
         console: IO[str] | None = None,
         grace_seconds: float = GRACE_SECONDS,
+        attempt: int = 0,
     ):
+        self.attempt = attempt
+        self.timed_out = False
         self.command = list(command)
         self.envs = [dict(env) for env in envs]
         self.run_dir = Path(run_dir)
@@ -457,7 +492,8 @@ class Job:
         self._stop_signal: int | None = None
 
     def log_path(self, index: int) -> Path:
-        return self.run_dir / f"worker_{index}.log"
+        suffix = f".restart_{self.attempt}" if self.attempt else ""
+        return self.run_dir / f"worker_{index}{suffix}.log"
 
     def start(self) -> None:
         """Spawn every worker; worker 0's output is teed to the console."""
@@ -492,14 +528,23 @@ class Job:
             log_file.close()  # the child holds its own descriptor
         return worker
 
+    @property
+    def stop_requested(self) -> bool:
+        return self._stop_signal is not None
+
     def request_stop(self, signum: int) -> None:
         """Ask ``wait()`` to stop all workers and return ``128 + signum``."""
         self._stop_signal = signum
 
-    def wait(self, timeout: float | None = None) -> int:
+    def wait(self, timeout: float | None = None, *, deadline: float | None = None) -> int:
         """Supervise the workers until all succeed, one fails, time runs out or a stop
-        is requested; returns the launcher's exit code (see the module docstring)."""
-        deadline = None if timeout is None else time.monotonic() + timeout
+        is requested; returns the launcher's exit code (see the module docstring).
+
+        ``deadline`` (a ``time.monotonic()`` value) replaces ``now + timeout`` when a
+        timeout spans several attempts of the job.
+        """
+        if deadline is None and timeout is not None:
+            deadline = time.monotonic() + timeout
         while True:
             if self._stop_signal is not None:
                 _say(f"received {_signal_name(self._stop_signal)}; stopping all workers")
@@ -515,6 +560,7 @@ class Job:
                 return 0
             if deadline is not None and time.monotonic() >= deadline:
                 _say(f"timeout of {timeout:g}s exceeded; stopping all workers")
+                self.timed_out = True
                 self.stop()
                 return EXIT_TIMEOUT
             time.sleep(POLL_SECONDS)
@@ -586,24 +632,50 @@ def main(argv: Sequence[str] | None = None) -> int:
         return exc.code if isinstance(exc.code, int) else EXIT_USAGE
     try:
         command = build_command(args.script, args.script_args)
-        ports = free_ports(args.num_workers)
         num_gpus = detect_gpus()
+        make_envs = _env_factory(args, num_gpus)
+        envs = make_envs(0)  # checks the request before anything starts
+    except LaunchError as exc:
+        print(f"{PROG}: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    run_dir = make_run_dir(args.log_dir)
+    deadline = None if args.timeout is None else time.monotonic() + args.timeout
+    attempt = 0
+    while True:
+        job = Job(command, envs, run_dir, attempt=attempt)
+        what = "starting" if attempt == 0 else f"restart {attempt}/{args.max_restarts}: starting"
+        _say(f"{what} {args.num_workers} worker(s); logs in {run_dir}")
+        code = _run_job(job, args.timeout, deadline)
+        if code == 0 or attempt >= args.max_restarts or job.stop_requested or job.timed_out:
+            return code
+        attempt += 1
+        envs = make_envs(attempt)  # fresh ports: the old ones may still be held
+
+
+def _env_factory(args: argparse.Namespace, num_gpus: int):
+    """Returns attempt -> every worker's environment, on newly chosen ports."""
+
+    def make(attempt: int) -> list[dict[str, str]]:
+        ports = free_ports(args.num_workers)
         envs = [
             worker_env(
                 index, ports, args.gpu_per_worker, args.cpu_devices_per_worker, num_gpus, os.environ
             )
             for index in range(args.num_workers)
         ]
-    except LaunchError as exc:
-        print(f"{PROG}: error: {exc}", file=sys.stderr)
-        return EXIT_USAGE
-    run_dir = make_run_dir(args.log_dir)
-    job = Job(command, envs, run_dir)
-    _say(f"starting {args.num_workers} worker(s); logs in {run_dir}")
+        for env in envs:
+            env["EPL_RESTART_ATTEMPT"] = str(attempt)
+        return envs
+
+    return make
+
+
+def _run_job(job: Job, timeout: float | None, deadline: float | None) -> int:
+    """Starts and supervises one attempt of the job; returns its exit code."""
     previous_handlers = _install_signal_handlers(job)
     try:
         job.start()
-        return job.wait(args.timeout)
+        return job.wait(timeout, deadline=deadline)
     finally:
         job.stop()
         _restore_signal_handlers(previous_handlers)

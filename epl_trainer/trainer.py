@@ -19,9 +19,9 @@ from keras import tree
 
 from epl_trainer import checkpoint as ckpt
 from epl_trainer import data as data_lib
+from epl_trainer import deepspeed, strategies
 from epl_trainer import io as io_lib
-from epl_trainer import strategies
-from epl_trainer.cluster import build_cluster
+from epl_trainer.cluster import build_cluster, detect_lost_workers
 from epl_trainer.config import Config
 from epl_trainer.core import amp, comm, planner
 from epl_trainer.core import split as split_lib
@@ -37,6 +37,10 @@ from epl_trainer.memory import build_report
 from epl_trainer.metrics import resolve_metrics
 
 logger = logging.getLogger(__name__)
+
+
+class NonFiniteLossError(FloatingPointError):
+    """A float32 training step produced a NaN or Inf loss (non-finite gradients)."""
 
 
 @dataclasses.dataclass
@@ -63,7 +67,9 @@ class EPLTrainer:
       stages: {layer-name regex: stage index}, a shortcut for `Strategy(stages=...)`.
       split: [layer-name regex], a shortcut for `Strategy(split=...)`.
       config: an `epl.Config`, a dict of dotted keys or a JSON/YAML path; None uses the
-        config given to `epl.init()` (or the defaults).
+        config given to `epl.init()` (or the defaults). A DeepSpeed config (JSON path,
+        dict or `epl_trainer.deepspeed.DeepSpeedConfig`) is translated on top of
+        `epl.init()`'s config, and its optimizer/scheduler replace `optimizer`.
     """
 
     def __init__(
@@ -77,6 +83,7 @@ class EPLTrainer:
         split=None,
         config=None,
     ):
+        config, optimizer, self.deepspeed = deepspeed.trainer_setup(config, optimizer)
         self.config = Env.get().config if config is None else Config.load(config)
         self.cluster = Env.get().cluster if config is None else build_cluster(self.config.cluster)
         model, loss, metrics = _resolve_model(model, loss, metrics)
@@ -125,11 +132,21 @@ class EPLTrainer:
             ),
             key=lambda lane: lane.index,
         )
+        if self.deepspeed is not None:  # accumulation steps may follow from the lane count
+            self.config, self.plan = self.deepspeed.resolve_plan(
+                self.config, self.plan, len(self.lanes_in_job)
+            )
         self.model.optimizer = self.optimizer  # what Keras callbacks read (LR, iterations)
         self._program: Program | None = None
         self._state: EngineState | None = None
         self.epochs_done = 0
         self._metric_sync = None
+        # Where training stands inside the epoch in progress, for checkpoints: steps run in
+        # it, and the batches taken from the current pass of the data (EpochBatches).
+        self._step_in_epoch = 0
+        self._batches: data_lib.EpochBatches | None = None
+        self._resume_position = (0, 0)  # (step_in_epoch, input position) of a restore
+        self._nonfinite_seen = 0
 
     # ---- building the engine (lazily: a subclassed model is built by its first batch) ----
 
@@ -219,6 +236,10 @@ class EPLTrainer:
         per worker. With `io.slicing=True` each worker reads only its share of the files
         (`epl_trainer.io`).
         """
+        if self.deepspeed is not None:  # batch sizes, monitors and steps_per_print
+            batch_size = self.deepspeed.fit_batch_size(x, batch_size, self.plan, len(self.lanes))
+            extra = self.deepspeed.callbacks(self.loss_tracker, self.cluster.is_chief)
+            callbacks = [*(callbacks or []), *extra]
         if parse_fn is not None or file_format is not None:
             dataset = self._files_dataset(x, y, batch_size, parse_fn, file_format, steps_per_epoch)
         else:
@@ -235,34 +256,49 @@ class EPLTrainer:
                 worker_num=self.cluster.worker_num,
                 drop_remainder=True,
             )
+        data_lib.check_element_spec(dataset.element_spec, self.model, with_labels=True)
         verbose = 1 if verbose == "auto" else verbose
+        # A fresh trainer with checkpoint.dir resumes its newest checkpoint; `epochs` then
+        # counts from the job's first epoch (Keras's initial_epoch), so a restarted script
+        # finishes the run it was doing instead of adding epochs.
+        resumed = self._auto_resume(dataset)
+        last_epoch = epochs if resumed else self.epochs_done + epochs
         callback_list = keras.callbacks.CallbackList(
             callbacks,
             add_history=True,
             add_progbar=verbose != 0,
             model=self.model,
             verbose=verbose,
-            epochs=self.epochs_done + epochs,
+            epochs=last_epoch,
             steps=steps_per_epoch,
         )
         write_back_each_step = _needs_fresh_weights_per_step(callback_list)
         self.model.stop_training = False
         callback_list.on_train_begin()
-        batches = data_lib.EpochBatches(dataset, steps_per_epoch)
+        first_step, position = self._resume_position
+        self._resume_position = (0, 0)
+        self._batches = batches = data_lib.EpochBatches(dataset, steps_per_epoch, position)
         logs = {}
-        for epoch in range(self.epochs_done, self.epochs_done + epochs):
-            self._reset_metrics()
-            callback_list.on_epoch_begin(epoch)
-            logs = self._run_epoch(batches, callback_list, write_back_each_step)
-            if validation_data is not None:
-                val_x, val_y = _unpack_validation(validation_data)
-                val_logs = self.evaluate(val_x, val_y, batch_size=batch_size)
-                logs.update({f"val_{k}": v for k, v in val_logs.items()})
-            self.epochs_done = epoch + 1
-            self._state.write_back()
-            callback_list.on_epoch_end(epoch, logs)
-            if self.model.stop_training:
-                break
+        try:
+            for epoch in range(self.epochs_done, last_epoch):
+                self._reset_metrics()
+                callback_list.on_epoch_begin(epoch)
+                logs = self._run_epoch(batches, callback_list, write_back_each_step, first_step)
+                first_step = 0
+                if validation_data is not None:
+                    val_x, val_y = _unpack_validation(validation_data)
+                    val_logs = self.evaluate(val_x, val_y, batch_size=batch_size)
+                    logs.update({f"val_{k}": v for k, v in val_logs.items()})
+                self.epochs_done = epoch + 1
+                self._step_in_epoch = 0
+                self._state.write_back()
+                if self.config.checkpoint.dir:
+                    self._save_periodic()
+                callback_list.on_epoch_end(epoch, logs)
+                if self.model.stop_training:
+                    break
+        finally:
+            self._batches = None
         if self._state is not None:
             self._state.write_back()
         callback_list.on_train_end(logs)
@@ -303,7 +339,7 @@ class EPLTrainer:
             repeat=workers > 1,
         )
 
-    def _run_epoch(self, batches, callback_list, write_back_each_step) -> dict:
+    def _run_epoch(self, batches, callback_list, write_back_each_step, first_step=0) -> dict:
         program = self._ensure_program_for(batches.dataset)
         logs = {}
 
@@ -311,9 +347,11 @@ class EPLTrainer:
             nonlocal logs
             callback_list.on_train_batch_begin(index)
             start = time.perf_counter()
-            results = _run_checked(program.train_on_iterator, iterator)
+            with self._lost_worker_check():
+                results = _run_checked(program.train_on_iterator, iterator)
             batch = int(results.pop(BATCH_SIZE_KEY))
             logs = {name: float(value) for name, value in results.items()}
+            self._check_finite(logs, index)
             elapsed = time.perf_counter() - start
             logs["samples_per_sec"] = batch * self.cluster.worker_num / max(elapsed, 1e-9)
             if write_back_each_step:
@@ -321,14 +359,24 @@ class EPLTrainer:
             callback_list.on_train_batch_end(index, logs)
             return self.model.stop_training
 
-        if batches.run_epoch(step) == 0:
+        def after_step(index):
+            self._step_in_epoch = index + 1
+            every = self.config.checkpoint.save_steps
+            step = int(self.optimizer.iterations.numpy())
+            if self.config.checkpoint.dir and every and step % every == 0:
+                self._save_periodic()
+
+        # A resumed epoch may have no step left (killed between its last step's
+        # checkpoint and the epoch-end one).
+        if batches.run_epoch(step, first_step, after_step) == 0 and first_step == 0:
             raise ValueError(
                 "The training data yielded no batch. Check the dataset, batch_size "
                 "and steps_per_epoch."
             )
         # Epoch logs: metrics reduced over all workers, plus the last step's other values
         # (throughput, AMP loss scale and skipped steps).
-        metric_logs = self._logs()
+        with self._lost_worker_check():
+            metric_logs = self._logs()
         return {**metric_logs, **{k: v for k, v in logs.items() if k not in metric_logs}}
 
     def evaluate(self, x, y=None, batch_size=None, steps=None) -> dict:
@@ -340,17 +388,20 @@ class EPLTrainer:
             worker_index=self.cluster.worker_index,
             worker_num=self.cluster.worker_num,
         )
+        data_lib.check_element_spec(dataset.element_spec, self.model, with_labels=True)
         self._reset_metrics()
         if steps is not None:
             dataset = dataset.take(steps)
-        for element in dataset:
-            features, labels = data_lib.split_element(element, with_labels=True)
-            self._ensure_program(features).eval_step(features, labels)
-        return self._logs()
+        with self._lost_worker_check():
+            for element in dataset:
+                features, labels = data_lib.split_element(element, with_labels=True)
+                self._ensure_program(features).eval_step(features, labels)
+            return self._logs()
 
     def predict(self, x, batch_size=None):
         """Model outputs for `x` (numpy, structured like the model's outputs)."""
         dataset = data_lib.as_dataset(x, None, batch_size)
+        data_lib.check_element_spec(dataset.element_spec, self.model, with_labels=False)
         outputs = []
         for element in dataset:
             features, _ = data_lib.split_element(element, with_labels=False)
@@ -374,8 +425,11 @@ class EPLTrainer:
 
     # ---- checkpoints -----------------------------------------------------------------
 
-    def save_checkpoint(self, directory: str) -> str | None:
-        """Saves engine state (weights, optimizer slots, step); only worker 0 writes."""
+    def save_checkpoint(self, directory: str, keep_max: int | None = None) -> str | None:
+        """Saves engine state (weights, optimizer slots, loss scale, step, input position).
+
+        Only worker 0 writes; the `keep_max` newest checkpoints are kept (all if None).
+        """
         if self._state is None:
             raise ValueError("Nothing to save yet: call fit() (or restore) first.")
         if self.config.zero.level and self.cluster.worker_num > 1:
@@ -391,9 +445,15 @@ class EPLTrainer:
             return None
         if self._state.sharded:
             self._state.write_back()  # sharded variables are saved from the Keras model
-        metadata = {"epochs_done": self.epochs_done, "plan": self.plan.summary()}
+        metadata = {
+            "epochs_done": self.epochs_done,
+            # Inside fit: the position in the epoch in progress and in its data pass.
+            "step_in_epoch": self._step_in_epoch,
+            "input_position": 0 if self._batches is None else self._batches.position,
+            "plan": self.plan.summary(),
+        }
         variables, names = self._checkpoint_variables()
-        return ckpt.save(directory, variables, metadata, step, names)
+        return ckpt.save(directory, variables, metadata, step, names, keep_max)
 
     def restore_checkpoint(self, directory: str, features=None) -> str:
         """Restores the newest checkpoint in `directory` into every lane.
@@ -415,8 +475,50 @@ class EPLTrainer:
             variable.assign(values[key])
         self._copy_lane0_to_all()
         self.epochs_done = metadata.get("epochs_done", 0)
+        self._step_in_epoch = metadata.get("step_in_epoch", 0)
+        self._resume_position = (self._step_in_epoch, metadata.get("input_position", 0))
         self._state.write_back()
         return path
+
+    def _auto_resume(self, dataset) -> bool:
+        """checkpoint.dir: a trainer that has not run yet restores the newest checkpoint.
+
+        A damaged newest checkpoint stops here with its CheckpointError rather than
+        training from scratch and overwriting the folder's history.
+        """
+        directory = self.config.checkpoint.dir
+        if not directory or self._state is not None or not ckpt.exists(directory):
+            return False
+        self._ensure_program_for(dataset)
+        path = self.restore_checkpoint(directory)
+        logger.info(
+            "Resumed from %s: epoch %d, step %d of it.", path, self.epochs_done, self._step_in_epoch
+        )
+        return True
+
+    def _save_periodic(self) -> None:
+        self.save_checkpoint(self.config.checkpoint.dir, keep_max=self.config.checkpoint.keep_max)
+
+    def _lost_worker_check(self):
+        return detect_lost_workers(self.cluster, self.config.communication.timeout_seconds)
+
+    def _check_finite(self, logs: dict, index: int) -> None:
+        """Stops (or warns, optimizer.nonfinite_loss="skip") after a skipped non-finite step."""
+        count = int(logs.get("nonfinite_steps", 0))
+        if count <= self._nonfinite_seen:
+            return
+        self._nonfinite_seen = count
+        step = int(self.optimizer.iterations.numpy())
+        where = f"training step {step} (epoch {self.epochs_done + 1}, batch {index})"
+        if self.config.optimizer.nonfinite_loss == "skip":
+            logger.warning("Non-finite loss at %s: the step was skipped.", where)
+            return
+        raise NonFiniteLossError(
+            f"The loss or its gradients are not finite (NaN or Inf) at {where}. The step was "
+            "not applied: weights and optimizer state are those before it. Look for the "
+            "source (learning rate, input data, a log of zero), or set "
+            "optimizer.nonfinite_loss='skip' to skip such steps."
+        )
 
     def _checkpoint_variables(self) -> tuple[dict, dict]:
         """Lane 0's state under positional keys, and readable names for those keys."""
@@ -435,7 +537,11 @@ class EPLTrainer:
             add(f"non_trainable/{i}", state.non_trainable[0][i].value, v.path)
         for key, v in self._program.update.checkpoint_variables().items():
             if v is not self.optimizer._learning_rate:
-                add(key, v.value, f"{key} ({v.path})")
+                # The loss scaler's state is plain tf.Variables, not Keras variables.
+                if isinstance(v, keras.Variable):
+                    add(key, v.value, f"{key} ({v.path})")
+                else:
+                    add(key, v, f"{key} ({v.name})")
         add("optimizer/iterations", self.optimizer.iterations.value, "optimizer iterations")
         if isinstance(self.optimizer._learning_rate, keras.Variable):
             add("optimizer/learning_rate", self.optimizer._learning_rate.value, "learning rate")
@@ -473,7 +579,9 @@ class EPLTrainer:
                 devices[0].rsplit("/device:", 1)[0] + "/device:CPU:0"
                 for devices in self.cluster.devices_by_worker
             )
-            group = comm.CollectiveGroup(hosts, (self.cluster.host_device,))
+            group = comm.CollectiveGroup(
+                hosts, (self.cluster.host_device,), self.config.communication.timeout_seconds
+            )
             variables = [v for m in metrics for v in m.variables]
             buckets = comm.plan_buckets([1] * len(variables), [v.dtype for v in variables], 1)
 
@@ -562,14 +670,8 @@ def _output_names(model) -> list[str]:
     return list(names) if names else ["output"]
 
 
-_NOT_YET = {
-    # key: (value meaning "off", issue that builds it)
-    "communication.fp16": (False, "communication options"),
-}
-
-
 def _check_supported(config: Config) -> None:
-    """Refuses settings whose feature is not built yet instead of silently ignoring them."""
+    """Refuses settings that cannot apply instead of silently ignoring them."""
     values = config.to_dict()
     if values["pipeline.num_stages"] is not None and not values["auto.auto_parallel"]:
         raise ValueError(
@@ -577,12 +679,6 @@ def _check_supported(config: Config) -> None:
             "(auto.auto_parallel=True); give stages with epl.replicate scopes or stages=. "
             f"Received: pipeline.num_stages={values['pipeline.num_stages']}"
         )
-    for key, (off, feature) in _NOT_YET.items():
-        if values[key] != off:
-            raise NotImplementedError(
-                f"{key}={values[key]!r} is not implemented yet in epl_trainer ({feature}). "
-                f"Remove it or set it to {off!r}."
-            )
 
 
 def _needs_fresh_weights_per_step(callback_list) -> bool:

@@ -1,5 +1,6 @@
 """Engine checkpoints: a restored run continues exactly as the uninterrupted one."""
 
+import json
 import os
 
 import keras
@@ -77,7 +78,7 @@ def test_corrupted_checkpoint_data_names_the_file(tmp_path):
         if ".data-" in name:
             with open(os.path.join(path, name), "r+b") as f:
                 f.truncate(10)
-    with pytest.raises(CheckpointError, match="unreadable"):
+    with pytest.raises(CheckpointError, match=r"state\.data-.* is truncated or corrupted"):
         _trainer(mlp()).restore_checkpoint(str(tmp_path))
     assert os.path.isdir(path)  # never removed or overwritten by a failed restore
 
@@ -98,3 +99,126 @@ def test_checkpoint_of_a_different_model_is_rejected(tmp_path):
     trainer.save_checkpoint(str(tmp_path))
     with pytest.raises(CheckpointError, match="shape"):
         _trainer(mlp(width=32)).restore_checkpoint(str(tmp_path))
+
+
+def test_amp_loss_scale_state_is_restored(tmp_path):
+    config = {
+        "cluster.virtual_devices": 1,
+        "amp.level": "O1",
+        "amp.dtype": "float16",  # bfloat16 has a fixed scale of 1
+        "amp.initial_scale_power": 4,
+        "amp.loss_scale_window": 2,
+    }
+    trainer = epl.EPLTrainer(mlp(), LOSS, keras.optimizers.Adam(0.01), config=config)
+    trainer.fit(_dataset(), epochs=1, verbose=0)  # 4 clean steps: the scale doubles twice
+    scale = float(trainer._program.update.scaler.scale())
+    assert scale == 2.0**6
+    trainer.save_checkpoint(str(tmp_path))
+    resumed = epl.EPLTrainer(mlp(seed=3), LOSS, keras.optimizers.Adam(0.01), config=config)
+    resumed.restore_checkpoint(str(tmp_path))
+    assert float(resumed._program.update.scaler.scale()) == scale
+
+
+def test_keep_max_keeps_only_the_newest(tmp_path):
+    trainer = _trainer(mlp())
+    for _ in range(3):
+        trainer.fit(_dataset(), epochs=1, verbose=0)
+        trainer.save_checkpoint(str(tmp_path), keep_max=2)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt-12", "ckpt-8", "latest"]
+
+
+def test_stale_temporary_folders_of_dead_saves_are_removed(tmp_path):
+    stale = tmp_path / ".tmp-ckpt-4-999999999"  # no such process
+    stale.mkdir(parents=True)
+    (stale / "state.index").write_text("half written")
+    trainer = _trainer(mlp())
+    trainer.fit(_dataset(), epochs=1, verbose=0)
+    trainer.save_checkpoint(str(tmp_path))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt-4", "latest"]
+
+
+class _Interrupt(Exception):
+    pass
+
+
+def test_fit_with_checkpoint_dir_resumes_mid_epoch_like_an_uninterrupted_run(tmp_path):
+    config = {"checkpoint.dir": str(tmp_path), "checkpoint.save_steps": 3}
+    uninterrupted = mlp()
+    _trainer(uninterrupted).fit(_dataset(), epochs=2, verbose=0)
+
+    class InterruptAtStep7(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            if int(self.model.optimizer.iterations.numpy()) == 7:
+                raise _Interrupt()
+
+    first = epl.EPLTrainer(
+        mlp(), LOSS, keras.optimizers.Adam(0.01), config={"cluster.virtual_devices": 2, **config}
+    )
+    with pytest.raises(_Interrupt):
+        first.fit(_dataset(), epochs=2, callbacks=[InterruptAtStep7()], verbose=0)
+    # Saved at steps 3, 4 (the first epoch's end) and 6: the second epoch's third batch is next.
+    assert (tmp_path / "latest").read_text() == "ckpt-6"
+
+    resumed_model = mlp(seed=5)
+    resumed = epl.EPLTrainer(
+        resumed_model,
+        LOSS,
+        keras.optimizers.Adam(0.01),
+        config={"cluster.virtual_devices": 2, **config},
+    )
+    history = resumed.fit(_dataset(), epochs=2, verbose=0)  # epochs counts from the start
+    assert history.epoch == [1]
+    assert resumed.epochs_done == 2
+    assert max_weight_difference(uninterrupted, resumed_model) == 0.0
+
+
+def test_damaged_newest_checkpoint_stops_auto_resume_and_is_kept(tmp_path):
+    trainer = _trainer(mlp())
+    trainer.fit(_dataset(), epochs=1, verbose=0)
+    path = trainer.save_checkpoint(str(tmp_path))
+    (data,) = [os.path.join(path, n) for n in os.listdir(path) if ".data-" in n]
+    with open(data, "r+b") as f:
+        f.truncate(10)
+    before = sorted(os.listdir(tmp_path)), sorted(os.listdir(path))
+    resumed = epl.EPLTrainer(
+        mlp(),
+        LOSS,
+        keras.optimizers.Adam(0.01),
+        config={"cluster.virtual_devices": 2, "checkpoint.dir": str(tmp_path)},
+    )
+    with pytest.raises(CheckpointError, match=r"state\.data-00000-of-00001' is truncated"):
+        resumed.fit(_dataset(), epochs=2, verbose=0)
+    assert (sorted(os.listdir(tmp_path)), sorted(os.listdir(path))) == before
+    assert os.path.getsize(data) == 10
+
+
+def test_resume_with_steps_per_epoch_continues_the_same_pass(tmp_path):
+    # 8 batches, 3 steps per epoch: one iterator runs on across epochs (Keras semantics),
+    # so the input position differs from the step within the epoch.
+    def fit(model, callbacks=(), **config):
+        config = {"cluster.virtual_devices": 2, **config}
+        trainer = epl.EPLTrainer(model, LOSS, keras.optimizers.Adam(0.01), config=config)
+        dataset = tf.data.Dataset.from_tensor_slices(mlp_data()).batch(8)
+        return trainer.fit(
+            dataset, epochs=3, steps_per_epoch=3, callbacks=list(callbacks), verbose=0
+        )
+
+    uninterrupted = mlp()
+    fit(uninterrupted)
+
+    class InterruptAtStep5(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            if int(self.model.optimizer.iterations.numpy()) == 5:
+                raise _Interrupt()
+
+    config = {"checkpoint.dir": str(tmp_path), "checkpoint.save_steps": 2}
+    with pytest.raises(_Interrupt):
+        fit(mlp(), [InterruptAtStep5()], **config)
+    # The newest checkpoint is step 4: the second epoch's first step, batch 4 of the pass.
+    assert (tmp_path / "latest").read_text() == "ckpt-4"
+    metadata = json.loads((tmp_path / "ckpt-4" / "metadata.json").read_text())
+    position = metadata["epochs_done"], metadata["step_in_epoch"], metadata["input_position"]
+    assert position == (1, 1, 4)
+    resumed = mlp(seed=7)
+    fit(resumed, **config)
+    assert max_weight_difference(uninterrupted, resumed) == 0.0

@@ -327,3 +327,100 @@ def test_plan_buckets_counts_contiguity_and_balance(max_splits, record_property)
         assert stats["float32"][0] == stats["float16"][0] == 1
     if max_splits == 5:
         assert stats["float32"][0] == stats["float16"][0] == 5
+
+
+# ---- lane-by-lane collectives (split layers) and their gradients --------------------------
+
+
+def _lane_collectives(n):
+    devices = tuple(f"/device:CPU:{i}" for i in range(n))
+    first = comm.reserve_instance_keys(1000)
+    return [
+        comm.LaneCollectives(comm.CollectiveGroup(devices, (d,)), first, limit=1000)
+        for d in devices
+    ]
+
+
+def test_gather_rows_and_its_reduce_scatter_gradient():
+    """Lane j: y_j = gather(x)_all-rows * w_j, loss_j = sum(y_j). d loss_total / d x_m =
+    sum_j w_j (the rows of x_m appear in every lane's gather)."""
+    n, rows = 4, 3
+    rng = np.random.default_rng(0)
+    xs = [rng.normal(size=(rows, 2)).astype("float32") for _ in range(n)]
+    ws = [rng.normal(size=(n * rows, 2)).astype("float32") for _ in range(n)]
+
+    @tf.function
+    def step():
+        lanes = _lane_collectives(n)
+        gathered, grads = [], []
+        tapes = []
+        for lane, x, w in zip(lanes, xs, ws):  # each lane traced on its own, in turn
+            with tf.device(lane.device):
+                x = tf.constant(x)
+                tape = tf.GradientTape()
+                with tape:
+                    tape.watch(x)
+                    g = lane.gather_rows(x)
+                    loss = tf.reduce_sum(g * w)
+                gathered.append(g)
+                tapes.append((tape, loss, x))
+        for tape, loss, x in tapes:
+            grads.append(tape.gradient(loss, x))
+        return gathered, grads
+
+    gathered, grads = step()
+    full = np.concatenate(xs)
+    for g in gathered:
+        np.testing.assert_allclose(g.numpy(), full)
+    total_w = np.sum(ws, axis=0)
+    for m, g in enumerate(grads):
+        np.testing.assert_allclose(g.numpy(), total_w[m * rows : (m + 1) * rows], rtol=1e-6)
+
+
+def test_all_to_all_and_its_gradient_is_the_reverse_exchange():
+    n = 4
+    rng = np.random.default_rng(1)
+    xs = [rng.normal(size=(n * 2, 3)).astype("float32") for _ in range(n)]
+    ws = [rng.normal(size=(n * 2, 3)).astype("float32") for _ in range(n)]
+
+    @tf.function
+    def step():
+        lanes = _lane_collectives(n)
+        outs, tapes = [], []
+        for lane, x, w in zip(lanes, xs, ws):
+            with tf.device(lane.device):
+                x = tf.constant(x)
+                tape = tf.GradientTape()
+                with tape:
+                    tape.watch(x)
+                    out = lane.all_to_all(x)
+                    loss = tf.reduce_sum(out * w)
+                outs.append(out)
+                tapes.append((tape, loss, x))
+        return outs, [tape.gradient(loss, x) for tape, loss, x in tapes]
+
+    outs, grads = step()
+    for r, out in enumerate(outs):  # block m of lane r's output = block r of lane m's input
+        for m in range(n):
+            np.testing.assert_allclose(out.numpy()[2 * m : 2 * m + 2], xs[m][2 * r : 2 * r + 2])
+    for m, g in enumerate(grads):  # d/dx_m[block r] = w_r[block m]
+        for r in range(n):
+            np.testing.assert_allclose(g.numpy()[2 * r : 2 * r + 2], ws[r][2 * m : 2 * m + 2])
+
+
+def test_lane_reduce_max_and_sum():
+    n = 4
+
+    @tf.function
+    def step():
+        lanes = _lane_collectives(n)
+        results = []
+        for j, lane in enumerate(lanes):
+            with tf.device(lane.device):
+                value = tf.constant([float(j), -float(j)])
+                results.append((lane.reduce(value, "max"), lane.reduce(value, "sum")))
+        return results
+
+    for maximum, total in step():
+        np.testing.assert_array_equal(maximum.numpy(), [3.0, 0.0])
+        np.testing.assert_array_equal(total.numpy(), [6.0, -6.0])

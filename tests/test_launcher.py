@@ -48,7 +48,7 @@ def run_dir(tmp_path: Path) -> Path:
     return only
 
 
-def worker_log(tmp_path: Path, index: int) -> str:
+def worker_log(tmp_path: Path, index: int | str) -> str:
     return (run_dir(tmp_path) / f"worker_{index}.log").read_text()
 
 
@@ -394,3 +394,48 @@ def test_stop_kills_workers_that_ignore_sigterm(tmp_path, capfd):
     assert 0.4 < time.monotonic() - start < 5
     assert job.workers[0].process.returncode == -signal.SIGKILL
     assert "ready" in capfd.readouterr().out
+
+
+# Records each attempt's TF_CONFIG port and fails (worker 1 by SIGKILL) until attempt K.
+RESTARTING_PY = """\
+import json, os, pathlib, signal, sys
+attempt = int(os.environ["EPL_RESTART_ATTEMPT"])
+index = os.environ["EPL_WORKER_INDEX"]
+port = json.loads(os.environ["TF_CONFIG"])["cluster"]["worker"][int(index)].split(":")[1]
+with open(pathlib.Path(sys.argv[1]) / f"attempts_{index}", "a") as f:
+    f.write(f"{attempt} {port}\\n")
+print(f"worker {index} attempt {attempt}")
+if attempt < int(sys.argv[2]) and index == "1":
+    os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(
+    ("max_restarts", "succeeds_at", "expected", "attempts"),
+    [(2, 1, 0, 2), (1, 5, 137, 2), (0, 1, 137, 1)],
+)
+def test_max_restarts_restarts_the_whole_job(
+    tmp_path, capfd, max_restarts, succeeds_at, expected, attempts
+):
+    script = write_script(tmp_path, "restart.py", RESTARTING_PY)
+    argv = ["--num_workers", "2", "--gpu_per_worker", "1", "--log_dir", str(tmp_path / "logs")]
+    argv += ["--max_restarts", str(max_restarts), str(script), str(tmp_path), str(succeeds_at)]
+    assert launcher.main(argv) == expected
+    for index in range(2):
+        lines = (tmp_path / f"attempts_{index}").read_text().split("\n")[:-1]
+        assert [int(line.split()[0]) for line in lines] == list(range(attempts))
+    ports = {line.split()[1] for line in (tmp_path / "attempts_0").read_text().splitlines()}
+    assert len(ports) == attempts  # every attempt gets fresh ports
+    err = capfd.readouterr().err
+    assert err.count("worker 1 was killed by SIGKILL") == min(attempts, succeeds_at)
+    for attempt in range(1, attempts):
+        assert f"restart {attempt}/{max_restarts}: starting 2 worker(s)" in err
+        assert f"worker 1 attempt {attempt}" in worker_log(tmp_path, f"1.restart_{attempt}")
+
+
+@pytest.mark.timeout(60)
+def test_a_timed_out_job_is_not_restarted(tmp_path, capfd):
+    script = write_script(tmp_path, "sleep.py", "import time\ntime.sleep(60)\n")
+    assert launch(tmp_path, script, "--timeout", "0.5", "--max_restarts", "3") == 124
+    assert "restart" not in capfd.readouterr().err

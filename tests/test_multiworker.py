@@ -39,8 +39,8 @@ def _launch(tmp_path, num_workers, devices_per_worker, *script_args):
     return subprocess.run(command, capture_output=True, text=True, timeout=200, env=env)
 
 
-def _single_process_weights(steps=3, global_batch=16):
-    model = train_dp.make_model()
+def _single_process_weights(steps=3, global_batch=16, classes=3):
+    model = train_dp.make_model(classes)
     trainer = epl.EPLTrainer(
         model,
         keras.losses.SparseCategoricalCrossentropy(from_logits=True),
@@ -82,4 +82,16 @@ def test_two_stages_per_worker_with_data_parallelism_between_workers(tmp_path):
     weights = [np.load(tmp_path / "out" / f"weights_{w}.npz") for w in range(2)]
     for w in range(2):
         for i, value in enumerate(_single_process_weights()):
+            np.testing.assert_allclose(weights[w][f"arr_{i}"], value, atol=1e-5)
+
+
+def test_split_classifier_per_worker_with_data_parallelism_between_workers(tmp_path):
+    """replicate(2) + split(2) on each worker: two replicas, one per worker; each shard's
+    gradient is reduced across the workers."""
+    result = _launch(tmp_path, 2, 2, "--split")
+    assert result.returncode == 0, result.stdout + result.stderr
+    weights = [np.load(tmp_path / "out" / f"weights_{w}.npz") for w in range(2)]
+    expected = _single_process_weights(classes=4)
+    for w in range(2):
+        for i, value in enumerate(expected):
             np.testing.assert_allclose(weights[w][f"arr_{i}"], value, atol=1e-5)

@@ -123,13 +123,15 @@ def test_each_lane_holds_one_column_shard():
 def test_resnet_like_features_with_a_large_split_classifier(classes):
     x, y = image_data(48, classes)
     reference = resnet_like(classes)
-    keras_reference(reference, x, y, keras.optimizers.SGD(0.1), batch_size=16, steps=3)
+    history = keras_reference(reference, x, y, keras.optimizers.SGD(0.1), batch_size=16, steps=3)
     reference_loss = float(LOSS(y[32:48], reference(x[32:48])))
 
     model = resnet_like(classes)
     trainer = split_trainer(model, 4)
-    trainer.fit(x, y, batch_size=16, epochs=1, steps_per_epoch=3, verbose=0)
+    ours = trainer.fit(x, y, batch_size=16, epochs=1, steps_per_epoch=3, verbose=0)
     assert max_weight_difference(reference, model) < ATOL
+    # The training loss (mean over the 3 steps, as Keras reports it) agrees too.
+    assert ours.history["loss"][0] == pytest.approx(history.history["loss"][0], abs=1e-5)
     loss = trainer.evaluate(x[32:48], y[32:48], batch_size=16)["loss"]
     assert loss == pytest.approx(reference_loss, abs=1e-5)
 
@@ -289,3 +291,20 @@ def test_metrics_other_than_accuracy_on_a_split_output_are_refused():
         lambda: split_trainer(head_model(), 2, metrics=["sparse_top_k_categorical_accuracy"])
     )
     assert "sparse_top_k_categorical_accuracy" in message
+
+
+def test_split_head_under_bf16_amp_trains_close_to_float32():
+    x, y = data()
+    fp32 = head_model()
+    split_trainer(fp32, 4).fit(x, y, batch_size=16, steps_per_epoch=3, verbose=0)
+    bf16 = head_model()
+    trainer = split_trainer(bf16, 4, **{"amp.level": "O1", "amp.dtype": "bfloat16"})
+    history = trainer.fit(x, y, batch_size=16, steps_per_epoch=3, verbose=0)
+    assert np.isfinite(history.history["loss"][0])
+    assert max_weight_difference(fp32, bf16) < 2e-2
+
+
+def test_plan_summary_names_the_colocated_split():
+    trainer = split_trainer(head_model(), 2)
+    summary = trainer.plan.summary()
+    assert "split layers are sharded" in summary and "Pipeline:" not in summary

@@ -256,19 +256,7 @@ def test_subclassed_model_trains_data_parallel():
     assert max_weight_difference(reference, model) < ATOL
 
 
-def test_unbuilt_features_are_refused_not_ignored():
-    with pytest.raises(
-        NotImplementedError, match=r"communication\.fp16=True is not implemented yet"
-    ):
-        _trainer(mlp(), 2, **{"communication.fp16": True})
-    with pytest.raises(NotImplementedError, match="split TaskGraphs"):
-        epl.EPLTrainer(
-            mlp(),
-            LOSS,
-            "sgd",
-            split=["logits"],
-            config={"cluster.virtual_devices": 2, "cluster.colocate_split_and_replicate": True},
-        )
+def test_settings_that_cannot_apply_are_refused_not_ignored():
     with pytest.raises(ValueError, match="num_stages only applies"):
         _trainer(mlp(), 2, **{"pipeline.num_stages": 2})
 

@@ -65,6 +65,10 @@ def build_engine(
         num_communicators=config.communication.num_communicators,
         clip_after_allreduce=config.communication.clip_after_allreduce,
         pipeline_strategy=config.pipeline.strategy,
+        fp16_scale=config.communication.fp16_scale if config.communication.fp16 else None,
+        # ZeRO exchanges flat dense buffers, so it reduces slices as dense tensors.
+        sparse_gradients=not config.communication.sparse_as_dense and not config.zero.level,
+        collective_timeout_seconds=config.communication.timeout_seconds,
     )
     program = Program(
         staged,
@@ -79,10 +83,23 @@ def build_engine(
         step_counter=step_counter,
     )
     if split_layers:
-        apply_split(program, split.SplitRuntime(split_layers, lanes, lanes_in_job, split_width))
+        runtime = split.SplitRuntime(
+            split_layers,
+            lanes,
+            lanes_in_job,
+            split_width,
+            timeout_seconds=config.communication.timeout_seconds,
+        )
+        apply_split(program, runtime)
     if config.gradient_checkpoint.type:
         apply_recompute(program, config.gradient_checkpoint)
     if config.zero.level:
+        if config.communication.fp16:
+            raise ValueError(
+                "communication.fp16 compresses all-reduced gradients; ZeRO reduce-scatters "
+                f"them and does not support it yet. Received: zero.level={config.zero.level!r}, "
+                "communication.fp16=True"
+            )
         if offload or config.optimizer.num_apply_group > 1:
             raise ValueError(
                 "zero.level shards the optimizer across replicas and cannot be combined with "
@@ -101,6 +118,8 @@ def build_engine(
         )
     if config.amp.level:
         apply_amp(program, config.amp, host_device)
+    else:
+        apply_nonfinite_guard(program, host_device, config.optimizer.nonfinite_loss == "skip")
     return state, program
 
 
@@ -138,6 +157,62 @@ def apply_split(program: Program, runtime) -> None:
         call = split.split_stage_call(stage.model, runtime, training_kwargs)
         program.stage_calls[k] = call
         program.eval_stage_calls[k] = call
+
+
+def apply_nonfinite_guard(program: Program, host_device: str, skip_metrics: bool) -> None:
+    """Without AMP: a step whose gradients are not finite is skipped everywhere and counted.
+
+    A NaN or Inf loss gives non-finite gradients, and applying them would destroy the
+    weights and the optimizer state. As under AMP (where the loss scaler owns this), every
+    lane checks its gradients and one scalar all-reduce makes the decision global. The
+    trainer reads the `nonfinite_steps` log after each step and stops with an error
+    naming the step, or warns and goes on (`optimizer.nonfinite_loss`); when it goes on
+    (`skip_metrics`), non-finite micro-batch losses are also left out of the running
+    metrics, so one bad batch does not turn the epoch's loss into NaN.
+    """
+    with tf.init_scope(), tf.device(host_device):
+        count = tf.Variable(0, dtype=tf.int64, trainable=False, name="nonfinite_steps")
+    inner = program.update
+    everyone = program.stage_groups[0]
+
+    def update_if_finite(lane_grads: list[list]) -> None:
+        flags = []
+        for lane, grads in zip(program.lanes, lane_grads):
+            with tf.device(lane.devices[0]):
+                flags.append(tf.cast(amp.all_finite(grads), tf.float32))
+        finite_everywhere = everyone.all_reduce(flags, "sum")[0] >= everyone.size
+        applied = amp.apply_if_finite(finite_everywhere, lambda: inner(lane_grads))
+        with tf.device(host_device):
+            count.assign_add(tf.cast(tf.logical_not(applied), tf.int64))
+
+    if skip_metrics:
+        update_metrics = program._update_metrics
+
+        def update_finite_metrics(labels, y_pred, loss) -> None:
+            def update():
+                update_metrics(labels, y_pred, loss)
+                return tf.constant(True)
+
+            with tf.device(host_device):
+                finite = tf.reduce_all(tf.math.is_finite(loss))
+            tf.cond(finite, update, lambda: tf.constant(False))
+
+        program._update_metrics = update_finite_metrics
+    program.extra_logs["nonfinite_steps"] = count.value
+    program.update = GuardedUpdate(inner, update_if_finite)
+
+
+class GuardedUpdate:
+    """An update wrapped by a finiteness check: same interface and state as `inner`."""
+
+    def __init__(self, inner, call):
+        self.inner, self._call = inner, call
+
+    def __call__(self, lane_grads) -> None:
+        self._call(lane_grads)
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
 
 
 def apply_amp(program: Program, amp_config, host_device: str) -> None:

@@ -92,10 +92,14 @@ class CollectiveGroup:
     Attributes:
       devices: every member of the group, in a globally agreed order.
       local_devices: the members that live in this process.
+      timeout_seconds: how long a collective may wait for its peers before it fails with
+        `DeadlineExceededError` (0: forever). A dead worker never joins, so without a
+        bound its peers would hang (`communication.timeout_seconds`).
     """
 
     devices: tuple[str, ...]
     local_devices: tuple[str, ...]
+    timeout_seconds: float = 0.0
 
     @property
     def size(self) -> int:
@@ -143,7 +147,7 @@ class CollectiveGroup:
                         merge_op="Add",
                         final_op="Div" if reduction == "mean" else "Id",
                         communication_hint="auto",
-                        timeout_seconds=0.0,
+                        timeout_seconds=self.timeout_seconds,
                     )
                 )
         return results
@@ -194,7 +198,7 @@ class CollectiveGroup:
                             instance_key=instance_key,
                             ordering_token=[ordering_token(device, 0)],
                             communication_hint="auto",
-                            timeout_seconds=0.0,
+                            timeout_seconds=self.timeout_seconds,
                         )
                     )
             return results[0]
@@ -245,7 +249,7 @@ class CollectiveGroup:
                         merge_op="Add",
                         final_op="Div" if reduction == "mean" else "Id",
                         communication_hint="nccl",
-                        timeout_seconds=0.0,
+                        timeout_seconds=self.timeout_seconds,
                     )
                 else:
                     # No CPU kernel exists for CollectiveReduceScatterV2. An all-to-all
@@ -258,7 +262,7 @@ class CollectiveGroup:
                         instance_key=instance_key,
                         ordering_token=token,
                         communication_hint="auto",
-                        timeout_seconds=0.0,
+                        timeout_seconds=self.timeout_seconds,
                     )
                     chunk = tf.reduce_sum(received, axis=0)
                     if reduction == "mean":
@@ -304,7 +308,7 @@ class CollectiveGroup:
                     instance_key=instance_key,
                     ordering_token=[ordering_token(device, chain)],
                     communication_hint="auto",
-                    timeout_seconds=0.0,
+                    timeout_seconds=self.timeout_seconds,
                 )
                 if value.dtype == tf.bfloat16:
                     gathered = tf.bitcast(gathered, tf.bfloat16)
@@ -385,6 +389,7 @@ def fused_all_reduce(
     buckets: Sequence[Sequence[int]],
     reduction: str,
     num_chains: int = 1,
+    wire_fp16_scale: float | None = None,
 ) -> list[list[tf.Tensor]]:
     """All-reduces lists of tensors, one collective per bucket of flattened tensors.
 
@@ -395,6 +400,9 @@ def fused_all_reduce(
       buckets: index lists from `plan_buckets`.
       reduction: "mean" or "sum".
       num_chains: buckets are spread round-robin over this many ordering chains.
+      wire_fp16_scale: `communication.fp16`: float32 buckets travel as float16 after
+        being multiplied by this scale (so small gradients do not underflow), and are
+        divided by it again after the reduction. None sends buckets as they are.
 
     Returns:
       The reduced tensors, same structure as `per_member`.
@@ -407,7 +415,13 @@ def fused_all_reduce(
         for device, tensors in zip(group.local_devices, per_member):
             with tf.device(device):
                 flats.append(tf.concat([tf.reshape(tensors[i], [-1]) for i in bucket], axis=0))
+        dtype = flats[0].dtype
+        compress = wire_fp16_scale is not None and dtype == tf.float32
+        if compress:
+            flats = [_to_fp16_wire(flat, wire_fp16_scale) for flat in flats]
         reduced = group.all_reduce(flats, reduction, chain=bucket_index % num_chains)
+        if compress:
+            reduced = [_from_fp16_wire(flat, wire_fp16_scale, dtype) for flat in reduced]
         for member, (device, flat) in enumerate(zip(group.local_devices, reduced)):
             template = per_member[member]
             with tf.device(device):
@@ -415,6 +429,46 @@ def fused_all_reduce(
                 for i, piece in zip(bucket, pieces):
                     results[member][i] = tf.reshape(piece, tf.shape(template[i]))
     return results
+
+
+def all_gather_slices(
+    group: CollectiveGroup, per_member: Sequence[tf.IndexedSlices], reduction: str
+) -> list[tf.IndexedSlices]:
+    """Reduces sparse (IndexedSlices) gradients by gathering every member's rows.
+
+    The result holds every member's (index, row) pairs; repeated indices are summed by
+    whoever applies it (Keras optimizers do), so it equals the dense all-reduce without
+    moving a dense [vocabulary, dim] tensor. "mean" divides the rows by the group size.
+    """
+    if reduction not in ("mean", "sum"):
+        raise ValueError(f"reduction must be 'mean' or 'sum'. Received: {reduction!r}")
+    if group.size == 1:
+        return list(per_member)
+    row_shape = per_member[0].values.shape[1:]
+    flat_values = []
+    for device, g in zip(group.local_devices, per_member):
+        with tf.device(device):
+            flat_values.append(tf.reshape(g.values, [-1]))
+    values = group.all_gather(flat_values)
+    indices = group.all_gather([g.indices for g in per_member])
+    results = []
+    for device, v, i, g in zip(group.local_devices, values, indices, per_member):
+        with tf.device(device):
+            rows = tf.reshape(v, [-1, *row_shape])
+            if reduction == "mean":
+                rows = rows / tf.cast(group.size, rows.dtype)
+            results.append(tf.IndexedSlices(rows, i, g.dense_shape))
+    return results
+
+
+def _to_fp16_wire(flat, scale: float):
+    with tf.device(flat.device):
+        return tf.cast(flat * scale, tf.float16)
+
+
+def _from_fp16_wire(flat, scale: float, dtype):
+    with tf.device(flat.device):
+        return tf.cast(flat, dtype) * (1.0 / scale)
 
 
 def _num_elements(tensor) -> int:
@@ -485,7 +539,7 @@ class LaneCollectives:
             instance_key=self._next_key(),
             ordering_token=[ordering_token(self.device, 0)],
             communication_hint="auto",
-            timeout_seconds=0.0,
+            timeout_seconds=self.group.timeout_seconds,
         )
 
     def _gather(self, x):

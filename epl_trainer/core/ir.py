@@ -223,7 +223,12 @@ class Plan:
             _format_row(["-" * w for w in widths], widths),
         ]
         lines += [_format_row(row, widths) for row in rows]
-        if self.num_taskgraphs > 1:
+        if any(tg.kind == "split" for tg in self.taskgraphs) and self.colocate_split_and_replicate:
+            lines.append(
+                "Split: the TaskGraphs share each lane's device; split layers are sharded "
+                "across the devices of a replica"
+            )
+        elif self.num_taskgraphs > 1:
             lines.append(
                 f"Pipeline: {self.num_taskgraphs} TaskGraphs, strategy {self.pipeline_strategy}"
             )

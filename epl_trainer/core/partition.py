@@ -231,11 +231,18 @@ def _build_stage(index, nodes, producer_stage, consumer_stages, model_output_key
                 "shared across stages must be in one stage. Assign all calls of that layer "
                 "to the same stage."
             )
+    input_tensors = [tensors[k] for k in inputs]
+    # keras.Model re-creates the node of a model Input given here and points the Input
+    # tensor's history at that new node, which the user's model does not know: its
+    # get_config (to_json, save, TensorBoard's graph) would then fail. Restore them.
+    histories = [(t, t._keras_history) for t in input_tensors]
     sub_model = keras.Model(
-        inputs=[tensors[k] for k in inputs],
+        inputs=input_tensors,
         outputs=[tensors[k] for k in outputs],
         name=f"stage_{index}",
     )
+    for tensor, history in histories:
+        tensor._keras_history = history
     names = tuple(dict.fromkeys(node.operation.name for node in nodes))
     return Stage(index, sub_model, tuple(inputs), tuple(outputs), names)
 

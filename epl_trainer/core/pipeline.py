@@ -178,12 +178,32 @@ class LaneExecutor:
                 output_gradients=output_gradients,
                 unconnected_gradients=tf.UnconnectedGradients.ZERO,
             )
-            computed = [tf.convert_to_tensor(g) for g in computed]
+            keep_slices = getattr(self.hooks, "sparse_gradients", False)
+            computed = [
+                g if keep_slices and position < len(run.variables) and _is_slices(g)
+                else tf.convert_to_tensor(g)
+                for position, g in enumerate(computed)
+            ]
             for i, g in zip(self.trainable_idx[k], computed[: len(run.variables)]):
-                grads[i] = g if grads[i] is None else grads[i] + g
+                grads[i] = g if grads[i] is None else accumulate(grads[i], g)
             for (key, _), g in zip(float_inputs, computed[len(run.variables) :]):
                 mb.upstream[key] = g if key not in mb.upstream else mb.upstream[key] + g
         return computed
+
+
+def _is_slices(gradient) -> bool:
+    return isinstance(gradient, tf.IndexedSlices)
+
+
+def accumulate(total, gradient):
+    """Sum of two gradients; two IndexedSlices stay slices (their rows concatenated)."""
+    if _is_slices(total) and _is_slices(gradient):
+        return tf.IndexedSlices(
+            tf.concat([total.values, gradient.values], axis=0),
+            tf.concat([total.indices, gradient.indices], axis=0),
+            total.dense_shape,
+        )
+    return tf.convert_to_tensor(total) + tf.convert_to_tensor(gradient)
 
 
 def stateless_stage_call(model):

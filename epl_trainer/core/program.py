@@ -49,6 +49,11 @@ class ProgramOptions:
     num_communicators: int
     clip_after_allreduce: bool = False
     pipeline_strategy: str = "PreferBackward"
+    fp16_scale: float | None = None  # communication.fp16: gradients cross as float16
+    # communication.sparse_as_dense=False: embedding gradients (IndexedSlices) are
+    # all-gathered as slices instead of being made dense and all-reduced.
+    sparse_gradients: bool = False
+    collective_timeout_seconds: float = 0.0  # communication.timeout_seconds; 0 waits forever
 
 
 class Program:
@@ -99,6 +104,7 @@ class Program:
             comm.CollectiveGroup(
                 devices=tuple(lane.devices[k] for lane in lanes_in_job),
                 local_devices=tuple(lane.devices[k] for lane in self.lanes),
+                timeout_seconds=options.collective_timeout_seconds,
             )
             for k in range(self.num_stages)
         ]
@@ -110,7 +116,7 @@ class Program:
         self.non_trainable_idx = [
             state.stage_indices(k, trainable=False) for k in range(self.num_stages)
         ]
-        self._buckets = [self._plan_buckets(k) for k in range(self.num_stages)]
+        self.sparse_gradients = options.sparse_gradients  # read by the lanes' backward
         self.schedule = make_schedule(
             options.pipeline_strategy, self.num_stages, options.num_micro_batch
         )
@@ -135,8 +141,9 @@ class Program:
         self.eval_step = tf.function(self._eval_step, reduce_retracing=True)
         self.predict_step = tf.function(self._predict_step, reduce_retracing=True)
 
-    def _plan_buckets(self, stage: int) -> list[list[int]]:
-        variables = [self.state.model_trainable[i] for i in self.reduced_idx[stage]]
+    def _plan_buckets(self, indices: Sequence[int]) -> list[list[int]]:
+        """Buckets (positions into `indices`) of at most max_splits per dtype."""
+        variables = [self.state.model_trainable[i] for i in indices]
         sizes = [int(v.value.shape.num_elements()) * v.value.dtype.size for v in variables]
         return comm.plan_buckets(sizes, [v.dtype for v in variables], self.options.max_splits)
 
@@ -220,14 +227,24 @@ class Program:
         if self.split is not None:
             self._reduce_sharded(lane_grads, reduced)
         for k, group in enumerate(self.stage_groups):
-            idx = self.reduced_idx[k]
+            idx = [i for i in self.reduced_idx[k] if not _is_slices(lane_grads[0][i])]
+            for i in self.reduced_idx[k]:
+                if _is_slices(lane_grads[0][i]):
+                    gathered = comm.all_gather_slices(
+                        group,
+                        [grads[i] for grads in lane_grads],
+                        self.options.gradients_reduce_method,
+                    )
+                    for li, g in enumerate(gathered):
+                        reduced[li][i] = g
             per_member = [[grads[i] for i in idx] for grads in lane_grads]
             results = comm.fused_all_reduce(
                 group,
                 per_member,
-                self._buckets[k],
+                self._plan_buckets(idx),
                 self.options.gradients_reduce_method,
                 num_chains=self.options.num_communicators,
+                wire_fp16_scale=self.options.fp16_scale,
             )
             for li, stage_grads in enumerate(results):
                 for i, g in zip(idx, stage_grads):
@@ -246,7 +263,9 @@ class Program:
                 if self.stage_groups[0].devices.index(d) % self.split.width == rank
             )
             group = comm.CollectiveGroup(
-                job_devices, tuple(self.lanes[li].devices[0] for li in members)
+                job_devices,
+                tuple(self.lanes[li].devices[0] for li in members),
+                timeout_seconds=self.options.collective_timeout_seconds,
             )
             per_member = [[lane_grads[li][i] for i in sharded] for li in members]
             buckets = comm.plan_buckets(
@@ -254,7 +273,9 @@ class Program:
                 [g.dtype for g in per_member[0]],
                 self.options.max_splits,
             )
-            results = comm.fused_all_reduce(group, per_member, buckets, "sum")
+            results = comm.fused_all_reduce(
+                group, per_member, buckets, "sum", wire_fp16_scale=self.options.fp16_scale
+            )
             for li, grads in zip(members, results):
                 for i, g in zip(sharded, grads):
                     with tf.device(self.lanes[li].devices[0]):
@@ -273,7 +294,7 @@ class Program:
             with tf.device(lane.devices[k]):
                 stage_grads = [grads[i] for i in self.reduced_idx[k]]
                 if stage_grads:
-                    squares.append(tf.add_n([tf.reduce_sum(tf.square(g)) for g in stage_grads]))
+                    squares.append(tf.add_n([_sum_of_squares(g) for g in stage_grads]))
         if self.split is not None and self.state.sharded:
             with self.lane_scope(li), tf.device(lane.devices[0]):
                 shard_squares = tf.add_n(
@@ -286,7 +307,11 @@ class Program:
         clipped = []
         for i, g in enumerate(grads):
             with tf.device(lane.devices[self.state.trainable_stage[i]]):
-                clipped.append(g * tf.cast(factor, g.dtype))
+                if _is_slices(g):
+                    values = g.values * tf.cast(factor, g.values.dtype)
+                    clipped.append(tf.IndexedSlices(values, g.indices, g.dense_shape))
+                else:
+                    clipped.append(g * tf.cast(factor, g.dtype))
         return clipped
 
     def _store_non_trainable(self, lane_values: list[list]) -> None:
@@ -422,6 +447,17 @@ BATCH_SPLIT_ERROR = "The per-worker batch must split evenly into local replicas 
 
 def _identity(x):
     return x
+
+
+def _is_slices(gradient) -> bool:
+    return isinstance(gradient, tf.IndexedSlices)
+
+
+def _sum_of_squares(gradient):
+    """Squared norm of a gradient. Slices count row by row (repeated indices are not
+    summed first), as Keras's `global_norm` does, so clipping matches `Model.fit`."""
+    values = gradient.values if _is_slices(gradient) else gradient
+    return tf.reduce_sum(tf.square(values))
 
 
 def _num_bytes(tensor) -> int:

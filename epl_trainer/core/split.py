@@ -158,7 +158,14 @@ class SplitRuntime:
     traced; `begin_trace()` gives every lane fresh instance keys for a new trace.
     """
 
-    def __init__(self, split_layers: Sequence[SplitLayer], lanes, lanes_in_job, width: int):
+    def __init__(
+        self,
+        split_layers: Sequence[SplitLayer],
+        lanes,
+        lanes_in_job,
+        width: int,
+        timeout_seconds: float = 0.0,
+    ):
         self.layers = list(split_layers)
         self.width = width
         self.sharded = {sv.index: sv for s in self.layers for sv in s.variables}
@@ -168,7 +175,9 @@ class SplitRuntime:
         for lane in self.lanes:
             first = lane.index - lane.index % width
             members = tuple(by_index[first + j].devices[0] for j in range(width))
-            self._groups.append(comm.CollectiveGroup(members, (lane.devices[0],)))
+            self._groups.append(
+                comm.CollectiveGroup(members, (lane.devices[0],), timeout_seconds=timeout_seconds)
+            )
         self.ranks = [g.rank_of(g.local_devices[0]) for g in self._groups]
         for lane, rank in zip(self.lanes, self.ranks):
             if rank != lane.index % width:

@@ -10,7 +10,7 @@ Run from the repo root::
 
     python -m model_zoo.quickstart [--epochs 5] [--batch_size 64] [--steps_per_epoch 40]
         [--output_dir /tmp/epl_quickstart] [--epl_config configs/dp.json]
-        [--epl_set cluster.virtual_devices=4]
+        [--epl_set cluster.virtual_devices=4] [--deepspeed_config configs/ds_zero2_offload.json]
     epl-launch --num_workers 2 --gpu_per_worker 1 model_zoo/quickstart/__main__.py
 
 `cluster.virtual_devices` defaults to 2 here (two simulated devices on one CPU) unless
@@ -116,6 +116,7 @@ def main(argv):
         loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
         optimizer=keras.optimizers.Adam(FLAGS.learning_rate),
         metrics=["accuracy"],
+        config=epl_flags.deepspeed_config_from_flags(),  # None: epl.init's config
     )
     print(trainer.plan.summary())
     global_batch = FLAGS.batch_size * cluster.worker_num

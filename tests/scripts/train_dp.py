@@ -27,14 +27,14 @@ def make_data(n=96):
     return x, y
 
 
-def make_model():
+def make_model(classes=3):
     import keras
 
     keras.utils.set_random_seed(0)
     inp = keras.Input((6,))
     h = keras.layers.Dense(16, activation="relu", name="dense_in")(inp)
     h = keras.layers.LayerNormalization(name="norm")(h)
-    out = keras.layers.Dense(3, name="logits")(h)
+    out = keras.layers.Dense(classes, name="logits")(h)
     return keras.Model(inp, out)
 
 
@@ -46,16 +46,28 @@ def main():
     parser.add_argument("--fail_worker", type=int, default=-1)
     parser.add_argument("--two_stages", action="store_true", help="dense_in | norm+logits")
     parser.add_argument("--num_micro_batch", type=int, default=1)
+    parser.add_argument("--split", action="store_true", help="split(n) logits, 4 classes")
     args = parser.parse_args()
-    env = epl.init({"pipeline.num_micro_batch": args.num_micro_batch})
+    env = epl.init(
+        {
+            "pipeline.num_micro_batch": args.num_micro_batch,
+            "cluster.colocate_split_and_replicate": args.split,
+        }
+    )
     import keras
 
     cluster = env.cluster
     trainer = epl.EPLTrainer(
-        make_model(),
+        make_model(classes=4 if args.split else 3),
         keras.losses.SparseCategoricalCrossentropy(from_logits=True),
         keras.optimizers.SGD(0.1),
         stages=STAGES if args.two_stages else None,
+        # One replica per worker: features replicate(n) and logits split(n) on its devices.
+        strategy=(
+            epl.Strategy(default=epl.replicate(len(cluster.local_devices)), split=["logits"])
+            if args.split
+            else None
+        ),
     )
     x, y = make_data()
     per_worker = args.global_batch // cluster.worker_num

@@ -1,0 +1,387 @@
+"""DeepSpeed `optimizer` and `scheduler` sections -> a Keras optimizer and schedule.
+
+Each DeepSpeed optimizer type maps to the Keras optimizer with the same update rule;
+`params` use PyTorch's names (`lr`, `betas`, `eps`, `weight_decay`) and DeepSpeed's
+defaults. Known differences, all inherent to the Keras optimizers:
+
+- Adam/AdamW/Lamb: Keras adds `epsilon` to sqrt(v) before bias correction
+  (the "epsilon hat" of the Adam paper), PyTorch after; they differ by a factor
+  sqrt(1 - beta_2**t) on epsilon only.
+- Lamb: DeepSpeed's FusedLamb clamps the trust ratio to [min_coeff, max_coeff] and puts
+  weight decay inside the trust ratio; Keras's Lamb does neither (so `weight_decay`,
+  `max_coeff` and `min_coeff` are refused rather than approximated).
+- Adagrad: Keras adds epsilon inside the square root, PyTorch outside.
+- SGD with momentum: Keras folds the learning rate into the velocity, PyTorch applies it
+  after; identical while the learning rate is constant.
+
+PyTorch's coupled (L2) weight decay - `Adam` with `adam_w_mode: false`, `SGD`,
+`Adagrad` - has no Keras equivalent and is refused when non-zero; Keras's
+`weight_decay` is decoupled (AdamW-style: w -= lr * wd * w before the update), which is
+what DeepSpeed's AdamW, Lion and `Adam` (default `adam_w_mode: true`) do.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from typing import Any
+
+import keras
+
+from epl_trainer import schedules
+from epl_trainer.deepspeed.keys import (
+    DeepSpeedConfigError,
+    as_bool,
+    as_float,
+    as_int,
+    as_str,
+    check_keys,
+    is_auto,
+    unsupported,
+)
+
+logger = logging.getLogger(__name__)
+
+# type (lower case) -> DeepSpeed's default params (the Keras class: _TYPE_KWARGS).
+_ADAM_DEFAULTS = {"lr": 1e-3, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.0}
+_OPTIMIZERS: dict[str, dict[str, Any]] = {
+    "adam": _ADAM_DEFAULTS,
+    "adamw": _ADAM_DEFAULTS,
+    "adagrad": {"lr": 1e-2, "eps": 1e-10, "weight_decay": 0.0},
+    "lamb": {"lr": 1e-3, "betas": [0.9, 0.999], "eps": 1e-8},
+    "lion": {"lr": 1e-3, "betas": [0.9, 0.999], "weight_decay": 0.0},
+    "sgd": {"lr": None, "momentum": 0.0, "nesterov": False, "weight_decay": 0.0},
+}
+# Extra params each type accepts, beyond its defaults table.
+_EXTRA_PARAMS = {
+    "adam": {"adam_w_mode", "amsgrad", "bias_correction", "torch_adam"},
+    "adamw": {"amsgrad", "bias_correction", "torch_adam"},
+    "adagrad": {"lr_decay", "initial_accumulator_value"},
+    "lamb": {"bias_correction", "weight_decay", "max_coeff", "min_coeff"},
+    "lion": set(),
+    "sgd": {"dampening"},
+}
+_KNOWN_UNSUPPORTED = {
+    "onebitadam": "1-bit Adam compresses communication with CUDA kernels",
+    "zerooneadam": "0/1 Adam compresses communication with CUDA kernels",
+    "onebitlamb": "1-bit LAMB compresses communication with CUDA kernels",
+    "muadam": "muP optimizers need mup's parameter shapes",
+    "muadamw": "muP optimizers need mup's parameter shapes",
+    "musgd": "muP optimizers need mup's parameter shapes",
+}
+
+SCHEDULERS = ("WarmupLR", "WarmupDecayLR", "WarmupCosineLR", "OneCycle", "LRRangeTest")
+
+
+def trainer_value(optimizer, name: str, where: str):
+    """A value of the trainer's own optimizer, the source of "auto" (as HF's TrainingArguments)."""
+    if name == "lr":
+        if isinstance(optimizer._learning_rate, keras.optimizers.schedules.LearningRateSchedule):
+            raise DeepSpeedConfigError(
+                f"DeepSpeed config {where}='auto' takes the learning rate of the trainer's "
+                "optimizer, which is a schedule; give a number in the config, or an optimizer "
+                f"with a constant learning rate. Received: {optimizer._learning_rate!r}"
+            )
+        return float(keras.ops.convert_to_numpy(optimizer.learning_rate))
+    if name == "betas":
+        if hasattr(optimizer, "beta_1") and hasattr(optimizer, "beta_2"):
+            return [float(optimizer.beta_1), float(optimizer.beta_2)]
+        return None
+    if name == "eps":
+        return float(optimizer.epsilon) if hasattr(optimizer, "epsilon") else None
+    if name == "weight_decay":
+        return float(optimizer.weight_decay or 0.0)
+    if name == "momentum":
+        return float(optimizer.momentum) if hasattr(optimizer, "momentum") else None
+    return None
+
+
+def build_optimizer(
+    section: Mapping, trainer_optimizer
+) -> tuple[keras.optimizers.Optimizer, float]:
+    """The Keras optimizer for DeepSpeed's `optimizer` section, and its learning rate.
+
+    "auto" params come from `trainer_optimizer` (the `optimizer=` given to the trainer);
+    params it lacks (e.g. betas of an SGD) take DeepSpeed's defaults.
+    """
+    check_keys(section, {"type", "params"}, "'optimizer'")
+    name = as_str(section.get("type"), "optimizer.type")
+    kind = name.lower()
+    if kind in _KNOWN_UNSUPPORTED:
+        raise unsupported("optimizer.type", name, _KNOWN_UNSUPPORTED[kind])
+    if kind not in _OPTIMIZERS:
+        raise DeepSpeedConfigError(
+            "DeepSpeed config optimizer.type must be one of Adam, AdamW, Adagrad, Lamb, Lion, "
+            f"SGD (case-insensitive). Received: {name!r}"
+        )
+    defaults = _OPTIMIZERS[kind]
+    given = section.get("params") or {}
+    check_keys(given, set(defaults) | _EXTRA_PARAMS[kind], "'optimizer.params'")
+    params = dict(defaults)
+    for key, value in given.items():
+        where = f"optimizer.params.{key}"
+        if is_auto(value):
+            value = trainer_value(trainer_optimizer, key, where)
+            if value is None:
+                value = defaults.get(key)
+            if value is None:
+                raise DeepSpeedConfigError(
+                    f"DeepSpeed config {where}='auto' has no value: the trainer's optimizer "
+                    f"({type(trainer_optimizer).__name__}) has none and DeepSpeed has no default."
+                )
+        params[key] = value
+    if params["lr"] is None:
+        raise DeepSpeedConfigError(f"DeepSpeed config optimizer.params.lr is required for {name}.")
+    lr = as_float(params["lr"], "optimizer.params.lr", minimum=0.0)
+    kwargs: dict[str, Any] = {"learning_rate": lr}
+    if "betas" in params:
+        betas = params["betas"]
+        if not isinstance(betas, (list, tuple)) or len(betas) != 2:
+            raise DeepSpeedConfigError(
+                "DeepSpeed config optimizer.params.betas must be [beta1, beta2]. "
+                f"Received: {betas!r}"
+            )
+        kwargs["beta_1"] = as_float(betas[0], "optimizer.params.betas[0]", minimum=0.0)
+        kwargs["beta_2"] = as_float(betas[1], "optimizer.params.betas[1]", minimum=0.0)
+    if "eps" in params:
+        kwargs["epsilon"] = as_float(params["eps"], "optimizer.params.eps", minimum=0.0)
+    weight_decay = as_float(
+        params.get("weight_decay", 0.0), "optimizer.params.weight_decay", minimum=0.0
+    )
+    cls = _TYPE_KWARGS[kind](kind, params, weight_decay, kwargs)
+    if cls in (keras.optimizers.AdamW, keras.optimizers.Lion):
+        # Decoupled weight decay; Keras's AdamW defaults to 0.004, DeepSpeed to 0.
+        kwargs["weight_decay"] = weight_decay
+    return cls(**kwargs), lr
+
+
+_COUPLED = "PyTorch's coupled (L2) weight decay has no Keras optimizer; use AdamW"
+
+
+def _param(params: Mapping, key: str, convert, default):
+    return convert(params.get(key, default), f"optimizer.params.{key}")
+
+
+def _adam_kwargs(kind: str, params: Mapping, weight_decay: float, kwargs: dict) -> type:
+    if not _param(params, "bias_correction", as_bool, True):
+        raise unsupported("optimizer.params.bias_correction", False, "Keras Adam always corrects")
+    _param(params, "torch_adam", as_bool, False)  # picks DeepSpeed's kernel only
+    kwargs["amsgrad"] = _param(params, "amsgrad", as_bool, False)
+    if kind == "adam" and not _param(params, "adam_w_mode", as_bool, True):
+        if weight_decay:
+            raise unsupported("optimizer.params.weight_decay", weight_decay, _COUPLED)
+        return keras.optimizers.Adam
+    return keras.optimizers.AdamW
+
+
+def _adagrad_kwargs(kind: str, params: Mapping, weight_decay: float, kwargs: dict) -> type:
+    if weight_decay:
+        raise unsupported("optimizer.params.weight_decay", weight_decay, _COUPLED)
+    if _param(params, "lr_decay", as_float, 0.0):
+        raise unsupported("optimizer.params.lr_decay", params["lr_decay"], "use a scheduler")
+    kwargs["initial_accumulator_value"] = _param(params, "initial_accumulator_value", as_float, 0.0)
+    return keras.optimizers.Adagrad
+
+
+def _lamb_kwargs(kind: str, params: Mapping, weight_decay: float, kwargs: dict) -> type:
+    for key in ("weight_decay", "max_coeff", "min_coeff"):
+        if key in params:
+            why = "Keras's Lamb has no trust-ratio clamp or in-ratio weight decay"
+            raise unsupported(f"optimizer.params.{key}", params[key], why)
+    if not _param(params, "bias_correction", as_bool, True):
+        raise unsupported("optimizer.params.bias_correction", False, "Keras Lamb always corrects")
+    return keras.optimizers.Lamb
+
+
+def _lion_kwargs(kind: str, params: Mapping, weight_decay: float, kwargs: dict) -> type:
+    return keras.optimizers.Lion
+
+
+def _sgd_kwargs(kind: str, params: Mapping, weight_decay: float, kwargs: dict) -> type:
+    if weight_decay:
+        raise unsupported("optimizer.params.weight_decay", weight_decay, _COUPLED)
+    if _param(params, "dampening", as_float, 0.0):
+        why = "Keras SGD has no dampening"
+        raise unsupported("optimizer.params.dampening", params["dampening"], why)
+    kwargs["momentum"] = as_float(params["momentum"], "optimizer.params.momentum", minimum=0.0)
+    kwargs["nesterov"] = _param(params, "nesterov", as_bool, False)
+    return keras.optimizers.SGD
+
+
+# Per-type params -> Keras keyword arguments; each returns the Keras class to build.
+_TYPE_KWARGS = {
+    "adam": _adam_kwargs,
+    "adamw": _adam_kwargs,
+    "adagrad": _adagrad_kwargs,
+    "lamb": _lamb_kwargs,
+    "lion": _lion_kwargs,
+    "sgd": _sgd_kwargs,
+}
+
+
+# ---- scheduler ---------------------------------------------------------------------------
+
+_SCHEDULER_PARAMS = {
+    "WarmupLR": {
+        "warmup_min_lr",
+        "warmup_max_lr",
+        "warmup_num_steps",
+        "warmup_type",
+        "last_batch_iteration",
+    },
+    "WarmupDecayLR": {
+        "total_num_steps",
+        "warmup_min_lr",
+        "warmup_max_lr",
+        "warmup_num_steps",
+        "warmup_type",
+        "last_batch_iteration",
+    },
+    "WarmupCosineLR": {
+        "total_num_steps",
+        "warmup_min_ratio",
+        "warmup_num_steps",
+        "cos_min_ratio",
+        "warmup_type",
+        "last_batch_iteration",
+    },
+    "OneCycle": {
+        "cycle_min_lr",
+        "cycle_max_lr",
+        "decay_lr_rate",
+        "cycle_first_step_size",
+        "cycle_second_step_size",
+        "cycle_first_stair_count",
+        "cycle_second_stair_count",
+        "decay_step_size",
+        "cycle_momentum",
+        "cycle_min_mom",
+        "cycle_max_mom",
+        "decay_mom_rate",
+        "last_batch_iteration",
+    },
+    "LRRangeTest": {
+        "lr_range_test_min_lr",
+        "lr_range_test_step_size",
+        "lr_range_test_step_rate",
+        "lr_range_test_staircase",
+        "last_batch_iteration",
+    },
+}
+_INT_PARAMS = {
+    "warmup_num_steps",
+    "total_num_steps",
+    "cycle_first_step_size",
+    "cycle_second_step_size",
+    "decay_step_size",
+    "lr_range_test_step_size",
+}
+
+
+def _auto_scheduler_value(key: str, lr: float, warmup_num_steps: int, total_num_steps: int | None):
+    """Hugging Face's fill-ins: warmup from 0 to the optimizer's lr over the warmup steps."""
+    if key == "warmup_min_lr":
+        return 0.0
+    if key == "warmup_max_lr":
+        return lr
+    if key == "warmup_num_steps":
+        return warmup_num_steps
+    if key == "total_num_steps":
+        if total_num_steps is None:
+            raise DeepSpeedConfigError(
+                "DeepSpeed config scheduler.params.total_num_steps='auto' needs the training "
+                "length: pass DeepSpeedConfig(..., total_num_steps=N)."
+            )
+        return total_num_steps
+    raise DeepSpeedConfigError(
+        f"DeepSpeed config scheduler.params.{key}='auto' is not filled in by the trainer "
+        "(only warmup_min_lr, warmup_max_lr, warmup_num_steps, total_num_steps are); give a value."
+    )
+
+
+def build_schedule(
+    section: Mapping,
+    learning_rate: float,
+    *,
+    warmup_num_steps: int = 0,
+    total_num_steps: int | None = None,
+):
+    """(learning-rate schedule, momentum schedule or None) for DeepSpeed's `scheduler`."""
+    check_keys(section, {"type", "params"}, "'scheduler'")
+    name = as_str(section.get("type"), "scheduler.type", choices=SCHEDULERS)
+    given = section.get("params") or {}
+    check_keys(given, _SCHEDULER_PARAMS[name], f"'scheduler.params' ({name})")
+    params = {}
+    for key, value in given.items():
+        if is_auto(value):
+            value = _auto_scheduler_value(key, learning_rate, warmup_num_steps, total_num_steps)
+        where = f"scheduler.params.{key}"
+        if key in _INT_PARAMS or key.endswith("stair_count"):
+            value = None if value is None else as_int(value, where)
+        elif key in ("warmup_type",):
+            value = as_str(value, where)
+        elif key in ("cycle_momentum", "lr_range_test_staircase"):
+            value = as_bool(value, where)
+        elif key == "last_batch_iteration":
+            # Resuming a schedule is the optimizer's `iterations` (restored by checkpoints).
+            if as_int(value, where) != -1:
+                raise unsupported(
+                    where, value, "the schedule follows the optimizer's restored step count"
+                )
+            continue
+        else:
+            value = as_float(value, where)
+        params[key] = value
+    try:
+        return _make_schedule(name, params, learning_rate)
+    except (TypeError, ValueError) as err:
+        raise DeepSpeedConfigError(f"DeepSpeed config scheduler {name}: {err}") from err
+
+
+def _make_schedule(name: str, params: dict, learning_rate: float):
+    if name == "WarmupLR":
+        return schedules.WarmupLR(**params), None
+    if name == "WarmupDecayLR":
+        if "total_num_steps" not in params:
+            raise DeepSpeedConfigError(
+                "DeepSpeed config scheduler WarmupDecayLR needs params.total_num_steps."
+            )
+        return schedules.WarmupDecayLR(**params), None
+    if name == "WarmupCosineLR":
+        if "total_num_steps" not in params:
+            raise DeepSpeedConfigError(
+                "DeepSpeed config scheduler WarmupCosineLR needs params.total_num_steps."
+            )
+        return schedules.WarmupCosineLR(learning_rate, **params), None
+    if name == "LRRangeTest":
+        return schedules.LRRangeTest(**params), None
+    cycle_momentum = params.pop("cycle_momentum", True)
+    shape = {k: params[k] for k in schedules.CYCLE_KEYS if k in params}
+    momentum_keys = ("cycle_min_mom", "cycle_max_mom", "decay_mom_rate")
+    momentum = {k: params.pop(k) for k in momentum_keys if k in params}
+    for key in ("cycle_min_lr", "cycle_max_lr"):
+        if key not in params:
+            raise DeepSpeedConfigError(f"DeepSpeed config scheduler OneCycle needs params.{key}.")
+    lr_schedule = schedules.OneCycle(**params)
+    return lr_schedule, schedules.OneCycleMomentum(**momentum, **shape) if cycle_momentum else None
+
+
+def finish_optimizer(optimizer, schedule=None, momentum=None, clip_norm: float | None = None):
+    """`optimizer` rebuilt with the schedule, momentum cycling and global-norm clipping."""
+    config = optimizer.get_config()
+    if schedule is not None:
+        config["learning_rate"] = schedule
+    config["global_clipnorm"] = clip_norm
+    rebuilt = type(optimizer).from_config(config)
+    if momentum is None:
+        return rebuilt
+    if not schedules.supports_momentum_schedule(rebuilt):
+        # DeepSpeed's OneCycle also turns momentum cycling off (with a warning) for
+        # optimizers without betas.
+        logger.warning(
+            "OneCycle cycle_momentum is off: %s has no beta_1 (as in DeepSpeed, which needs "
+            "betas). Set scheduler.params.cycle_momentum to false to silence this.",
+            type(rebuilt).__name__,
+        )
+        return rebuilt
+    return schedules.with_momentum_schedule(rebuilt, momentum)

@@ -1,0 +1,317 @@
+"""BERT fine-tuned for SQuAD v1.1 with an EPL pipeline: `python -m model_zoo.bert_squad`.
+
+By default it generates the built-in dataset (invented towns, see `builtin_data.py`),
+trains a tiny BERT from scratch as a 2-stage pipeline with 4 micro-batches on 2
+simulated devices (`configs/bert_squad_pipeline.json`), writes `predictions.json` and
+prints SQuAD v1.1 exact match / F1 next to two trivial baselines. With real inputs it
+is Google's `run_squad.py` recipe::
+
+    python -m model_zoo.bert_squad --train_file train-v1.1.json --predict_file dev-v1.1.json \\
+        --vocab_file uncased_L-12_H-768_A-12/vocab.txt \\
+        --bert_config_file uncased_L-12_H-768_A-12/bert_config.json \\
+        --init_checkpoint uncased_L-12_H-768_A-12/bert_model.ckpt \\
+        --max_seq_length 384 --doc_stride 128 --learning_rate 3e-5 --num_train_epochs 2
+
+`--epl_config configs/bert_squad_auto.json` cuts the model automatically instead of by
+the `epl.replicate` scopes that `--num_stages` places. Worker 0 writes TensorBoard logs
+to `<output_dir>/logs`, `predictions.json` and `metrics.json`.
+"""
+
+import json
+import os
+import random
+import sys
+import time
+from pathlib import Path
+
+if not __package__:
+    # Run as a file (epl-launch does this), not with -m: make the checkout importable.
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # TensorFlow's C++ info banners
+
+import keras
+import tensorflow as tf
+from absl import app, flags
+
+import epl_trainer as epl
+import epl_trainer.flags as epl_flags  # defines --epl_config and --epl_set
+from model_zoo.bert_squad import builtin_data, evaluation, squad
+from model_zoo.bert_squad.checkpoint import load_google_checkpoint
+from model_zoo.bert_squad.modeling import PRESETS, BertConfig, build_squad_model
+from model_zoo.bert_squad.recipe import environ_with_defaults
+from model_zoo.bert_squad.tokenization import FullTokenizer
+
+FLAGS = flags.FLAGS
+flags.DEFINE_string("train_file", None, "SQuAD v1.1 training JSON; default: built-in data.")
+flags.DEFINE_string("predict_file", None, "SQuAD v1.1 JSON to predict and score.")
+flags.DEFINE_string("vocab_file", None, "WordPiece vocab.txt (required with real data).")
+flags.DEFINE_bool("do_lower_case", True, "Lower-case text (True for uncased checkpoints).")
+flags.DEFINE_enum("bert_size", "tiny", sorted(PRESETS), "Model size when no config file.")
+flags.DEFINE_string("bert_config_file", None, "Google bert_config.json; overrides --bert_size.")
+flags.DEFINE_string("init_checkpoint", None, "Google BERT TF checkpoint (bert_model.ckpt).")
+flags.DEFINE_integer("max_seq_length", 80, "Tokens per window: [CLS] question [SEP] context.")
+flags.DEFINE_integer("doc_stride", 32, "Tokens between the starts of a context's windows.")
+flags.DEFINE_integer("max_query_length", 24, "Questions are truncated to this many tokens.")
+flags.DEFINE_integer("train_batch_size", 32, "Per-worker batch (replicas x micro-batches).")
+flags.DEFINE_integer("predict_batch_size", 64, "Batch size for prediction.")
+flags.DEFINE_float("learning_rate", 3e-3, "Peak Adam learning rate.")
+flags.DEFINE_float("warmup_proportion", 0.1, "Fraction of the steps with linear LR warmup.")
+flags.DEFINE_integer("num_train_epochs", 6, "Passes over the training windows.")
+flags.DEFINE_integer("n_best_size", 20, "Start/end candidates per window.")
+flags.DEFINE_integer("max_answer_length", 30, "Longest answer, in WordPiece tokens.")
+flags.DEFINE_integer(
+    "num_stages",
+    2,
+    "Pipeline stages marked by epl.replicate scopes (1: no pipeline); "
+    "ignored when auto.auto_parallel cuts the model.",
+)
+flags.DEFINE_integer("builtin_train_paragraphs", 1500, "Built-in data: training paragraphs.")
+flags.DEFINE_integer("builtin_dev_paragraphs", 100, "Built-in data: dev paragraphs.")
+flags.DEFINE_string("output_dir", "/tmp/epl_bert_squad", "Logs, predictions and metrics.")
+flags.DEFINE_integer("seed", 0, "Seed of the built-in data, the shuffling and the weights.")
+
+
+def input_files(output_dir: Path) -> dict:
+    """The train / predict / vocab paths: the flags', or freshly generated built-in data."""
+    given = {"train": FLAGS.train_file, "dev": FLAGS.predict_file, "vocab": FLAGS.vocab_file}
+    if not any(given.values()):
+        return builtin_data.write_builtin_data(
+            output_dir / "data",
+            FLAGS.builtin_train_paragraphs,
+            FLAGS.builtin_dev_paragraphs,
+            FLAGS.seed,
+        )
+    if not given["vocab"] or not (given["train"] or given["dev"]):
+        raise app.UsageError(
+            "Real data needs --vocab_file and at least one of --train_file / --predict_file. "
+            f"Received: {given}"
+        )
+    return given
+
+
+def bert_config(vocab_size: int) -> BertConfig:
+    if FLAGS.bert_config_file:
+        config = BertConfig.from_json_file(FLAGS.bert_config_file)
+        if config.vocab_size != vocab_size:
+            raise app.UsageError(
+                f"{FLAGS.bert_config_file} has vocab_size {config.vocab_size} but "
+                f"{FLAGS.vocab_file} has {vocab_size} tokens."
+            )
+        return config
+    return BertConfig.preset(FLAGS.bert_size, vocab_size)
+
+
+def featurize(path, tokenizer, is_training):
+    examples = squad.read_squad_examples(path, is_training)
+    features = squad.convert_examples_to_features(
+        examples,
+        tokenizer,
+        FLAGS.max_seq_length,
+        FLAGS.doc_stride,
+        FLAGS.max_query_length,
+        is_training,
+    )
+    return examples, features
+
+
+def training_dataset(features, cluster, seed):
+    """Shuffled per-worker batches, repeated; every worker gets the same step count."""
+    x, y = squad.features_to_arrays(features, with_labels=True)
+    dataset = tf.data.Dataset.from_tensor_slices((x, y))
+    dataset = dataset.shard(cluster.worker_num, cluster.worker_index)
+    dataset = dataset.shuffle(len(features), seed=seed, reshuffle_each_iteration=True)
+    dataset = dataset.repeat().batch(FLAGS.train_batch_size, drop_remainder=True)
+    steps_per_epoch = len(features) // (FLAGS.train_batch_size * cluster.worker_num)
+    if steps_per_epoch < 1:
+        raise app.UsageError(
+            f"{len(features)} training windows do not fill one global batch of "
+            f"{FLAGS.train_batch_size} x {cluster.worker_num} worker(s)."
+        )
+    return dataset.prefetch(tf.data.AUTOTUNE), steps_per_epoch
+
+
+class SquadEvaluator(keras.callbacks.Callback):
+    """Predicts the dev set and adds `dev_exact_match` / `dev_f1` to each epoch's logs
+    (placed before TensorBoard in the callback list, so they are logged there too)."""
+
+    def __init__(self, trainer, dataset, examples, features):
+        super().__init__()
+        self.trainer, self.dataset = trainer, dataset
+        self.examples, self.features = examples, features
+        self.x, _ = squad.features_to_arrays(features, with_labels=False)
+        self.predictions: dict[str, str] = {}
+
+    def evaluate(self) -> dict:
+        outputs = self.trainer.predict(self.x, batch_size=FLAGS.predict_batch_size)
+        self.predictions = evaluation.extract_predictions(
+            self.examples,
+            self.features,
+            outputs["start_logits"],
+            outputs["end_logits"],
+            FLAGS.n_best_size,
+            FLAGS.max_answer_length,
+            FLAGS.do_lower_case,
+        )
+        return evaluation.squad_v1_scores(self.dataset, self.predictions)
+
+    def on_epoch_end(self, epoch, logs=None):
+        scores = self.evaluate()
+        if logs is not None:
+            logs.update({f"dev_{k}": v for k, v in scores.items()})
+        print(f"epoch {epoch + 1}: dev EM {scores['exact_match']:.1f}, F1 {scores['f1']:.1f}")
+
+
+def baselines(dataset: dict, examples, seed: int) -> dict:
+    """EM/F1 of trivial answerers: the first context word, and a random 1-3 word span."""
+    rng = random.Random(seed)
+    first = {e.qas_id: e.doc_tokens[0] for e in examples}
+    spans = {}
+    for e in examples:
+        start = rng.randrange(len(e.doc_tokens))
+        spans[e.qas_id] = " ".join(e.doc_tokens[start : start + rng.randint(1, 3)])
+    return {
+        "first_context_word": evaluation.squad_v1_scores(dataset, first),
+        "random_span": evaluation.squad_v1_scores(dataset, spans),
+    }
+
+
+def build_model(config, bert, num_stages):
+    keras.utils.set_random_seed(FLAGS.seed)
+    # With auto.auto_parallel the trainer cuts the model itself and refuses scopes.
+    stages = 1 if config.auto.auto_parallel else num_stages
+    model = build_squad_model(bert, FLAGS.max_seq_length, num_stages=stages)
+    if FLAGS.init_checkpoint:
+        loaded = load_google_checkpoint(model, FLAGS.init_checkpoint)
+        print(f"Loaded {len(loaded)} variables from {FLAGS.init_checkpoint}")
+    return model
+
+
+def main(argv):
+    if len(argv) > 1:
+        raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
+    start_time = time.perf_counter()
+    config = epl_flags.config_from_flags(environ=environ_with_defaults(FLAGS.epl_config))
+    cluster = epl.init(config).cluster  # configures the devices: before any TF work
+    output_dir = Path(FLAGS.output_dir)
+    paths = input_files(output_dir)
+    tokenizer = FullTokenizer(paths["vocab"], do_lower_case=FLAGS.do_lower_case)
+    bert = bert_config(len(tokenizer.vocab))
+    train = None
+    if paths.get("train"):
+        _, train_features = featurize(paths["train"], tokenizer, is_training=True)
+        train = training_dataset(train_features, cluster, FLAGS.seed)
+        print(f"Train: {len(train_features)} windows, {train[1]} steps per epoch")
+    # The learning rate follows a schedule over the whole run, so it needs the step count.
+    total_steps = train[1] * FLAGS.num_train_epochs if train else 1
+    # The loss is the sum of the start and end cross-entropies; Google's run_squad.py
+    # averages them. Adam's steps do not depend on that factor of 2, except through the
+    # clipping at global norm 1.0 (over all stages, as Google's optimizer clips), which
+    # therefore bites at half of Google's gradient norm.
+    trainer = epl.EPLTrainer(
+        build_model(config, bert, FLAGS.num_stages),
+        loss={
+            "start_logits": keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+            "end_logits": keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        },
+        optimizer=keras.optimizers.Adam(learning_rate_schedule(total_steps), global_clipnorm=1.0),
+    )
+    print(f"{config}\n{trainer.plan.summary()}")
+
+    evaluator = None
+    if paths.get("dev"):
+        dev_dataset = squad.read_squad_json(paths["dev"])
+        dev_examples, dev_features = featurize(paths["dev"], tokenizer, is_training=False)
+        evaluator = SquadEvaluator(trainer, dev_dataset, dev_examples, dev_features)
+        print(f"Predict: {len(dev_examples)} questions, {len(dev_features)} windows")
+
+    history = None
+    if train:
+        callbacks = [evaluator] if evaluator else []
+        if cluster.is_chief:
+            callbacks.append(keras.callbacks.TensorBoard(str(output_dir / "logs")))
+        history = trainer.fit(
+            train[0],
+            epochs=FLAGS.num_train_epochs,
+            steps_per_epoch=train[1],
+            callbacks=callbacks,
+            verbose=2,
+        )
+
+    results = {}
+    if evaluator:
+        results = {
+            "dev": evaluator.evaluate(),
+            "baselines": baselines(evaluator.dataset, evaluator.examples, FLAGS.seed),
+        }
+    wall_time = time.perf_counter() - start_time
+    report(results, wall_time)
+    if cluster.is_chief:
+        write_outputs(output_dir, trainer, config, history, results, evaluator, wall_time)
+
+
+def learning_rate_schedule(total_steps: int):
+    """Linear warmup to --learning_rate, then cosine decay to 0 (Keras's schedule)."""
+    warmup = int(total_steps * FLAGS.warmup_proportion)
+    return keras.optimizers.schedules.CosineDecay(
+        0.0,
+        decay_steps=max(total_steps - warmup, 1),
+        warmup_target=FLAGS.learning_rate,
+        warmup_steps=warmup,
+    )
+
+
+def report(results: dict, wall_time: float) -> None:
+    if results:
+        dev, base = results["dev"], results["baselines"]
+        print(
+            f"SQuAD v1.1 dev: exact match {dev['exact_match']:.1f}, F1 {dev['f1']:.1f} "
+            f"(baselines: first context word EM {base['first_context_word']['exact_match']:.1f} "
+            f"F1 {base['first_context_word']['f1']:.1f}; random span "
+            f"EM {base['random_span']['exact_match']:.1f} F1 {base['random_span']['f1']:.1f})"
+        )
+    print(f"Wall time {wall_time:.1f} s")
+
+
+def write_outputs(output_dir, trainer, config, history, results, evaluator, wall_time):
+    """predictions.json ({question id: answer}, the official script's input), metrics.json."""
+    output_dir.mkdir(parents=True, exist_ok=True)
+    if evaluator:
+        path = output_dir / "predictions.json"
+        path.write_text(json.dumps(evaluator.predictions, indent=1) + "\n")
+        print(f"Wrote {path}")
+    metrics = {
+        **results,
+        "history": {k: [float(v) for v in vs] for k, vs in history.history.items()}
+        if history
+        else {},
+        "wall_time_sec": wall_time,
+        "flags": {name: FLAGS[name].value for name in FLAGS_TO_RECORD},
+        "plan": trainer.plan.to_dict(),
+        "config": config.to_dict(),
+    }
+    path = output_dir / "metrics.json"
+    path.write_text(json.dumps(metrics, indent=2, default=str) + "\n")
+    print(f"Wrote {path} and TensorBoard logs in {output_dir / 'logs'}")
+
+
+FLAGS_TO_RECORD = (
+    "train_file",
+    "predict_file",
+    "vocab_file",
+    "bert_size",
+    "bert_config_file",
+    "init_checkpoint",
+    "max_seq_length",
+    "doc_stride",
+    "max_query_length",
+    "train_batch_size",
+    "learning_rate",
+    "num_train_epochs",
+    "num_stages",
+    "seed",
+)
+
+
+if __name__ == "__main__":
+    app.run(main)

@@ -1,0 +1,281 @@
+"""BERT-SQuAD model: Google checkpoint loading, the recipes in configs/, the pipeline cut."""
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import epl_trainer as epl
+from model_zoo.bert_squad import builtin_data, checkpoint, squad
+from model_zoo.bert_squad.modeling import BertConfig, build_squad_model
+from model_zoo.bert_squad.recipe import DEFAULT_CONFIG, environ_with_defaults
+from model_zoo.bert_squad.tokenization import FullTokenizer
+
+ROOT = Path(__file__).resolve().parents[1]
+RECIPES = sorted(ROOT.glob("configs/bert_squad_*.json"))
+SMALL = BertConfig(
+    vocab_size=30,
+    hidden_size=8,
+    num_hidden_layers=2,
+    num_attention_heads=2,
+    intermediate_size=16,
+    max_position_embeddings=16,
+    hidden_dropout_prob=0.0,
+    attention_probs_dropout_prob=0.0,
+)
+
+
+# ---------------------------------------------------------------- Google checkpoints
+def google_weights(config: BertConfig, seed=0) -> dict[str, np.ndarray]:
+    """Random values under every name of a Google BERT SQuAD checkpoint."""
+    rng = np.random.default_rng(seed)
+    h, i = config.hidden_size, config.intermediate_size
+    shapes = {
+        "bert/embeddings/word_embeddings": (config.vocab_size, h),
+        "bert/embeddings/token_type_embeddings": (config.type_vocab_size, h),
+        "bert/embeddings/position_embeddings": (config.max_position_embeddings, h),
+        "bert/embeddings/LayerNorm/gamma": (h,),
+        "bert/embeddings/LayerNorm/beta": (h,),
+        "bert/pooler/dense/kernel": (h, h),  # unused for SQuAD: must be ignored
+        "cls/squad/output_weights": (2, h),
+        "cls/squad/output_bias": (2,),
+    }
+    for layer in range(config.num_hidden_layers):
+        p = f"bert/encoder/layer_{layer}/"
+        for scope, (n_in, n_out) in {
+            "attention/self/query": (h, h),
+            "attention/self/key": (h, h),
+            "attention/self/value": (h, h),
+            "attention/output/dense": (h, h),
+            "intermediate/dense": (h, i),
+            "output/dense": (i, h),
+        }.items():
+            shapes[f"{p}{scope}/kernel"] = (n_in, n_out)
+            shapes[f"{p}{scope}/bias"] = (n_out,)
+        for scope in ("attention/output/LayerNorm", "output/LayerNorm"):
+            shapes[f"{p}{scope}/gamma"] = (h,)
+            shapes[f"{p}{scope}/beta"] = (h,)
+    return {name: rng.normal(size=shape).astype("float32") for name, shape in shapes.items()}
+
+
+def write_tf1_checkpoint(weights: dict, prefix: str) -> str:
+    """A name-based TF1 checkpoint, as Google's `bert_model.ckpt` files are."""
+    with tf.Graph().as_default():
+        variables = [tf.compat.v1.Variable(value, name=name) for name, value in weights.items()]
+        saver = tf.compat.v1.train.Saver(variables)
+        with tf.compat.v1.Session() as session:
+            session.run(tf.compat.v1.global_variables_initializer())
+            return saver.save(session, prefix)
+
+
+def reference_bert_squad(w, input_ids, input_mask, segment_ids, config):
+    """Google BERT's forward pass written out in numpy from the checkpoint's arrays."""
+
+    def layer_norm(x, prefix):
+        mean = x.mean(-1, keepdims=True)
+        var = ((x - mean) ** 2).mean(-1, keepdims=True)
+        return (x - mean) / np.sqrt(var + 1e-12) * w[prefix + "/gamma"] + w[prefix + "/beta"]
+
+    def dense(x, prefix):
+        return x @ w[prefix + "/kernel"] + w[prefix + "/bias"]
+
+    def gelu(x):
+        return 0.5 * x * (1 + np.tanh(math.sqrt(2 / math.pi) * (x + 0.044715 * x**3)))
+
+    batch, seq = input_ids.shape
+    heads, size = config.num_attention_heads, config.hidden_size // config.num_attention_heads
+    x = (
+        w["bert/embeddings/word_embeddings"][input_ids]
+        + w["bert/embeddings/token_type_embeddings"][segment_ids]
+        + w["bert/embeddings/position_embeddings"][:seq]
+    )
+    x = layer_norm(x, "bert/embeddings/LayerNorm")
+    bias = (1.0 - input_mask[:, None, None, :]) * -10000.0
+    for layer in range(config.num_hidden_layers):
+        p = f"bert/encoder/layer_{layer}/"
+
+        def heads_of(t):
+            return t.reshape(batch, seq, heads, size).transpose(0, 2, 1, 3)
+
+        q, k, v = (heads_of(dense(x, p + f"attention/self/{n}")) for n in ("query", "key", "value"))
+        scores = q @ k.transpose(0, 1, 3, 2) / math.sqrt(size) + bias
+        probs = np.exp(scores - scores.max(-1, keepdims=True))
+        probs /= probs.sum(-1, keepdims=True)
+        context = (probs @ v).transpose(0, 2, 1, 3).reshape(batch, seq, -1)
+        attended = layer_norm(
+            dense(context, p + "attention/output/dense") + x, p + "attention/output/LayerNorm"
+        )
+        ffn = dense(gelu(dense(attended, p + "intermediate/dense")), p + "output/dense")
+        x = layer_norm(ffn + attended, p + "output/LayerNorm")
+    logits = x @ w["cls/squad/output_weights"].T + w["cls/squad/output_bias"]
+    return logits[..., 0], logits[..., 1]
+
+
+def small_inputs(batch=3, seq=12, seed=1):
+    rng = np.random.default_rng(seed)
+    lengths = np.array([seq, 7, 4])[:batch]
+    mask = (np.arange(seq)[None] < lengths[:, None]).astype("int32")
+    return {
+        "input_ids": rng.integers(0, SMALL.vocab_size, (batch, seq)).astype("int32"),
+        "input_mask": mask,
+        "segment_ids": (np.arange(seq)[None] >= 5).astype("int32").repeat(batch, 0),
+    }
+
+
+def test_google_checkpoint_loads_and_gives_the_reference_outputs(tmp_path):
+    weights = google_weights(SMALL)
+    path = write_tf1_checkpoint(weights, str(tmp_path / "bert_model.ckpt"))
+    model = build_squad_model(SMALL, max_seq_length=12)
+    loaded = checkpoint.load_google_checkpoint(model, path)
+    assert len(loaded) == 5 + 16 * SMALL.num_hidden_layers + 2
+    assert "bert/pooler/dense/kernel" not in loaded
+    x = small_inputs()
+    outputs = model(x)
+    start, end = reference_bert_squad(
+        weights, x["input_ids"], x["input_mask"], x["segment_ids"], SMALL
+    )
+    np.testing.assert_allclose(outputs["start_logits"], start, rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(outputs["end_logits"], end, rtol=1e-4, atol=1e-4)
+
+
+def test_pretraining_checkpoint_without_squad_head_keeps_the_fresh_head(tmp_path):
+    weights = google_weights(SMALL)
+    del weights["cls/squad/output_weights"], weights["cls/squad/output_bias"]
+    path = write_tf1_checkpoint(weights, str(tmp_path / "bert_model.ckpt"))
+    model = build_squad_model(SMALL, max_seq_length=12)
+    head = model.get_layer("qa_outputs").kernel.numpy()
+    loaded = checkpoint.load_google_checkpoint(model, path)
+    assert not any(name.startswith("cls/") for name in loaded)
+    np.testing.assert_array_equal(model.get_layer("qa_outputs").kernel.numpy(), head)
+
+
+def test_checkpoint_of_another_size_is_an_error_naming_the_variable(tmp_path):
+    path = write_tf1_checkpoint(google_weights(SMALL), str(tmp_path / "bert_model.ckpt"))
+    deeper = BertConfig(**{**SMALL.__dict__, "num_hidden_layers": 3})
+    with pytest.raises(
+        ValueError, match=r"no variable 'bert/encoder/layer_2/.*layer_0', 'layer_1'"
+    ):
+        checkpoint.load_google_checkpoint(build_squad_model(deeper, 12), path)
+    wider = BertConfig(**{**SMALL.__dict__, "intermediate_size": 32})
+    with pytest.raises(ValueError, match=r"intermediate/dense/kernel' has shape \(8, 16\)"):
+        checkpoint.load_google_checkpoint(build_squad_model(wider, 12), path)
+
+
+def test_bert_config_json_and_published_sizes(tmp_path):
+    path = tmp_path / "bert_config.json"
+    path.write_text(json.dumps({**SMALL.__dict__, "directionality": "bidi"}))
+    assert BertConfig.from_json_file(path) == SMALL
+    base = BertConfig.preset("base", 30522)
+    large = BertConfig.preset("large", 30522)
+    assert (base.hidden_size, base.num_hidden_layers, base.num_attention_heads) == (768, 12, 12)
+    assert (large.hidden_size, large.num_hidden_layers, large.num_attention_heads) == (1024, 24, 16)
+    assert (base.intermediate_size, large.intermediate_size) == (3072, 4096)
+    with pytest.raises(ValueError, match="hidden_size=10, num_attention_heads=4"):
+        BertConfig(vocab_size=5, hidden_size=10, num_attention_heads=4)
+
+
+# ---------------------------------------------------------------- recipes
+@pytest.fixture(scope="module")
+def builtin_features(tmp_path_factory):
+    paths = builtin_data.write_builtin_data(tmp_path_factory.mktemp("squad"), 8, 2, seed=0)
+    tokenizer = FullTokenizer(paths["vocab"])
+    examples = squad.read_squad_examples(paths["train"], is_training=True)
+    features = squad.convert_examples_to_features(examples, tokenizer, 32, 8, 12, True)
+    return features, len(tokenizer.vocab)
+
+
+def test_there_are_pipeline_and_auto_recipes():
+    assert {p.name for p in RECIPES} == {"bert_squad_pipeline.json", "bert_squad_auto.json"}
+
+
+# Slow: tracing the 2-stage x 4-micro-batch step takes ~10-30 s on a shared 2-core CPU,
+# whatever the model size.
+@pytest.mark.slow
+@pytest.mark.parametrize("recipe", RECIPES, ids=lambda p: p.name)
+def test_recipe_builds_a_two_stage_pipeline_and_trains_two_steps(recipe, builtin_features):
+    features, vocab_size = builtin_features
+    config = epl.Config.from_file(recipe)
+    epl.init(config)
+    # SMALL's sizes keep the compile short; the tiny preset is what __main__ trains.
+    bert = BertConfig(**{**SMALL.__dict__, "vocab_size": vocab_size, "max_position_embeddings": 32})
+    stages = 1 if config.auto.auto_parallel else 2
+    model = build_squad_model(bert, 32, num_stages=stages)
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    trainer = epl.EPLTrainer(
+        model,
+        loss={"start_logits": loss, "end_logits": loss},
+        optimizer=keras.optimizers.Adam(1e-3),
+    )
+    assert len(trainer.plan.taskgraphs) == 2
+    assert trainer.plan.num_micro_batch == 4
+    stage_layers = [set(stage.layer_names) for stage in trainer.staged.stages]
+    assert "embeddings" in stage_layers[0] and "qa_outputs" in stage_layers[1]
+    x, y = squad.features_to_arrays(features[:16], with_labels=True)
+    before = [w.numpy().copy() for w in model.trainable_weights]
+    history = trainer.fit(x, y, batch_size=8, epochs=1, verbose=0)
+    assert np.isfinite(history.history["loss"][-1])
+    changed = [not np.array_equal(b, w.numpy()) for b, w in zip(before, model.trainable_weights)]
+    assert all(changed)  # both stages (embeddings ... QA head) were updated
+    model.to_json()  # TensorBoard writes the graph: the cut must leave the model intact
+
+
+def test_default_run_uses_the_pipeline_recipe_and_a_given_recipe_replaces_it():
+    recipe = json.loads((ROOT / "configs/bert_squad_pipeline.json").read_text())
+    assert {k: recipe[k] for k in DEFAULT_CONFIG} == DEFAULT_CONFIG
+    default = epl.Config({}, environ=environ_with_defaults(None, environ={}))
+    assert default.pipeline.num_micro_batch == 4 and default.cluster.virtual_devices == 2
+    dp = epl.Config.from_file(
+        ROOT / "configs/dp.json", environ=environ_with_defaults("configs/dp.json", environ={})
+    )
+    assert dp.pipeline.num_micro_batch == 1  # dp.json's meaning, not the pipeline's
+    launched = environ_with_defaults(None, environ={"EPL_CLUSTER_VIRTUAL_DEVICES": "4"})
+    assert epl.Config({}, environ=launched).cluster.virtual_devices == 4
+
+
+def test_model_input_used_by_a_later_stage_keeps_the_model_serialisable():
+    """Engine fix: cutting stages must not rewire the user's model Inputs."""
+    epl.init({"cluster.virtual_devices": 2})
+    x = keras.Input((4,), name="x")
+    mask = keras.Input((4,), name="mask")
+    h = keras.layers.Dense(4, name="embed")(x)
+    h = keras.layers.Add(name="block_0")([h, mask])
+    h = keras.layers.Add(name="block_1")([h, mask])  # stage 1 reads the model input again
+    model = keras.Model({"x": x, "mask": mask}, keras.layers.Dense(2, name="head")(h))
+    epl.EPLTrainer(model, loss="mse", stages={"embed|block_0": 0, "block_1|head": 1})
+    clone = keras.Model.from_config(model.get_config())
+    assert [layer.name for layer in clone.layers] == [layer.name for layer in model.layers]
+
+
+@pytest.mark.slow
+def test_main_runs_end_to_end_on_builtin_data(tmp_path):
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env.pop("EPL_CLUSTER_VIRTUAL_DEVICES", None)
+    command = [
+        sys.executable,
+        "-m",
+        "model_zoo.bert_squad",
+        f"--output_dir={tmp_path}",
+        "--builtin_train_paragraphs=16",
+        "--builtin_dev_paragraphs=4",
+        "--num_train_epochs=1",
+        "--max_seq_length=64",
+        "--train_batch_size=16",
+    ]
+    result = subprocess.run(
+        command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "SQuAD v1.1 dev: exact match" in result.stdout
+    predictions = json.loads((tmp_path / "predictions.json").read_text())
+    assert len(predictions) == 4 * builtin_data.QUESTIONS_PER_PARAGRAPH
+    metrics = json.loads((tmp_path / "metrics.json").read_text())
+    assert set(metrics["dev"]) == {"exact_match", "f1"}
+    assert metrics["config"]["pipeline.num_micro_batch"] == 4
+    assert list((tmp_path / "logs").rglob("events.out.tfevents.*"))

@@ -1,0 +1,181 @@
+"""communication.*: buckets, communicators, fp16 wire and sparse gradients, end to end.
+
+(Bucket planning itself is unit-tested in test_comm.py; clip before/after in
+test_trainer_parity.py.)
+"""
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+from _models import LOSS, keras_reference, max_weight_difference, mlp_data
+
+import epl_trainer as epl
+
+
+def deep_mlp(seed=0, layers=6):
+    keras.utils.set_random_seed(seed)
+    inputs = keras.Input((6,), name="x")
+    h = inputs
+    for i in range(layers):
+        h = keras.layers.Dense(8 + 4 * i, activation="tanh", name=f"dense_{i}")(h)
+    return keras.Model(inputs, keras.layers.Dense(3, name="logits")(h))
+
+
+def embedding_model(seed=0):
+    keras.utils.set_random_seed(seed)
+    tokens = keras.Input((5,), dtype="int32", name="tokens")
+    h = keras.layers.Embedding(50, 8, name="embed")(tokens)
+    h = keras.layers.GlobalAveragePooling1D()(h)
+    return keras.Model(tokens, keras.layers.Dense(3, name="logits")(h))
+
+
+def token_data(n=64, seed=0):
+    rng = np.random.default_rng(seed)
+    # Few distinct tokens: rows repeat within and across replicas.
+    return rng.integers(0, 12, size=(n, 5)).astype("int32"), rng.integers(0, 3, n).astype("int32")
+
+
+def trainer_for(model, optimizer=None, devices=2, **config):
+    return epl.EPLTrainer(
+        model,
+        LOSS,
+        optimizer or keras.optimizers.SGD(0.1),
+        config={"cluster.virtual_devices": devices, **config},
+    )
+
+
+def step_graph(trainer, x, y, batch_size=16):
+    trainer.fit(x, y, batch_size=batch_size, steps_per_epoch=1, verbose=0)
+    dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(batch_size, drop_remainder=True)
+    return trainer._program.train_on_iterator.get_concrete_function(iter(dataset)).graph
+
+
+def all_ops(graph):
+    """Every op of a graph and of the functions it calls (e.g. a tf.cond's branches: the
+    update runs inside one, skipped when gradients are not finite)."""
+    for op in graph.get_operations():
+        yield op
+        for attr in ("then_branch", "else_branch", "f", "body", "cond"):
+            try:
+                name = op.get_attr(attr).name
+            except (ValueError, AttributeError):
+                continue
+            function = graph._get_function(name)
+            if function is not None and hasattr(function, "graph"):
+                yield from all_ops(function.graph)
+
+
+def collectives(graph, op_type, device_suffix="CPU:0"):
+    """The gradient collectives on one device (scalar ones, e.g. the finiteness vote,
+    left out)."""
+    return [
+        op
+        for op in all_ops(graph)
+        if op.type == op_type
+        and op.device.endswith(device_suffix)
+        and op.inputs[0].shape.num_elements() != 1
+    ]
+
+
+@pytest.mark.parametrize("max_splits,expected", [(1, 1), (5, 5), (60, 14)])
+def test_one_all_reduce_per_bucket(max_splits, expected):
+    """14 gradients (7 kernels, 7 biases) of one dtype: min(max_splits, 14) buckets,
+    each one collective on each device."""
+    x, y = mlp_data()
+    trainer = trainer_for(deep_mlp(), **{"communication.max_splits": max_splits})
+    graph = step_graph(trainer, x, y)
+    reduces = collectives(graph, "CollectiveReduceV2")
+    assert len(reduces) == expected
+    sizes = sorted(int(op.inputs[0].shape.num_elements()) for op in reduces)
+    total = sum(int(np.prod(v.shape)) for v in trainer.model.trainable_variables)
+    assert sum(sizes) == total
+    if expected > 1:  # balanced: no bucket beyond its share plus the largest tensor
+        largest = max(int(np.prod(v.shape)) for v in trainer.model.trainable_variables)
+        assert max(sizes) <= total / expected + largest
+
+
+@pytest.mark.parametrize("communicators", [1, 3])
+def test_buckets_spread_over_communicator_chains(communicators):
+    x, y = mlp_data()
+    trainer = trainer_for(
+        deep_mlp(),
+        **{"communication.max_splits": 6, "communication.num_communicators": communicators},
+    )
+    graph = step_graph(trainer, x, y)
+    tokens = {op.inputs[-1].op.name for op in collectives(graph, "CollectiveReduceV2")}
+    # Each chain orders its collectives by its own token; chains are independent.
+    assert len(tokens) == communicators
+
+
+def test_fp16_wire_matches_float32_within_half_precision():
+    x, y = mlp_data()
+    reference = deep_mlp()
+    keras_reference(reference, x, y, keras.optimizers.SGD(0.1), batch_size=16, steps=3)
+    model = deep_mlp()
+    trainer = trainer_for(model, **{"communication.fp16": True, "communication.fp16_scale": 64})
+    trainer.fit(x, y, batch_size=16, steps_per_epoch=3, verbose=0)
+    difference = max_weight_difference(reference, model)
+    # float16 keeps 11 significant bits: relative error 2^-11 ~ 5e-4 of each gradient,
+    # times the learning rate, over 3 steps.
+    assert difference < 1e-3
+    print(f"fp16 wire: max weight difference after 3 steps {difference:.2e}")
+    graph = step_graph(trainer, x, y)
+    dtypes = {op.inputs[0].dtype for op in collectives(graph, "CollectiveReduceV2")}
+    assert dtypes == {tf.float16}
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adam"])
+def test_sparse_embedding_gradients_are_gathered_as_slices(optimizer):
+    """Keras applies IndexedSlices sparsely (Adam updates only the looked-up rows'
+    moments); gathering slices keeps exactly those semantics."""
+    x, y = token_data()
+    make = (
+        (lambda: keras.optimizers.SGD(0.5))
+        if optimizer == "sgd"
+        else (lambda: keras.optimizers.Adam(0.05))
+    )
+    reference = embedding_model()
+    keras_reference(reference, x, y, make(), batch_size=16, steps=3)
+    model = embedding_model()
+    trainer = trainer_for(model, make(), devices=4)
+    trainer.fit(x, y, batch_size=16, steps_per_epoch=3, verbose=0)
+    assert max_weight_difference(reference, model) < 1e-5
+
+    graph = step_graph(trainer, x, y)
+    gathers = collectives(graph, "CollectiveGatherV2")
+    assert len(gathers) == 2  # the embedding's rows and their indices
+    vocabulary_size = 50 * 8
+    for op in collectives(graph, "CollectiveReduceV2"):
+        assert op.inputs[0].shape.num_elements() < vocabulary_size  # no dense embedding grad
+
+
+def test_sparse_as_dense_reduces_the_embedding_dense():
+    x, y = token_data()
+    reference = embedding_model()
+    keras_reference(reference, x, y, keras.optimizers.SGD(0.5), batch_size=16, steps=3)
+    model = embedding_model()
+    trainer = trainer_for(
+        model, keras.optimizers.SGD(0.5), **{"communication.sparse_as_dense": True}
+    )
+    trainer.fit(x, y, batch_size=16, steps_per_epoch=3, verbose=0)
+    assert max_weight_difference(reference, model) < 1e-5
+    graph = step_graph(trainer, x, y)
+    assert not collectives(graph, "CollectiveGatherV2")
+    sizes = [op.inputs[0].shape.num_elements() for op in collectives(graph, "CollectiveReduceV2")]
+    assert sum(sizes) == sum(int(np.prod(v.shape)) for v in model.trainable_variables)
+
+
+def test_sparse_gradients_with_accumulation_and_clipping_match_keras():
+    x, y = token_data()
+    optimizer = lambda: keras.optimizers.SGD(0.5, global_clipnorm=0.1)  # noqa: E731
+    reference = embedding_model()
+    keras_reference(reference, x, y, optimizer(), batch_size=16, steps=3)
+    model = embedding_model()
+    trainer = trainer_for(
+        model,
+        optimizer(),
+        **{"pipeline.num_micro_batch": 2, "communication.clip_after_allreduce": True},
+    )
+    trainer.fit(x, y, batch_size=16, steps_per_epoch=3, verbose=0)
+    assert max_weight_difference(reference, model) < 1e-5

@@ -1,0 +1,202 @@
+"""Fault tolerance with real processes: dead workers, restarts, kills during saves, resume.
+
+Every test runs `tests/scripts/train_ft.py` as real worker processes on 127.0.0.1 and
+injects a real fault: `kill -9` of a worker (from the test, or by the worker itself at a
+chosen step) or of the chief between writing and publishing a checkpoint.
+"""
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import keras
+import numpy as np
+import pytest
+
+from epl_trainer import launcher
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPT = os.path.join(ROOT, "tests", "scripts", "train_ft.py")
+sys.path.insert(0, os.path.dirname(SCRIPT))
+import train_ft  # noqa: E402
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+
+STEPS = 2 * train_ft.NUM_SAMPLES // train_ft.GLOBAL_BATCH  # 2 epochs of 8 steps
+TIMEOUT = 20.0  # communication.timeout_seconds in these runs
+
+
+def _env(**extra):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("EPL_") and k != "TF_CONFIG"}
+    env["PYTHONPATH"] = os.pathsep.join([ROOT, env.get("PYTHONPATH", "")])
+    env["CUDA_VISIBLE_DEVICES"] = ""
+    env.update(extra)
+    return env
+
+
+def _run_alone(out, *args, attempt=0):
+    """One single-worker run of the script; returns the CompletedProcess."""
+    command = [sys.executable, SCRIPT, str(out), "--save_steps", "3", *args]
+    env = _env(EPL_RESTART_ATTEMPT=str(attempt))
+    return subprocess.run(command, capture_output=True, text=True, timeout=300, env=env)
+
+
+def _launch(out, *args, max_restarts=0):
+    command = [
+        sys.executable, "-m", "epl_trainer.launcher", "--num_workers", "2",
+        "--gpu_per_worker", "1", "--log_dir", str(out / "logs"),
+        "--max_restarts", str(max_restarts), SCRIPT, str(out), "--timeout", str(TIMEOUT), *args,
+    ]  # fmt: skip
+    return subprocess.Popen(
+        command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env()
+    )
+
+
+def _wait_for_file(path, process, timeout=240.0) -> str:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        text = path.read_text() if path.exists() else ""
+        if text:
+            return text
+        if process.poll() is not None:
+            raise AssertionError(f"exited with {process.returncode} before writing {path}")
+        time.sleep(0.1)
+    raise AssertionError(f"{path} never appeared")
+
+
+def _weights(out, worker=0):
+    loaded = np.load(out / f"weights_{worker}.npz")
+    return [loaded[f"arr_{i}"] for i in range(len(loaded.files))]
+
+
+def _samples(out, worker=0, attempt=0) -> list[list[int]]:
+    """The sample ids of each training step, as the compiled step printed them."""
+    path = out / f"samples_{worker}_attempt{attempt}.txt"
+    return [[int(i) for i in re.findall(r"-?\d+", line)] for line in path.read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    """A single-worker run without faults: the reference weights and sample sequence."""
+    out = tmp_path_factory.mktemp("uninterrupted")
+    result = _run_alone(out)
+    assert result.returncode == 0, result.stdout + result.stderr
+    return out
+
+
+def test_killed_worker_makes_the_survivor_fail_within_the_timeout(tmp_path):
+    ports = launcher.free_ports(2)
+    args = ["--pause_worker", "1", "--pause_at_step", "3", "--timeout", str(TIMEOUT)]
+    workers = []
+    for index in range(2):
+        env = launcher.worker_env(index, ports, 1, base_env=_env())
+        workers.append(
+            subprocess.Popen(
+                [sys.executable, SCRIPT, str(tmp_path), *args],
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+        )
+    survivor, victim = workers
+    try:
+        pid = int(_wait_for_file(tmp_path / "paused_1", victim))
+        assert pid == victim.pid
+        os.kill(pid, signal.SIGKILL)
+        killed_at = time.monotonic()
+        output, _ = survivor.communicate(timeout=TIMEOUT + 60)
+        elapsed = time.monotonic() - killed_at
+    finally:
+        for process in workers:
+            if process.poll() is None:
+                process.kill()
+            process.wait()
+    print(f"kill -9 of worker 1 -> survivor's error after {elapsed:.1f} s (timeout {TIMEOUT:g} s)")
+    assert survivor.returncode == 1, output
+    assert "WorkerLostError" in output, output
+    assert f"worker 1 (127.0.0.1:{ports[1]}, /job:worker/replica:0/task:1)" in output, output
+    assert not (tmp_path / "weights_0.npz").exists()
+
+
+def test_max_restarts_finishes_the_job_with_the_uninterrupted_weights(tmp_path):
+    reference = _launch(tmp_path / "reference")
+    out, err = reference.communicate(timeout=300)
+    assert reference.returncode == 0, out + err
+
+    faulty = tmp_path / "faulty"
+    job = _launch(faulty, "--pause_worker", "1", "--pause_at_step", "5", max_restarts=1)
+    try:
+        pid = int(_wait_for_file(faulty / "paused_1", job))
+        os.kill(pid, signal.SIGKILL)
+        out, err = job.communicate(timeout=400)
+    finally:
+        if job.poll() is None:
+            job.kill()
+            job.wait()
+    assert job.returncode == 0, out + err
+    assert "worker 1 was killed by SIGKILL (exit code 137)" in err
+    assert "restart 1/1" in err
+    # Restarted from the newest checkpoint before the kill (save_steps=2: step 4), so the
+    # first batch worker 0 trains on is its half of global batch 4.
+    assert _samples(faulty, 0, attempt=1)[0] == [32, 33, 34, 35]
+    for worker in range(2):
+        for got, want in zip(_weights(faulty, worker), _weights(tmp_path / "reference", worker)):
+            np.testing.assert_array_equal(got, want)
+
+
+def test_kill_during_checkpoint_save_leaves_the_previous_one(tmp_path, uninterrupted):
+    result = _run_alone(tmp_path, "--kill_in_save", "6")
+    assert result.returncode == -signal.SIGKILL
+    ckpt_dir = tmp_path / "ckpt"
+    assert (ckpt_dir / "latest").read_text() == "ckpt-3"
+    leftovers = [p.name for p in ckpt_dir.iterdir() if p.name.startswith(".tmp-ckpt-6-")]
+    assert len(leftovers) == 1  # written completely, never published
+
+    import epl_trainer as epl
+
+    trainer = epl.EPLTrainer(
+        train_ft.make_model(),
+        keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        keras.optimizers.Adam(0.01),
+        config={"cluster.virtual_devices": 1},
+    )
+    path = trainer.restore_checkpoint(str(ckpt_dir))
+    assert os.path.basename(path) == "ckpt-3"
+    assert int(trainer.optimizer.iterations.numpy()) == 3
+
+    resumed = _run_alone(tmp_path, attempt=1)
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    assert not [p for p in ckpt_dir.iterdir() if p.name.startswith(".tmp-")]  # cleaned up
+    for got, want in zip(_weights(tmp_path), _weights(uninterrupted)):
+        np.testing.assert_array_equal(got, want)
+
+
+def test_resume_after_kill_sees_every_sample_once_and_ends_with_identical_weights(
+    tmp_path, uninterrupted
+):
+    killed = _run_alone(tmp_path, "--kill_at_step", "11", "--keep_max", "2")
+    assert killed.returncode == -signal.SIGKILL
+    ckpt_dir = tmp_path / "ckpt"
+    # Step 8 (an epoch end) and step 9 (save_steps=3) are the 2 newest; 3 and 6 were deleted.
+    assert sorted(p.name for p in ckpt_dir.iterdir()) == ["ckpt-8", "ckpt-9", "latest"]
+    metadata = json.loads((ckpt_dir / "ckpt-9" / "metadata.json").read_text())
+    assert (metadata["epochs_done"], metadata["step_in_epoch"], metadata["input_position"]) == (
+        1,
+        1,
+        1,
+    )
+
+    resumed = _run_alone(tmp_path, "--keep_max", "2", attempt=1)
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    before_kill = _samples(tmp_path, attempt=0)
+    assert len(before_kill) == 11  # the steps it ran; the last 2 are lost with the process
+    seen = before_kill[: metadata["step"]] + _samples(tmp_path, attempt=1)
+    assert seen == _samples(uninterrupted)
+    assert len(seen) == STEPS
+    for got, want in zip(_weights(tmp_path), _weights(uninterrupted)):
+        np.testing.assert_array_equal(got, want)

@@ -1,0 +1,71 @@
+"""Numerical faults: a non-finite loss stops fp32 training (or is skipped); AMP's scaler owns it."""
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+from _models import LOSS, max_weight_difference, mlp, mlp_data
+
+import epl_trainer as epl
+from epl_trainer.trainer import NonFiniteLossError
+
+BATCH = 8
+BAD_BATCH = 2  # 0-based index of the batch holding a NaN
+
+
+def _trainer(model, **config):
+    return epl.EPLTrainer(
+        model,
+        LOSS,
+        keras.optimizers.Adam(0.01),
+        config={"cluster.virtual_devices": 2, **config},
+    )
+
+
+def _data(poisoned: bool, drop_bad: bool = False):
+    x, y = mlp_data(48)
+    if poisoned:
+        x = x.copy()
+        x[BAD_BATCH * BATCH + 3, 1] = np.nan
+    if drop_bad:
+        keep = np.r_[0 : BAD_BATCH * BATCH, (BAD_BATCH + 1) * BATCH : len(x)]
+        x, y = x[keep], y[keep]
+    return tf.data.Dataset.from_tensor_slices((x, y)).batch(BATCH)
+
+
+def test_nonfinite_loss_stops_with_the_step_and_leaves_the_weights_before_it():
+    model = mlp()
+    trainer = _trainer(model)
+    with pytest.raises(
+        NonFiniteLossError,
+        match=r"not finite \(NaN or Inf\) at training step 3 \(epoch 1, batch 2\)",
+    ):
+        trainer.fit(_data(poisoned=True), verbose=0)
+    trainer._state.write_back()
+    reference = mlp()
+    _trainer(reference).fit(_data(poisoned=False).take(BAD_BATCH), verbose=0)
+    assert max_weight_difference(model, reference) == 0.0
+    assert all(np.isfinite(w).all() for w in model.get_weights())
+
+
+def test_skip_mode_skips_the_step_as_if_the_batch_were_not_there(caplog):
+    model = mlp()
+    history = _trainer(model, **{"optimizer.nonfinite_loss": "skip"}).fit(
+        _data(poisoned=True), verbose=0
+    )
+    assert history.history["nonfinite_steps"] == [1]
+    assert "Non-finite loss at training step 3 (epoch 1, batch 2)" in caplog.text
+    reference = mlp()
+    _trainer(reference).fit(_data(poisoned=False, drop_bad=True), verbose=0)
+    # Adam's own step count did not advance either: identical to never seeing the batch.
+    assert max_weight_difference(model, reference) == 0.0
+
+
+def test_under_amp_the_loss_scaler_skips_the_step_without_an_error():
+    model = mlp()
+    history = _trainer(model, **{"amp.level": "O1", "amp.dtype": "bfloat16"}).fit(
+        _data(poisoned=True), verbose=0
+    )
+    assert history.history["skipped_steps"] == [1]
+    assert "nonfinite_steps" not in history.history
+    assert all(np.isfinite(w).all() for w in model.get_weights())
