@@ -46,7 +46,7 @@ def build_parser() -> argparse.ArgumentParser:
         model.add_argument(f"--{name}", type=int, help=f"transformer {name}")
     model.add_argument("--max_position", type=int, help="position embeddings (default seq_len)")
     model.add_argument("--head", choices=analytic.HEADS, help="transformer head (default lm)")
-    model.add_argument("--activation", choices=("gelu", "relu"), help="(default gelu)")
+    model.add_argument("--activation", choices=("gelu", "gelu_tanh", "relu"), help="(default gelu)")
     model.add_argument("--num_classes", type=int, help="pool head / ResNet classes")
     model.add_argument("--image_size", type=int, help="ResNet input size (default 224)")
 
@@ -112,9 +112,7 @@ def model_from_args(args, parser) -> estimate.ModelCost:
     if kind == "params":
         return analytic.params_only(args.params)
     if kind == "bert":
-        return analytic.bert(
-            args.size or "base", seq_len=args.seq_len or 384, vocab=args.vocab or 30522
-        )
+        return analytic.bert(args.size or "base", seq_len=args.seq_len, vocab=args.vocab or 30522)
     if kind == "resnet50":
         return analytic.resnet50(args.image_size or 224, args.num_classes or 1000)
     missing = [f"--{n}" for n in _TRANSFORMER_SIZES if getattr(args, n) is None]

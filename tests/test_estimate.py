@@ -159,6 +159,10 @@ def test_replicate_n_splits_the_micro_batch_over_its_devices():
 def test_published_model_sizes():
     assert analytic.bert("base").params == 108_893_186  # BERT-base for question answering
     assert analytic.bert("large").params == 334_094_338
+    from model_zoo.bert_squad import modeling
+
+    zoo_tiny = modeling.build_squad_model(modeling.BertConfig.preset("tiny", 30522), 128)
+    assert analytic.bert("tiny").params == zoo_tiny.count_params()
     resnet = analytic.resnet50()
     keras_resnet = keras.applications.ResNet50(weights=None)
     assert resnet.params == keras_resnet.count_params() == 25_636_712
