@@ -377,9 +377,14 @@ def main(argv=None) -> int:
         data = result.to_dict()
         data["zero_levels"] = dict(zero_comparison(result))
         data["device_memory"] = device_memory
-        print(json.dumps(data, indent=1))
+        text = json.dumps(data, indent=1)
     else:
-        print(render(result, device_memory))
+        text = render(result, device_memory)
+    try:
+        print(text)
+    except BrokenPipeError:  # `epl-plan ... | head`: the reader left; exit quietly
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
     return 0
 
 
