@@ -41,14 +41,14 @@ def build_parser() -> argparse.ArgumentParser:
     model.add_argument(
         "--params", type=float, help="only a parameter count: model states, no activations"
     )
-    model.add_argument("--size", default="base", help=f"BERT size: {list(analytic.BERT_SIZES)}")
+    model.add_argument("--size", help=f"BERT size: {list(analytic.BERT_SIZES)} (default base)")
     for name in (*_TRANSFORMER_SIZES, "ffn"):
         model.add_argument(f"--{name}", type=int, help=f"transformer {name}")
     model.add_argument("--max_position", type=int, help="position embeddings (default seq_len)")
-    model.add_argument("--head", default="lm", choices=analytic.HEADS, help="transformer head")
-    model.add_argument("--activation", default="gelu", choices=("gelu", "relu"))
+    model.add_argument("--head", choices=analytic.HEADS, help="transformer head (default lm)")
+    model.add_argument("--activation", choices=("gelu", "gelu_tanh", "relu"), help="(default gelu)")
     model.add_argument("--num_classes", type=int, help="pool head / ResNet classes")
-    model.add_argument("--image_size", type=int, default=224, help="ResNet input size")
+    model.add_argument("--image_size", type=int, help="ResNet input size (default 224)")
 
     cluster = parser.add_argument_group("virtual cluster")
     cluster.add_argument("--num_workers", type=int, default=1)
@@ -88,16 +88,33 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# Which model flags each model takes (the others would be silently ignored: refused).
+_MODEL_FLAGS = {
+    "params": set(),
+    "bert": {"size", "seq_len", "vocab"},
+    "resnet50": {"image_size", "num_classes"},
+    "transformer": {*_TRANSFORMER_SIZES, "ffn", "max_position", "head", "activation"}
+    | {"num_classes"},
+}
+
+
 def model_from_args(args, parser) -> estimate.ModelCost:
     """The `ModelCost` the flags describe."""
     if (args.model is None) == (args.params is None):
         parser.error("give exactly one of --model or --params")
-    if args.params is not None:
+    kind = args.model or "params"
+    given = {flag for flags in _MODEL_FLAGS.values() for flag in flags}
+    given = {flag for flag in given if getattr(args, flag) is not None}
+    unused = sorted(given - _MODEL_FLAGS[kind])
+    if unused:
+        what = f"--model {kind}" if args.model else "--params"
+        parser.error(f"{what} does not take {' '.join('--' + f for f in unused)}")
+    if kind == "params":
         return analytic.params_only(args.params)
-    if args.model == "bert":
-        return analytic.bert(args.size, seq_len=args.seq_len or 384, vocab=args.vocab or 30522)
-    if args.model == "resnet50":
-        return analytic.resnet50(args.image_size, args.num_classes or 1000)
+    if kind == "bert":
+        return analytic.bert(args.size or "base", seq_len=args.seq_len, vocab=args.vocab or 30522)
+    if kind == "resnet50":
+        return analytic.resnet50(args.image_size or 224, args.num_classes or 1000)
     missing = [f"--{n}" for n in _TRANSFORMER_SIZES if getattr(args, n) is None]
     if missing:
         parser.error(f"--model transformer needs {' '.join(missing)}")
@@ -109,9 +126,9 @@ def model_from_args(args, parser) -> estimate.ModelCost:
         args.seq_len,
         args.ffn,
         max_position=args.max_position,
-        head=args.head,
+        head=args.head or "lm",
         num_classes=args.num_classes or 2,
-        activation=args.activation,
+        activation=args.activation or "gelu",
     )
 
 
@@ -143,7 +160,16 @@ def options_from_args(args) -> tuple[estimate.TrainOptions, int, bool]:
     return options, num_stages, config.cluster.device_place_prefer_intra_node
 
 
-def plan_and_estimate(model, options, num_stages, num_workers, gpu_per_worker, **kwargs):
+def plan_and_estimate(
+    model: estimate.ModelCost,
+    options: estimate.TrainOptions,
+    num_stages: int,
+    num_workers: int,
+    gpu_per_worker: int,
+    *,
+    device_type: str = "GPU",
+    prefer_intra_node: bool = True,
+) -> estimate.Estimate:
     """Cuts `model` into `num_stages`, plans it on a virtual cluster and estimates it."""
     if isinstance(num_stages, bool) or not isinstance(num_stages, int) or num_stages < 1:
         raise ValueError(f"num_stages must be an int >= 1. Received: num_stages={num_stages!r}")
@@ -153,10 +179,10 @@ def plan_and_estimate(model, options, num_stages, num_workers, gpu_per_worker, *
     where = ", ".join(f"stage {k + 1} at {model.nodes[c].name}" for k, c in enumerate(cuts))
     plan = planner.build_plan(
         [StrategySpec("replicate", 1, f"stage_{k}") for k in range(num_stages)],
-        estimate.virtual_cluster(num_workers, gpu_per_worker, kwargs.get("device_type", "GPU")),
+        estimate.virtual_cluster(num_workers, gpu_per_worker, device_type),
         0,
         num_micro_batch=options.num_micro_batch,
-        prefer_intra_node=kwargs.get("prefer_intra_node", True),
+        prefer_intra_node=prefer_intra_node,
         pipeline_strategy=options.pipeline_strategy,
         stage_costs=stage_flops if num_stages > 1 else None,
         cut_description=f"forward FLOPs balanced; {where}" if cuts else None,
@@ -178,16 +204,12 @@ def zero_comparison(result: estimate.Estimate) -> list[tuple[str, float]]:
 
 
 def render(result: estimate.Estimate, device_memory: int | None = None) -> str:
-    """The human-readable report."""
+    """The human-readable report: model, Plan, memory, activations, bubble, traffic."""
     model, options = result.model, result.options
+    flops = f"{format_count(model.flops)} forward FLOPs per sample" if model.flops else ""
     lines = [
         f"Model: {model.name}: {model.description}",
-        f"  {model.params:,} parameters, "
-        + (
-            f"{format_count(model.flops)} forward FLOPs per sample"
-            if model.flops
-            else "FLOPs unknown"
-        ),
+        f"  {model.params:,} parameters" + (f", {flops}" if flops else ""),
         "",
         result.plan.summary(),
         "",
@@ -196,8 +218,21 @@ def render(result: estimate.Estimate, device_memory: int | None = None) -> str:
         f"{result.global_batch}; zero={options.zero or 'none'}, amp={options.amp or 'none'}, "
         f"gc={'on' if options.gc else 'off'}, optimizer={options.optimizer}",
         "",
-        "Per device (every device of a stage holds the same):",
     ]
+    lines += _memory_section(result, device_memory)
+    lines += _activation_section(result)
+    num_stages, m = len(result.stages), options.num_micro_batch
+    lines += [
+        "",
+        f"Pipeline bubble: (S-1)/(M+S-1) = ({num_stages}-1)/({m}+{num_stages}-1) = "
+        f"{result.bubble:.3f}",
+        "",
+    ]
+    lines += _traffic_section(result)
+    return "\n".join(lines)
+
+
+def _memory_section(result: estimate.Estimate, device_memory: int | None) -> list[str]:
     header = ["stage", "devices", "params", "parameters", "gradients", "optimizer"]
     header += ["model states", "activations", "peak"]
     rows = []
@@ -205,17 +240,16 @@ def render(result: estimate.Estimate, device_memory: int | None = None) -> str:
         acts = f"{fmt(s.activations[s.selected])} x {s.inflight}" + (
             f" + {fmt(s.recompute)}" if s.recompute else ""
         )
-        acts = acts if model.has_activations else "unknown"
+        acts = acts if result.model.has_activations else "unknown"
         sizes = (s.parameters, s.gradients, s.optimizer, s.model_states)
         cells = [str(s.index), str(s.devices), format_count(s.params), *map(fmt, sizes)]
         rows.append([*cells, acts, fmt(s.peak)])
     if device_memory:
         header.append(f"of {fmt(device_memory)}")
         for row, s in zip(rows, result.stages):
-            row.append(
-                f"{s.peak / device_memory:.0%}" + (" (too big)" if s.peak > device_memory else "")
-            )
-    lines += _table(header, rows)
+            too_big = " (too big)" if s.peak > device_memory else ""
+            row.append(f"{s.peak / device_memory:.0%}{too_big}")
+    lines = ["Per device (every device of a stage holds the same):", *_table(header, rows)]
     if device_memory:
         worst = max(result.stages, key=lambda s: s.peak)
         verdict = "fits" if worst.peak <= device_memory else "does NOT fit"
@@ -225,50 +259,49 @@ def render(result: estimate.Estimate, device_memory: int | None = None) -> str:
         )
     lines += [
         "  activations = bytes per micro-batch x micro-batches kept alive"
-        " (+ one recomputed segment with gc);\n  peak = parameters + optimizer + the full stage"
-        " gradients (accumulated before the reduction) + activations + collective buffers"
-        " + backward workspace",
-        "",
-        "Activations per micro-batch and device:",
+        " (+ one recomputed segment with gc);",
+        "  peak = parameters + optimizer + the full stage gradients (accumulated before the"
+        " reduction) + activations + collective buffers + backward workspace",
     ]
+    return lines
+
+
+def _activation_section(result: estimate.Estimate) -> list[str]:
     variants = ("fp32", "gc", "amp", "amp+gc")
     rows = [
         [str(s.index)]
         + [fmt(s.activations[v]) + (" *" if v == s.selected else "") for v in variants]
         for s in result.stages
     ]
+    lines = ["", "Activations per micro-batch and device (* = these options):"]
     lines += _table(["stage", "fp32", "gc", "amp (16-bit)", "amp + gc"], rows)
-    if not model.has_activations:
+    if not result.model.has_activations:
         lines.append("  (the model is known only by its parameter count: activations unknown)")
-    bubble = result.bubble
-    lines += [
-        "",
-        f"Pipeline bubble: (S-1)/(M+S-1) = ({len(result.stages)}-1)/"
-        f"({options.num_micro_batch}+{len(result.stages)}-1) = {bubble:.3f}",
-        "",
-        "Communication per step, bytes each device sends (ring collectives):",
-    ]
+    return lines
+
+
+def _traffic_section(result: estimate.Estimate) -> list[str]:
     collective = {
         "": "all-reduce",
         "v0": "all-reduce + all-gather",
         "v1": "reduce-scatter + all-gather",
-    }
+    }[result.options.zero]
     rows = [
         [str(s.index), fmt(s.comm_data_parallel), fmt(s.comm_pipeline), fmt(s.comm)]
         for s in result.stages
     ]
-    lines += _table(
-        ["stage", f"data-parallel ({collective[options.zero]})", "pipeline (p2p)", "total"], rows
-    )
+    lines = ["Communication per step, bytes each device sends (ring collectives):"]
+    lines += _table(["stage", f"data-parallel ({collective})", "pipeline (p2p)", "total"], rows)
+    largest = max(result.stages, key=lambda s: s.params)
     lines += [
         "",
-        f"ZeRO levels, model states per device (stage with most parameters, N = "
-        f"{max(result.stages, key=lambda s: s.params).devices}):",
+        "ZeRO levels, model states per device (stage with most parameters, "
+        f"N = {largest.devices}):",
     ]
     lines += _table(
         ["zero.level", "model states"], [[n, fmt(b)] for n, b in zero_comparison(result)]
     )
-    return "\n".join(lines)
+    return lines
 
 
 def _table(header, rows) -> list[str]:
@@ -344,9 +377,14 @@ def main(argv=None) -> int:
         data = result.to_dict()
         data["zero_levels"] = dict(zero_comparison(result))
         data["device_memory"] = device_memory
-        print(json.dumps(data, indent=1))
+        text = json.dumps(data, indent=1)
     else:
-        print(render(result, device_memory))
+        text = render(result, device_memory)
+    try:
+        print(text)
+    except BrokenPipeError:  # `epl-plan ... | head`: the reader left; exit quietly
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
     return 0
 
 

@@ -7,7 +7,6 @@ import os
 import subprocess
 import sys
 
-import keras
 import pytest
 
 from epl_trainer.core import analytic, estimate, planner, schedule
@@ -159,9 +158,15 @@ def test_replicate_n_splits_the_micro_batch_over_its_devices():
 def test_published_model_sizes():
     assert analytic.bert("base").params == 108_893_186  # BERT-base for question answering
     assert analytic.bert("large").params == 334_094_338
+    from model_zoo.bert_squad import modeling
+
+    zoo_tiny = modeling.build_squad_model(modeling.BertConfig.preset("tiny", 30522), 128)
+    assert analytic.bert("tiny").params == zoo_tiny.count_params()
     resnet = analytic.resnet50()
-    keras_resnet = keras.applications.ResNet50(weights=None)
-    assert resnet.params == keras_resnet.count_params() == 25_636_712
+    from model_zoo.resnet50 import model as resnet_zoo  # keras.applications.ResNet50 inside
+
+    zoo_resnet = resnet_zoo.build_model(1000, small=False)
+    assert resnet.params == zoo_resnet.count_params() == 25_636_712
     print(f"\nResNet-50 forward FLOPs per 224x224 image: {resnet.flops / 1e9:.2f} G")
 
 

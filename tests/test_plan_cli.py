@@ -99,6 +99,8 @@ def test_settings_come_from_the_trainer_config_unless_given(capsys):
         (["--model", "bert", "--num_stages", "30"], "Cannot cut 30 stages"),
         (["--params", "1e9", "--device_memory", "lots"], "Cannot read a byte count"),
         (["--model", "bert", "--size", "huge"], "size must be one of"),
+        (["--model", "resnet50", "--size", "large"], "--model resnet50 does not take --size"),
+        (["--params", "1e9", "--layers", "2"], "--params does not take --layers"),
         (["--params", "1e9", "--epl_set", "zero.level=v9"], "zero.level"),
     ],
 )

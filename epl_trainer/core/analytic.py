@@ -15,6 +15,7 @@ h = hidden size, f = feed-forward size, a = heads):
   the feed-forward input (1);
 * a*s^2: the attention probabilities (softmax output);
 * 4 s*f with GELU (Keras's exact erf form keeps x/sqrt(2), 1+erf(.), x/2 and the
+  output), 5 with its tanh approximation (BERT's: x, tanh(.), 1+tanh(.), x/2 and the
   output), 1 s*f with ReLU (its output).
 
 Under AMP these are 16-bit except the LayerNormalizations' 4 s*h, which Keras computes
@@ -35,15 +36,16 @@ from epl_trainer.core.ir import format_count
 
 __all__ = ["BERT_SIZES", "HEADS", "bert", "params_only", "resnet50", "transformer"]
 
-# Published sizes (Devlin et al. 2018, table in section 3): layers, hidden, heads, ffn.
+# layers, hidden, heads, ffn, position embeddings: model_zoo.bert_squad's presets. base
+# and large are the published sizes (Devlin et al. 2019, section 3); tiny is the zoo's
+# CPU model.
 BERT_SIZES = {
-    "tiny": (2, 128, 2, 512),
-    "small": (4, 512, 8, 2048),
-    "base": (12, 768, 12, 3072),
-    "large": (24, 1024, 16, 4096),
+    "tiny": (2, 64, 4, 256, 128),
+    "base": (12, 768, 12, 3072, 512),
+    "large": (24, 1024, 16, 4096, 512),
 }
 HEADS = ("lm", "span", "pool")
-_FFN_KEPT = {"gelu": 4, "relu": 1}  # s*f tensors kept per layer (see the module doc)
+_FFN_KEPT = {"gelu": 4, "gelu_tanh": 5, "relu": 1}  # s*f kept per layer (module doc)
 _F32 = 4
 
 
@@ -81,7 +83,8 @@ def transformer(
       final_norm: a LayerNormalization before the head (pre-LN models).
       head: "lm" (vocab logits per position), "span" (start/end logits per position,
         SQuAD) or "pool" (mean over positions, `num_classes` logits).
-      activation: "gelu" or "relu" in the feed-forward block.
+      activation: "gelu" (exact), "gelu_tanh" (approximate) or "relu" in the
+        feed-forward block.
     """
     ffn = 4 * hidden if ffn is None else ffn
     max_position = seq_len if max_position is None else max_position
@@ -159,15 +162,22 @@ def transformer(
     )
 
 
-def bert(size: str = "base", seq_len: int = 384, vocab: int = 30522) -> ModelCost:
-    """BERT with the published sizes and a SQuAD span head (post-LN, as Google's BERT).
+def bert(size: str = "base", seq_len: int | None = None, vocab: int = 30522) -> ModelCost:
+    """`model_zoo.bert_squad`'s BERT: post-LN, tanh-approximated GELU, a SQuAD span head.
 
     `bert("base")` has 108,893,186 parameters and `bert("large")` 334,094,338, the counts
-    of BERT-for-question-answering (BERT's 110M / 340M include the unused pooler).
+    of BERT for question answering (BERT's 110M / 340M include the unused pooler).
+    `seq_len` defaults to 384 (SQuAD), or the position embeddings if fewer.
     """
     if size not in BERT_SIZES:
         raise ValueError(f"size must be one of {tuple(BERT_SIZES)}. Received: size={size!r}")
-    layers, hidden, heads, ffn = BERT_SIZES[size]
+    layers, hidden, heads, ffn, max_position = BERT_SIZES[size]
+    seq_len = min(384, max_position) if seq_len is None else seq_len
+    if seq_len > max_position:
+        raise ValueError(
+            f"seq_len exceeds BERT-{size}'s {max_position} position embeddings. "
+            f"Received: seq_len={seq_len}"
+        )
     return transformer(
         layers,
         hidden,
@@ -175,11 +185,12 @@ def bert(size: str = "base", seq_len: int = 384, vocab: int = 30522) -> ModelCos
         vocab,
         seq_len,
         ffn,
-        max_position=max(512, seq_len),
+        max_position=max_position,
         type_vocab=2,
         embedding_norm=True,
         final_norm=False,
         head="span",
+        activation="gelu_tanh",
         name=f"bert_{size}",
     )
 

@@ -191,10 +191,11 @@ class AutoPartition:
         return estimate.estimate(self.model_cost, plan, options, cuts=self.cuts)
 
     def describe(self) -> str:
-        """A table of the stages with their nodes, blocks, FLOPs, parameters and the
-        bytes each sends to later stages per sample."""
+        """A table of the stages with their nodes, blocks, FLOPs, parameters, the bytes
+        each keeps for backward (the estimator's activations) and sends to later stages,
+        per sample."""
         block_starts = [s for run in self.candidates.runs for s in run.block_starts]
-        header = ("stage", "nodes", "first .. last", "blocks", "FLOPs", "params", "sends")
+        header = ("stage", "nodes", "first .. last", "blocks", "FLOPs", "params", "kept", "sends")
         rows = []
         for stage, (a, b) in enumerate(self.stage_ranges):
             blocks = [i for i, s in enumerate(block_starts) if a <= s < b]
@@ -209,6 +210,7 @@ class AutoPartition:
                     f"{blocks[0]}-{blocks[-1]}" if blocks else "-",
                     format_count(self.stage_costs[stage]),
                     format_count(self.stage_params[stage]),
+                    format_bytes(sum(c.kept_bytes for c in self.costs[a:b])),
                     sends,
                 )
             )
