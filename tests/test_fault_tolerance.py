@@ -88,21 +88,33 @@ def uninterrupted(tmp_path_factory):
     return out
 
 
-def test_killed_worker_makes_the_survivor_fail_within_the_timeout(tmp_path):
+def _two_workers(out, *args):
+    """Worker 0 and worker 1 of a 2-worker job started directly (no launcher)."""
     ports = launcher.free_ports(2)
-    args = ["--pause_worker", "1", "--pause_at_step", "3", "--timeout", str(TIMEOUT)]
     workers = []
     for index in range(2):
         env = launcher.worker_env(index, ports, 1, base_env=_env())
         workers.append(
             subprocess.Popen(
-                [sys.executable, SCRIPT, str(tmp_path), *args],
+                [sys.executable, SCRIPT, str(out), "--timeout", str(TIMEOUT), *args],
                 env=env,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.STDOUT,
                 text=True,
             )
         )
+    return ports, workers
+
+
+def _stop(workers):
+    for process in workers:
+        if process.poll() is None:
+            process.kill()
+        process.communicate()
+
+
+def test_killed_worker_makes_the_survivor_fail_within_the_timeout(tmp_path):
+    ports, workers = _two_workers(tmp_path, "--pause_worker", "1", "--pause_at_step", "3")
     survivor, victim = workers
     try:
         pid = int(_wait_for_file(tmp_path / "paused_1", victim))
@@ -112,15 +124,26 @@ def test_killed_worker_makes_the_survivor_fail_within_the_timeout(tmp_path):
         output, _ = survivor.communicate(timeout=TIMEOUT + 60)
         elapsed = time.monotonic() - killed_at
     finally:
-        for process in workers:
-            if process.poll() is None:
-                process.kill()
-            process.wait()
+        _stop(workers)
     print(f"kill -9 of worker 1 -> survivor's error after {elapsed:.1f} s (timeout {TIMEOUT:g} s)")
     assert survivor.returncode == 1, output
     assert "WorkerLostError" in output, output
     assert f"worker 1 (127.0.0.1:{ports[1]}, /job:worker/replica:0/task:1)" in output, output
     assert not (tmp_path / "weights_0.npz").exists()
+
+
+def test_a_stuck_but_alive_worker_is_reported_as_stuck(tmp_path):
+    _, workers = _two_workers(tmp_path, "--pause_worker", "1", "--pause_at_step", "3")
+    survivor, stuck = workers
+    try:
+        _wait_for_file(tmp_path / "paused_1", stuck)
+        output, _ = survivor.communicate(timeout=TIMEOUT + 60)
+        assert stuck.poll() is None  # still alive, sleeping
+    finally:
+        _stop(workers)
+    assert survivor.returncode == 1, output
+    assert "WorkerLostError" in output, output
+    assert "communication.timeout_seconds=20, yet every peer still answers" in output, output
 
 
 def test_max_restarts_finishes_the_job_with_the_uninterrupted_weights(tmp_path):

@@ -398,7 +398,7 @@ def test_stop_kills_workers_that_ignore_sigterm(tmp_path, capfd):
 
 # Records each attempt's TF_CONFIG port and fails (worker 1 by SIGKILL) until attempt K.
 RESTARTING_PY = """\
-import json, os, pathlib, signal, sys
+import json, os, pathlib, signal, sys, time
 attempt = int(os.environ["EPL_RESTART_ATTEMPT"])
 index = os.environ["EPL_WORKER_INDEX"]
 port = json.loads(os.environ["TF_CONFIG"])["cluster"]["worker"][int(index)].split(":")[1]
@@ -406,6 +406,13 @@ with open(pathlib.Path(sys.argv[1]) / f"attempts_{index}", "a") as f:
     f.write(f"{attempt} {port}\\n")
 print(f"worker {index} attempt {attempt}")
 if attempt < int(sys.argv[2]) and index == "1":
+    # Die only once worker 0 has recorded this attempt (else the launcher may stop it first).
+    record = pathlib.Path(sys.argv[1]) / "attempts_0"
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and not (
+        record.exists() and f"{attempt} " in record.read_text()
+    ):
+        time.sleep(0.02)
     os.kill(os.getpid(), signal.SIGKILL)
 """
 
