@@ -89,8 +89,8 @@ class LaunchError(ValueError):
     """A mistake in the launch request; the CLI prints it and exits with code 2."""
 
 
-def _positive_int(name: str):
-    """An argparse ``type=`` that accepts integers >= 1 and names the flag otherwise."""
+def _int_at_least(minimum: int, name: str):
+    """An argparse ``type=`` that accepts integers >= minimum and names the flag otherwise."""
 
     def parse(text: str) -> int:
         try:
@@ -99,25 +99,8 @@ def _positive_int(name: str):
             raise argparse.ArgumentTypeError(
                 f"must be an integer. Received: {name}={text!r}"
             ) from None
-        if value < 1:
-            raise argparse.ArgumentTypeError(f"must be >= 1. Received: {name}={value}")
-        return value
-
-    return parse
-
-
-def _non_negative_int(name: str):
-    """An argparse ``type=`` that accepts integers >= 0 and names the flag otherwise."""
-
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(
-                f"must be an integer. Received: {name}={text!r}"
-            ) from None
-        if value < 0:
-            raise argparse.ArgumentTypeError(f"must be >= 0. Received: {name}={value}")
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be >= {minimum}. Received: {name}={value}")
         return value
 
     return parse
@@ -141,7 +124,7 @@ _FLAGS: tuple[tuple[str, dict], ...] = (
     (
         "--num_workers",
         dict(
-            type=_positive_int("num_workers"),
+            type=_int_at_least(1, "num_workers"),
             required=True,
             metavar="N",
             help="number of worker processes (>= 1)",
@@ -150,7 +133,7 @@ _FLAGS: tuple[tuple[str, dict], ...] = (
     (
         "--gpu_per_worker",
         dict(
-            type=_positive_int("gpu_per_worker"),
+            type=_int_at_least(1, "gpu_per_worker"),
             required=True,
             metavar="G",
             help="GPUs given to each worker (>= 1)",
@@ -159,7 +142,7 @@ _FLAGS: tuple[tuple[str, dict], ...] = (
     (
         "--cpu_devices_per_worker",
         dict(
-            type=_positive_int("cpu_devices_per_worker"),
+            type=_int_at_least(1, "cpu_devices_per_worker"),
             default=None,
             metavar="K",
             help="without GPUs: logical CPU devices per worker (default: G)",
@@ -185,7 +168,7 @@ _FLAGS: tuple[tuple[str, dict], ...] = (
     (
         "--max_restarts",
         dict(
-            type=_non_negative_int("max_restarts"),
+            type=_int_at_least(0, "max_restarts"),
             default=0,
             metavar="R",
             help="restart the whole job up to R times after a failure (default: 0)",
