@@ -8,7 +8,7 @@ within a few minutes on a 2-core CPU.
 
 Run from the repo root::
 
-    python -m model_zoo.moe_t5 [--epochs 6] [--steps_per_epoch 100] [--batch_size 64]
+    python -m model_zoo.moe_t5 [--epochs 4] [--steps_per_epoch 100] [--batch_size 64]
         [--nosmall] [--epl_config configs/moe_t5_split.json] [--epl_set KEY=VALUE]
         [--train_files GLOB --eval_files GLOB --vocab_file PATH [--data_format tsv]]
 
@@ -73,7 +73,7 @@ flags.DEFINE_enum(
 )
 flags.DEFINE_string("vocab_file", None, "Vocabulary, one token per line (needed with files).")
 flags.DEFINE_integer("shuffle_buffer", 10_000, "Training records shuffled in this window.")
-flags.DEFINE_integer("epochs", 6, "Training epochs.")
+flags.DEFINE_integer("epochs", 4, "Training epochs.")
 flags.DEFINE_integer(
     "steps_per_epoch",
     None,

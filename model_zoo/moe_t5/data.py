@@ -105,18 +105,24 @@ class Vocabulary:
         """`encode` as TensorFlow ops for one scalar string: `[max_length]` int32."""
         _check_length(max_length)
         if self._table is None:
-            # Created on first use, so a Vocabulary is cheap to build outside TF.
-            self._table = tf.lookup.StaticHashTable(
-                tf.lookup.KeyValueTensorInitializer(
-                    tf.constant(self.tokens), tf.range(len(self.tokens), dtype=tf.int64)
-                ),
-                default_value=UNK_ID,
-            )
+            # Created on first use (a Vocabulary stays cheap outside TF), eagerly: the
+            # first use is usually inside a tf.data map function, and a table made in
+            # that graph could not be used by the next dataset's.
+            with tf.init_scope():
+                self._table = self._lookup_table()
         words = tf.strings.split(tf.strings.strip(text))
         ids = tf.cast(self._table.lookup(words), tf.int32)[: max_length - 1]
         ids = tf.concat([ids, [EOS_ID]], axis=0)
         ids = tf.pad(ids, [[0, max_length - tf.shape(ids)[0]]], constant_values=PAD_ID)
         return tf.ensure_shape(ids, [max_length])
+
+    def _lookup_table(self) -> tf.lookup.StaticHashTable:
+        return tf.lookup.StaticHashTable(
+            tf.lookup.KeyValueTensorInitializer(
+                tf.constant(self.tokens), tf.range(len(self.tokens), dtype=tf.int64)
+            ),
+            default_value=UNK_ID,
+        )
 
 
 def _check_length(max_length: int) -> None:

@@ -55,6 +55,7 @@ class T5Config:
     capacity_factor: float = 1.25
     eval_capacity_factor: float = 2.0
     aux_loss_coef: float = 1e-2
+    num_groups: int = 1  # routing groups of each MoE call (per device when split)
 
     def __post_init__(self):
         for name in ("vocab_size", "d_model", "num_heads", "num_layers", "expert_hidden"):
@@ -170,6 +171,7 @@ def _moe_block(c: T5Config, name: str, x):
             capacity_factor=c.capacity_factor,
             eval_capacity_factor=c.eval_capacity_factor,
             aux_loss_coef=c.aux_loss_coef,
+            num_groups=c.num_groups,
             name=f"{name}_moe",
         )(h)
 
@@ -297,17 +299,20 @@ def greedy_decode(predict_fn, encoder_tokens, max_target_length: int):
     e.g. `lambda x: trainer.predict(x, batch_size=n)` (the distributed program, experts
     sharded as in training). The decoder input starts as all `<pad>` (the start token)
     and position t+1 receives the argmax at position t; causal attention makes position
-    t's logits independent of later positions. Stops early once every row holds `</s>`.
+    t's logits independent of later positions. A row is `<pad>` after its `</s>`;
+    decoding stops once every row has one.
     """
     encoder_tokens = np.asarray(encoder_tokens)
     n = encoder_tokens.shape[0]
     decoder = np.full((n, max_target_length), PAD_ID, np.int32)
     output = np.full((n, max_target_length), PAD_ID, np.int32)
+    finished = np.zeros(n, bool)
     for t in range(max_target_length):
         logits = predict_fn({"encoder_tokens": encoder_tokens, "decoder_tokens": decoder})
-        output[:, t] = np.asarray(logits)[:, t].argmax(axis=-1)
+        output[:, t] = np.where(finished, PAD_ID, np.asarray(logits)[:, t].argmax(axis=-1))
+        finished |= output[:, t] == EOS_ID
+        if finished.all():
+            break
         if t + 1 < max_target_length:
             decoder[:, t + 1] = output[:, t]
-        if (output == EOS_ID).any(axis=1).all():
-            break
     return output
