@@ -40,6 +40,7 @@ from absl import app, flags
 
 import epl_trainer as epl
 import epl_trainer.flags as epl_flags  # defines --epl_config and --epl_set
+from epl_trainer import data as data_lib
 from model_zoo.moe_t5 import data
 from model_zoo.moe_t5 import model as moe_t5
 
@@ -64,6 +65,12 @@ flags.DEFINE_integer("top_k", 2, "Experts per token: 2 (GShard) or 1 (Switch).")
 flags.DEFINE_float("capacity_factor", 1.25, "Expert capacity factor while training.")
 flags.DEFINE_float("eval_capacity_factor", 2.0, "Expert capacity factor in evaluation.")
 flags.DEFINE_float("aux_loss_coef", 1e-2, "Weight of each MoE layer's load-balancing loss.")
+flags.DEFINE_integer(
+    "split_devices",
+    None,
+    "Devices each MoE layer's experts are split over (one model replica's width; the "
+    "replicas are data parallel). Default: all devices of a worker.",
+)
 flags.DEFINE_integer("max_source_length", 12, "Source tokens per example, with </s>.")
 flags.DEFINE_integer("max_target_length", 12, "Target tokens per example, with </s>.")
 flags.DEFINE_string("train_files", None, "Glob of training files; unset: the generated task.")
@@ -167,7 +174,9 @@ def main(argv):
     settings = model_config(len(vocab))
     print(f"Data: {description}; vocabulary of {len(vocab)} tokens.\nModel: {settings}")
 
-    model = moe_t5.build_model(settings, seed=FLAGS.seed)
+    # One replica per worker at most (the engine keeps a replica inside one worker).
+    split_devices = FLAGS.split_devices or len(cluster.local_devices)
+    model = moe_t5.build_model(settings, seed=FLAGS.seed, split_devices=split_devices)
     trainer = epl.EPLTrainer(
         model,
         loss=moe_t5.SequenceCrossEntropy(),
@@ -178,8 +187,19 @@ def main(argv):
     print(f"{model.count_params():,} parameters; {len(moe_t5.moe_layers(model))} MoE layers.")
 
     probe = {k: v[: FLAGS.batch_size] for k, v in x_eval.items()}  # router statistics batch
+    # This worker's evaluation batches. Arrays are dealt to the workers in whole rounds
+    # of batches (every worker runs as many steps); a batch size that fills the rounds
+    # evaluates every example.
+    rounds = -(-len(y_eval) // (cluster.worker_num * FLAGS.batch_size))
+    evaluation = data_lib.as_dataset(
+        x_eval,
+        y_eval,
+        -(-len(y_eval) // (cluster.worker_num * rounds)),
+        worker_index=cluster.worker_index,
+        worker_num=cluster.worker_num,
+    )
     initial = {
-        **trainer.evaluate(x_eval, y_eval, batch_size=FLAGS.batch_size),
+        **trainer.evaluate(evaluation),
         **moe_t5.router_statistics(model, probe),
     }
     print("Before training: " + _format(initial))
@@ -192,14 +212,14 @@ def main(argv):
     history = trainer.fit(
         batch_size=FLAGS.batch_size,
         epochs=FLAGS.epochs,
-        validation_data=(x_eval, y_eval),
+        validation_data=evaluation,
         callbacks=callbacks,
         verbose=2,
         **train,
     )
     train_time = time.perf_counter() - train_start
     final = {
-        **trainer.evaluate(x_eval, y_eval, batch_size=FLAGS.batch_size),
+        **trainer.evaluate(evaluation),
         **moe_t5.router_statistics(model, probe),
     }
     print("After training:  " + _format(final))

@@ -115,12 +115,16 @@ class KeyPaddingMask(keras.layers.Layer):
         )
 
 
-def build_model(config: T5Config, seed: int = 0) -> keras.Model:
+def build_model(config: T5Config, seed: int = 0, split_devices: int | None = None) -> keras.Model:
     """The functional MoE-T5 model: {"encoder_tokens", "decoder_tokens"} -> logits.
 
-    Call after `epl.init(...)`: the MoE layers are recorded under `epl.split()` and the
-    rest under the default `epl.replicate()`. Each MoE layer object is called once (the
-    split engine shards one call site per layer).
+    Call after `epl.init(...)`: the MoE layers are recorded under
+    `epl.split(split_devices)` and the rest under the default `epl.replicate()`, which
+    (colocated) takes the split's width. `split_devices=None` lets the split span every
+    device of the job; with several workers pass the devices per worker, since a model
+    replica must fit in one worker (data parallelism then runs across the workers).
+    Each MoE layer object is called once (the split engine shards one call site per
+    layer).
     """
     keras.utils.set_random_seed(seed)
     epl.set_default_strategy(epl.replicate())
@@ -137,7 +141,7 @@ def build_model(config: T5Config, seed: int = 0) -> keras.Model:
         h = _norm(f"{name}_attention_norm")(x)
         h = _attention(c, f"{name}_self_attention")(h, h, attention_mask=source_mask)
         x = _residual(c, f"{name}_attention", x, h)
-        x = _residual(c, f"{name}_moe", x, _moe_block(c, name, x))
+        x = _residual(c, f"{name}_moe", x, _moe_block(c, name, x, split_devices))
     encoded = _norm("encoder_final_norm")(x)
 
     y = PositionEmbedding(c.max_target_length, name="decoder_positions")(embed(decoder_tokens))
@@ -151,7 +155,7 @@ def build_model(config: T5Config, seed: int = 0) -> keras.Model:
         h = _norm(f"{name}_cross_attention_norm")(y)
         h = _attention(c, f"{name}_cross_attention")(h, encoded, attention_mask=cross_mask)
         y = _residual(c, f"{name}_cross_attention", y, h)
-        y = _residual(c, f"{name}_moe", y, _moe_block(c, name, y))
+        y = _residual(c, f"{name}_moe", y, _moe_block(c, name, y, split_devices))
     y = _norm("decoder_final_norm")(y)
     logits = keras.layers.Dense(c.vocab_size, name="logits")(y)
     return keras.Model(
@@ -161,9 +165,9 @@ def build_model(config: T5Config, seed: int = 0) -> keras.Model:
     )
 
 
-def _moe_block(c: T5Config, name: str, x):
+def _moe_block(c: T5Config, name: str, x, split_devices: int | None):
     h = _norm(f"{name}_moe_norm")(x)
-    with epl.split():  # experts sharded across the replica's devices
+    with epl.split(split_devices):  # experts sharded across the replica's devices
         return MoE(
             c.num_experts,
             c.expert_hidden,
