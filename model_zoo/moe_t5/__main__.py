@@ -87,7 +87,12 @@ flags.DEFINE_integer(
     "Training steps per epoch. Default: 100 on the generated task, one pass over files.",
 )
 flags.DEFINE_integer("batch_size", 64, "Per-worker batch (split over replicas x micro-batches).")
-flags.DEFINE_float("learning_rate", 2e-3, "Adam learning rate.")
+flags.DEFINE_float(
+    "learning_rate",
+    None,
+    "Adam learning rate. Default: 2e-3 with --small, 1e-4 for T5-small's sizes (which "
+    "diverge at 2e-3 without warm-up).",
+)
 flags.DEFINE_integer("num_eval_examples", 256, "Evaluation examples (and decoded ones).")
 flags.DEFINE_integer("num_print_examples", 4, "Greedy decodings printed.")
 flags.DEFINE_string("output_dir", "/tmp/epl_moe_t5", "TensorBoard logs and metrics.json.")
@@ -180,7 +185,7 @@ def main(argv):
     trainer = epl.EPLTrainer(
         model,
         loss=moe_t5.SequenceCrossEntropy(),
-        optimizer=keras.optimizers.Adam(FLAGS.learning_rate),
+        optimizer=keras.optimizers.Adam(FLAGS.learning_rate or (2e-3 if FLAGS.small else 1e-4)),
         metrics=[moe_t5.TokenAccuracy()],
     )
     print(trainer.plan.summary())
