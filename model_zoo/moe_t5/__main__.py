@@ -144,7 +144,9 @@ def load_data(global_batch: int):
     data_format = FLAGS.data_format or data.infer_format(train_files)
     eval_files = _glob("--eval_files", FLAGS.eval_files) if FLAGS.eval_files else train_files
     examples = data.read_files(eval_files, data_format, vocab, *lengths)
-    batch = next(iter(examples.take(FLAGS.num_eval_examples).batch(FLAGS.num_eval_examples)))
+    batch = next(iter(examples.take(FLAGS.num_eval_examples).batch(FLAGS.num_eval_examples)), None)
+    if batch is None:
+        raise app.UsageError(f"The evaluation files hold no example: {eval_files}")
     evaluation = tf.nest.map_structure(np.asarray, batch)
 
     def records(files):

@@ -18,7 +18,9 @@ with a final RMSNorm on each side and a linear head to the vocabulary. Every MoE
 `epl.replicate()`: with `cluster.colocate_split_and_replicate=True` the experts are
 sharded over the devices of a replica and tokens travel to them by all-to-all (EPL's
 MoE recipe). The decoder self-attention needs no padding mask: with the causal mask a
-real position only sees earlier positions, which are never padding.
+real position only sees earlier positions, which are never padding. Padding tokens do
+pass through the MoE layers (routing sees every token of the batch), so they take
+expert capacity and count in the balancing loss, as in a fixed-shape TPU-style T5 MoE.
 """
 
 from __future__ import annotations
@@ -134,7 +136,7 @@ def build_model(config: T5Config, seed: int = 0, split_devices: int | None = Non
     embed = keras.layers.Embedding(c.vocab_size, c.d_model, name="shared_embedding")
 
     x = PositionEmbedding(c.max_source_length, name="encoder_positions")(embed(encoder_tokens))
-    x = _dropout(c, "encoder_input_dropout")(x)
+    x = _maybe_dropout(c, "encoder_input_dropout", x)
     source_mask = KeyPaddingMask(name="encoder_mask")(encoder_tokens, encoder_tokens)
     for i in range(c.num_layers):
         name = f"encoder_{i}"
@@ -145,7 +147,7 @@ def build_model(config: T5Config, seed: int = 0, split_devices: int | None = Non
     encoded = _norm("encoder_final_norm")(x)
 
     y = PositionEmbedding(c.max_target_length, name="decoder_positions")(embed(decoder_tokens))
-    y = _dropout(c, "decoder_input_dropout")(y)
+    y = _maybe_dropout(c, "decoder_input_dropout", y)
     cross_mask = KeyPaddingMask(name="cross_mask")(decoder_tokens, encoder_tokens)
     for i in range(c.num_layers):
         name = f"decoder_{i}"
@@ -190,13 +192,12 @@ def _attention(c: T5Config, name: str):
     )
 
 
-def _dropout(c: T5Config, name: str):
-    return keras.layers.Dropout(c.dropout, name=name)
+def _maybe_dropout(c: T5Config, name: str, x):
+    return keras.layers.Dropout(c.dropout, name=name)(x) if c.dropout else x
 
 
 def _residual(c: T5Config, name: str, x, h):
-    if c.dropout:
-        h = _dropout(c, f"{name}_dropout")(h)
+    h = _maybe_dropout(c, f"{name}_dropout", h)
     return keras.layers.Add(name=f"{name}_residual")([x, h])
 
 
