@@ -287,7 +287,9 @@ class EPLTrainer:
                 first_step = 0
                 if validation_data is not None:
                     val_x, val_y = _unpack_validation(validation_data)
-                    val_logs = self.evaluate(val_x, val_y, batch_size=batch_size)
+                    # A dataset is already batched (as in Model.fit); batch_size is for arrays.
+                    val_batch = None if isinstance(val_x, tf.data.Dataset) else batch_size
+                    val_logs = self.evaluate(val_x, val_y, batch_size=val_batch)
                     logs.update({f"val_{k}": v for k, v in val_logs.items()})
                 self.epochs_done = epoch + 1
                 self._step_in_epoch = 0
