@@ -394,11 +394,20 @@ class EPLTrainer:
         self._reset_metrics()
         if steps is not None:
             dataset = dataset.take(steps)
+        batches = 0
         with self._lost_worker_check():
             for element in dataset:
                 features, labels = data_lib.split_element(element, with_labels=True)
                 self._ensure_program(features).eval_step(features, labels)
-            return self._logs()
+                batches += 1
+            logs = self._logs()
+        if batches == 0 and self.cluster.worker_num == 1:
+            # Keras's Mean reports 0 for no samples: a silent, wrong "perfect" loss.
+            raise ValueError(
+                "evaluate received no data. Check the dataset, batch_size and steps. "
+                f"Received: steps={steps}"
+            )
+        return logs
 
     def predict(self, x, batch_size=None):
         """Model outputs for `x` (numpy, structured like the model's outputs)."""

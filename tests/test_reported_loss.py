@@ -50,3 +50,15 @@ def test_auxiliary_losses_of_earlier_stages_are_reported_once():
     assert expected == pytest.approx(
         float(LOSS(y, reference(x)) + sum(reference.losses)), rel=1e-6
     )
+
+
+def test_evaluate_on_no_data_is_an_error_not_a_zero_loss():
+    import tensorflow as tf
+
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3)])
+    trainer = epl.EPLTrainer(model, LOSS, keras.optimizers.SGD(0.0))
+    x, y = _data()
+    empty = tf.data.Dataset.from_tensor_slices((x, y)).batch(4).take(0)
+    with pytest.raises(ValueError, match="evaluate received no data"):
+        trainer.evaluate(empty)
