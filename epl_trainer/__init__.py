@@ -23,6 +23,15 @@ _EXPORTS = {
     "plot_schedule": "epl_trainer.plot",
     "add_to_collection": "epl_trainer.core.recompute",
     "get_collection": "epl_trainer.core.recompute",
+    # Errors a user may want to catch.
+    "ClusterError": "epl_trainer.cluster",
+    "WorkerLostError": "epl_trainer.cluster",
+    "CheckpointError": "epl_trainer.checkpoint",
+    "NonFiniteLossError": "epl_trainer.trainer",
+    "MinLossScaleError": "epl_trainer.core.amp",
+    "PlanError": "epl_trainer.core.ir",
+    "SplitError": "epl_trainer.core.split",
+    "DeepSpeedConfigError": "epl_trainer.deepspeed.keys",
 }
 
 # Submodules reachable as attributes (`epl.io.slice_files`, `epl.layers.MoE`).
