@@ -63,11 +63,3 @@ def test_evaluate_on_no_data_is_an_error_not_a_zero_loss():
     with pytest.raises(ValueError, match="evaluate received no data"):
         trainer.evaluate(empty)
 
-
-def test_error_classes_are_exported():
-    from epl_trainer.checkpoint import CheckpointError
-    from epl_trainer.core.split import SplitError
-
-    assert epl.CheckpointError is CheckpointError and epl.SplitError is SplitError
-    for name in ("WorkerLostError", "NonFiniteLossError", "ConfigError", "PlanError"):
-        assert issubclass(getattr(epl, name), Exception)

@@ -1,0 +1,12 @@
+"""The public names users import from epl_trainer."""
+
+import epl_trainer as epl
+
+
+def test_error_classes_are_exported():
+    from epl_trainer.checkpoint import CheckpointError
+    from epl_trainer.core.split import SplitError
+
+    assert epl.CheckpointError is CheckpointError and epl.SplitError is SplitError
+    for name in ("WorkerLostError", "NonFiniteLossError", "ConfigError", "PlanError"):
+        assert issubclass(getattr(epl, name), Exception)
