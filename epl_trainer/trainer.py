@@ -595,6 +595,11 @@ class EPLTrainer:
             )
             variables = [v for m in metrics for v in m.variables]
             buckets = comm.plan_buckets([1] * len(variables), [v.dtype for v in variables], 1)
+            # Create the ordering token now: a variable created inside the trace makes
+            # tf.function trace twice, and the second trace would take another instance
+            # key on this worker only (e.g. one that got no evaluation data and built no
+            # program), so the workers' keys would no longer meet.
+            comm.ordering_token(self.cluster.host_device)
 
             @tf.function
             def reduce_all():

@@ -95,3 +95,16 @@ def test_split_classifier_per_worker_with_data_parallelism_between_workers(tmp_p
     for w in range(2):
         for i, value in enumerate(expected):
             np.testing.assert_allclose(weights[w][f"arr_{i}"], value, atol=1e-5)
+
+
+def test_evaluate_where_one_worker_has_no_data_then_train(tmp_path):
+    """Regression: the metric all-reduce took a different instance key on a worker that
+    had built no program (its tf.function traced twice), and the job hung."""
+    result = _launch(tmp_path, 2, 1, "--evaluate_first")
+    assert result.returncode == 0, result.stdout + result.stderr
+    logs = "".join(p.read_text() for p in (tmp_path / "logs").rglob("worker_*.log"))
+    losses = [line.split("loss=")[1] for line in logs.splitlines() if "evaluate loss=" in line]
+    assert len(losses) == 2 and losses[0] == losses[1]  # both report the job-wide loss
+    weights = [np.load(tmp_path / "out" / f"weights_{w}.npz") for w in range(2)]
+    for key in weights[0]:
+        np.testing.assert_array_equal(weights[0][key], weights[1][key])

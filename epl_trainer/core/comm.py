@@ -483,7 +483,28 @@ def _num_elements(tensor) -> int:
 # because every lane of a group issues the same sequence of collectives: the t-th one
 # of each lane uses instance key `first_key + t`.
 
-_KEYS_PER_LANE_GROUP = 1 << 16
+_KEYS_PER_LANE_GROUP = 1 << 12
+_LOCAL_KEY_BASE, _LOCAL_KEY_SPAN = 0x5000_0000, 0x2000_0000
+_local_key_offset = 0
+
+
+def reserve_local_instance_keys(count: int) -> int:
+    """Reserves `count` keys for collectives among devices of this process only.
+
+    Split lanes of a replica never span workers, so their keys need not agree across
+    workers; taking them from their own range keeps a function traced on one worker but
+    not on another (evaluate on a worker that got data, its peer none) from shifting the
+    job-wide keys of `next_instance_key` that every worker must agree on. The range wraps
+    around: by then the keys belong to traces long gone.
+    """
+    global _local_key_offset
+    if count > _LOCAL_KEY_SPAN:
+        raise ValueError(f"count must be <= {_LOCAL_KEY_SPAN}. Received: {count}")
+    if _local_key_offset + count > _LOCAL_KEY_SPAN:
+        _local_key_offset = 0
+    first = _LOCAL_KEY_BASE + _local_key_offset
+    _local_key_offset += count
+    return first
 
 
 def reserve_instance_keys(count: int) -> int:

@@ -190,16 +190,18 @@ class SplitRuntime:
         self._active: int | None = None
         self.begin_trace()
 
-    @property
-    def num_replicas_in_job(self) -> int:
-        return max(1, len({g.key for g in self._groups}))
-
     def begin_trace(self) -> None:
-        """Fresh instance keys (a block per replica group) for the next traced function."""
+        """Fresh instance keys (a block per local replica) for the next traced function.
+
+        A replica never spans workers, so these keys are process-local
+        (`comm.reserve_local_instance_keys`)."""
         keys = comm._KEYS_PER_LANE_GROUP
-        first = comm.reserve_instance_keys(keys * 64)
+        replicas = sorted({lane.index // self.width for lane in self.lanes})
+        first = comm.reserve_local_instance_keys(keys * len(replicas))
         self.comms = [
-            comm.LaneCollectives(g, first + (lane.index // self.width) % 64 * keys, keys)
+            comm.LaneCollectives(
+                g, first + replicas.index(lane.index // self.width) * keys, keys
+            )
             for g, lane in zip(self._groups, self.lanes)
         ]
 

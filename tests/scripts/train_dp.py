@@ -47,6 +47,9 @@ def main():
     parser.add_argument("--two_stages", action="store_true", help="dense_in | norm+logits")
     parser.add_argument("--num_micro_batch", type=int, default=1)
     parser.add_argument("--split", action="store_true", help="split(n) logits, 4 classes")
+    parser.add_argument(
+        "--evaluate_first", action="store_true", help="evaluate before fit; worker 1 gets no data"
+    )
     args = parser.parse_args()
     env = epl.init(
         {
@@ -71,6 +74,12 @@ def main():
     )
     x, y = make_data()
     per_worker = args.global_batch // cluster.worker_num
+    if args.evaluate_first:
+        import tensorflow as tf
+
+        data = tf.data.Dataset.from_tensor_slices((x[:8], y[:8])).batch(8)
+        logs = trainer.evaluate(data.take(0) if cluster.worker_index == 1 else data)
+        print(f"worker {cluster.worker_index} evaluate loss={logs['loss']:.6f}", flush=True)
 
     class FailAfterFirstStep(keras.callbacks.Callback):
         def on_train_batch_end(self, batch, logs=None):
