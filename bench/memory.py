@@ -15,9 +15,9 @@ gradients sharded too.
 import argparse
 import json
 import os
-import subprocess
 import sys
-import time
+
+from _fresh_process import run_child, timed_peak
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir)
 
@@ -113,32 +113,12 @@ def measure(kind, overrides, steps):
         x = rng.normal(size=(batch, *shape)).astype("float32")
     y = rng.integers(0, 10, batch).astype("int32")
     dataset = tf.data.Dataset.from_tensors((x, y)).repeat()
-    trainer.fit(dataset, steps_per_epoch=1, verbose=0)
-    resident = tf.config.experimental.get_memory_info("CPU:0")["current"]
-    tf.config.experimental.reset_memory_stats("CPU:0")
-    start = time.perf_counter()
-    trainer.fit(dataset, steps_per_epoch=steps, verbose=0)
-    seconds = (time.perf_counter() - start) / steps
-    peak = tf.config.experimental.get_memory_info("CPU:0")["peak"]
+    trainer.fit(dataset, steps_per_epoch=1, verbose=0)  # trace and build
+    measured = timed_peak(
+        lambda count: trainer.fit(dataset, steps_per_epoch=count, verbose=0), steps
+    )
     params = sum(int(np.prod(v.shape)) for v in model.trainable_variables)
-    return {
-        "peak": peak,
-        "resident": resident,
-        "step_peak": peak - resident,
-        "step_ms": seconds * 1e3,
-        "params": params,
-    }
-
-
-def run_child(kind, overrides, steps):
-    command = [
-        sys.executable,
-        os.path.abspath(__file__),
-        "--child",
-        json.dumps([kind, overrides, steps]),
-    ]
-    result = subprocess.run(command, capture_output=True, text=True, check=True, timeout=900)
-    return json.loads(result.stdout.strip().splitlines()[-1])
+    return {**measured, "params": params}
 
 
 def mib(count):
@@ -187,7 +167,7 @@ def main():
     params = None
     for group in args.only.split(","):
         rows = [
-            (name, run_child(kind, overrides, args.steps))
+            (name, run_child(__file__, [kind, overrides, args.steps]))
             for name, kind, overrides in CONFIGS[group]
         ]
         print_table(

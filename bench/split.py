@@ -23,9 +23,9 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
-import time
+
+from _fresh_process import run_child, timed_peak
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir)
 DEVICES, BATCH, FEATURES, INPUT = 4, 64, 256, 64
@@ -90,30 +90,7 @@ def measure(name, classes, steps):
     if name != "Keras + MirroredStrategy":
         memory = trainer.memory_report(print_table=False)
         report = max(row.total for row in memory.devices.values())
-    resident = tf.config.experimental.get_memory_info("CPU:0")["current"]
-    tf.config.experimental.reset_memory_stats("CPU:0")
-    start = time.perf_counter()
-    run(steps)
-    seconds = (time.perf_counter() - start) / steps
-    peak = tf.config.experimental.get_memory_info("CPU:0")["peak"]
-    return {
-        "peak": peak,
-        "resident": resident,
-        "step_peak": peak - resident,
-        "step_ms": seconds * 1e3,
-        "state_per_device": report,
-    }
-
-
-def run_child(name, classes, steps):
-    command = [
-        sys.executable,
-        os.path.abspath(__file__),
-        "--child",
-        json.dumps([name, classes, steps]),
-    ]
-    result = subprocess.run(command, capture_output=True, text=True, check=True, timeout=1800)
-    return json.loads(result.stdout.strip().splitlines()[-1])
+    return {**timed_peak(run, steps), "state_per_device": report}
 
 
 def mib(count):
@@ -133,7 +110,7 @@ def main():
     results = {name: [] for name in CONFIGS}
     for _ in range(args.rounds):
         for name in CONFIGS:
-            results[name].append(run_child(name, args.classes, args.steps))
+            results[name].append(run_child(__file__, [name, args.classes, args.steps]))
     params = FEATURES * args.classes + args.classes
     print(
         f"\n{args.classes:,}-class classifier ({params / 1e6:.1f}M parameters) on {DEVICES} "

@@ -1,0 +1,39 @@
+"""Shared by the benchmarks: measure steps in a fresh process (peak memory is process-wide
+on CPU: logical devices share one allocator), and run such a measurement as a child."""
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+
+def timed_peak(run, steps: int) -> dict:
+    """Runs `run(steps)` after a reset of the allocator statistics.
+
+    Returns the peak during the steps, the memory held before them ("resident": weights,
+    optimizer state), their difference ("step_peak": activations and temporaries) and
+    milliseconds per step. Call it after one untimed step, so tracing is not measured.
+    """
+    import tensorflow as tf
+
+    resident = tf.config.experimental.get_memory_info("CPU:0")["current"]
+    tf.config.experimental.reset_memory_stats("CPU:0")
+    start = time.perf_counter()
+    run(steps)
+    seconds = (time.perf_counter() - start) / steps
+    peak = tf.config.experimental.get_memory_info("CPU:0")["peak"]
+    return {
+        "peak": peak,
+        "resident": resident,
+        "step_peak": peak - resident,
+        "step_ms": seconds * 1e3,
+    }
+
+
+def run_child(script: str, arguments: list, timeout: int = 1800) -> dict:
+    """Runs `script --child <json arguments>` in a fresh Python; returns the JSON dict it
+    prints last."""
+    command = [sys.executable, os.path.abspath(script), "--child", json.dumps(arguments)]
+    result = subprocess.run(command, capture_output=True, text=True, check=True, timeout=timeout)
+    return json.loads(result.stdout.strip().splitlines()[-1])
