@@ -334,7 +334,7 @@ def test_plan_buckets_counts_contiguity_and_balance(max_splits, record_property)
 
 def _lane_collectives(n):
     devices = tuple(f"/device:CPU:{i}" for i in range(n))
-    first = comm.reserve_instance_keys(1000)
+    first = comm.reserve_local_instance_keys(1000)
     return [
         comm.LaneCollectives(comm.CollectiveGroup(devices, (d,)), first, limit=1000)
         for d in devices

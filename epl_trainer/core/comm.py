@@ -483,7 +483,7 @@ def _num_elements(tensor) -> int:
 # because every lane of a group issues the same sequence of collectives: the t-th one
 # of each lane uses instance key `first_key + t`.
 
-_KEYS_PER_LANE_GROUP = 1 << 12
+KEYS_PER_LANE_GROUP = 1 << 12
 _LOCAL_KEY_BASE, _LOCAL_KEY_SPAN = 0x5000_0000, 0x2000_0000
 _local_key_offset = 0
 
@@ -507,15 +507,6 @@ def reserve_local_instance_keys(count: int) -> int:
     return first
 
 
-def reserve_instance_keys(count: int) -> int:
-    """Reserves `count` consecutive instance keys; returns the first (same on every worker
-    when called at the same point of the program build)."""
-    global _instance_counter
-    first = next(_instance_counter)
-    _instance_counter = itertools.count(first + count)
-    return first
-
-
 class LaneCollectives:
     """One lane's side of the collectives among a fixed group of lanes.
 
@@ -531,7 +522,7 @@ class LaneCollectives:
     on statistics whose gradient the caller defines).
     """
 
-    def __init__(self, group: CollectiveGroup, first_key: int, limit: int = _KEYS_PER_LANE_GROUP):
+    def __init__(self, group: CollectiveGroup, first_key: int, limit: int = KEYS_PER_LANE_GROUP):
         if len(group.local_devices) != 1:
             raise ValueError(
                 f"LaneCollectives needs exactly one local member. Received: {group.local_devices}"

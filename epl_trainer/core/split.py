@@ -195,7 +195,7 @@ class SplitRuntime:
 
         A replica never spans workers, so these keys are process-local
         (`comm.reserve_local_instance_keys`)."""
-        keys = comm._KEYS_PER_LANE_GROUP
+        keys = comm.KEYS_PER_LANE_GROUP
         replicas = sorted({lane.index // self.width for lane in self.lanes})
         first = comm.reserve_local_instance_keys(keys * len(replicas))
         self.comms = [
