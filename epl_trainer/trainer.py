@@ -7,6 +7,7 @@ Keras callbacks. The numerics live in `core/`.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import re
@@ -35,6 +36,7 @@ from epl_trainer.env import Env
 from epl_trainer.losses import CompiledLoss
 from epl_trainer.memory import build_report
 from epl_trainer.metrics import resolve_metrics
+from epl_trainer.watchdog import watchdog_for
 
 logger = logging.getLogger(__name__)
 
@@ -377,7 +379,7 @@ class EPLTrainer:
             )
         # Epoch logs: metrics reduced over all workers, plus the last step's other values
         # (throughput, AMP loss scale and skipped steps).
-        with self._lost_worker_check():
+        with self._lost_worker_check("the epoch's metric sync"):
             metric_logs = self._logs()
         return {**metric_logs, **{k: v for k, v in logs.items() if k not in metric_logs}}
 
@@ -395,11 +397,13 @@ class EPLTrainer:
         if steps is not None:
             dataset = dataset.take(steps)
         batches = 0
-        with self._lost_worker_check():
-            for element in dataset:
-                features, labels = data_lib.split_element(element, with_labels=True)
-                self._ensure_program(features).eval_step(features, labels)
-                batches += 1
+        for element in dataset:
+            features, labels = data_lib.split_element(element, with_labels=True)
+            program = self._ensure_program(features)
+            with self._lost_worker_check("an evaluation step"):
+                program.eval_step(features, labels)
+            batches += 1
+        with self._lost_worker_check("the evaluation's metric sync"):
             logs = self._logs()
         if batches == 0 and self.cluster.worker_num == 1:
             # Keras's Mean reports 0 for no samples: a silent, wrong "perfect" loss.
@@ -510,8 +514,13 @@ class EPLTrainer:
     def _save_periodic(self) -> None:
         self.save_checkpoint(self.config.checkpoint.dir, keep_max=self.config.checkpoint.keep_max)
 
-    def _lost_worker_check(self):
-        return detect_lost_workers(self.cluster, self.config.communication.timeout_seconds)
+    @contextlib.contextmanager
+    def _lost_worker_check(self, what: str = "a training step"):
+        """Bounds the collectives inside the block and names a lost peer if one failed."""
+        timeout = self.config.communication.timeout_seconds
+        watchdog = watchdog_for(self.cluster, timeout)
+        with detect_lost_workers(self.cluster, timeout), watchdog.watch(what):
+            yield
 
     def _check_finite(self, logs: dict, index: int) -> None:
         """Stops (or warns, optimizer.nonfinite_loss="skip") after a skipped non-finite step."""
@@ -590,9 +599,7 @@ class EPLTrainer:
                 devices[0].rsplit("/device:", 1)[0] + "/device:CPU:0"
                 for devices in self.cluster.devices_by_worker
             )
-            group = comm.CollectiveGroup(
-                hosts, (self.cluster.host_device,), self.config.communication.timeout_seconds
-            )
+            group = comm.CollectiveGroup(hosts, (self.cluster.host_device,))
             variables = [v for m in metrics for v in m.variables]
             buckets = comm.plan_buckets([1] * len(variables), [v.dtype for v in variables], 1)
             # Create the ordering token now: a variable created inside the trace makes

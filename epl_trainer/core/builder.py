@@ -68,7 +68,6 @@ def build_engine(
         fp16_scale=config.communication.fp16_scale if config.communication.fp16 else None,
         # ZeRO exchanges flat dense buffers, so it reduces slices as dense tensors.
         sparse_gradients=not config.communication.sparse_as_dense and not config.zero.level,
-        collective_timeout_seconds=config.communication.timeout_seconds,
     )
     program = Program(
         staged,
@@ -88,7 +87,6 @@ def build_engine(
             lanes,
             lanes_in_job,
             split_width,
-            timeout_seconds=config.communication.timeout_seconds,
         )
         apply_split(program, runtime)
     if config.gradient_checkpoint.type:

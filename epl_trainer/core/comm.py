@@ -92,14 +92,15 @@ class CollectiveGroup:
     Attributes:
       devices: every member of the group, in a globally agreed order.
       local_devices: the members that live in this process.
-      timeout_seconds: how long a collective may wait for its peers before it fails with
-        `DeadlineExceededError` (0: forever). A dead worker never joins, so without a
-        bound its peers would hang (`communication.timeout_seconds`).
+
+    Collectives wait for their peers without a per-op timeout: a `timeout_seconds` on
+    the op leaves a timer thread alive for the whole timeout after every launch (~20 per
+    data-parallel step; a few minutes of training reached 30,000 threads). A dead peer is
+    detected by the process's one `CollectiveWatchdog` instead (watchdog.py).
     """
 
     devices: tuple[str, ...]
     local_devices: tuple[str, ...]
-    timeout_seconds: float = 0.0
 
     @property
     def size(self) -> int:
@@ -147,7 +148,6 @@ class CollectiveGroup:
                         merge_op="Add",
                         final_op="Div" if reduction == "mean" else "Id",
                         communication_hint="auto",
-                        timeout_seconds=self.timeout_seconds,
                     )
                 )
         return results
@@ -198,7 +198,6 @@ class CollectiveGroup:
                             instance_key=instance_key,
                             ordering_token=[ordering_token(device, 0)],
                             communication_hint="auto",
-                            timeout_seconds=self.timeout_seconds,
                         )
                     )
             return results[0]
@@ -249,7 +248,6 @@ class CollectiveGroup:
                         merge_op="Add",
                         final_op="Div" if reduction == "mean" else "Id",
                         communication_hint="nccl",
-                        timeout_seconds=self.timeout_seconds,
                     )
                 else:
                     # No CPU kernel exists for CollectiveReduceScatterV2. An all-to-all
@@ -262,7 +260,6 @@ class CollectiveGroup:
                         instance_key=instance_key,
                         ordering_token=token,
                         communication_hint="auto",
-                        timeout_seconds=self.timeout_seconds,
                     )
                     chunk = tf.reduce_sum(received, axis=0)
                     if reduction == "mean":
@@ -308,7 +305,6 @@ class CollectiveGroup:
                     instance_key=instance_key,
                     ordering_token=[ordering_token(device, chain)],
                     communication_hint="auto",
-                    timeout_seconds=self.timeout_seconds,
                 )
                 if value.dtype == tf.bfloat16:
                     gathered = tf.bitcast(gathered, tf.bfloat16)
@@ -551,7 +547,6 @@ class LaneCollectives:
             instance_key=self._next_key(),
             ordering_token=[ordering_token(self.device, 0)],
             communication_hint="auto",
-            timeout_seconds=self.group.timeout_seconds,
         )
 
     def _gather(self, x):

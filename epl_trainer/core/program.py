@@ -53,7 +53,6 @@ class ProgramOptions:
     # communication.sparse_as_dense=False: embedding gradients (IndexedSlices) are
     # all-gathered as slices instead of being made dense and all-reduced.
     sparse_gradients: bool = False
-    collective_timeout_seconds: float = 0.0  # communication.timeout_seconds; 0 waits forever
 
 
 class Program:
@@ -104,7 +103,6 @@ class Program:
             comm.CollectiveGroup(
                 devices=tuple(lane.devices[k] for lane in lanes_in_job),
                 local_devices=tuple(lane.devices[k] for lane in self.lanes),
-                timeout_seconds=options.collective_timeout_seconds,
             )
             for k in range(self.num_stages)
         ]
@@ -265,7 +263,6 @@ class Program:
             group = comm.CollectiveGroup(
                 job_devices,
                 tuple(self.lanes[li].devices[0] for li in members),
-                timeout_seconds=self.options.collective_timeout_seconds,
             )
             per_member = [[lane_grads[li][i] for i in sharded] for li in members]
             buckets = comm.plan_buckets(

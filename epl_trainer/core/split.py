@@ -164,7 +164,6 @@ class SplitRuntime:
         lanes,
         lanes_in_job,
         width: int,
-        timeout_seconds: float = 0.0,
     ):
         self.layers = list(split_layers)
         self.width = width
@@ -175,9 +174,7 @@ class SplitRuntime:
         for lane in self.lanes:
             first = lane.index - lane.index % width
             members = tuple(by_index[first + j].devices[0] for j in range(width))
-            self._groups.append(
-                comm.CollectiveGroup(members, (lane.devices[0],), timeout_seconds=timeout_seconds)
-            )
+            self._groups.append(comm.CollectiveGroup(members, (lane.devices[0],)))
         self.ranks = [g.rank_of(g.local_devices[0]) for g in self._groups]
         for lane, rank in zip(self.lanes, self.ranks):
             if rank != lane.index % width:

@@ -1,0 +1,70 @@
+"""Soak: thousands of data-parallel steps leave threads and resident memory flat.
+
+A per-collective timer thread once made every run longer than a few minutes abort at
+~30,000 threads (see epl_trainer/watchdog.py); short tests never saw it.
+"""
+
+import os
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import epl_trainer as epl
+
+STEPS = 5000
+# Resident memory may still grow by allocator caching and TF's per-function caches;
+# a leak of even 1 KiB per step would show as ~5 MiB over the run, well above noise
+# of a few pages, so allow 4 MiB over the warmed-up baseline.
+RSS_SLACK_MIB = 4.0
+# TF's inter-op and tf.data pools start and retire a few threads as they please; the bug
+# this guards against added ~20 threads per step (100,000 over the run).
+THREAD_SLACK = 8
+
+
+def _threads() -> int:
+    return len(os.listdir("/proc/self/task"))
+
+
+def _rss_mib() -> float:
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    raise AssertionError("no VmRSS in /proc/self/status")
+
+
+@pytest.mark.slow
+def test_thousands_of_data_parallel_steps_keep_threads_and_memory_flat():
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((8,))
+    hidden = keras.layers.Dense(16, activation="relu")(inputs)
+    model = keras.Model(inputs, keras.layers.Dense(4)(hidden))
+    x = np.random.default_rng(0).normal(size=(256, 8)).astype("float32")
+    y = (x[:, :4].argmax(axis=1)).astype("int32")
+    dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(16).repeat()
+    trainer = epl.EPLTrainer(
+        model,
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        optimizer=keras.optimizers.Adam(1e-3),
+        strategy=epl.replicate(1),
+        config={"cluster.virtual_devices": 2, "communication.timeout_seconds": 600},
+    )
+    assert trainer.plan.num_replicas == 2
+    trainer.fit(dataset, epochs=1, steps_per_epoch=200, verbose=0)  # warm up
+    threads, rss = _threads(), _rss_mib()
+    samples = []  # (step, threads, RSS) every 1000 steps
+
+    def sample(batch, logs):
+        if (batch + 1) % 1000 == 0:
+            samples.append((batch + 1, _threads(), _rss_mib()))
+
+    probe = keras.callbacks.LambdaCallback(on_train_batch_end=sample)
+    history = trainer.fit(dataset, epochs=1, steps_per_epoch=STEPS, verbose=0, callbacks=[probe])
+    print(f"baseline: {threads} threads, {rss:.1f} MiB; (step, threads, MiB): {samples}")
+    assert len(samples) == STEPS // 1000
+    for step, count, resident in samples:
+        assert count <= threads + THREAD_SLACK, f"{count} threads at step {step} (from {threads})"
+        assert resident - rss < RSS_SLACK_MIB, f"RSS grew {resident - rss:.1f} MiB by {step}"
+    assert history.history["loss"][0] < 1.0  # it trained
