@@ -20,7 +20,7 @@ from keras import tree
 
 from epl_trainer import checkpoint as ckpt
 from epl_trainer import data as data_lib
-from epl_trainer import deepspeed, strategies
+from epl_trainer import deepspeed, optimizers, strategies
 from epl_trainer import io as io_lib
 from epl_trainer.cluster import build_cluster, detect_lost_workers
 from epl_trainer.config import Config
@@ -204,12 +204,11 @@ class EPLTrainer:
         micro_batch = tree.map_structure(lambda x: x[: max(1, x.shape[0] // parts)], features)
         check_stage_gradients(self.staged, self._program.recomputed, micro_batch)
 
-    def _replica_optimizer(self, device: str, variables: list):
-        """A copy of the user's optimizer for some variables, built on `device`."""
-        config = self.optimizer.get_config()
-        config["global_clipnorm"] = None  # done over all stages by the program
+    def _replica_optimizer(self, device: str, variables: list, originals: list):
+        """A copy of the user's optimizer for engine-owned copies of `originals`, on `device`."""
         with tf.device(device):
-            replica = type(self.optimizer).from_config(config)
+            # Global-norm clipping is done over all stages by the program.
+            replica = optimizers.replica(self.optimizer, variables, originals, global_clipnorm=None)
             if isinstance(self.optimizer._learning_rate, keras.Variable):
                 replica._learning_rate = self.optimizer._learning_rate  # LR callbacks reach all
             replica.build(variables)

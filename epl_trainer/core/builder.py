@@ -58,6 +58,10 @@ def build_engine(
     state = EngineState(
         staged, lanes, host_device=host_device if offload else None, sharded=sharded
     )
+
+    def make_state_optimizer(device, variables):
+        # The user's optimizer decides per original variable (e.g. AdamW's exclusions).
+        return make_optimizer(device, variables, [state.original_of(v) for v in variables])
     options = ProgramOptions(
         num_micro_batch=config.pipeline.num_micro_batch,
         gradients_reduce_method=config.communication.gradients_reduce_method,
@@ -66,8 +70,7 @@ def build_engine(
         clip_after_allreduce=config.communication.clip_after_allreduce,
         pipeline_strategy=config.pipeline.strategy,
         fp16_scale=config.communication.fp16_scale if config.communication.fp16 else None,
-        # ZeRO exchanges flat dense buffers, so it reduces slices as dense tensors.
-        sparse_gradients=not config.communication.sparse_as_dense and not config.zero.level,
+        sparse_gradients=not config.communication.sparse_as_dense,
     )
     program = Program(
         staged,
@@ -105,11 +108,11 @@ def build_engine(
                 f"{config.zero.level!r}, offload.level={config.offload.level!r}, "
                 f"optimizer.num_apply_group={config.optimizer.num_apply_group}"
             )
-        program.update = ZeroUpdate(program, make_optimizer, level=config.zero.level)
+        program.update = ZeroUpdate(program, make_state_optimizer, level=config.zero.level)
     else:
         program.update = ReplicatedUpdate(
             program,
-            make_optimizer,
+            make_state_optimizer,
             num_apply_group=config.optimizer.num_apply_group,
             shared_variables=offload,
             apply_device=host_device if offload else None,

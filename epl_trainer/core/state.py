@@ -99,6 +99,7 @@ class EngineState:
         # Split layers (split.py): trainable index -> ShardedVariable. Lane l holds slice
         # `lane.index % num_shards` (its rank in the replica).
         self.sharded = dict(sharded or {})
+        self._originals: dict[int, keras.Variable] = {}  # id(copy) -> the model's variable
         if self.sharded and host_device is not None:
             raise StateError("Split layers cannot be combined with offload (offload.level).")
         self.model_trainable = list(model.trainable_variables)
@@ -148,15 +149,19 @@ class EngineState:
                 value = np.asarray(value) + np.array([0, 0], value.dtype.as_numpy_dtype)
                 value[0] += lane.index * _SEED_STRIDE
             with tf.device(lane.devices[stage]):
-                copies.append(
-                    keras.Variable(
-                        tf.identity(value),
-                        dtype=variable.dtype,
-                        trainable=variable.trainable,
-                        name=variable.name,
-                    )
+                copy = keras.Variable(
+                    tf.identity(value),
+                    dtype=variable.dtype,
+                    trainable=variable.trainable,
+                    name=variable.name,
                 )
+            self._originals[id(copy)] = variable
+            copies.append(copy)
         return copies
+
+    def original_of(self, copy: keras.Variable) -> keras.Variable:
+        """The user's model variable that an engine-owned copy (or shard) stands for."""
+        return self._originals[id(copy)]
 
     def stage_indices(self, stage: int, trainable: bool = True) -> list[int]:
         owners = self.trainable_stage if trainable else self.non_trainable_stage

@@ -240,6 +240,23 @@ def balance(layouts: ShardLayout | Sequence[ShardLayout]) -> dict[str, float]:
     }
 
 
+def without_indices(layout: ShardLayout, removed: Sequence[int]) -> ShardLayout:
+    """`layout` less the variables at caller indices `removed`, owners unchanged."""
+    removed = set(removed)
+    keep = [j for j, i in enumerate(layout.indices) if i not in removed]
+    return ShardLayout(
+        [layout.shapes[j] for j in keep],
+        layout.num_shards,
+        layout.dtype,
+        indices=[layout.indices[j] for j in keep],
+        owners=[layout.owners[j] for j in keep],
+    )
+
+
+def _is_slices(gradient) -> bool:
+    return isinstance(gradient, tf.IndexedSlices)
+
+
 # ---- the exchanges (one stage, one collective group) ------------------------------------
 
 
@@ -357,7 +374,11 @@ def zero_global_norm_squared(
     squares = []
     for device, grads in zip(group.local_devices, lane_owned_grads):
         with tf.device(device):
-            terms = [tf.reduce_sum(tf.square(tf.cast(g, tf.float32))) for g in grads]
+            # Slices count row by row, as Keras's global norm counts them.
+            terms = [
+                tf.reduce_sum(tf.square(tf.cast(g.values if _is_slices(g) else g, tf.float32)))
+                for g in grads
+            ]
             squares.append(tf.add_n(terms) if terms else tf.zeros([], tf.float32))
     return group.all_reduce(squares, "sum")
 
@@ -422,19 +443,42 @@ class ZeroUpdate:
         if program.clip_before:
             lane_grads = [program.clip(li, grads) for li, grads in enumerate(lane_grads)]
         owned_grads = [  # owned_grads[stage][lane], aligned with self.owned
-            self._exchange(
-                group,
-                self.layouts[k],
-                lane_grads,
-                program.options.gradients_reduce_method,
-                program.options.num_communicators,
-            )
+            self._reduce_stage(k, group, lane_grads)
             for k, group in enumerate(program.stage_groups)
         ]
         if program.clip_after:
             owned_grads = self._clip_owned(owned_grads)
         self.apply(owned_grads)
         self._gather()
+
+    def _reduce_stage(self, k: int, group, lane_grads: list[list]) -> list[list]:
+        """Each lane's reduced gradients of the stage-k variables it owns.
+
+        Sparse gradients (an Embedding's IndexedSlices) stay sparse: their rows are
+        all-gathered (as in plain data parallelism) and only the owner applies them, so
+        the optimizer sees what Keras sees. Densifying them would change the update:
+        Adam squares each row of a slice before summing repeated indices.
+        """
+        method = self.program.options.gradients_reduce_method
+        sparse = [i for i in self.program.trainable_idx[k] if _is_slices(lane_grads[0][i])]
+        layouts = self.layouts[k]
+        if sparse:  # the same owners, without the sparse variables in the dense buffers
+            layouts = [without_indices(layout, sparse) for layout in layouts]
+            layouts = [layout for layout in layouts if layout.indices]
+        dense = self._exchange(
+            group, layouts, lane_grads, method, self.program.options.num_communicators
+        )
+        gathered = {
+            i: comm.all_gather_slices(group, [grads[i] for grads in lane_grads], method)
+            for i in sparse
+        }
+        shards = lane_shards(group, self.layouts[k])
+        merged = []
+        for li, shard in enumerate(shards):
+            by_index = dict(zip(owned_indices(layouts, shard), dense[li]))
+            by_index.update({i: gathered[i][li] for i in sparse})
+            merged.append([by_index[i] for i in self.owned[k][li]])
+        return merged
 
     def apply(self, owned_grads: list[list[list]]) -> None:
         trainable = self.program.state.trainable
@@ -477,7 +521,7 @@ class ZeroUpdate:
                 factor = limit / tf.maximum(norm, limit)
             for k in range(len(owned_grads)):
                 with tf.device(lane.devices[k]):
-                    clipped[k][li] = [g * tf.cast(factor, g.dtype) for g in owned_grads[k][li]]
+                    clipped[k][li] = [_scaled(g, factor) for g in owned_grads[k][li]]
         return clipped
 
     def checkpoint_variables(self) -> dict:
@@ -518,3 +562,11 @@ class ZeroUpdate:
 
     def all_optimizer_variables(self) -> list:
         return [v for lane in self.optimizers for o in lane if o is not None for v in o.variables]
+
+
+def _scaled(gradient, factor):
+    """`gradient * factor`, keeping IndexedSlices sparse."""
+    if _is_slices(gradient):
+        values = gradient.values * tf.cast(factor, gradient.values.dtype)
+        return tf.IndexedSlices(values, gradient.indices, gradient.dense_shape)
+    return gradient * tf.cast(factor, gradient.dtype)

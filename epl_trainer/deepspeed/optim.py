@@ -28,7 +28,7 @@ from typing import Any
 
 import keras
 
-from epl_trainer import schedules
+from epl_trainer import optimizers, schedules
 from epl_trainer.deepspeed.keys import (
     DeepSpeedConfigError,
     as_bool,
@@ -368,11 +368,10 @@ def _make_schedule(name: str, params: dict, learning_rate: float):
 
 def finish_optimizer(optimizer, schedule=None, momentum=None, clip_norm: float | None = None):
     """`optimizer` rebuilt with the schedule, momentum cycling and global-norm clipping."""
-    config = optimizer.get_config()
+    overrides = {"global_clipnorm": clip_norm}
     if schedule is not None:
-        config["learning_rate"] = schedule
-    config["global_clipnorm"] = clip_norm
-    rebuilt = type(optimizer).from_config(config)
+        overrides["learning_rate"] = schedule
+    rebuilt = optimizers.rebuild(optimizer, **overrides)
     if momentum is None:
         return rebuilt
     if not schedules.supports_momentum_schedule(rebuilt):
