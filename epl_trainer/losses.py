@@ -17,16 +17,42 @@ class CompiledLoss:
     `loss` may be a Keras `Loss`, a loss name ("mse", "sparse_categorical_crossentropy"),
     a function `(y_true, y_pred) -> per-sample losses`, or, for a model with several
     outputs, a list or dict of those matching the outputs (a single loss applies to
-    every output, as in `Model.compile`).
+    every output, as in `Model.compile`). `loss_weights` (a list or dict like the
+    outputs, as `Model.compile` takes it) scales each output's loss in the sum.
     """
 
-    def __init__(self, loss, output_names: Sequence[str] | None = None):
+    def __init__(self, loss, output_names: Sequence[str] | None = None, loss_weights=None):
         if loss is None:
-            raise ValueError("EPLTrainer needs a loss. Received: loss=None")
+            raise ValueError(
+                "EPLTrainer needs a loss: pass loss=..., or compile the model with one. "
+                "Received: loss=None"
+            )
         self._spec = loss
         self._output_names = list(output_names or [])
+        self._weights_spec = loss_weights
 
-    def _losses_for(self, y_pred_flat_len: int) -> list[keras.losses.Loss]:
+    def weights_for(self, num_outputs: int) -> list[float]:
+        spec = self._weights_spec
+        if spec is None:
+            return [1.0] * num_outputs
+        if isinstance(spec, Mapping):
+            unknown = sorted(set(spec) - set(self._output_names))
+            if unknown:
+                raise ValueError(
+                    f"loss_weights names outputs the model does not have: {unknown}. "
+                    f"Outputs: {self._output_names}"
+                )
+            return [float(spec.get(name, 1.0)) for name in self._output_names]
+        if isinstance(spec, (int, float)):
+            return [float(spec)] * num_outputs
+        if len(spec) != num_outputs:
+            raise ValueError(
+                f"loss_weights needs one weight per model output ({num_outputs}). "
+                f"Received: loss_weights={spec!r}"
+            )
+        return [float(w) for w in spec]
+
+    def losses_for(self, y_pred_flat_len: int) -> list[keras.losses.Loss]:
         spec = self._spec
         if isinstance(spec, Mapping):
             missing = [n for n in self._output_names if n not in spec]
@@ -54,10 +80,13 @@ class CompiledLoss:
                 f"{len(flat_pred)} output(s). Labels: {tree.map_structure(_shape, y_true)}; "
                 f"outputs: {tree.map_structure(_shape, y_pred)}"
             )
-        losses = self._losses_for(len(flat_pred))
+        losses = self.losses_for(len(flat_pred))
+        weights = self.weights_for(len(flat_pred))
         total = None
-        for loss, t, p in zip(losses, flat_true, flat_pred):
+        for loss, weight, t, p in zip(losses, weights, flat_true, flat_pred):
             value = loss(t, p, sample_weight=sample_weight)
+            if weight != 1.0:
+                value = value * weight
             total = value if total is None else total + value
         return total
 

@@ -60,11 +60,15 @@ class EPLTrainer:
     Args:
       model: a Keras model, or a `model_fn` returning one (or a `ModelSpec`). A model_fn
         is called after the config is resolved, so `epl.replicate`/`epl.split` scopes
-        inside it are recorded.
+        inside it are recorded. A model that went through `model.compile(...)` brings
+        its optimizer, loss, loss_weights and metrics: each is used unless the
+        same argument is passed here (passed arguments win).
       loss: a Keras loss (object, name or function; list/dict for several outputs).
       optimizer: a Keras optimizer or its name. It stays the "master": its learning rate
-        (settable by callbacks) drives every replica's copy.
+        (settable by callbacks) drives every replica's copy. Default: the compiled
+        model's optimizer, else SGD.
       metrics: Keras metrics or names ("accuracy" is resolved from the loss, as compile).
+      loss_weights: scales each output's loss (a list or dict, as `Model.compile`).
       strategy: `epl.Strategy(...)`, or a bare `epl.replicate(n)` / `epl.split(n)`.
       stages: {layer-name regex: stage index}, a shortcut for `Strategy(stages=...)`.
       split: [layer-name regex], a shortcut for `Strategy(split=...)`.
@@ -78,19 +82,26 @@ class EPLTrainer:
         self,
         model,
         loss=None,
-        optimizer="sgd",
+        optimizer=None,
         metrics=None,
         strategy=None,
         stages=None,
         split=None,
         config=None,
+        loss_weights=None,
     ):
-        config, optimizer, self.deepspeed = deepspeed.trainer_setup(config, optimizer)
+        if optimizer is None and isinstance(model, keras.Model):
+            optimizer = compiled_settings(model).get("optimizer")
+        config, optimizer, self.deepspeed = deepspeed.trainer_setup(config, optimizer or "sgd")
         self.config = Env.get().config if config is None else Config.load(config)
         self.cluster = Env.get().cluster if config is None else build_cluster(self.config.cluster)
         model, loss, metrics = _resolve_model(model, loss, metrics)
+        compiled = compiled_settings(model)
+        loss = compiled.get("loss") if loss is None else loss
+        metrics = compiled.get("metrics") if metrics is None else metrics
+        loss_weights = compiled.get("loss_weights") if loss_weights is None else loss_weights
         self.model = model
-        self.loss = CompiledLoss(loss, _output_names(model))
+        self.loss = CompiledLoss(loss, _output_names(model), loss_weights)
         self.optimizer = keras.optimizers.get(optimizer)
         self.metrics = resolve_metrics(metrics, self.loss.name(), _output_names(model))
         self.loss_tracker = keras.metrics.Mean(name="loss")
@@ -118,7 +129,7 @@ class EPLTrainer:
                 model, annotation, self.plan.taskgraphs, self.plan.taskgraphs[0].device_count
             )
             outputs = len(tree.flatten(model.outputs))
-            split_lib.sparse_outputs(self.loss._losses_for(outputs), self.split_layers)
+            split_lib.sparse_outputs(self.loss.losses_for(outputs), self.split_layers)
             split_lib.check_split_metrics(self.metrics, self.split_layers)
         elif len(self.plan.taskgraphs) == 1:
             self.staged = whole_model(model)
@@ -685,6 +696,36 @@ def _resolve_model(model, loss, metrics):
         "A model_fn must return a keras.Model or an epl_trainer.ModelSpec. "
         f"Received: {type(built).__name__}"
     )
+
+
+def compiled_settings(model: keras.Model) -> dict:
+    """What `model.compile(...)` was given: optimizer, loss, loss_weights, metrics.
+
+    Empty for a model that was never compiled. Keras keeps the arguments as given in
+    `_compile_config` (what `get_compile_config` serialises); `optimizer` and `loss`
+    are also public attributes, used when that record is missing.
+    """
+    if not getattr(model, "compiled", False):
+        return {}
+    record = getattr(getattr(model, "_compile_config", None), "config", None) or {}
+    settings = {
+        "optimizer": record.get("optimizer", getattr(model, "optimizer", None)),
+        "loss": record.get("loss", getattr(model, "loss", None)),
+        "loss_weights": record.get("loss_weights"),
+        "metrics": record.get("metrics"),
+    }
+    if record.get("weighted_metrics"):
+        raise ValueError(
+            "The model was compiled with weighted_metrics, which EPLTrainer does not support "
+            "yet; pass metrics=... instead. Received: weighted_metrics="
+            f"{record['weighted_metrics']!r}"
+        )
+    inner = getattr(settings["optimizer"], "inner_optimizer", None)
+    if inner is not None:
+        # compile() wraps the optimizer in a LossScaleOptimizer under mixed_float16; the
+        # engine scales the loss itself (amp.*), so it drives the inner optimizer.
+        settings["optimizer"] = inner
+    return {k: v for k, v in settings.items() if v is not None}
 
 
 def _output_names(model) -> list[str]:

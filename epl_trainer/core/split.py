@@ -464,7 +464,8 @@ class SplitLoss:
 
     def __init__(self, compiled_loss, runtime: SplitRuntime, num_outputs: int):
         self.runtime = runtime
-        self.losses = compiled_loss._losses_for(num_outputs)
+        self.losses = compiled_loss.losses_for(num_outputs)
+        self.weights = compiled_loss.weights_for(num_outputs)
         self.sparse = sparse_outputs(self.losses, runtime.layers)
 
     def __call__(self, y_true, y_pred, sample_weight=None):
@@ -487,6 +488,8 @@ class SplitLoss:
                     value = sharded_cross_entropy(p, labels, lane_comm, self.sparse[index], weights)
             else:
                 value = loss(t, p, sample_weight=sample_weight)
+            if self.weights[index] != 1.0:
+                value = value * self.weights[index]
             total = value if total is None else total + value
         return total
 
