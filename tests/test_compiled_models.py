@@ -84,5 +84,5 @@ def test_compiled_loss_weights_are_applied(weights):
 
 
 def test_uncompiled_model_without_loss_names_both_ways_to_give_one():
-    with pytest.raises(ValueError, match="pass loss=..., or compile the model"):
+    with pytest.raises(ValueError, match=r"pass loss=\.\.\., or compile the model"):
         epl.EPLTrainer(mlp(), config=CONFIG)
