@@ -321,7 +321,10 @@ class OptimizerConfig(_Section):
 
     num_apply_group: int = _int(1, "Groups the apply is split into to save memory.", minimum=1)
     nonfinite_loss: str = _enum(
-        "error", "fp32 step with non-finite gradients: stop, or skip it.", choices=("error", "skip")
+        "error",
+        "A step with non-finite gradients that no dynamic loss scaler can recover "
+        "(float32, or AMP with bfloat16 or a fixed loss scale): stop, or skip it.",
+        choices=("error", "skip"),
     )
 
 

@@ -61,11 +61,35 @@ def test_skip_mode_skips_the_step_as_if_the_batch_were_not_there(caplog):
     assert max_weight_difference(model, reference) == 0.0
 
 
-def test_under_amp_the_loss_scaler_skips_the_step_without_an_error():
+def test_a_dynamic_fp16_loss_scaler_skips_the_step_without_an_error():
+    """The dynamic scaler owns overflow: it lowers the scale and goes on."""
     model = mlp()
-    history = _trainer(model, **{"amp.level": "O1", "amp.dtype": "bfloat16"}).fit(
+    history = _trainer(model, **{"amp.level": "O1", "amp.dtype": "float16"}).fit(
         _data(poisoned=True), verbose=0
     )
     assert history.history["skipped_steps"] == [1]
     assert "nonfinite_steps" not in history.history
+    assert all(np.isfinite(w).all() for w in model.get_weights())
+
+
+FIXED_SCALE_AMP = [
+    {"amp.level": "O1", "amp.dtype": "bfloat16"},
+    {"amp.level": "O1", "amp.dtype": "float16", "amp.loss_scale": 128},
+]
+
+
+@pytest.mark.parametrize("amp", FIXED_SCALE_AMP, ids=["bf16", "fp16-fixed"])
+def test_a_fixed_loss_scale_stops_on_a_nonfinite_step(amp):
+    """No scaler can recover here: every later step would be skipped in silence."""
+    with pytest.raises(NonFiniteLossError, match=r"at training step 3 \(epoch 1, batch 2\)"):
+        _trainer(mlp(), **amp).fit(_data(poisoned=True), verbose=0)
+
+
+@pytest.mark.parametrize("amp", FIXED_SCALE_AMP, ids=["bf16", "fp16-fixed"])
+def test_a_fixed_loss_scale_skips_with_a_warning_when_told_to(amp, caplog):
+    model = mlp()
+    config = {**amp, "optimizer.nonfinite_loss": "skip"}
+    history = _trainer(model, **config).fit(_data(poisoned=True), verbose=0)
+    assert history.history["nonfinite_steps"] == [1]
+    assert "Non-finite loss at training step 3 (epoch 1, batch 2)" in caplog.text
     assert all(np.isfinite(w).all() for w in model.get_weights())

@@ -229,6 +229,11 @@ def apply_amp(program: Program, amp_config, host_device: str) -> None:
     program.extra_logs.update(
         loss_scale=scaler.scale, skipped_steps=lambda: scaler.skipped_steps.value()
     )
+    if isinstance(scaler, amp.FixedLossScaler):
+        # A fixed scale (bfloat16, or a number) never recovers from a non-finite step: it
+        # would skip every following step in silence. The trainer reads this count and
+        # stops or warns as optimizer.nonfinite_loss says, as it does without AMP.
+        program.extra_logs["nonfinite_steps"] = lambda: scaler.skipped_steps.value()
     inner = program.update
     everyone = program.stage_groups[0]
 
