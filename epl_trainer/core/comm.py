@@ -21,11 +21,21 @@ import itertools
 import zlib
 from collections.abc import Sequence
 
+import numpy as np
 import tensorflow as tf
 
 _GROUP_KEY_BASE = 0x2000_0000
 _INSTANCE_KEY_BASE = 0x1000_0000
 _instance_counter = itertools.count(_INSTANCE_KEY_BASE)
+# Gathers of a dynamic length (an Embedding's gradient rows under a dynamic sequence
+# length) take their instance key from the length: TF resolves a collective instance's
+# shape once per key, so a key reused with another length fails ("Shape mismatch in the
+# collective instance"). Each such gather owns a block of keys, one per length; the
+# blocks are reused round-robin (only long-dead traces could still hold an old block).
+_DYNAMIC_KEY_BASE = 0x4000_0000
+_DYNAMIC_BLOCK = 1 << 20  # lengths (in units) per block
+_DYNAMIC_BLOCKS = (0x7FFF_FFFF - _DYNAMIC_KEY_BASE) // _DYNAMIC_BLOCK
+_dynamic_counter = itertools.count()
 _ordering_tokens: dict[tuple[str, int], tf.Variable] = {}
 _measured_ranks: dict[tuple[str, ...], dict[str, int]] = {}
 
@@ -33,6 +43,21 @@ _measured_ranks: dict[tuple[str, ...], dict[str, int]] = {}
 def next_instance_key() -> int:
     """A fresh instance key; programs are built in the same order on every worker."""
     return next(_instance_counter)
+
+
+def length_keyed_instance(length: tf.Tensor, unit: int = 1) -> tf.Tensor:
+    """An int32 instance key for a collective whose length changes from step to step.
+
+    `length // unit` (e.g. rows, with `unit` elements per row) must be below 2**20 and
+    equal on every member, as the lengths of a gather are.
+    """
+    base = _DYNAMIC_KEY_BASE + (next(_dynamic_counter) % _DYNAMIC_BLOCKS) * _DYNAMIC_BLOCK
+    units = tf.cast(length, tf.int32) // unit
+    check = tf.debugging.assert_less(
+        units, _DYNAMIC_BLOCK, message="A dynamic-length collective exceeds 2**20 units"
+    )
+    with tf.control_dependencies([check]):
+        return tf.constant(base, tf.int32) + units
 
 
 def group_key(devices: Sequence[str]) -> int:
@@ -275,14 +300,18 @@ class CollectiveGroup:
         values: Sequence[tf.Tensor],
         instance_key: int | None = None,
         chain: int = 0,
+        length_unit: int = 1,
     ) -> list[tf.Tensor]:
         """Concatenates every member's 1-D tensor, in rank order, on every local member.
 
         Args:
           values: `values[i]`, on `local_devices[i]`, is a 1-D tensor of length B (the
             same on every member).
-          instance_key: a key from `next_instance_key()`; allocated here if None.
+          instance_key: a key from `next_instance_key()`; allocated here if None (from
+            `length_keyed_instance` when B is not static).
           chain: which ordering-token chain (communicator) to use.
+          length_unit: B is a multiple of it (elements per row); see
+            `length_keyed_instance`.
 
         Returns:
           For each local member a tensor of length `size * B`; elements `[r*B, (r+1)*B)`
@@ -291,6 +320,9 @@ class CollectiveGroup:
         self._check_flat("all_gather", values, divisible=False)
         if self.size == 1:
             return list(values)
+        if instance_key is None and values[0].shape[0] is None:
+            with tf.device(self.local_devices[0]):
+                instance_key = length_keyed_instance(tf.size(values[0]), length_unit)
         instance_key = next_instance_key() if instance_key is None else instance_key
         results = []
         for device, value in zip(self.local_devices, values):
@@ -421,7 +453,7 @@ def fused_all_reduce(
         for member, (device, flat) in enumerate(zip(group.local_devices, reduced)):
             template = per_member[member]
             with tf.device(device):
-                pieces = tf.split(flat, [_num_elements(template[i]) for i in bucket])
+                pieces = tf.split(flat, _split_sizes([template[i] for i in bucket]))
                 for i, piece in zip(bucket, pieces):
                     results[member][i] = tf.reshape(piece, tf.shape(template[i]))
     return results
@@ -445,7 +477,8 @@ def all_gather_slices(
     for device, g in zip(group.local_devices, per_member):
         with tf.device(device):
             flat_values.append(tf.reshape(g.values, [-1]))
-    values = group.all_gather(flat_values)
+    row_size = int(np.prod(row_shape)) if row_shape.is_fully_defined() else 1
+    values = group.all_gather(flat_values, length_unit=row_size)
     indices = group.all_gather([g.indices for g in per_member])
     results = []
     for device, v, i, g in zip(group.local_devices, values, indices, per_member):
@@ -467,8 +500,12 @@ def _from_fp16_wire(flat, scale: float, dtype):
         return tf.cast(flat, dtype) * (1.0 / scale)
 
 
-def _num_elements(tensor) -> int:
-    return int(tensor.shape.num_elements())
+def _split_sizes(tensors):
+    """Element counts for `tf.split`: Python ints when static, else a tensor."""
+    static = [t.shape.num_elements() for t in tensors]
+    if all(n is not None for n in static):
+        return static
+    return tf.stack([tf.size(t, out_type=tf.int64) for t in tensors])
 
 
 # ---- collectives issued lane by lane (split layers) ------------------------------------

@@ -184,6 +184,12 @@ class LaneExecutor:
                 else tf.convert_to_tensor(g)
                 for position, g in enumerate(computed)
             ]
+            computed = [
+                _with_variable_shape(g, run.variables[position].shape)
+                if position < len(run.variables)
+                else g
+                for position, g in enumerate(computed)
+            ]
             for i, g in zip(self.trainable_idx[k], computed[: len(run.variables)]):
                 grads[i] = g if grads[i] is None else accumulate(grads[i], g)
             for (key, _), g in zip(float_inputs, computed[len(run.variables) :]):
@@ -193,6 +199,18 @@ class LaneExecutor:
 
 def _is_slices(gradient) -> bool:
     return isinstance(gradient, tf.IndexedSlices)
+
+
+def _with_variable_shape(gradient, shape):
+    """A dense gradient with its variable's static shape.
+
+    Some backward ops (attention over a dynamic sequence length, reshapes of dynamic
+    shapes) lose the static shape of a weight's gradient; the reductions that follow
+    size fused buckets from static shapes.
+    """
+    if _is_slices(gradient) or gradient.shape.is_fully_defined():
+        return gradient
+    return tf.reshape(gradient, shape)
 
 
 def accumulate(total, gradient):
