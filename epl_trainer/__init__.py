@@ -19,7 +19,7 @@ _EXPORTS = {
     "Strategy": "epl_trainer.strategies",
     "EPLTrainer": "epl_trainer.trainer",
     "DeepSpeedConfig": "epl_trainer.deepspeed",
-    "ModelSpec": "epl_trainer.trainer",
+    "ModelSpec": "epl_trainer.model_fn",
     "plot_schedule": "epl_trainer.plot",
     "add_to_collection": "epl_trainer.core.recompute",
     "get_collection": "epl_trainer.core.recompute",

@@ -8,7 +8,6 @@ Keras callbacks. The numerics live in `core/`.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
 import re
 import time
@@ -22,6 +21,7 @@ from epl_trainer import checkpoint as ckpt
 from epl_trainer import data as data_lib
 from epl_trainer import deepspeed, optimizers, strategies
 from epl_trainer import io as io_lib
+from epl_trainer import model_fn as model_fn_lib
 from epl_trainer.cluster import build_cluster, detect_lost_workers
 from epl_trainer.config import Config
 from epl_trainer.core import amp, comm, planner
@@ -36,6 +36,7 @@ from epl_trainer.env import Env
 from epl_trainer.losses import CompiledLoss
 from epl_trainer.memory import build_report
 from epl_trainer.metrics import resolve_metrics
+from epl_trainer.model_fn import ModelSpec  # noqa: F401  (re-exported: epl.ModelSpec)
 from epl_trainer.watchdog import watchdog_for
 
 logger = logging.getLogger(__name__)
@@ -45,22 +46,17 @@ class NonFiniteLossError(FloatingPointError):
     """A float32 training step produced a NaN or Inf loss (non-finite gradients)."""
 
 
-@dataclasses.dataclass
-class ModelSpec:
-    """What an Estimator-style `model_fn` may return: the model and its loss/metrics."""
-
-    model: keras.Model
-    loss: object = None
-    metrics: object = None
-
-
 class EPLTrainer:
     """Trains a Keras model with the parallelism given by annotations and config.
 
     Args:
       model: a Keras model, or a `model_fn` returning one (or a `ModelSpec`). A model_fn
         is called after the config is resolved, so `epl.replicate`/`epl.split` scopes
-        inside it are recorded. A model that went through `model.compile(...)` brings
+        inside it are recorded. EPL's Estimator-style `model_fn(features, labels, mode,
+        params)` is called at the first fit / evaluate / predict with symbolic inputs
+        made from that data's element spec (mode "train", "eval" or "infer"); it returns
+        output tensors, a model or a `ModelSpec`. The trainer's `model`, `plan` and
+        `staged` exist from then on. A model that went through `model.compile(...)` brings
         its optimizer, loss, loss_weights and metrics: each is used unless the
         same argument is passed here (passed arguments win).
       loss: a Keras loss (object, name or function; list/dict for several outputs).
@@ -69,6 +65,7 @@ class EPLTrainer:
         model's optimizer, else SGD.
       metrics: Keras metrics or names ("accuracy" is resolved from the loss, as compile).
       loss_weights: scales each output's loss (a list or dict, as `Model.compile`).
+      params: passed to an Estimator-style model_fn as its `params`.
       strategy: `epl.Strategy(...)`, or a bare `epl.replicate(n)` / `epl.split(n)`.
       stages: {layer-name regex: stage index}, a shortcut for `Strategy(stages=...)`.
       split: [layer-name regex], a shortcut for `Strategy(split=...)`.
@@ -89,20 +86,61 @@ class EPLTrainer:
         split=None,
         config=None,
         loss_weights=None,
+        params=None,
     ):
         if optimizer is None and isinstance(model, keras.Model):
             optimizer = compiled_settings(model).get("optimizer")
+        self._optimizer_given = optimizer is not None
         config, optimizer, self.deepspeed = deepspeed.trainer_setup(config, optimizer or "sgd")
         self.config = Env.get().config if config is None else Config.load(config)
         self.cluster = Env.get().cluster if config is None else build_cluster(self.config.cluster)
-        model, loss, metrics = _resolve_model(model, loss, metrics)
+        self.optimizer = keras.optimizers.get(optimizer)
+        self.params = params
+        self._program: Program | None = None
+        self._state: EngineState | None = None
+        self.epochs_done = 0
+        self._metric_sync = None
+        # Where training stands inside the epoch in progress, for checkpoints: steps run in
+        # it, and the batches taken from the current pass of the data (EpochBatches).
+        self._step_in_epoch = 0
+        self._batches: data_lib.EpochBatches | None = None
+        self._resume_position = (0, 0)  # (step_in_epoch, input position) of a restore
+        self._nonfinite_seen = 0
+        arguments = dict(
+            loss=loss,
+            metrics=metrics,
+            loss_weights=loss_weights,
+            strategy=strategy,
+            stages=stages,
+            split=split,
+        )
+        if model_fn_lib.is_estimator_model_fn(model):
+            # Built from the first dataset's element spec (`_build_from_data`).
+            self._pending_model_fn = (model, arguments)
+            return
+        self._pending_model_fn = None
+        spec = model_fn_lib.ModelSpec(model) if isinstance(model, keras.Model) else None
+        if spec is None:
+            if not callable(model):
+                raise TypeError(
+                    f"model must be a keras.Model or a model_fn. Received: {type(model).__name__}"
+                )
+            spec = model_fn_lib.call_model_fn(model)
+        self._setup(spec, **arguments)
+
+    def _setup(self, spec, loss, metrics, loss_weights, strategy, stages, split) -> None:
+        """Takes the model and cuts and plans it (from __init__, or at the first data)."""
+        model = spec.model
         compiled = compiled_settings(model)
-        loss = compiled.get("loss") if loss is None else loss
-        metrics = compiled.get("metrics") if metrics is None else metrics
-        loss_weights = compiled.get("loss_weights") if loss_weights is None else loss_weights
+        loss = _first(loss, spec.loss, compiled.get("loss"))
+        metrics = _first(metrics, spec.metrics, compiled.get("metrics"))
+        loss_weights = _first(loss_weights, spec.loss_weights, compiled.get("loss_weights"))
+        if not self._optimizer_given and self.deepspeed is None:
+            chosen = _first(spec.optimizer, compiled.get("optimizer"))
+            if chosen is not None:
+                self.optimizer = keras.optimizers.get(chosen)
         self.model = model
         self.loss = CompiledLoss(loss, _output_names(model), loss_weights)
-        self.optimizer = keras.optimizers.get(optimizer)
         self.metrics = resolve_metrics(metrics, self.loss.name(), _output_names(model))
         self.loss_tracker = keras.metrics.Mean(name="loss")
         _check_supported(self.config)
@@ -150,16 +188,15 @@ class EPLTrainer:
                 self.config, self.plan, len(self.lanes_in_job)
             )
         self.model.optimizer = self.optimizer  # what Keras callbacks read (LR, iterations)
-        self._program: Program | None = None
-        self._state: EngineState | None = None
-        self.epochs_done = 0
-        self._metric_sync = None
-        # Where training stands inside the epoch in progress, for checkpoints: steps run in
-        # it, and the batches taken from the current pass of the data (EpochBatches).
-        self._step_in_epoch = 0
-        self._batches: data_lib.EpochBatches | None = None
-        self._resume_position = (0, 0)  # (step_in_epoch, input position) of a restore
-        self._nonfinite_seen = 0
+
+    def _build_from_data(self, dataset, mode: str) -> None:
+        """Builds an Estimator-style model_fn's model from the data's element spec (once)."""
+        if self._pending_model_fn is None:
+            return
+        fn, arguments = self._pending_model_fn
+        self._pending_model_fn = None
+        spec = model_fn_lib.call_estimator_model_fn(fn, dataset.element_spec, mode, self.params)
+        self._setup(spec, **arguments)
 
     # ---- building the engine (lazily: a subclassed model is built by its first batch) ----
 
@@ -248,6 +285,8 @@ class EPLTrainer:
         per worker. With `io.slicing=True` each worker reads only its share of the files
         (`epl_trainer.io`).
         """
+        if self._pending_model_fn is not None:
+            self._build_from_data(_spec_probe(x, y, parse_fn, file_format), model_fn_lib.TRAIN)
         if self.deepspeed is not None:  # batch sizes, monitors and steps_per_print
             batch_size = self.deepspeed.fit_batch_size(x, batch_size, self.plan, len(self.lanes))
             extra = self.deepspeed.callbacks(self.loss_tracker, self.cluster.is_chief)
@@ -402,6 +441,7 @@ class EPLTrainer:
             worker_index=self.cluster.worker_index,
             worker_num=self.cluster.worker_num,
         )
+        self._build_from_data(dataset, model_fn_lib.EVAL)
         data_lib.check_element_spec(dataset.element_spec, self.model, with_labels=True)
         self._reset_metrics()
         if steps is not None:
@@ -426,6 +466,7 @@ class EPLTrainer:
     def predict(self, x, batch_size=None):
         """Model outputs for `x` (numpy, structured like the model's outputs)."""
         dataset = data_lib.as_dataset(x, None, batch_size)
+        self._build_from_data(dataset, model_fn_lib.INFER)
         data_lib.check_element_spec(dataset.element_spec, self.model, with_labels=False)
         outputs = []
         for element in dataset:
@@ -676,26 +717,20 @@ def _annotate(model, config: Config, strategy, stages, split):
     return annotation, auto
 
 
-def _resolve_model(model, loss, metrics):
-    if isinstance(model, keras.Model):
-        return model, loss, metrics
-    if not callable(model):
-        raise TypeError(
-            f"model must be a keras.Model or a model_fn. Received: {type(model).__name__}"
+def _spec_probe(x, y, parse_fn, file_format) -> tf.data.Dataset:
+    """A dataset with the element spec of fit's data, for building a model_fn's model."""
+    if parse_fn is not None or file_format is not None:
+        raise ValueError(
+            "An Estimator-style model_fn is built from the data's element spec; with "
+            "fit(files, parse_fn=...) call trainer.evaluate or fit on a tf.data.Dataset "
+            "of the parsed records first."
         )
-    built = model()
-    if isinstance(built, ModelSpec):
-        return (
-            built.model,
-            built.loss if loss is None else loss,
-            (built.metrics if metrics is None else metrics),
-        )
-    if isinstance(built, keras.Model):
-        return built, loss, metrics
-    raise TypeError(
-        "A model_fn must return a keras.Model or an epl_trainer.ModelSpec. "
-        f"Received: {type(built).__name__}"
-    )
+    return x if isinstance(x, tf.data.Dataset) else data_lib.as_dataset(x, y, batch_size=1)
+
+
+def _first(*values):
+    """The first value that is not None (passed arguments, then model_fn, then compile)."""
+    return next((v for v in values if v is not None), None)
 
 
 def compiled_settings(model: keras.Model) -> dict:
