@@ -32,6 +32,7 @@ from epl_trainer.core.partition import partition_model, whole_model
 from epl_trainer.core.program import BATCH_SIZE_KEY, BATCH_SPLIT_ERROR, Program
 from epl_trainer.core.recompute import check_stage_gradients
 from epl_trainer.core.state import EngineState, lanes_for_worker
+from epl_trainer.end_of_data import EndOfDataAgreement
 from epl_trainer.env import Env
 from epl_trainer.losses import CompiledLoss
 from epl_trainer.memory import build_report
@@ -106,6 +107,8 @@ class EPLTrainer:
         self._batches: data_lib.EpochBatches | None = None
         self._resume_position = (0, 0)  # (step_in_epoch, input position) of a restore
         self._nonfinite_seen = 0
+        multi_worker = self.cluster.worker_num > 1
+        self._end_of_data = EndOfDataAgreement(self.cluster) if multi_worker else None
         arguments = dict(
             loss=loss,
             metrics=metrics,
@@ -401,7 +404,11 @@ class EPLTrainer:
             callback_list.on_train_batch_begin(index)
             start = time.perf_counter()
             with self._lost_worker_check():
-                results = _run_checked(program.train_on_iterator, iterator)
+                if self._end_of_data is None:
+                    results = _run_checked(program.train_on_iterator, iterator)
+                else:  # raises StopIteration on every worker once any ran out
+                    element = self._end_of_data.next_batch(iterator, index)
+                    results = _run_checked(program.train_on_element, element)
             batch = int(results.pop(BATCH_SIZE_KEY))
             logs = {name: float(value) for name, value in results.items()}
             self._check_finite(logs, index)

@@ -108,3 +108,18 @@ def test_evaluate_where_one_worker_has_no_data_then_train(tmp_path):
     weights = [np.load(tmp_path / "out" / f"weights_{w}.npz") for w in range(2)]
     for key in weights[0]:
         np.testing.assert_array_equal(weights[0][key], weights[1][key])
+
+
+def test_a_worker_that_runs_out_first_ends_the_epoch_everywhere(tmp_path):
+    """Worker 1 has 2 batches, worker 0 has 4: both stop after 2 steps (a warning names
+    worker 1) instead of worker 0 waiting in a collective for a partner that never comes."""
+    result = _launch(tmp_path, 2, 1, "--uneven")
+    assert result.returncode == 0, result.stdout + result.stderr
+    logs = "".join(p.read_text() for p in (tmp_path / "logs").rglob("worker_*.log"))
+    assert logs.count("steps=2") == 2, logs
+    assert "Worker(s) [1] ran out of data at step 2" in logs, logs
+    expected = _single_process_weights(steps=2)
+    for w in range(2):
+        weights = np.load(tmp_path / "out" / f"weights_{w}.npz")
+        for i, value in enumerate(expected):
+            np.testing.assert_allclose(weights[f"arr_{i}"], value, atol=1e-5)

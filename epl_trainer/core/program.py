@@ -136,6 +136,9 @@ class Program:
         # Pulling the batch inside the compiled step (as Keras does) saves a Python-level
         # round trip per step; it matters for small, fast steps.
         self.train_on_iterator = tf.function(self._train_on_iterator, reduce_retracing=True)
+        # Multi-worker jobs take the batch outside the step, to agree on the end of data
+        # first (end_of_data.py).
+        self.train_on_element = tf.function(self._train_on_element, reduce_retracing=True)
         self.eval_step = tf.function(self._eval_step, reduce_retracing=True)
         self.predict_step = tf.function(self._predict_step, reduce_retracing=True)
 
@@ -149,6 +152,10 @@ class Program:
 
     def _train_on_iterator(self, iterator):
         features, labels = split_element(next(iterator))
+        return self._train_step(features, labels)
+
+    def _train_on_element(self, element):
+        features, labels = split_element(element)
         return self._train_step(features, labels)
 
     def _train_step(self, features, labels):

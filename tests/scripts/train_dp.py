@@ -50,6 +50,9 @@ def main():
     parser.add_argument(
         "--evaluate_first", action="store_true", help="evaluate before fit; worker 1 gets no data"
     )
+    parser.add_argument(
+        "--uneven", action="store_true", help="one pass; worker 1 has 2 batches, worker 0 has 4"
+    )
     args = parser.parse_args()
     env = epl.init(
         {
@@ -86,15 +89,28 @@ def main():
             if cluster.worker_index == args.fail_worker:
                 raise RuntimeError(f"worker {cluster.worker_index} fails on purpose")
 
-    history = trainer.fit(
-        x,
-        y,
-        batch_size=per_worker,
-        epochs=1,
-        steps_per_epoch=args.steps,
-        callbacks=[FailAfterFirstStep()],
-        verbose=0,
-    )
+    if args.uneven:
+        import tensorflow as tf
+
+        # Worker w's batch i holds rows of the single-process global batch i.
+        rows = [x[(2 * i + cluster.worker_index) * 8 :][:8] for i in range(4)]
+        labels = [y[(2 * i + cluster.worker_index) * 8 :][:8] for i in range(4)]
+        batches = 2 if cluster.worker_index == 1 else 4
+        data = tf.data.Dataset.from_tensor_slices(
+            (np.stack(rows[:batches]), np.stack(labels[:batches]))
+        )
+        history = trainer.fit(data, epochs=1, verbose=0)
+        print(f"worker {cluster.worker_index} steps={int(trainer.optimizer.iterations)}")
+    else:
+        history = trainer.fit(
+            x,
+            y,
+            batch_size=per_worker,
+            epochs=1,
+            steps_per_epoch=args.steps,
+            callbacks=[FailAfterFirstStep()],
+            verbose=0,
+        )
     os.makedirs(args.output_dir, exist_ok=True)
     np.savez(
         os.path.join(args.output_dir, f"weights_{cluster.worker_index}.npz"),
