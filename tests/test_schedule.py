@@ -1,6 +1,9 @@
 """Pipeline schedules as data: exact orders, validation, simulation. Pure Python."""
 
 import itertools
+import os
+import subprocess
+import sys
 
 import pytest
 
@@ -233,9 +236,22 @@ def test_execution_order_respects_dependencies(num_stages, num_micro_batch):
                     assert position[(stage + 1, Task("B", m))] < position[backward]
 
 
-def test_execution_order_is_deterministic():
-    schedule = one_f_one_b_schedule(4, 8)
-    assert execution_order(schedule) == execution_order(schedule)
+def test_execution_order_is_the_same_in_every_process():
+    """Every worker computes the order on its own and the collectives must meet: the
+    order may not depend on hash randomisation (set or dict order of strings)."""
+    code = (
+        "from epl_trainer.core.schedule import execution_order, one_f_one_b_schedule;"
+        "print(execution_order(one_f_one_b_schedule(4, 8)))"
+    )
+    outputs = set()
+    for hash_seed in ("1", "2", "3"):
+        env = {**os.environ, "PYTHONHASHSEED": hash_seed}
+        run = subprocess.run(
+            [sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True
+        )
+        outputs.add(run.stdout)
+    assert len(outputs) == 1
+    assert outputs.pop().strip() == str(execution_order(one_f_one_b_schedule(4, 8)))
 
 
 # ---------------------------------------------------------- timeline, bubbles
