@@ -264,7 +264,7 @@ def test_main_runs_end_to_end_on_builtin_data(tmp_path):
         f"--output_dir={tmp_path}",
         "--builtin_train_paragraphs=16",
         "--builtin_dev_paragraphs=4",
-        "--num_train_epochs=1",
+        "--num_train_epochs=2",
         "--max_seq_length=64",
         "--train_batch_size=16",
     ]
@@ -277,5 +277,7 @@ def test_main_runs_end_to_end_on_builtin_data(tmp_path):
     assert len(predictions) == 4 * builtin_data.QUESTIONS_PER_PARAGRAPH
     metrics = json.loads((tmp_path / "metrics.json").read_text())
     assert set(metrics["dev"]) == {"exact_match", "f1"}
+    losses = metrics["history"]["loss"]
+    assert len(losses) == 2 and losses[1] < losses[0]  # the pipeline really trains
     assert metrics["config"]["pipeline.num_micro_batch"] == 4
     assert list((tmp_path / "logs").rglob("events.out.tfevents.*"))
