@@ -1,0 +1,100 @@
+"""Soak: steps/s, threads and resident memory over a long data-parallel run.
+
+Usage: python bench/soak.py [--steps 50000] [--batch 16] [--devices 2]
+
+One process. A small model trains `--steps` steps with EPLTrainer on `--devices`
+logical CPU devices (data parallel), then the same number with plain Keras `fit`.
+Threads (from /proc/self/task) and RSS are read after a 200-step warm-up and at the
+end. Before the collective watchdog (epl_trainer/watchdog.py), every collective left a
+timer thread alive for 600 s and a run like this one aborted at ~30,000 threads.
+"""
+
+import argparse
+import os
+import sys
+import time
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir))
+
+
+def threads() -> int:
+    return len(os.listdir("/proc/self/task"))
+
+
+def rss_mib() -> float:
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=50_000)
+    parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--devices", type=int, default=2)
+    args = parser.parse_args()
+
+    from epl_trainer.cluster import configure_tensorflow
+
+    configure_tensorflow(args.devices)
+    import keras
+    import numpy as np
+    import tensorflow as tf
+
+    import epl_trainer as epl
+
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+    def model():
+        keras.utils.set_random_seed(0)
+        inputs = keras.Input((16,))
+        hidden = keras.layers.Dense(64, activation="relu")(inputs)
+        return keras.Model(inputs, keras.layers.Dense(4)(hidden))
+
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(args.batch * 64, 16)).astype("float32")
+    y = x[:, :4].argmax(axis=1).astype("int32")
+    data = tf.data.Dataset.from_tensor_slices((x, y)).batch(args.batch).repeat()
+
+    def measure(name, fit):
+        fit(200)  # warm-up: traces the step
+        start = (threads(), rss_mib())
+        began = time.perf_counter()
+        fit(args.steps)
+        seconds = time.perf_counter() - began
+        end = (threads(), rss_mib())
+        return name, args.steps / seconds, start, end
+
+    trainer = epl.EPLTrainer(
+        model(),
+        loss,
+        keras.optimizers.Adam(1e-3),
+        config={"cluster.virtual_devices": args.devices},
+    )
+    rows = [
+        measure(
+            f"EPLTrainer, {trainer.plan.num_replicas} replicas",
+            lambda n: trainer.fit(data, steps_per_epoch=n, verbose=0),
+        )
+    ]
+    reference = model()
+    reference.compile(keras.optimizers.Adam(1e-3), loss)
+    rows.append(
+        measure(
+            "Keras fit, 1 device",
+            lambda n: reference.fit(data, steps_per_epoch=n, verbose=0),
+        )
+    )
+
+    print(f"\n{args.steps} steps of batch {args.batch} after a 200-step warm-up")
+    print(f"{'run':<26} {'steps/s':>8} {'threads start':>14} {'threads end':>12} "
+          f"{'RSS start MiB':>14} {'RSS end MiB':>12}")  # fmt: skip
+    for name, rate, (t0, r0), (t1, r1) in rows:
+        print(f"{name:<26} {rate:>8.0f} {t0:>14} {t1:>12} {r0:>14.1f} {r1:>12.1f}")
+
+
+if __name__ == "__main__":
+    main()
