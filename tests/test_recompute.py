@@ -586,3 +586,34 @@ if __name__ == "__main__":
     kind, what = sys.argv[1], sys.argv[2]
     result = _peak_mib(kind, sys.argv[3]) if what == "memory" else _step_ms(kind)
     print(json.dumps(result))
+
+
+@pytest.mark.parametrize("from_logits", [True, False])
+def test_recomputed_softmax_classifier_keeps_its_logits_for_the_loss(from_logits):
+    """A softmax output carries its logits (`_keras_logits`), from which Keras computes the
+    crossentropy. The recompute op dropped them, and the loss applied a second softmax:
+    the classifier's bias ended 0.11 from Keras's after one SGD step (keras.applications
+    models end in such a classifier)."""
+    import epl_trainer as epl
+
+    def softmax_mlp():
+        keras.utils.set_random_seed(0)
+        inputs = keras.Input((6,))
+        h = inputs
+        for i in range(3):
+            h = keras.layers.Dense(16, activation="relu", name=f"h{i}")(h)
+        return keras.Model(inputs, keras.layers.Dense(4, activation="softmax", name="out")(h))
+
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=from_logits)
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(16, 6)).astype("float32"), rng.integers(0, 4, 16)
+    reference = softmax_mlp()
+    reference.compile(keras.optimizers.SGD(0.5), loss)
+    reference.fit(x, y, batch_size=8, shuffle=False, verbose=0)
+    model = softmax_mlp()
+    config = {"cluster.virtual_devices": 1, "gradient_checkpoint.type": "auto"}
+    trainer = epl.EPLTrainer(model, loss, keras.optimizers.SGD(0.5), config=config)
+    trainer.fit(x, y, batch_size=8, verbose=0)
+    assert trainer._program.recomputed  # the classifier's segment was recomputed
+    for a, b in zip(model.get_weights(), reference.get_weights()):
+        np.testing.assert_allclose(a, b, atol=1e-6)

@@ -520,6 +520,12 @@ def _recomputed_call(model, variables, non_trainable, args, training):
     Float inputs and variable values are the op's differentiable arguments. Int inputs
     and the non-trainable state are closed over, so the recompute reads the same seeds
     (same dropout masks); the state the recompute returns is dropped.
+
+    A softmax or sigmoid output carries its logits (`_keras_logits`), from which Keras's
+    crossentropy losses compute, even with `from_logits=True`. The op's results would
+    lose that attribute (the loss then applied a second softmax: the bias of a softmax
+    classifier moved off Keras's), so the logits are extra results of the op and are
+    attached to their outputs again.
     """
     if not any(_is_float(t.dtype) for t in model.outputs):
         return _plain_call(model, variables, non_trainable, args, training)  # no gradient
@@ -549,7 +555,8 @@ def _recomputed_call(model, variables, non_trainable, args, training):
         flat, state, losses = run(held[:count], held[count:])
         side["flat"], side["state"] = flat, state
         float_out = [i for i, y in enumerate(flat) if y.dtype.is_floating]
-        side["float_out"] = float_out
+        with_logits = [i for i in float_out if _logits_of(flat[i]) is not None]
+        side["float_out"], side["with_logits"] = float_out, with_logits
 
         def grad(*upstream, variables=None):
             if variables:
@@ -566,7 +573,8 @@ def _recomputed_call(model, variables, non_trainable, args, training):
                 again, _, again_losses = run(
                     differentiable[:count], differentiable[count:], dependency
                 )
-                targets = [again[i] for i in float_out] + again_losses
+                logits = [_logits_of(again[i]) for i in with_logits]
+                targets = [again[i] for i in float_out] + logits + again_losses
             return tape.gradient(
                 [targets[i] for i, _ in wanted],
                 list(differentiable),
@@ -574,15 +582,22 @@ def _recomputed_call(model, variables, non_trainable, args, training):
                 unconnected_gradients=tf.UnconnectedGradients.ZERO,
             )
 
-        return [flat[i] for i in float_out] + losses, grad
+        logits = [_logits_of(flat[i]) for i in with_logits]
+        return [flat[i] for i in float_out] + logits + losses, grad
 
     differentiable = [args[i] for i in float_at] + list(variables)
     results = segment(*differentiable)
-    float_out = side["float_out"]
+    float_out, with_logits = side["float_out"], side["with_logits"]
     flat = list(side["flat"])
     for i, y in zip(float_out, results):
         flat[i] = y
-    return flat, side["state"], list(results[len(float_out) :])
+    for i, logits in zip(with_logits, results[len(float_out) :]):
+        flat[i]._keras_logits = logits  # as Keras's softmax / sigmoid set it
+    return flat, side["state"], list(results[len(float_out) + len(with_logits) :])
+
+
+def _logits_of(tensor):
+    return getattr(tensor, "_keras_logits", None)
 
 
 def _after(upstream):
