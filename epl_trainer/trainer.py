@@ -532,8 +532,17 @@ class EPLTrainer:
         """Restores the newest checkpoint in `directory` into every lane.
 
         A trainer that has not trained yet needs the model built (functional models are);
-        for subclassed models pass one batch of `features` to build it.
+        for subclassed models, and for an Estimator-style model_fn, pass one batch of
+        `features` to build it.
         """
+        if self._pending_model_fn is not None:
+            if features is None:
+                raise ValueError(
+                    "restore_checkpoint before the first fit needs `features` (one batch) to "
+                    "build the Estimator-style model_fn's model."
+                )
+            element = tf.data.Dataset.from_tensors(features)
+            self._build_from_data(element, model_fn_lib.TRAIN)
         if self._program is None:
             if features is None and not self.model.built:
                 raise ValueError(

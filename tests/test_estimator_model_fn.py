@@ -97,3 +97,18 @@ def test_estimator_model_fn_output_not_from_features_is_a_clear_error():
     x, y = np.ones((4, 3), "float32"), np.ones((4, 1), "float32")
     with pytest.raises(TypeError, match="output tensors computed from `features`"):
         trainer.fit(x, y, batch_size=2, verbose=0)
+
+
+def test_restore_before_the_first_fit_builds_the_model_from_features(tmp_path):
+    params = {"hidden": 8}
+    x, y = data(32)
+    dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(16)
+    config = {"cluster.virtual_devices": 2}  # the model_fn's two stages
+    trained = epl.EPLTrainer(estimator_model_fn, params=params, config=config)
+    trained.fit(dataset, verbose=0)
+    trained.save_checkpoint(str(tmp_path))
+    restored = epl.EPLTrainer(estimator_model_fn, params=params, config=config)
+    with pytest.raises(ValueError, match="needs `features`"):
+        restored.restore_checkpoint(str(tmp_path))
+    restored.restore_checkpoint(str(tmp_path), features={k: v[:16] for k, v in x.items()})
+    assert max_weight_difference(trained.model, restored.model) == 0.0
