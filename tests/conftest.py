@@ -12,3 +12,17 @@ from epl_trainer.cluster import configure_tensorflow
 
 NUM_TEST_DEVICES = 8
 configure_tensorflow(NUM_TEST_DEVICES)
+
+
+import pytest  # noqa: E402
+
+from epl_trainer.strategies import reset_annotations  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _fresh_annotations():
+    """EPL semantics: after a `replicate` scope closes, new layers still join its TaskGraph.
+    So one test's scopes would annotate the next test's models; each test starts clean."""
+    reset_annotations()
+    yield
+    reset_annotations()
