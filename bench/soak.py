@@ -18,18 +18,6 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir))
 
 
-def threads() -> int:
-    return len(os.listdir("/proc/self/task"))
-
-
-def rss_mib() -> float:
-    with open("/proc/self/status") as status:
-        for line in status:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    return float("nan")
-
-
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=50_000)
@@ -45,6 +33,8 @@ def main():
     import tensorflow as tf
 
     import epl_trainer as epl
+    from epl_trainer.memory import process_rss_mib as rss_mib
+    from epl_trainer.memory import process_threads as threads
 
     loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
 

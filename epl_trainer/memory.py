@@ -11,6 +11,7 @@ with simulated CPU devices, the host CPU also computes.
 from __future__ import annotations
 
 import dataclasses
+import os
 
 from epl_trainer.core.cost import format_bytes
 from epl_trainer.core.state import variable_bytes
@@ -83,3 +84,17 @@ def build_report(state, update, lanes) -> MemoryReport:
     for device, count in update.gradient_bytes().items():
         row(device).gradients += count
     return MemoryReport(devices)
+
+
+def process_threads() -> int:
+    """Threads of this process, TensorFlow's native ones included (Linux /proc)."""
+    return len(os.listdir("/proc/self/task"))
+
+
+def process_rss_mib() -> float:
+    """Resident memory of this process in MiB (Linux /proc)."""
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    raise OSError("/proc/self/status has no VmRSS line")

@@ -4,14 +4,13 @@ A per-collective timer thread once made every run longer than a few minutes abor
 ~30,000 threads (see epl_trainer/watchdog.py); short tests never saw it.
 """
 
-import os
-
 import keras
 import numpy as np
 import pytest
 import tensorflow as tf
 
 import epl_trainer as epl
+from epl_trainer.memory import process_rss_mib, process_threads
 
 STEPS = 5000
 # Resident memory may still grow by allocator caching and TF's per-function caches;
@@ -21,18 +20,6 @@ RSS_SLACK_MIB = 4.0
 # TF's inter-op and tf.data pools start and retire a few threads as they please; the bug
 # this guards against added ~20 threads per step (100,000 over the run).
 THREAD_SLACK = 8
-
-
-def _threads() -> int:
-    return len(os.listdir("/proc/self/task"))
-
-
-def _rss_mib() -> float:
-    with open("/proc/self/status") as status:
-        for line in status:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    raise AssertionError("no VmRSS in /proc/self/status")
 
 
 @pytest.mark.slow
@@ -53,12 +40,12 @@ def test_thousands_of_data_parallel_steps_keep_threads_and_memory_flat():
     )
     assert trainer.plan.num_replicas == 2
     trainer.fit(dataset, epochs=1, steps_per_epoch=200, verbose=0)  # warm up
-    threads, rss = _threads(), _rss_mib()
+    threads, rss = process_threads(), process_rss_mib()
     samples = []  # (step, threads, RSS) every 1000 steps
 
     def sample(batch, logs):
         if (batch + 1) % 1000 == 0:
-            samples.append((batch + 1, _threads(), _rss_mib()))
+            samples.append((batch + 1, process_threads(), process_rss_mib()))
 
     probe = keras.callbacks.LambdaCallback(on_train_batch_end=sample)
     history = trainer.fit(dataset, epochs=1, steps_per_epoch=STEPS, verbose=0, callbacks=[probe])
