@@ -79,6 +79,9 @@ flags.DEFINE_enum(
     "data_format", None, list(data.FORMATS), "File format; inferred from the names if unset."
 )
 flags.DEFINE_string("vocab_file", None, "Vocabulary, one token per line (needed with files).")
+flags.DEFINE_string(
+    "spm_model", None, "A SentencePiece model (T5's tokenisation) instead of --vocab_file."
+)
 flags.DEFINE_integer("shuffle_buffer", 10_000, "Training records shuffled in this window.")
 flags.DEFINE_integer("epochs", 4, "Training epochs.")
 flags.DEFINE_integer(
@@ -128,8 +131,10 @@ def load_data(global_batch: int):
     """
     lengths = (FLAGS.max_source_length, FLAGS.max_target_length)
     if FLAGS.train_files is None:
-        if FLAGS.eval_files or FLAGS.vocab_file:
-            raise app.UsageError("--eval_files and --vocab_file need --train_files.")
+        if FLAGS.eval_files or FLAGS.vocab_file or FLAGS.spm_model:
+            raise app.UsageError(
+                "--eval_files, --vocab_file and --spm_model need --train_files."
+            )
         vocab = data.task_vocabulary()
         steps = FLAGS.steps_per_epoch or GENERATED_STEPS_PER_EPOCH
         train_pairs = data.task_pairs(steps * global_batch, FLAGS.seed + 1)
@@ -137,9 +142,18 @@ def load_data(global_batch: int):
         eval_pairs = data.task_pairs(FLAGS.num_eval_examples, FLAGS.seed + 2)
         train = {"x": x, "y": y, "steps_per_epoch": steps}
         return vocab, train, data.encode_pairs(eval_pairs, vocab, *lengths), "generated task"
-    if FLAGS.vocab_file is None:
-        raise app.UsageError("--train_files needs --vocab_file (one token per line).")
-    vocab = data.Vocabulary.from_file(FLAGS.vocab_file)
+    if (FLAGS.vocab_file is None) == (FLAGS.spm_model is None):
+        raise app.UsageError(
+            "--train_files needs one of --vocab_file (one token per line) or --spm_model "
+            f"(SentencePiece). Received: --vocab_file={FLAGS.vocab_file} "
+            f"--spm_model={FLAGS.spm_model}"
+        )
+    if FLAGS.spm_model:
+        from model_zoo.moe_t5.spm import SentencePieceVocabulary
+
+        vocab = SentencePieceVocabulary(FLAGS.spm_model)
+    else:
+        vocab = data.Vocabulary.from_file(FLAGS.vocab_file)
     train_files = _glob("--train_files", FLAGS.train_files)
     data_format = FLAGS.data_format or data.infer_format(train_files)
     eval_files = _glob("--eval_files", FLAGS.eval_files) if FLAGS.eval_files else train_files
