@@ -273,6 +273,8 @@ def test_main_runs_end_to_end_on_builtin_data(tmp_path):
     )
     assert result.returncode == 0, result.stderr[-3000:]
     assert "SQuAD v1.1 dev: exact match" in result.stdout
+    published = "EPL's published BERT recipe: EM 79.8, F1 88.0. It differs from this run in"
+    assert f"{published} model (BERT-tiny, trained from scratch" in result.stdout
     predictions = json.loads((tmp_path / "predictions.json").read_text())
     assert len(predictions) == 4 * builtin_data.QUESTIONS_PER_PARAGRAPH
     metrics = json.loads((tmp_path / "metrics.json").read_text())
