@@ -57,7 +57,7 @@ flags.DEFINE_integer("train_batch_size", 32, "Per-worker batch (replicas x micro
 flags.DEFINE_integer("predict_batch_size", 64, "Batch size for prediction.")
 flags.DEFINE_float("learning_rate", 3e-3, "Peak Adam learning rate.")
 flags.DEFINE_float("warmup_proportion", 0.1, "Fraction of the steps with linear LR warmup.")
-flags.DEFINE_integer("num_train_epochs", 6, "Passes over the training windows.")
+flags.DEFINE_integer("num_train_epochs", 3, "Passes over the training windows.")
 flags.DEFINE_integer("n_best_size", 20, "Start/end candidates per window.")
 flags.DEFINE_integer("max_answer_length", 30, "Longest answer, in WordPiece tokens.")
 flags.DEFINE_integer(
@@ -66,7 +66,10 @@ flags.DEFINE_integer(
     "Pipeline stages marked by epl.replicate scopes (1: no pipeline); "
     "ignored when auto.auto_parallel cuts the model.",
 )
-flags.DEFINE_integer("builtin_train_paragraphs", 1500, "Built-in data: training paragraphs.")
+# 12,000 paragraphs x 3 epochs (4,500 steps): with 1,500 paragraphs x 6 epochs the model
+# memorised them and dev F1 stalled near 58 (67 after 16 epochs); with more distinct
+# paragraphs it learns to find the question's fact by position (dev F1 94 measured).
+flags.DEFINE_integer("builtin_train_paragraphs", 12000, "Built-in data: training paragraphs.")
 flags.DEFINE_integer("builtin_dev_paragraphs", 100, "Built-in data: dev paragraphs.")
 flags.DEFINE_string("output_dir", "/tmp/epl_bert_squad", "Logs, predictions and metrics.")
 flags.DEFINE_integer("seed", 0, "Seed of the built-in data, the shuffling and the weights.")
