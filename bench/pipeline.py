@@ -35,7 +35,7 @@ import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 import epl_trainer as epl  # noqa: E402
-from epl_trainer.core.schedule import bubble_fraction  # noqa: E402
+from epl_trainer.core.plan.schedule import bubble_fraction  # noqa: E402
 
 LOSS = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
 

@@ -9,7 +9,7 @@ import numpy as np
 import tensorflow as tf
 from keras import tree
 
-from epl_trainer.core import program
+from epl_trainer.core.engine import program
 
 logger = logging.getLogger(__name__)
 

@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import threading
 
-from epl_trainer import strategies
+from epl_trainer.annotations import checkpoints, strategies
 from epl_trainer.cluster import Cluster, build_cluster
 from epl_trainer.config import Config
-from epl_trainer.core import recompute
 
 
 class Env:
@@ -46,7 +45,7 @@ def init(config=None) -> Env:
     """
     env = _make_env(Config.load(config))
     strategies.reset_annotations()
-    recompute.clear_collections()
+    checkpoints.clear_collections()
     with Env._lock:
         Env._instance = env
     return env

@@ -13,8 +13,8 @@ from __future__ import annotations
 import dataclasses
 import os
 
-from epl_trainer.core.cost import format_bytes
-from epl_trainer.core.state import variable_bytes
+from epl_trainer.core.engine.state import variable_bytes
+from epl_trainer.core.graph.cost import format_bytes
 
 
 @dataclasses.dataclass

@@ -22,8 +22,8 @@ import os
 import sys
 
 from epl_trainer.config import Config, ConfigError
-from epl_trainer.core import analytic, estimate, planner
-from epl_trainer.core.ir import PlanError, StrategySpec, format_count
+from epl_trainer.core.plan import analytic, estimate, planner
+from epl_trainer.core.plan.ir import PlanError, StrategySpec, format_count
 
 MODELS = ("transformer", "bert", "resnet50")
 _TRANSFORMER_SIZES = ("layers", "hidden", "heads", "vocab", "seq_len")

@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from epl_trainer.core.schedule import (
+from epl_trainer.core.plan.schedule import (
     BACKWARD,
     FORWARD,
     Schedule,

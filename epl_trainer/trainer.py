@@ -19,19 +19,22 @@ from keras import tree
 
 from epl_trainer import checkpoint as ckpt
 from epl_trainer import data as data_lib
-from epl_trainer import deepspeed, optimizers, strategies
+from epl_trainer import deepspeed, optimizers
 from epl_trainer import io as io_lib
 from epl_trainer import model_fn as model_fn_lib
+from epl_trainer.annotations import checkpoints, strategies
 from epl_trainer.cluster import build_cluster, detect_lost_workers
 from epl_trainer.config import Config
-from epl_trainer.core import amp, comm, planner
-from epl_trainer.core import split as split_lib
-from epl_trainer.core.auto_partition import auto_partition
-from epl_trainer.core.builder import build_engine
-from epl_trainer.core.partition import partition_model, whole_model
-from epl_trainer.core.program import BATCH_SIZE_KEY, BATCH_SPLIT_ERROR, Program
-from epl_trainer.core.recompute import check_stage_gradients
-from epl_trainer.core.state import EngineState, lanes_for_worker
+from epl_trainer.core import comm
+from epl_trainer.core.engine import amp
+from epl_trainer.core.engine import split as split_lib
+from epl_trainer.core.engine.builder import build_engine
+from epl_trainer.core.engine.gradient_check import check_stage_gradients
+from epl_trainer.core.engine.program import BATCH_SIZE_KEY, BATCH_SPLIT_ERROR, Program
+from epl_trainer.core.engine.state import EngineState, lanes_for_worker
+from epl_trainer.core.graph.auto_partition import auto_partition
+from epl_trainer.core.graph.partition import partition_model, whole_model
+from epl_trainer.core.plan import planner
 from epl_trainer.end_of_data import EndOfDataAgreement
 from epl_trainer.env import Env
 from epl_trainer.losses import CompiledLoss
@@ -242,6 +245,7 @@ class EPLTrainer:
             step_counter=self.optimizer.iterations,
             split_layers=self.split_layers,
             split_width=self.plan.taskgraphs[0].device_count if self.split_layers else 1,
+            checkpoint_marks=checkpoints.get_collection(),
         )
         if self.config.gradient_checkpoint.check_gradients and self._program.recomputed:
             self._check_recompute_gradients(features)

@@ -16,7 +16,7 @@ configure_tensorflow(NUM_TEST_DEVICES)
 
 import pytest  # noqa: E402
 
-from epl_trainer.strategies import reset_annotations  # noqa: E402
+from epl_trainer.annotations.strategies import reset_annotations  # noqa: E402
 
 
 @pytest.fixture(autouse=True)

@@ -1,4 +1,4 @@
-"""Tests for epl_trainer.core.amp: mixed-precision policies and loss scaling."""
+"""Tests for epl_trainer.core.engine.amp: mixed-precision policies and loss scaling."""
 
 import keras
 import numpy as np
@@ -6,7 +6,7 @@ import pytest
 import tensorflow as tf
 
 from epl_trainer.config import AmpConfig
-from epl_trainer.core import amp
+from epl_trainer.core.engine import amp
 
 HOST = "/CPU:0"
 LOW = {"float16": tf.float16, "bfloat16": tf.bfloat16}

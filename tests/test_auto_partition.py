@@ -12,17 +12,17 @@ import keras
 import numpy as np
 import pytest
 
-from epl_trainer.core.auto_partition import (
+from epl_trainer.annotations.strategies import model_nodes
+from epl_trainer.core.graph.auto_partition import (
     auto_partition,
     balanced_cuts,
     boundary_bytes,
     cut_candidates,
     find_repeated_blocks,
 )
-from epl_trainer.core.cost import model_cost_summary, node_costs, nodes_cost
-from epl_trainer.core.partition import PartitionError, compute_nodes, partition_model
-from epl_trainer.core.planner import build_plan
-from epl_trainer.strategies import model_nodes
+from epl_trainer.core.graph.cost import model_cost_summary, node_costs, nodes_cost
+from epl_trainer.core.graph.partition import PartitionError, compute_nodes, partition_model
+from epl_trainer.core.plan.planner import build_plan
 
 HIDDEN, HEADS, SEQ, VOCAB, BLOCKS = 32, 2, 16, 100, 12
 BLOCK_NODES = 7  # MHA, add, LN, Dense, Dense, add, LN

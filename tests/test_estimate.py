@@ -9,10 +9,10 @@ import sys
 
 import pytest
 
-from epl_trainer.core import analytic, estimate, planner, schedule
-from epl_trainer.core.auto_partition import auto_partition, model_cost
-from epl_trainer.core.estimate import TrainOptions
-from epl_trainer.core.ir import StrategySpec
+from epl_trainer.core.graph.auto_partition import auto_partition, model_cost
+from epl_trainer.core.plan import analytic, estimate, planner, schedule
+from epl_trainer.core.plan.estimate import TrainOptions
+from epl_trainer.core.plan.ir import StrategySpec
 
 SCRIPTS = os.path.join(os.path.dirname(__file__), "scripts")
 sys.path.insert(0, SCRIPTS)

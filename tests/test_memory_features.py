@@ -14,7 +14,7 @@ from _models import (
 )
 
 import epl_trainer as epl
-from epl_trainer.core.state import variable_bytes
+from epl_trainer.core.engine.state import variable_bytes
 
 ATOL = 1e-5
 

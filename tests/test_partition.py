@@ -9,14 +9,14 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from epl_trainer.core.partition import (
+from epl_trainer.annotations.strategies import replicate, reset_annotations, resolve_annotation
+from epl_trainer.core.graph.partition import (
     PartitionError,
     compute_nodes,
     partition_model,
     tensor_key,
     whole_model,
 )
-from epl_trainer.strategies import replicate, reset_annotations, resolve_annotation
 
 ATOL = 1e-6
 

@@ -17,7 +17,7 @@ import tensorflow as tf
 from _models import LOSS, keras_reference, max_weight_difference
 
 import epl_trainer as epl
-from epl_trainer.core import schedule as schedule_lib
+from epl_trainer.core.plan import schedule as schedule_lib
 
 ATOL = 1e-5
 
@@ -145,7 +145,7 @@ def test_each_stage_runs_forward_and_backward_on_its_own_device():
 
 
 def test_a_stage_consuming_a_later_stage_is_an_error():
-    from epl_trainer.core.partition import PartitionError
+    from epl_trainer.core.graph.partition import PartitionError
 
     with pytest.raises(PartitionError, match=r"Stage 0 .*consumes .*later stage 1"):
         epl.EPLTrainer(
@@ -158,7 +158,7 @@ def test_a_stage_consuming_a_later_stage_is_an_error():
 
 
 def test_more_stages_than_devices_is_an_error():
-    from epl_trainer.core.ir import PlanError
+    from epl_trainer.core.plan.ir import PlanError
 
     with pytest.raises(PlanError, match="4"):
         _pipeline_trainer(skip_model(), 4, 2, 1)

@@ -4,8 +4,8 @@ import json
 
 import pytest
 
-from epl_trainer.core.ir import Device, Plan, PlanError, StrategySpec, TaskGraph
-from epl_trainer.core.planner import build_plan, ordered_devices
+from epl_trainer.core.plan.ir import Device, Plan, PlanError, StrategySpec, TaskGraph
+from epl_trainer.core.plan.planner import build_plan, ordered_devices
 
 
 def cluster(workers: int, per_worker: int) -> list[list[str]]:

@@ -7,9 +7,9 @@ import matplotlib.colors
 import matplotlib.image
 import pytest
 
-from epl_trainer.core.ir import StrategySpec
-from epl_trainer.core.planner import build_plan
-from epl_trainer.core.schedule import (
+from epl_trainer.core.plan.ir import StrategySpec
+from epl_trainer.core.plan.planner import build_plan
+from epl_trainer.core.plan.schedule import (
     ScheduleError,
     Task,
     gpipe_schedule,

@@ -1,4 +1,4 @@
-"""Gradient checkpointing (core/recompute.py).
+"""Gradient checkpointing (core/graph/segments.py, core/engine/recompute.py).
 
 Segmentation is checked structurally (which nodes form which segment); the recomputed
 call numerically against the plain `stateless_call` of the same stage model: outputs,
@@ -19,17 +19,20 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from epl_trainer.core import recompute as rc
-from epl_trainer.core.partition import compute_nodes, partition_model, whole_model
+from epl_trainer.annotations import checkpoints as collection
+from epl_trainer.core.engine import gradient_check
+from epl_trainer.core.engine import recompute as rc
+from epl_trainer.core.graph import segments
+from epl_trainer.core.graph.partition import compute_nodes, partition_model, whole_model
 
 ATOL = 1e-6
 
 
 @pytest.fixture(autouse=True)
 def clean_collections():
-    rc.clear_collections()
+    collection.clear_collections()
     yield
-    rc.clear_collections()
+    collection.clear_collections()
 
 
 def data(*shape, seed=0):
@@ -43,7 +46,7 @@ def dense_stack(depth=6, width=8, marks=(1, 3)):
     for i in range(depth):
         x = keras.layers.Dense(width, activation="tanh", name=f"dense_{i}")(x)
         if i in marks:
-            rc.add_to_collection(x)
+            collection.add_to_collection(x)
     return keras.Model(inputs, x)
 
 
@@ -53,7 +56,7 @@ def skip_model():
     inputs = keras.Input((8,), name="x")
     a = keras.layers.Dense(8, activation="tanh", name="dense_0")(inputs)
     b = keras.layers.Dense(8, activation="tanh", name="dense_1")(a)
-    rc.add_to_collection(b)
+    collection.add_to_collection(b)
     c = keras.layers.Dense(8, activation="tanh", name="dense_2")(b)
     d = keras.layers.Add(name="skip")([a, c])
     return keras.Model(inputs, keras.layers.Dense(3, name="head")(d))
@@ -65,7 +68,7 @@ def dropout_model():
     h = keras.layers.Dense(16, activation="relu", name="dense_0")(inputs)
     h = keras.layers.Dropout(0.5, name="drop")(h)
     h = keras.layers.Dense(16, activation="relu", name="dense_1")(h)
-    rc.add_to_collection(h)
+    collection.add_to_collection(h)
     h = keras.layers.Dropout(0.3, name="drop_2")(h)
     return keras.Model(inputs, keras.layers.Dense(3, name="head")(h))
 
@@ -76,7 +79,7 @@ def batchnorm_model():
     h = keras.layers.Dense(16, name="dense_0")(inputs)
     h = keras.layers.BatchNormalization(name="bn")(h)
     h = keras.layers.Activation("relu", name="relu")(h)
-    rc.add_to_collection(h)
+    collection.add_to_collection(h)
     h = keras.layers.Dense(16, name="dense_1")(h)
     h = keras.layers.BatchNormalization(name="bn_2")(h)
     return keras.Model(inputs, keras.layers.Dense(3, name="head")(h))
@@ -87,7 +90,7 @@ def layernorm_model():
     inputs = keras.Input((5, 8), name="x")
     h = keras.layers.Dense(8, name="dense_0")(inputs)
     h = keras.layers.LayerNormalization(name="norm_0")(h)
-    rc.add_to_collection(h)
+    collection.add_to_collection(h)
     h = keras.layers.Dense(8, activation="gelu", name="dense_1")(h)
     h = keras.layers.LayerNormalization(name="norm_1")(h)
     return keras.Model(inputs, h)
@@ -155,7 +158,7 @@ def max_difference(a, b):
 
 
 def recomputed(model, kind="collection", **kwargs):
-    return rc.recompute_stage(whole_model(model), 0, kind, **kwargs)
+    return rc.recompute_stage(whole_model(model), 0, kind, collection.get_collection(), **kwargs)
 
 
 def segment_names(recomputed_stage):
@@ -165,21 +168,21 @@ def segment_names(recomputed_stage):
 # ------------------------------------------------------------------ the collection
 def test_add_to_collection_accepts_keras_tensors_and_regexes_once():
     x = keras.Input((3,))
-    rc.add_to_collection(x)
-    rc.add_to_collection(x)
-    rc.add_to_collection("encoder_.*")
-    assert rc.get_collection() == [x, "encoder_.*"]
-    rc.clear_collections()
-    assert rc.get_collection() == []
+    collection.add_to_collection(x)
+    collection.add_to_collection(x)
+    collection.add_to_collection("encoder_.*")
+    assert collection.get_collection() == [x, "encoder_.*"]
+    collection.clear_collections()
+    assert collection.get_collection() == []
 
 
 def test_add_to_collection_errors():
     with pytest.raises(ValueError, match=r"Only the 'checkpoints' collection.*name='activations'"):
-        rc.add_to_collection(keras.Input((3,)), "activations")
+        collection.add_to_collection(keras.Input((3,)), "activations")
     with pytest.raises(ValueError, match="Invalid layer-name regex"):
-        rc.add_to_collection("dense_[")
+        collection.add_to_collection("dense_[")
     with pytest.raises(TypeError, match=r"KerasTensor.*Received: EagerTensor"):
-        rc.add_to_collection(tf.ones([2]))
+        collection.add_to_collection(tf.ones([2]))
 
 
 # ------------------------------------------------------------------ segmentation
@@ -194,7 +197,7 @@ def test_segments_end_at_marked_keras_tensors():
 
 
 def test_segments_from_a_layer_regex():
-    rc.add_to_collection("dense_[24]")
+    collection.add_to_collection("dense_[24]")
     stage = recomputed(dense_stack(depth=6, marks=()))
     assert segment_names(stage) == [
         ("dense_0", "dense_2"),
@@ -214,9 +217,9 @@ def test_a_cut_never_separates_the_calls_of_a_shared_layer():
     inputs = keras.Input((4,))
     shared = keras.layers.Dense(4, activation="tanh", name="shared")
     h = keras.layers.Dense(4, name="first")(inputs)
-    rc.add_to_collection(h)
+    collection.add_to_collection(h)
     h = shared(h)
-    rc.add_to_collection(h)  # between the two calls of `shared`: dropped
+    collection.add_to_collection(h)  # between the two calls of `shared`: dropped
     h = shared(h)
     model = keras.Model(inputs, keras.layers.Dense(2, name="last")(h))
     stage = recomputed(model)
@@ -260,9 +263,12 @@ def test_marks_are_found_in_the_cloned_graph_of_a_pipeline_stage():
         (0, [("dense_0", "dense_1"), ("dense_2", "dense_2")]),
         (1, [("dense_3", "dense_4"), ("dense_5", "dense_5")]),
     ]:
-        keys = rc.stage_checkpoint_keys(staged, k)
+        keys = segments.stage_checkpoint_keys(staged, k, collection.get_collection())
         assert len(keys) == 1  # the other mark lives in the other stage
-        assert segment_names(rc.recompute_stage(staged, k, "collection")) == expected
+        assert (
+            segment_names(rc.recompute_stage(staged, k, "collection", collection.get_collection()))
+            == expected
+        )
 
 
 def test_unknown_kind_and_subclassed_models_are_errors():
@@ -440,22 +446,27 @@ def test_check_gradients_passes_and_names_the_worst_variable_on_a_mismatch():
     x = model_input(model)
     names = [v.path for v in model.trainable_variables]
     args = (model.stateless_call, stage.stateless_call, variables, non_trainable, x)
-    assert rc.check_gradients(*args, names=names) < ATOL
+    assert gradient_check.check_gradients(*args, names=names) < ATOL
 
     def wrong(variables, non_trainable, x, **kwargs):
         outputs, state, losses = stage.stateless_call(variables, non_trainable, x, **kwargs)
         return outputs + 0.01 * variables[-1], state, losses  # only dense_3/bias changes
 
-    with pytest.raises(rc.GradientMismatchError, match=r"worst is 'dense_3/bias'.*difference"):
-        rc.check_gradients(model.stateless_call, wrong, *args[2:], names=names)
+    with pytest.raises(
+        gradient_check.GradientMismatchError, match=r"worst is 'dense_3/bias'.*difference"
+    ):
+        gradient_check.check_gradients(model.stateless_call, wrong, *args[2:], names=names)
 
 
 def test_check_stage_gradients_runs_each_recomputed_stage():
     model = dense_stack(depth=6, marks=(1, 4))
     stage_of = {f"dense_{i}": 0 if i < 3 else 1 for i in range(6)}
     staged = partition_model(model, lambda node: stage_of[node.operation.name], 2)
-    stages = {k: rc.recompute_stage(staged, k, "collection") for k in range(2)}
-    differences = rc.check_stage_gradients(staged, stages, data(4, 8))
+    stages = {
+        k: rc.recompute_stage(staged, k, "collection", collection.get_collection())
+        for k in range(2)
+    }
+    differences = gradient_check.check_stage_gradients(staged, stages, data(4, 8))
     assert sorted(differences) == [0, 1] and max(differences.values()) < ATOL
 
 

@@ -11,8 +11,8 @@ from absl import flags
 from absl.testing import flagsaver
 
 import epl_trainer as epl
-from epl_trainer import strategies
-from epl_trainer.core import planner
+from epl_trainer.annotations import strategies
+from epl_trainer.core.plan import planner
 from model_zoo.resnet50 import __main__ as resnet_main
 from model_zoo.resnet50 import data as data_lib
 from model_zoo.resnet50 import model as model_lib

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from epl_trainer.core.schedule import (
+from epl_trainer.core.plan.schedule import (
     BACKWARD,
     FORWARD,
     ScheduleError,
@@ -240,7 +240,7 @@ def test_execution_order_is_the_same_in_every_process():
     """Every worker computes the order on its own and the collectives must meet: the
     order may not depend on hash randomisation (set or dict order of strings)."""
     code = (
-        "from epl_trainer.core.schedule import execution_order, one_f_one_b_schedule;"
+        "from epl_trainer.core.plan.schedule import execution_order, one_f_one_b_schedule;"
         "print(execution_order(one_f_one_b_schedule(4, 8)))"
     )
     outputs = set()

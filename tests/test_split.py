@@ -11,7 +11,7 @@ import tensorflow as tf
 from _models import LOSS, keras_reference, max_weight_difference
 
 import epl_trainer as epl
-from epl_trainer.core.split import SplitError
+from epl_trainer.core.engine.split import SplitError
 
 ATOL = 1e-5
 COLOCATE = {"cluster.colocate_split_and_replicate": True}

@@ -5,9 +5,7 @@ import logging
 import keras
 import pytest
 
-from epl_trainer.core.ir import StrategySpec
-from epl_trainer.core.planner import build_plan
-from epl_trainer.strategies import (
+from epl_trainer.annotations.strategies import (
     NODE_ATTR,
     Strategy,
     current_scope,
@@ -18,6 +16,8 @@ from epl_trainer.strategies import (
     set_default_strategy,
     split,
 )
+from epl_trainer.core.plan.ir import StrategySpec
+from epl_trainer.core.plan.planner import build_plan
 
 
 @pytest.fixture(autouse=True)
@@ -341,7 +341,7 @@ def test_data_form_wins_over_scope_tags_with_a_warning(caplog):
         h = dense("a")(inputs)
     with replicate(1, name="s1"):
         outputs = dense("b")(h)
-    with caplog.at_level(logging.WARNING, logger="epl_trainer.strategies"):
+    with caplog.at_level(logging.WARNING, logger="epl_trainer.annotations.strategies"):
         annotation = resolve_annotation(keras.Model(inputs, outputs), stages={"a|b": 0})
     assert by_name(annotation) == {"a": [0], "b": [0]}
     assert "data form wins" in caplog.text

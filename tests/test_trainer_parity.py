@@ -262,7 +262,7 @@ def test_settings_that_cannot_apply_are_refused_not_ignored():
 
 
 def test_impossible_layouts_name_every_term():
-    from epl_trainer.core.ir import PlanError
+    from epl_trainer.core.plan.ir import PlanError
 
     with pytest.raises(PlanError, match="3"):
         epl.EPLTrainer(

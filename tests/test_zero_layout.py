@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from epl_trainer.core import comm, zero
+from epl_trainer.core import comm
+from epl_trainer.core.engine import zero
 
 DEVICES = [f"/job:localhost/replica:0/task:0/device:CPU:{i}" for i in range(8)]
 # Lanes listed in an order that is not TF's rank order, so lane index != shard.

@@ -24,7 +24,7 @@ from pathlib import Path
 import keras
 
 import epl_trainer as epl
-from epl_trainer.core.state import lanes_for_worker
+from epl_trainer.core.engine.state import lanes_for_worker
 from epl_trainer.io import slice_files
 from model_zoo.resnet50 import data as data_lib
 from model_zoo.resnet50 import model as model_lib

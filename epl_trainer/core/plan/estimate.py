@@ -61,8 +61,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from epl_trainer.core.ir import Plan
-from epl_trainer.core.schedule import bubble_fraction, make_schedule, peak_in_flight
+from epl_trainer.core.plan.ir import Plan
+from epl_trainer.core.plan.schedule import bubble_fraction, make_schedule, peak_in_flight
 
 __all__ = [
     "AMP_MODES",

@@ -48,7 +48,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from epl_trainer.core.ir import StrategySpec
+from epl_trainer.core.plan.ir import StrategySpec
 
 __all__ = [
     "NODE_ATTR",

@@ -443,8 +443,7 @@ class ZeroUpdate:
         if program.clip_before:
             lane_grads = [program.clip(li, grads) for li, grads in enumerate(lane_grads)]
         owned_grads = [  # owned_grads[stage][lane], aligned with self.owned
-            self._reduce_stage(k, group, lane_grads)
-            for k, group in enumerate(program.stage_groups)
+            self._reduce_stage(k, group, lane_grads) for k, group in enumerate(program.stage_groups)
         ]
         if program.clip_after:
             owned_grads = self._clip_owned(owned_grads)

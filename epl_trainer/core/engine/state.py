@@ -22,8 +22,8 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from epl_trainer.core.ir import Plan
-from epl_trainer.core.partition import StagedModel
+from epl_trainer.core.graph.partition import StagedModel
+from epl_trainer.core.plan.ir import Plan
 
 _SEED_STRIDE = 1_000_003  # a prime: seeds of different lanes never coincide
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 import numbers
 from collections.abc import Sequence
 
-from epl_trainer.core.ir import KINDS, Device, Plan, PlanError, TaskGraph
+from epl_trainer.core.plan.ir import KINDS, Device, Plan, PlanError, TaskGraph
 
 __all__ = ["build_plan", "ordered_devices", "resolve_taskgraphs"]
 
@@ -114,9 +114,7 @@ def resolve_taskgraphs(
     replicate_counts = [c for kind, c, _ in fields if kind == "replicate" and c is not None]
     colocated_width = None
     if colocate_split_and_replicate and split_counts:
-        given = [c for c in split_counts if c is not None] or [
-            c for c in replicate_counts if c > 1
-        ]
+        given = [c for c in split_counts if c is not None] or [c for c in replicate_counts if c > 1]
         colocated_width = max(given, default=total_devices)
     resolved = []
     for index, (kind, device_count, name) in enumerate(fields):

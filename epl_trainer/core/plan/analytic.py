@@ -31,8 +31,8 @@ from __future__ import annotations
 
 import numbers
 
-from epl_trainer.core.estimate import ModelCost, NodeCost
-from epl_trainer.core.ir import format_count
+from epl_trainer.core.plan.estimate import ModelCost, NodeCost
+from epl_trainer.core.plan.ir import format_count
 
 __all__ = ["BERT_SIZES", "HEADS", "bert", "params_only", "resnet50", "transformer"]
 

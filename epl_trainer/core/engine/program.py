@@ -32,11 +32,11 @@ import tensorflow as tf
 from keras import tree
 
 from epl_trainer.core import comm
-from epl_trainer.core.partition import StagedModel
-from epl_trainer.core.pipeline import LaneExecutor, stateless_stage_call
-from epl_trainer.core.schedule import execution_order, make_schedule
-from epl_trainer.core.split import update_split_accuracy
-from epl_trainer.core.state import EngineState, Lane
+from epl_trainer.core.engine.pipeline import LaneExecutor, stateless_stage_call
+from epl_trainer.core.engine.split import update_split_accuracy
+from epl_trainer.core.engine.state import EngineState, Lane
+from epl_trainer.core.graph.partition import StagedModel
+from epl_trainer.core.plan.schedule import execution_order, make_schedule
 
 
 @dataclasses.dataclass(frozen=True)
@@ -264,7 +264,8 @@ class Program:
         for rank in range(self.split.width):
             members = [li for li in range(len(self.lanes)) if self.split.shard_rank(li) == rank]
             job_devices = tuple(
-                d for d in self.stage_groups[0].devices
+                d
+                for d in self.stage_groups[0].devices
                 if self.stage_groups[0].devices.index(d) % self.split.width == rank
             )
             group = comm.CollectiveGroup(
@@ -356,9 +357,7 @@ class Program:
                     metric, flat_true[index], flat_pred[index], self.split.active, sample_weight
                 )
             else:
-                metric.update_state(
-                    flat_true[index], flat_pred[index], sample_weight=sample_weight
-                )
+                metric.update_state(flat_true[index], flat_pred[index], sample_weight=sample_weight)
 
     # ---- evaluation and prediction ---------------------------------------------------------
 
@@ -433,8 +432,7 @@ class Program:
             if index in split_outputs:
                 layer = split_outputs[index]
                 replicas = [
-                    tf.concat(pieces[r : r + width], axis=1)
-                    for r in range(0, len(pieces), width)
+                    tf.concat(pieces[r : r + width], axis=1) for r in range(0, len(pieces), width)
                 ]
                 value = tf.concat(replicas, axis=0)
                 if layer.softmax:

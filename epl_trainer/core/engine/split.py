@@ -140,9 +140,7 @@ def _moe_layer(layer, index_of, width) -> SplitLayer:
             f"{width} devices of a replica cannot share evenly (num_experts % devices must "
             "be 0)."
         )
-    variables = tuple(
-        ShardedVariable(index_of[id(v)], 0, width) for v in _expert_weights(layer)
-    )
+    variables = tuple(ShardedVariable(index_of[id(v)], 0, width) for v in _expert_weights(layer))
     return SplitLayer(layer, "moe", variables)
 
 
@@ -196,9 +194,7 @@ class SplitRuntime:
         replicas = sorted({lane.index // self.width for lane in self.lanes})
         first = comm.reserve_local_instance_keys(keys * len(replicas))
         self.comms = [
-            comm.LaneCollectives(
-                g, first + replicas.index(lane.index // self.width) * keys, keys
-            )
+            comm.LaneCollectives(g, first + replicas.index(lane.index // self.width) * keys, keys)
             for g, lane in zip(self._groups, self.lanes)
         ]
 

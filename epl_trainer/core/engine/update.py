@@ -18,7 +18,7 @@ from __future__ import annotations
 import tensorflow as tf
 
 from epl_trainer.core import comm
-from epl_trainer.core.state import variable_bytes
+from epl_trainer.core.engine.state import variable_bytes
 
 
 def balanced_groups(sizes: list[int], num_groups: int) -> list[list[int]]:
@@ -146,8 +146,7 @@ class ReplicatedUpdate:
         for li, lane in enumerate(program.lanes):
             for k, device in enumerate(lane.devices[: program.num_stages]):
                 count = sum(
-                    variable_bytes(program.state.trainable[li][i])
-                    for i in program.trainable_idx[k]
+                    variable_bytes(program.state.trainable[li][i]) for i in program.trainable_idx[k]
                 )
                 usage[device] = usage.get(device, 0) + count
         return usage

@@ -25,14 +25,14 @@ import tensorflow as tf
 from keras import tree
 
 from epl_trainer.config import Config
-from epl_trainer.core import amp, split
-from epl_trainer.core.partition import StagedModel
-from epl_trainer.core.pipeline import training_kwargs
-from epl_trainer.core.program import Program, ProgramOptions
-from epl_trainer.core.recompute import apply_recompute
-from epl_trainer.core.state import EngineState
-from epl_trainer.core.update import ReplicatedUpdate
-from epl_trainer.core.zero import ZeroUpdate
+from epl_trainer.core.engine import amp, split
+from epl_trainer.core.engine.pipeline import training_kwargs
+from epl_trainer.core.engine.program import Program, ProgramOptions
+from epl_trainer.core.engine.recompute import apply_recompute
+from epl_trainer.core.engine.state import EngineState
+from epl_trainer.core.engine.update import ReplicatedUpdate
+from epl_trainer.core.engine.zero import ZeroUpdate
+from epl_trainer.core.graph.partition import StagedModel
 
 
 def build_engine(
@@ -49,6 +49,7 @@ def build_engine(
     step_counter=None,
     split_layers=(),
     split_width: int = 1,
+    checkpoint_marks=(),
 ) -> tuple[EngineState, Program]:
     """Creates the engine state and the program for this worker's lanes."""
     offload = config.offload.level == "v0"
@@ -62,6 +63,7 @@ def build_engine(
     def make_state_optimizer(device, variables):
         # The user's optimizer decides per original variable (e.g. AdamW's exclusions).
         return make_optimizer(device, variables, [state.original_of(v) for v in variables])
+
     options = ProgramOptions(
         num_micro_batch=config.pipeline.num_micro_batch,
         gradients_reduce_method=config.communication.gradients_reduce_method,
@@ -93,7 +95,7 @@ def build_engine(
         )
         apply_split(program, runtime)
     if config.gradient_checkpoint.type:
-        apply_recompute(program, config.gradient_checkpoint)
+        apply_recompute(program, config.gradient_checkpoint, checkpoint_marks)
     if config.zero.level:
         if config.communication.fp16:
             raise ValueError(

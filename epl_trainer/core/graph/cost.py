@@ -68,9 +68,9 @@ from collections.abc import Sequence
 import keras
 import numpy as np
 
-from epl_trainer.core.estimate import NodeCost
-from epl_trainer.core.ir import format_count
-from epl_trainer.core.partition import compute_nodes
+from epl_trainer.core.graph.partition import compute_nodes
+from epl_trainer.core.plan.estimate import NodeCost
+from epl_trainer.core.plan.ir import format_count
 
 __all__ = [
     "DATA_MOVEMENT",

@@ -39,11 +39,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from epl_trainer.core import estimate
-from epl_trainer.core.cost import NodeCost, format_bytes, nodes_cost, tensor_bytes
-from epl_trainer.core.estimate import balanced_cuts
-from epl_trainer.core.ir import StrategySpec, format_count
-from epl_trainer.core.partition import compute_nodes, tensor_key
+from epl_trainer.core.graph.cost import NodeCost, format_bytes, nodes_cost, tensor_bytes
+from epl_trainer.core.graph.partition import compute_nodes, tensor_key
+from epl_trainer.core.plan import estimate
+from epl_trainer.core.plan.estimate import balanced_cuts
+from epl_trainer.core.plan.ir import StrategySpec, format_count
 
 __all__ = [
     "CUT_AT",

@@ -15,8 +15,8 @@ import dataclasses
 
 import tensorflow as tf
 
-from epl_trainer.core.partition import StagedModel
-from epl_trainer.core.schedule import FORWARD, Task
+from epl_trainer.core.graph.partition import StagedModel
+from epl_trainer.core.plan.schedule import FORWARD, Task
 
 
 @dataclasses.dataclass
@@ -180,7 +180,8 @@ class LaneExecutor:
             )
             keep_slices = getattr(self.hooks, "sparse_gradients", False)
             computed = [
-                g if keep_slices and position < len(run.variables) and _is_slices(g)
+                g
+                if keep_slices and position < len(run.variables) and _is_slices(g)
                 else tf.convert_to_tensor(g)
                 for position, g in enumerate(computed)
             ]

@@ -1,0 +1,37 @@
+"""Collective communication between devices: the only package that touches collective ops.
+
+* `keys`: instance and group keys, ordering tokens, the rank order of a group;
+* `group`: `CollectiveGroup` (all-reduce, reduce-scatter, all-gather over member devices);
+* `fusion`: gradient buckets fused into few collectives, the fp16 wire format, sparse rows;
+* `lanes`: collectives issued lane by lane by split layers.
+
+The names below are the package's interface; the engine uses them as `comm.<name>`.
+"""
+
+from epl_trainer.core.comm.fusion import all_gather_slices, fused_all_reduce, plan_buckets
+from epl_trainer.core.comm.group import CollectiveGroup
+from epl_trainer.core.comm.keys import (
+    KEYS_PER_LANE_GROUP,
+    collective_rank_order,
+    group_key,
+    length_keyed_instance,
+    next_instance_key,
+    ordering_token,
+    reserve_local_instance_keys,
+)
+from epl_trainer.core.comm.lanes import LaneCollectives
+
+__all__ = [
+    "KEYS_PER_LANE_GROUP",
+    "CollectiveGroup",
+    "LaneCollectives",
+    "all_gather_slices",
+    "collective_rank_order",
+    "fused_all_reduce",
+    "group_key",
+    "length_keyed_instance",
+    "next_instance_key",
+    "ordering_token",
+    "plan_buckets",
+    "reserve_local_instance_keys",
+]

@@ -1,0 +1,149 @@
+"""Fused gradient reductions: buckets of flattened tensors, the fp16 wire format, and
+sparse (IndexedSlices) gradients reduced by gathering rows."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import tensorflow as tf
+
+from epl_trainer.core.comm.group import CollectiveGroup
+
+
+def plan_buckets(sizes: Sequence[int], dtypes: Sequence, max_splits: int) -> list[list[int]]:
+    """Groups tensors into at most `max_splits` buckets per dtype, balanced by size.
+
+    Buckets are contiguous runs in the given order (so the first gradients ready in
+    backward can be sent first) with cut points chosen to even out the byte counts.
+
+    Returns:
+      Lists of indices into `sizes`, one list per bucket.
+    """
+    if max_splits < 1:
+        raise ValueError(f"max_splits must be >= 1. Received: {max_splits}")
+    by_dtype: dict[str, list[int]] = {}
+    for i, dtype in enumerate(dtypes):
+        by_dtype.setdefault(str(dtype), []).append(i)
+    buckets = []
+    for indices in by_dtype.values():
+        buckets.extend(_balanced_runs(indices, [sizes[i] for i in indices], max_splits))
+    return buckets
+
+
+def _balanced_runs(indices: list[int], sizes: list[int], parts: int) -> list[list[int]]:
+    parts = min(parts, len(indices))
+    total = sum(sizes)
+    runs, current, filled = [], [], 0
+    for index, size in zip(indices, sizes):
+        current.append(index)
+        filled += size
+        runs_left = parts - len(runs) - 1
+        items_left = len(indices) - sum(len(r) for r in runs) - len(current)
+        # Close the run once it holds its share of the bytes, keeping one item per
+        # remaining run; close it anyway when only one item per remaining run is left
+        # (otherwise every later item lands in this run).
+        reached = filled >= total * (len(runs) + 1) / parts
+        if runs_left > 0 and items_left >= runs_left and (reached or items_left == runs_left):
+            runs.append(current)
+            current = []
+    if current:
+        runs.append(current)
+    return runs
+
+
+def fused_all_reduce(
+    group: CollectiveGroup,
+    per_member: Sequence[Sequence[tf.Tensor]],
+    buckets: Sequence[Sequence[int]],
+    reduction: str,
+    num_chains: int = 1,
+    wire_fp16_scale: float | None = None,
+) -> list[list[tf.Tensor]]:
+    """All-reduces lists of tensors, one collective per bucket of flattened tensors.
+
+    Args:
+      group: the collective group.
+      per_member: `per_member[i]` is the list of tensors of local member i (same
+        shapes and dtypes on every member).
+      buckets: index lists from `plan_buckets`.
+      reduction: "mean" or "sum".
+      num_chains: buckets are spread round-robin over this many ordering chains.
+      wire_fp16_scale: `communication.fp16`: float32 buckets travel as float16 after
+        being multiplied by this scale (so small gradients do not underflow), and are
+        divided by it again after the reduction. None sends buckets as they are.
+
+    Returns:
+      The reduced tensors, same structure as `per_member`.
+    """
+    if group.size == 1:
+        return [list(tensors) for tensors in per_member]
+    results = [list(tensors) for tensors in per_member]
+    for bucket_index, bucket in enumerate(buckets):
+        flats = []
+        for device, tensors in zip(group.local_devices, per_member):
+            with tf.device(device):
+                flats.append(tf.concat([tf.reshape(tensors[i], [-1]) for i in bucket], axis=0))
+        dtype = flats[0].dtype
+        compress = wire_fp16_scale is not None and dtype == tf.float32
+        if compress:
+            flats = [_to_fp16_wire(flat, wire_fp16_scale) for flat in flats]
+        reduced = group.all_reduce(flats, reduction, chain=bucket_index % num_chains)
+        if compress:
+            reduced = [_from_fp16_wire(flat, wire_fp16_scale, dtype) for flat in reduced]
+        for member, (device, flat) in enumerate(zip(group.local_devices, reduced)):
+            template = per_member[member]
+            with tf.device(device):
+                pieces = tf.split(flat, _split_sizes([template[i] for i in bucket]))
+                for i, piece in zip(bucket, pieces):
+                    results[member][i] = tf.reshape(piece, tf.shape(template[i]))
+    return results
+
+
+def all_gather_slices(
+    group: CollectiveGroup, per_member: Sequence[tf.IndexedSlices], reduction: str
+) -> list[tf.IndexedSlices]:
+    """Reduces sparse (IndexedSlices) gradients by gathering every member's rows.
+
+    The result holds every member's (index, row) pairs; repeated indices are summed by
+    whoever applies it (Keras optimizers do), so it equals the dense all-reduce without
+    moving a dense [vocabulary, dim] tensor. "mean" divides the rows by the group size.
+    """
+    if reduction not in ("mean", "sum"):
+        raise ValueError(f"reduction must be 'mean' or 'sum'. Received: {reduction!r}")
+    if group.size == 1:
+        return list(per_member)
+    row_shape = per_member[0].values.shape[1:]
+    flat_values = []
+    for device, g in zip(group.local_devices, per_member):
+        with tf.device(device):
+            flat_values.append(tf.reshape(g.values, [-1]))
+    row_size = int(np.prod(row_shape)) if row_shape.is_fully_defined() else 1
+    values = group.all_gather(flat_values, length_unit=row_size)
+    indices = group.all_gather([g.indices for g in per_member])
+    results = []
+    for device, v, i, g in zip(group.local_devices, values, indices, per_member):
+        with tf.device(device):
+            rows = tf.reshape(v, [-1, *row_shape])
+            if reduction == "mean":
+                rows = rows / tf.cast(group.size, rows.dtype)
+            results.append(tf.IndexedSlices(rows, i, g.dense_shape))
+    return results
+
+
+def _to_fp16_wire(flat, scale: float):
+    with tf.device(flat.device):
+        return tf.cast(flat * scale, tf.float16)
+
+
+def _from_fp16_wire(flat, scale: float, dtype):
+    with tf.device(flat.device):
+        return tf.cast(flat, dtype) * (1.0 / scale)
+
+
+def _split_sizes(tensors):
+    """Element counts for `tf.split`: Python ints when static, else a tensor."""
+    static = [t.shape.num_elements() for t in tensors]
+    if all(n is not None for n in static):
+        return static
+    return tf.stack([tf.size(t, out_type=tf.int64) for t in tensors])
