@@ -5,12 +5,13 @@ Pure Python (no TensorFlow work): the numbers are hand-computed.
 
 import json
 import logging
+import unicodedata
 
 import numpy as np
 import pytest
 
 from model_zoo.bert_squad import builtin_data, evaluation, squad
-from model_zoo.bert_squad.tokenization import BasicTokenizer, FullTokenizer, WordpieceTokenizer
+from model_zoo.bert_squad.tokenization import BasicTokenizer, FullTokenizer
 
 
 def write_vocab(path, tokens):
@@ -33,12 +34,113 @@ def test_basic_tokenizer_lowercases_strips_accents_and_splits_punctuation():
     assert BasicTokenizer(do_lower_case=False).tokenize("Café") == ["Café"]
 
 
-def test_wordpiece_is_greedy_longest_match_first_with_unk_fallback():
-    vocab = {t: i for i, t in enumerate(["[UNK]", "want", "##want", "##ed", "un", "runn", "##ing"])}
-    tokenizer = WordpieceTokenizer(vocab)
+def test_wordpiece_is_greedy_longest_match_first_with_unk_fallback(tmp_path):
+    vocab = write_vocab(tmp_path / "vocab.txt", ["want", "##want", "##ed", "un", "runn", "##ing"])
+    tokenizer = FullTokenizer(vocab)
     assert tokenizer.tokenize("unwanted") == ["un", "##want", "##ed"]
     assert tokenizer.tokenize("running") == ["runn", "##ing"]
     assert tokenizer.tokenize("unwantedx") == ["[UNK]"]  # one uncovered char: whole word
+    assert tokenizer.tokenize("un" * 51) == ["[UNK]"]  # over 100 characters
+
+
+# Google BERT's tokenization.py (BasicTokenizer + WordpieceTokenizer), condensed: the
+# reference the `tokenizers`-based FullTokenizer must reproduce id for id.
+def _google_is_punctuation(char):
+    cp = ord(char)
+    if 33 <= cp <= 47 or 58 <= cp <= 64 or 91 <= cp <= 96 or 123 <= cp <= 126:
+        return True
+    return unicodedata.category(char).startswith("P")
+
+
+def _google_is_cjk(cp):
+    ranges = [
+        (0x4E00, 0x9FFF), (0x3400, 0x4DBF), (0x20000, 0x2A6DF), (0x2A700, 0x2B73F),
+        (0x2B740, 0x2B81F), (0x2B820, 0x2CEAF), (0xF900, 0xFAFF), (0x2F800, 0x2FA1F),
+    ]  # fmt: skip
+    return any(a <= cp <= b for a, b in ranges)
+
+
+def _google_basic(text, lower):
+    def control(c):
+        return c not in "\t\n\r" and unicodedata.category(c) in ("Cc", "Cf")
+
+    def space(c):
+        return c in " \t\n\r" or unicodedata.category(c) == "Zs"
+
+    text = "".join(
+        " " if space(c) else c for c in text if not (ord(c) in (0, 0xFFFD) or control(c))
+    )
+    text = "".join(f" {c} " if _google_is_cjk(ord(c)) else c for c in text)
+    words = []
+    for token in text.split():
+        if lower:
+            token = unicodedata.normalize("NFD", token.lower())
+            token = "".join(c for c in token if unicodedata.category(c) != "Mn")
+        current = None
+        for c in token:
+            if _google_is_punctuation(c):
+                words.append(c)
+                current = None
+            else:
+                if current is None:
+                    words.append("")
+                    current = len(words) - 1
+                words[current] += c
+    return words
+
+
+def _google_wordpiece(word, vocab):
+    if len(word) > 100:
+        return ["[UNK]"]
+    pieces, start = [], 0
+    while start < len(word):
+        end = len(word)
+        while end > start:
+            piece = word[start:end] if start == 0 else "##" + word[start:end]
+            if piece in vocab:
+                break
+            end -= 1
+        if end == start:
+            return ["[UNK]"]
+        pieces.append(piece)
+        start = end
+    return pieces
+
+
+TRICKY_TEXTS = [
+    "Café (1895) déjà-vu, naïve RÉSUMÉ!",
+    "$5^2 = `25` ~ {x|y} \\ <tag> @home #1 100%",
+    "中文字符 and 日本語 mixed",
+    "tab\there\nnew\u00a0nbsp\u2003em-space zero\u200bwidth \x00nul \ufffd",
+    "don't stop-believing: 1,000.50 e.g. U.S.A.",
+    "emoji 🙂 and ligature ﬁ and ü vs u\u0308",
+    "x" * 120 + " short",
+]
+
+
+@pytest.mark.parametrize("lower", [True, False])
+def test_tokenizer_gives_google_bert_ids(tmp_path, lower):
+    """The same ids as Google's tokenization.py: on the built-in data (vocabulary and
+    texts), and on text that exercises accents, CJK, control characters, Unicode
+    whitespace, ASCII symbols, over-long words and uncased/cased vocabularies."""
+    paths = builtin_data.write_builtin_data(tmp_path, 30, 10, seed=5)
+    vocab_words = builtin_data.vocabulary()
+    extra = ["cafe", "caf", "##e", "de", "##ja", "-", "vu", "na", "##ive", "5", "2", "中", "文",
+             "don", "'", "t", "Café", "RÉSUMÉ", "ü", "u", "¨"]  # fmt: skip
+    vocab_path = write_vocab(tmp_path / "mixed_vocab.txt", vocab_words[5:] + extra)
+    texts = list(TRICKY_TEXTS)
+    for name in ("train", "dev"):
+        for article in json.loads(paths[name].read_text())["data"]:
+            for paragraph in article["paragraphs"]:
+                texts.append(paragraph["context"])
+                texts += [qa["question"] for qa in paragraph["qas"]]
+    tokenizer = FullTokenizer(vocab_path, do_lower_case=lower)
+    vocab = tokenizer.vocab
+    for text in texts:
+        expected = [p for w in _google_basic(text, lower) for p in _google_wordpiece(w, vocab)]
+        assert tokenizer.tokenize(text) == expected, text
+        assert BasicTokenizer(lower).tokenize(text) == _google_basic(text, lower), text
+    assert len(texts) > 150
 
 
 def test_full_tokenizer_reads_vocab_file_ids_are_line_numbers(tmp_path):
@@ -177,10 +279,9 @@ def test_doc_stride_windows_cover_the_context_and_round_trip_the_answer(long_exa
 
 
 def test_improved_answer_span_drops_surrounding_punctuation(tmp_path):
-    vocab = write_vocab(tmp_path / "vocab.txt", ["the", "club", "was", "founded", "in", "(", ")"])
-    tokenizer = FullTokenizer(vocab)
-    for word in ("1895", "turin", "italy", ",", ".", "when", "where", "?"):
-        tokenizer.vocab[word] = len(tokenizer.vocab)
+    words = ["the", "club", "was", "founded", "in", "(", ")"]
+    words += ["1895", "turin", "italy", ",", ".", "when", "where", "?"]
+    tokenizer = FullTokenizer(write_vocab(tmp_path / "vocab.txt", words))
     examples = squad.examples_from_dataset(SQUAD, is_training=True)
     features = squad.convert_examples_to_features(examples, tokenizer, 32, 8, 8, True)
     first = features[0]

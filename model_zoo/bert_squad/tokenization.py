@@ -1,12 +1,14 @@
 """WordPiece tokenization as Google BERT does it, reading a standard `vocab.txt`.
 
-`FullTokenizer` = `BasicTokenizer` (clean control characters, optionally lower-case and
-strip accents, split on whitespace and punctuation, isolate CJK characters) followed by
-`WordpieceTokenizer` (greedy longest-match-first pieces, continuation pieces prefixed
-`##`, `[UNK]` for a word that cannot be covered). Outputs match Google's
-`tokenization.py`, so a released `vocab.txt` with its checkpoint gives the ids the
-checkpoint was trained on. Written here (about a hundred lines) rather than depending on
-`tensorflow-text` or a Hugging Face tokenizer for one function.
+Built on the `tokenizers` package (Hugging Face's Rust tokenizers): `BertNormalizer`
+(drop control characters, map whitespace to spaces, put spaces around CJK characters,
+optionally lower-case and strip accents), `BertPreTokenizer` (split on whitespace and
+punctuation, where every ASCII non-alphanumeric counts as punctuation), then the
+`WordPiece` model (greedy longest-match-first, continuation pieces prefixed `##`,
+`[UNK]` for a word it cannot cover or one longer than 100 characters). These are the
+steps of Google's `tokenization.py` (`BasicTokenizer` + `WordpieceTokenizer`), so a
+released `vocab.txt` with its checkpoint gives the ids the checkpoint was trained on;
+tests/test_bert_squad_data.py checks the ids against Google's algorithm.
 """
 
 from __future__ import annotations
@@ -15,7 +17,11 @@ import collections
 import unicodedata
 from pathlib import Path
 
+from tokenizers import Tokenizer, models, normalizers, pre_tokenizers
+
 SPECIAL_TOKENS = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")
+UNK = "[UNK]"
+MAX_INPUT_CHARS_PER_WORD = 100  # Google's WordpieceTokenizer default
 
 
 def load_vocab(path: str | Path) -> dict[str, int]:
@@ -26,10 +32,25 @@ def load_vocab(path: str | Path) -> dict[str, int]:
             token = line.rstrip("\n").strip()
             if token:
                 vocab.setdefault(token, index)
-    missing = [t for t in ("[UNK]", "[CLS]", "[SEP]") if t not in vocab]
+    missing = [t for t in (UNK, "[CLS]", "[SEP]") if t not in vocab]
     if missing:
         raise ValueError(f"The vocabulary {path} lacks the special token(s) {missing}.")
     return vocab
+
+
+class BasicTokenizer:
+    """Cleans text and splits it into words and punctuation marks (no vocabulary)."""
+
+    def __init__(self, do_lower_case: bool = True):
+        self.do_lower_case = do_lower_case
+        self.normalizer = normalizers.BertNormalizer(
+            clean_text=True, handle_chinese_chars=True, lowercase=do_lower_case
+        )
+        self.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+
+    def tokenize(self, text: str) -> list[str]:
+        normalized = self.normalizer.normalize_str(text)
+        return [word for word, _ in self.pre_tokenizer.pre_tokenize_str(normalized)]
 
 
 class FullTokenizer:
@@ -38,13 +59,17 @@ class FullTokenizer:
     def __init__(self, vocab_file: str | Path, do_lower_case: bool = True):
         self.vocab = load_vocab(vocab_file)
         self.inv_vocab = {i: t for t, i in self.vocab.items()}
-        self.basic = BasicTokenizer(do_lower_case)
-        self.wordpiece = WordpieceTokenizer(self.vocab)
+        basic = BasicTokenizer(do_lower_case)
+        self._tokenizer = Tokenizer(
+            models.WordPiece(
+                self.vocab, unk_token=UNK, max_input_chars_per_word=MAX_INPUT_CHARS_PER_WORD
+            )
+        )
+        self._tokenizer.normalizer = basic.normalizer
+        self._tokenizer.pre_tokenizer = basic.pre_tokenizer
 
     def tokenize(self, text: str) -> list[str]:
-        return [
-            piece for word in self.basic.tokenize(text) for piece in self.wordpiece.tokenize(word)
-        ]
+        return self._tokenizer.encode(text, add_special_tokens=False).tokens
 
     def convert_tokens_to_ids(self, tokens) -> list[int]:
         return [self.vocab[t] for t in tokens]
@@ -53,108 +78,8 @@ class FullTokenizer:
         return [self.inv_vocab[i] for i in ids]
 
 
-class BasicTokenizer:
-    """Cleans text and splits it into words and punctuation marks."""
-
-    def __init__(self, do_lower_case: bool = True):
-        self.do_lower_case = do_lower_case
-
-    def tokenize(self, text: str) -> list[str]:
-        text = _tokenize_cjk(_clean_text(text))
-        tokens = []
-        for token in text.split():
-            if self.do_lower_case:
-                token = _strip_accents(token.lower())
-            tokens.extend(_split_on_punctuation(token))
-        return tokens
-
-
-class WordpieceTokenizer:
-    """Greedy longest-match-first WordPiece over one whitespace-free word."""
-
-    def __init__(self, vocab, unk_token: str = "[UNK]", max_input_chars_per_word: int = 100):
-        self.vocab = vocab
-        self.unk_token = unk_token
-        self.max_input_chars_per_word = max_input_chars_per_word
-
-    def tokenize(self, word: str) -> list[str]:
-        if len(word) > self.max_input_chars_per_word:
-            return [self.unk_token]
-        pieces, start = [], 0
-        while start < len(word):
-            end = len(word)
-            while end > start:
-                piece = word[start:end] if start == 0 else "##" + word[start:end]
-                if piece in self.vocab:
-                    break
-                end -= 1
-            if end == start:  # no piece covers word[start]: the whole word is unknown
-                return [self.unk_token]
-            pieces.append(piece)
-            start = end
-        return pieces
-
-
 def is_whitespace(char: str) -> bool:
     """Whitespace as BERT (and the SQuAD reader) sees it."""
     if char in " \t\n\r":
         return True
     return unicodedata.category(char) == "Zs"
-
-
-def _is_control(char: str) -> bool:
-    if char in "\t\n\r":
-        return False
-    return unicodedata.category(char) in ("Cc", "Cf")
-
-
-def is_punctuation(char: str) -> bool:
-    """ASCII non-letters/digits count as punctuation (e.g. '$', '^'), as in BERT."""
-    cp = ord(char)
-    if 33 <= cp <= 47 or 58 <= cp <= 64 or 91 <= cp <= 96 or 123 <= cp <= 126:
-        return True
-    return unicodedata.category(char).startswith("P")
-
-
-def _clean_text(text: str) -> str:
-    return "".join(
-        " " if is_whitespace(c) else c
-        for c in text
-        if not (ord(c) in (0, 0xFFFD) or _is_control(c))
-    )
-
-
-def _is_cjk(cp: int) -> bool:
-    return (
-        0x4E00 <= cp <= 0x9FFF
-        or 0x3400 <= cp <= 0x4DBF
-        or 0x20000 <= cp <= 0x2A6DF
-        or 0x2A700 <= cp <= 0x2B73F
-        or 0x2B740 <= cp <= 0x2B81F
-        or 0x2B820 <= cp <= 0x2CEAF
-        or 0xF900 <= cp <= 0xFAFF
-        or 0x2F800 <= cp <= 0x2FA1F
-    )
-
-
-def _tokenize_cjk(text: str) -> str:
-    return "".join(f" {c} " if _is_cjk(ord(c)) else c for c in text)
-
-
-def _strip_accents(text: str) -> str:
-    return "".join(c for c in unicodedata.normalize("NFD", text) if unicodedata.category(c) != "Mn")
-
-
-def _split_on_punctuation(text: str) -> list[str]:
-    words: list[str] = []
-    new_word = True
-    for char in text:
-        if is_punctuation(char):
-            words.append(char)
-            new_word = True
-        else:
-            if new_word:
-                words.append("")
-            words[-1] += char
-            new_word = False
-    return words
