@@ -30,7 +30,7 @@ _EXPORTS = {
     "NonFiniteLossError": "epl_trainer.trainer",
     "MinLossScaleError": "epl_trainer.core.engine.amp",
     "PlanError": "epl_trainer.core.plan.ir",
-    "SplitError": "epl_trainer.core.engine.split",
+    "SplitError": "epl_trainer.core.plan.ir",
     "DeepSpeedConfigError": "epl_trainer.deepspeed.keys",
 }
 

@@ -222,3 +222,25 @@ class EpochBatches:
             if stop:
                 return steps - first_step
         return steps - first_step
+
+
+def spec_probe(x, y, parse_fn, file_format) -> tf.data.Dataset:
+    """A dataset with the element spec of fit's data, for building a model_fn's model."""
+    if parse_fn is not None or file_format is not None:
+        raise ValueError(
+            "An Estimator-style model_fn is built from the data's element spec; with "
+            "fit(files, parse_fn=...) call trainer.evaluate or fit on a tf.data.Dataset "
+            "of the parsed records first."
+        )
+    return x if isinstance(x, tf.data.Dataset) else as_dataset(x, y, batch_size=1)
+
+
+def unpack_validation(validation_data):
+    if isinstance(validation_data, tf.data.Dataset):
+        return validation_data, None
+    if isinstance(validation_data, (tuple, list)) and len(validation_data) == 2:
+        return validation_data
+    raise ValueError(
+        "validation_data must be a tf.data.Dataset or an (x, y) tuple. "
+        f"Received: {type(validation_data).__name__}"
+    )

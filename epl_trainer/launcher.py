@@ -57,7 +57,6 @@ starts in milliseconds.
 from __future__ import annotations
 
 import argparse
-import codecs
 import json
 import os
 import shutil
@@ -67,20 +66,14 @@ import subprocess
 import sys
 import threading
 import time
-from collections import deque
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from pathlib import Path
-from typing import IO
 
-PROG = "epl-launch"
+from epl_trainer.launch_job import PROG, Job, say
+
 HOST = "127.0.0.1"
 VIRTUAL_DEVICES_ENV = "EPL_CLUSTER_VIRTUAL_DEVICES"
 EXIT_USAGE = 2
-EXIT_TIMEOUT = 124
-GRACE_SECONDS = 5.0
-POLL_SECONDS = 0.1
-TAIL_LINES = 20
 # How each supported script suffix is run; the script path and its args follow.
 SCRIPT_RUNNERS: dict[str, tuple[str, ...]] = {".py": (sys.executable,), ".sh": ("bash",)}
 
@@ -362,236 +355,6 @@ def make_run_dir(log_dir: str | os.PathLike) -> Path:
             candidate = base.with_name(f"{base.name}-{attempt}")
 
 
-def exit_code(returncode: int) -> int:
-    """A shell-style exit code: ``128 + s`` for a process killed by signal ``s``."""
-    return 128 - returncode if returncode < 0 else returncode
-
-
-def log_tail(path: Path, num_lines: int = TAIL_LINES) -> list[str]:
-    """The last ``num_lines`` lines of a log file (empty if it cannot be read)."""
-    try:
-        with open(path, encoding="utf-8", errors="replace") as file:
-            return [line.rstrip("\n") for line in deque(file, maxlen=num_lines)]
-    except OSError:
-        return []
-
-
-def _tee(pipe: IO[bytes], log_file: IO[bytes], console: IO[str] | None) -> None:
-    """Copy a worker's output to its log file and, decoded, to the console until EOF."""
-    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
-    with pipe, log_file:
-        # read1 returns whatever is available, so partial lines (prompts, progress
-        # bars) reach the console without waiting for a newline.
-        while chunk := pipe.read1(65536):
-            log_file.write(chunk)
-            log_file.flush()
-            if console is None:
-                continue
-            try:
-                console.write(decoder.decode(chunk))
-                console.flush()
-            except (OSError, ValueError):
-                console = None  # a closed console must not stop the log file
-
-
-def _say(message: str) -> None:
-    """A launcher message: to stderr, so stdout carries only worker 0's output."""
-    print(f"{PROG}: {message}", file=sys.stderr, flush=True)
-
-
-def _signal_name(signum: int) -> str:
-    try:
-        return signal.Signals(signum).name
-    except ValueError:
-        return f"signal {signum}"
-
-
-def _signal_group(pgid: int, signum: int) -> None:
-    try:
-        os.killpg(pgid, signum)
-    except (ProcessLookupError, PermissionError):
-        pass  # the group is already empty
-
-
-def _group_alive(pgid: int) -> bool:
-    """Whether process group ``pgid`` has a member that is not a zombie.
-
-    A grandchild orphaned by its worker waits as a zombie until init reaps it, which can
-    take a second or never happen (a launcher running as PID 1 in a container), so
-    zombies are skipped where ``/proc`` shows them.
-    """
-    try:
-        os.killpg(pgid, 0)
-    except (ProcessLookupError, PermissionError):
-        return False
-    proc = Path("/proc")
-    if not proc.is_dir():
-        return True  # no /proc (macOS): zombies count as members
-    for stat_file in proc.glob("[0-9]*/stat"):
-        try:
-            # Fields after the parenthesised command: state, ppid, pgrp, ...
-            state, _ppid, pgrp = stat_file.read_text().rsplit(")", 1)[1].split()[:3]
-        except (OSError, IndexError, ValueError):
-            continue  # the process exited while we looked
-        if int(pgrp) == pgid and state != "Z":
-            return True
-    return False
-
-
-@dataclass
-class _Worker:
-    index: int
-    process: subprocess.Popen
-    log_path: Path
-    reader: threading.Thread | None = None
-
-
-class Job:
-    """One command run as several workers, each in its own process group, supervised.
-
-    ``start()`` spawns the workers, ``wait()`` supervises them and returns the exit code
-    for the launcher, ``stop()`` stops every process group (idempotent; call it in a
-    ``finally``). ``request_stop()`` is safe to call from a signal handler.
-    """
-
-    def __init__(
-        self,
-        command: Sequence[str],
-        envs: Sequence[Mapping[str, str]],
-        run_dir: Path,
-        *,
-        console: IO[str] | None = None,
-        grace_seconds: float = GRACE_SECONDS,
-        attempt: int = 0,
-    ):
-        self.attempt = attempt
-        self.timed_out = False
-        self.command = list(command)
-        self.envs = [dict(env) for env in envs]
-        self.run_dir = Path(run_dir)
-        self.console = sys.stdout if console is None else console
-        self.grace_seconds = grace_seconds
-        self.workers: list[_Worker] = []
-        self._stop_signal: int | None = None
-
-    def log_path(self, index: int) -> Path:
-        suffix = f".restart_{self.attempt}" if self.attempt else ""
-        return self.run_dir / f"worker_{index}{suffix}.log"
-
-    def start(self) -> None:
-        """Spawn every worker; worker 0's output is teed to the console."""
-        for index, env in enumerate(self.envs):
-            self.workers.append(self._spawn(index, env, stream=index == 0))
-
-    def _spawn(self, index: int, env: Mapping[str, str], stream: bool) -> _Worker:
-        log_path = self.log_path(index)
-        log_file = open(log_path, "wb")  # noqa: SIM115 - closed below or by the tee thread
-        try:
-            process = subprocess.Popen(
-                self.command,
-                env=env,
-                stdin=subprocess.DEVNULL,
-                stdout=subprocess.PIPE if stream else log_file,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,  # own process group: stop() reaches grandchildren
-            )
-        except BaseException:
-            log_file.close()
-            raise
-        worker = _Worker(index, process, log_path)
-        if stream:
-            worker.reader = threading.Thread(
-                target=_tee,
-                args=(process.stdout, log_file, self.console),
-                name=f"epl-launch-tee-{index}",
-                daemon=True,
-            )
-            worker.reader.start()
-        else:
-            log_file.close()  # the child holds its own descriptor
-        return worker
-
-    @property
-    def stop_requested(self) -> bool:
-        return self._stop_signal is not None
-
-    def request_stop(self, signum: int) -> None:
-        """Ask ``wait()`` to stop all workers and return ``128 + signum``."""
-        self._stop_signal = signum
-
-    def wait(self, timeout: float | None = None, *, deadline: float | None = None) -> int:
-        """Supervise the workers until all succeed, one fails, time runs out or a stop
-        is requested; returns the launcher's exit code (see the module docstring).
-
-        ``deadline`` (a ``time.monotonic()`` value) replaces ``now + timeout`` when a
-        timeout spans several attempts of the job.
-        """
-        if deadline is None and timeout is not None:
-            deadline = time.monotonic() + timeout
-        while True:
-            if self._stop_signal is not None:
-                _say(f"received {_signal_name(self._stop_signal)}; stopping all workers")
-                self.stop()
-                return 128 + self._stop_signal
-            failed = self._first_failure()
-            if failed is not None:
-                self._report_failure(failed)
-                return exit_code(failed.process.returncode)
-            if all(worker.process.poll() == 0 for worker in self.workers):
-                self.stop()  # reaps leftover grandchildren and the tee thread
-                _say(f"all {len(self.workers)} worker(s) finished successfully")
-                return 0
-            if deadline is not None and time.monotonic() >= deadline:
-                _say(f"timeout of {timeout:g}s exceeded; stopping all workers")
-                self.timed_out = True
-                self.stop()
-                return EXIT_TIMEOUT
-            time.sleep(POLL_SECONDS)
-
-    def _first_failure(self) -> _Worker | None:
-        for worker in self.workers:
-            if worker.process.poll() not in (None, 0):
-                return worker
-        return None
-
-    def _report_failure(self, worker: _Worker) -> None:
-        returncode = worker.process.returncode
-        how = f"was killed by {_signal_name(-returncode)}" if returncode < 0 else "failed"
-        _say(
-            f"worker {worker.index} {how} (exit code {exit_code(returncode)}); "
-            "stopping the other workers"
-        )
-        self.stop()  # also lets worker 0's tee thread finish its log before the tail
-        tail = log_tail(worker.log_path)
-        _say(f"last {len(tail)} lines of {worker.log_path}:")
-        for line in tail:
-            print(f"  | {line}", file=sys.stderr)
-        sys.stderr.flush()
-
-    def stop(self) -> None:
-        """Stop every worker's process group: SIGTERM, then SIGKILL after the grace period.
-
-        Groups whose leader already exited are signalled too, so nothing a worker
-        started outlives the launcher.
-        """
-        pgids = [worker.process.pid for worker in self.workers]  # leader pid == pgid
-        for pgid in pgids:
-            _signal_group(pgid, signal.SIGTERM)
-        deadline = time.monotonic() + self.grace_seconds
-        while time.monotonic() < deadline:
-            for worker in self.workers:
-                worker.process.poll()  # reap leaders so zombies do not count as alive
-            if not any(_group_alive(pgid) for pgid in pgids):
-                break
-            time.sleep(0.05)
-        for pgid in pgids:
-            _signal_group(pgid, signal.SIGKILL)
-        for worker in self.workers:
-            worker.process.wait()
-            if worker.reader is not None:
-                worker.reader.join(timeout=self.grace_seconds)
-
-
 def _install_signal_handlers(job: Job) -> dict[int, object]:
     """Route SIGINT/SIGTERM to ``job.request_stop``; returns the previous handlers."""
     if threading.current_thread() is not threading.main_thread():
@@ -627,7 +390,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     while True:
         job = Job(command, envs, run_dir, attempt=attempt)
         what = "starting" if attempt == 0 else f"restart {attempt}/{args.max_restarts}: starting"
-        _say(f"{what} {args.num_workers} worker(s); logs in {run_dir}")
+        say(f"{what} {args.num_workers} worker(s); logs in {run_dir}")
         code = _run_job(job, args.timeout, deadline)
         if code == 0 or attempt >= args.max_restarts or job.stop_requested or job.timed_out:
             return code

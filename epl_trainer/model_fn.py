@@ -45,9 +45,7 @@ def is_estimator_model_fn(fn) -> bool:
         parameters = inspect.signature(fn).parameters.values()
     except (TypeError, ValueError):
         return False
-    positional = [
-        p for p in parameters if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
-    ]
+    positional = [p for p in parameters if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
     return len(positional) > 0
 
 

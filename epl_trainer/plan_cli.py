@@ -5,8 +5,8 @@
     epl-plan --params 7.5e9 --num_workers 8 --gpu_per_worker 8 --amp master --zero v0
 
 Nothing is built or run and TensorFlow is never imported: the model comes from its sizes
-(`core/analytic.py`), the cluster is a list of virtual device names planned by the same
-planner the trainer uses, and the numbers are `core/estimate.py`'s arithmetic. Stages
+(`core/plan/analytic.py`), the cluster is a list of virtual device names planned by the same
+planner the trainer uses, and the numbers are `core/plan/estimate.py`'s arithmetic. Stages
 are cut by `estimate.partition_stages`, as `auto.auto_parallel` cuts them. Settings not
 given as flags come from `--epl_config` / `--epl_set` / `EPL_*` (the trainer's config
 keys), then from the defaults.
@@ -15,6 +15,7 @@ keys), then from the defaults.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
 import json
 import math
@@ -23,7 +24,7 @@ import sys
 
 from epl_trainer.config import Config, ConfigError
 from epl_trainer.core.plan import analytic, estimate, planner
-from epl_trainer.core.plan.ir import PlanError, StrategySpec, format_count
+from epl_trainer.core.plan.ir import PIPELINE_STRATEGIES, PlanError, StrategySpec, format_count
 
 MODELS = ("transformer", "bert", "resnet50")
 _TRANSFORMER_SIZES = ("layers", "hidden", "heads", "vocab", "seq_len")
@@ -63,7 +64,7 @@ def build_parser() -> argparse.ArgumentParser:
     parallel.add_argument("--num_micro_batch", type=int, help="pipeline.num_micro_batch")
     parallel.add_argument("--micro_batch_size", type=int, default=1, help="samples per micro-batch")
     parallel.add_argument(
-        "--pipeline_strategy", choices=estimate.PIPELINE_STRATEGIES, help="pipeline.strategy"
+        "--pipeline_strategy", choices=PIPELINE_STRATEGIES, help="pipeline.strategy"
     )
     parallel.add_argument(
         "--zero", choices=("none", "v0", "v1"), help="zero.level: v0 = P_os, v1 = P_os+g"
@@ -132,8 +133,18 @@ def model_from_args(args, parser) -> estimate.ModelCost:
     )
 
 
-def options_from_args(args) -> tuple[estimate.TrainOptions, int, bool]:
-    """(options, num_stages, prefer_intra_node): flags first, then the config."""
+@dataclasses.dataclass(frozen=True)
+class PlanRequest:
+    """How to lay the model out: what `build_plan` needs besides the cluster."""
+
+    num_stages: int = 1
+    num_micro_batch: int = 1  # pipeline.num_micro_batch
+    pipeline_strategy: str = "PreferBackward"  # pipeline.strategy
+    prefer_intra_node: bool = True  # cluster.device_place_prefer_intra_node
+
+
+def options_from_args(args) -> tuple[estimate.TrainOptions, PlanRequest]:
+    """(options, request): flags first, then the config."""
     from epl_trainer.flags import parse_assignments  # absl only, no TensorFlow
 
     overrides = parse_assignments(args.epl_set)
@@ -149,28 +160,32 @@ def options_from_args(args) -> tuple[estimate.TrainOptions, int, bool]:
     amp = pick(args.amp, config.amp.level)
     options = estimate.TrainOptions(
         micro_batch_size=args.micro_batch_size,
-        num_micro_batch=pick(args.num_micro_batch, config.pipeline.num_micro_batch),
-        pipeline_strategy=pick(args.pipeline_strategy, config.pipeline.strategy),
         zero=pick(args.zero, config.zero.level).replace("none", ""),
         amp=amp.replace("none", ""),
         gc=pick(args.gc, bool(config.gradient_checkpoint.type)),
         optimizer=args.optimizer,
     )
-    num_stages = pick(args.num_stages, config.pipeline.num_stages or 1)
-    return options, num_stages, config.cluster.device_place_prefer_intra_node
+    request = PlanRequest(
+        num_stages=pick(args.num_stages, config.pipeline.num_stages or 1),
+        num_micro_batch=pick(args.num_micro_batch, config.pipeline.num_micro_batch),
+        pipeline_strategy=pick(args.pipeline_strategy, config.pipeline.strategy),
+        prefer_intra_node=config.cluster.device_place_prefer_intra_node,
+    )
+    return options, request
 
 
 def plan_and_estimate(
     model: estimate.ModelCost,
     options: estimate.TrainOptions,
-    num_stages: int,
+    request: PlanRequest,
     num_workers: int,
     gpu_per_worker: int,
     *,
     device_type: str = "GPU",
-    prefer_intra_node: bool = True,
 ) -> estimate.Estimate:
-    """Cuts `model` into `num_stages`, plans it on a virtual cluster and estimates it."""
+    """Cuts `model` into `request.num_stages`, plans it on a virtual cluster and estimates
+    it."""
+    num_stages = request.num_stages
     if isinstance(num_stages, bool) or not isinstance(num_stages, int) or num_stages < 1:
         raise ValueError(f"num_stages must be an int >= 1. Received: num_stages={num_stages!r}")
     cuts = estimate.partition_stages(model, num_stages)
@@ -181,9 +196,9 @@ def plan_and_estimate(
         [StrategySpec("replicate", 1, f"stage_{k}") for k in range(num_stages)],
         estimate.virtual_cluster(num_workers, gpu_per_worker, device_type),
         0,
-        num_micro_batch=options.num_micro_batch,
-        prefer_intra_node=prefer_intra_node,
-        pipeline_strategy=options.pipeline_strategy,
+        num_micro_batch=request.num_micro_batch,
+        prefer_intra_node=request.prefer_intra_node,
+        pipeline_strategy=request.pipeline_strategy,
         stage_costs=stage_flops if num_stages > 1 else None,
         cut_description=f"forward FLOPs balanced; {where}" if cuts else None,
     )
@@ -213,7 +228,7 @@ def render(result: estimate.Estimate, device_memory: int | None = None) -> str:
         "",
         result.plan.summary(),
         "",
-        f"Training: micro-batch {options.micro_batch_size} x {options.num_micro_batch} "
+        f"Training: micro-batch {options.micro_batch_size} x {result.plan.num_micro_batch} "
         f"micro-batch(es) x data-parallel {result.data_parallel} = global batch "
         f"{result.global_batch}; zero={options.zero or 'none'}, amp={options.amp or 'none'}, "
         f"gc={'on' if options.gc else 'off'}, optimizer={options.optimizer}",
@@ -221,7 +236,7 @@ def render(result: estimate.Estimate, device_memory: int | None = None) -> str:
     ]
     lines += _memory_section(result, device_memory)
     lines += _activation_section(result)
-    num_stages, m = len(result.stages), options.num_micro_batch
+    num_stages, m = len(result.stages), result.plan.num_micro_batch
     lines += [
         "",
         f"Pipeline bubble: (S-1)/(M+S-1) = ({num_stages}-1)/({m}+{num_stages}-1) = "
@@ -360,16 +375,15 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     try:
         model = model_from_args(args, parser)
-        options, num_stages, prefer_intra_node = options_from_args(args)
+        options, request = options_from_args(args)
         device_memory = parse_bytes(args.device_memory) if args.device_memory else None
         result = plan_and_estimate(
             model,
             options,
-            num_stages,
+            request,
             args.num_workers,
             args.gpu_per_worker,
             device_type=args.device_type,
-            prefer_intra_node=prefer_intra_node,
         )
     except (ValueError, PlanError, ConfigError) as error:
         parser.error(str(error))

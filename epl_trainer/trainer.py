@@ -1,8 +1,9 @@
 """EPLTrainer: fit / evaluate / predict / checkpoints for an ordinary Keras model.
 
-The trainer is glue: it resolves the config, annotations and plan, cuts the model
-into stages, creates the engine state and program, and runs the loop with standard
-Keras callbacks. The numerics live in `core/`.
+The trainer is glue: it resolves the config, the model's compile settings and its
+annotations, asks the engine to plan (`engine.plan_engine`, at construction) and to
+build (`engine.build_engine`, at the first data), and runs the loop with standard Keras
+callbacks, logs and checkpoints. The numerics live in `core/`.
 """
 
 from __future__ import annotations
@@ -18,27 +19,19 @@ import tensorflow as tf
 from keras import tree
 
 from epl_trainer import checkpoint as ckpt
+from epl_trainer import compiled, deepspeed, optimizers
 from epl_trainer import data as data_lib
-from epl_trainer import deepspeed, optimizers
 from epl_trainer import io as io_lib
 from epl_trainer import model_fn as model_fn_lib
 from epl_trainer.annotations import checkpoints, strategies
 from epl_trainer.cluster import build_cluster, detect_lost_workers
 from epl_trainer.config import Config
-from epl_trainer.core import comm
-from epl_trainer.core.engine import amp
-from epl_trainer.core.engine import split as split_lib
-from epl_trainer.core.engine.builder import build_engine
-from epl_trainer.core.engine.gradient_check import check_stage_gradients
-from epl_trainer.core.engine.program import BATCH_SIZE_KEY, BATCH_SPLIT_ERROR, Program
-from epl_trainer.core.engine.state import EngineState, lanes_for_worker
-from epl_trainer.core.graph.auto_partition import auto_partition
-from epl_trainer.core.graph.partition import partition_model, whole_model
-from epl_trainer.core.plan import planner
+from epl_trainer.core import engine
 from epl_trainer.end_of_data import EndOfDataAgreement
 from epl_trainer.env import Env
 from epl_trainer.losses import CompiledLoss
 from epl_trainer.memory import build_report
+from epl_trainer.metric_sync import MetricSync
 from epl_trainer.metrics import resolve_metrics
 from epl_trainer.model_fn import ModelSpec  # noqa: F401  (re-exported: epl.ModelSpec)
 from epl_trainer.watchdog import watchdog_for
@@ -93,17 +86,16 @@ class EPLTrainer:
         params=None,
     ):
         if optimizer is None and isinstance(model, keras.Model):
-            optimizer = compiled_settings(model).get("optimizer")
+            optimizer = compiled.settings(model).get("optimizer")
         self._optimizer_given = optimizer is not None
         config, optimizer, self.deepspeed = deepspeed.trainer_setup(config, optimizer or "sgd")
         self.config = Env.get().config if config is None else Config.load(config)
         self.cluster = Env.get().cluster if config is None else build_cluster(self.config.cluster)
         self.optimizer = keras.optimizers.get(optimizer)
         self.params = params
-        self._program: Program | None = None
-        self._state: EngineState | None = None
+        self._engine: engine.Engine | None = None
         self.epochs_done = 0
-        self._metric_sync = None
+        self._metric_sync = MetricSync(self.cluster) if self.cluster.worker_num > 1 else None
         # Where training stands inside the epoch in progress, for checkpoints: steps run in
         # it, and the batches taken from the current pass of the data (EpochBatches).
         self._step_in_epoch = 0
@@ -137,61 +129,34 @@ class EPLTrainer:
     def _setup(self, spec, loss, metrics, loss_weights, strategy, stages, split) -> None:
         """Takes the model and cuts and plans it (from __init__, or at the first data)."""
         model = spec.model
-        compiled = compiled_settings(model)
-        loss = _first(loss, spec.loss, compiled.get("loss"))
-        metrics = _first(metrics, spec.metrics, compiled.get("metrics"))
-        loss_weights = _first(loss_weights, spec.loss_weights, compiled.get("loss_weights"))
+        given = compiled.settings(model)
+        first = compiled.first_given
+        loss = first(loss, spec.loss, given.get("loss"))
+        metrics = first(metrics, spec.metrics, given.get("metrics"))
+        loss_weights = first(loss_weights, spec.loss_weights, given.get("loss_weights"))
         if not self._optimizer_given and self.deepspeed is None:
-            chosen = _first(spec.optimizer, compiled.get("optimizer"))
+            chosen = first(spec.optimizer, given.get("optimizer"))
             if chosen is not None:
                 self.optimizer = keras.optimizers.get(chosen)
         self.model = model
-        self.loss = CompiledLoss(loss, _output_names(model), loss_weights)
-        self.metrics = resolve_metrics(metrics, self.loss.name(), _output_names(model))
+        self.loss = CompiledLoss(loss, compiled.output_names(model), loss_weights)
+        self.metrics = resolve_metrics(metrics, self.loss.name(), compiled.output_names(model))
         self.loss_tracker = keras.metrics.Mean(name="loss")
-        _check_supported(self.config)
-        annotation, auto = _annotate(model, self.config, strategy, stages, split)
-        self.plan = planner.build_plan(
-            annotation.taskgraphs,
+        annotation = _annotate(model, self.config, strategy, stages, split)
+        self.engine_plan = engine.plan_engine(
+            model,
+            self.config,
             self.cluster.devices_by_worker,
             self.cluster.worker_index,
-            num_micro_batch=self.config.pipeline.num_micro_batch,
-            colocate_split_and_replicate=self.config.cluster.colocate_split_and_replicate,
-            prefer_intra_node=self.config.cluster.device_place_prefer_intra_node,
-            pipeline_strategy=self.config.pipeline.strategy,
-            stage_costs=auto.stage_costs if auto else None,
-            cut_description=auto.cut_description if auto else None,
-        )
-        has_split = any(tg.kind == "split" for tg in self.plan.taskgraphs)
-        self.lanes = lanes_for_worker(self.plan, self.cluster.worker_index)
-        self.split_layers = []
-        if has_split:
-            # Colocated TaskGraphs share every device of a lane: one stage, whose split
-            # layers run on the lane's shards (core/split.py).
-            self.staged = whole_model(model)
-            self.split_layers = split_lib.find_split_layers(
-                model, annotation, self.plan.taskgraphs, self.plan.taskgraphs[0].device_count
-            )
-            outputs = len(tree.flatten(model.outputs))
-            split_lib.sparse_outputs(self.loss.losses_for(outputs), self.split_layers)
-            split_lib.check_split_metrics(self.metrics, self.split_layers)
-        elif len(self.plan.taskgraphs) == 1:
-            self.staged = whole_model(model)
-        else:
-            self.staged = partition_model(
-                model, annotation.node_taskgraph, len(self.plan.taskgraphs)
-            )
-        self.lanes_in_job = sorted(
-            (
-                lane
-                for w in range(self.cluster.worker_num)
-                for lane in lanes_for_worker(self.plan, w)
-            ),
-            key=lambda lane: lane.index,
+            taskgraphs=annotation.taskgraphs if annotation else None,
+            node_taskgraph=annotation.node_taskgraph if annotation else None,
+            loss=self.loss,
+            metrics=self.metrics,
+            clip_global_norm=self.optimizer.global_clipnorm,
         )
         if self.deepspeed is not None:  # accumulation steps may follow from the lane count
-            self.config, self.plan = self.deepspeed.resolve_plan(
-                self.config, self.plan, len(self.lanes_in_job)
+            self.config, self.engine_plan.plan = self.deepspeed.resolve_plan(
+                self.config, self.engine_plan.plan, len(self.engine_plan.lanes_in_job)
             )
         self.model.optimizer = self.optimizer  # what Keras callbacks read (LR, iterations)
 
@@ -204,37 +169,40 @@ class EPLTrainer:
         spec = model_fn_lib.call_estimator_model_fn(fn, dataset.element_spec, mode, self.params)
         self._setup(spec, **arguments)
 
+    @property
+    def plan(self):
+        """The parallel plan: TaskGraphs x replicas x devices, micro-batches, schedule."""
+        return self.engine_plan.plan
+
+    @property
+    def staged(self):
+        """The model cut into one sub-model per stage."""
+        return self.engine_plan.staged
+
+    @property
+    def lanes(self):
+        """This worker's lanes (one device per stage of a model replica)."""
+        return self.engine_plan.lanes
+
     # ---- building the engine (lazily: a subclassed model is built by its first batch) ----
 
-    def _ensure_program_for(self, dataset) -> Program:
+    def _ensure_engine_for(self, dataset) -> engine.Engine:
         """Builds the program; an unbuilt (subclassed) model is first called on one batch."""
         needs_batch = not self.model.built or self.config.gradient_checkpoint.check_gradients
-        if self._program is None and needs_batch:
+        if self._engine is None and needs_batch:
             element = next(iter(dataset.take(1)))
-            return self._ensure_program(data_lib.split_element(element, with_labels=False)[0])
-        return self._ensure_program(None)
+            return self._ensure_engine(data_lib.split_element(element, with_labels=False)[0])
+        return self._ensure_engine(None)
 
-    def _ensure_program(self, features) -> Program:
-        if self._program is not None:
-            return self._program
+    def _ensure_engine(self, features) -> engine.Engine:
+        if self._engine is not None:
+            return self._engine
         if not self.model.built:
             self.model(tree.map_structure(lambda x: x[:1], features))
-        if self.config.amp.level:  # compute in low precision, float32 weights cast on use
-            changed = amp.apply_mixed_precision(self.model, self.config.amp.dtype)
-            if self.config.amp.debug_log:
-                logger.info(
-                    "AMP %s: %d layers compute in %s: %s",
-                    self.config.amp.level,
-                    len(changed),
-                    self.config.amp.dtype,
-                    changed,
-                )
         with tf.device(self.cluster.host_device):
             self.loss_tracker.reset_state()
-        self._state, self._program = build_engine(
-            self.staged,
-            self.lanes,
-            self.lanes_in_job,
+        self._engine = engine.build_engine(
+            self.engine_plan,
             self.config,
             self.cluster.host_device,
             self.loss,
@@ -243,21 +211,11 @@ class EPLTrainer:
             self._replica_optimizer,
             clip_global_norm=self.optimizer.global_clipnorm,
             step_counter=self.optimizer.iterations,
-            split_layers=self.split_layers,
-            split_width=self.plan.taskgraphs[0].device_count if self.split_layers else 1,
             checkpoint_marks=checkpoints.get_collection(),
         )
-        if self.config.gradient_checkpoint.check_gradients and self._program.recomputed:
-            self._check_recompute_gradients(features)
-        return self._program
-
-    def _check_recompute_gradients(self, features) -> None:
-        """gradient_checkpoint.check_gradients: compare recomputed and plain gradients once."""
-        if features is None:
-            raise ValueError("gradient_checkpoint.check_gradients needs a batch to compare on.")
-        parts = len(self.lanes) * self.config.pipeline.num_micro_batch
-        micro_batch = tree.map_structure(lambda x: x[: max(1, x.shape[0] // parts)], features)
-        check_stage_gradients(self.staged, self._program.recomputed, micro_batch)
+        if self.config.gradient_checkpoint.check_gradients:
+            self._engine.check_recompute_gradients(features)
+        return self._engine
 
     def _replica_optimizer(self, device: str, variables: list, originals: list):
         """A copy of the user's optimizer for engine-owned copies of `originals`, on `device`."""
@@ -293,7 +251,8 @@ class EPLTrainer:
         (`epl_trainer.io`).
         """
         if self._pending_model_fn is not None:
-            self._build_from_data(_spec_probe(x, y, parse_fn, file_format), model_fn_lib.TRAIN)
+            probe = data_lib.spec_probe(x, y, parse_fn, file_format)
+            self._build_from_data(probe, model_fn_lib.TRAIN)
         if self.deepspeed is not None:  # batch sizes, monitors and steps_per_print
             batch_size = self.deepspeed.fit_batch_size(x, batch_size, self.plan, len(self.lanes))
             extra = self.deepspeed.callbacks(self.loss_tracker, self.cluster.is_chief)
@@ -344,14 +303,14 @@ class EPLTrainer:
                 logs = self._run_epoch(batches, callback_list, write_back_each_step, first_step)
                 first_step = 0
                 if validation_data is not None:
-                    val_x, val_y = _unpack_validation(validation_data)
+                    val_x, val_y = data_lib.unpack_validation(validation_data)
                     # A dataset is already batched (as in Model.fit); batch_size is for arrays.
                     val_batch = None if isinstance(val_x, tf.data.Dataset) else batch_size
                     val_logs = self.evaluate(val_x, val_y, batch_size=val_batch)
                     logs.update({f"val_{k}": v for k, v in val_logs.items()})
                 self.epochs_done = epoch + 1
                 self._step_in_epoch = 0
-                self._state.write_back()
+                self._engine.write_back()
                 if self.config.checkpoint.dir:
                     self._save_periodic()
                 callback_list.on_epoch_end(epoch, logs)
@@ -359,11 +318,11 @@ class EPLTrainer:
                     break
         finally:
             self._batches = None
-        if self._state is not None:
-            self._state.write_back()
+        if self._engine is not None:
+            self._engine.write_back()
         callback_list.on_train_end(logs)
-        if self._state is not None:
-            self._state.load_from_model()  # e.g. EarlyStopping(restore_best_weights=True)
+        if self._engine is not None:
+            self._engine.load_from_model()  # e.g. EarlyStopping(restore_best_weights=True)
         return self.model.history
 
     def _files_dataset(self, files, y, batch_size, parse_fn, file_format, steps_per_epoch):
@@ -387,7 +346,7 @@ class EPLTrainer:
             files = io_lib.slice_files(
                 files,
                 worker_index=self.cluster.worker_index,
-                replicas_per_worker=[len(lanes_for_worker(self.plan, w)) for w in range(workers)],
+                replicas_per_worker=self.engine_plan.lanes_per_worker,
                 unbalanced_io_slicing=self.config.io.unbalanced_io_slicing,
                 drop_last_files=self.config.io.drop_last_files,
             )
@@ -400,7 +359,7 @@ class EPLTrainer:
         )
 
     def _run_epoch(self, batches, callback_list, write_back_each_step, first_step=0) -> dict:
-        program = self._ensure_program_for(batches.dataset)
+        program = self._ensure_engine_for(batches.dataset)
         logs = {}
 
         def step(index, iterator):
@@ -413,13 +372,13 @@ class EPLTrainer:
                 else:  # raises StopIteration on every worker once any ran out
                     element = self._end_of_data.next_batch(iterator, index)
                     results = _run_checked(program.train_on_element, element)
-            batch = int(results.pop(BATCH_SIZE_KEY))
+            batch = int(results.pop(engine.BATCH_SIZE_KEY))
             logs = {name: float(value) for name, value in results.items()}
             self._check_finite(logs, index)
             elapsed = time.perf_counter() - start
             logs["samples_per_sec"] = batch * self.cluster.worker_num / max(elapsed, 1e-9)
             if write_back_each_step:
-                self._state.write_back()
+                self._engine.write_back()
             callback_list.on_train_batch_end(index, logs)
             return self.model.stop_training
 
@@ -460,7 +419,7 @@ class EPLTrainer:
         batches = 0
         for element in dataset:
             features, labels = data_lib.split_element(element, with_labels=True)
-            program = self._ensure_program(features)
+            program = self._ensure_engine(features)
             with self._lost_worker_check("an evaluation step"):
                 program.eval_step(features, labels)
             batches += 1
@@ -482,7 +441,7 @@ class EPLTrainer:
         outputs = []
         for element in dataset:
             features, _ = data_lib.split_element(element, with_labels=False)
-            outputs.append(self._ensure_program(features).predict_step(features))
+            outputs.append(self._ensure_engine(features).predict_step(features))
         if not outputs:
             raise ValueError("predict received no data.")
         return tree.map_structure(lambda *xs: np.concatenate([np.asarray(a) for a in xs]), *outputs)
@@ -493,9 +452,9 @@ class EPLTrainer:
         Returns an `epl_trainer.memory.MemoryReport` (index it by device name); prints
         it as a table unless `print_table=False`.
         """
-        if self._program is None:
+        if self._engine is None:
             raise ValueError("memory_report() needs the engine: call fit() or restore first.")
-        report = build_report(self._state, self._program.update, self.lanes)
+        report = build_report(self._engine.state, self._engine.update, self.lanes)
         if print_table:
             print(report)
         return report
@@ -507,7 +466,7 @@ class EPLTrainer:
 
         Only worker 0 writes; the `keep_max` newest checkpoints are kept (all if None).
         """
-        if self._state is None:
+        if self._engine is None:
             raise ValueError("Nothing to save yet: call fit() (or restore) first.")
         if self.config.zero.level and self.cluster.worker_num > 1:
             # Each worker holds only its replicas' optimizer shards; worker 0 alone
@@ -520,8 +479,7 @@ class EPLTrainer:
         step = int(self.optimizer.iterations.numpy())
         if not self.cluster.is_chief:
             return None
-        if self._state.sharded:
-            self._state.write_back()  # sharded variables are saved from the Keras model
+        self._engine.prepare_save()
         metadata = {
             "epochs_done": self.epochs_done,
             # Inside fit: the position in the epoch in progress and in its data pass.
@@ -529,7 +487,7 @@ class EPLTrainer:
             "input_position": 0 if self._batches is None else self._batches.position,
             "plan": self.plan.summary(),
         }
-        variables, names = self._checkpoint_variables()
+        variables, names = self._engine.checkpoint_variables(self.optimizer)
         return ckpt.save(directory, variables, metadata, step, names, keep_max)
 
     def restore_checkpoint(self, directory: str, features=None) -> str:
@@ -547,23 +505,20 @@ class EPLTrainer:
                 )
             element = tf.data.Dataset.from_tensors(features)
             self._build_from_data(element, model_fn_lib.TRAIN)
-        if self._program is None:
+        if self._engine is None:
             if features is None and not self.model.built:
                 raise ValueError(
                     "restore_checkpoint on a subclassed model that was never called needs "
                     "`features` (one batch) to build it."
                 )
-            self._ensure_program(features)
+            self._ensure_engine(features)
         path = ckpt.latest(directory)
-        expected, names = self._checkpoint_variables()
+        expected, names = self._engine.checkpoint_variables(self.optimizer)
         values, metadata = ckpt.load(path, expected, names)
-        for key, variable in expected.items():
-            variable.assign(values[key])
-        self._copy_lane0_to_all()
+        self._engine.restore(expected, values)
         self.epochs_done = metadata.get("epochs_done", 0)
         self._step_in_epoch = metadata.get("step_in_epoch", 0)
         self._resume_position = (self._step_in_epoch, metadata.get("input_position", 0))
-        self._state.write_back()
         return path
 
     def _auto_resume(self, dataset) -> bool:
@@ -573,9 +528,9 @@ class EPLTrainer:
         training from scratch and overwriting the folder's history.
         """
         directory = self.config.checkpoint.dir
-        if not directory or self._state is not None or not ckpt.exists(directory):
+        if not directory or self._engine is not None or not ckpt.exists(directory):
             return False
-        self._ensure_program_for(dataset)
+        self._ensure_engine_for(dataset)
         path = self.restore_checkpoint(directory)
         logger.info(
             "Resumed from %s: epoch %d, step %d of it.", path, self.epochs_done, self._step_in_epoch
@@ -611,45 +566,6 @@ class EPLTrainer:
             "optimizer.nonfinite_loss='skip' to skip such steps."
         )
 
-    def _checkpoint_variables(self) -> tuple[dict, dict]:
-        """Lane 0's state under positional keys, and readable names for those keys."""
-        state = self._state
-        named, names = {}, {}
-
-        def add(key, variable, description):
-            named[key] = variable
-            names[key] = description
-
-        for i, v in enumerate(state.model_trainable):
-            # Sharded variables (split layers) are saved whole, from the Keras model.
-            source = v if i in state.sharded else state.trainable[0][i]
-            add(f"trainable/{i}", source.value, v.path)
-        for i, v in enumerate(state.model_non_trainable):
-            add(f"non_trainable/{i}", state.non_trainable[0][i].value, v.path)
-        for key, v in self._program.update.checkpoint_variables().items():
-            if v is not self.optimizer._learning_rate:
-                # The loss scaler's state is plain tf.Variables, not Keras variables.
-                if isinstance(v, keras.Variable):
-                    add(key, v.value, f"{key} ({v.path})")
-                else:
-                    add(key, v, f"{key} ({v.name})")
-        add("optimizer/iterations", self.optimizer.iterations.value, "optimizer iterations")
-        if isinstance(self.optimizer._learning_rate, keras.Variable):
-            add("optimizer/learning_rate", self.optimizer._learning_rate.value, "learning rate")
-        return named, names
-
-    def _copy_lane0_to_all(self) -> None:
-        state = self._state
-        for li in range(1, len(state.lanes)):
-            for dst, src in zip(
-                state.trainable[li] + state.non_trainable[li],
-                state.trainable[0] + state.non_trainable[0],
-            ):
-                if dst is not src and "seed_generator_state" not in src.path:
-                    dst.assign(src.value)
-        state.load_sharded_from_model()  # each lane's own slice, over the copy above
-        self._program.update.after_restore()
-
     # ---- logs and checks ---------------------------------------------------------------
 
     def _reset_metrics(self) -> None:
@@ -659,39 +575,9 @@ class EPLTrainer:
 
     def _logs(self) -> dict:
         metrics = [self.loss_tracker] + [m for _, m in self.metrics]
-        if self.cluster.worker_num > 1:
-            return self._synced_logs(metrics)
+        if self._metric_sync is not None:
+            return self._metric_sync.results(metrics)
         return {m.name: float(m.result()) for m in metrics}
-
-    def _synced_logs(self, metrics) -> dict:
-        """Metric results over all workers: their state variables are summed first."""
-        if self._metric_sync is None:
-            hosts = tuple(
-                devices[0].rsplit("/device:", 1)[0] + "/device:CPU:0"
-                for devices in self.cluster.devices_by_worker
-            )
-            group = comm.CollectiveGroup(hosts, (self.cluster.host_device,))
-            variables = [v for m in metrics for v in m.variables]
-            buckets = comm.plan_buckets([1] * len(variables), [v.dtype for v in variables], 1)
-            # Create the ordering token now: a variable created inside the trace makes
-            # tf.function trace twice, and the second trace would take another instance
-            # key on this worker only (e.g. one that got no evaluation data and built no
-            # program), so the workers' keys would no longer meet.
-            comm.ordering_token(self.cluster.host_device)
-
-            @tf.function
-            def reduce_all():
-                with tf.device(self.cluster.host_device):
-                    values = [tf.identity(v.value) for v in variables]
-                return comm.fused_all_reduce(group, [values], buckets, "sum")[0]
-
-            self._metric_sync = reduce_all
-        reduced = iter(self._metric_sync())
-        logs = {}
-        for m in metrics:
-            values = [next(reduced) for _ in m.variables]
-            logs[m.name] = float(m.stateless_result(values))
-        return logs
 
 
 def _run_checked(step_fn, *args):
@@ -699,30 +585,19 @@ def _run_checked(step_fn, *args):
     try:
         return step_fn(*args)
     except tf.errors.InvalidArgumentError as e:
-        if (error := amp.min_scale_error(e)) is not None:
+        if (error := engine.min_scale_error(e)) is not None:
             raise error from None
-        found = re.search(rf"\[({re.escape(BATCH_SPLIT_ERROR)}.*?)\] \[(\d+)\]", e.message)
+        found = re.search(rf"\[({re.escape(engine.BATCH_SPLIT_ERROR)}.*?)\] \[(\d+)\]", e.message)
         if found:
             raise ValueError(found.group(1) + found.group(2)) from None
         raise
 
 
 def _annotate(model, config: Config, strategy, stages, split):
-    """The model's TaskGraphs: from annotations, or cut automatically (auto.auto_parallel).
-
-    Returns (annotation, AutoPartition or None).
-    """
+    """The model's annotation (TaskGraph specs and node -> TaskGraph), or None when
+    `auto.auto_parallel` lets the engine cut the model itself."""
     if not config.auto.auto_parallel:
-        annotation = strategies.resolve_annotation(
-            model, strategy=strategy, stages=stages, split=split
-        )
-        return annotation, None
-    num_stages = config.pipeline.num_stages
-    if num_stages is None:
-        raise ValueError(
-            "auto.auto_parallel=True needs pipeline.num_stages (how many stages to cut). "
-            "Received: pipeline.num_stages=None"
-        )
+        return strategies.resolve_annotation(model, strategy=strategy, stages=stages, split=split)
     given = {"strategy": strategy, "stages": stages, "split": split}
     given = {k: v for k, v in given.items() if v is not None}
     scoped = strategies.resolve_annotation(model).source == "scopes"
@@ -731,87 +606,11 @@ def _annotate(model, config: Config, strategy, stages, split):
             "auto.auto_parallel=True cuts the model itself; do not also annotate it. Received: "
             + (", ".join(f"{k}={v!r}" for k, v in given.items()) or "replicate/split scopes")
         )
-    auto = auto_partition(model, num_stages)
-    logger.info("Automatic pipeline partition:\n%s", auto.describe())
-    annotation = strategies.ModelAnnotation(auto.taskgraph_specs(), auto.node_stage, source="auto")
-    return annotation, auto
-
-
-def _spec_probe(x, y, parse_fn, file_format) -> tf.data.Dataset:
-    """A dataset with the element spec of fit's data, for building a model_fn's model."""
-    if parse_fn is not None or file_format is not None:
-        raise ValueError(
-            "An Estimator-style model_fn is built from the data's element spec; with "
-            "fit(files, parse_fn=...) call trainer.evaluate or fit on a tf.data.Dataset "
-            "of the parsed records first."
-        )
-    return x if isinstance(x, tf.data.Dataset) else data_lib.as_dataset(x, y, batch_size=1)
-
-
-def _first(*values):
-    """The first value that is not None (passed arguments, then model_fn, then compile)."""
-    return next((v for v in values if v is not None), None)
-
-
-def compiled_settings(model: keras.Model) -> dict:
-    """What `model.compile(...)` was given: optimizer, loss, loss_weights, metrics.
-
-    Empty for a model that was never compiled. Keras keeps the arguments as given in
-    `_compile_config` (what `get_compile_config` serialises); `optimizer` and `loss`
-    are also public attributes, used when that record is missing.
-    """
-    if not getattr(model, "compiled", False):
-        return {}
-    record = getattr(getattr(model, "_compile_config", None), "config", None) or {}
-    settings = {
-        "optimizer": record.get("optimizer", getattr(model, "optimizer", None)),
-        "loss": record.get("loss", getattr(model, "loss", None)),
-        "loss_weights": record.get("loss_weights"),
-        "metrics": record.get("metrics"),
-    }
-    if record.get("weighted_metrics"):
-        raise ValueError(
-            "The model was compiled with weighted_metrics, which EPLTrainer does not support "
-            "yet; pass metrics=... instead. Received: weighted_metrics="
-            f"{record['weighted_metrics']!r}"
-        )
-    inner = getattr(settings["optimizer"], "inner_optimizer", None)
-    if inner is not None:
-        # compile() wraps the optimizer in a LossScaleOptimizer under mixed_float16; the
-        # engine scales the loss itself (amp.*), so it drives the inner optimizer.
-        settings["optimizer"] = inner
-    return {k: v for k, v in settings.items() if v is not None}
-
-
-def _output_names(model) -> list[str]:
-    names = getattr(model, "output_names", None)
-    return list(names) if names else ["output"]
-
-
-def _check_supported(config: Config) -> None:
-    """Refuses settings that cannot apply instead of silently ignoring them."""
-    values = config.to_dict()
-    if values["pipeline.num_stages"] is not None and not values["auto.auto_parallel"]:
-        raise ValueError(
-            "pipeline.num_stages only applies to the automatic pipeline "
-            "(auto.auto_parallel=True); give stages with epl.replicate scopes or stages=. "
-            f"Received: pipeline.num_stages={values['pipeline.num_stages']}"
-        )
+    return None
 
 
 def _needs_fresh_weights_per_step(callback_list) -> bool:
     return any(
         isinstance(cb, keras.callbacks.ModelCheckpoint) and cb.save_freq != "epoch"
         for cb in callback_list.callbacks
-    )
-
-
-def _unpack_validation(validation_data):
-    if isinstance(validation_data, tf.data.Dataset):
-        return validation_data, None
-    if isinstance(validation_data, (tuple, list)) and len(validation_data) == 2:
-        return validation_data
-    raise ValueError(
-        "validation_data must be a tf.data.Dataset or an (x, y) tuple. "
-        f"Received: {type(validation_data).__name__}"
     )

@@ -1,5 +1,5 @@
-"""Static cost model (core/cost.py) and automatic pipeline partition
-(core/auto_partition.py).
+"""Static cost model (core/graph/cost.py) and automatic pipeline partition
+(core/graph/auto_partition.py).
 
 Every automatic cut is checked numerically too: the stages built by `partition_model`
 from `node_stage` compute what the unpartitioned model computes. Run with `-s` to see

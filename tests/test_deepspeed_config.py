@@ -549,7 +549,7 @@ def test_activation_checkpointing_recomputes_and_trains_like_without():
     recomputed_model, plain_model = mlp(seed=5), mlp(seed=5)
     trainer = epl.EPLTrainer(recomputed_model, LOSS, config=DeepSpeedConfig(ds, base=TWO_DEVICES))
     trainer.fit(x, y, steps_per_epoch=2, verbose=0)
-    assert trainer._program.recomputed  # the stage runs as recomputed segments
+    assert trainer._engine.program.recomputed  # the stage runs as recomputed segments
     plain = epl.EPLTrainer(plain_model, LOSS, keras.optimizers.SGD(0.1), config=TWO_DEVICES)
     plain.fit(x, y, batch_size=16, steps_per_epoch=2, verbose=0)
     for a, b in zip(recomputed_model.get_weights(), plain_model.get_weights()):

@@ -213,7 +213,7 @@ def test_recipe_config_runs_two_steps_from_files(tmp_path):
     assert int(trainer.optimizer.iterations.numpy()) == 2
     assert np.isfinite(history.history["loss"][0])
     assert trainer.evaluate(evaluation)["loss"] < before["loss"]  # the two steps trained
-    state = trainer._state
+    state = trainer._engine.state
     for layer in moe_t5.moe_layers(model):
         index = next(i for i, v in enumerate(state.model_trainable) if v is layer.w_in)
         shapes = {tuple(state.trainable[lane][index].shape) for lane in range(2)}

@@ -1,4 +1,4 @@
-"""Cutting a Keras functional graph into one sub-model per stage (core/partition.py).
+"""Cutting a Keras functional graph into one sub-model per stage (core/graph/partition.py).
 
 Every cut is checked numerically against the unpartitioned model (`forward(x)` equals
 `model(x)`), and structurally through the routing keys of each stage.

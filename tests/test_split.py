@@ -11,7 +11,7 @@ import tensorflow as tf
 from _models import LOSS, keras_reference, max_weight_difference
 
 import epl_trainer as epl
-from epl_trainer.core.engine.split import SplitError
+from epl_trainer.core.plan.ir import SplitError
 
 ATOL = 1e-5
 COLOCATE = {"cluster.colocate_split_and_replicate": True}
@@ -101,7 +101,7 @@ def test_each_lane_holds_one_column_shard():
     trainer = split_trainer(model, 4)
     x, y = data()
     trainer.fit(x, y, batch_size=16, epochs=1, steps_per_epoch=1, verbose=0)
-    state = trainer._state
+    state = trainer._engine.state
     kernel_index = next(
         i for i, v in enumerate(state.model_trainable) if v is model.layers[-1].kernel
     )
@@ -136,7 +136,7 @@ def test_resnet_like_features_with_a_large_split_classifier(classes):
     assert loss == pytest.approx(reference_loss, abs=1e-5)
 
     # No tensor of the full logits' size exists anywhere in the traced training step.
-    graph = trainer._program.train_on_iterator.get_concrete_function(
+    graph = trainer._engine.program.train_on_iterator.get_concrete_function(
         iter(tf.data.Dataset.from_tensor_slices((x, y)).batch(16))
     ).graph
     full_logits = 16 * classes
@@ -271,18 +271,14 @@ def test_split_without_colocation_is_refused():
 
 
 def test_split_with_zero_is_refused():
-    x, y = data()
-    trainer = split_trainer(head_model(), 2, **{"zero.level": "v1"})
-    message = _error(lambda: trainer.fit(x, y, batch_size=16, steps_per_epoch=1, verbose=0))
+    # Refused when the trainer is made (core/plan/rules.py), before anything is built.
+    message = _error(lambda: split_trainer(head_model(), 2, **{"zero.level": "v1"}))
     assert "zero.level='v1'" in message
 
 
 def test_clipping_before_the_reduction_is_refused_with_a_hint():
-    x, y = data()
-    trainer = split_trainer(
-        head_model(), 2, optimizer=keras.optimizers.SGD(0.1, global_clipnorm=1.0)
-    )
-    message = _error(lambda: trainer.fit(x, y, batch_size=16, steps_per_epoch=1, verbose=0))
+    optimizer = keras.optimizers.SGD(0.1, global_clipnorm=1.0)
+    message = _error(lambda: split_trainer(head_model(), 2, optimizer=optimizer))
     assert "clip_after_allreduce=True" in message
 
 

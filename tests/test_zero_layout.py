@@ -184,8 +184,8 @@ def test_layouts_must_have_one_shard_per_member():
 # ---- ZeroUpdate against one optimizer on the mean gradients --------------------------------
 
 
-def _fake_program(lane_devices, clip_global_norm=None):
-    """The few Program attributes an update pass reads (see update.ReplicatedUpdate)."""
+def _fake_layout(lane_devices, clip_global_norm=None):
+    """The few StepLayout and GradientReduction attributes an update pass reads."""
     rng = np.random.default_rng(7)
     initial = [rng.normal(size=s).astype("float32") for s in SHAPES]
     lanes = [types.SimpleNamespace(devices=(device,)) for device in lane_devices]
@@ -193,17 +193,21 @@ def _fake_program(lane_devices, clip_global_norm=None):
     for lane in lanes:
         with tf.device(lane.devices[0]):
             trainable.append([keras.Variable(v, name=f"w{i}") for i, v in enumerate(initial)])
-    return types.SimpleNamespace(
+    layout = types.SimpleNamespace(
         lanes=lanes,
         num_stages=1,
         stage_groups=[comm.CollectiveGroup(tuple(lane_devices), tuple(lane_devices))],
         trainable_idx=[list(range(len(SHAPES)))],
         state=types.SimpleNamespace(trainable=trainable, model_trainable=trainable[0]),
-        options=types.SimpleNamespace(gradients_reduce_method="mean", num_communicators=2),
+    )
+    reduction = types.SimpleNamespace(
+        method="mean",
+        num_communicators=2,
         clip_before=False,
         clip_after=clip_global_norm is not None,
         clip_global_norm=clip_global_norm,
-    ), initial
+    )
+    return layout, reduction, initial
 
 
 OPTIMIZERS = {
@@ -216,7 +220,7 @@ OPTIMIZERS = {
 @pytest.mark.parametrize("optimizer", sorted(OPTIMIZERS))
 @pytest.mark.parametrize("clip", [None, 0.3])
 def test_zero_update_equals_one_optimizer_on_mean_gradients(level, optimizer, clip):
-    program, initial = _fake_program(LANE_DEVICES, clip_global_norm=clip)
+    program, reduction, initial = _fake_layout(LANE_DEVICES, clip_global_norm=clip)
     built = []
 
     def make_optimizer(device, variables):
@@ -226,7 +230,9 @@ def test_zero_update_equals_one_optimizer_on_mean_gradients(level, optimizer, cl
         built.append((device, variables))
         return opt
 
-    update = zero.ZeroUpdate(program, make_optimizer, level, measure_ranks=level == "v1")
+    update = zero.ZeroUpdate(
+        program, reduction, make_optimizer, level, measure_ranks=level == "v1"
+    )
     # Slots exist only for owned variables: each variable is in exactly one optimizer.
     owned_vars = [
         id(program.state.trainable[li][i])

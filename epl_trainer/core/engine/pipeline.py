@@ -54,10 +54,9 @@ class LaneExecutor:
       trainable_idx, non_trainable_idx: per stage, the model-order indices it owns.
       order: (stage, Task) pairs in a dependency-respecting order (schedule.py).
       num_micro_batch: micro-batches per step (losses are scaled by its inverse).
-      loss_fn: `(labels, y_pred) -> scalar` for one micro-batch.
-      hooks: what passes may replace while the program is built (the Program): its
-        `stage_calls[k]` (how stage k's forward runs: plain stateless call, or recomputed
-        segments) and `loss_scale` (None, or a callable giving the AMP loss scale).
+      hooks: the step's `StepHooks`, read while tracing: `stage_calls[k]` (how stage k's
+        forward runs), `loss_fn`, `output_cast` and `loss_scale` (AMP).
+      sparse_gradients: keep Embedding gradients as IndexedSlices.
     """
 
     def __init__(
@@ -69,8 +68,8 @@ class LaneExecutor:
         non_trainable_idx,
         order: list[tuple[int, Task]],
         num_micro_batch: int,
-        loss_fn,
         hooks,
+        sparse_gradients: bool = False,
     ):
         self.staged = staged
         self.devices = devices
@@ -79,8 +78,8 @@ class LaneExecutor:
         self.non_trainable_idx = non_trainable_idx
         self.order = order
         self.num_micro_batch = num_micro_batch
-        self.loss_fn = loss_fn
         self.hooks = hooks
+        self.sparse_gradients = sparse_gradients
         self.num_stages = len(staged.stages)
 
     def run(self, feature_parts, label_parts, non_trainable: list, task_scope=None):
@@ -139,7 +138,7 @@ class LaneExecutor:
                     mb.y_pred = self.hooks.output_cast(
                         staged.pack_outputs([table[key] for key in staged.output_keys])
                     )
-                    loss = self.loss_fn(mb.labels, mb.y_pred)
+                    loss = self.hooks.loss_fn(mb.labels, mb.y_pred)
                     objective = loss if objective is None else loss + objective
                     # Earlier stages trained on their own auxiliary losses; the reported
                     # loss includes them too (tf.stop_gradient: not differentiated twice).
@@ -178,7 +177,7 @@ class LaneExecutor:
                 output_gradients=output_gradients,
                 unconnected_gradients=tf.UnconnectedGradients.ZERO,
             )
-            keep_slices = getattr(self.hooks, "sparse_gradients", False)
+            keep_slices = self.sparse_gradients
             computed = [
                 g
                 if keep_slices and position < len(run.variables) and _is_slices(g)

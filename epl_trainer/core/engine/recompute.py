@@ -166,7 +166,7 @@ class RecomputedStage:
 
 
 def make_recompute_call(recomputed: RecomputedStage):
-    """A `Program.stage_calls[k]`: `(variables, non_trainable, args, training) ->
+    """A `StepHooks.stage_calls[k]`: `(variables, non_trainable, args, training) ->
     (outputs, new non-trainable values, auxiliary losses)`, recomputing the segments."""
 
     def call(variables, non_trainable, args, training):
@@ -177,31 +177,28 @@ def make_recompute_call(recomputed: RecomputedStage):
     return call
 
 
-def apply_recompute(program, config, marks: Sequence = (), recompute_last: bool = True):
-    """The recompute pass: replaces `program.stage_calls[k]` of the checkpointed stages.
+def apply_recompute(
+    hooks, staged: StagedModel, config, marks: Sequence = (), recompute_last: bool = True
+) -> None:
+    """The recompute pass: replaces `hooks.stage_calls[k]` of the checkpointed stages.
 
-    Stages 0..`config.end_taskgraph` (all with -1) are checkpointed. Sets
-    `program.recomputed` (stage -> RecomputedStage) for the plan summary and for
+    Stages 0..`config.end_taskgraph` (all with -1) are checkpointed. Fills
+    `hooks.recomputed` (stage -> RecomputedStage) for the plan summary and for
     `check_stage_gradients`.
 
     Args:
-      program: a `Program` (its `staged` and `stage_calls` are used).
+      hooks: the program's `StepHooks`.
+      staged: the model cut into stages.
       config: the `gradient_checkpoint` config section (type, end_taskgraph).
       marks: the user's checkpoint marks (for type "collection").
       recompute_last: see `RecomputedStage`.
     """
-    program.recomputed = {}
-    if not config.type:
-        return program
-    for k in range(len(program.staged.stages)):
+    for k in range(len(staged.stages)):
         if 0 <= config.end_taskgraph < k:
             break
-        stage = recompute_stage(
-            program.staged, k, config.type, marks, recompute_last=recompute_last
-        )
-        program.recomputed[k] = stage
-        program.stage_calls[k] = make_recompute_call(stage)
-    return program
+        stage = recompute_stage(staged, k, config.type, marks, recompute_last=recompute_last)
+        hooks.recomputed[k] = stage
+        hooks.stage_calls[k] = make_recompute_call(stage)
 
 
 def recompute_stage(

@@ -39,10 +39,7 @@ from keras import tree
 from keras.src.backend.common.stateless_scope import StatelessScope
 
 from epl_trainer.core import comm
-
-
-class SplitError(ValueError):
-    """A split annotation the engine cannot execute."""
+from epl_trainer.core.plan.ir import SplitError
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,11 +74,15 @@ def is_moe(layer) -> bool:
     return callable(getattr(layer, "route", None)) and callable(getattr(layer, "expert_ffn", None))
 
 
-def find_split_layers(model, annotation, taskgraphs, width: int) -> list[SplitLayer]:
-    """The layers of split TaskGraphs that get a sharded implementation, validated."""
+def find_split_layers(model, node_taskgraph, taskgraphs, width: int) -> list[SplitLayer]:
+    """The layers of split TaskGraphs that get a sharded implementation, validated.
+
+    Args:
+      node_taskgraph: {compute node: TaskGraph index} (the model's annotation).
+    """
     split_tgs = {tg.index for tg in taskgraphs if tg.kind == "split"}
     layers: dict[int, keras.layers.Layer] = {}
-    for node, tg in annotation.node_taskgraph.items():
+    for node, tg in node_taskgraph.items():
         if tg in split_tgs and isinstance(node.operation, keras.layers.Layer):
             layers.setdefault(id(node.operation), node.operation)
     index_of = {id(v): i for i, v in enumerate(model.trainable_variables)}

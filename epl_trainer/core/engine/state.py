@@ -28,10 +28,6 @@ from epl_trainer.core.plan.ir import Plan
 _SEED_STRIDE = 1_000_003  # a prime: seeds of different lanes never coincide
 
 
-class StateError(ValueError):
-    """A layout the engine cannot hold."""
-
-
 @dataclasses.dataclass(frozen=True)
 class Lane:
     """One compute lane: global index and one device per stage."""
@@ -41,31 +37,12 @@ class Lane:
 
 
 def lanes_for_worker(plan: Plan, worker: int) -> list[Lane]:
-    """The lanes this worker computes, in global lane order."""
-    counts = {tg.device_count for tg in plan.taskgraphs}
-    if len(counts) != 1:
-        raise StateError(
-            "All TaskGraphs of a replica must use the same device_count for now. Received: "
-            + ", ".join(f"{tg.name}={tg.device_count}" for tg in plan.taskgraphs)
-        )
-    split = [tg.name for tg in plan.taskgraphs if tg.kind == "split"]
-    if split and not plan.colocate_split_and_replicate:
-        raise StateError(
-            f"split TaskGraphs {split} need cluster.colocate_split_and_replicate=True (the "
-            "split layers then share the devices of the replicated ones, EPL's documented "
-            "recipe); split on separate devices is not supported."
-        )
-    width = counts.pop()
+    """The lanes this worker computes, in global lane order (`rules.check_plan` has
+    checked that every TaskGraph has the same width and no replica spans workers)."""
+    width = plan.taskgraphs[0].device_count
     lanes = []
     for replica in range(plan.num_replicas):
-        workers = {d.worker for tg in plan.placement[replica] for d in tg}
-        if len(workers) > 1:
-            raise StateError(
-                f"Model replica {replica} spans workers {sorted(workers)}; a replica must fit "
-                "in one worker (set cluster.device_place_prefer_intra_node=True or use fewer "
-                "devices per replica)."
-            )
-        if workers != {worker}:
+        if plan.placement[replica][0][0].worker != worker:
             continue
         for j in range(width):
             devices = tuple(plan.placement[replica][k][j].name for k in range(len(plan.taskgraphs)))
@@ -100,8 +77,6 @@ class EngineState:
         # `lane.index % num_shards` (its rank in the replica).
         self.sharded = dict(sharded or {})
         self._originals: dict[int, keras.Variable] = {}  # id(copy) -> the model's variable
-        if self.sharded and host_device is not None:
-            raise StateError("Split layers cannot be combined with offload (offload.level).")
         self.model_trainable = list(model.trainable_variables)
         self.model_non_trainable = list(model.non_trainable_variables)
         self.trainable_stage = _stage_of_variables(staged, self.model_trainable)

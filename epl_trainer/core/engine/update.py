@@ -38,7 +38,8 @@ class ReplicatedUpdate:
     """All-reduce, optional global-norm clip, then apply on every lane (or on the host).
 
     Args:
-      program: the Program under construction (stages, lanes, groups, state, options).
+      layout: the step layout (lanes, stages, state).
+      reduction: the gradient reduction and clipping (reduce.py).
       make_optimizer: `(device, variables) -> built Keras optimizer`.
       num_apply_group: optimizer.num_apply_group.
       shared_variables: lanes share one variable copy (offload): apply once, on `apply_device`.
@@ -47,19 +48,21 @@ class ReplicatedUpdate:
 
     def __init__(
         self,
-        program,
+        layout,
+        reduction,
         make_optimizer,
         num_apply_group: int = 1,
         shared_variables: bool = False,
         apply_device: str | None = None,
     ):
-        self.program = program
+        self.layout = layout
+        self.reduction = reduction
         self.shared_variables = shared_variables
-        state = program.state
-        lanes = program.lanes[:1] if shared_variables else program.lanes
+        state = layout.state
+        lanes = layout.lanes[:1] if shared_variables else layout.lanes
         self.groups = []  # groups[stage] = list of index lists (model order)
-        for k in range(program.num_stages):
-            idx = program.trainable_idx[k]
+        for k in range(layout.num_stages):
+            idx = layout.trainable_idx[k]
             sizes = [int(state.model_trainable[i].value.shape.num_elements()) for i in idx]
             self.groups.append(
                 [[idx[j] for j in g] for g in balanced_groups(sizes, num_apply_group)]
@@ -75,22 +78,22 @@ class ReplicatedUpdate:
                     )
                     for group in self.groups[k]
                 ]
-                for k in range(program.num_stages)
+                for k in range(layout.num_stages)
             ]
             for li, lane in enumerate(lanes)
         ]
 
     def __call__(self, lane_grads: list[list]) -> None:
-        program = self.program
-        if program.clip_before:
-            lane_grads = [program.clip(li, grads) for li, grads in enumerate(lane_grads)]
-        reduced = program.all_reduce_gradients(lane_grads)
-        if program.clip_after:
-            reduced = [program.clip(li, grads) for li, grads in enumerate(reduced)]
+        reduction = self.reduction
+        if reduction.clip_before:
+            lane_grads = reduction.clip_each(lane_grads)
+        reduced = reduction.all_reduce(lane_grads)
+        if reduction.clip_after:
+            reduced = reduction.clip_each(reduced)
         self.apply(reduced)
 
     def apply(self, reduced: list[list]) -> None:
-        program = self.program
+        state = self.layout.state
         for li, optimizers in enumerate(self.optimizers):
             for k, stage_optimizers in enumerate(optimizers):
                 device = self.optimizers_device(li, k)
@@ -102,20 +105,20 @@ class ReplicatedUpdate:
                     with tf.device(device), tf.control_dependencies(previous):
                         optimizer.apply(
                             [reduced[li][i] for i in group],
-                            [program.state.trainable[li][i] for i in group],
+                            [state.trainable[li][i] for i in group],
                         )
                         if position + 1 < len(pairs):  # the next group waits for this one
-                            previous = _written(program.state.trainable[li][i] for i in group)
+                            previous = _written(state.trainable[li][i] for i in group)
 
     def optimizers_device(self, li: int, stage: int) -> str:
         variables = self.optimizers[li][stage][0].variables if self.optimizers[li][stage] else []
-        return variables[0].value.device if variables else self.program.lanes[li].devices[stage]
+        return variables[0].value.device if variables else self.layout.lanes[li].devices[stage]
 
     @property
     def _distinct_lanes(self) -> int:
         """Lanes whose optimizer state differs: one, or one per shard rank with split
         layers (each lane of a replica updates its own shard)."""
-        sharded = self.program.state.sharded
+        sharded = self.layout.state.sharded
         return next(iter(sharded.values())).num_shards if sharded else 1
 
     def checkpoint_variables(self) -> dict:
@@ -142,11 +145,11 @@ class ReplicatedUpdate:
 
     def gradient_bytes(self) -> dict[str, int]:
         """Bytes of reduced gradients per compute device (every lane holds its full stage)."""
-        program, usage = self.program, {}
-        for li, lane in enumerate(program.lanes):
-            for k, device in enumerate(lane.devices[: program.num_stages]):
+        layout, usage = self.layout, {}
+        for li, lane in enumerate(layout.lanes):
+            for k, device in enumerate(lane.devices[: layout.num_stages]):
                 count = sum(
-                    variable_bytes(program.state.trainable[li][i]) for i in program.trainable_idx[k]
+                    variable_bytes(layout.state.trainable[li][i]) for i in layout.trainable_idx[k]
                 )
                 usage[device] = usage.get(device, 0) + count
         return usage

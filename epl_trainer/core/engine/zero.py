@@ -31,6 +31,7 @@ from collections.abc import Sequence
 import tensorflow as tf
 
 from epl_trainer.core import comm
+from epl_trainer.core.engine.reduce import scaled
 
 
 def assign_owners(sizes: Sequence[int], num_shards: int) -> list[int]:
@@ -396,8 +397,8 @@ class ZeroUpdate:
     assign the variables the lane does not own.
 
     Args:
-      program: the Program under construction (lanes, stage_groups, trainable_idx,
-        state, options, clip_before / clip_after / clip / clip_global_norm).
+      layout: the step layout (lanes, stage groups, stages' variables, state).
+      reduction: the gradient reduction and clipping settings (reduce.py).
       make_optimizer: `(device, variables) -> built Keras optimizer`.
       level: "v0" or "v1".
       measure_ranks: run `CollectiveGroup.measure_ranks()` on every stage group (one
@@ -406,21 +407,27 @@ class ZeroUpdate:
     """
 
     def __init__(
-        self, program, make_optimizer, level: str = "v1", measure_ranks: bool | None = None
+        self,
+        layout,
+        reduction,
+        make_optimizer,
+        level: str = "v1",
+        measure_ranks: bool | None = None,
     ):
         if level not in ("v0", "v1"):
             raise ValueError(f"zero.level must be 'v0' or 'v1'. Received: {level!r}")
-        self.program = program
+        self.layout = layout
+        self.reduction = reduction
         self.level = level
         self._exchange = zero_reduce_scatter if level == "v1" else zero_all_reduce
-        state = program.state
+        state = layout.state
         self.layouts = []  # layouts[stage], indexed by model trainable index
         self.owned = []  # owned[stage][lane]: model indices the lane owns
-        for k, group in enumerate(program.stage_groups):
+        for k, group in enumerate(layout.stage_groups):
             on_gpu = any(tf.DeviceSpec.from_string(d).device_type == "GPU" for d in group.devices)
             if group.size > 1 and (on_gpu if measure_ranks is None else measure_ranks):
                 group.measure_ranks()
-            idx = program.trainable_idx[k]
+            idx = layout.trainable_idx[k]
             variables = [state.model_trainable[i] for i in idx]
             layouts = make_layouts(
                 [v.shape for v in variables], [v.dtype for v in variables], group.size, indices=idx
@@ -435,17 +442,17 @@ class ZeroUpdate:
                 else None
                 for k, owned in enumerate(self.owned)
             ]
-            for li, lane in enumerate(program.lanes)
+            for li, lane in enumerate(layout.lanes)
         ]
 
     def __call__(self, lane_grads: list[list]) -> None:
-        program = self.program
-        if program.clip_before:
-            lane_grads = [program.clip(li, grads) for li, grads in enumerate(lane_grads)]
+        if self.reduction.clip_before:
+            lane_grads = self.reduction.clip_each(lane_grads)
         owned_grads = [  # owned_grads[stage][lane], aligned with self.owned
-            self._reduce_stage(k, group, lane_grads) for k, group in enumerate(program.stage_groups)
+            self._reduce_stage(k, group, lane_grads)
+            for k, group in enumerate(self.layout.stage_groups)
         ]
-        if program.clip_after:
+        if self.reduction.clip_after:
             owned_grads = self._clip_owned(owned_grads)
         self.apply(owned_grads)
         self._gather()
@@ -458,15 +465,13 @@ class ZeroUpdate:
         the optimizer sees what Keras sees. Densifying them would change the update:
         Adam squares each row of a slice before summing repeated indices.
         """
-        method = self.program.options.gradients_reduce_method
-        sparse = [i for i in self.program.trainable_idx[k] if _is_slices(lane_grads[0][i])]
+        method = self.reduction.method
+        sparse = [i for i in self.layout.trainable_idx[k] if _is_slices(lane_grads[0][i])]
         layouts = self.layouts[k]
         if sparse:  # the same owners, without the sparse variables in the dense buffers
             layouts = [without_indices(layout, sparse) for layout in layouts]
             layouts = [layout for layout in layouts if layout.indices]
-        dense = self._exchange(
-            group, layouts, lane_grads, method, self.program.options.num_communicators
-        )
+        dense = self._exchange(group, layouts, lane_grads, method, self.reduction.num_communicators)
         gathered = {
             i: comm.all_gather_slices(group, [grads[i] for grads in lane_grads], method)
             for i in sparse
@@ -480,47 +485,45 @@ class ZeroUpdate:
         return merged
 
     def apply(self, owned_grads: list[list[list]]) -> None:
-        trainable = self.program.state.trainable
+        trainable = self.layout.state.trainable
         for li, optimizers in enumerate(self.optimizers):
             for k, optimizer in enumerate(optimizers):
                 if optimizer is not None:
-                    with tf.device(self.program.lanes[li].devices[k]):
+                    with tf.device(self.layout.lanes[li].devices[k]):
                         owned = self.owned[k][li]
                         optimizer.apply(owned_grads[k][li], [trainable[li][i] for i in owned])
 
     def _gather(self) -> None:
-        program = self.program
-        trainable = program.state.trainable
-        for k, group in enumerate(program.stage_groups):
+        layout = self.layout
+        trainable = layout.state.trainable
+        for k, group in enumerate(layout.stage_groups):
             owned = self.owned[k]
             # Reading after the apply: the function orders ops on the same variable.
             values = [[trainable[li][i].value for i in owned[li]] for li in range(len(owned))]
-            full = zero_all_gather(
-                group, self.layouts[k], values, program.options.num_communicators
-            )
+            full = zero_all_gather(group, self.layouts[k], values, self.reduction.num_communicators)
             for li, lane_values in enumerate(full):
                 mine = set(owned[li])
-                with tf.device(program.lanes[li].devices[k]):
+                with tf.device(layout.lanes[li].devices[k]):
                     for i, value in lane_values.items():
                         if i not in mine:
                             trainable[li][i].assign(value)
 
     def _clip_owned(self, owned_grads: list[list[list]]) -> list[list[list]]:
         """Global-norm clipping after the reduction, from the owned shards of all stages."""
-        program = self.program
+        layout = self.layout
         squares = [  # squares[stage][lane]
             zero_global_norm_squared(group, owned_grads[k])
-            for k, group in enumerate(program.stage_groups)
+            for k, group in enumerate(layout.stage_groups)
         ]
         clipped = [[list(grads) for grads in stage] for stage in owned_grads]
-        limit = program.clip_global_norm
-        for li, lane in enumerate(program.lanes):
+        limit = self.reduction.clip_global_norm
+        for li, lane in enumerate(layout.lanes):
             with tf.device(lane.devices[0]):
                 norm = tf.sqrt(tf.add_n([stage[li] for stage in squares]))
                 factor = limit / tf.maximum(norm, limit)
             for k in range(len(owned_grads)):
                 with tf.device(lane.devices[k]):
-                    clipped[k][li] = [_scaled(g, factor) for g in owned_grads[k][li]]
+                    clipped[k][li] = [scaled(g, factor) for g in owned_grads[k][li]]
         return clipped
 
     def checkpoint_variables(self) -> dict:
@@ -534,7 +537,7 @@ class ZeroUpdate:
             for k, optimizer in enumerate(optimizers):
                 if optimizer is None:
                     continue
-                shard = self.program.stage_groups[k].rank_of(self.program.lanes[li].devices[k])
+                shard = self.layout.stage_groups[k].rank_of(self.layout.lanes[li].devices[k])
                 for j, v in enumerate(optimizer.variables):
                     named[f"optimizer/stage_{k}/zero_shard_{shard}/{j}"] = v
         return named
@@ -545,13 +548,13 @@ class ZeroUpdate:
     def gradient_bytes(self) -> dict[str, int]:
         """Bytes of reduced gradients per compute device: the owned block under v1, the
         whole stage under v0 (the per-lane accumulated gradients are full in both)."""
-        program, usage = self.program, {}
+        usage = {}
         for k, layouts in enumerate(self.layouts):
             if self.level == "v1":
                 count = sum(x.block_size * tf.as_dtype(x.dtype).size for x in layouts)
             else:
                 count = sum(shard_bytes(layouts))
-            for lane in program.lanes:
+            for lane in self.layout.lanes:
                 usage[lane.devices[k]] = usage.get(lane.devices[k], 0) + count
         return usage
 
@@ -561,11 +564,3 @@ class ZeroUpdate:
 
     def all_optimizer_variables(self) -> list:
         return [v for lane in self.optimizers for o in lane if o is not None for v in o.variables]
-
-
-def _scaled(gradient, factor):
-    """`gradient * factor`, keeping IndexedSlices sparse."""
-    if _is_slices(gradient):
-        values = gradient.values * tf.cast(factor, gradient.values.dtype)
-        return tf.IndexedSlices(values, gradient.indices, gradient.dense_shape)
-    return gradient * tf.cast(factor, gradient.dtype)

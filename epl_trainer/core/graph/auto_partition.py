@@ -1,5 +1,5 @@
 """Automatic pipeline partition: cut an unannotated functional model into S contiguous
-stages balanced by the static cost model (`core/cost.py`).
+stages balanced by the static cost model (`core/graph/cost.py`).
 
 Steps, in order:
 
@@ -185,7 +185,7 @@ class AutoPartition:
 
     def estimate(self, plan, options: estimate.TrainOptions) -> estimate.Estimate:
         """Per-device memory and communication of these stages on `plan`
-        (`core/estimate.py`); `plan` has one TaskGraph per stage."""
+        (`core/plan/estimate.py`); `plan` has one TaskGraph per stage."""
         if self.model_cost is None:
             raise ValueError("This AutoPartition was built without a model_cost.")
         return estimate.estimate(self.model_cost, plan, options, cuts=self.cuts)
@@ -286,7 +286,7 @@ def auto_partition(model, num_stages: int, cut_at: str = "blocks") -> AutoPartit
 
 
 def model_cost(model, cut_at: str = "blocks") -> estimate.ModelCost:
-    """The estimator's view of a functional Keras model: node costs (`core/cost.py`),
+    """The estimator's view of a functional Keras model: node costs (`core/graph/cost.py`),
     stage cuts allowed by `cut_candidates` and the activation bytes crossing each.
 
     Gradient checkpointing is estimated with segments between the same candidates

@@ -3,7 +3,7 @@ bytes of every compute node, from shapes alone.
 
 Nothing is executed and no TensorFlow op is built: the numbers come from the
 `KerasTensor` shapes recorded in the functional graph and from the layers' weights.
-The automatic pipeline partition (`core/auto_partition.py`) balances stages on these
+The automatic pipeline partition (`core/graph/auto_partition.py`) balances stages on these
 numbers; memory planning reads the same `NodeCost`s (parameter and activation bytes).
 
 Conventions:
@@ -23,8 +23,8 @@ Conventions:
   Keras's layers): MultiHeadAttention its scaled query, key, value, attention
   probabilities and context; LayerNormalization its normalising factor (float32, plus a
   float32 copy of a 16-bit input); a GELU activation x/sqrt(2), 1+erf(.) and x/2
-  (Keras's exact form). `core/analytic.py` counts the same for its transformer layers.
-* `NodeCost` is defined in `core/estimate.py`, the TensorFlow-free estimator that turns
+  (Keras's exact form). `core/plan/analytic.py` counts the same for its transformer layers.
+* `NodeCost` is defined in `core/plan/estimate.py`, the TensorFlow-free estimator that turns
   these rows (via `auto_partition.model_cost`) into per-device memory and traffic.
 
 Per-layer FLOPs (batch 1; `rows` = product of the non-batch dims except the last):

@@ -1,7 +1,7 @@
 """Models described by their sizes alone, as `estimate.ModelCost`s (no TensorFlow).
 
 `epl-plan` estimates models far larger than this machine can build, so their costs come
-from formulas rather than from a Keras graph (`core/cost.py` does that for models that
+from formulas rather than from a Keras graph (`core/graph/cost.py` does that for models that
 exist). Every node is a whole block (embedding, one transformer layer, one ResNet
 bottleneck block, the head), and stages may start at any block boundary, as the
 automatic partition cuts between repeated blocks.

@@ -2,11 +2,11 @@
 
 Nothing runs and no TensorFlow is imported: a model is a `ModelCost` (per-node
 parameters, forward FLOPs and activation bytes per sample, from shapes or from an
-analytic description), a cluster is a `Plan` (`core/planner.py` accepts any device
+analytic description), a cluster is a `Plan` (`core/plan/planner.py` accepts any device
 names, so a virtual 64 x 8 GPU cluster is planned like a real one), and the options are
 the config keys that change memory (`pipeline.*`, `zero.level`, `amp.level`,
 `gradient_checkpoint.type`). `epl-plan` prints the result; the automatic stage
-partition (`core/auto_partition.py`) cuts stages with `partition_stages` below, so the
+partition (`core/graph/auto_partition.py`) cuts stages with `partition_stages` below, so the
 stages `epl-plan` estimates are the stages the trainer builds.
 
 Model states per device (bytes per parameter of the device's stage, as in the ZeRO
@@ -33,7 +33,7 @@ the stage's input. With gradient checkpointing only the tensors crossing the seg
 boundaries (`ModelCost.checkpoint_positions`) are kept, and one segment at a time is
 recomputed in backward. A stage keeps `inflight` micro-batches alive: all M with GPipe
 (PreferForward), min(S - s, M) for stage s with 1F1B (PreferBackward), read from the
-schedule itself (`core/schedule.py`). The bubble is GPipe's (S - 1) / (M + S - 1), the
+schedule itself (`core/plan/schedule.py`). The bubble is GPipe's (S - 1) / (M + S - 1), the
 same for both schedules.
 
 Peak per device = parameters + optimizer state + the stage's full gradients (the trainer
@@ -83,7 +83,6 @@ __all__ = [
 
 ZERO_LEVELS = ("", "v0", "v1")  # zero.level; the paper's P_os and P_os+g
 AMP_MODES = ("", "O1", "master")  # amp.level, plus the paper's fp16 + fp32 master weights
-PIPELINE_STRATEGIES = ("PreferBackward", "PreferForward")
 # Per-parameter state slots of Keras optimizers (each as large as the parameter).
 OPTIMIZER_SLOTS = {
     "sgd": 0,
@@ -199,20 +198,18 @@ class TrainOptions:
     """The training settings that change memory and communication (config keys)."""
 
     micro_batch_size: int = 1  # samples per micro-batch and model replica
-    num_micro_batch: int = 1  # pipeline.num_micro_batch
-    pipeline_strategy: str = "PreferBackward"  # pipeline.strategy
     zero: str = ""  # zero.level
     amp: str = ""  # amp.level, or "master" (see the module doc)
     gc: bool = False  # gradient_checkpoint.type set
     optimizer: str = "adam"
 
     def __post_init__(self):
-        for key in ("micro_batch_size", "num_micro_batch"):
-            value = getattr(self, key)
-            if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
-                raise ValueError(f"{key} must be an int >= 1. Received: {key}={value!r}")
+        value = self.micro_batch_size
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+            raise ValueError(
+                f"micro_batch_size must be an int >= 1. Received: micro_batch_size={value!r}"
+            )
         choices = {
-            "pipeline_strategy": PIPELINE_STRATEGIES,
             "zero": ZERO_LEVELS,
             "amp": AMP_MODES,
             "optimizer": tuple(OPTIMIZER_SLOTS),
@@ -277,7 +274,7 @@ class Estimate:
 
     @property
     def bubble(self) -> float:
-        return bubble_fraction(len(self.stages), self.options.num_micro_batch)
+        return bubble_fraction(len(self.stages), self.plan.num_micro_batch)
 
     @property
     def global_batch(self) -> int:
@@ -307,7 +304,11 @@ class Estimate:
             "global_batch": self.global_batch,
             "bubble_fraction": self.bubble,
             "cuts": list(self.cuts),
-            "options": dataclasses.asdict(self.options),
+            "options": {
+                **dataclasses.asdict(self.options),
+                "num_micro_batch": self.plan.num_micro_batch,
+                "pipeline_strategy": self.plan.pipeline_strategy,
+            },
             "stages": [
                 {
                     "index": s.index,
@@ -465,8 +466,8 @@ def estimate(
 
     Args:
       model: the model's costs.
-      plan: one TaskGraph per pipeline stage (each `replicate`); its `num_micro_batch`
-        must equal `options.num_micro_batch`.
+      plan: one TaskGraph per pipeline stage (each `replicate`), with the micro-batches
+        per step and the pipeline schedule (`num_micro_batch`, `pipeline_strategy`).
       options: micro-batch size (per model replica; `replicate(n)` gives each of its n
         devices 1/n), ZeRO level, AMP, gradient checkpointing, optimizer.
       cuts: node indices where stages 1.. start; default `partition_stages`.
@@ -475,12 +476,6 @@ def estimate(
       ValueError: a plan the estimate does not describe, or cuts that do not fit it.
     """
     num_stages = plan.num_taskgraphs
-    if plan.num_micro_batch != options.num_micro_batch:
-        raise ValueError(
-            "The plan and the options disagree on the micro-batches per step. Received: "
-            f"plan.num_micro_batch={plan.num_micro_batch}, "
-            f"options.num_micro_batch={options.num_micro_batch}"
-        )
     if any(tg.kind != "replicate" for tg in plan.taskgraphs):
         raise ValueError(
             "The estimate covers replicate TaskGraphs (data and pipeline parallelism). "
@@ -493,7 +488,7 @@ def estimate(
         )
     bounds = (0, *cuts, len(model.nodes))
     # The schedule the trainer runs, as data: how many micro-batches each stage keeps.
-    schedule = make_schedule(options.pipeline_strategy, num_stages, options.num_micro_batch)
+    schedule = make_schedule(plan.pipeline_strategy, num_stages, plan.num_micro_batch)
     in_flight = peak_in_flight(schedule)
     stages = tuple(
         _stage(model, plan, options, k, start, stop, in_flight)
@@ -504,7 +499,7 @@ def estimate(
 
 def _stage(model, plan: Plan, options: TrainOptions, k, start, stop, in_flight):
     nodes = model.nodes[start:stop]
-    num_stages, m = plan.num_taskgraphs, options.num_micro_batch
+    num_stages, m = plan.num_taskgraphs, plan.num_micro_batch
     # A stage's devices each hold a full copy of its variables (replicate(n) lanes too),
     # and replicate(n) splits the replica's micro-batch over its n devices.
     width = plan.taskgraphs[k].device_count

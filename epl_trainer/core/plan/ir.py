@@ -1,7 +1,7 @@
 """The parallel plan as plain data: TaskGraphs, devices and their placement.
 
 No TensorFlow or Keras here, so plans can be built, printed, compared and tested in
-any process. The planner (`core/planner.py`) is the only producer of `Plan`s; everything
+any process. The planner (`core/plan/planner.py`) is the only producer of `Plan`s; everything
 downstream (partition, state, program) reads them.
 
 Vocabulary (EPL's): a *TaskGraph* is one annotated piece of the model (a `replicate`
@@ -24,6 +24,10 @@ _SUMMARY_MAX_REPLICAS = 8  # wider tables stop being readable; the rest is elide
 
 class PlanError(ValueError):
     """The annotations, config and cluster do not make a valid parallel plan."""
+
+
+class SplitError(ValueError):
+    """A split annotation the engine cannot execute."""
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,220 @@
+"""The engine's entry point for the trainer: plan it, build it, run and save it.
+
+Two phases, because a plan exists before the model has seen data (the trainer prints
+it at construction) and the state only once a subclassed model is built:
+
+* `plan_engine` (at trainer construction): checks which settings combine
+  (`core/plan/rules.py`), cuts the model automatically if asked, places TaskGraphs on
+  the job's devices (the `Plan`), cuts the model into stage sub-models, finds split
+  layers, and lists the lanes. Returns an `EnginePlan`.
+* `build_engine` (builder.py, at the first data): creates the state and the program and
+  applies the passes. Returns an `Engine`, whose steps the trainer's loop calls and
+  whose state it saves and restores.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Mapping, Sequence
+
+import keras
+from keras import tree
+
+from epl_trainer.core.engine import split as split_lib
+from epl_trainer.core.engine.gradient_check import check_stage_gradients
+from epl_trainer.core.engine.program import Program
+from epl_trainer.core.engine.state import EngineState, Lane, lanes_for_worker
+from epl_trainer.core.graph.auto_partition import auto_partition
+from epl_trainer.core.graph.partition import StagedModel, partition_model, whole_model
+from epl_trainer.core.plan import planner, rules
+from epl_trainer.core.plan.ir import Plan
+
+logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class EnginePlan:
+    """What the engine will run, decided before any state exists.
+
+    Attributes:
+      plan: TaskGraphs x replicas x devices, micro-batches and schedule; the one source
+        of `num_micro_batch` and the pipeline strategy for everything built later.
+      staged: the model cut into one sub-model per stage.
+      lanes: this worker's lanes; `lanes_in_job`: every worker's, in lane order.
+      lanes_per_worker: how many lanes each worker computes (IO slicing weights).
+      split_layers: the layers sharded over a replica's lanes (split annotations).
+    """
+
+    plan: Plan
+    staged: StagedModel
+    lanes: list[Lane]
+    lanes_in_job: list[Lane]
+    lanes_per_worker: list[int]
+    split_layers: list
+
+
+def plan_engine(
+    model: keras.Model,
+    config,
+    devices_by_worker: Sequence[Sequence[str]],
+    worker_index: int,
+    taskgraphs: Sequence | None = None,
+    node_taskgraph: Mapping | None = None,
+    loss=None,
+    metrics: Sequence = (),
+    clip_global_norm: float | None = None,
+) -> EnginePlan:
+    """Plans the engine for `model`.
+
+    Args:
+      model: the user's built (or functional) Keras model.
+      config: the job's `Config`.
+      devices_by_worker: `devices_by_worker[w]` lists worker w's compute devices.
+      worker_index: this worker.
+      taskgraphs, node_taskgraph: the annotation (TaskGraph specs, and each compute
+        node's TaskGraph index); None with `auto.auto_parallel`, which cuts the model.
+      loss: the trainer's `CompiledLoss` (split outputs need a cross-entropy).
+      metrics: [(flat output index, metric)] (split outputs support accuracy only).
+      clip_global_norm: the optimizer's `global_clipnorm`.
+    """
+    rules.check_config(config)
+    auto = None
+    if config.auto.auto_parallel:
+        auto = auto_partition(model, config.pipeline.num_stages)
+        logger.info("Automatic pipeline partition:\n%s", auto.describe())
+        taskgraphs, node_taskgraph = auto.taskgraph_specs(), auto.node_stage
+    plan = planner.build_plan(
+        taskgraphs,
+        devices_by_worker,
+        worker_index,
+        num_micro_batch=config.pipeline.num_micro_batch,
+        colocate_split_and_replicate=config.cluster.colocate_split_and_replicate,
+        prefer_intra_node=config.cluster.device_place_prefer_intra_node,
+        pipeline_strategy=config.pipeline.strategy,
+        stage_costs=auto.stage_costs if auto else None,
+        cut_description=auto.cut_description if auto else None,
+    )
+    rules.check_plan(plan, config, clip_global_norm)
+    split_layers = []
+    if any(tg.kind == "split" for tg in plan.taskgraphs):
+        # Colocated TaskGraphs share every device of a lane: one stage, whose split
+        # layers run on the lane's shards (split.py).
+        staged = whole_model(model)
+        split_layers = split_lib.find_split_layers(
+            model, node_taskgraph, plan.taskgraphs, plan.taskgraphs[0].device_count
+        )
+        num_outputs = len(tree.flatten(model.outputs))
+        split_lib.sparse_outputs(loss.losses_for(num_outputs), split_layers)
+        split_lib.check_split_metrics(metrics, split_layers)
+    elif len(plan.taskgraphs) == 1:
+        staged = whole_model(model)
+    else:
+        staged = partition_model(model, node_taskgraph, len(plan.taskgraphs))
+    by_worker = [lanes_for_worker(plan, w) for w in range(len(devices_by_worker))]
+    return EnginePlan(
+        plan=plan,
+        staged=staged,
+        lanes=by_worker[worker_index],
+        lanes_in_job=sorted((lane for lanes in by_worker for lane in lanes), key=_index),
+        lanes_per_worker=[len(lanes) for lanes in by_worker],
+        split_layers=split_layers,
+    )
+
+
+def _index(lane: Lane) -> int:
+    return lane.index
+
+
+class Engine:
+    """A built engine: its steps, its state, and how that state is saved and restored."""
+
+    def __init__(self, engine_plan: EnginePlan, state: EngineState, program: Program):
+        self.plan = engine_plan.plan
+        self.staged = engine_plan.staged
+        self.lanes = engine_plan.lanes
+        self.state = state
+        self.program = program
+        self.train_on_iterator = program.train_on_iterator
+        self.train_on_element = program.train_on_element
+        self.eval_step = program.eval_step
+        self.predict_step = program.predict_step
+
+    @property
+    def update(self):
+        return self.program.update
+
+    @property
+    def recomputed(self) -> dict:
+        return self.program.recomputed
+
+    def write_back(self) -> None:
+        """Copies the trained values into the user's Keras model."""
+        self.state.write_back()
+
+    def load_from_model(self) -> None:
+        """Copies the Keras model's values into every lane (e.g. after set_weights)."""
+        self.state.load_from_model()
+
+    def check_recompute_gradients(self, features) -> dict:
+        """`gradient_checkpoint.check_gradients`: recomputed vs plain gradients, once."""
+        if not self.recomputed:
+            return {}
+        if features is None:
+            raise ValueError("gradient_checkpoint.check_gradients needs a batch to compare on.")
+        parts = len(self.lanes) * self.plan.num_micro_batch
+        micro_batch = tree.map_structure(lambda x: x[: max(1, x.shape[0] // parts)], features)
+        return check_stage_gradients(self.staged, self.recomputed, micro_batch)
+
+    def checkpoint_variables(self, optimizer) -> tuple[dict, dict]:
+        """Lane 0's state under positional keys, and readable names for those keys.
+
+        Args:
+          optimizer: the user's optimizer (its step counter and learning rate are saved).
+        """
+        state = self.state
+        named, names = {}, {}
+
+        def add(key, variable, description):
+            named[key] = variable
+            names[key] = description
+
+        for i, v in enumerate(state.model_trainable):
+            # Sharded variables (split layers) are saved whole, from the Keras model.
+            source = v if i in state.sharded else state.trainable[0][i]
+            add(f"trainable/{i}", source.value, v.path)
+        for i, v in enumerate(state.model_non_trainable):
+            add(f"non_trainable/{i}", state.non_trainable[0][i].value, v.path)
+        for key, v in self.update.checkpoint_variables().items():
+            if v is not optimizer._learning_rate:
+                # The loss scaler's state is plain tf.Variables, not Keras variables.
+                if isinstance(v, keras.Variable):
+                    add(key, v.value, f"{key} ({v.path})")
+                else:
+                    add(key, v, f"{key} ({v.name})")
+        add("optimizer/iterations", optimizer.iterations.value, "optimizer iterations")
+        if isinstance(optimizer._learning_rate, keras.Variable):
+            add("optimizer/learning_rate", optimizer._learning_rate.value, "learning rate")
+        return named, names
+
+    def prepare_save(self) -> None:
+        """Before saving: sharded variables are saved whole, from the Keras model."""
+        if self.state.sharded:
+            self.state.write_back()
+
+    def restore(self, expected: dict, values: dict) -> None:
+        """Assigns restored `values` to the `expected` variables (`checkpoint_variables`),
+        then gives every lane lane 0's state and the Keras model the result."""
+        for key, variable in expected.items():
+            variable.assign(values[key])
+        state = self.state
+        for li in range(1, len(state.lanes)):
+            for dst, src in zip(
+                state.trainable[li] + state.non_trainable[li],
+                state.trainable[0] + state.non_trainable[0],
+            ):
+                if dst is not src and "seed_generator_state" not in src.path:
+                    dst.assign(src.value)
+        state.load_sharded_from_model()  # each lane's own slice, over the copy above
+        self.update.after_restore()
+        state.write_back()

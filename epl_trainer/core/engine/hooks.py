@@ -1,0 +1,88 @@
+"""The step's extension points: what the builder's passes fill before the first trace.
+
+`Program` (program.py) and the lane executors (pipeline.py) read only these slots; a
+pass never reaches into a built object. The builder (builder.py) fills them in a stated
+order: split, gradient checkpointing, the update, then AMP or the non-finite guard.
+
+`LaneHooks` is the part of the step that differs when layers are split over the lanes
+of a replica: which lane is current while a lane's ops are traced, how sharded
+gradients are reduced and counted in the global norm, how split outputs feed metrics
+and predictions. `ReplicatedLanes` is the default (every lane holds whole variables);
+split.py's `SplitLanes` replaces it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Callable
+
+import tensorflow as tf
+from keras import tree
+
+
+def identity(x):
+    return x
+
+
+class ReplicatedLanes:
+    """Lane hooks of a program without split layers: nothing is sharded."""
+
+    def lane(self, li: int):
+        """A context in which lane li's ops are traced."""
+        return contextlib.nullcontext()
+
+    def begin_trace(self) -> None:
+        """Called once at the start of every traced step."""
+
+    def reduce_sharded(self, lane_grads: list[list], reduced: list[list]) -> None:
+        """Writes the reduced gradients of sharded variables into `reduced`."""
+
+    def shard_norm_squares(self, li: int, grads: list) -> list:
+        """Lane li's share of the squared global norm held in sharded gradients."""
+        return []
+
+    def update_output_metric(self, index: int, metric, y_true, y_pred, sample_weight) -> bool:
+        """Updates `metric` of flat output `index` if that output is split; returns
+        whether it did (False: the caller updates it as a plain Keras metric)."""
+        return False
+
+    def join_predictions(self, lane_outputs: list, batch):
+        """The lanes' predictions, rows in lane order, cut to `batch` rows."""
+        joined = tree.map_structure(lambda *xs: tf.concat(xs, axis=0), *lane_outputs)
+        return tree.map_structure(lambda x: x[:batch], joined)
+
+
+@dataclasses.dataclass
+class StepHooks:
+    """Named slots of the training, evaluation and prediction steps.
+
+    Attributes:
+      stage_calls: per stage, how its training forward runs: `(variables,
+        non_trainable, args, training) -> (outputs, new non-trainable, aux losses)`
+        (a plain stateless call, recomputed segments, or split layers on shards).
+      eval_stage_calls: per stage, the forward of evaluate / predict (never recomputed).
+      loss_fn: `(labels, y_pred) -> scalar` for one micro-batch.
+      update: `(lane_grads) -> None`: reduces and applies the gradients (the update
+        pass: replicated, ZeRO, wrapped by the finiteness check).
+      update_metrics: `(labels, y_pred, loss) -> None` for one micro-batch's running
+        metrics; the non-finite guard filters it.
+      lanes: the lane hooks (`ReplicatedLanes`, or split's `SplitLanes`).
+      output_cast: applied to outputs and auxiliary losses before the loss and metrics
+        (AMP: float32).
+      loss_scale: None, or a callable giving the loss scale (AMP).
+      extra_logs: name -> callable giving a tensor, added to every step's logs.
+      recomputed: stage -> RecomputedStage (gradient checkpointing), for the summary and
+        the gradient check.
+    """
+
+    stage_calls: list
+    eval_stage_calls: list
+    loss_fn: Callable
+    update: Callable | None = None
+    update_metrics: Callable | None = None
+    lanes: ReplicatedLanes = dataclasses.field(default_factory=ReplicatedLanes)
+    output_cast: Callable = identity
+    loss_scale: Callable | None = None
+    extra_logs: dict = dataclasses.field(default_factory=dict)
+    recomputed: dict = dataclasses.field(default_factory=dict)

@@ -1,0 +1,129 @@
+"""Gradient reduction across lanes and global-norm clipping (`communication.*`).
+
+Each stage's gradients are all-reduced over every lane of the job holding that stage, in
+fused buckets (`communication.max_splits`, spread over `num_communicators` ordering
+chains, optionally on a float16 wire); sparse gradients (an Embedding's IndexedSlices)
+are all-gathered as rows unless `sparse_as_dense`. Split layers' sharded gradients are
+reduced by the lane hooks. Clipping by the optimizer's `global_clipnorm` spans all
+stages, before the reduction (EPL's default) or after it (`clip_after_allreduce`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import tensorflow as tf
+
+from epl_trainer.core import comm
+from epl_trainer.core.engine.hooks import ReplicatedLanes
+from epl_trainer.core.engine.layout import StepLayout
+
+
+class GradientReduction:
+    """Reduces and clips one step's gradients.
+
+    Args:
+      layout: the step layout.
+      communication: the `communication` config section.
+      lane_hooks: the program's lane hooks (split layers reduce their shards there).
+      clip_global_norm: the optimizer's `global_clipnorm`, or None.
+    """
+
+    def __init__(
+        self,
+        layout: StepLayout,
+        communication,
+        lane_hooks: ReplicatedLanes,
+        clip_global_norm: float | None = None,
+    ):
+        self.layout = layout
+        self.method = communication.gradients_reduce_method  # "mean" | "sum"
+        self.max_splits = communication.max_splits
+        self.num_communicators = communication.num_communicators
+        # communication.fp16: float32 gradients cross as float16, scaled by this.
+        self.wire_fp16_scale = communication.fp16_scale if communication.fp16 else None
+        self.lane_hooks = lane_hooks
+        self.clip_global_norm = clip_global_norm
+        clipping = clip_global_norm is not None
+        self.clip_before = clipping and not communication.clip_after_allreduce
+        self.clip_after = clipping and communication.clip_after_allreduce
+
+    def plan_buckets(self, indices: Sequence[int]) -> list[list[int]]:
+        """Buckets (positions into `indices`) of at most max_splits per dtype."""
+        variables = [self.layout.state.model_trainable[i] for i in indices]
+        sizes = [int(v.value.shape.num_elements()) * v.value.dtype.size for v in variables]
+        return comm.plan_buckets(sizes, [v.dtype for v in variables], self.max_splits)
+
+    def all_reduce(self, lane_grads: list[list]) -> list[list]:
+        """All-reduces each stage's gradients over every lane of the job."""
+        layout = self.layout
+        reduced = [list(grads) for grads in lane_grads]
+        self.lane_hooks.reduce_sharded(lane_grads, reduced)
+        for k, group in enumerate(layout.stage_groups):
+            idx = [i for i in layout.reduced_idx[k] if not _is_slices(lane_grads[0][i])]
+            for i in layout.reduced_idx[k]:
+                if _is_slices(lane_grads[0][i]):
+                    gathered = comm.all_gather_slices(
+                        group, [grads[i] for grads in lane_grads], self.method
+                    )
+                    for li, g in enumerate(gathered):
+                        reduced[li][i] = g
+            per_member = [[grads[i] for i in idx] for grads in lane_grads]
+            results = comm.fused_all_reduce(
+                group,
+                per_member,
+                self.plan_buckets(idx),
+                self.method,
+                num_chains=self.num_communicators,
+                wire_fp16_scale=self.wire_fp16_scale,
+            )
+            for li, stage_grads in enumerate(results):
+                for i, g in zip(idx, stage_grads):
+                    reduced[li][i] = g
+        return reduced
+
+    def clip(self, li: int, grads: list) -> list:
+        """Global-norm clipping over all stages of a lane (the optimizer's global_clipnorm).
+
+        With split layers the norm adds every shard's squares (a sum over the replica's
+        lanes), so it is the norm of the whole model's gradient.
+        """
+        layout = self.layout
+        lane = layout.lanes[li]
+        squares = []
+        for k in range(layout.num_stages):
+            with tf.device(lane.devices[k]):
+                stage_grads = [grads[i] for i in layout.reduced_idx[k]]
+                if stage_grads:
+                    squares.append(tf.add_n([sum_of_squares(g) for g in stage_grads]))
+        squares += self.lane_hooks.shard_norm_squares(li, grads)
+        with tf.device(lane.devices[0]):
+            norm = tf.sqrt(tf.add_n(squares))
+            factor = self.clip_global_norm / tf.maximum(norm, self.clip_global_norm)
+        clipped = []
+        for g, stage in zip(grads, layout.state.trainable_stage):
+            with tf.device(lane.devices[stage]):
+                clipped.append(scaled(g, factor))
+        return clipped
+
+    def clip_each(self, lane_grads: list[list]) -> list[list]:
+        return [self.clip(li, grads) for li, grads in enumerate(lane_grads)]
+
+
+def _is_slices(gradient) -> bool:
+    return isinstance(gradient, tf.IndexedSlices)
+
+
+def sum_of_squares(gradient):
+    """Squared norm of a gradient. Slices count row by row (repeated indices are not
+    summed first), as Keras's `global_norm` does, so clipping matches `Model.fit`."""
+    values = gradient.values if _is_slices(gradient) else gradient
+    return tf.reduce_sum(tf.square(values))
+
+
+def scaled(gradient, factor):
+    """`gradient * factor`, keeping IndexedSlices sparse."""
+    if _is_slices(gradient):
+        values = gradient.values * tf.cast(factor, gradient.values.dtype)
+        return tf.IndexedSlices(values, gradient.indices, gradient.dense_shape)
+    return gradient * tf.cast(factor, gradient.dtype)

@@ -1,0 +1,94 @@
+"""Which settings combine: the one home of every such rule.
+
+Checked once, before anything is built: `check_config` on the config alone (when the
+trainer is created), `check_plan` on the plan it makes. Each refusal names the
+settings involved and what to do instead. Rules that depend on the model itself (a
+split Dense that is not an output, a loss that is not a cross-entropy) stay with the
+code that inspects the model (`core/engine/split.py`).
+
+Plain Python: the config is read through its sections' attributes, so this module, like
+the rest of `core/plan`, imports no TensorFlow.
+"""
+
+from __future__ import annotations
+
+from epl_trainer.core.plan.ir import Plan, PlanError, SplitError
+
+
+def check_config(config) -> None:
+    """Refuses config values that cannot apply together, or cannot apply at all."""
+    if config.pipeline.num_stages is not None and not config.auto.auto_parallel:
+        raise ValueError(
+            "pipeline.num_stages only applies to the automatic pipeline "
+            "(auto.auto_parallel=True); give stages with epl.replicate scopes or stages=. "
+            f"Received: pipeline.num_stages={config.pipeline.num_stages}"
+        )
+    if config.auto.auto_parallel and config.pipeline.num_stages is None:
+        raise ValueError(
+            "auto.auto_parallel=True needs pipeline.num_stages (how many stages to cut). "
+            "Received: pipeline.num_stages=None"
+        )
+    if config.zero.level and config.communication.fp16:
+        raise ValueError(
+            "communication.fp16 compresses all-reduced gradients; ZeRO reduce-scatters "
+            f"them and does not support it yet. Received: zero.level={config.zero.level!r}, "
+            "communication.fp16=True; drop one of them."
+        )
+    if config.zero.level and (config.offload.level or config.optimizer.num_apply_group > 1):
+        raise ValueError(
+            "zero.level shards the optimizer across replicas and cannot be combined with "
+            f"offload.level or optimizer.num_apply_group yet. Received: zero.level="
+            f"{config.zero.level!r}, offload.level={config.offload.level!r}, "
+            f"optimizer.num_apply_group={config.optimizer.num_apply_group}; use one of them."
+        )
+
+
+def check_plan(plan: Plan, config, clip_global_norm: float | None = None) -> None:
+    """Refuses plans the engine cannot execute with these settings.
+
+    Args:
+      plan: the plan of the whole job.
+      config: the config the plan was made with.
+      clip_global_norm: the optimizer's `global_clipnorm`, or None.
+    """
+    counts = {tg.device_count for tg in plan.taskgraphs}
+    if len(counts) != 1:
+        raise PlanError(
+            "All TaskGraphs of a replica must use the same device_count for now. Received: "
+            + ", ".join(f"{tg.name}={tg.device_count}" for tg in plan.taskgraphs)
+        )
+    for replica in range(plan.num_replicas):
+        workers = {d.worker for tg in plan.placement[replica] for d in tg}
+        if len(workers) > 1:
+            raise PlanError(
+                f"Model replica {replica} spans workers {sorted(workers)}; a replica must fit "
+                "in one worker (set cluster.device_place_prefer_intra_node=True or use fewer "
+                "devices per replica)."
+            )
+    split = [tg.name for tg in plan.taskgraphs if tg.kind == "split"]
+    if not split:
+        return
+    if not plan.colocate_split_and_replicate:
+        raise SplitError(
+            f"split TaskGraphs {split} need cluster.colocate_split_and_replicate=True (the "
+            "split layers then share the devices of the replicated ones, EPL's documented "
+            "recipe); split on separate devices is not supported."
+        )
+    combined = {
+        "zero.level": config.zero.level,
+        "offload.level": config.offload.level,
+        "gradient_checkpoint.type": config.gradient_checkpoint.type,
+    }
+    combined = {k: v for k, v in combined.items() if v}
+    if combined:
+        raise SplitError(
+            "split layers cannot be combined with "
+            + ", ".join(f"{k}={v!r}" for k, v in combined.items())
+            + " yet; remove those settings or the split annotation."
+        )
+    if clip_global_norm is not None and not config.communication.clip_after_allreduce:
+        raise SplitError(
+            "global_clipnorm with split layers needs communication.clip_after_allreduce=True: "
+            "a lane's local gradient holds only its shard, so the norm is taken after the "
+            f"reduction. Received: global_clipnorm={clip_global_norm}"
+        )

@@ -1,0 +1,55 @@
+"""Epoch metrics over every worker: each metric's state variables summed across workers.
+
+Keras metrics keep sums and counts in variables; summing those over the workers' host
+CPUs (one fused all-reduce) and computing the result from the sums gives the metric of
+the whole job's data, whatever share each worker saw. It works without the engine's
+program, since a worker that got no evaluation data built none.
+"""
+
+from __future__ import annotations
+
+import tensorflow as tf
+
+from epl_trainer.cluster import Cluster
+from epl_trainer.core import comm
+
+
+class MetricSync:
+    """Reduces the state of a fixed list of metrics over the workers of `cluster`."""
+
+    def __init__(self, cluster: Cluster):
+        self.cluster = cluster
+        self._reduce = None
+
+    def results(self, metrics) -> dict:
+        """{metric name: value over all workers} (the metrics must stay the same)."""
+        if self._reduce is None:
+            self._reduce = self._build([v for m in metrics for v in m.variables])
+        reduced = iter(self._reduce())
+        logs = {}
+        for m in metrics:
+            values = [next(reduced) for _ in m.variables]
+            logs[m.name] = float(m.stateless_result(values))
+        return logs
+
+    def _build(self, variables):
+        host = self.cluster.host_device
+        hosts = tuple(
+            devices[0].rsplit("/device:", 1)[0] + "/device:CPU:0"
+            for devices in self.cluster.devices_by_worker
+        )
+        group = comm.CollectiveGroup(hosts, (host,))
+        buckets = comm.plan_buckets([1] * len(variables), [v.dtype for v in variables], 1)
+        # Create the ordering token now: a variable created inside the trace makes
+        # tf.function trace twice, and the second trace would take another instance key
+        # on this worker only (e.g. one that got no evaluation data and built no
+        # program), so the workers' keys would no longer meet.
+        comm.ordering_token(host)
+
+        @tf.function
+        def reduce_all():
+            with tf.device(host):
+                values = [tf.identity(v.value) for v in variables]
+            return comm.fused_all_reduce(group, [values], buckets, "sum")[0]
+
+        return reduce_all

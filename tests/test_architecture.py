@@ -1,0 +1,155 @@
+"""The package's layers, checked from the source: no import cycles, nothing imports upward,
+and `core/plan` stays free of TensorFlow (epl-plan and the launcher need none).
+
+Layers, lowest first (docs/architecture.md):
+
+0. `config`, `config_keys`: the typed config, pure Python;
+1. `core.plan` (Plan, planner, schedules, estimates, combination rules; no TensorFlow)
+   and `core.comm` (TF's collectives);
+2. `core.graph`: cutting and costing the Keras graph;
+3. `core.engine` (state, steps, passes) and `annotations` (the user's scopes and marks);
+4. everything else in `epl_trainer` (trainer, cluster, launcher, deepspeed, ...).
+
+A module may import its own layer or lower ones. `core` never imports `annotations`:
+the trainer hands the engine plain data.
+"""
+
+import ast
+import pathlib
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "epl_trainer"
+
+LAYERS = [  # (module prefix, layer); the longest matching prefix wins
+    ("epl_trainer.config", 0),
+    ("epl_trainer.config_keys", 0),
+    ("epl_trainer.core.plan", 1),
+    ("epl_trainer.core.comm", 1),
+    ("epl_trainer.core.graph", 2),
+    ("epl_trainer.core.engine", 3),
+    ("epl_trainer.annotations", 3),
+    ("epl_trainer", 4),
+]
+TENSORFLOW = ("tensorflow", "keras")
+
+
+def module_name(path: pathlib.Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+MODULES = {module_name(p): p for p in PACKAGE.rglob("*.py")}
+
+
+def imports_of(name: str) -> tuple[set[str], set[str]]:
+    """(epl_trainer modules `name` imports, other top-level packages it imports)."""
+    path = MODULES[name]
+    tree = ast.parse(path.read_text(), str(path))
+    package = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
+    ours, others = set(), set()
+
+    def add(module: str) -> None:
+        if module.split(".")[0] == "epl_trainer":
+            ours.add(module)
+        else:
+            others.add(module.split(".")[0])
+
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                add(alias.name)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:  # relative import
+                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join([*anchor, base] if base else anchor)
+            for alias in node.names:
+                # `from package import module` imports the module, not the package.
+                full = f"{base}.{alias.name}"
+                add(full if full in MODULES else base)
+    ours.discard(name)
+    return {m for m in ours if m in MODULES and m != "epl_trainer"}, others
+
+
+GRAPH = {name: imports_of(name) for name in MODULES}
+
+
+def layer_of(name: str) -> int:
+    matches = [(len(prefix), layer) for prefix, layer in LAYERS if
+               name == prefix or name.startswith(prefix + ".")]  # fmt: skip
+    return max(matches)[1]
+
+
+def test_the_layers_cover_the_package():
+    assert len(MODULES) > 60
+    for name in MODULES:
+        assert layer_of(name) is not None
+
+
+def test_no_import_cycles():
+    edges = {name: ours for name, (ours, _) in GRAPH.items()}
+    state: dict[str, int] = {}  # 1: on the stack, 2: done
+
+    def visit(name: str, stack: list[str]) -> None:
+        state[name] = 1
+        for target in sorted(edges[name]):
+            if state.get(target) == 1:
+                cycle = [*stack[stack.index(target) :], target]
+                pytest.fail("Import cycle: " + " -> ".join(cycle))
+            if target not in state:
+                visit(target, [*stack, target])
+        state[name] = 2
+
+    for name in sorted(edges):
+        if name not in state:
+            visit(name, [name])
+
+
+def test_nothing_imports_upward():
+    upward = [
+        f"{name} (layer {layer_of(name)}) imports {target} (layer {layer_of(target)})"
+        for name, (ours, _) in GRAPH.items()
+        for target in sorted(ours)
+        if layer_of(target) > layer_of(name)
+    ]
+    assert upward == []
+
+
+def test_the_engine_does_not_import_the_annotation_api():
+    wrong = [
+        f"{name} imports {target}"
+        for name, (ours, _) in GRAPH.items()
+        if name.startswith("epl_trainer.core")
+        for target in ours
+        if target.startswith("epl_trainer.annotations")
+    ]
+    assert wrong == []
+
+
+def test_core_plan_imports_no_tensorflow_even_indirectly():
+    plan = [name for name in MODULES if name.startswith("epl_trainer.core.plan")]
+    assert "epl_trainer.core.plan.rules" in plan and len(plan) >= 6
+    for name in plan:
+        ours, others = GRAPH[name]
+        assert not others & set(TENSORFLOW), f"{name} imports {others & set(TENSORFLOW)}"
+        outside = {m for m in ours if not m.startswith("epl_trainer.core.plan")}
+        assert not outside, f"{name} imports {outside} (core/plan imports only core/plan)"
+
+
+def test_the_checks_see_a_violation():
+    """The graph reader itself: a relative and a `from package import module` import."""
+    assert "epl_trainer.core.engine.amp" in GRAPH["epl_trainer.core.engine.builder"][0]
+    assert "epl_trainer.core.comm.group" in GRAPH["epl_trainer.core.comm.fusion"][0]
+    assert "tensorflow" in GRAPH["epl_trainer.core.comm.group"][1]
+    assert layer_of("epl_trainer.core.engine.state") == 3
+    assert layer_of("epl_trainer.trainer") == 4
+
+
+def test_files_stay_small():
+    """STYLE.md: files of one job each, around 600 lines at most."""
+    sizes = {name: len(path.read_text().splitlines()) for name, path in MODULES.items()}
+    assert {name: n for name, n in sizes.items() if n > 620} == {}
