@@ -39,6 +39,11 @@ from epl_trainer.watchdog import watchdog_for
 logger = logging.getLogger(__name__)
 
 
+# Evaluation batches per call of the compiled evaluation loop: one host round trip per
+# this many batches (evaluate calls no batch callbacks, so nothing needs them sooner).
+EVAL_STEPS_PER_CALL = 64
+
+
 class NonFiniteLossError(FloatingPointError):
     """A float32 training step produced a NaN or Inf loss (non-finite gradients)."""
 
@@ -70,6 +75,9 @@ class EPLTrainer:
         config given to `epl.init()` (or the defaults). A DeepSpeed config (JSON path,
         dict or `epl_trainer.deepspeed.DeepSpeedConfig`) is translated on top of
         `epl.init()`'s config, and its optimizer/scheduler replace `optimizer`.
+      steps_per_execution: training steps run per call of the compiled step (a loop in
+        the graph), as `Model.compile(steps_per_execution=...)`: batch callbacks then run
+        once per call. Default: the compiled model's, else 1. Single-worker jobs only.
     """
 
     def __init__(
@@ -84,6 +92,7 @@ class EPLTrainer:
         config=None,
         loss_weights=None,
         params=None,
+        steps_per_execution=None,
     ):
         if optimizer is None and isinstance(model, keras.Model):
             optimizer = compiled.settings(model).get("optimizer")
@@ -93,6 +102,11 @@ class EPLTrainer:
         self.cluster = Env.get().cluster if config is None else build_cluster(self.config.cluster)
         self.optimizer = keras.optimizers.get(optimizer)
         self.params = params
+        if steps_per_execution is None and isinstance(model, keras.Model):
+            steps_per_execution = compiled.settings(model).get("steps_per_execution")
+        self.steps_per_execution = _checked_steps_per_execution(
+            steps_per_execution, self.cluster.worker_num
+        )
         self._engine: engine.Engine | None = None
         self.epochs_done = 0
         self._metric_sync = MetricSync(self.cluster) if self.cluster.worker_num > 1 else None
@@ -361,37 +375,49 @@ class EPLTrainer:
     def _run_epoch(self, batches, callback_list, write_back_each_step, first_step=0) -> dict:
         program = self._ensure_engine_for(batches.dataset)
         logs = {}
+        chunk = {"last": -1, "end": 0, "ran": 0}  # the last call's step indices and iterations
 
-        def step(index, iterator):
+        def step(index, iterator, count):
             nonlocal logs
             callback_list.on_train_batch_begin(index)
             start = time.perf_counter()
             with self._lost_worker_check():
-                if self._end_of_data is None:
-                    results = _run_checked(program.train_on_iterator, iterator)
-                else:  # raises StopIteration on every worker once any ran out
+                if self._end_of_data is not None:  # StopIteration on every worker once any ran out
                     element = self._end_of_data.next_batch(iterator, index)
                     results = _run_checked(program.train_on_element, element)
+                elif self.steps_per_execution == 1:
+                    results = _run_checked(program.train_on_iterator, iterator)
+                else:
+                    results = _run_checked(program.train_many_on_iterator, iterator, count)
+            ran = int(results.pop(engine.STEPS_KEY, 1))
+            if ran == 0:
+                return 0, False
             batch = int(results.pop(engine.BATCH_SIZE_KEY))
             logs = {name: float(value) for name, value in results.items()}
-            self._check_finite(logs, index)
+            self._check_finite(logs, index + ran - 1)
             elapsed = time.perf_counter() - start
-            logs["samples_per_sec"] = batch * self.cluster.worker_num / max(elapsed, 1e-9)
+            logs["samples_per_sec"] = ran * batch * self.cluster.worker_num / max(elapsed, 1e-9)
             if write_back_each_step:
                 self._engine.write_back()
-            callback_list.on_train_batch_end(index, logs)
-            return self.model.stop_training
+            chunk.update(last=index + ran - 1, end=int(self.optimizer.iterations.numpy()), ran=ran)
+            # Keras's convention with steps_per_execution: one batch callback per call,
+            # with the index of its last step.
+            callback_list.on_train_batch_end(index + ran - 1, logs)
+            return ran, self.model.stop_training
 
         def after_step(index):
             self._step_in_epoch = index + 1
             every = self.config.checkpoint.save_steps
-            step = int(self.optimizer.iterations.numpy())
-            if self.config.checkpoint.dir and every and step % every == 0:
+            if not (self.config.checkpoint.dir and every) or index != chunk["last"]:
+                return  # a checkpoint holds the state after a whole call
+            end = chunk["end"]
+            if end // every > (end - chunk["ran"]) // every:  # a multiple of every was reached
                 self._save_periodic()
 
         # A resumed epoch may have no step left (killed between its last step's
         # checkpoint and the epoch-end one).
-        if batches.run_epoch(step, first_step, after_step) == 0 and first_step == 0:
+        ran = batches.run_epoch(step, first_step, after_step, self.steps_per_execution)
+        if ran == 0 and first_step == 0:
             raise ValueError(
                 "The training data yielded no batch. Check the dataset, batch_size "
                 "and steps_per_epoch."
@@ -417,12 +443,20 @@ class EPLTrainer:
         if steps is not None:
             dataset = dataset.take(steps)
         batches = 0
-        for element in dataset:
+        iterator = iter(dataset)
+        element = next(iterator, None)  # builds the engine (a subclassed model needs a batch)
+        if element is not None:
             features, labels = data_lib.split_element(element, with_labels=True)
             program = self._ensure_engine(features)
             with self._lost_worker_check("an evaluation step"):
                 program.eval_step(features, labels)
             batches += 1
+            # The rest in the graph, EVAL_STEPS_PER_CALL batches per call.
+            ran = EVAL_STEPS_PER_CALL
+            while ran == EVAL_STEPS_PER_CALL:
+                with self._lost_worker_check("an evaluation step"):
+                    ran = int(program.eval_many_on_iterator(iterator, EVAL_STEPS_PER_CALL))
+                batches += ran
         with self._lost_worker_check("the evaluation's metric sync"):
             logs = self._logs()
         if batches == 0 and self.cluster.worker_num == 1:
@@ -614,3 +648,19 @@ def _needs_fresh_weights_per_step(callback_list) -> bool:
         isinstance(cb, keras.callbacks.ModelCheckpoint) and cb.save_freq != "epoch"
         for cb in callback_list.callbacks
     )
+
+
+def _checked_steps_per_execution(value, worker_num: int) -> int:
+    if value is None:
+        return 1
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"steps_per_execution must be an int >= 1. Received: {value!r}")
+    if value > 1 and worker_num > 1:
+        # Workers agree on the end of the data before every step (end_of_data.py); a loop
+        # of steps inside the graph cannot stop on one worker and not on the others.
+        raise ValueError(
+            "steps_per_execution > 1 runs on one worker for now; with several workers use "
+            f"steps_per_execution=1. Received: steps_per_execution={value}, "
+            f"worker_num={worker_num}"
+        )
+    return value

@@ -15,9 +15,11 @@ The passes run in this order, each a small function that fills slots of the step
    recomputed stages are the ones whose forward is plain;
 5. the update: ZeRO's sharded reduce / apply / gather (`zero.level`, zero.py), or plain
    all-reduce + apply (update.py, with grouped apply and offload), both on the gradient
-   reduction of reduce.py (`communication.*`, global-norm clipping);
-6. the finiteness check around the update (finite.py): AMP's loss scaling, or the
-   non-finite guard; last, because it wraps whatever update the step has.
+   reduction of reduce.py (`communication.*`, global-norm clipping), each optimizer
+   XLA-compiled where it compiles (`optimizer.jit_compile`, apply.py);
+6. the finiteness check between the update's reduction and its apply (finite.py): AMP's
+   loss scaling, or the non-finite guard; last, because it wraps whatever update the
+   step has.
 """
 
 from __future__ import annotations
@@ -101,8 +103,11 @@ def build_engine(
         # The user's optimizer decides per original variable (e.g. AdamW's exclusions).
         return make_optimizer(device, variables, [state.original_of(v) for v in variables])
 
+    jit = config.optimizer.jit_compile
     if config.zero.level:
-        hooks.update = ZeroUpdate(layout, reduction, make_state_optimizer, level=config.zero.level)
+        hooks.update = ZeroUpdate(
+            layout, reduction, make_state_optimizer, level=config.zero.level, jit_compile=jit
+        )
     else:
         hooks.update = ReplicatedUpdate(
             layout,
@@ -111,6 +116,7 @@ def build_engine(
             num_apply_group=config.optimizer.num_apply_group,
             shared_variables=offload,
             apply_device=host_device if offload else None,
+            jit_compile=jit,
         )
     program = Program(
         layout,

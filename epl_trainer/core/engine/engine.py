@@ -137,7 +137,9 @@ class Engine:
         self.program = program
         self.train_on_iterator = program.train_on_iterator
         self.train_on_element = program.train_on_element
+        self.train_many_on_iterator = program.train_many_on_iterator
         self.eval_step = program.eval_step
+        self.eval_many_on_iterator = program.eval_many_on_iterator
         self.predict_step = program.predict_step
 
     @property
