@@ -71,6 +71,14 @@ class BertConfig:
 # bert_config.json files, dropout 0.1, 512 positions). tiny is ours: small enough to train
 # from scratch on a CPU in minutes, where dropout only slowed learning (measured on the
 # built-in data: dev EM 42.2 without vs 32.0 with dropout 0.1 after 2 epochs).
+#
+# tiny's initializer_range is 1/sqrt(hidden_size), not BERT's 0.02: 0.02 is sized for
+# 768 hidden units, and at 64 it makes the query and key projections so small that every
+# attention row starts nearly uniform (a bag of words) and stays there for thousands of
+# steps, because the gradient of a score is the product of two tiny weights. Measured
+# in plain Keras on the built-in data (12,000 paragraphs, AdamW, linear decay, seed 0):
+# dev F1 79.5 after 2,000 steps with 0.02, 95.0 with 0.125; answers told apart only by
+# position (mayor vs founder, river, region) went from 2-25% to 100% exact.
 PRESETS = {
     "tiny": dict(
         hidden_size=64,
@@ -80,6 +88,7 @@ PRESETS = {
         max_position_embeddings=128,
         hidden_dropout_prob=0.0,
         attention_probs_dropout_prob=0.0,
+        initializer_range=64**-0.5,
     ),
     "base": dict(
         hidden_size=768, num_hidden_layers=12, num_attention_heads=12, intermediate_size=3072

@@ -1,0 +1,77 @@
+"""The main job against plain Keras: `python -m model_zoo.bert_squad` with EPLTrainer (a
+2-stage pipeline with 4 micro-batches on 2 simulated devices) and with `--trainer=keras`
+(the same model, data, optimizer and steps with Keras `fit` on one device).
+
+Usage: python bench/bert_squad.py [--seeds 0 1 2] [--trainer epl keras] [-- EXTRA FLAGS]
+
+Each run is a fresh process, one at a time (2 cores). Prints dev EM / F1 and the wall
+time of every run, then one row per trainer with the mean over seeds and the F1
+difference to plain Keras. The engine must lose nothing: the same seed gives the same
+initial weights and batches, so the F1 of the two trainers should agree.
+"""
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+
+ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir)
+
+
+def run(trainer: str, seed: int, extra: list[str]) -> dict:
+    with tempfile.TemporaryDirectory() as out:
+        command = [
+            sys.executable,
+            "-m",
+            "model_zoo.bert_squad",
+            f"--trainer={trainer}",
+            f"--seed={seed}",
+            f"--output_dir={out}",
+            *extra,
+        ]
+        env = {**os.environ, "PYTHONPATH": os.path.abspath(ROOT)}
+        subprocess.run(command, cwd=ROOT, env=env, check=True, capture_output=True, text=True)
+        with open(os.path.join(out, "metrics.json")) as f:
+            metrics = json.load(f)
+    return {
+        "trainer": trainer,
+        "seed": seed,
+        "em": metrics["dev"]["exact_match"],
+        "f1": metrics["dev"]["f1"],
+        "seconds": metrics["wall_time_sec"],
+    }
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    parser.add_argument("--trainer", nargs="+", default=["epl", "keras"])
+    args, extra = parser.parse_known_args()
+    extra = [a for a in extra if a != "--"]
+    rows = []
+    print(f"{'trainer':<8} {'seed':>4} {'EM':>6} {'F1':>6} {'wall s':>7}")
+    for seed in args.seeds:
+        for trainer in args.trainer:
+            row = run(trainer, seed, extra)
+            rows.append(row)
+            print(f"{trainer:<8} {seed:>4} {row['em']:6.1f} {row['f1']:6.1f} {row['seconds']:7.1f}")
+    print(
+        f"\n{'trainer':<8} {'mean EM':>8} {'mean F1':>8} {'min F1':>7} {'mean s':>7}  F1 vs keras"
+    )
+    keras_f1 = {r["seed"]: r["f1"] for r in rows if r["trainer"] == "keras"}
+    for trainer in args.trainer:
+        mine = [r for r in rows if r["trainer"] == trainer]
+        gaps = [r["f1"] - keras_f1[r["seed"]] for r in mine if r["seed"] in keras_f1]
+        gap = f"{max(gaps, key=abs):+.1f} (largest)" if gaps and trainer != "keras" else ""
+        print(
+            f"{trainer:<8} {statistics.mean(r['em'] for r in mine):8.1f} "
+            f"{statistics.mean(r['f1'] for r in mine):8.1f} {min(r['f1'] for r in mine):7.1f} "
+            f"{statistics.mean(r['seconds'] for r in mine):7.1f}  {gap}"
+        )
+
+
+if __name__ == "__main__":
+    main()
