@@ -18,7 +18,6 @@ import numpy as np
 import tensorflow as tf
 from keras import tree
 
-from epl_trainer import checkpoint as ckpt
 from epl_trainer import compiled, deepspeed, optimizers
 from epl_trainer import data as data_lib
 from epl_trainer import io as io_lib
@@ -34,6 +33,7 @@ from epl_trainer.memory import build_report
 from epl_trainer.metric_sync import MetricSync
 from epl_trainer.metrics import resolve_metrics
 from epl_trainer.model_fn import ModelSpec  # noqa: F401  (re-exported: epl.ModelSpec)
+from epl_trainer.trainer_checkpoints import CheckpointMixin
 from epl_trainer.watchdog import watchdog_for
 
 logger = logging.getLogger(__name__)
@@ -48,7 +48,7 @@ class NonFiniteLossError(FloatingPointError):
     """A float32 training step produced a NaN or Inf loss (non-finite gradients)."""
 
 
-class EPLTrainer:
+class EPLTrainer(CheckpointMixin):
     """Trains a Keras model with the parallelism given by annotations and config.
 
     Args:
@@ -167,6 +167,7 @@ class EPLTrainer:
             loss=self.loss,
             metrics=self.metrics,
             clip_global_norm=self.optimizer.global_clipnorm,
+            steps_per_execution=self.steps_per_execution,
         )
         if self.deepspeed is not None:  # accumulation steps may follow from the lane count
             self.config, self.engine_plan.plan = self.deepspeed.resolve_plan(
@@ -447,6 +448,7 @@ class EPLTrainer:
         element = next(iterator, None)  # builds the engine (a subclassed model needs a batch)
         if element is not None:
             features, labels = data_lib.split_element(element, with_labels=True)
+            size = int(tf.shape(tree.flatten(features)[0])[0])
             program = self._ensure_engine(features)
             with self._lost_worker_check("an evaluation step"):
                 program.eval_step(features, labels)
@@ -455,7 +457,7 @@ class EPLTrainer:
             ran = EVAL_STEPS_PER_CALL
             while ran == EVAL_STEPS_PER_CALL:
                 with self._lost_worker_check("an evaluation step"):
-                    ran = int(program.eval_many_on_iterator(iterator, EVAL_STEPS_PER_CALL))
+                    ran = int(program.eval_many_on_iterator(iterator, EVAL_STEPS_PER_CALL, size))
                 batches += ran
         with self._lost_worker_check("the evaluation's metric sync"):
             logs = self._logs()
@@ -492,87 +494,6 @@ class EPLTrainer:
         if print_table:
             print(report)
         return report
-
-    # ---- checkpoints -----------------------------------------------------------------
-
-    def save_checkpoint(self, directory: str, keep_max: int | None = None) -> str | None:
-        """Saves engine state (weights, optimizer slots, loss scale, step, input position).
-
-        Only worker 0 writes; the `keep_max` newest checkpoints are kept (all if None).
-        """
-        if self._engine is None:
-            raise ValueError("Nothing to save yet: call fit() (or restore) first.")
-        if self.config.zero.level and self.cluster.worker_num > 1:
-            # Each worker holds only its replicas' optimizer shards; worker 0 alone
-            # cannot write them all.
-            raise NotImplementedError(
-                "save_checkpoint with zero.level across several workers is not implemented "
-                f"yet. Received: zero.level={self.config.zero.level!r}, "
-                f"worker_num={self.cluster.worker_num}"
-            )
-        step = int(self.optimizer.iterations.numpy())
-        if not self.cluster.is_chief:
-            return None
-        self._engine.prepare_save()
-        metadata = {
-            "epochs_done": self.epochs_done,
-            # Inside fit: the position in the epoch in progress and in its data pass.
-            "step_in_epoch": self._step_in_epoch,
-            "input_position": 0 if self._batches is None else self._batches.position,
-            "plan": self.plan.summary(),
-        }
-        variables, names = self._engine.checkpoint_variables(self.optimizer)
-        return ckpt.save(directory, variables, metadata, step, names, keep_max)
-
-    def restore_checkpoint(self, directory: str, features=None) -> str:
-        """Restores the newest checkpoint in `directory` into every lane.
-
-        A trainer that has not trained yet needs the model built (functional models are);
-        for subclassed models, and for an Estimator-style model_fn, pass one batch of
-        `features` to build it.
-        """
-        if self._pending_model_fn is not None:
-            if features is None:
-                raise ValueError(
-                    "restore_checkpoint before the first fit needs `features` (one batch) to "
-                    "build the Estimator-style model_fn's model."
-                )
-            element = tf.data.Dataset.from_tensors(features)
-            self._build_from_data(element, model_fn_lib.TRAIN)
-        if self._engine is None:
-            if features is None and not self.model.built:
-                raise ValueError(
-                    "restore_checkpoint on a subclassed model that was never called needs "
-                    "`features` (one batch) to build it."
-                )
-            self._ensure_engine(features)
-        path = ckpt.latest(directory)
-        expected, names = self._engine.checkpoint_variables(self.optimizer)
-        values, metadata = ckpt.load(path, expected, names)
-        self._engine.restore(expected, values)
-        self.epochs_done = metadata.get("epochs_done", 0)
-        self._step_in_epoch = metadata.get("step_in_epoch", 0)
-        self._resume_position = (self._step_in_epoch, metadata.get("input_position", 0))
-        return path
-
-    def _auto_resume(self, dataset) -> bool:
-        """checkpoint.dir: a trainer that has not run yet restores the newest checkpoint.
-
-        A damaged newest checkpoint stops here with its CheckpointError rather than
-        training from scratch and overwriting the folder's history.
-        """
-        directory = self.config.checkpoint.dir
-        if not directory or self._engine is not None or not ckpt.exists(directory):
-            return False
-        self._ensure_engine_for(dataset)
-        path = self.restore_checkpoint(directory)
-        logger.info(
-            "Resumed from %s: epoch %d, step %d of it.", path, self.epochs_done, self._step_in_epoch
-        )
-        return True
-
-    def _save_periodic(self) -> None:
-        self.save_checkpoint(self.config.checkpoint.dir, keep_max=self.config.checkpoint.keep_max)
 
     @contextlib.contextmanager
     def _lost_worker_check(self, what: str = "a training step"):

@@ -64,6 +64,7 @@ def plan_engine(
     loss=None,
     metrics: Sequence = (),
     clip_global_norm: float | None = None,
+    steps_per_execution: int = 1,
 ) -> EnginePlan:
     """Plans the engine for `model`.
 
@@ -77,6 +78,7 @@ def plan_engine(
       loss: the trainer's `CompiledLoss` (split outputs need a cross-entropy).
       metrics: [(flat output index, metric)] (split outputs support accuracy only).
       clip_global_norm: the optimizer's `global_clipnorm`.
+      steps_per_execution: training steps per call of the compiled step.
     """
     rules.check_config(config)
     auto = None
@@ -95,7 +97,7 @@ def plan_engine(
         stage_costs=auto.stage_costs if auto else None,
         cut_description=auto.cut_description if auto else None,
     )
-    rules.check_plan(plan, config, clip_global_norm)
+    rules.check_plan(plan, config, clip_global_norm, steps_per_execution)
     split_layers = []
     if any(tg.kind == "split" for tg in plan.taskgraphs):
         # Colocated TaskGraphs share every device of a lane: one stage, whose split

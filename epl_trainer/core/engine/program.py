@@ -282,11 +282,13 @@ class Program:
             outputs = [tree.map_structure(lambda *xs: tf.concat(xs, axis=0), *outputs)]
         return hooks.output_cast(outputs[0]), hooks.output_cast(aux_total)
 
-    def _eval_step(self, features, labels):
+    def _eval_step(self, features, labels, pad_to: int = 0):
         layout, hooks = self.layout, self.hooks
         num_lanes = len(layout.lanes)
         with tf.device(layout.host):
-            features, labels, mask = pad_batch((features, labels), num_lanes * self._eval_pieces)
+            features, labels, mask = pad_batch(
+                (features, labels), num_lanes * self._eval_pieces, minimum=pad_to
+            )
             parts = split_batch((features, labels, mask), num_lanes)
         hooks.lanes.begin_trace()
         for li, (f, y, w) in enumerate(parts):
@@ -306,9 +308,14 @@ class Program:
                     self.loss_tracker.update_state(loss, sample_weight=count)
                     self._update_output_metrics(y, y_pred, w)
 
-    def _eval_many_on_iterator(self, iterator, steps: int):
+    def _eval_many_on_iterator(self, iterator, steps: int, batch_size: int):
         """Up to `steps` evaluation batches in one call (a loop in the graph); returns how
-        many there were (fewer at the end of the data)."""
+        many there were (fewer at the end of the data).
+
+        Every batch is padded (and masked) to at least `batch_size` rows, the size of the
+        full batches: a shorter last batch then has the same shape inside the loop, as
+        the collectives of split layers require (TF fixes a collective's shape by key).
+        """
         with tf.device(self.layout.host):
             ran = tf.constant(0, tf.int32)
         for _ in tf.range(steps):
@@ -316,7 +323,7 @@ class Program:
             if not element.has_value():
                 break
             features, labels = split_element(element.get_value())
-            self._eval_step(features, labels)
+            self._eval_step(features, labels, pad_to=batch_size)
             ran += 1
         return ran
 
@@ -360,11 +367,13 @@ def split_batch(structure, parts: int) -> list:
     return [tree.pack_sequence_as(structure, [s[p] for s in sliced]) for p in range(parts)]
 
 
-def pad_batch(structures: tuple, multiple: int):
-    """Pads axis 0 to a multiple of `multiple`; returns the padded structures and a mask."""
+def pad_batch(structures: tuple, multiple: int, minimum: int = 0):
+    """Pads axis 0 to a multiple of `multiple`, and to at least `minimum` rows; returns the
+    padded structures and a mask of the real rows."""
     flat = tree.flatten(structures)
     batch = tf.shape(flat[0])[0]
-    pad = (multiple - batch % multiple) % multiple
+    target = tf.maximum(batch, minimum)
+    pad = target - batch + (multiple - target % multiple) % multiple
     padded = tree.map_structure(
         lambda x: tf.pad(x, [[0, pad]] + [[0, 0]] * (len(x.shape) - 1)), structures
     )

@@ -43,13 +43,16 @@ def check_config(config) -> None:
         )
 
 
-def check_plan(plan: Plan, config, clip_global_norm: float | None = None) -> None:
+def check_plan(
+    plan: Plan, config, clip_global_norm: float | None = None, steps_per_execution: int = 1
+) -> None:
     """Refuses plans the engine cannot execute with these settings.
 
     Args:
       plan: the plan of the whole job.
       config: the config the plan was made with.
       clip_global_norm: the optimizer's `global_clipnorm`, or None.
+      steps_per_execution: training steps per call of the compiled step.
     """
     counts = {tg.device_count for tg in plan.taskgraphs}
     if len(counts) != 1:
@@ -85,6 +88,13 @@ def check_plan(plan: Plan, config, clip_global_norm: float | None = None) -> Non
             "split layers cannot be combined with "
             + ", ".join(f"{k}={v!r}" for k, v in combined.items())
             + " yet; remove those settings or the split annotation."
+        )
+    if steps_per_execution > 1:
+        # A split layer's collectives fix their shapes by key; a loop of steps in the graph
+        # would run them with the shorter last batch of the data under the same keys.
+        raise SplitError(
+            "split layers run one training step per call for now; use "
+            f"steps_per_execution=1. Received: steps_per_execution={steps_per_execution}"
         )
     if clip_global_norm is not None and not config.communication.clip_after_allreduce:
         raise SplitError(
