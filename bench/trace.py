@@ -56,7 +56,8 @@ def main():
         for micro in args.micro_batches:
             keras.utils.set_random_seed(0)
             model = build_squad_model(bert, seq)
-            stage_of = {"embeddings": 0, "qa_outputs": stages - 1}
+            last = stages - 1
+            stage_of = {"embeddings": 0, "qa_outputs|start_logits|end_logits": last}
             for i in range(args.layers):
                 stage_of[f"layer_{i}"] = i * stages // args.layers
             loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
