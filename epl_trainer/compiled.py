@@ -32,6 +32,7 @@ def settings(model: keras.Model) -> dict:
         "loss_weights": record.get("loss_weights"),
         "metrics": record.get("metrics"),
         "steps_per_execution": record.get("steps_per_execution"),
+        "jit_compile": record.get("jit_compile"),
     }
     if record.get("weighted_metrics"):
         raise ValueError(

@@ -78,6 +78,10 @@ class EPLTrainer(CheckpointMixin):
       steps_per_execution: training steps run per call of the compiled step (a loop in
         the graph), as `Model.compile(steps_per_execution=...)`: batch callbacks then run
         once per call. Default: the compiled model's, else 1. Single-worker jobs only.
+      jit_compile: compile each stage's forward and backward with XLA, as
+        `Model.compile(jit_compile=True)`. Default: True if the model was compiled with
+        `jit_compile=True`, else False. (Optimizer updates are compiled separately, by
+        `optimizer.jit_compile`.)
     """
 
     def __init__(
@@ -93,6 +97,7 @@ class EPLTrainer(CheckpointMixin):
         loss_weights=None,
         params=None,
         steps_per_execution=None,
+        jit_compile=None,
     ):
         if optimizer is None and isinstance(model, keras.Model):
             optimizer = compiled.settings(model).get("optimizer")
@@ -107,6 +112,9 @@ class EPLTrainer(CheckpointMixin):
         self.steps_per_execution = _checked_steps_per_execution(
             steps_per_execution, self.cluster.worker_num
         )
+        if jit_compile is None and isinstance(model, keras.Model):
+            jit_compile = compiled.settings(model).get("jit_compile") is True
+        self.jit_compile = bool(jit_compile)
         self._engine: engine.Engine | None = None
         self.epochs_done = 0
         self._metric_sync = MetricSync(self.cluster) if self.cluster.worker_num > 1 else None
@@ -168,6 +176,7 @@ class EPLTrainer(CheckpointMixin):
             metrics=self.metrics,
             clip_global_norm=self.optimizer.global_clipnorm,
             steps_per_execution=self.steps_per_execution,
+            jit_compile=self.jit_compile,
         )
         if self.deepspeed is not None:  # accumulation steps may follow from the lane count
             self.config, self.engine_plan.plan = self.deepspeed.resolve_plan(
@@ -227,6 +236,7 @@ class EPLTrainer(CheckpointMixin):
             clip_global_norm=self.optimizer.global_clipnorm,
             step_counter=self.optimizer.iterations,
             checkpoint_marks=checkpoints.get_collection(),
+            jit_compile=self.jit_compile,
         )
         if self.config.gradient_checkpoint.check_gradients:
             self._engine.check_recompute_gradients(features)

@@ -173,3 +173,47 @@ def _flat(items):
             yield from _flat(item)
         else:
             yield item
+
+
+# ---- each stage's forward and backward compiled with XLA (the trainer's jit_compile)
+
+
+def test_stages_compiled_with_xla_train_like_plain_ones():
+    rng = np.random.default_rng(1)
+    x = rng.integers(0, 20, size=(64, 5)).astype("int32")
+    y = rng.integers(0, 3, size=64).astype("int32")
+    weights, losses = {}, {}
+    for jit in (False, True):
+        model = embedding_model()
+        trainer = epl.EPLTrainer(
+            model,
+            keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+            keras.optimizers.Adam(0.01),
+            stages={"embed|global_average_pooling1d.*": 0, "hidden|head": 1},
+            config={"cluster.virtual_devices": 2, "pipeline.num_micro_batch": 2},
+            jit_compile=jit,
+        )
+        history = trainer.fit(x, y, batch_size=16, epochs=1, steps_per_epoch=4, verbose=0)
+        losses[jit] = history.history["loss"]
+        weights[jit] = model.get_weights()
+        evaluated = trainer.evaluate(x, y, batch_size=16)["loss"]
+        losses[jit] = [*losses[jit], evaluated]
+    np.testing.assert_allclose(losses[True], losses[False], rtol=1e-5)
+    for plain, compiled in zip(weights[False], weights[True]):
+        np.testing.assert_allclose(compiled, plain, rtol=1e-5, atol=1e-6)
+
+
+def test_jit_compile_comes_from_compile_and_is_refused_with_gradient_checkpointing():
+    model = embedding_model()
+    model.compile(keras.optimizers.SGD(0.1), "mse", jit_compile=True)
+    assert epl.EPLTrainer(model, config={"cluster.virtual_devices": 1}).jit_compile
+    model = embedding_model()
+    model.compile(keras.optimizers.SGD(0.1), "mse")  # jit_compile="auto": not taken
+    assert not epl.EPLTrainer(model, config={"cluster.virtual_devices": 1}).jit_compile
+    with pytest.raises(ValueError, match=r"Use one of them.*gradient_checkpoint.type=.auto."):
+        epl.EPLTrainer(
+            embedding_model(),
+            "mse",
+            config={"cluster.virtual_devices": 1, "gradient_checkpoint.type": "auto"},
+            jit_compile=True,
+        )

@@ -152,3 +152,22 @@ def test_split_layers_with_several_steps_per_call_are_refused():
             config={"cluster.virtual_devices": 2, "cluster.colocate_split_and_replicate": True},
             steps_per_execution=4,
         )
+
+
+def test_several_steps_per_call_of_a_pipeline_train_exactly_like_one():
+    x, y = data()
+    weights = []
+    for steps_per_execution in (1, 4):
+        m = model()
+        trainer = epl.EPLTrainer(
+            m,
+            LOSS,
+            keras.optimizers.Adam(0.01),
+            stages={"embed": 0, "body|head": 1},
+            config={"cluster.virtual_devices": 2, "pipeline.num_micro_batch": 2},
+            steps_per_execution=steps_per_execution,
+        )
+        trainer.fit(x, y, batch_size=16, epochs=2, verbose=0)
+        weights.append(m.get_weights())
+    for a, b in zip(*weights):
+        np.testing.assert_array_equal(a, b)

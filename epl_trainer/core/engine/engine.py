@@ -65,6 +65,7 @@ def plan_engine(
     metrics: Sequence = (),
     clip_global_norm: float | None = None,
     steps_per_execution: int = 1,
+    jit_compile: bool = False,
 ) -> EnginePlan:
     """Plans the engine for `model`.
 
@@ -79,6 +80,7 @@ def plan_engine(
       metrics: [(flat output index, metric)] (split outputs support accuracy only).
       clip_global_norm: the optimizer's `global_clipnorm`.
       steps_per_execution: training steps per call of the compiled step.
+      jit_compile: each stage's forward and backward compiled by XLA.
     """
     rules.check_config(config)
     auto = None
@@ -97,7 +99,7 @@ def plan_engine(
         stage_costs=auto.stage_costs if auto else None,
         cut_description=auto.cut_description if auto else None,
     )
-    rules.check_plan(plan, config, clip_global_norm, steps_per_execution)
+    rules.check_plan(plan, config, clip_global_norm, steps_per_execution, jit_compile)
     split_layers = []
     if any(tg.kind == "split" for tg in plan.taskgraphs):
         # Colocated TaskGraphs share every device of a lane: one stage, whose split
