@@ -484,13 +484,25 @@ class EPLTrainer(CheckpointMixin):
         dataset = data_lib.as_dataset(x, None, batch_size)
         self._build_from_data(dataset, model_fn_lib.INFER)
         data_lib.check_element_spec(dataset.element_spec, self.model, with_labels=False)
-        outputs = []
-        for element in dataset:
-            features, _ = data_lib.split_element(element, with_labels=False)
-            outputs.append(self._ensure_engine(features).predict_step(features))
-        if not outputs:
+        iterator = iter(dataset)
+        element = next(iterator, None)  # builds the engine (a subclassed model needs a batch)
+        if element is None:
             raise ValueError("predict received no data.")
-        return tree.map_structure(lambda *xs: np.concatenate([np.asarray(a) for a in xs]), *outputs)
+        features, _ = data_lib.split_element(element, with_labels=False)
+        size = int(tf.shape(tree.flatten(features)[0])[0])
+        program = self._ensure_engine(features)
+        first = program.predict_step(features)
+        flat = [[np.asarray(t)] for t in tree.flatten(first)]
+        # The rest in the graph, EVAL_STEPS_PER_CALL batches per call.
+        ran = EVAL_STEPS_PER_CALL
+        while ran == EVAL_STEPS_PER_CALL:
+            outputs, ran = program.predict_many_on_iterator(
+                iterator, EVAL_STEPS_PER_CALL, size, tree.flatten(first)
+            )
+            ran = int(ran)
+            for pieces, output in zip(flat, outputs):
+                pieces.append(np.asarray(output))
+        return tree.pack_sequence_as(first, [np.concatenate(pieces) for pieces in flat])
 
     def memory_report(self, print_table: bool = True):
         """Bytes of parameters, gradients and optimizer state per device (engine state).

@@ -109,7 +109,7 @@ def test_bad_values_are_refused_with_the_alternative():
     assert _checked_steps_per_execution(None, worker_num=2) == 1
 
 
-def test_evaluation_over_many_calls_equals_keras():
+def test_evaluation_and_prediction_over_many_calls_equal_keras():
     x, y = data(rows=16 * (EVAL_STEPS_PER_CALL + 5) + 7)  # several calls and a short batch
     reference = model()
     reference.compile(loss=LOSS, metrics=["accuracy"])
@@ -120,6 +120,11 @@ def test_evaluation_over_many_calls_equals_keras():
     got = trainer.evaluate(x, y, batch_size=16)
     assert got["loss"] == pytest.approx(expected["loss"], rel=1e-5)
     assert got["accuracy"] == pytest.approx(expected["accuracy"], rel=1e-6)
+    predictions = trainer.predict(x, batch_size=16)
+    assert predictions.shape == (len(x), 3)
+    np.testing.assert_allclose(
+        predictions, reference.predict(x, batch_size=16, verbose=0), rtol=1e-5, atol=1e-6
+    )
 
 
 def test_pipelined_evaluation_and_prediction_equal_keras():

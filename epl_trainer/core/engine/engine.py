@@ -145,6 +145,7 @@ class Engine:
         self.eval_step = program.eval_step
         self.eval_many_on_iterator = program.eval_many_on_iterator
         self.predict_step = program.predict_step
+        self.predict_many_on_iterator = program.predict_many_on_iterator
 
     @property
     def update(self):

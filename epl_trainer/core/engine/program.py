@@ -96,6 +96,9 @@ class Program:
         self.eval_step = tf.function(self._eval_step, reduce_retracing=True)
         self.eval_many_on_iterator = tf.function(self._eval_many_on_iterator, reduce_retracing=True)
         self.predict_step = tf.function(self._predict_step, reduce_retracing=True)
+        self.predict_many_on_iterator = tf.function(
+            self._predict_many_on_iterator, reduce_retracing=True
+        )
 
     @property
     def state(self) -> EngineState:
@@ -327,12 +330,12 @@ class Program:
             ran += 1
         return ran
 
-    def _predict_step(self, features):
+    def _predict_step(self, features, pad_to: int = 0):
         layout, hooks = self.layout, self.hooks
         num_lanes = len(layout.lanes)
         with tf.device(layout.host):
             batch = tf.shape(tree.flatten(features)[0])[0]
-            features, _ = pad_batch((features,), num_lanes * self._eval_pieces)[:2]
+            features, _ = pad_batch((features,), num_lanes * self._eval_pieces, pad_to)[:2]
             parts = split_batch(features, num_lanes)
         hooks.lanes.begin_trace()
         outputs = []
@@ -341,6 +344,35 @@ class Program:
                 outputs.append(self._forward(li, f)[0])
         with tf.device(layout.host):
             return hooks.lanes.join_predictions(outputs, batch)
+
+    def _predict_many_on_iterator(self, iterator, steps: int, batch_size: int, like):
+        """Up to `steps` prediction batches in one call (a loop in the graph): the flat
+        outputs of all of them concatenated, and how many batches there were.
+
+        Args:
+          like: the flat outputs of one batch (their dtypes and trailing shapes).
+          batch_size: rows of a full batch; shorter ones are padded to it, as in
+            `_eval_many_on_iterator`.
+        """
+        with tf.device(self.layout.host):
+            ran = tf.constant(0, tf.int32)
+            arrays = [
+                tf.TensorArray(
+                    t.dtype, size=0, dynamic_size=True, infer_shape=False,
+                    element_shape=tf.TensorShape([None, *t.shape[1:]]),
+                )
+                for t in like
+            ]  # fmt: skip
+        for _ in tf.range(steps):
+            element = iterator.get_next_as_optional()
+            if not element.has_value():
+                break
+            outputs = tree.flatten(self._predict_step(element.get_value(), pad_to=batch_size))
+            with tf.device(self.layout.host):
+                arrays = [a.write(ran, o) for a, o in zip(arrays, outputs)]
+                ran += 1
+        with tf.device(self.layout.host):
+            return [a.concat() for a in arrays], ran
 
 
 BATCH_SIZE_KEY = "_batch_size"
