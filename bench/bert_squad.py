@@ -3,11 +3,16 @@
 (the same model, data, optimizer and steps with Keras `fit` on one device).
 
 Usage: python bench/bert_squad.py [--seeds 0 1 2] [--trainer epl keras] [-- EXTRA FLAGS]
+       python bench/bert_squad.py --speed [--repeats 2]
 
 Each run is a fresh process, one at a time (2 cores). Prints dev EM / F1 and the wall
 time of every run, then one row per trainer with the mean over seeds and the F1
 difference to plain Keras. The engine must lose nothing: the same seed gives the same
 initial weights and batches, so the F1 of the two trainers should agree.
+
+`--speed` runs the EPL default (XLA-compiled stages and updates, 16 steps per call)
+against the engine without those (`--nojit_compile --steps_per_execution=1`,
+`optimizer.jit_compile=False`), seed 0, interleaved, and prints the wall times.
 """
 
 import argparse
@@ -45,12 +50,39 @@ def run(trainer: str, seed: int, extra: list[str]) -> dict:
     }
 
 
+SPEED_VARIANTS = {
+    "no XLA, 1 step per call": [
+        "--nojit_compile",
+        "--steps_per_execution=1",
+        "--epl_set=optimizer.jit_compile=False",
+    ],
+    "default": [],
+}
+
+
+def speed(repeats: int, extra: list[str]) -> None:
+    print(f"{'variant':<26} {'EM':>6} {'F1':>6} {'wall s':>7}")
+    times = {name: [] for name in SPEED_VARIANTS}
+    for _ in range(repeats):
+        for name, flags in SPEED_VARIANTS.items():
+            row = run("epl", 0, [*flags, *extra])
+            times[name].append(row["seconds"])
+            print(f"{name:<26} {row['em']:6.1f} {row['f1']:6.1f} {row['seconds']:7.1f}")
+    base, ours = (statistics.median(t) for t in times.values())
+    print(f"\nmedian wall: {base:.1f} s -> {ours:.1f} s ({base / ours:.2f}x faster)")
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--trainer", nargs="+", default=["epl", "keras"])
+    parser.add_argument("--speed", action="store_true")
+    parser.add_argument("--repeats", type=int, default=2)
     args, extra = parser.parse_known_args()
     extra = [a for a in extra if a != "--"]
+    if args.speed:
+        speed(args.repeats, extra)
+        return
     rows = []
     print(f"{'trainer':<8} {'seed':>4} {'EM':>6} {'F1':>6} {'wall s':>7}")
     for seed in args.seeds:

@@ -1,11 +1,17 @@
 """Data-parallel step rate: EPLTrainer vs Keras `fit` and vs MirroredStrategy + `fit`.
 
 Usage: python bench/dp.py [--steps 60] [--repeats 3] [--batch 256] [--width 512]
+                          [--only compute|optimizer]
 
 One process, 2 logical CPU devices. Each configuration is timed `repeats` times
 (interleaved, after a warm-up `fit` that traces the step) and the median is reported.
 Logical devices share this machine's cores: the 2-device rows measure overhead of the
 data-parallel machinery, not a speedup.
+
+The second table is an optimizer-bound model (4 x Dense(2048), 16.8M parameters, batch
+4), where the update dominates the step: one device, Keras `fit` with `jit_compile`
+False and True and `steps_per_execution` 1 and 16, against EPLTrainer (XLA-compiled
+updates, `optimizer.jit_compile`) with `steps_per_execution` 1 and 16.
 """
 
 import argparse
@@ -48,6 +54,78 @@ def make_dataset(batch):
 LOSS = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
 
 
+def optimizer_bound_runners(optimizer_name, steps_per_execution):
+    """(name, run) for the optimizer-bound model: Keras fit and EPLTrainer."""
+
+    def model():
+        keras.utils.set_random_seed(0)
+        inputs = keras.Input((2048,))
+        h = inputs
+        for i in range(4):
+            h = keras.layers.Dense(2048, name=f"dense_{i}")(h)
+        return keras.Model(inputs, h)
+
+    def optimizer():
+        if optimizer_name == "adamw":
+            return keras.optimizers.AdamW(1e-4, weight_decay=0.01)
+        return keras.optimizers.Adam(1e-4)
+
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(64, 2048)).astype("float32")
+    dataset = tf.data.Dataset.from_tensor_slices((x, x)).batch(4).repeat()
+    runners = []
+    for jit in (False, True):
+        keras_model = model()
+        keras_model.compile(
+            optimizer(), "mse", jit_compile=jit, steps_per_execution=steps_per_execution
+        )
+        runners.append(
+            (
+                f"Keras fit jit={jit}",
+                lambda steps, m=keras_model: m.fit(
+                    dataset, epochs=1, steps_per_epoch=steps, verbose=0
+                ),
+            )
+        )
+    trainer = epl.EPLTrainer(
+        model(),
+        "mse",
+        optimizer(),
+        config={"cluster.virtual_devices": 1},
+        steps_per_execution=steps_per_execution,
+    )
+    runners.append(
+        (
+            "EPLTrainer",
+            lambda steps: trainer.fit(dataset, epochs=1, steps_per_epoch=steps, verbose=0),
+        )
+    )
+    return runners
+
+
+def optimizer_bound_table(steps, repeats):
+    print(
+        f"\nOptimizer-bound: 4 x Dense(2048) (16.8M parameters), batch 4, one device; "
+        f"{steps} steps x {repeats} repeats (median steps/s)"
+    )
+    header = f"{'optimizer':<9} {'spe':>4}  {'Keras fit':>9} {'Keras jit':>9} {'EPLTrainer':>10}"
+    print(f"{header}  {'vs fit':>7} {'vs jit':>7}")
+    for name in ("adam", "adamw"):
+        for spe in (1, 16):
+            runners = optimizer_bound_runners(name, spe)
+            for _, run in runners:
+                run(2 * spe)  # warm-up: trace and compile
+            rates = {label: [] for label, _ in runners}
+            for _ in range(repeats):
+                for label, run in runners:
+                    rates[label].append(steps_per_second(run, steps))
+            fit, jit, ours = (statistics.median(r) for r in rates.values())
+            print(
+                f"{name:<9} {spe:>4}  {fit:9.1f} {jit:9.1f} {ours:10.1f}  "
+                f"{ours / fit:6.2f}x {ours / jit:6.2f}x"
+            )
+
+
 def keras_runner(width, batch, strategy=None):
     scope = strategy.scope() if strategy else _null_scope()
     with scope:
@@ -88,7 +166,12 @@ def main():
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--batch", type=int, default=256)
     parser.add_argument("--width", type=int, default=512)
+    parser.add_argument("--only", choices=["compute", "optimizer"])
     args = parser.parse_args()
+    if args.only != "compute":
+        optimizer_bound_table(args.steps, args.repeats)
+    if args.only == "optimizer":
+        return
     devices = [d.name for d in tf.config.list_logical_devices("CPU")]
     mirrored = tf.distribute.MirroredStrategy(devices)
     pairs = [

@@ -1,4 +1,5 @@
-"""What `model.compile(...)` gave a model, and the precedence of the trainer's arguments.
+"""What `model.compile(...)` gave a model (optimizer, loss, loss_weights, metrics,
+steps_per_execution), and the precedence of the trainer's arguments.
 
 `EPLTrainer` takes the optimizer, loss, loss_weights and metrics from `compile` unless
 the same argument is passed to it (passed arguments win, then a model_fn's
@@ -30,6 +31,8 @@ def settings(model: keras.Model) -> dict:
         "loss": record.get("loss", getattr(model, "loss", None)),
         "loss_weights": record.get("loss_weights"),
         "metrics": record.get("metrics"),
+        "steps_per_execution": record.get("steps_per_execution"),
+        "jit_compile": record.get("jit_compile"),
     }
     if record.get("weighted_metrics"):
         raise ValueError(

@@ -159,6 +159,9 @@ class OptimizerConfig(_Section):
         "(float32, or AMP with bfloat16 or a fixed loss scale): stop, or skip it.",
         choices=("error", "skip"),
     )
+    jit_compile: bool = _bool(
+        True, "Compile optimizer updates with XLA (plain ops where XLA cannot compile them)."
+    )
 
 
 @_register("cluster")

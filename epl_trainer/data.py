@@ -171,55 +171,55 @@ class EpochBatches:
         self.position = skip
         return iter(self.dataset.skip(skip) if skip else self.dataset)
 
-    def run_epoch(self, step_fn, first_step: int = 0, after_step=None) -> int:
-        """Calls `step_fn(step_index, iterator)` once per step; returns the steps run.
+    def run_epoch(self, step_fn, first_step: int = 0, after_step=None, steps_per_call=1) -> int:
+        """Runs the epoch's steps through `step_fn`; returns the steps run.
 
-        `step_fn` pulls its batch from the iterator (inside a compiled function) and
-        returns True to stop early; running out of data raises OutOfRangeError there.
-        Step indices start at `first_step` (a resumed epoch); `after_step(step_index)`
-        runs once `position` counts the step's batch.
+        `step_fn(step_index, iterator, count)` runs up to `count` steps (1, or up to
+        `steps_per_call` with steps_per_execution), pulling its batches from the iterator
+        inside a compiled function, and returns `(steps run, stop)`; fewer steps than
+        `count`, or OutOfRangeError / StopIteration, mean the data ran out. Step indices
+        start at `first_step` (a resumed epoch); `after_step(step_index)` runs once
+        `position` counts that step's batch.
         """
         steps = first_step
         if self.steps_per_epoch is None:
-            iterator = self._new_pass()
-            while True:
-                try:
-                    stop = step_fn(steps, iterator)
-                except (StopIteration, tf.errors.OutOfRangeError):
-                    self.position = 0  # the next epoch starts a new pass
-                    return steps - first_step
-                steps += 1
-                self.position += 1
-                if after_step is not None:
-                    after_step(steps - 1)
-                if stop:
-                    return steps - first_step
-        while steps < self.steps_per_epoch:
+            self._iterator = None
+        while self.steps_per_epoch is None or steps < self.steps_per_epoch:
+            count = steps_per_call
+            if self.steps_per_epoch is not None:
+                count = min(count, self.steps_per_epoch - steps)
             fresh = self._iterator is None
             if fresh:
                 # A resumed pass that is already used up is not a fresh (empty) dataset.
                 fresh = self._skip == 0
                 self._iterator = self._new_pass()
             try:
-                stop = step_fn(steps, self._iterator)
+                ran, stop = step_fn(steps, self._iterator, count)
             except (StopIteration, tf.errors.OutOfRangeError):
-                self._iterator = None
-                self.position = 0
-                if fresh or steps > first_step:
-                    if steps > first_step:
-                        logger.warning(
-                            "The data ran out after %d of %d steps of this epoch; the next "
-                            "epoch starts a new pass.",
-                            steps,
-                            self.steps_per_epoch,
-                        )
-                    return steps - first_step
-                continue
-            steps += 1
-            self.position += 1
-            if after_step is not None:
-                after_step(steps - 1)
+                ran, stop = 0, False
+            for _ in range(ran):
+                steps += 1
+                self.position += 1
+                if after_step is not None:
+                    after_step(steps - 1)
             if stop:
+                return steps - first_step
+            if ran == count:
+                continue
+            # The data ran out.
+            self._iterator = None
+            self.position = 0  # the next epoch starts a new pass
+            if self.steps_per_epoch is None:
+                return steps - first_step
+            if fresh and ran == 0:
+                return steps - first_step  # an empty dataset
+            if steps > first_step:
+                logger.warning(
+                    "The data ran out after %d of %d steps of this epoch; the next epoch "
+                    "starts a new pass.",
+                    steps,
+                    self.steps_per_epoch,
+                )
                 return steps - first_step
         return steps - first_step
 

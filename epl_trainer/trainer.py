@@ -18,7 +18,6 @@ import numpy as np
 import tensorflow as tf
 from keras import tree
 
-from epl_trainer import checkpoint as ckpt
 from epl_trainer import compiled, deepspeed, optimizers
 from epl_trainer import data as data_lib
 from epl_trainer import io as io_lib
@@ -34,16 +33,22 @@ from epl_trainer.memory import build_report
 from epl_trainer.metric_sync import MetricSync
 from epl_trainer.metrics import resolve_metrics
 from epl_trainer.model_fn import ModelSpec  # noqa: F401  (re-exported: epl.ModelSpec)
+from epl_trainer.trainer_checkpoints import CheckpointMixin
 from epl_trainer.watchdog import watchdog_for
 
 logger = logging.getLogger(__name__)
+
+
+# Evaluation batches per call of the compiled evaluation loop: one host round trip per
+# this many batches (evaluate calls no batch callbacks, so nothing needs them sooner).
+EVAL_STEPS_PER_CALL = 64
 
 
 class NonFiniteLossError(FloatingPointError):
     """A float32 training step produced a NaN or Inf loss (non-finite gradients)."""
 
 
-class EPLTrainer:
+class EPLTrainer(CheckpointMixin):
     """Trains a Keras model with the parallelism given by annotations and config.
 
     Args:
@@ -70,6 +75,13 @@ class EPLTrainer:
         config given to `epl.init()` (or the defaults). A DeepSpeed config (JSON path,
         dict or `epl_trainer.deepspeed.DeepSpeedConfig`) is translated on top of
         `epl.init()`'s config, and its optimizer/scheduler replace `optimizer`.
+      steps_per_execution: training steps run per call of the compiled step (a loop in
+        the graph), as `Model.compile(steps_per_execution=...)`: batch callbacks then run
+        once per call. Default: the compiled model's, else 1. Single-worker jobs only.
+      jit_compile: compile each stage's forward and backward with XLA, as
+        `Model.compile(jit_compile=True)`. Default: True if the model was compiled with
+        `jit_compile=True`, else False. (Optimizer updates are compiled separately, by
+        `optimizer.jit_compile`.)
     """
 
     def __init__(
@@ -84,6 +96,8 @@ class EPLTrainer:
         config=None,
         loss_weights=None,
         params=None,
+        steps_per_execution=None,
+        jit_compile=None,
     ):
         if optimizer is None and isinstance(model, keras.Model):
             optimizer = compiled.settings(model).get("optimizer")
@@ -93,6 +107,14 @@ class EPLTrainer:
         self.cluster = Env.get().cluster if config is None else build_cluster(self.config.cluster)
         self.optimizer = keras.optimizers.get(optimizer)
         self.params = params
+        if steps_per_execution is None and isinstance(model, keras.Model):
+            steps_per_execution = compiled.settings(model).get("steps_per_execution")
+        self.steps_per_execution = _checked_steps_per_execution(
+            steps_per_execution, self.cluster.worker_num
+        )
+        if jit_compile is None and isinstance(model, keras.Model):
+            jit_compile = compiled.settings(model).get("jit_compile") is True
+        self.jit_compile = bool(jit_compile)
         self._engine: engine.Engine | None = None
         self.epochs_done = 0
         self._metric_sync = MetricSync(self.cluster) if self.cluster.worker_num > 1 else None
@@ -153,6 +175,8 @@ class EPLTrainer:
             loss=self.loss,
             metrics=self.metrics,
             clip_global_norm=self.optimizer.global_clipnorm,
+            steps_per_execution=self.steps_per_execution,
+            jit_compile=self.jit_compile,
         )
         if self.deepspeed is not None:  # accumulation steps may follow from the lane count
             self.config, self.engine_plan.plan = self.deepspeed.resolve_plan(
@@ -212,6 +236,7 @@ class EPLTrainer:
             clip_global_norm=self.optimizer.global_clipnorm,
             step_counter=self.optimizer.iterations,
             checkpoint_marks=checkpoints.get_collection(),
+            jit_compile=self.jit_compile,
         )
         if self.config.gradient_checkpoint.check_gradients:
             self._engine.check_recompute_gradients(features)
@@ -361,37 +386,49 @@ class EPLTrainer:
     def _run_epoch(self, batches, callback_list, write_back_each_step, first_step=0) -> dict:
         program = self._ensure_engine_for(batches.dataset)
         logs = {}
+        chunk = {"last": -1, "end": 0, "ran": 0}  # the last call's step indices and iterations
 
-        def step(index, iterator):
+        def step(index, iterator, count):
             nonlocal logs
             callback_list.on_train_batch_begin(index)
             start = time.perf_counter()
             with self._lost_worker_check():
-                if self._end_of_data is None:
-                    results = _run_checked(program.train_on_iterator, iterator)
-                else:  # raises StopIteration on every worker once any ran out
+                if self._end_of_data is not None:  # StopIteration on every worker once any ran out
                     element = self._end_of_data.next_batch(iterator, index)
                     results = _run_checked(program.train_on_element, element)
+                elif self.steps_per_execution == 1:
+                    results = _run_checked(program.train_on_iterator, iterator)
+                else:
+                    results = _run_checked(program.train_many_on_iterator, iterator, count)
+            ran = int(results.pop(engine.STEPS_KEY, 1))
+            if ran == 0:
+                return 0, False
             batch = int(results.pop(engine.BATCH_SIZE_KEY))
             logs = {name: float(value) for name, value in results.items()}
-            self._check_finite(logs, index)
+            self._check_finite(logs, index + ran - 1)
             elapsed = time.perf_counter() - start
-            logs["samples_per_sec"] = batch * self.cluster.worker_num / max(elapsed, 1e-9)
+            logs["samples_per_sec"] = ran * batch * self.cluster.worker_num / max(elapsed, 1e-9)
             if write_back_each_step:
                 self._engine.write_back()
-            callback_list.on_train_batch_end(index, logs)
-            return self.model.stop_training
+            chunk.update(last=index + ran - 1, end=int(self.optimizer.iterations.numpy()), ran=ran)
+            # Keras's convention with steps_per_execution: one batch callback per call,
+            # with the index of its last step.
+            callback_list.on_train_batch_end(index + ran - 1, logs)
+            return ran, self.model.stop_training
 
         def after_step(index):
             self._step_in_epoch = index + 1
             every = self.config.checkpoint.save_steps
-            step = int(self.optimizer.iterations.numpy())
-            if self.config.checkpoint.dir and every and step % every == 0:
+            if not (self.config.checkpoint.dir and every) or index != chunk["last"]:
+                return  # a checkpoint holds the state after a whole call
+            end = chunk["end"]
+            if end // every > (end - chunk["ran"]) // every:  # a multiple of every was reached
                 self._save_periodic()
 
         # A resumed epoch may have no step left (killed between its last step's
         # checkpoint and the epoch-end one).
-        if batches.run_epoch(step, first_step, after_step) == 0 and first_step == 0:
+        ran = batches.run_epoch(step, first_step, after_step, self.steps_per_execution)
+        if ran == 0 and first_step == 0:
             raise ValueError(
                 "The training data yielded no batch. Check the dataset, batch_size "
                 "and steps_per_epoch."
@@ -417,12 +454,21 @@ class EPLTrainer:
         if steps is not None:
             dataset = dataset.take(steps)
         batches = 0
-        for element in dataset:
+        iterator = iter(dataset)
+        element = next(iterator, None)  # builds the engine (a subclassed model needs a batch)
+        if element is not None:
             features, labels = data_lib.split_element(element, with_labels=True)
+            size = int(tf.shape(tree.flatten(features)[0])[0])
             program = self._ensure_engine(features)
             with self._lost_worker_check("an evaluation step"):
                 program.eval_step(features, labels)
             batches += 1
+            # The rest in the graph, EVAL_STEPS_PER_CALL batches per call.
+            ran = EVAL_STEPS_PER_CALL
+            while ran == EVAL_STEPS_PER_CALL:
+                with self._lost_worker_check("an evaluation step"):
+                    ran = int(program.eval_many_on_iterator(iterator, EVAL_STEPS_PER_CALL, size))
+                batches += ran
         with self._lost_worker_check("the evaluation's metric sync"):
             logs = self._logs()
         if batches == 0 and self.cluster.worker_num == 1:
@@ -438,13 +484,25 @@ class EPLTrainer:
         dataset = data_lib.as_dataset(x, None, batch_size)
         self._build_from_data(dataset, model_fn_lib.INFER)
         data_lib.check_element_spec(dataset.element_spec, self.model, with_labels=False)
-        outputs = []
-        for element in dataset:
-            features, _ = data_lib.split_element(element, with_labels=False)
-            outputs.append(self._ensure_engine(features).predict_step(features))
-        if not outputs:
+        iterator = iter(dataset)
+        element = next(iterator, None)  # builds the engine (a subclassed model needs a batch)
+        if element is None:
             raise ValueError("predict received no data.")
-        return tree.map_structure(lambda *xs: np.concatenate([np.asarray(a) for a in xs]), *outputs)
+        features, _ = data_lib.split_element(element, with_labels=False)
+        size = int(tf.shape(tree.flatten(features)[0])[0])
+        program = self._ensure_engine(features)
+        first = program.predict_step(features)
+        flat = [[np.asarray(t)] for t in tree.flatten(first)]
+        # The rest in the graph, EVAL_STEPS_PER_CALL batches per call.
+        ran = EVAL_STEPS_PER_CALL
+        while ran == EVAL_STEPS_PER_CALL:
+            outputs, ran = program.predict_many_on_iterator(
+                iterator, EVAL_STEPS_PER_CALL, size, tree.flatten(first)
+            )
+            ran = int(ran)
+            for pieces, output in zip(flat, outputs):
+                pieces.append(np.asarray(output))
+        return tree.pack_sequence_as(first, [np.concatenate(pieces) for pieces in flat])
 
     def memory_report(self, print_table: bool = True):
         """Bytes of parameters, gradients and optimizer state per device (engine state).
@@ -458,87 +516,6 @@ class EPLTrainer:
         if print_table:
             print(report)
         return report
-
-    # ---- checkpoints -----------------------------------------------------------------
-
-    def save_checkpoint(self, directory: str, keep_max: int | None = None) -> str | None:
-        """Saves engine state (weights, optimizer slots, loss scale, step, input position).
-
-        Only worker 0 writes; the `keep_max` newest checkpoints are kept (all if None).
-        """
-        if self._engine is None:
-            raise ValueError("Nothing to save yet: call fit() (or restore) first.")
-        if self.config.zero.level and self.cluster.worker_num > 1:
-            # Each worker holds only its replicas' optimizer shards; worker 0 alone
-            # cannot write them all.
-            raise NotImplementedError(
-                "save_checkpoint with zero.level across several workers is not implemented "
-                f"yet. Received: zero.level={self.config.zero.level!r}, "
-                f"worker_num={self.cluster.worker_num}"
-            )
-        step = int(self.optimizer.iterations.numpy())
-        if not self.cluster.is_chief:
-            return None
-        self._engine.prepare_save()
-        metadata = {
-            "epochs_done": self.epochs_done,
-            # Inside fit: the position in the epoch in progress and in its data pass.
-            "step_in_epoch": self._step_in_epoch,
-            "input_position": 0 if self._batches is None else self._batches.position,
-            "plan": self.plan.summary(),
-        }
-        variables, names = self._engine.checkpoint_variables(self.optimizer)
-        return ckpt.save(directory, variables, metadata, step, names, keep_max)
-
-    def restore_checkpoint(self, directory: str, features=None) -> str:
-        """Restores the newest checkpoint in `directory` into every lane.
-
-        A trainer that has not trained yet needs the model built (functional models are);
-        for subclassed models, and for an Estimator-style model_fn, pass one batch of
-        `features` to build it.
-        """
-        if self._pending_model_fn is not None:
-            if features is None:
-                raise ValueError(
-                    "restore_checkpoint before the first fit needs `features` (one batch) to "
-                    "build the Estimator-style model_fn's model."
-                )
-            element = tf.data.Dataset.from_tensors(features)
-            self._build_from_data(element, model_fn_lib.TRAIN)
-        if self._engine is None:
-            if features is None and not self.model.built:
-                raise ValueError(
-                    "restore_checkpoint on a subclassed model that was never called needs "
-                    "`features` (one batch) to build it."
-                )
-            self._ensure_engine(features)
-        path = ckpt.latest(directory)
-        expected, names = self._engine.checkpoint_variables(self.optimizer)
-        values, metadata = ckpt.load(path, expected, names)
-        self._engine.restore(expected, values)
-        self.epochs_done = metadata.get("epochs_done", 0)
-        self._step_in_epoch = metadata.get("step_in_epoch", 0)
-        self._resume_position = (self._step_in_epoch, metadata.get("input_position", 0))
-        return path
-
-    def _auto_resume(self, dataset) -> bool:
-        """checkpoint.dir: a trainer that has not run yet restores the newest checkpoint.
-
-        A damaged newest checkpoint stops here with its CheckpointError rather than
-        training from scratch and overwriting the folder's history.
-        """
-        directory = self.config.checkpoint.dir
-        if not directory or self._engine is not None or not ckpt.exists(directory):
-            return False
-        self._ensure_engine_for(dataset)
-        path = self.restore_checkpoint(directory)
-        logger.info(
-            "Resumed from %s: epoch %d, step %d of it.", path, self.epochs_done, self._step_in_epoch
-        )
-        return True
-
-    def _save_periodic(self) -> None:
-        self.save_checkpoint(self.config.checkpoint.dir, keep_max=self.config.checkpoint.keep_max)
 
     @contextlib.contextmanager
     def _lost_worker_check(self, what: str = "a training step"):
@@ -614,3 +591,19 @@ def _needs_fresh_weights_per_step(callback_list) -> bool:
         isinstance(cb, keras.callbacks.ModelCheckpoint) and cb.save_freq != "epoch"
         for cb in callback_list.callbacks
     )
+
+
+def _checked_steps_per_execution(value, worker_num: int) -> int:
+    if value is None:
+        return 1
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"steps_per_execution must be an int >= 1. Received: {value!r}")
+    if value > 1 and worker_num > 1:
+        # Workers agree on the end of the data before every step (end_of_data.py); a loop
+        # of steps inside the graph cannot stop on one worker and not on the others.
+        raise ValueError(
+            "steps_per_execution > 1 runs on one worker for now; with several workers use "
+            f"steps_per_execution=1. Received: steps_per_execution={value}, "
+            f"worker_num={worker_num}"
+        )
+    return value

@@ -40,6 +40,7 @@ EXPECTED_DEFAULTS = {
     "amp.min_loss_scale": 1,
     "optimizer.num_apply_group": 1,
     "optimizer.nonfinite_loss": "error",
+    "optimizer.jit_compile": True,
     "cluster.device_place_prefer_intra_node": True,
     "cluster.run_visible_devices": "",
     "cluster.colocate_split_and_replicate": False,

@@ -77,6 +77,12 @@ flags.DEFINE_integer("builtin_train_paragraphs", 12000, "Built-in data: training
 flags.DEFINE_integer("builtin_dev_paragraphs", 100, "Built-in data: dev paragraphs.")
 flags.DEFINE_string("output_dir", "/tmp/epl_bert_squad", "Logs, predictions and metrics.")
 flags.DEFINE_integer("seed", 0, "Seed of the built-in data, the shuffling and the weights.")
+# XLA-compiled stages and 16 steps per call: the tiny model's step is mostly op dispatch
+# (measured: bench/bert_squad.py --speed).
+flags.DEFINE_bool(
+    "jit_compile", True, "Compile each stage's forward and backward with XLA (both trainers)."
+)
+flags.DEFINE_integer("steps_per_execution", 16, "Training steps per call of the compiled step.")
 flags.DEFINE_enum(
     "trainer",
     "epl",
@@ -241,14 +247,25 @@ def main(argv):
     }
     if FLAGS.trainer == "epl":
         model = build_model(config, bert, FLAGS.num_stages)
-        trainer = epl.EPLTrainer(model, loss=losses, optimizer=optimizer(model, total_steps))
+        trainer = epl.EPLTrainer(
+            model,
+            loss=losses,
+            optimizer=optimizer(model, total_steps),
+            jit_compile=FLAGS.jit_compile,
+            steps_per_execution=FLAGS.steps_per_execution,
+        )
         print(f"{config}\n{trainer.plan.summary()}")
 
         def predict(x, batch_size):
             return trainer.predict(x, batch_size=batch_size)
     else:  # the comparison: the same model, data and steps without the engine
         model = trainer = build_model(config, bert, num_stages=1)
-        model.compile(optimizer=optimizer(model, total_steps), loss=losses)
+        model.compile(
+            optimizer=optimizer(model, total_steps),
+            loss=losses,
+            jit_compile=FLAGS.jit_compile,
+            steps_per_execution=FLAGS.steps_per_execution,
+        )
         print("Plain Keras fit on one device (no EPL engine), for comparison.")
 
         def predict(x, batch_size):

@@ -12,12 +12,15 @@ The passes run in this order, each a small function that fills slots of the step
    the sharded loss, and the lane hooks reduce sharded gradients (split_lanes.py);
 4. gradient checkpointing (`gradient_checkpoint.type`): the checkpointed stages run as
    segments whose insides are recomputed in backward (recompute.py); after split, so the
-   recomputed stages are the ones whose forward is plain;
+   recomputed stages are the ones whose forward is plain; then, with the trainer's
+   `jit_compile`, each stage's forward (and so its backward) is compiled by XLA;
 5. the update: ZeRO's sharded reduce / apply / gather (`zero.level`, zero.py), or plain
    all-reduce + apply (update.py, with grouped apply and offload), both on the gradient
-   reduction of reduce.py (`communication.*`, global-norm clipping);
-6. the finiteness check around the update (finite.py): AMP's loss scaling, or the
-   non-finite guard; last, because it wraps whatever update the step has.
+   reduction of reduce.py (`communication.*`, global-norm clipping), each optimizer
+   XLA-compiled where it compiles (`optimizer.jit_compile`, apply.py);
+6. the finiteness check between the update's reduction and its apply (finite.py): AMP's
+   loss scaling, or the non-finite guard; last, because it wraps whatever update the
+   step has.
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ from epl_trainer.core.engine import amp, finite
 from epl_trainer.core.engine.engine import Engine, EnginePlan
 from epl_trainer.core.engine.hooks import StepHooks
 from epl_trainer.core.engine.layout import StepLayout
-from epl_trainer.core.engine.pipeline import stateless_stage_call
+from epl_trainer.core.engine.pipeline import compiled_stage_call, stateless_stage_call
 from epl_trainer.core.engine.program import Program
 from epl_trainer.core.engine.recompute import apply_recompute
 from epl_trainer.core.engine.reduce import GradientReduction
@@ -51,6 +54,7 @@ def build_engine(
     clip_global_norm: float | None = None,
     step_counter=None,
     checkpoint_marks=(),
+    jit_compile: bool = False,
 ) -> Engine:
     """Creates the engine state and the program for this worker's lanes.
 
@@ -65,6 +69,8 @@ def build_engine(
       clip_global_norm: the optimizer's `global_clipnorm`, applied over all stages.
       step_counter: the optimizer's `iterations`.
       checkpoint_marks: the user's `add_to_collection` marks.
+      jit_compile: compile each stage's forward and backward with XLA (the trainer's
+        `jit_compile`, as `Model.compile(jit_compile=True)`).
     """
     staged, plan = engine_plan.staged, engine_plan.plan
     if config.amp.level:
@@ -95,14 +101,20 @@ def build_engine(
         )
     if config.gradient_checkpoint.type:
         apply_recompute(hooks, staged, config.gradient_checkpoint, checkpoint_marks)
+    if jit_compile:
+        hooks.stage_calls = [compiled_stage_call(call) for call in hooks.stage_calls]
+        hooks.eval_stage_calls = [compiled_stage_call(call) for call in hooks.eval_stage_calls]
     reduction = GradientReduction(layout, config.communication, hooks.lanes, clip_global_norm)
 
     def make_state_optimizer(device, variables):
         # The user's optimizer decides per original variable (e.g. AdamW's exclusions).
         return make_optimizer(device, variables, [state.original_of(v) for v in variables])
 
+    jit = config.optimizer.jit_compile
     if config.zero.level:
-        hooks.update = ZeroUpdate(layout, reduction, make_state_optimizer, level=config.zero.level)
+        hooks.update = ZeroUpdate(
+            layout, reduction, make_state_optimizer, level=config.zero.level, jit_compile=jit
+        )
     else:
         hooks.update = ReplicatedUpdate(
             layout,
@@ -111,6 +123,7 @@ def build_engine(
             num_apply_group=config.optimizer.num_apply_group,
             shared_variables=offload,
             apply_device=host_device if offload else None,
+            jit_compile=jit,
         )
     program = Program(
         layout,

@@ -64,6 +64,8 @@ def plan_engine(
     loss=None,
     metrics: Sequence = (),
     clip_global_norm: float | None = None,
+    steps_per_execution: int = 1,
+    jit_compile: bool = False,
 ) -> EnginePlan:
     """Plans the engine for `model`.
 
@@ -77,6 +79,8 @@ def plan_engine(
       loss: the trainer's `CompiledLoss` (split outputs need a cross-entropy).
       metrics: [(flat output index, metric)] (split outputs support accuracy only).
       clip_global_norm: the optimizer's `global_clipnorm`.
+      steps_per_execution: training steps per call of the compiled step.
+      jit_compile: each stage's forward and backward compiled by XLA.
     """
     rules.check_config(config)
     auto = None
@@ -95,7 +99,7 @@ def plan_engine(
         stage_costs=auto.stage_costs if auto else None,
         cut_description=auto.cut_description if auto else None,
     )
-    rules.check_plan(plan, config, clip_global_norm)
+    rules.check_plan(plan, config, clip_global_norm, steps_per_execution, jit_compile)
     split_layers = []
     if any(tg.kind == "split" for tg in plan.taskgraphs):
         # Colocated TaskGraphs share every device of a lane: one stage, whose split
@@ -137,8 +141,11 @@ class Engine:
         self.program = program
         self.train_on_iterator = program.train_on_iterator
         self.train_on_element = program.train_on_element
+        self.train_many_on_iterator = program.train_many_on_iterator
         self.eval_step = program.eval_step
+        self.eval_many_on_iterator = program.eval_many_on_iterator
         self.predict_step = program.predict_step
+        self.predict_many_on_iterator = program.predict_many_on_iterator
 
     @property
     def update(self):

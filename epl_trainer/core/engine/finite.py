@@ -1,9 +1,12 @@
 """Passes that apply the update only when every lane's gradients are finite.
 
-Both wrap the update hook the same way: each lane checks its own gradients, one scalar
-all-reduce over every lane of the job makes the decision global (`finite_everywhere`),
-and the whole update, collectives included, runs or is skipped on every lane and
-worker alike.
+Both wrap the update hook the same way. The reduction runs first, unconditionally, so
+its collectives start as soon as backward produces each bucket and never wait for a
+global flag; finiteness is then decided from the *reduced* gradients
+(`finite_everywhere`). In data parallelism every lane holds the same reduced gradients
+and decides alone, with no extra collective; where lanes hold different shards (ZeRO,
+split layers) one scalar all-reduce makes the decision global. Only the optimizers'
+apply sits inside the conditional: every lane and worker applies or skips together.
 
 * `apply_nonfinite_guard` (no AMP): a non-finite step is skipped and counted; the
   trainer stops or warns as `optimizer.nonfinite_loss` says.
@@ -21,12 +24,20 @@ from epl_trainer.core.engine.hooks import StepHooks
 from epl_trainer.core.engine.layout import StepLayout
 
 
-def finite_everywhere(layout: StepLayout, lane_grads: list[list]) -> tf.Tensor:
-    """A scalar bool: every local and remote lane's gradients are all finite."""
+def finite_everywhere(layout: StepLayout, update, reduced) -> tf.Tensor:
+    """A scalar bool: the reduced gradients of every local and remote lane are finite.
+
+    Args:
+      update: the update whose `reduce` made `reduced` (its `reduced_agree` and
+        `reduced_of_lane` say how the lanes' shares relate).
+      reduced: what `update.reduce` returned.
+    """
     flags = []
-    for lane, grads in zip(layout.lanes, lane_grads):
+    for li, lane in enumerate(layout.lanes):
         with tf.device(lane.devices[0]):
-            flags.append(tf.cast(amp.all_finite(grads), tf.float32))
+            flags.append(tf.cast(amp.all_finite(update.reduced_of_lane(reduced, li)), tf.float32))
+            if update.reduced_agree:  # every lane holds the same gradients: one decides
+                return flags[0] > 0
     everyone = layout.everyone
     return everyone.all_reduce(flags, "sum")[0] >= everyone.size
 
@@ -46,9 +57,11 @@ def apply_nonfinite_guard(hooks: StepHooks, layout: StepLayout, skip_metrics: bo
     inner = hooks.update
 
     def update_if_finite(lane_grads: list[list]) -> None:
-        applied = amp.apply_if_finite(
-            finite_everywhere(layout, lane_grads), lambda: inner(lane_grads)
-        )
+        reduced = inner.reduce(lane_grads)
+        finite = finite_everywhere(layout, inner, reduced)
+        applied = amp.apply_if_finite(finite, lambda: inner.apply(reduced))
+        with tf.control_dependencies([applied]):
+            inner.finish()
         with tf.device(layout.host):
             count.assign_add(tf.cast(tf.logical_not(applied), tf.int64))
 
@@ -87,9 +100,13 @@ def apply_amp(hooks: StepHooks, layout: StepLayout, amp_config) -> None:
 
     def update_if_finite(lane_grads: list[list]) -> None:
         scale = scaler.scale()
+        # Unscaled before the reduction: clipping before it needs the true norm.
         lane_grads = [amp.unscale_gradients(grads, scale) for grads in lane_grads]
-        finite = finite_everywhere(layout, lane_grads)
-        amp.apply_if_finite(finite, lambda: inner(lane_grads))
+        reduced = inner.reduce(lane_grads)
+        finite = finite_everywhere(layout, inner, reduced)
+        applied = amp.apply_if_finite(finite, lambda: inner.apply(reduced))
+        with tf.control_dependencies([applied]):
+            inner.finish()
         scaler.update(finite)
 
     hooks.update = AmpUpdate(inner, update_if_finite, scaler)

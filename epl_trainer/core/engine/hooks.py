@@ -34,9 +34,11 @@ class ReplicatedLanes:
 
     def begin_trace(self) -> None:
         """Called once at the start of every traced step."""
+        return
 
     def reduce_sharded(self, lane_grads: list[list], reduced: list[list]) -> None:
         """Writes the reduced gradients of sharded variables into `reduced`."""
+        return
 
     def shard_norm_squares(self, li: int, grads: list) -> list:
         """Lane li's share of the squared global norm held in sharded gradients."""

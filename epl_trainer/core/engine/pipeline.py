@@ -236,6 +236,27 @@ def stateless_stage_call(model):
     return call
 
 
+def compiled_stage_call(call):
+    """`call` (a stage call, as above) with its forward compiled by XLA, once for
+    training and once for inference. The tape differentiates the compiled function, and
+    TensorFlow compiles its backward as well, as `Model.compile(jit_compile=True)` does."""
+    compiled = {
+        training: tf.function(
+            lambda variables, non_trainable, args, training=training: call(
+                variables, non_trainable, args, training
+            ),
+            jit_compile=True,
+            autograph=False,
+        )
+        for training in (True, False)
+    }
+
+    def run(variables, non_trainable, args, training):
+        return compiled[bool(training)](variables, non_trainable, args)
+
+    return run
+
+
 def training_kwargs(model, training: bool) -> dict:
     # `stateless_call` forwards `training` unconditionally; a subclassed `call` may not
     # accept it (Keras's own `__call__` drops it in that case, so do we).

@@ -89,8 +89,16 @@ class Program:
         # Multi-worker jobs take the batch outside the step, to agree on the end of data
         # first (end_of_data.py).
         self.train_on_element = tf.function(self._train_on_element, reduce_retracing=True)
+        # steps_per_execution > 1: several steps per call, as a loop in the graph.
+        self.train_many_on_iterator = tf.function(
+            self._train_many_on_iterator, reduce_retracing=True
+        )
         self.eval_step = tf.function(self._eval_step, reduce_retracing=True)
+        self.eval_many_on_iterator = tf.function(self._eval_many_on_iterator, reduce_retracing=True)
         self.predict_step = tf.function(self._predict_step, reduce_retracing=True)
+        self.predict_many_on_iterator = tf.function(
+            self._predict_many_on_iterator, reduce_retracing=True
+        )
 
     @property
     def state(self) -> EngineState:
@@ -122,6 +130,24 @@ class Program:
     def _train_on_element(self, element):
         features, labels = split_element(element)
         return self._train_step(features, labels)
+
+    def _train_many_on_iterator(self, iterator, steps: int):
+        """Up to `steps` training steps in one call (a loop in the graph, so the host is
+        visited once per `steps`); stops early when the data runs out. Returns the logs
+        after the last step, with the number of steps run under STEPS_KEY."""
+        with tf.device(self.layout.host):
+            batch = tf.constant(0, tf.int32)
+            ran = tf.constant(0, tf.int32)
+        for _ in tf.range(steps):
+            element = iterator.get_next_as_optional()
+            if not element.has_value():
+                break
+            features, labels = split_element(element.get_value())
+            logs = self._train_step(features, labels)
+            batch = logs[BATCH_SIZE_KEY]
+            ran += 1
+        with tf.device(self.layout.host):
+            return {**self._metric_results(), BATCH_SIZE_KEY: batch, STEPS_KEY: ran}
 
     def _train_step(self, features, labels):
         layout, hooks = self.layout, self.hooks
@@ -224,10 +250,21 @@ class Program:
 
     # ---- evaluation and prediction ---------------------------------------------------------
 
+    @property
+    def _eval_pieces(self) -> int:
+        """Micro-batches of a lane's evaluation or prediction batch: with several stages,
+        the stages work on different micro-batches at once (a forward-only pipeline)."""
+        return self.num_micro_batch if self.layout.num_stages > 1 else 1
+
     def _forward(self, li: int, features):
+        """The lane's outputs and auxiliary losses (averaged over micro-batches, as the
+        training objective weighs them) for `features`, in `_eval_pieces` micro-batches:
+        stage k of micro-batch j needs only stage k-1 of micro-batch j, so stages on
+        different devices overlap."""
         layout, hooks = self.layout, self.hooks
         lane, staged, state = layout.lanes[li], layout.staged, layout.state
-        values = dict(zip(staged.input_keys, staged.flatten_inputs(features)))
+        pieces = split_batch(features, self._eval_pieces)
+        values = [dict(zip(staged.input_keys, staged.flatten_inputs(f))) for f in pieces]
         aux_total = []
         for k, stage in enumerate(staged.stages):
             with tf.device(lane.devices[k]):
@@ -235,19 +272,26 @@ class Program:
                 non_trainable = [
                     state.non_trainable[li][i].value for i in layout.non_trainable_idx[k]
                 ]
-                outputs, _, aux = hooks.eval_stage_calls[k](
-                    variables, non_trainable, staged.stage_arguments(stage, values), False
-                )
-                values.update(staged.stage_results(stage, outputs))
-                aux_total.extend(tf.identity(a) for a in aux)
-        outputs = staged.pack_outputs([values[key] for key in staged.output_keys])
-        return hooks.output_cast(outputs), hooks.output_cast(aux_total)
+                for piece in values:
+                    outputs, _, aux = hooks.eval_stage_calls[k](
+                        variables, non_trainable, staged.stage_arguments(stage, piece), False
+                    )
+                    piece.update(staged.stage_results(stage, outputs))
+                    scale = 1.0 / len(values)
+                    aux_total.extend(tf.identity(a) * scale if scale != 1 else tf.identity(a)
+                                     for a in aux)  # fmt: skip
+        outputs = [staged.pack_outputs([v[key] for key in staged.output_keys]) for v in values]
+        if len(outputs) > 1:
+            outputs = [tree.map_structure(lambda *xs: tf.concat(xs, axis=0), *outputs)]
+        return hooks.output_cast(outputs[0]), hooks.output_cast(aux_total)
 
-    def _eval_step(self, features, labels):
+    def _eval_step(self, features, labels, pad_to: int = 0):
         layout, hooks = self.layout, self.hooks
         num_lanes = len(layout.lanes)
         with tf.device(layout.host):
-            features, labels, mask = pad_batch((features, labels), num_lanes)
+            features, labels, mask = pad_batch(
+                (features, labels), num_lanes * self._eval_pieces, minimum=pad_to
+            )
             parts = split_batch((features, labels, mask), num_lanes)
         hooks.lanes.begin_trace()
         for li, (f, y, w) in enumerate(parts):
@@ -267,12 +311,31 @@ class Program:
                     self.loss_tracker.update_state(loss, sample_weight=count)
                     self._update_output_metrics(y, y_pred, w)
 
-    def _predict_step(self, features):
+    def _eval_many_on_iterator(self, iterator, steps: int, batch_size: int):
+        """Up to `steps` evaluation batches in one call (a loop in the graph); returns how
+        many there were (fewer at the end of the data).
+
+        Every batch is padded (and masked) to at least `batch_size` rows, the size of the
+        full batches: a shorter last batch then has the same shape inside the loop, as
+        the collectives of split layers require (TF fixes a collective's shape by key).
+        """
+        with tf.device(self.layout.host):
+            ran = tf.constant(0, tf.int32)
+        for _ in tf.range(steps):
+            element = iterator.get_next_as_optional()
+            if not element.has_value():
+                break
+            features, labels = split_element(element.get_value())
+            self._eval_step(features, labels, pad_to=batch_size)
+            ran += 1
+        return ran
+
+    def _predict_step(self, features, pad_to: int = 0):
         layout, hooks = self.layout, self.hooks
         num_lanes = len(layout.lanes)
         with tf.device(layout.host):
             batch = tf.shape(tree.flatten(features)[0])[0]
-            features, _ = pad_batch((features,), num_lanes)[:2]
+            features, _ = pad_batch((features,), num_lanes * self._eval_pieces, pad_to)[:2]
             parts = split_batch(features, num_lanes)
         hooks.lanes.begin_trace()
         outputs = []
@@ -282,8 +345,38 @@ class Program:
         with tf.device(layout.host):
             return hooks.lanes.join_predictions(outputs, batch)
 
+    def _predict_many_on_iterator(self, iterator, steps: int, batch_size: int, like):
+        """Up to `steps` prediction batches in one call (a loop in the graph): the flat
+        outputs of all of them concatenated, and how many batches there were.
+
+        Args:
+          like: the flat outputs of one batch (their dtypes and trailing shapes).
+          batch_size: rows of a full batch; shorter ones are padded to it, as in
+            `_eval_many_on_iterator`.
+        """
+        with tf.device(self.layout.host):
+            ran = tf.constant(0, tf.int32)
+            arrays = [
+                tf.TensorArray(
+                    t.dtype, size=0, dynamic_size=True, infer_shape=False,
+                    element_shape=tf.TensorShape([None, *t.shape[1:]]),
+                )
+                for t in like
+            ]  # fmt: skip
+        for _ in tf.range(steps):
+            element = iterator.get_next_as_optional()
+            if not element.has_value():
+                break
+            outputs = tree.flatten(self._predict_step(element.get_value(), pad_to=batch_size))
+            with tf.device(self.layout.host):
+                arrays = [a.write(ran, o) for a, o in zip(arrays, outputs)]
+                ran += 1
+        with tf.device(self.layout.host):
+            return [a.concat() for a in arrays], ran
+
 
 BATCH_SIZE_KEY = "_batch_size"
+STEPS_KEY = "_steps"  # steps run by one call of train_many_on_iterator
 BATCH_SPLIT_ERROR = "The per-worker batch must split evenly into local replicas x micro-batches."
 
 
@@ -306,11 +399,13 @@ def split_batch(structure, parts: int) -> list:
     return [tree.pack_sequence_as(structure, [s[p] for s in sliced]) for p in range(parts)]
 
 
-def pad_batch(structures: tuple, multiple: int):
-    """Pads axis 0 to a multiple of `multiple`; returns the padded structures and a mask."""
+def pad_batch(structures: tuple, multiple: int, minimum: int = 0):
+    """Pads axis 0 to a multiple of `multiple`, and to at least `minimum` rows; returns the
+    padded structures and a mask of the real rows."""
     flat = tree.flatten(structures)
     batch = tf.shape(flat[0])[0]
-    pad = (multiple - batch % multiple) % multiple
+    target = tf.maximum(batch, minimum)
+    pad = target - batch + (multiple - target % multiple) % multiple
     padded = tree.map_structure(
         lambda x: tf.pad(x, [[0, pad]] + [[0, 0]] * (len(x.shape) - 1)), structures
     )

@@ -55,24 +55,25 @@ class GradientReduction:
         return comm.plan_buckets(sizes, [v.dtype for v in variables], self.max_splits)
 
     def all_reduce(self, lane_grads: list[list]) -> list[list]:
-        """All-reduces each stage's gradients over every lane of the job."""
+        """All-reduces each stage's gradients over every lane of the job.
+
+        Launched in the order backward produces the gradients: the last stage first,
+        and in each stage the bucket of its last layers first, so each collective can
+        start while backward is still computing the earlier layers. Sparse gradients
+        (usually the first layer's embedding, whose gradient comes last) follow.
+        """
         layout = self.layout
         reduced = [list(grads) for grads in lane_grads]
         self.lane_hooks.reduce_sharded(lane_grads, reduced)
-        for k, group in enumerate(layout.stage_groups):
+        for k in reversed(range(layout.num_stages)):
+            group = layout.stage_groups[k]
             idx = [i for i in layout.reduced_idx[k] if not _is_slices(lane_grads[0][i])]
-            for i in layout.reduced_idx[k]:
-                if _is_slices(lane_grads[0][i]):
-                    gathered = comm.all_gather_slices(
-                        group, [grads[i] for grads in lane_grads], self.method
-                    )
-                    for li, g in enumerate(gathered):
-                        reduced[li][i] = g
             per_member = [[grads[i] for i in idx] for grads in lane_grads]
+            buckets = sorted(self.plan_buckets(idx), key=max, reverse=True)  # last layers first
             results = comm.fused_all_reduce(
                 group,
                 per_member,
-                self.plan_buckets(idx),
+                buckets,
                 self.method,
                 num_chains=self.num_communicators,
                 wire_fp16_scale=self.wire_fp16_scale,
@@ -80,6 +81,13 @@ class GradientReduction:
             for li, stage_grads in enumerate(results):
                 for i, g in zip(idx, stage_grads):
                     reduced[li][i] = g
+            for i in reversed(layout.reduced_idx[k]):
+                if _is_slices(lane_grads[0][i]):
+                    gathered = comm.all_gather_slices(
+                        group, [grads[i] for grads in lane_grads], self.method
+                    )
+                    for li, g in enumerate(gathered):
+                        reduced[li][i] = g
         return reduced
 
     def clip(self, li: int, grads: list) -> list:

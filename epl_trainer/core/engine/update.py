@@ -10,6 +10,14 @@ memory features that do not change where gradients go:
 * `shared_variables` (offload): the local lanes share one copy of the variables on the
   host; it is updated once per worker, on the host, after the reduction.
 
+Every update has the same phases, so the finiteness check (finite.py) can sit between
+them with no collective inside its conditional: `reduce` (all collectives, run every
+step), `apply` (the optimizers only, skipped on a non-finite step) and `finish` (what
+follows the apply everywhere; ZeRO gathers the updated shards there). `reduced_agree`
+says whether every lane holds the same reduced gradients, so that each can decide
+finiteness alone. Each optimizer runs as an `OptimizerStep` (apply.py): XLA-compiled
+with `optimizer.jit_compile`.
+
 ZeRO (zero.py) replaces the reduction and the apply with sharded versions.
 """
 
@@ -18,6 +26,7 @@ from __future__ import annotations
 import tensorflow as tf
 
 from epl_trainer.core import comm
+from epl_trainer.core.engine.apply import OptimizerStep
 from epl_trainer.core.engine.state import variable_bytes
 
 
@@ -44,6 +53,7 @@ class ReplicatedUpdate:
       num_apply_group: optimizer.num_apply_group.
       shared_variables: lanes share one variable copy (offload): apply once, on `apply_device`.
       apply_device: where shared variables live (the host).
+      jit_compile: compile each optimizer's update with XLA (`optimizer.jit_compile`).
     """
 
     def __init__(
@@ -54,6 +64,7 @@ class ReplicatedUpdate:
         num_apply_group: int = 1,
         shared_variables: bool = False,
         apply_device: str | None = None,
+        jit_compile: bool = False,
     ):
         self.layout = layout
         self.reduction = reduction
@@ -82,33 +93,60 @@ class ReplicatedUpdate:
             ]
             for li, lane in enumerate(lanes)
         ]
+        # steps[lane][stage][group]: the optimizers' updates, compiled where they compile.
+        self.steps = [
+            [
+                [
+                    OptimizerStep(
+                        optimizer,
+                        [state.trainable[li][i] for i in group],
+                        self.optimizers_device(li, k),
+                        jit_compile,
+                    )
+                    for group, optimizer in zip(self.groups[k], stage_optimizers)
+                ]
+                for k, stage_optimizers in enumerate(lane_optimizers)
+            ]
+            for li, lane_optimizers in enumerate(self.optimizers)
+        ]
+        # Split layers' sharded gradients differ from lane to lane.
+        self.reduced_agree = not state.sharded
 
     def __call__(self, lane_grads: list[list]) -> None:
+        self.apply(self.reduce(lane_grads))
+        self.finish()
+
+    def reduce(self, lane_grads: list[list]) -> list[list]:
+        """Every lane's reduced (and clipped) gradients, in model order."""
         reduction = self.reduction
         if reduction.clip_before:
             lane_grads = reduction.clip_each(lane_grads)
         reduced = reduction.all_reduce(lane_grads)
         if reduction.clip_after:
             reduced = reduction.clip_each(reduced)
-        self.apply(reduced)
+        return reduced
+
+    def reduced_of_lane(self, reduced: list[list], li: int) -> list:
+        return reduced[li]
 
     def apply(self, reduced: list[list]) -> None:
         state = self.layout.state
-        for li, optimizers in enumerate(self.optimizers):
-            for k, stage_optimizers in enumerate(optimizers):
-                device = self.optimizers_device(li, k)
+        for li, lane_steps in enumerate(self.steps):
+            for k, stage_steps in enumerate(lane_steps):
                 previous = []
                 # Last layers first: backward produces their gradients first, so each
                 # group can run (and free its gradients) while backward continues.
-                pairs = list(zip(self.groups[k], stage_optimizers))[::-1]
-                for position, (group, optimizer) in enumerate(pairs):
-                    with tf.device(device), tf.control_dependencies(previous):
-                        optimizer.apply(
-                            [reduced[li][i] for i in group],
-                            [state.trainable[li][i] for i in group],
-                        )
+                pairs = list(zip(self.groups[k], stage_steps))[::-1]
+                for position, (group, step) in enumerate(pairs):
+                    with tf.control_dependencies(previous):
+                        step([reduced[li][i] for i in group])
                         if position + 1 < len(pairs):  # the next group waits for this one
-                            previous = _written(state.trainable[li][i] for i in group)
+                            with tf.device(step.device):
+                                previous = _written(state.trainable[li][i] for i in group)
+
+    def finish(self) -> None:
+        """Nothing follows the apply: every lane updated its own copy."""
+        return
 
     def optimizers_device(self, li: int, stage: int) -> str:
         variables = self.optimizers[li][stage][0].variables if self.optimizers[li][stage] else []

@@ -31,6 +31,7 @@ from collections.abc import Sequence
 import tensorflow as tf
 
 from epl_trainer.core import comm
+from epl_trainer.core.engine.apply import OptimizerStep
 from epl_trainer.core.engine.reduce import scaled
 
 
@@ -401,6 +402,7 @@ class ZeroUpdate:
       reduction: the gradient reduction and clipping settings (reduce.py).
       make_optimizer: `(device, variables) -> built Keras optimizer`.
       level: "v0" or "v1".
+      jit_compile: compile each shard's optimizer update with XLA (apply.py).
       measure_ranks: run `CollectiveGroup.measure_ranks()` on every stage group (one
         tiny eager gather each, at build time, on every worker in the same order).
         Default: only for GPU groups, whose ranks follow interconnect links.
@@ -412,6 +414,7 @@ class ZeroUpdate:
         reduction,
         make_optimizer,
         level: str = "v1",
+        jit_compile: bool = False,
         measure_ranks: bool | None = None,
     ):
         if level not in ("v0", "v1"):
@@ -444,17 +447,43 @@ class ZeroUpdate:
             ]
             for li, lane in enumerate(layout.lanes)
         ]
+        self.steps = [
+            [
+                OptimizerStep(
+                    optimizer,
+                    [state.trainable[li][i] for i in self.owned[k][li]],
+                    lane.devices[k],
+                    jit_compile,
+                )
+                if optimizer is not None
+                else None
+                for k, optimizer in enumerate(lane_optimizers)
+            ]
+            for li, (lane, lane_optimizers) in enumerate(zip(layout.lanes, self.optimizers))
+        ]
+        self.reduced_agree = False  # each lane holds the reduced gradients of its shard
 
     def __call__(self, lane_grads: list[list]) -> None:
+        self.apply(self.reduce(lane_grads))
+        self.finish()
+
+    def reduce(self, lane_grads: list[list]) -> list[list[list]]:
+        """owned_grads[stage][lane]: each lane's reduced gradients of what it owns."""
         if self.reduction.clip_before:
             lane_grads = self.reduction.clip_each(lane_grads)
-        owned_grads = [  # owned_grads[stage][lane], aligned with self.owned
+        owned_grads = [
             self._reduce_stage(k, group, lane_grads)
             for k, group in enumerate(self.layout.stage_groups)
         ]
         if self.reduction.clip_after:
             owned_grads = self._clip_owned(owned_grads)
-        self.apply(owned_grads)
+        return owned_grads
+
+    def reduced_of_lane(self, owned_grads: list[list[list]], li: int) -> list:
+        return [g for stage in owned_grads for g in stage[li]]
+
+    def finish(self) -> None:
+        """Every lane gathers the updated shards (unchanged ones after a skipped step)."""
         self._gather()
 
     def _reduce_stage(self, k: int, group, lane_grads: list[list]) -> list[list]:
@@ -485,13 +514,10 @@ class ZeroUpdate:
         return merged
 
     def apply(self, owned_grads: list[list[list]]) -> None:
-        trainable = self.layout.state.trainable
-        for li, optimizers in enumerate(self.optimizers):
-            for k, optimizer in enumerate(optimizers):
-                if optimizer is not None:
-                    with tf.device(self.layout.lanes[li].devices[k]):
-                        owned = self.owned[k][li]
-                        optimizer.apply(owned_grads[k][li], [trainable[li][i] for i in owned])
+        for li, lane_steps in enumerate(self.steps):
+            for k, step in enumerate(lane_steps):
+                if step is not None:
+                    step(owned_grads[k][li])
 
     def _gather(self) -> None:
         layout = self.layout

@@ -43,14 +43,29 @@ def check_config(config) -> None:
         )
 
 
-def check_plan(plan: Plan, config, clip_global_norm: float | None = None) -> None:
+def check_plan(
+    plan: Plan,
+    config,
+    clip_global_norm: float | None = None,
+    steps_per_execution: int = 1,
+    jit_compile: bool = False,
+) -> None:
     """Refuses plans the engine cannot execute with these settings.
 
     Args:
       plan: the plan of the whole job.
       config: the config the plan was made with.
       clip_global_norm: the optimizer's `global_clipnorm`, or None.
+      steps_per_execution: training steps per call of the compiled step.
+      jit_compile: each stage's forward and backward compiled by XLA.
     """
+    if jit_compile and config.gradient_checkpoint.type:
+        raise ValueError(
+            "jit_compile=True compiles each stage whole, and XLA plans its memory itself: "
+            "gradient checkpointing's recomputed segments would not stay separate. Use "
+            "one of them. Received: jit_compile=True, gradient_checkpoint.type="
+            f"{config.gradient_checkpoint.type!r}"
+        )
     counts = {tg.device_count for tg in plan.taskgraphs}
     if len(counts) != 1:
         raise PlanError(
@@ -85,6 +100,18 @@ def check_plan(plan: Plan, config, clip_global_norm: float | None = None) -> Non
             "split layers cannot be combined with "
             + ", ".join(f"{k}={v!r}" for k, v in combined.items())
             + " yet; remove those settings or the split annotation."
+        )
+    if jit_compile:
+        raise SplitError(
+            "split layers exchange rows with collectives inside the stage, which XLA cannot "
+            "compile on every device; use jit_compile=False. Received: jit_compile=True"
+        )
+    if steps_per_execution > 1:
+        # A split layer's collectives fix their shapes by key; a loop of steps in the graph
+        # would run them with the shorter last batch of the data under the same keys.
+        raise SplitError(
+            "split layers run one training step per call for now; use "
+            f"steps_per_execution=1. Received: steps_per_execution={steps_per_execution}"
         )
     if clip_global_norm is not None and not config.communication.clip_after_allreduce:
         raise SplitError(
