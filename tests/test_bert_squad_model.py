@@ -329,3 +329,8 @@ def test_main_runs_end_to_end_on_builtin_data(tmp_path, trainer):
     assert metrics["trainer"] == trainer
     assert (metrics["plan"] is not None) == (trainer == "epl")
     assert list((tmp_path / "logs").rglob("events.out.tfevents.*"))
+    # The wall time's breakdown: the parts are positive and add up to at most the whole.
+    seconds = metrics["seconds"]
+    assert set(seconds) == {"data", "training", "evaluation"} and min(seconds.values()) > 0
+    assert sum(seconds.values()) <= metrics["wall_time_sec"]
+    assert "ms/step with tracing), dev predictions" in result.stdout

@@ -77,10 +77,17 @@ flags.DEFINE_integer("builtin_train_paragraphs", 12000, "Built-in data: training
 flags.DEFINE_integer("builtin_dev_paragraphs", 100, "Built-in data: dev paragraphs.")
 flags.DEFINE_string("output_dir", "/tmp/epl_bert_squad", "Logs, predictions and metrics.")
 flags.DEFINE_integer("seed", 0, "Seed of the built-in data, the shuffling and the weights.")
-# XLA-compiled stages and 16 steps per call: the tiny model's step is mostly op dispatch
-# (measured: bench/bert_squad.py --speed).
+# The tiny model's step is mostly op dispatch, so 16 steps per call. XLA pays for Keras,
+# which compiles the whole step as one computation (measured per step on 2 cores: 40 ms
+# of CPU instead of 58). For EPLTrainer it compiles each stage's forward and backward
+# apart, 16 small computations per step with 4 micro-batches, and that measured 10%
+# more CPU per step than plain ops (65 ms against 59), so the default leaves it off
+# there; the optimizer update is XLA-compiled either way (`optimizer.jit_compile`).
 flags.DEFINE_bool(
-    "jit_compile", True, "Compile each stage's forward and backward with XLA (both trainers)."
+    "jit_compile",
+    None,
+    "XLA: Keras compiles its whole step, EPLTrainer each stage's forward and backward. "
+    "Default: on for --trainer=keras, off for epl (the faster of the two here).",
 )
 flags.DEFINE_integer("steps_per_execution", 16, "Training steps per call of the compiled step.")
 flags.DEFINE_enum(
@@ -163,8 +170,10 @@ class SquadEvaluator(keras.callbacks.Callback):
         self.examples, self.features = examples, features
         self.x, _ = squad.features_to_arrays(features, with_labels=False)
         self.predictions: dict[str, str] = {}
+        self.seconds = 0.0  # spent predicting and scoring, for the report's breakdown
 
     def evaluate(self) -> dict:
+        start = time.perf_counter()
         outputs = self.predict(self.x, FLAGS.predict_batch_size)
         self.predictions = evaluation.extract_predictions(
             self.examples,
@@ -175,7 +184,9 @@ class SquadEvaluator(keras.callbacks.Callback):
             FLAGS.max_answer_length,
             FLAGS.do_lower_case,
         )
-        return evaluation.squad_v1_scores(self.dataset, self.predictions)
+        scores = evaluation.squad_v1_scores(self.dataset, self.predictions)
+        self.seconds += time.perf_counter() - start
+        return scores
 
     def on_epoch_end(self, epoch, logs=None):
         scores = self.evaluate()
@@ -251,7 +262,7 @@ def main(argv):
             model,
             loss=losses,
             optimizer=optimizer(model, total_steps),
-            jit_compile=FLAGS.jit_compile,
+            jit_compile=bool(FLAGS.jit_compile),
             steps_per_execution=FLAGS.steps_per_execution,
         )
         print(f"{config}\n{trainer.plan.summary()}")
@@ -263,7 +274,7 @@ def main(argv):
         model.compile(
             optimizer=optimizer(model, total_steps),
             loss=losses,
-            jit_compile=FLAGS.jit_compile,
+            jit_compile=FLAGS.jit_compile is not False,
             steps_per_execution=FLAGS.steps_per_execution,
         )
         print("Plain Keras fit on one device (no EPL engine), for comparison.")
@@ -278,6 +289,7 @@ def main(argv):
         evaluator = SquadEvaluator(predict, dev_dataset, dev_examples, dev_features)
         print(f"Predict: {len(dev_examples)} questions, {len(dev_features)} windows")
 
+    seconds = {"data": time.perf_counter() - start_time}
     history = None
     if train:
         callbacks = [evaluator] if evaluator else []
@@ -290,6 +302,7 @@ def main(argv):
             callbacks=callbacks,
             verbose=2,
         )
+        seconds["training"] = time.perf_counter() - start_time - seconds["data"]
 
     results = {}
     if evaluator:
@@ -298,16 +311,19 @@ def main(argv):
             "baselines": baselines(evaluator.dataset, evaluator.examples, FLAGS.seed),
         }
     wall_time = time.perf_counter() - start_time
-    report(results, wall_time)
+    if evaluator and "training" in seconds:  # the per-epoch dev predictions ran inside fit
+        seconds["training"] -= evaluator.seconds
+    seconds["evaluation"] = evaluator.seconds if evaluator else 0.0
+    report(results, wall_time, seconds, total_steps if train else 0)
     if cluster.is_chief:
-        write_outputs(output_dir, trainer, config, history, results, evaluator, wall_time)
+        write_outputs(output_dir, trainer, config, history, results, evaluator, wall_time, seconds)
 
 
 # EPL's published BERT recipe (BERT-base, 2-stage pipeline, SQuAD v1.1 dev).
 PUBLISHED = {"exact_match": 79.8, "f1": 88.0}
 
 
-def report(results: dict, wall_time: float) -> None:
+def report(results: dict, wall_time: float, seconds: dict, steps: int) -> None:
     if results:
         dev, base = results["dev"], results["baselines"]
         print(
@@ -320,7 +336,12 @@ def report(results: dict, wall_time: float) -> None:
             f"EPL's published BERT recipe: EM {PUBLISHED['exact_match']:.1f}, F1 "
             f"{PUBLISHED['f1']:.1f}. It differs from this run in " + _what_differs()
         )
-    print(f"Wall time {wall_time:.1f} s")
+    breakdown = f"data {seconds['data']:.1f} s"
+    if steps:
+        per_step = 1e3 * seconds["training"] / steps
+        breakdown += f", training {seconds['training']:.1f} s ({per_step:.1f} ms/step with tracing)"
+    breakdown += f", dev predictions {seconds['evaluation']:.1f} s"
+    print(f"Wall time {wall_time:.1f} s: {breakdown}")
 
 
 def _what_differs() -> str:
@@ -334,7 +355,7 @@ def _what_differs() -> str:
     )
 
 
-def write_outputs(output_dir, trainer, config, history, results, evaluator, wall_time):
+def write_outputs(output_dir, trainer, config, history, results, evaluator, wall_time, seconds):
     """predictions.json ({question id: answer}, the official script's input), metrics.json."""
     output_dir.mkdir(parents=True, exist_ok=True)
     if evaluator:
@@ -347,6 +368,7 @@ def write_outputs(output_dir, trainer, config, history, results, evaluator, wall
         if history
         else {},
         "wall_time_sec": wall_time,
+        "seconds": seconds,  # data, training (without the dev predictions), evaluation
         "flags": {name: FLAGS[name].value for name in FLAGS_TO_RECORD},
         "trainer": FLAGS.trainer,
         "plan": trainer.plan.to_dict() if FLAGS.trainer == "epl" else None,

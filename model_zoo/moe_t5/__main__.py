@@ -132,9 +132,7 @@ def load_data(global_batch: int):
     lengths = (FLAGS.max_source_length, FLAGS.max_target_length)
     if FLAGS.train_files is None:
         if FLAGS.eval_files or FLAGS.vocab_file or FLAGS.spm_model:
-            raise app.UsageError(
-                "--eval_files, --vocab_file and --spm_model need --train_files."
-            )
+            raise app.UsageError("--eval_files, --vocab_file and --spm_model need --train_files.")
         vocab = data.task_vocabulary()
         steps = FLAGS.steps_per_epoch or GENERATED_STEPS_PER_EPOCH
         train_pairs = data.task_pairs(steps * global_batch, FLAGS.seed + 1)
