@@ -199,6 +199,19 @@ class EPLTrainer(CheckpointMixin):
         return self.engine_plan.plan
 
     @property
+    def data_shards(self) -> int:
+        """Input shards the job reads: the worker count, unless replicas span workers
+        (those workers read the same batches). A worker's batch = global batch / this."""
+        planned = getattr(self, "engine_plan", None)  # None: a model_fn not built yet
+        return self.cluster.worker_num if planned is None else planned.data_shards[0]
+
+    @property
+    def data_shard(self) -> int:
+        """The input shard this worker reads (`fit` and `evaluate` shard arrays by it)."""
+        planned, worker = getattr(self, "engine_plan", None), self.cluster.worker_index
+        return worker if planned is None else planned.data_shards[1][worker]
+
+    @property
     def staged(self):
         """The model cut into one sub-model per stage."""
         return self.engine_plan.staged
@@ -294,8 +307,8 @@ class EPLTrainer(CheckpointMixin):
                 x,
                 y,
                 batch_size,
-                worker_index=self.cluster.worker_index,
-                worker_num=self.cluster.worker_num,
+                worker_index=self.data_shard,
+                worker_num=self.data_shards,
                 drop_remainder=True,
             )
         data_lib.check_element_spec(dataset.element_spec, self.model, with_labels=True)
@@ -370,8 +383,8 @@ class EPLTrainer(CheckpointMixin):
         if self.config.io.slicing:
             files = io_lib.slice_files(
                 files,
-                worker_index=self.cluster.worker_index,
-                replicas_per_worker=self.engine_plan.lanes_per_worker,
+                worker_index=self.data_shard,
+                replicas_per_worker=self.engine_plan.lanes_per_data_shard(),
                 unbalanced_io_slicing=self.config.io.unbalanced_io_slicing,
                 drop_last_files=self.config.io.drop_last_files,
             )
@@ -407,7 +420,7 @@ class EPLTrainer(CheckpointMixin):
             logs = {name: float(value) for name, value in results.items()}
             self._check_finite(logs, index + ran - 1)
             elapsed = time.perf_counter() - start
-            logs["samples_per_sec"] = ran * batch * self.cluster.worker_num / max(elapsed, 1e-9)
+            logs["samples_per_sec"] = ran * batch * self.data_shards / max(elapsed, 1e-9)
             if write_back_each_step:
                 self._engine.write_back()
             chunk.update(last=index + ran - 1, end=int(self.optimizer.iterations.numpy()), ran=ran)
@@ -445,8 +458,8 @@ class EPLTrainer(CheckpointMixin):
             x,
             y,
             batch_size,
-            worker_index=self.cluster.worker_index,
-            worker_num=self.cluster.worker_num,
+            worker_index=self.data_shard,
+            worker_num=self.data_shards,
         )
         self._build_from_data(dataset, model_fn_lib.EVAL)
         data_lib.check_element_spec(dataset.element_spec, self.model, with_labels=True)
@@ -587,10 +600,8 @@ def _annotate(model, config: Config, strategy, stages, split):
 
 
 def _needs_fresh_weights_per_step(callback_list) -> bool:
-    return any(
-        isinstance(cb, keras.callbacks.ModelCheckpoint) and cb.save_freq != "epoch"
-        for cb in callback_list.callbacks
-    )
+    saving = keras.callbacks.ModelCheckpoint
+    return any(isinstance(c, saving) and c.save_freq != "epoch" for c in callback_list.callbacks)
 
 
 def _checked_steps_per_execution(value, worker_num: int) -> int:

@@ -3,7 +3,8 @@
 * `keys`: instance and group keys, ordering tokens, the rank order of a group;
 * `group`: `CollectiveGroup` (all-reduce, reduce-scatter, all-gather over member devices);
 * `fusion`: gradient buckets fused into few collectives, the fp16 wire format, sparse rows;
-* `lanes`: collectives issued lane by lane by split layers.
+* `lanes`: collectives issued lane by lane by split layers;
+* `transfer`: point-to-point transfers between stages on different workers.
 
 The names below are the package's interface; the engine uses them as `comm.<name>`.
 """
@@ -20,11 +21,13 @@ from epl_trainer.core.comm.keys import (
     reserve_local_instance_keys,
 )
 from epl_trainer.core.comm.lanes import LaneCollectives
+from epl_trainer.core.comm.transfer import PairTransfer
 
 __all__ = [
     "KEYS_PER_LANE_GROUP",
     "CollectiveGroup",
     "LaneCollectives",
+    "PairTransfer",
     "all_gather_slices",
     "collective_rank_order",
     "fused_all_reduce",

@@ -61,7 +61,7 @@ class CollectiveGroup:
         Args:
           values: `values[i]` lives on `local_devices[i]`.
           reduction: "mean" or "sum".
-          instance_key: a key from `next_instance_key()`; allocated here if None.
+          instance_key: a key from `next_instance_key(group.key)`; allocated here if None.
           chain: which ordering-token chain (communicator) to use.
         """
         if len(values) != len(self.local_devices):
@@ -73,7 +73,7 @@ class CollectiveGroup:
             return list(values)
         if reduction not in ("mean", "sum"):
             raise ValueError(f"reduction must be 'mean' or 'sum'. Received: {reduction!r}")
-        instance_key = next_instance_key() if instance_key is None else instance_key
+        instance_key = next_instance_key(self.key) if instance_key is None else instance_key
         results = []
         for device, value in zip(self.local_devices, values):
             with tf.device(device):
@@ -122,7 +122,7 @@ class CollectiveGroup:
             raise ValueError(f"measure_ranks needs a local member. Received: {self}")
         if self.size == 1:
             return [0]
-        instance_key = next_instance_key()
+        instance_key = next_instance_key(self.key)
 
         @tf.function
         def gather_positions():
@@ -159,7 +159,7 @@ class CollectiveGroup:
           values: `values[i]`, on `local_devices[i]`, is a 1-D tensor of length
             `size * B` (the same on every member).
           reduction: "mean" or "sum".
-          instance_key: a key from `next_instance_key()`; allocated here if None.
+          instance_key: a key from `next_instance_key(group.key)`; allocated here if None.
           chain: which ordering-token chain (communicator) to use.
 
         Returns:
@@ -171,7 +171,7 @@ class CollectiveGroup:
             raise ValueError(f"reduction must be 'mean' or 'sum'. Received: {reduction!r}")
         if self.size == 1:
             return list(values)
-        instance_key = next_instance_key() if instance_key is None else instance_key
+        instance_key = next_instance_key(self.key) if instance_key is None else instance_key
         results = []
         for device, value in zip(self.local_devices, values):
             with tf.device(device):
@@ -221,7 +221,7 @@ class CollectiveGroup:
         Args:
           values: `values[i]`, on `local_devices[i]`, is a 1-D tensor of length B (the
             same on every member).
-          instance_key: a key from `next_instance_key()`; allocated here if None (from
+          instance_key: a key from `next_instance_key(group.key)`; allocated here if None (from
             `length_keyed_instance` when B is not static).
           chain: which ordering-token chain (communicator) to use.
           length_unit: B is a multiple of it (elements per row); see
@@ -236,8 +236,8 @@ class CollectiveGroup:
             return list(values)
         if instance_key is None and values[0].shape[0] is None:
             with tf.device(self.local_devices[0]):
-                instance_key = length_keyed_instance(tf.size(values[0]), length_unit)
-        instance_key = next_instance_key() if instance_key is None else instance_key
+                instance_key = length_keyed_instance(tf.size(values[0]), self.key, length_unit)
+        instance_key = next_instance_key(self.key) if instance_key is None else instance_key
         results = []
         for device, value in zip(self.local_devices, values):
             with tf.device(device):

@@ -9,9 +9,13 @@ DESIGN.md):
   device issues its collectives in the same order and none deadlock. With
   `num_communicators` > 1 a device has that many tokens: independent chains that the
   runtime may overlap.
-* Group and instance keys are deterministic (derived from the member device names and
-  a counter advanced in program-build order, identical on every worker) and large, so
-  they never collide with keys `tf.distribute` allocates from 1 upwards.
+* Group and instance keys are deterministic and large, so they never collide with keys
+  `tf.distribute` allocates from 1 upwards. A group key is derived from the member
+  device names; instance keys count per group, in program-build order. TensorFlow scopes
+  an instance key to its group (the collective's key is "group:instance:frame:iter"), so
+  only the members of a group need to agree on its keys: a worker that is not in a group
+  (a pipeline stage on another worker) builds none of its collectives and shifts no one
+  else's keys.
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ import tensorflow as tf
 
 _GROUP_KEY_BASE = 0x2000_0000
 _INSTANCE_KEY_BASE = 0x1000_0000
-_instance_counter = itertools.count(_INSTANCE_KEY_BASE)
+_instance_counters: dict[int, itertools.count] = {}
 # Gathers of a dynamic length (an Embedding's gradient rows under a dynamic sequence
 # length) take their instance key from the length: TF resolves a collective instance's
 # shape once per key, so a key reused with another length fails ("Shape mismatch in the
@@ -33,22 +37,26 @@ _instance_counter = itertools.count(_INSTANCE_KEY_BASE)
 _DYNAMIC_KEY_BASE = 0x4000_0000
 _DYNAMIC_BLOCK = 1 << 20  # lengths (in units) per block
 _DYNAMIC_BLOCKS = (0x7FFF_FFFF - _DYNAMIC_KEY_BASE) // _DYNAMIC_BLOCK
-_dynamic_counter = itertools.count()
+_dynamic_counters: dict[int, itertools.count] = {}
 _ordering_tokens: dict[tuple[str, int], tf.Variable] = {}
 
 
-def next_instance_key() -> int:
-    """A fresh instance key; programs are built in the same order on every worker."""
-    return next(_instance_counter)
+def next_instance_key(group: int) -> int:
+    """A fresh instance key for the group with key `group`: every member builds the
+    group's collectives in the same order, so the t-th one gets the same key everywhere."""
+    counter = _instance_counters.setdefault(group, itertools.count(_INSTANCE_KEY_BASE))
+    return next(counter)
 
 
-def length_keyed_instance(length: tf.Tensor, unit: int = 1) -> tf.Tensor:
-    """An int32 instance key for a collective whose length changes from step to step.
+def length_keyed_instance(length: tf.Tensor, group: int, unit: int = 1) -> tf.Tensor:
+    """An int32 instance key for a collective of the group with key `group` whose length
+    changes from step to step.
 
     `length // unit` (e.g. rows, with `unit` elements per row) must be below 2**20 and
     equal on every member, as the lengths of a gather are.
     """
-    base = _DYNAMIC_KEY_BASE + (next(_dynamic_counter) % _DYNAMIC_BLOCKS) * _DYNAMIC_BLOCK
+    counter = _dynamic_counters.setdefault(group, itertools.count())
+    base = _DYNAMIC_KEY_BASE + (next(counter) % _DYNAMIC_BLOCKS) * _DYNAMIC_BLOCK
     units = tf.cast(length, tf.int32) // unit
     check = tf.debugging.assert_less(
         units, _DYNAMIC_BLOCK, message="A dynamic-length collective exceeds 2**20 units"

@@ -29,6 +29,7 @@ import logging
 
 from epl_trainer.core.engine import amp, finite
 from epl_trainer.core.engine.engine import Engine, EnginePlan
+from epl_trainer.core.engine.exchange import WeightExchange, host_of
 from epl_trainer.core.engine.hooks import StepHooks
 from epl_trainer.core.engine.layout import StepLayout
 from epl_trainer.core.engine.pipeline import compiled_stage_call, stateless_stage_call
@@ -91,7 +92,12 @@ def build_engine(
         host_device=host_device if offload else None,
         sharded={sv.index: sv for layer in split_layers for sv in layer.variables},
     )
-    layout = StepLayout.create(staged, state, engine_plan.lanes_in_job, host_device)
+    hosts = [host_of(devices[0].name) for devices in _devices_by_worker(plan)]
+    layout = StepLayout.create(staged, state, engine_plan.lanes_in_job, host_device, hosts)
+    if layout.spans_workers:
+        state.exchange = WeightExchange(
+            state, engine_plan.lanes_in_job[0], hosts, plan.worker_index
+        )
     calls = [stateless_stage_call(stage.model) for stage in staged.stages]
     hooks = StepHooks(stage_calls=calls, eval_stage_calls=list(calls), loss_fn=loss_fn)
     if split_layers:
@@ -141,3 +147,13 @@ def build_engine(
         skip = config.optimizer.nonfinite_loss == "skip"
         finite.apply_nonfinite_guard(hooks, layout, skip_metrics=skip)
     return Engine(engine_plan, state, program)
+
+
+def _devices_by_worker(plan) -> list[list]:
+    """Each worker's devices in the plan, in worker order."""
+    by_worker: dict[int, list] = {}
+    for replica in plan.placement:
+        for devices in replica:
+            for device in devices:
+                by_worker.setdefault(device.worker, []).append(device)
+    return [by_worker[w] for w in sorted(by_worker)]

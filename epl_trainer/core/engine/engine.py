@@ -28,7 +28,7 @@ from epl_trainer.core.engine.state import EngineState, Lane, lanes_for_worker
 from epl_trainer.core.graph.auto_partition import auto_partition
 from epl_trainer.core.graph.partition import StagedModel, partition_model, whole_model
 from epl_trainer.core.plan import planner, rules
-from epl_trainer.core.plan.ir import Plan
+from epl_trainer.core.plan.ir import Plan, PlanError
 
 logger = logging.getLogger(__name__)
 
@@ -44,6 +44,8 @@ class EnginePlan:
       lanes: this worker's lanes; `lanes_in_job`: every worker's, in lane order.
       lanes_per_worker: how many lanes each worker computes (IO slicing weights).
       split_layers: the layers sharded over a replica's lanes (split annotations).
+      data_shards: (number of input shards, each worker's shard): workers holding
+        stages of the same replicas read the same batches.
     """
 
     plan: Plan
@@ -52,6 +54,15 @@ class EnginePlan:
     lanes_in_job: list[Lane]
     lanes_per_worker: list[int]
     split_layers: list
+    data_shards: tuple[int, list[int]] = (1, [0])
+
+    def lanes_per_data_shard(self) -> list[int]:
+        """IO slicing weights: the lanes each input shard feeds."""
+        count, of_worker = self.data_shards
+        lanes = [0] * count
+        for worker, shard in enumerate(of_worker):
+            lanes[shard] = self.lanes_per_worker[worker]
+        return lanes
 
 
 def plan_engine(
@@ -116,14 +127,44 @@ def plan_engine(
     else:
         staged = partition_model(model, node_taskgraph, len(plan.taskgraphs))
     by_worker = [lanes_for_worker(plan, w) for w in range(len(devices_by_worker))]
+    in_job = {lane.index: lane for lanes in by_worker for lane in lanes}  # one view of each
     return EnginePlan(
         plan=plan,
         staged=staged,
         lanes=by_worker[worker_index],
-        lanes_in_job=sorted((lane for lanes in by_worker for lane in lanes), key=_index),
+        lanes_in_job=sorted(in_job.values(), key=_index),
         lanes_per_worker=[len(lanes) for lanes in by_worker],
         split_layers=split_layers,
+        data_shards=data_shards(by_worker),
     )
+
+
+def data_shards(by_worker: Sequence[Sequence[Lane]]) -> tuple[int, list[int]]:
+    """(how many input shards the job reads, each worker's shard).
+
+    Workers that compute the same lanes (the stages of replicas spanning them) must read
+    the same batches; every other worker reads a shard of its own.
+
+    Raises:
+      PlanError: when two workers share some lanes but not all (no input split serves
+        both).
+    """
+    shards: list[frozenset] = []
+    of_worker = []
+    for lanes in by_worker:
+        indices = frozenset(lane.index for lane in lanes)
+        for other in shards:
+            if indices & other and indices != other:
+                raise PlanError(
+                    "Workers that share a model replica must compute the same replicas, so "
+                    f"that they can read the same input. Received lanes per worker: "
+                    f"{[sorted(lane.index for lane in w) for w in by_worker]}; change the "
+                    "device count per replica or cluster.device_place_prefer_intra_node."
+                )
+        if indices not in shards:
+            shards.append(indices)
+        of_worker.append(shards.index(indices))
+    return len(shards), of_worker
 
 
 def _index(lane: Lane) -> int:
@@ -220,6 +261,8 @@ class Engine:
                 state.trainable[li] + state.non_trainable[li],
                 state.trainable[0] + state.non_trainable[0],
             ):
+                if dst is None or src is None:  # a stage on another worker
+                    continue
                 if dst is not src and "seed_generator_state" not in src.path:
                     dst.assign(src.value)
         state.load_sharded_from_model()  # each lane's own slice, over the copy above

@@ -34,11 +34,21 @@ def finite_everywhere(layout: StepLayout, update, reduced) -> tf.Tensor:
     """
     flags = []
     for li, lane in enumerate(layout.lanes):
-        with tf.device(lane.devices[0]):
+        with tf.device(lane.devices[layout.local_stages(li)[0]]):
             flags.append(tf.cast(amp.all_finite(update.reduced_of_lane(reduced, li)), tf.float32))
-            if update.reduced_agree:  # every lane holds the same gradients: one decides
-                return flags[0] > 0
+            if update.reduced_agree and not layout.spans_workers:
+                return flags[0] > 0  # every lane holds the same gradients: one decides
     everyone = layout.everyone
+    if layout.spans_workers:
+        # A lane here holds only its local stages' gradients: the workers decide together,
+        # each member of `everyone` (a local stage device) voting this worker's flags.
+        with tf.device(layout.host):
+            local = tf.reduce_min(tf.stack(flags))
+        votes = []
+        for device in everyone.local_devices:
+            with tf.device(device):
+                votes.append(tf.identity(local))
+        return everyone.all_reduce(votes, "sum")[0] >= everyone.size
     return everyone.all_reduce(flags, "sum")[0] >= everyone.size
 
 

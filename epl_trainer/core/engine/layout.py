@@ -26,6 +26,10 @@ class StepLayout:
     reduced_idx[k]: stage k's trainable indices reduced over `stage_groups[k]` (split
       layers' sharded variables are reduced over their shard group instead).
     host: this worker's host device.
+    stage_lanes[k]: positions (in `lanes`) of the local lanes that compute stage k here;
+      `stage_groups[k].local_devices` lists their stage-k devices in this order. Every
+      local lane computes every stage unless a replica spans workers.
+    hosts: every worker's host device, in worker order.
     """
 
     staged: StagedModel
@@ -36,17 +40,29 @@ class StepLayout:
     non_trainable_idx: tuple[list[int], ...]
     reduced_idx: tuple[list[int], ...]
     host: str
+    stage_lanes: tuple[tuple[int, ...], ...] = ()
+    hosts: tuple[str, ...] = ()
+    spans_workers: bool = False  # some replica of the job has stages on several workers
 
     @classmethod
     def create(
-        cls, staged: StagedModel, state: EngineState, lanes_in_job: Sequence[Lane], host: str
+        cls,
+        staged: StagedModel,
+        state: EngineState,
+        lanes_in_job: Sequence[Lane],
+        host: str,
+        hosts: Sequence[str] = (),
     ) -> StepLayout:
         num_stages = len(staged.stages)
         lanes = tuple(state.lanes)
+        stage_lanes = tuple(
+            tuple(li for li, lane in enumerate(lanes) if lane.is_local(k))
+            for k in range(num_stages)
+        )
         groups = tuple(
             comm.CollectiveGroup(
                 devices=tuple(lane.devices[k] for lane in lanes_in_job),
-                local_devices=tuple(lane.devices[k] for lane in lanes),
+                local_devices=tuple(lanes[li].devices[k] for li in stage_lanes[k]),
             )
             for k in range(num_stages)
         )
@@ -62,13 +78,28 @@ class StepLayout:
             ),
             reduced_idx=tuple([i for i in idx if i not in state.sharded] for idx in trainable),
             host=host,
+            stage_lanes=stage_lanes,
+            hosts=tuple(hosts) if hosts else (host,),
+            spans_workers=any(lane.spans_workers for lane in lanes_in_job),
         )
 
     @property
     def num_stages(self) -> int:
         return len(self.staged.stages)
 
+    def local_stages(self, li: int) -> list[int]:
+        """The stages local lane li computes here (all of them unless it spans workers).
+
+        A lane lists one device per TaskGraph; colocated split TaskGraphs make one stage,
+        so only the first `num_stages` entries are stages."""
+        return [k for k in range(self.num_stages) if self.lanes[li].is_local(k)]
+
     @property
     def everyone(self) -> comm.CollectiveGroup:
-        """Every lane of the job (through its first stage's device)."""
-        return self.stage_groups[0]
+        """Every lane of the job (through its first stage's device); when replicas span
+        workers, every stage device of every lane, so each worker has a member."""
+        if not self.spans_workers:
+            return self.stage_groups[0]
+        devices = tuple(d for group in self.stage_groups for d in group.devices)
+        local = tuple(d for group in self.stage_groups for d in group.local_devices)
+        return comm.CollectiveGroup(devices, local)

@@ -57,6 +57,9 @@ class LaneExecutor:
       hooks: the step's `StepHooks`, read while tracing: `stage_calls[k]` (how stage k's
         forward runs), `loss_fn`, `output_cast` and `loss_scale` (AMP).
       sparse_gradients: keep Embedding gradients as IndexedSlices.
+      lane: this worker's view of the lane; stages on other workers are not computed
+        here, their transfers are (boundaries.py).
+      boundaries: the lane's cross-worker transfers, or None when all stages are local.
     """
 
     def __init__(
@@ -70,8 +73,12 @@ class LaneExecutor:
         num_micro_batch: int,
         hooks,
         sparse_gradients: bool = False,
+        lane=None,
+        boundaries=None,
     ):
         self.staged = staged
+        self.lane = lane
+        self.boundaries = boundaries
         self.devices = devices
         self.variables = variables
         self.trainable_idx = trainable_idx
@@ -100,6 +107,14 @@ class LaneExecutor:
             mb = micro_batches[task.micro_batch]
             after = [] if previous[stage] is None else previous[stage]
             name = f"{task_scope or 'lane'}_stage{stage}_{task.kind}{task.micro_batch}"
+            if self.lane is not None and not self.lane.is_local(stage):
+                # Another worker computes this task; build this side of its transfers.
+                with tf.name_scope(name + "_remote"):
+                    if task.kind == FORWARD:
+                        self.boundaries.forward_receives(stage, mb.values)
+                    else:
+                        self.boundaries.gradient_receives(stage, mb.values, mb.upstream)
+                continue
             with tf.name_scope(name), tf.control_dependencies(after):
                 if task.kind == FORWARD:
                     previous[stage] = self._forward(stage, mb, non_trainable)
@@ -153,6 +168,8 @@ class LaneExecutor:
         for i, value in zip(nt_idx, new_nt):
             non_trainable[i] = value
         mb.values.update(results)
+        if self.boundaries is not None:
+            self.boundaries.forward_sends(k, mb.values)
         mb.runs[k] = _StageRun(tape, variables, input_keys, inputs, results, objective)
         markers = list(_flat_tensors(results)) + ([objective] if objective is not None else [])
         return markers
@@ -194,6 +211,8 @@ class LaneExecutor:
                 grads[i] = g if grads[i] is None else accumulate(grads[i], g)
             for (key, _), g in zip(float_inputs, computed[len(run.variables) :]):
                 mb.upstream[key] = g if key not in mb.upstream else mb.upstream[key] + g
+        if self.boundaries is not None:
+            self.boundaries.gradient_sends(k, mb.values, mb.upstream)
         return computed
 
 

@@ -26,6 +26,7 @@ import tensorflow as tf
 from keras import tree
 
 from epl_trainer.core import comm
+from epl_trainer.core.engine.boundaries import Boundaries, LaneBoundaries
 from epl_trainer.core.engine.hooks import StepHooks
 from epl_trainer.core.engine.layout import StepLayout
 from epl_trainer.core.engine.pipeline import LaneExecutor
@@ -69,6 +70,12 @@ class Program:
             hooks.update_metrics = self.update_metrics
         self.schedule = make_schedule(pipeline_strategy, layout.num_stages, num_micro_batch)
         order = execution_order(self.schedule)
+        # Lanes whose stages live on several workers pass tensors across (boundaries.py).
+        boundaries = Boundaries(layout.staged)
+        self.boundaries = [
+            LaneBoundaries(boundaries, lane) if lane.spans_workers else None
+            for lane in layout.lanes
+        ]
         self.executors = [
             LaneExecutor(
                 layout.staged,
@@ -80,6 +87,8 @@ class Program:
                 num_micro_batch,
                 hooks,
                 sparse_gradients,
+                lane=lane,
+                boundaries=self.boundaries[li],
             )
             for li, lane in enumerate(layout.lanes)
         ]
@@ -164,11 +173,12 @@ class Program:
                 grads, non_trainable, micro_batches = executor.run(
                     feature_parts[parts],
                     label_parts[parts],
-                    [v.value for v in layout.state.non_trainable[li]],
+                    [None if v is None else v.value for v in layout.state.non_trainable[li]],
                     task_scope=f"lane{li}",
                 )
                 for mb in micro_batches:
-                    hooks.update_metrics(mb.labels, mb.y_pred, mb.loss)
+                    if mb.loss is not None:  # the loss lives where the last stage runs
+                        hooks.update_metrics(mb.labels, mb.y_pred, mb.loss)
             lane_grads.append(grads)
             lane_non_trainable.append(non_trainable)
         hooks.update(lane_grads)
@@ -216,17 +226,18 @@ class Program:
         synced = set(layout.state.synced_non_trainable())
         for k, group in enumerate(layout.stage_groups):
             idx = [i for i in layout.non_trainable_idx[k] if i in synced]
-            if idx:
-                per_member = [[values[i] for i in idx] for values in lane_values]
+            members = layout.stage_lanes[k]
+            if idx and members:
+                per_member = [[lane_values[li][i] for i in idx] for li in members]
                 buckets = comm.plan_buckets([1] * len(idx), [v.dtype for v in per_member[0]], 1)
                 results = comm.fused_all_reduce(group, per_member, buckets, "mean")
-                for li, member in enumerate(results):
+                for li, member in zip(members, results):
                     for i, value in zip(idx, member):
                         lane_values[li][i] = value
         assigned: set[int] = set()  # under offload the lanes share one copy
         for li, values in enumerate(lane_values):
             for variable, value in zip(layout.state.non_trainable[li], values):
-                if id(variable) not in assigned:
+                if variable is not None and id(variable) not in assigned:
                     assigned.add(id(variable))
                     variable.assign(value)
 
@@ -256,17 +267,26 @@ class Program:
         the stages work on different micro-batches at once (a forward-only pipeline)."""
         return self.num_micro_batch if self.layout.num_stages > 1 else 1
 
-    def _forward(self, li: int, features):
+    def _forward(self, li: int, features, share_outputs: bool = False):
         """The lane's outputs and auxiliary losses (averaged over micro-batches, as the
         training objective weighs them) for `features`, in `_eval_pieces` micro-batches:
         stage k of micro-batch j needs only stage k-1 of micro-batch j, so stages on
-        different devices overlap."""
+        different devices overlap.
+
+        When the lane's last stage runs on another worker, the outputs are (None, [])
+        here, unless `share_outputs` (predict): then that worker sends them over.
+        """
         layout, hooks = self.layout, self.hooks
         lane, staged, state = layout.lanes[li], layout.staged, layout.state
+        boundaries = self.boundaries[li]
         pieces = split_batch(features, self._eval_pieces)
         values = [dict(zip(staged.input_keys, staged.flatten_inputs(f))) for f in pieces]
         aux_total = []
         for k, stage in enumerate(staged.stages):
+            if not lane.is_local(k):
+                for piece in values:
+                    boundaries.forward_receives(k, piece)
+                continue
             with tf.device(lane.devices[k]):
                 variables = [state.trainable[li][i].value for i in layout.trainable_idx[k]]
                 non_trainable = [
@@ -277,9 +297,19 @@ class Program:
                         variables, non_trainable, staged.stage_arguments(stage, piece), False
                     )
                     piece.update(staged.stage_results(stage, outputs))
+                    if boundaries is not None:
+                        boundaries.forward_sends(k, piece)
                     scale = 1.0 / len(values)
                     aux_total.extend(tf.identity(a) * scale if scale != 1 else tf.identity(a)
                                      for a in aux)  # fmt: skip
+        if boundaries is not None and share_outputs:
+            for piece in values:
+                if lane.is_local(layout.num_stages - 1):
+                    boundaries.output_sends(piece)
+                else:
+                    boundaries.output_receives(piece)
+        elif not lane.is_local(layout.num_stages - 1):
+            return None, []
         outputs = [staged.pack_outputs([v[key] for key in staged.output_keys]) for v in values]
         if len(outputs) > 1:
             outputs = [tree.map_structure(lambda *xs: tf.concat(xs, axis=0), *outputs)]
@@ -297,6 +327,8 @@ class Program:
         for li, (f, y, w) in enumerate(parts):
             with hooks.lanes.lane(li):
                 y_pred, aux = self._forward(li, f)
+                if y_pred is None:  # the loss and metrics are computed where y_pred is
+                    continue
                 with tf.device(layout.lanes[li].devices[-1]):
                     count = tf.reduce_sum(w)
                     # Keras reduces by the (padded) part size; undo that to average valid rows.
@@ -341,7 +373,7 @@ class Program:
         outputs = []
         for li, f in enumerate(parts):
             with hooks.lanes.lane(li):
-                outputs.append(self._forward(li, f)[0])
+                outputs.append(self._forward(li, f, share_outputs=True)[0])
         with tf.device(layout.host):
             return hooks.lanes.join_predictions(outputs, batch)
 

@@ -66,9 +66,12 @@ class GradientReduction:
         reduced = [list(grads) for grads in lane_grads]
         self.lane_hooks.reduce_sharded(lane_grads, reduced)
         for k in reversed(range(layout.num_stages)):
-            group = layout.stage_groups[k]
-            idx = [i for i in layout.reduced_idx[k] if not _is_slices(lane_grads[0][i])]
-            per_member = [[grads[i] for i in idx] for grads in lane_grads]
+            group, members = layout.stage_groups[k], layout.stage_lanes[k]
+            if not members:  # the stage runs on other workers only
+                continue
+            first = lane_grads[members[0]]
+            idx = [i for i in layout.reduced_idx[k] if not _is_slices(first[i])]
+            per_member = [[lane_grads[li][i] for i in idx] for li in members]
             buckets = sorted(self.plan_buckets(idx), key=max, reverse=True)  # last layers first
             results = comm.fused_all_reduce(
                 group,
@@ -78,15 +81,15 @@ class GradientReduction:
                 num_chains=self.num_communicators,
                 wire_fp16_scale=self.wire_fp16_scale,
             )
-            for li, stage_grads in enumerate(results):
+            for li, stage_grads in zip(members, results):
                 for i, g in zip(idx, stage_grads):
                     reduced[li][i] = g
             for i in reversed(layout.reduced_idx[k]):
-                if _is_slices(lane_grads[0][i]):
+                if _is_slices(first[i]):
                     gathered = comm.all_gather_slices(
-                        group, [grads[i] for grads in lane_grads], self.method
+                        group, [lane_grads[li][i] for li in members], self.method
                     )
-                    for li, g in enumerate(gathered):
+                    for li, g in zip(members, gathered):
                         reduced[li][i] = g
         return reduced
 
@@ -99,17 +102,30 @@ class GradientReduction:
         layout = self.layout
         lane = layout.lanes[li]
         squares = []
-        for k in range(layout.num_stages):
+        local_stages = layout.local_stages(li)
+        for k in local_stages:
             with tf.device(lane.devices[k]):
                 stage_grads = [grads[i] for i in layout.reduced_idx[k]]
                 if stage_grads:
                     squares.append(tf.add_n([sum_of_squares(g) for g in stage_grads]))
         squares += self.lane_hooks.shard_norm_squares(li, grads)
-        with tf.device(lane.devices[0]):
-            norm = tf.sqrt(tf.add_n(squares))
+        first = lane.devices[local_stages[0]]
+        with tf.device(first):
+            total = tf.add_n(squares) if squares else tf.constant(0.0)
+        if lane.spans_workers:  # the other workers' stages add their squares
+            local = tuple(lane.devices[k] for k in local_stages)
+            group = comm.CollectiveGroup(lane.devices, local)
+            with tf.device(first):
+                shares = [total] + [tf.zeros_like(total) for _ in local[1:]]
+            total = group.all_reduce(shares, "sum")[0]
+        with tf.device(first):
+            norm = tf.sqrt(total)
             factor = self.clip_global_norm / tf.maximum(norm, self.clip_global_norm)
         clipped = []
         for g, stage in zip(grads, layout.state.trainable_stage):
+            if g is None:  # a stage on another worker
+                clipped.append(None)
+                continue
             with tf.device(lane.devices[stage]):
                 clipped.append(scaled(g, factor))
         return clipped

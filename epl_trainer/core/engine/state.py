@@ -30,23 +30,39 @@ _SEED_STRIDE = 1_000_003  # a prime: seeds of different lanes never coincide
 
 @dataclasses.dataclass(frozen=True)
 class Lane:
-    """One compute lane: global index and one device per stage."""
+    """One compute lane, as seen from one worker: global index, one device per stage.
+
+    A lane whose stages live on several workers (a pipeline replica spanning worker
+    processes) is a lane of each of those workers; each computes only its own stages
+    (`is_local`) and passes activations and gradients across (pipeline.py).
+    """
 
     index: int  # global lane index in the job
     devices: tuple[str, ...]  # devices[k] hosts stage k
+    workers: tuple[int, ...] = ()  # workers[k] holds devices[k]; () = all on `worker`
+    worker: int = 0  # the worker this view of the lane belongs to
+
+    def is_local(self, stage: int) -> bool:
+        return not self.workers or self.workers[stage] == self.worker
+
+    @property
+    def spans_workers(self) -> bool:
+        return len(set(self.workers)) > 1
 
 
 def lanes_for_worker(plan: Plan, worker: int) -> list[Lane]:
-    """The lanes this worker computes, in global lane order (`rules.check_plan` has
-    checked that every TaskGraph has the same width and no replica spans workers)."""
+    """The lanes with at least one stage on this worker, in global lane order
+    (`rules.check_plan` has checked that every TaskGraph has the same width)."""
     width = plan.taskgraphs[0].device_count
     lanes = []
     for replica in range(plan.num_replicas):
-        if plan.placement[replica][0][0].worker != worker:
-            continue
         for j in range(width):
-            devices = tuple(plan.placement[replica][k][j].name for k in range(len(plan.taskgraphs)))
-            lanes.append(Lane(replica * width + j, devices))
+            placed = [plan.placement[replica][k][j] for k in range(len(plan.taskgraphs))]
+            workers = tuple(d.worker for d in placed)
+            if worker in workers:
+                lanes.append(
+                    Lane(replica * width + j, tuple(d.name for d in placed), workers, worker)
+                )
     return lanes
 
 
@@ -73,6 +89,9 @@ class EngineState:
         model = staged.model
         self.lanes = list(lanes)
         self.host_device = host_device
+        # Set by the builder when replicas span workers (exchange.py): completes the
+        # Keras model with the stages this worker does not hold.
+        self.exchange = None
         # Split layers (split.py): trainable index -> ShardedVariable. Lane l holds slice
         # `lane.index % num_shards` (its rank in the replica).
         self.sharded = dict(sharded or {})
@@ -114,9 +133,14 @@ class EngineState:
                 ]
             )
 
-    def _copy(self, lane: Lane, variables, stages) -> list[keras.Variable]:
+    def _copy(self, lane: Lane, variables, stages) -> list[keras.Variable | None]:
+        """Lane copies of `variables` on their stages' devices; None for the variables of
+        stages on another worker."""
         copies = []
         for position, (variable, stage) in enumerate(zip(variables, stages)):
+            if not lane.is_local(stage):
+                copies.append(None)
+                continue
             value = variable.value
             if variable.trainable and position in self.sharded:
                 value = self._shard_of(position, value, lane)
@@ -154,33 +178,48 @@ class EngineState:
         spec = self.sharded[index]
         return spec.slice(value, lane.index % spec.num_shards)
 
+    def local_copy(self, index: int, trainable: bool = True):
+        """This worker's first copy of variable `index`, or None if another worker holds
+        its stage."""
+        copies = self.trainable if trainable else self.non_trainable
+        return next((lane[index] for lane in copies if lane[index] is not None), None)
+
     def full_value(self, index: int):
         """Trainable variable `index` as the model sees it: sharded ones are joined from
-        the lanes of this worker's first replica."""
+        the lanes of this worker's first replica; None if another worker holds it."""
         if index not in self.sharded:
-            return self.trainable[0][index].value
+            copy = self.local_copy(index)
+            return None if copy is None else copy.value
         spec = self.sharded[index]
         shards = [self.trainable[r][index].value for r in range(spec.num_shards)]
         with tf.device(self.model_trainable[index].value.device):
             return tf.concat(shards, axis=spec.axis)
 
     def write_back(self) -> None:
-        """Copies lane 0's values (sharded ones joined) into the user's Keras model."""
+        """Copies the first local lane's values (sharded ones joined) into the user's
+        Keras model; with replicas spanning workers, then the other workers' stages."""
         for i, target in enumerate(self.model_trainable):
-            target.assign(self.full_value(i))
-        for target, source in zip(self.model_non_trainable, self.non_trainable[0]):
-            if not is_seed_state(target):
+            value = self.full_value(i)
+            if value is not None:
+                target.assign(value)
+        for i, target in enumerate(self.model_non_trainable):
+            source = self.local_copy(i, trainable=False)
+            if source is not None and not is_seed_state(target):
                 target.assign(source.value)
+        if self.exchange is not None:
+            self.exchange()
 
     def load_from_model(self) -> None:
         """Copies the Keras model's current values into every lane (e.g. after set_weights)."""
         for lane, lane_vars in zip(self.lanes, self.trainable):
             for i, (target, source) in enumerate(zip(lane_vars, self.model_trainable)):
+                if target is None:
+                    continue
                 value = source.value
                 target.assign(self._shard_of(i, value, lane) if i in self.sharded else value)
         for lane_vars in self.non_trainable:
             for target, source in zip(lane_vars, self.model_non_trainable):
-                if not is_seed_state(source):
+                if target is not None and not is_seed_state(source):
                     target.assign(source.value)
 
     def load_sharded_from_model(self) -> None:
@@ -195,7 +234,7 @@ class EngineState:
         seen: set[int] = set()
         for lane_vars in self.trainable + self.non_trainable:
             for v in lane_vars:
-                if id(v) in seen:
+                if v is None or id(v) in seen:
                     continue
                 seen.add(id(v))
                 device = v.value.device

@@ -80,7 +80,7 @@ class ReplicatedUpdate:
                 if idx
                 else []
             )
-        # optimizers[lane][stage][group]
+        # optimizers[lane][stage][group]; none for a stage on another worker
         self.optimizers = [
             [
                 [
@@ -89,6 +89,8 @@ class ReplicatedUpdate:
                     )
                     for group in self.groups[k]
                 ]
+                if lane.is_local(k)
+                else []
                 for k in range(layout.num_stages)
             ]
             for li, lane in enumerate(lanes)
@@ -185,7 +187,8 @@ class ReplicatedUpdate:
         """Bytes of reduced gradients per compute device (every lane holds its full stage)."""
         layout, usage = self.layout, {}
         for li, lane in enumerate(layout.lanes):
-            for k, device in enumerate(lane.devices[: layout.num_stages]):
+            for k in layout.local_stages(li):
+                device = lane.devices[k]
                 count = sum(
                     variable_bytes(layout.state.trainable[li][i]) for i in layout.trainable_idx[k]
                 )

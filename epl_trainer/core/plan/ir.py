@@ -184,6 +184,14 @@ class Plan:
         """Replicas that live entirely on this process's worker."""
         return self.replicas_on_worker(self.worker_index)
 
+    @property
+    def replicas_here(self) -> tuple[int, ...]:
+        """Replicas with at least one device on this process's worker (a replica whose
+        stages span workers is computed in part by each of them)."""
+        return tuple(
+            r for r in range(self.num_replicas) if self.worker_index in self.replica_workers(r)
+        )
+
     def taskgraph_devices(self, taskgraph_index: int) -> tuple[Device, ...]:
         """All devices hosting a TaskGraph, replica-major."""
         return tuple(device for row in self.placement for device in row[taskgraph_index])
@@ -220,8 +228,8 @@ class Plan:
             f"{self.num_micro_batch} micro-batch(es) per step "
             f"(global batch = {self.global_batch_factor} x micro-batch)",
             f"Cluster: {self.worker_num} worker(s) x {self.devices_per_worker} device(s), "
-            f"this is worker {self.worker_index} (local replicas: "
-            f"{list(self.local_replicas)}), colocate_split_and_replicate="
+            f"this is worker {self.worker_index} (replicas here: "
+            f"{list(self.replicas_here)}), colocate_split_and_replicate="
             f"{self.colocate_split_and_replicate}",
             _format_row(header, widths),
             _format_row(["-" * w for w in widths], widths),

@@ -72,15 +72,36 @@ def check_plan(
             "All TaskGraphs of a replica must use the same device_count for now. Received: "
             + ", ".join(f"{tg.name}={tg.device_count}" for tg in plan.taskgraphs)
         )
+    split = [tg.name for tg in plan.taskgraphs if tg.kind == "split"]
     for replica in range(plan.num_replicas):
         workers = {d.worker for tg in plan.placement[replica] for d in tg}
-        if len(workers) > 1:
+        if len(workers) == 1:
+            continue
+        # A replica spanning workers: its stages pass tensors across (boundaries.py).
+        if split or any(tg.device_count > 1 for tg in plan.taskgraphs):
             raise PlanError(
-                f"Model replica {replica} spans workers {sorted(workers)}; a replica must fit "
-                "in one worker (set cluster.device_place_prefer_intra_node=True or use fewer "
-                "devices per replica)."
+                f"Model replica {replica} spans workers {sorted(workers)} and splits its "
+                "micro-batch or layers over several devices per stage; only pipeline stages "
+                "(one device each) can live on different workers. Use fewer devices per "
+                "replica, or cluster.device_place_prefer_intra_node=True."
             )
-    split = [tg.name for tg in plan.taskgraphs if tg.kind == "split"]
+        combined = {
+            "zero.level": config.zero.level,
+            "offload.level": config.offload.level,
+            "optimizer.num_apply_group": config.optimizer.num_apply_group
+            if config.optimizer.num_apply_group > 1
+            else None,
+        }
+        combined = {k: v for k, v in combined.items() if v}
+        if combined:
+            raise PlanError(
+                f"Model replica {replica} spans workers {sorted(workers)}; stages on "
+                "different workers cannot be combined with "
+                + ", ".join(f"{k}={v!r}" for k, v in combined.items())
+                + " yet. Keep each replica in one worker "
+                "(cluster.device_place_prefer_intra_node=True, fewer devices per replica) "
+                "or remove those settings."
+            )
     if not split:
         return
     if not plan.colocate_split_and_replicate:

@@ -1,0 +1,64 @@
+"""Every worker's Keras model gets the whole trained model, when replicas span workers.
+
+A worker that holds only some stages of its lanes has trained values for those stages'
+variables only. After writing them into its Keras model, each worker contributes the
+variables it owns (a stage's owner: the worker holding that stage in the job's first
+lane) and zeros for the rest to one summing all-reduce over the workers' host CPUs, so
+`model.get_weights()` and `model.save()` see the complete model on every worker, as in
+Keras. It is a collective: every worker writes back at the same points of `fit`.
+"""
+
+from __future__ import annotations
+
+import tensorflow as tf
+
+from epl_trainer.core import comm
+from epl_trainer.core.engine.state import EngineState, Lane, is_seed_state
+
+
+def host_of(device: str) -> str:
+    """The host CPU of the worker that holds `device`."""
+    return device.rsplit("/device:", 1)[0] + "/device:CPU:0"
+
+
+class WeightExchange:
+    """Completes the Keras model on every worker from the stages' owners.
+
+    Args:
+      state: this worker's engine state.
+      first_lane: the job's lane 0 (its `workers` say who owns each stage).
+      hosts: every worker's host CPU, in worker order.
+      worker: this worker.
+    """
+
+    def __init__(self, state: EngineState, first_lane: Lane, hosts, worker: int):
+        host = hosts[worker]
+        variables, owned = [], []
+        for v, stage in zip(state.model_trainable, state.trainable_stage):
+            variables.append(v)
+            owned.append(first_lane.workers[stage] == worker)
+        for v, stage in zip(state.model_non_trainable, state.non_trainable_stage):
+            if not is_seed_state(v):
+                variables.append(v)
+                owned.append(first_lane.workers[stage] == worker)
+        group = comm.CollectiveGroup(tuple(hosts), (host,))
+        sizes = [int(v.value.shape.num_elements()) for v in variables]
+        buckets = comm.plan_buckets(sizes, [v.dtype for v in variables], 1)
+        comm.ordering_token(host)  # created now: a variable made in a trace retraces
+
+        @tf.function(autograph=False)
+        def exchange():
+            with tf.device(host):
+                values = [
+                    v.value if mine else tf.zeros(v.shape, v.dtype)
+                    for v, mine in zip(variables, owned)
+                ]
+                summed = comm.fused_all_reduce(group, [values], buckets, "sum")[0]
+                for v, mine, value in zip(variables, owned, summed):
+                    if not mine:
+                        v.assign(value)
+
+        self._exchange = exchange
+
+    def __call__(self) -> None:
+        self._exchange()

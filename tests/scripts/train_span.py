@@ -1,0 +1,144 @@
+"""Worker script: a pipeline replica whose stages live in different worker processes.
+
+Run under `epl-launch`, or by hand with TF_CONFIG set (what a cluster manager does).
+Usage:
+  train_span.py OUTPUT_DIR [--stages 2|4] [--num_micro_batch M] [--optimizer sgd|adam]
+                [--schedule PreferBackward|PreferForward] [--straddle] [--steps N]
+                [--recompute] [--clipnorm C] [--pause_worker W --pause_at_step N]
+Worker w writes OUTPUT_DIR/weights_<w>.npz (its Keras model's weights after fit) and
+OUTPUT_DIR/result_<w>.json (losses, evaluate and predict results).
+  --straddle: cluster.device_place_prefer_intra_node=False, so the replicas' stages
+              alternate over the workers (2 replicas of 2 stages on 2 workers x 2 devices:
+              each replica has a stage on each worker).
+  --pause_worker W --pause_at_step N: worker W writes OUTPUT_DIR/paused_<W> (its pid)
+              after step N and sleeps (a test kills it).
+"""
+
+import argparse
+import json
+import os
+import sys
+import time
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir, os.pardir))
+
+import numpy as np
+
+import epl_trainer as epl
+
+STAGE_MAPS = {
+    1: {".*": 0},
+    2: {"dense_a|dense_b": 0, "norm|join|logits": 1},
+    4: {"dense_a": 0, "dense_b": 1, "norm": 2, "join|logits": 3},
+}
+GLOBAL_BATCH = 16
+
+
+def make_data(n=96):
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(n, 6)).astype("float32")
+    y = rng.integers(0, 3, n)
+    return x, y
+
+
+def make_model():
+    """dense_a -> dense_b -> norm -> join(norm, dense_a) -> logits: dense_a's output is
+    read by a later stage too (a skip connection across the stage boundaries)."""
+    import keras
+
+    keras.utils.set_random_seed(0)
+    inp = keras.Input((6,))
+    h1 = keras.layers.Dense(16, activation="relu", name="dense_a")(inp)
+    h2 = keras.layers.Dense(16, activation="tanh", name="dense_b")(h1)
+    n = keras.layers.LayerNormalization(name="norm")(h2)
+    joined = keras.layers.Concatenate(name="join")([n, h1])
+    out = keras.layers.Dense(3, name="logits")(joined)
+    return keras.Model(inp, out)
+
+
+def make_optimizer(name, clipnorm=None):
+    import keras
+
+    if name == "adam":
+        return keras.optimizers.Adam(0.01, global_clipnorm=clipnorm)
+    return keras.optimizers.SGD(0.1, global_clipnorm=clipnorm)
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("output_dir")
+    parser.add_argument("--stages", type=int, default=2)
+    parser.add_argument("--num_micro_batch", type=int, default=2)
+    parser.add_argument("--optimizer", default="sgd")
+    parser.add_argument("--schedule", default="PreferBackward")
+    parser.add_argument("--straddle", action="store_true")
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--recompute", action="store_true")
+    parser.add_argument("--clipnorm", type=float, default=None)
+    parser.add_argument("--timeout", type=float, default=60.0)
+    parser.add_argument("--pause_worker", type=int, default=-1)
+    parser.add_argument("--pause_at_step", type=int, default=-1)
+    args = parser.parse_args()
+    config = {
+        "pipeline.num_micro_batch": args.num_micro_batch,
+        "pipeline.strategy": args.schedule,
+        "cluster.device_place_prefer_intra_node": not args.straddle,
+        "communication.timeout_seconds": args.timeout,
+    }
+    if args.clipnorm is not None:  # clip the reduced gradient, as single-device Keras does
+        config["communication.clip_after_allreduce"] = True
+    if args.recompute:
+        config["gradient_checkpoint.type"] = "auto"
+    env = epl.init(config)
+    import keras
+
+    cluster = env.cluster
+    worker = cluster.worker_index
+    trainer = epl.EPLTrainer(
+        make_model(),
+        keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        make_optimizer(args.optimizer, args.clipnorm),
+        metrics=["accuracy"],
+        stages=STAGE_MAPS[args.stages],
+    )
+    print(trainer.plan.summary(), flush=True)
+
+    class PauseAfterStep(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            if worker == args.pause_worker and batch + 1 == args.pause_at_step:
+                with open(os.path.join(args.output_dir, f"paused_{worker}"), "w") as f:
+                    f.write(str(os.getpid()))
+                time.sleep(3600)
+
+    os.makedirs(args.output_dir, exist_ok=True)
+    x, y = make_data()
+    history = trainer.fit(
+        x,
+        y,
+        batch_size=GLOBAL_BATCH // trainer.data_shards,
+        epochs=1,
+        steps_per_epoch=args.steps,
+        callbacks=[PauseAfterStep()],
+        verbose=0,
+    )
+    evaluated = trainer.evaluate(x[:32], y[:32], batch_size=16 // trainer.data_shards)
+    predicted = trainer.predict(x[:8], batch_size=8)
+    np.savez(os.path.join(args.output_dir, f"weights_{worker}.npz"), *trainer.model.get_weights())
+    with open(os.path.join(args.output_dir, f"result_{worker}.json"), "w") as f:
+        json.dump(
+            {
+                "loss": history.history["loss"][-1],
+                "evaluate": evaluated,
+                "predict": np.asarray(predicted).tolist(),
+                "data_shards": trainer.data_shards,
+            },
+            f,
+        )
+    print(
+        f"worker {worker}/{cluster.worker_num} loss={history.history['loss'][-1]:.6f}", flush=True
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,205 @@
+"""Pipeline replicas whose stages live in different worker processes (real processes).
+
+Every case is compared with plain single-device Keras `fit` on the same data: the
+weights every worker's Keras model holds after `fit`, the epoch loss, evaluate and
+predict.
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import keras
+import numpy as np
+import pytest
+
+from epl_trainer import launcher
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPT = os.path.join(ROOT, "tests", "scripts", "train_span.py")
+sys.path.insert(0, os.path.dirname(SCRIPT))
+import train_span  # noqa: E402
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+
+
+def _env():
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("EPL_", "TF_CONFIG"))}
+    env["PYTHONPATH"] = os.pathsep.join([ROOT, env.get("PYTHONPATH", "")])
+    return env
+
+
+def _launch(tmp_path, num_workers, devices_per_worker, *script_args):
+    command = [
+        sys.executable,
+        "-m",
+        "epl_trainer.launcher",
+        "--num_workers",
+        str(num_workers),
+        "--gpu_per_worker",
+        str(devices_per_worker),
+        "--log_dir",
+        str(tmp_path / "logs"),
+        SCRIPT,
+        str(tmp_path / "out"),
+        *script_args,
+    ]
+    return subprocess.run(command, capture_output=True, text=True, timeout=240, env=_env())
+
+
+def _keras_reference(optimizer="sgd", steps=3, clipnorm=None):
+    """Plain Keras on one device: weights, loss, evaluate and predict."""
+    model = train_span.make_model()
+    model.compile(
+        train_span.make_optimizer(optimizer, clipnorm),
+        keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        metrics=["accuracy"],
+    )
+    x, y = train_span.make_data()
+    batch = train_span.GLOBAL_BATCH
+    history = model.fit(
+        x[: steps * batch], y[: steps * batch], batch_size=batch, shuffle=False, verbose=0
+    )
+    evaluated = model.evaluate(x[:32], y[:32], batch_size=16, verbose=0, return_dict=True)
+    return {
+        "weights": model.get_weights(),
+        "loss": history.history["loss"][-1],
+        "evaluate": evaluated,
+        "predict": model.predict(x[:8], verbose=0),
+    }
+
+
+def _check_workers(out, num_workers, reference, data_shards=1):
+    for w in range(num_workers):
+        loaded = np.load(out / f"weights_{w}.npz")
+        weights = [loaded[f"arr_{i}"] for i in range(len(loaded.files))]
+        assert len(weights) == len(reference["weights"])
+        for got, want in zip(weights, reference["weights"]):
+            np.testing.assert_allclose(got, want, atol=1e-5)
+        result = json.loads((out / f"result_{w}.json").read_text())
+        assert result["data_shards"] == data_shards
+        np.testing.assert_allclose(result["loss"], reference["loss"], rtol=1e-5)
+        np.testing.assert_allclose(
+            result["evaluate"]["loss"], reference["evaluate"]["loss"], rtol=1e-5
+        )
+        np.testing.assert_allclose(
+            result["evaluate"]["accuracy"], reference["evaluate"]["accuracy"], atol=1e-6
+        )
+        np.testing.assert_allclose(result["predict"], reference["predict"], atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "optimizer, schedule",
+    [("sgd", "PreferForward"), ("adam", "PreferBackward")],
+)
+def test_two_stages_on_two_workers_equal_single_device_keras(tmp_path, optimizer, schedule):
+    """2 workers x 1 device: stage 0 on worker 0, stage 1 on worker 1 (GPipe and 1F1B)."""
+    result = _launch(
+        tmp_path, 2, 1, "--optimizer", optimizer, "--schedule", schedule, "--num_micro_batch", "2"
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    _check_workers(tmp_path / "out", 2, _keras_reference(optimizer))
+
+
+def test_one_four_stage_replica_over_two_workers_of_two_devices(tmp_path):
+    result = _launch(
+        tmp_path, 2, 2, "--stages", "4", "--optimizer", "adam", "--num_micro_batch", "4"
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    logs = "".join(p.read_text() for p in (tmp_path / "logs").rglob("worker_0.log"))
+    assert "w0:CPU:0" in logs and "w1:CPU:1" in logs, logs
+    _check_workers(tmp_path / "out", 2, _keras_reference("adam"))
+
+
+def test_two_replicas_whose_stages_straddle_the_workers(tmp_path):
+    """2 workers x 2 devices, --straddle: replica r = (stage 0 on w0:CPU:r, stage 1 on
+    w1:CPU:r): data parallelism between replicas that each span both workers, with
+    global-norm clipping (the norm sums both workers' stages)."""
+    result = _launch(tmp_path, 2, 2, "--straddle", "--optimizer", "adam", "--clipnorm", "0.05")
+    assert result.returncode == 0, result.stdout + result.stderr
+    _check_workers(tmp_path / "out", 2, _keras_reference("adam", clipnorm=0.05))
+
+
+def test_gradient_checkpointing_in_stages_on_two_workers(tmp_path):
+    result = _launch(tmp_path, 2, 1, "--recompute", "--optimizer", "adam")
+    assert result.returncode == 0, result.stdout + result.stderr
+    _check_workers(tmp_path / "out", 2, _keras_reference("adam"))
+
+
+def test_workers_started_by_hand_with_their_own_tf_config(tmp_path):
+    """No epl-launch: each process gets only TF_CONFIG, as a Kubernetes training operator
+    (TFJob) sets it."""
+    ports = launcher.free_ports(2)
+    cluster = {"worker": [f"127.0.0.1:{p}" for p in ports]}
+    processes = []
+    for index in range(2):
+        env = _env()
+        env["TF_CONFIG"] = json.dumps(
+            {"cluster": cluster, "task": {"type": "worker", "index": index}}
+        )
+        processes.append(
+            subprocess.Popen(
+                [sys.executable, SCRIPT, str(tmp_path / "out")],
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+        )
+    outputs = [p.communicate(timeout=240)[0] for p in processes]
+    for p, output in zip(processes, outputs):
+        assert p.returncode == 0, output
+    _check_workers(tmp_path / "out", 2, _keras_reference())
+
+
+def test_kill_of_a_stage_worker_stops_the_other_with_the_named_error(tmp_path):
+    timeout = 20
+    ports = launcher.free_ports(2)
+    processes = []
+    for index in range(2):
+        env = launcher.worker_env(index, ports, 1, base_env=_env())
+        processes.append(
+            subprocess.Popen(
+                [
+                    sys.executable,
+                    SCRIPT,
+                    str(tmp_path / "out"),
+                    "--steps",
+                    "50",
+                    "--timeout",
+                    str(timeout),
+                    "--pause_worker",
+                    "1",
+                    "--pause_at_step",
+                    "2",
+                ],
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+        )
+    survivor, victim = processes
+    try:
+        paused = tmp_path / "out" / "paused_1"
+        deadline = time.monotonic() + 120
+        while not (paused.exists() and paused.read_text()):
+            assert time.monotonic() < deadline and victim.poll() is None, "worker 1 never paused"
+            time.sleep(0.1)
+        os.kill(int(paused.read_text()), signal.SIGKILL)
+        killed_at = time.monotonic()
+        output, _ = survivor.communicate(timeout=timeout + 60)
+        elapsed = time.monotonic() - killed_at
+    finally:
+        for p in processes:
+            if p.poll() is None:
+                p.kill()
+            p.communicate()
+    print(f"kill -9 of stage 1's worker -> worker 0's error after {elapsed:.1f} s")
+    assert survivor.returncode == 1, output
+    assert "WorkerLostError" in output, output
+    assert f"worker 1 (127.0.0.1:{ports[1]}, /job:worker/replica:0/task:1)" in output, output
+    assert elapsed < timeout + 30
