@@ -250,8 +250,14 @@ def read_entries(path: str, manifest: dict, expected: Mapping, unexpected=()) ->
         files = manifest["shards"][shard]["files"]
         _check_files(path, files)
         try:
-            reader = tf.train.load_checkpoint(_join(path, shard))
-            values.update({key: reader.get_tensor(key) for key in keys})
+            with tf.device("/CPU:0"):
+                read = tf.raw_ops.RestoreV2(
+                    prefix=_join(path, shard),
+                    tensor_names=keys,
+                    shape_and_slices=[""] * len(keys),
+                    dtypes=[tf.as_dtype(saved[key]["dtype"]) for key in keys],
+                )
+            values.update({key: value.numpy() for key, value in zip(keys, read)})
         except (tf.errors.OpError, ValueError, IndexError, OSError) as e:
             names = [_join(path, f) for f in sorted(files)]
             raise CheckpointError(

@@ -230,9 +230,7 @@ def test_zero_update_equals_one_optimizer_on_mean_gradients(level, optimizer, cl
         built.append((device, variables))
         return opt
 
-    update = zero.ZeroUpdate(
-        program, reduction, make_optimizer, level, measure_ranks=level == "v1"
-    )
+    update = zero.ZeroUpdate(program, reduction, make_optimizer, level, measure_ranks=level == "v1")
     # Slots exist only for owned variables: each variable is in exactly one optimizer.
     owned_vars = [
         id(program.state.trainable[li][i])
