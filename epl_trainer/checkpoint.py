@@ -68,12 +68,13 @@ def write_shard(folder: str, worker: int, entries: Iterable[tuple[str, str, tf.T
     prefix = _join(folder, f"shard-{worker}")
     with tf.device("/CPU:0"):
         values = [tf.convert_to_tensor(value) for _, _, value in entries]
-        tf.raw_ops.SaveV2(
-            prefix=prefix,
-            tensor_names=[key for key, _, _ in entries],
-            shape_and_slices=[""] * len(entries),
-            tensors=values,
-        )
+        if entries:  # a worker may own nothing (data parallelism: lane 0's worker owns all)
+            tf.raw_ops.SaveV2(
+                prefix=prefix,
+                tensor_names=[key for key, _, _ in entries],
+                shape_and_slices=[""] * len(entries),
+                tensors=values,
+            )
     files = sorted(n for n in gfile.listdir(folder) if n.startswith(f"shard-{worker}."))
     record = {
         "worker": worker,

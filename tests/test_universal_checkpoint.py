@@ -261,6 +261,28 @@ def test_restore_reads_only_the_shards_its_entries_are_in(tmp_path):
         ckpt.read_entries(path, manifest, needed)
 
 
+def test_a_worker_that_owns_nothing_writes_an_empty_shard(tmp_path):
+    """Data parallelism over 2 workers: lane 0's worker owns every entry, the other's shard
+    is empty (TensorFlow cannot write a bundle of no tensors: only its record is written)."""
+    directory = str(tmp_path)
+    ckpt.prepare(directory)
+    folder = ckpt.temporary_folder(directory, 2, os.getpid())
+    ckpt.write_shard(folder, 1, [])
+    ckpt.write_shard(folder, 0, [("trainable/0", "a", tf.fill([2], 5.0))])
+    path = ckpt.publish(directory, folder, 2, 2, {}, ["trainable/0"])
+    assert sorted(os.listdir(path)) == [
+        "manifest.json",
+        "shard-0.data-00000-of-00001",
+        "shard-0.index",
+        "shard-0.json",
+        "shard-1.json",
+    ]
+    manifest = ckpt.read_manifest(path)
+    assert manifest["shards"]["shard-1"] == {"files": {}}
+    values = ckpt.read_entries(path, manifest, {"trainable/0": _Expected("a", [2], "float32")})
+    np.testing.assert_array_equal(values["trainable/0"], [5.0, 5.0])
+
+
 class _Expected:
     def __init__(self, name, shape, dtype):
         self.name, self.shape, self.dtype, self.optional = name, shape, dtype, False
