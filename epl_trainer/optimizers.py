@@ -6,7 +6,7 @@ attributes by Keras 3), so a copy rebuilt from the config alone decayed the Laye
 and bias weights that AdamW was told to leave alone.
 
 Each copy also records, as its slots are made, which variable and slot name every slot
-belongs to (`slots_of`): Keras optimizers make their per-variable state through
+belongs to (core/engine/slots.py): Keras optimizers make their per-variable state through
 `add_variable_from_reference` (directly or via `add_optimizer_variables`), so recording
 there finds the momentum of a variable for any optimizer without knowing its attribute
 names. Checkpoints save each slot under its model variable and slot name, which is what
@@ -18,6 +18,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import keras
+
+from epl_trainer.core.engine import slots
 
 
 def rebuild(optimizer: keras.optimizers.Optimizer, **overrides) -> keras.optimizers.Optimizer:
@@ -46,48 +48,9 @@ def replica(
     user's optimizer decides, on the original, whether weight decay applies, and the copy
     excludes exactly those copies.
     """
-    rebuilt = _recording(type(optimizer)).from_config({**optimizer.get_config(), **overrides})
+    rebuilt = slots.recording_class(type(optimizer)).from_config(
+        {**optimizer.get_config(), **overrides}
+    )
     excluded = [v for v, o in zip(variables, originals) if not optimizer._use_weight_decay(o)]
     rebuilt.exclude_from_weight_decay(var_list=excluded)
     return rebuilt
-
-
-_SLOTS = "_epl_slots"  # set with object.__setattr__: Keras must not track the list
-_recording_classes: dict[type, type] = {}
-
-
-def _recording(cls: type) -> type:
-    """`cls` with an `add_variable_from_reference` that records (slot, reference, name)."""
-    recording = _recording_classes.get(cls)
-    if recording is not None:
-        return recording
-
-    def add_variable_from_reference(self, reference_variable, name=None, initializer="zeros"):
-        slot = cls.add_variable_from_reference(
-            self, reference_variable, name=name, initializer=initializer
-        )
-        if not hasattr(self, _SLOTS):
-            object.__setattr__(self, _SLOTS, [])
-        getattr(self, _SLOTS).append((slot, reference_variable, name or "var"))
-        return slot
-
-    recording = type(
-        cls.__name__, (cls,), {"add_variable_from_reference": add_variable_from_reference}
-    )
-    recording.__qualname__ = cls.__qualname__
-    recording.__module__ = cls.__module__
-    _recording_classes[cls] = recording
-    return recording
-
-
-def slots_of(optimizer) -> list[tuple]:
-    """[(slot variable, the variable it was made for, slot name)] of an engine replica."""
-    return list(getattr(optimizer, _SLOTS, []))
-
-
-def unrecorded_state(optimizer) -> list:
-    """The optimizer's variables that are neither a recorded slot, nor its step counter,
-    nor a learning rate: per-variable state a checkpoint could not key by variable."""
-    known = {id(slot) for slot, _, _ in slots_of(optimizer)}
-    known |= {id(optimizer.iterations), id(optimizer._learning_rate)}
-    return [v for v in optimizer.variables if id(v) not in known and v.name != "learning_rate"]

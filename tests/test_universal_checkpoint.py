@@ -54,6 +54,9 @@ def _resharded_run(tmp_path, make_first, make_second, make_model=mlp, data=mlp_d
     history = resumed.fit(x, y, batch_size=16, epochs=epochs, verbose=0)
     assert history.epoch == list(range(epochs, 2 * epochs))
     manifest = json.loads((tmp_path / os.path.basename(path) / "manifest.json").read_text())
+    print(
+        f"max |resumed - uninterrupted| = {max_weight_difference(uninterrupted, resumed_model):.2e}"
+    )
     return uninterrupted, resumed_model, manifest
 
 
@@ -286,3 +289,14 @@ def test_a_worker_that_owns_nothing_writes_an_empty_shard(tmp_path):
 class _Expected:
     def __init__(self, name, shape, dtype):
         self.name, self.shape, self.dtype, self.optional = name, shape, dtype, False
+
+
+def test_an_optimizer_with_state_not_made_per_variable_is_refused_by_name(tmp_path):
+    """Adafactor's factored second moments are made with `add_variable`, not from a
+    reference variable: nothing says which model variable they belong to."""
+    x, y = mlp_data()
+    trainer = _trainer(mlp(), 1, keras.optimizers.Adafactor(0.01))
+    trainer.fit(x, y, batch_size=16, epochs=1, verbose=0)
+    with pytest.raises(ValueError, match=r"Adafactor keeps state that is not made per variable"):
+        trainer.save_checkpoint(str(tmp_path))
+    assert not ckpt.exists(str(tmp_path))

@@ -16,7 +16,7 @@ Entries (the "universal" content, as DeepSpeed's universal checkpoints):
 Saving: each worker writes the entries it *owns* (`owner_lane`, `local_position`);
 restoring: each worker reads the entries its own layout needs and assigns them to its
 copies, shards and slots (`CheckpointContent.targets`). Slots are found through the
-replica optimizers' record of `add_variable_from_reference` (optimizers.py), so this
+replica optimizers' record of `add_variable_from_reference` (slots.py), so this
 works for any Keras optimizer whose per-variable state is made that way.
 """
 
@@ -29,7 +29,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from epl_trainer import optimizers as optimizers_lib
+from epl_trainer.core.engine import slots as slots_lib
 from epl_trainer.core.engine.state import Lane, is_seed_state, seed_of_lane
 
 
@@ -162,7 +162,7 @@ class CheckpointContent:
             if self.state.lanes[li].index == applied and applied_read is None:
                 applied_read = optimizer.iterations
             self._check_slots_recorded(optimizer)
-            for slot, reference, name in optimizers_lib.slots_of(optimizer):
+            for slot, reference, name in slots_lib.slots_of(optimizer):
                 lane_position, i = self._copy_of[id(reference)]
                 stage = self.state.trainable_stage[i]
                 owner, _ = self._owner(i, stage, self.slot_owners.get(i))
@@ -205,7 +205,7 @@ class CheckpointContent:
         )
 
     def _check_slots_recorded(self, optimizer) -> None:
-        unrecorded = optimizers_lib.unrecorded_state(optimizer)
+        unrecorded = slots_lib.unrecorded_state(optimizer)
         if unrecorded:
             raise ValueError(
                 f"{type(optimizer).__name__} keeps state that is not made per variable with "
@@ -251,8 +251,9 @@ class CheckpointContent:
                 add(f"non_trainable/{i}", v.path, v, v.dtype, target)
         applied = []
         for li, optimizer, _ in self.update.local_optimizers():
+            self._check_slots_recorded(optimizer)
             applied.append(Target(optimizer.iterations, _whole))
-            for slot, reference, name in optimizers_lib.slots_of(optimizer):
+            for slot, reference, name in slots_lib.slots_of(optimizer):
                 _, i = self._copy_of[id(reference)]
                 model_variable = state.model_trainable[i]
                 place = self._shard_placer(i, state.lanes[li])
