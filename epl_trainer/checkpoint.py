@@ -1,16 +1,23 @@
-"""Engine checkpoints: weights, optimizer slots and counters, published atomically.
+"""Engine checkpoints: one shard per worker, one manifest, published atomically.
 
-Layout of `directory`:
-  ckpt-<step>/            one complete checkpoint (TF checkpoint files + metadata.json)
-  latest                  the name of the newest complete checkpoint (replaced atomically)
+Layout of `directory` (any `tf.io.gfile` path: local, gs://, ...):
+  ckpt-<step>/              one complete checkpoint:
+    shard-<w>.index, shard-<w>.data-*   worker w's entries (TF tensor bundle)
+    shard-<w>.json          what worker w wrote: entries, file sizes
+    manifest.json           written last: every entry, its shard, shape and dtype, the
+                            file sizes, and where training stood (epoch, input position)
+  latest                    the name of the newest complete checkpoint (replaced atomically)
 
-A checkpoint is written into a hidden temporary folder, renamed into place only when
-complete, and published by atomically replacing `latest`; a process killed at any point
-of a save leaves the previous checkpoint usable (`before_publish` lets tests stop the
-process between writing and publishing). `metadata.json` records the size of every data
-file, so a truncated file is reported by name instead of being read as garbage. Only
-worker 0 writes; every worker restores (they share the folder). Nothing is unpickled:
-tensors are read by TensorFlow's checkpoint reader and metadata is JSON.
+A save writes into a hidden temporary folder `.tmp-ckpt-<step>-<chief pid>` that every
+worker agrees on: each worker writes its shard there (`write_shard`); once every worker
+has written (the trainer's barrier), the chief checks every shard, writes the manifest
+(`publish`), moves the folder into place and only then replaces `latest`. A process
+killed at any point, or a worker that could not write, leaves `latest` naming the
+previous checkpoint (`before_publish` lets tests stop the chief between the manifest and
+publishing). Entries are keyed by the user's model (core/engine/checkpoint_content.py),
+so a checkpoint restores into any layout; each worker reads only the entries it needs
+(`read_entries`). Nothing is unpickled: tensors are read by TensorFlow's bundle reader
+and the rest is JSON.
 """
 
 from __future__ import annotations
@@ -18,20 +25,20 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping
 
 import tensorflow as tf
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+MANIFEST = "manifest.json"
+_OLD_METADATA = "metadata.json"  # format 1: one layout's positional keys
 _LATEST = "latest"
-_METADATA = "metadata.json"
-_PREFIX = "state"
 _NAME = re.compile(r"ckpt-(\d+)")
 _TEMP = re.compile(r"\.(tmp|old)-ckpt-\d+-(\d+)")
+gfile = tf.io.gfile
 
-# Fault injection for tests: called with the temporary folder once every file of a
-# checkpoint is written and before it is published (a test kills the process here).
+# Fault injection for tests: called with the temporary folder once every shard and the
+# manifest are written and before it is published (a test kills the process here).
 before_publish: Callable[[str], None] | None = None
 
 
@@ -39,137 +46,248 @@ class CheckpointError(ValueError):
     """A missing, incomplete, corrupted or incompatible checkpoint."""
 
 
-def save(
+def temporary_folder(directory: str, step: int, token: int) -> str:
+    """The folder every worker writes step `step`'s shards into (`token`: the chief's pid)."""
+    return _join(directory, f".tmp-ckpt-{step}-{token}")
+
+
+def prepare(directory: str) -> None:
+    """The chief, before a save: creates `directory`, removes dead saves' temporaries."""
+    gfile.makedirs(directory)
+    for name in gfile.listdir(directory):
+        name = name.rstrip("/")
+        match = _TEMP.fullmatch(name)
+        if match and not _process_alive(int(match.group(2))):
+            gfile.rmtree(_join(directory, name))
+
+
+def write_shard(folder: str, worker: int, entries: Iterable[tuple[str, str, tf.Tensor]]) -> None:
+    """Writes worker `worker`'s entries [(key, readable name, value)] and its record."""
+    gfile.makedirs(folder)
+    entries = list(entries)
+    prefix = _join(folder, f"shard-{worker}")
+    with tf.device("/CPU:0"):
+        values = [tf.convert_to_tensor(value) for _, _, value in entries]
+        if entries:  # a worker may own nothing (data parallelism: lane 0's worker owns all)
+            tf.raw_ops.SaveV2(
+                prefix=prefix,
+                tensor_names=[key for key, _, _ in entries],
+                shape_and_slices=[""] * len(entries),
+                tensors=values,
+            )
+    files = sorted(n for n in gfile.listdir(folder) if n.startswith(f"shard-{worker}."))
+    record = {
+        "worker": worker,
+        "files": {n: gfile.stat(_join(folder, n)).length for n in files if not n.endswith("json")},
+        "entries": {
+            key: {"shape": list(v.shape), "dtype": v.dtype.name, "name": name}
+            for (key, name, _), v in zip(entries, values)
+        },
+    }
+    _write_atomically(_join(folder, f"shard-{worker}.json"), json.dumps(record, indent=1))
+
+
+def publish(
     directory: str,
-    variables: Mapping[str, tf.Variable],
-    metadata: dict,
+    folder: str,
     step: int,
-    descriptions: Mapping[str, str] | None = None,
+    num_shards: int,
+    metadata: dict,
+    required: Iterable[str] = (),
     keep_max: int | None = None,
 ) -> str:
-    """Writes `variables` and `metadata` as checkpoint `ckpt-<step>`; returns its path.
+    """The chief, once every worker wrote its shard: checks them, writes the manifest,
+    moves `folder` to `ckpt-<step>` and points `latest` at it. Returns its path.
 
-    Keys should be positional and stable ("trainable/3"); `descriptions` (e.g. the
-    variable paths) are stored beside them only to make error messages readable. After
-    publishing, only the `keep_max` newest published checkpoints are kept (all if None).
+    Raises CheckpointError (nothing published) when a shard is missing or incomplete, an
+    entry was written twice, or a `required` entry is in no shard.
     """
     if keep_max is not None and keep_max < 1:
         raise ValueError(f"keep_max must be >= 1 or None. Received: keep_max={keep_max}")
-    descriptions = descriptions or {}
-    os.makedirs(directory, exist_ok=True)
-    _remove_stale_temporaries(directory)
-    name = f"ckpt-{step}"
-    final = os.path.join(directory, name)
-    tmp = os.path.join(directory, f".tmp-{name}-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tf.train.Checkpoint(**_trackable_names(variables)).write(os.path.join(tmp, _PREFIX))
-    shapes = {
-        key: [list(v.shape), v.dtype.name, descriptions.get(key, key)]
-        for key, v in variables.items()
+    entries, shards = {}, {}
+    for worker in range(num_shards):
+        file = _join(folder, f"shard-{worker}.json")
+        record = _read_json(file, f"Shard {worker} of {folder!r}", "shard record")
+        _check_files(folder, record["files"])
+        shards[f"shard-{worker}"] = {"files": record["files"]}
+        for key, entry in record["entries"].items():
+            if key in entries:
+                raise CheckpointError(
+                    f"Entry {key!r} was written by two workers ({entries[key]['shard']} and "
+                    f"shard-{worker}) into {folder!r}; not published."
+                )
+            entries[key] = {**entry, "shard": f"shard-{worker}"}
+    missing = [key for key in required if key not in entries]
+    if missing:
+        raise CheckpointError(
+            f"No shard of {folder!r} holds {missing[:5]}; not published (an ownership bug)."
+        )
+    manifest = {
+        "format": "epl_trainer",
+        "format_version": FORMAT_VERSION,
+        "step": step,
+        "shards": shards,
+        "entries": entries,
+        **metadata,
     }
-    files = {f: os.path.getsize(os.path.join(tmp, f)) for f in sorted(os.listdir(tmp))}
-    record = {"format_version": FORMAT_VERSION, "step": step, "variables": shapes, "files": files}
-    _write_atomically(os.path.join(tmp, _METADATA), json.dumps({**record, **metadata}, indent=1))
+    _write_atomically(_join(folder, MANIFEST), json.dumps(manifest, indent=1))
     if before_publish is not None:
-        before_publish(tmp)
-    # Re-saving a step (e.g. an unpublished leftover of a killed run): move the old folder
-    # aside first so that the rename below is atomic, and delete it once published.
-    old = None
-    if os.path.exists(final):
-        old = os.path.join(directory, f".old-{name}-{os.getpid()}")
-        os.replace(final, old)
-    os.replace(tmp, final)
-    _write_atomically(os.path.join(directory, _LATEST), name)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
+        before_publish(folder)
+    name = f"ckpt-{step}"
+    final = _join(directory, name)
+    _move_into_place(directory, folder, final, name)
+    _write_atomically(_join(directory, _LATEST), name)
     if keep_max is not None:
         _delete_old(directory, step, keep_max)
     return final
 
 
+def _move_into_place(directory: str, folder: str, final: str, name: str) -> None:
+    """Local folders are renamed at once (re-saving a step moves the old one aside first,
+    so the rename is atomic); object stores have no folder rename, so files move one by
+    one with the manifest last: a folder without a manifest is never a checkpoint."""
+    if "://" not in directory:
+        old = None
+        if gfile.exists(final):
+            old = _join(directory, f".old-{name}-{os.getpid()}")
+            gfile.rename(final, old)
+        gfile.rename(folder, final)
+        if old is not None:
+            gfile.rmtree(old)
+        return
+    if gfile.exists(final):
+        gfile.rmtree(final)
+    gfile.makedirs(final)
+    names = [n for n in gfile.listdir(folder) if n != MANIFEST] + [MANIFEST]
+    for n in names:
+        gfile.rename(_join(folder, n), _join(final, n), overwrite=True)
+    gfile.rmtree(folder)
+
+
 def list_checkpoints(directory: str) -> list[int]:
     """Steps of the `ckpt-<step>` folders in `directory`, oldest first."""
-    if not os.path.isdir(directory):
+    if not gfile.isdir(directory):
         return []
-    steps = [_NAME.fullmatch(n) for n in os.listdir(directory)]
+    steps = [_NAME.fullmatch(n.rstrip("/")) for n in gfile.listdir(directory)]
     return sorted(int(m.group(1)) for m in steps if m)
 
 
 def exists(directory: str) -> bool:
     """Whether `directory` has a published checkpoint (its `latest` pointer exists)."""
-    return os.path.isfile(os.path.join(directory, _LATEST))
+    return gfile.exists(_join(directory, _LATEST))
 
 
 def latest(directory: str) -> str:
     """Path of the newest complete checkpoint in `directory`."""
-    pointer = os.path.join(directory, _LATEST)
-    if not os.path.isfile(pointer):
+    pointer = _join(directory, _LATEST)
+    if not gfile.exists(pointer):
         raise CheckpointError(f"No checkpoint in {directory!r}: {pointer!r} does not exist.")
     try:
-        with open(pointer, encoding="utf-8") as f:
-            name = f.read().strip()
-    except (OSError, UnicodeDecodeError) as e:
+        with gfile.GFile(pointer, "rb") as f:
+            name = f.read().decode("utf-8").strip()
+    except (tf.errors.OpError, UnicodeDecodeError) as e:
         raise CheckpointError(f"Checkpoint pointer {pointer!r} is unreadable: {e}") from e
     if not _NAME.fullmatch(name):
         raise CheckpointError(
             f"Checkpoint pointer {pointer!r} is corrupted: it should name a 'ckpt-<step>' "
             f"folder. Received: {name[:80]!r}"
         )
-    path = os.path.join(directory, name)
-    if not os.path.isdir(path):
+    path = _join(directory, name)
+    if not gfile.isdir(path):
         raise CheckpointError(f"{pointer!r} names {name!r}, which does not exist in {directory!r}.")
     return path
 
 
-def load(
-    path: str, expected: Mapping[str, tf.Variable], descriptions: Mapping[str, str] | None = None
-) -> tuple[dict, dict]:
-    """Reads a checkpoint and checks it against the variables it must fill.
-
-    Returns:
-      (values by key, metadata). Raises CheckpointError naming the file or variable.
-    """
-    metadata_path = os.path.join(path, _METADATA)
-    try:
-        with open(metadata_path, encoding="utf-8") as f:
-            metadata = json.load(f)
-    except FileNotFoundError as e:
+def read_manifest(path: str) -> dict:
+    """The manifest of checkpoint `path`; a clear CheckpointError for anything else."""
+    manifest_path = _join(path, MANIFEST)
+    if not gfile.exists(manifest_path) and gfile.exists(_join(path, _OLD_METADATA)):
         raise CheckpointError(
-            f"Checkpoint {path!r} is incomplete: {metadata_path!r} is missing."
-        ) from e
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise CheckpointError(f"Checkpoint metadata {metadata_path!r} is corrupted: {e}") from e
-    if not isinstance(metadata, dict) or metadata.get("format_version") != FORMAT_VERSION:
-        version = metadata.get("format_version") if isinstance(metadata, dict) else None
-        raise CheckpointError(
-            f"{metadata_path!r} has format_version {version!r}; this "
-            f"version of epl_trainer reads {FORMAT_VERSION}."
+            f"Checkpoint {path!r} is in epl_trainer's checkpoint format 1 ({_OLD_METADATA}: "
+            "lane 0's state under positional keys of the layout that wrote it). This "
+            f"version reads format {FORMAT_VERSION} ({MANIFEST}: entries keyed by model "
+            "variable, restorable into any layout); restore it with the version that "
+            "wrote it."
         )
-    _check_files(path, metadata.get("files", {}))
-    _check_compatible(path, metadata.get("variables", {}), expected, descriptions or {})
-    try:
-        reader = tf.train.load_checkpoint(os.path.join(path, _PREFIX))
-        names = _trackable_names(expected)
-        values = {
-            key: reader.get_tensor(f"{names_key}/.ATTRIBUTES/VARIABLE_VALUE")
-            for names_key, key in zip(names, expected)
-        }
-    except (tf.errors.OpError, ValueError, IndexError, OSError) as e:
-        data_files = [os.path.join(path, f) for f in sorted(os.listdir(path)) if _PREFIX in f]
+    manifest = _read_json(manifest_path, f"Checkpoint {path!r}", "manifest")
+    version = manifest.get("format_version")
+    if version != FORMAT_VERSION or not isinstance(manifest.get("entries"), dict):
         raise CheckpointError(
-            f"Checkpoint data {data_files} is unreadable (truncated or corrupted): "
-            f"{str(e).strip().splitlines()[0]}"
-        ) from e
-    return values, metadata
+            f"{manifest_path!r} has format_version {version!r}; this version of epl_trainer "
+            f"reads {FORMAT_VERSION}."
+        )
+    return manifest
+
+
+def read_entries(path: str, manifest: dict, expected: Mapping, unexpected=()) -> dict:
+    """Reads the `expected` entries {key: Expected (name, shape, dtype, optional)}.
+
+    Only the shards holding them are opened (and size-checked). Raises CheckpointError
+    naming the file or the variable when the checkpoint does not fit.
+    """
+    saved = manifest["entries"]
+    missing = [e.name for k, e in expected.items() if k not in saved and not e.optional]
+    if missing or unexpected:
+        raise CheckpointError(
+            f"Checkpoint {path!r} was written for a different model or optimizer: it holds "
+            f"{len(saved)} entries. Not in the checkpoint: {missing[:5]}; only in the "
+            f"checkpoint: {[saved[k]['name'] for k in unexpected][:5]}"
+        )
+    by_shard: dict[str, list[str]] = {}
+    for key, entry in expected.items():
+        if key not in saved:
+            continue
+        found = saved[key]
+        dtype = tf.as_dtype(entry.dtype).name
+        if list(found["shape"]) != list(entry.shape) or found["dtype"] != dtype:
+            raise CheckpointError(
+                f"Checkpoint {path!r} was written for a different model: it holds "
+                f"{found['name']!r} with shape {found['shape']} {found['dtype']}, where this "
+                f"model has {entry.name!r} with shape {list(entry.shape)} {dtype}."
+            )
+        by_shard.setdefault(found["shard"], []).append(key)
+    values = {}
+    for shard, keys in sorted(by_shard.items()):
+        files = manifest["shards"][shard]["files"]
+        _check_files(path, files)
+        try:
+            with tf.device("/CPU:0"):
+                read = tf.raw_ops.RestoreV2(
+                    prefix=_join(path, shard),
+                    tensor_names=keys,
+                    shape_and_slices=[""] * len(keys),
+                    dtypes=[tf.as_dtype(saved[key]["dtype"]) for key in keys],
+                )
+            values.update({key: value.numpy() for key, value in zip(keys, read)})
+        except (tf.errors.OpError, ValueError, IndexError, OSError) as e:
+            names = [_join(path, f) for f in sorted(files)]
+            raise CheckpointError(
+                f"Checkpoint data {names} is unreadable (truncated or corrupted): "
+                f"{str(e).strip().splitlines()[0]}"
+            ) from e
+    return values
+
+
+def _read_json(file: str, what: str, label: str) -> dict:
+    try:
+        with gfile.GFile(file, "rb") as f:
+            record = json.loads(f.read().decode("utf-8"))
+    except tf.errors.NotFoundError as e:
+        raise CheckpointError(f"{what} is incomplete: {file!r} is missing.") from e
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"Checkpoint {label} {file!r} is corrupted: {e}") from e
+    if not isinstance(record, dict):
+        raise CheckpointError(f"Checkpoint {label} {file!r} is corrupted: not a JSON object.")
+    return record
 
 
 def _check_files(path: str, sizes: Mapping[str, int]) -> None:
     """Every data file the checkpoint was written with exists, with its written size."""
     for name, size in sizes.items():
-        file = os.path.join(path, name)
-        if not os.path.isfile(file):
+        file = _join(path, name)
+        if not gfile.exists(file):
             raise CheckpointError(f"Checkpoint file {file!r} is missing.")
-        actual = os.path.getsize(file)
+        actual = gfile.stat(file).length
         if actual != size:
             raise CheckpointError(
                 f"Checkpoint file {file!r} is truncated or corrupted: it has {actual} bytes, "
@@ -177,39 +295,11 @@ def _check_files(path: str, sizes: Mapping[str, int]) -> None:
             )
 
 
-def _check_compatible(path: str, saved: Mapping[str, Sequence], expected, descriptions) -> None:
-    missing = [descriptions.get(k, k) for k in expected if k not in saved]
-    extra = [saved[k][2] for k in saved if k not in expected]
-    if missing or extra:
-        raise CheckpointError(
-            f"Checkpoint {path!r} was written for a different model or optimizer: it holds "
-            f"{len(saved)} variables, this trainer has {len(expected)}. "
-            f"Not in the checkpoint: {missing[:5]}; only in the checkpoint: {extra[:5]}"
-        )
-    for key, variable in expected.items():
-        shape, dtype, saved_name = saved[key]
-        if list(variable.shape) != list(shape) or variable.dtype.name != dtype:
-            raise CheckpointError(
-                f"Checkpoint {path!r} was written for a different model: it holds {saved_name!r} "
-                f"with shape {shape} {dtype}, where this model has "
-                f"{descriptions.get(key, key)!r} with shape {list(variable.shape)} "
-                f"{variable.dtype.name}."
-            )
-
-
 def _delete_old(directory: str, newest: int, keep_max: int) -> None:
     """Deletes published checkpoints older than the `keep_max` newest (up to `newest`)."""
     published = [s for s in list_checkpoints(directory) if s <= newest]
     for step in published[:-keep_max]:
-        shutil.rmtree(os.path.join(directory, f"ckpt-{step}"), ignore_errors=True)
-
-
-def _remove_stale_temporaries(directory: str) -> None:
-    """Removes the temporary folders of saves whose process is gone (killed mid-save)."""
-    for name in os.listdir(directory):
-        match = _TEMP.fullmatch(name)
-        if match and not _process_alive(int(match.group(2))):
-            shutil.rmtree(os.path.join(directory, name), ignore_errors=True)
+        gfile.rmtree(_join(directory, f"ckpt-{step}"))
 
 
 def _process_alive(pid: int) -> bool:
@@ -224,14 +314,20 @@ def _process_alive(pid: int) -> bool:
     return True
 
 
-def _trackable_names(variables: Mapping[str, tf.Variable]) -> dict[str, tf.Variable]:
-    # tf.train.Checkpoint attribute names must be identifiers; keys map in order.
-    return {f"v{i}": v for i, v in enumerate(variables.values())}
+def _join(directory: str, name: str) -> str:
+    return (
+        directory.rstrip("/") + "/" + name if "://" in directory else os.path.join(directory, name)
+    )
 
 
 def _write_atomically(path: str, text: str) -> None:
     tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "w", encoding="utf-8") as f:
+    if "://" in path:
+        with gfile.GFile(tmp, "wb") as f:
+            f.write(text.encode("utf-8"))
+        gfile.rename(tmp, path, overwrite=True)
+        return
+    with open(tmp, "w", encoding="utf-8") as f:  # local: on disk before the rename
         f.write(text)
         f.flush()
         os.fsync(f.fileno())

@@ -4,6 +4,13 @@ The engine runs one optimizer per lane, stage and shard, built from the user's
 optimizer. `get_config()` does not hold `exclude_from_weight_decay` (kept in private
 attributes by Keras 3), so a copy rebuilt from the config alone decayed the LayerNorm
 and bias weights that AdamW was told to leave alone.
+
+Each copy also records, as its slots are made, which variable and slot name every slot
+belongs to (core/engine/slots.py): Keras optimizers make their per-variable state through
+`add_variable_from_reference` (directly or via `add_optimizer_variables`), so recording
+there finds the momentum of a variable for any optimizer without knowing its attribute
+names. Checkpoints save each slot under its model variable and slot name, which is what
+lets them restore into another grouping, sharding or split (checkpoint_content.py).
 """
 
 from __future__ import annotations
@@ -11,6 +18,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import keras
+
+from epl_trainer.core.engine import slots
 
 
 def rebuild(optimizer: keras.optimizers.Optimizer, **overrides) -> keras.optimizers.Optimizer:
@@ -39,7 +48,9 @@ def replica(
     user's optimizer decides, on the original, whether weight decay applies, and the copy
     excludes exactly those copies.
     """
-    rebuilt = type(optimizer).from_config({**optimizer.get_config(), **overrides})
+    rebuilt = slots.recording_class(type(optimizer)).from_config(
+        {**optimizer.get_config(), **overrides}
+    )
     excluded = [v for v, o in zip(variables, originals) if not optimizer._use_weight_decay(o)]
     rebuilt.exclude_from_weight_decay(var_list=excluded)
     return rebuilt

@@ -1,20 +1,52 @@
 """EPLTrainer's checkpoints: save, restore, and resuming a run from `checkpoint.dir`.
 
-A checkpoint holds the engine's state under positional names (`Engine.checkpoint_variables`:
-weights, optimizer slots, the loss scale, the step) plus where training stood (epoch,
-step in the epoch, position in the input), written atomically by checkpoint.py.
+A checkpoint holds the engine's state keyed by the user's model (checkpoint_content.py:
+weights, optimizer slots, the step, the loss scale) plus where training stood (epoch,
+step in the epoch, position in the input). Every worker writes the entries it owns into
+its own shard; the chief publishes the manifest once all shards are in (checkpoint.py).
+A checkpoint restores into any layout: other device or worker counts, stage cuts, ZeRO
+levels, split widths, grouped apply or offload.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 
+import numpy as np
 import tensorflow as tf
 
 from epl_trainer import checkpoint as ckpt
 from epl_trainer import model_fn as model_fn_lib
+from epl_trainer.core import comm
+from epl_trainer.core.engine.checkpoint_content import CheckpointContent
 
 logger = logging.getLogger(__name__)
+
+
+class SaveAgreement:
+    """One tiny all-gather over the workers' host CPUs: `gather([a, b])` returns every
+    worker's pair, by worker index. Saves use it twice: to agree on the step and the
+    temporary folder (the chief's pid) before writing, and as the barrier after it."""
+
+    def __init__(self, cluster):
+        self.cluster = cluster
+        hosts = tuple(
+            devices[0].rsplit("/device:", 1)[0] + "/device:CPU:0"
+            for devices in cluster.devices_by_worker
+        )
+        self._group = comm.CollectiveGroup(hosts, (cluster.host_device,))
+        comm.ordering_token(cluster.host_device)  # before tracing (see end_of_data.py)
+        self._gather = tf.function(self._gather_pairs)
+
+    def _gather_pairs(self, pair):
+        with tf.device(self.cluster.host_device):
+            return self._group.all_gather([tf.identity(pair)])[0]
+
+    def gather(self, pair: list[int]) -> list[list[int]]:
+        gathered = self._gather(tf.constant(pair, tf.int64)).numpy().reshape(-1, 2)
+        ranks = [self._group.rank_of(device) for device in self._group.devices]
+        return [[int(x) for x in gathered[ranks[w]]] for w in range(self.cluster.worker_num)]
 
 
 class CheckpointMixin:
@@ -23,35 +55,92 @@ class CheckpointMixin:
     def save_checkpoint(self, directory: str, keep_max: int | None = None) -> str | None:
         """Saves engine state (weights, optimizer slots, loss scale, step, input position).
 
-        Only worker 0 writes; the `keep_max` newest checkpoints are kept (all if None).
+        Every worker must call it (the trainer's periodic saves do): each writes the
+        entries it owns; the chief publishes once all are in and returns the path (other
+        workers return None). The `keep_max` newest checkpoints are kept (all if None).
         """
         if self._engine is None:
             raise ValueError("Nothing to save yet: call fit() (or restore) first.")
-        if self.config.zero.level and self.cluster.worker_num > 1:
-            # Each worker holds only its replicas' optimizer shards; worker 0 alone
-            # cannot write them all.
-            raise NotImplementedError(
-                "save_checkpoint with zero.level across several workers is not implemented "
-                f"yet. Received: zero.level={self.config.zero.level!r}, "
-                f"worker_num={self.cluster.worker_num}"
-            )
+        if keep_max is not None and keep_max < 1:
+            raise ValueError(f"keep_max must be >= 1 or None. Received: keep_max={keep_max}")
+        cluster = self.cluster
         step = int(self.optimizer.iterations.numpy())
-        if not self.cluster.is_chief:
+        if cluster.is_chief:
+            ckpt.prepare(directory)
+        token = os.getpid()
+        if cluster.worker_num > 1:
+            pairs = self._agree([os.getpid() if cluster.is_chief else 0, step])
+            token = pairs[0][0]
+            steps = sorted({s for _, s in pairs})
+            if len(steps) > 1:
+                raise ValueError(
+                    "Every worker must save the same step. Received steps by worker: "
+                    f"{[s for _, s in pairs]}"
+                )
+        folder = ckpt.temporary_folder(directory, step, token)
+        content = CheckpointContent(self._engine, self.optimizer, cluster.is_chief)
+        failure = None
+        try:
+            entries = content.entries_to_write()
+            ckpt.write_shard(
+                folder, cluster.worker_index, [(e.key, e.name, e.read()) for e in entries]
+            )
+        except Exception as error:  # the peers must still meet this worker at the barrier
+            failure = error
+        if cluster.worker_num > 1:
+            written = [ok for ok, _ in self._agree([int(failure is None), 0])]
+        else:
+            written = [int(failure is None)]
+        if failure is not None:
+            raise failure
+        if not all(written):
+            raise ckpt.CheckpointError(
+                f"Worker(s) {[w for w, ok in enumerate(written) if not ok]} could not write "
+                f"their shard of step {step} into {folder!r}; the checkpoint is not published "
+                "(see their logs for the reason)."
+            )
+        if not cluster.is_chief:
             return None
-        self._engine.prepare_save()
         metadata = {
             "epochs_done": self.epochs_done,
             # Inside fit: the position in the epoch in progress and in its data pass.
             "step_in_epoch": self._step_in_epoch,
             "input_position": 0 if self._batches is None else self._batches.position,
             "plan": self.plan.summary(),
+            "layout": self._layout_record(),
         }
-        variables, names = self._engine.checkpoint_variables(self.optimizer)
-        return ckpt.save(directory, variables, metadata, step, names, keep_max)
+        required = [f"trainable/{i}" for i in range(len(self.model.trainable_variables))]
+        required += [f"non_trainable/{i}" for i in range(len(self.model.non_trainable_variables))]
+        return ckpt.publish(
+            directory, folder, step, cluster.worker_num, metadata, required, keep_max
+        )
+
+    def _agree(self, pair: list[int]) -> list[list[int]]:
+        if getattr(self, "_save_agreement", None) is None:
+            self._save_agreement = SaveAgreement(self.cluster)
+        with self._lost_worker_check("a checkpoint save"):
+            return self._save_agreement.gather(pair)
+
+    def _layout_record(self) -> dict:
+        """The layout that wrote a checkpoint (informative: any layout can restore it)."""
+        config = self.config
+        return {
+            "worker_num": self.cluster.worker_num,
+            "lanes": len(self.engine_plan.lanes_in_job),
+            "stages": len(self.staged.stages),
+            "zero_level": config.zero.level,
+            "offload_level": config.offload.level,
+            "num_apply_group": config.optimizer.num_apply_group,
+            "split_width": self.plan.taskgraphs[0].device_count
+            if self.engine_plan.split_layers
+            else 0,
+        }
 
     def restore_checkpoint(self, directory: str, features=None) -> str:
-        """Restores the newest checkpoint in `directory` into every lane.
+        """Restores the newest checkpoint in `directory` into every local lane.
 
+        The checkpoint may come from any layout (device or worker count, stage cut, ZeRO
+        level, split width...); each worker reads only the entries its layout needs.
         A trainer that has not trained yet needs the model built (functional models are);
         for subclassed models, and for an Estimator-style model_fn, pass one batch of
         `features` to build it.
@@ -72,12 +161,15 @@ class CheckpointMixin:
                 )
             self._ensure_engine(features)
         path = ckpt.latest(directory)
-        expected, names = self._engine.checkpoint_variables(self.optimizer)
-        values, metadata = ckpt.load(path, expected, names)
-        self._engine.restore(expected, values)
-        self.epochs_done = metadata.get("epochs_done", 0)
-        self._step_in_epoch = metadata.get("step_in_epoch", 0)
-        self._resume_position = (self._step_in_epoch, metadata.get("input_position", 0))
+        manifest = ckpt.read_manifest(path)
+        content = CheckpointContent(self._engine, self.optimizer, self.cluster.is_chief)
+        expected = content.expected()
+        unexpected = content.unexpected(manifest["entries"], expected)
+        values = ckpt.read_entries(path, manifest, expected, unexpected)
+        content.assign({k: np.asarray(v) for k, v in values.items()}, expected)
+        self.epochs_done = manifest.get("epochs_done", 0)
+        self._step_in_epoch = manifest.get("step_in_epoch", 0)
+        self._resume_position = (self._step_in_epoch, manifest.get("input_position", 0))
         return path
 
     def _auto_resume(self, dataset) -> bool:

@@ -97,9 +97,13 @@ def _flip_bytes(folder):
     Path(path).write_bytes(bytes(b ^ 0xFF for b in Path(path).read_bytes()))
 
 
+# A format-1 checkpoint's folder held metadata.json beside its data, and no manifest.
+_OLD_FORMAT = ("manifest.json", "metadata.json")
+
+
 def _edit_metadata(change):
     def damage(folder):
-        path = Path(folder) / "metadata.json"
+        path = Path(folder) / "manifest.json"
         metadata = json.loads(path.read_text())
         change(metadata)
         path.write_text(json.dumps(metadata))
@@ -295,41 +299,49 @@ CASES = [
         r"names 'ckpt-99', which does not exist",
     ),
     (
-        "metadata not JSON",
-        _restore_after(lambda d: (Path(d) / "metadata.json").write_text("{")),
+        "manifest not JSON",
+        _restore_after(lambda d: (Path(d) / "manifest.json").write_text("{")),
         CheckpointError,
-        r"Checkpoint metadata '.*metadata\.json' is corrupted",
+        r"Checkpoint manifest '.*manifest\.json' is corrupted",
     ),
     (
-        "metadata missing",
-        _restore_after(lambda d: os.remove(os.path.join(d, "metadata.json"))),
+        "manifest missing",
+        _restore_after(lambda d: os.remove(os.path.join(d, "manifest.json"))),
         CheckpointError,
-        r"is incomplete: '.*metadata\.json' is missing",
+        r"Checkpoint '.*ckpt-2' is incomplete: '.*ckpt-2/manifest\.json' is missing",
+    ),
+    (
+        "checkpoint of the old format",
+        _restore_after(lambda d: os.rename(*[os.path.join(d, n) for n in _OLD_FORMAT])),
+        CheckpointError,
+        r"Checkpoint '.*ckpt-2' is in epl_trainer's checkpoint format 1 \(metadata\.json: lane "
+        r"0's state under positional keys of the layout that wrote it\)\. This version reads "
+        r"format 2",
     ),
     (
         "data file truncated",
         _restore_after(_truncate),
         CheckpointError,
-        r"Checkpoint file '.*state\.data-00000-of-00001' is truncated or corrupted: it has 8 "
+        r"Checkpoint file '.*shard-0\.data-00000-of-00001' is truncated or corrupted: it has 8 "
         r"bytes, \d+ were written",
     ),
     (
         "data file missing",
         _restore_after(lambda d: os.remove(_data_file(d))),
         CheckpointError,
-        r"Checkpoint file '.*state\.data-00000-of-00001' is missing",
+        r"Checkpoint file '.*shard-0\.data-00000-of-00001' is missing",
     ),
     (
         "data file bytes flipped",
         _restore_after(_flip_bytes),
         CheckpointError,
-        r"Checkpoint data \['.*state\.data-00000-of-00001', '.*state\.index'\] is unreadable",
+        r"Checkpoint data \['.*shard-0\.data-00000-of-00001', '.*shard-0\.index'\] is unreadable",
     ),
     (
         "future format version",
         _restore_after(_edit_metadata(lambda m: m.update(format_version=99))),
         CheckpointError,
-        r"metadata\.json' has format_version 99; this version of epl_trainer reads 1",
+        r"manifest\.json' has format_version 99; this version of epl_trainer reads 2",
     ),
     (
         "checkpoint of a different model",

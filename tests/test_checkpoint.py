@@ -78,7 +78,7 @@ def test_corrupted_checkpoint_data_names_the_file(tmp_path):
         if ".data-" in name:
             with open(os.path.join(path, name), "r+b") as f:
                 f.truncate(10)
-    with pytest.raises(CheckpointError, match=r"state\.data-.* is truncated or corrupted"):
+    with pytest.raises(CheckpointError, match=r"shard-0\.data-.* is truncated or corrupted"):
         _trainer(mlp()).restore_checkpoint(str(tmp_path))
     assert os.path.isdir(path)  # never removed or overwritten by a failed restore
 
@@ -87,9 +87,9 @@ def test_corrupted_metadata_is_a_clear_error(tmp_path):
     trainer = _trainer(mlp())
     trainer.fit(_dataset(), epochs=1, verbose=0)
     path = trainer.save_checkpoint(str(tmp_path))
-    with open(os.path.join(path, "metadata.json"), "w") as f:
+    with open(os.path.join(path, "manifest.json"), "w") as f:
         f.write("{not json")
-    with pytest.raises(CheckpointError, match=r"metadata\.json.*corrupted"):
+    with pytest.raises(CheckpointError, match=r"manifest\.json.*corrupted"):
         _trainer(mlp()).restore_checkpoint(str(tmp_path))
 
 
@@ -186,7 +186,7 @@ def test_damaged_newest_checkpoint_stops_auto_resume_and_is_kept(tmp_path):
         keras.optimizers.Adam(0.01),
         config={"cluster.virtual_devices": 2, "checkpoint.dir": str(tmp_path)},
     )
-    with pytest.raises(CheckpointError, match=r"state\.data-00000-of-00001' is truncated"):
+    with pytest.raises(CheckpointError, match=r"shard-0\.data-00000-of-00001' is truncated"):
         resumed.fit(_dataset(), epochs=2, verbose=0)
     assert (sorted(os.listdir(tmp_path)), sorted(os.listdir(path))) == before
     assert os.path.getsize(data) == 10
@@ -216,7 +216,7 @@ def test_resume_with_steps_per_epoch_continues_the_same_pass(tmp_path):
         fit(mlp(), [InterruptAtStep5()], **config)
     # The newest checkpoint is step 4: the second epoch's first step, batch 4 of the pass.
     assert (tmp_path / "latest").read_text() == "ckpt-4"
-    metadata = json.loads((tmp_path / "ckpt-4" / "metadata.json").read_text())
+    metadata = json.loads((tmp_path / "ckpt-4" / "manifest.json").read_text())
     position = metadata["epochs_done"], metadata["step_in_epoch"], metadata["input_position"]
     assert position == (1, 1, 4)
     resumed = mlp(seed=7)

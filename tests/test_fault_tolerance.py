@@ -172,6 +172,52 @@ def test_max_restarts_finishes_the_job_with_the_uninterrupted_weights(tmp_path):
             np.testing.assert_array_equal(got, want)
 
 
+def test_zero_across_workers_restarts_from_sharded_checkpoints_with_identical_weights(tmp_path):
+    """ZeRO v1 over 2 workers: each worker writes the optimizer slots it owns into its own
+    shard; killed once and restarted, the job ends with the uninterrupted weights, and its
+    checkpoint also restores into one device."""
+    reference = _launch(tmp_path / "reference", "--zero", "v1")
+    out, err = reference.communicate(timeout=300)
+    assert reference.returncode == 0, out + err
+
+    faulty = tmp_path / "faulty"
+    job = _launch(
+        faulty, "--zero", "v1", "--pause_worker", "1", "--pause_at_step", "5", max_restarts=1
+    )
+    try:
+        pid = int(_wait_for_file(faulty / "paused_1", job))
+        os.kill(pid, signal.SIGKILL)
+        out, err = job.communicate(timeout=400)
+    finally:
+        if job.poll() is None:
+            job.kill()
+            job.wait()
+    assert job.returncode == 0, out + err
+    assert "restart 1/1" in err
+    assert _samples(faulty, 0, attempt=1)[0] == [32, 33, 34, 35]  # resumed at step 4
+    for worker in range(2):
+        for got, want in zip(_weights(faulty, worker), _weights(tmp_path / "reference", worker)):
+            np.testing.assert_array_equal(got, want)
+
+    ckpt_dir = faulty / "ckpt"
+    manifest = json.loads((ckpt_dir / f"ckpt-{STEPS}" / "manifest.json").read_text())
+    assert sorted(manifest["shards"]) == ["shard-0", "shard-1"]
+    slot_shards = {e["shard"] for k, e in manifest["entries"].items() if k.startswith("slot/")}
+    assert slot_shards == {"shard-0", "shard-1"}  # each worker wrote the slots it owns
+
+    import epl_trainer as epl
+
+    alone = epl.EPLTrainer(
+        train_ft.make_model(),
+        keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        keras.optimizers.Adam(0.01),
+        config={"cluster.virtual_devices": 1},
+    )
+    alone.restore_checkpoint(str(ckpt_dir))
+    for got, want in zip(alone.model.get_weights(), _weights(tmp_path / "reference")):
+        np.testing.assert_array_equal(got, want)
+
+
 def test_kill_during_checkpoint_save_leaves_the_previous_one(tmp_path, uninterrupted):
     result = _run_alone(tmp_path, "--kill_in_save", "6")
     assert result.returncode == -signal.SIGKILL
@@ -207,7 +253,7 @@ def test_resume_after_kill_sees_every_sample_once_and_ends_with_identical_weight
     ckpt_dir = tmp_path / "ckpt"
     # Step 8 (an epoch end) and step 9 (save_steps=3) are the 2 newest; 3 and 6 were deleted.
     assert sorted(p.name for p in ckpt_dir.iterdir()) == ["ckpt-8", "ckpt-9", "latest"]
-    metadata = json.loads((ckpt_dir / "ckpt-9" / "metadata.json").read_text())
+    metadata = json.loads((ckpt_dir / "ckpt-9" / "manifest.json").read_text())
     assert (metadata["epochs_done"], metadata["step_in_epoch"], metadata["input_position"]) == (
         1,
         1,

@@ -3,6 +3,7 @@
 Run under `epl-launch`, with TF_CONFIG set by a test, or alone (one worker). Usage:
   train_ft.py OUTPUT_DIR [--epochs E] [--save_steps K] [--keep_max M] [--timeout T]
               [--pause_worker W --pause_at_step N] [--kill_at_step N] [--kill_in_save N]
+              [--zero LEVEL]
 
 Checkpoints go to OUTPUT_DIR/ckpt (`checkpoint.dir`), so a second run of the same
 command resumes the first. Worker w writes:
@@ -91,6 +92,7 @@ def main():
     parser.add_argument("--pause_at_step", type=int, default=-1)
     parser.add_argument("--kill_at_step", type=int, default=-1)
     parser.add_argument("--kill_in_save", type=int, default=-1)
+    parser.add_argument("--zero", default="", help="zero.level (optimizer state sharded)")
     args = parser.parse_args()
     attempt = int(os.environ.get("EPL_RESTART_ATTEMPT", "0"))
     first_attempt = attempt == 0
@@ -101,6 +103,7 @@ def main():
             "checkpoint.dir": os.path.join(args.output_dir, "ckpt"),
             "checkpoint.save_steps": args.save_steps,
             "checkpoint.keep_max": args.keep_max,
+            "zero.level": args.zero,
         }
     )
     import keras

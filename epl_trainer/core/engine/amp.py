@@ -321,14 +321,18 @@ class DynamicLossScaler:
 
     @property
     def variables(self) -> list[tf.Variable]:
-        """The state to checkpoint with the model."""
-        return [
-            self._scale,
-            self.cur_iter,
-            self.last_overflow_iter,
-            self.cur_hysteresis,
-            self.skipped_steps,
-        ]
+        return list(self.named_variables.values())
+
+    @property
+    def named_variables(self) -> dict[str, tf.Variable]:
+        """The state to checkpoint with the model, by name."""
+        return {
+            "scale": self._scale,
+            "cur_iter": self.cur_iter,
+            "last_overflow_iter": self.last_overflow_iter,
+            "cur_hysteresis": self.cur_hysteresis,
+            "skipped_steps": self.skipped_steps,
+        }
 
     def scale(self) -> tf.Tensor:
         """The current loss scale, a float32 scalar."""
@@ -408,6 +412,11 @@ class FixedLossScaler:
     @property
     def variables(self) -> list[tf.Variable]:
         return [self.skipped_steps]
+
+    @property
+    def named_variables(self) -> dict[str, tf.Variable]:
+        """The state to checkpoint with the model, by name."""
+        return {"skipped_steps": self.skipped_steps}
 
     def scale(self) -> tf.Tensor:
         with tf.device(self.device):

@@ -172,12 +172,13 @@ def _index(lane: Lane) -> int:
 
 
 class Engine:
-    """A built engine: its steps, its state, and how that state is saved and restored."""
+    """A built engine: its steps and its state (checkpoint_content.py saves and restores it)."""
 
     def __init__(self, engine_plan: EnginePlan, state: EngineState, program: Program):
         self.plan = engine_plan.plan
         self.staged = engine_plan.staged
         self.lanes = engine_plan.lanes
+        self.lanes_in_job = engine_plan.lanes_in_job
         self.state = state
         self.program = program
         self.train_on_iterator = program.train_on_iterator
@@ -213,58 +214,3 @@ class Engine:
         parts = len(self.lanes) * self.plan.num_micro_batch
         micro_batch = tree.map_structure(lambda x: x[: max(1, x.shape[0] // parts)], features)
         return check_stage_gradients(self.staged, self.recomputed, micro_batch)
-
-    def checkpoint_variables(self, optimizer) -> tuple[dict, dict]:
-        """Lane 0's state under positional keys, and readable names for those keys.
-
-        Args:
-          optimizer: the user's optimizer (its step counter and learning rate are saved).
-        """
-        state = self.state
-        named, names = {}, {}
-
-        def add(key, variable, description):
-            named[key] = variable
-            names[key] = description
-
-        for i, v in enumerate(state.model_trainable):
-            # Sharded variables (split layers) are saved whole, from the Keras model.
-            source = v if i in state.sharded else state.trainable[0][i]
-            add(f"trainable/{i}", source.value, v.path)
-        for i, v in enumerate(state.model_non_trainable):
-            add(f"non_trainable/{i}", state.non_trainable[0][i].value, v.path)
-        for key, v in self.update.checkpoint_variables().items():
-            if v is not optimizer._learning_rate:
-                # The loss scaler's state is plain tf.Variables, not Keras variables.
-                if isinstance(v, keras.Variable):
-                    add(key, v.value, f"{key} ({v.path})")
-                else:
-                    add(key, v, f"{key} ({v.name})")
-        add("optimizer/iterations", optimizer.iterations.value, "optimizer iterations")
-        if isinstance(optimizer._learning_rate, keras.Variable):
-            add("optimizer/learning_rate", optimizer._learning_rate.value, "learning rate")
-        return named, names
-
-    def prepare_save(self) -> None:
-        """Before saving: sharded variables are saved whole, from the Keras model."""
-        if self.state.sharded:
-            self.state.write_back()
-
-    def restore(self, expected: dict, values: dict) -> None:
-        """Assigns restored `values` to the `expected` variables (`checkpoint_variables`),
-        then gives every lane lane 0's state and the Keras model the result."""
-        for key, variable in expected.items():
-            variable.assign(values[key])
-        state = self.state
-        for li in range(1, len(state.lanes)):
-            for dst, src in zip(
-                state.trainable[li] + state.non_trainable[li],
-                state.trainable[0] + state.non_trainable[0],
-            ):
-                if dst is None or src is None:  # a stage on another worker
-                    continue
-                if dst is not src and "seed_generator_state" not in src.path:
-                    dst.assign(src.value)
-        state.load_sharded_from_model()  # each lane's own slice, over the copy above
-        self.update.after_restore()
-        state.write_back()

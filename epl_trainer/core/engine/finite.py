@@ -141,8 +141,3 @@ class AmpUpdate(GuardedUpdate):
     def __init__(self, inner, call, scaler):
         super().__init__(inner, call)
         self.scaler = scaler
-
-    def checkpoint_variables(self) -> dict:
-        named = dict(self.inner.checkpoint_variables())
-        named.update({f"amp/{i}": v for i, v in enumerate(self.scaler.variables)})
-        return named

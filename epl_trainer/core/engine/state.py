@@ -145,8 +145,7 @@ class EngineState:
             if variable.trainable and position in self.sharded:
                 value = self._shard_of(position, value, lane)
             if is_seed_state(variable):
-                value = np.asarray(value) + np.array([0, 0], value.dtype.as_numpy_dtype)
-                value[0] += lane.index * _SEED_STRIDE
+                value = seed_of_lane(value, lane.index)
             with tf.device(lane.devices[stage]):
                 copy = keras.Variable(
                     tf.identity(value),
@@ -244,6 +243,14 @@ class EngineState:
 
 def variable_bytes(variable) -> int:
     return int(np.prod(variable.shape)) * variable.value.dtype.size
+
+
+def seed_of_lane(model_seed_state, lane_index: int, sign: int = 1) -> np.ndarray:
+    """Lane `lane_index`'s seed state from the model's (or back, with `sign=-1`): the
+    seed, element 0, offset by the lane's global index; the counter unchanged."""
+    value = np.array(model_seed_state)
+    value[0] += sign * lane_index * _SEED_STRIDE
+    return value
 
 
 def is_seed_state(variable) -> bool:

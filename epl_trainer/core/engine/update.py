@@ -161,27 +161,19 @@ class ReplicatedUpdate:
         sharded = self.layout.state.sharded
         return next(iter(sharded.values())).num_shards if sharded else 1
 
-    def checkpoint_variables(self) -> dict:
-        """{positional name: variable}: lane 0's optimizer state (every lane holds the
-        same), or the first replica's lanes' with split layers."""
-        named = {}
-        for lane in range(self._distinct_lanes):
-            prefix = "optimizer" if lane == 0 else f"optimizer/lane_{lane}"
-            for k, stage_optimizers in enumerate(self.optimizers[lane]):
-                for g, optimizer in enumerate(stage_optimizers):
-                    for j, v in enumerate(optimizer.variables):
-                        named[f"{prefix}/stage_{k}/group_{g}/{j}"] = v
-        return named
+    def local_optimizers(self) -> list[tuple[int, object, list]]:
+        """[(local lane position, optimizer, the variables it updates)] on this worker."""
+        return [
+            (li, step.optimizer, step.variables)
+            for li, lane_steps in enumerate(self.steps)
+            for stage_steps in lane_steps
+            for step in stage_steps
+        ]
 
-    def after_restore(self) -> None:
-        """Copies the restored optimizer state to the lanes that hold the same."""
-        distinct = self._distinct_lanes
-        for li, lane in enumerate(self.optimizers):
-            for stage, stage0 in zip(lane, self.optimizers[li % distinct]):
-                for optimizer, optimizer0 in zip(stage, stage0):
-                    for dst, src in zip(optimizer.variables, optimizer0.variables):
-                        if dst is not src:
-                            dst.assign(src.value)
+    def slot_owners(self) -> dict[int, str]:
+        """{trainable index: device of the lane whose slots a checkpoint saves}: none here,
+        every lane holds the slots of every variable (the lowest lane's are saved)."""
+        return {}
 
     def gradient_bytes(self) -> dict[str, int]:
         """Bytes of reduced gradients per compute device (every lane holds its full stage)."""

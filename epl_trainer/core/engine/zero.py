@@ -552,24 +552,24 @@ class ZeroUpdate:
                     clipped[k][li] = [scaled(g, factor) for g in owned_grads[k][li]]
         return clipped
 
-    def checkpoint_variables(self) -> dict:
-        """{positional name: variable} of this worker's optimizer shards.
+    def local_optimizers(self) -> list[tuple[int, object, list]]:
+        """[(local lane position, optimizer, the variables it updates)] on this worker."""
+        return [
+            (li, step.optimizer, step.variables)
+            for li, lane_steps in enumerate(self.steps)
+            for step in lane_steps
+            if step is not None
+        ]
 
-        Each shard is saved under its rank, so a checkpoint restores only into the same
-        zero level and data-parallel size (the layout is deterministic).
-        """
-        named = {}
-        for li, optimizers in enumerate(self.optimizers):
-            for k, optimizer in enumerate(optimizers):
-                if optimizer is None:
-                    continue
-                shard = self.layout.stage_groups[k].rank_of(self.layout.lanes[li].devices[k])
-                for j, v in enumerate(optimizer.variables):
-                    named[f"optimizer/stage_{k}/zero_shard_{shard}/{j}"] = v
-        return named
-
-    def after_restore(self) -> None:
-        """Nothing to copy: each lane restored its own shard."""
+    def slot_owners(self) -> dict[int, str]:
+        """{trainable index: the stage device of the lane (on any worker) that owns its
+        shard}: the only lane holding that variable's optimizer slots."""
+        owners = {}
+        for k, layouts in enumerate(self.layouts):
+            group = self.layout.stage_groups[k]
+            device_of_rank = {group.rank_of(d): d for d in group.devices}
+            owners.update({i: device_of_rank[r] for i, r in owner_of(layouts).items()})
+        return owners
 
     def gradient_bytes(self) -> dict[str, int]:
         """Bytes of reduced gradients per compute device: the owned block under v1, the

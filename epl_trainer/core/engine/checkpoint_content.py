@@ -1,0 +1,311 @@
+"""What a checkpoint holds, keyed by the user's model, whatever layout trains it.
+
+Entries (the "universal" content, as DeepSpeed's universal checkpoints):
+
+  trainable/<i>             model.trainable_variables[i], whole (split shards joined)
+  non_trainable/<i>         model.non_trainable_variables[i] (a seed state as the model's,
+                            without the writing lane's offset)
+  slot/<i>/<slot name>      the optimizer slot made for trainable variable i, whole,
+                            whatever grouping, ZeRO shard or split shard held it
+  optimizer/iterations      the training step (the user's optimizer's counter)
+  optimizer/applied_steps   updates the optimizers applied (less than the step after
+                            skipped non-finite steps; Adam's bias correction counts these)
+  optimizer/learning_rate   the learning-rate variable, if the optimizer has one
+  amp/<name>                the loss scaler's state (`amp.level`)
+
+Saving: each worker writes the entries it *owns* (`owner_lane`, `local_position`);
+restoring: each worker reads the entries its own layout needs and assigns them to its
+copies, shards and slots (`CheckpointContent.targets`). Slots are found through the
+replica optimizers' record of `add_variable_from_reference` (slots.py), so this
+works for any Keras optimizer whose per-variable state is made that way.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from epl_trainer.core.engine import slots as slots_lib
+from epl_trainer.core.engine.state import Lane, is_seed_state, seed_of_lane
+
+
+@dataclasses.dataclass
+class Entry:
+    """One checkpoint entry this worker writes: `read()` gives its whole value."""
+
+    key: str
+    name: str  # readable: the variable path, slot name
+    read: Callable[[], tf.Tensor]
+
+
+@dataclasses.dataclass
+class Target:
+    """A variable of this worker that an entry fills: `variable.assign(place(value))`."""
+
+    variable: object
+    place: Callable[[np.ndarray], object]
+
+
+@dataclasses.dataclass
+class Expected:
+    """What this worker needs of an entry: its whole shape and dtype, and where it goes."""
+
+    name: str
+    shape: list[int]
+    dtype: str
+    targets: list[Target]
+    optional: bool = False  # kept as it is when the checkpoint lacks it (e.g. AMP state)
+
+
+def owner_lane(lanes_in_job: Sequence[Lane], owner_device: str | None, stage: int) -> Lane:
+    """The lane whose copy of an entry is saved: the lowest global lane, or, for state
+    only one lane holds (a ZeRO shard's slots), the lane whose stage device is
+    `owner_device`. Deterministic on every worker, so each entry has one writer."""
+    if owner_device is None:
+        return lanes_in_job[0]
+    return next(lane for lane in lanes_in_job if lane.devices[stage] == owner_device)
+
+
+def local_position(local_lanes: Sequence[Lane], lane: Lane, stage: int) -> int | None:
+    """This worker's position of `lane` if it holds that lane's copy of `stage` here.
+
+    A lane whose stages span workers is a lane of each of them; only the worker holding
+    the stage answers."""
+    for li, local in enumerate(local_lanes):
+        if local.index == lane.index and local.is_local(stage):
+            return li
+    return None
+
+
+def _whole(value):
+    return value
+
+
+class CheckpointContent:
+    """The checkpoint entries of one built engine (this worker's part of the job)."""
+
+    def __init__(self, engine, optimizer, is_chief: bool):
+        self.state = engine.state
+        self.update = engine.update
+        self.lanes_in_job = list(engine.lanes_in_job)
+        self.optimizer = optimizer
+        self.is_chief = is_chief
+        self.slot_owners = self.update.slot_owners()
+        # id(engine copy or shard) -> (local lane position, trainable index)
+        self._copy_of = {}
+        for li, lane_vars in enumerate(self.state.trainable):
+            for i, v in enumerate(lane_vars):
+                if v is not None:  # None: a stage on another worker
+                    self._copy_of.setdefault(id(v), (li, i))
+
+    # ---- saving -------------------------------------------------------------------------
+
+    def entries_to_write(self) -> list[Entry]:
+        """The entries this worker owns, in a fixed order."""
+        state = self.state
+        entries = []
+        for i, v in enumerate(state.model_trainable):
+            read = self._owned_read(i, state.trainable_stage[i], state.trainable)
+            if read is not None:
+                entries.append(Entry(f"trainable/{i}", v.path, read))
+        for i, v in enumerate(state.model_non_trainable):
+            read = self._owned_non_trainable(i)
+            if read is not None:
+                entries.append(Entry(f"non_trainable/{i}", v.path, read))
+        entries += self._owned_slots()
+        if self.is_chief:
+            entries += [Entry(k, name, lambda v=v: _read(v)) for k, (name, v) in self._globals()]
+        return entries
+
+    def _owner(self, i: int, stage: int, owner_device=None) -> tuple[Lane, int | None]:
+        lane = owner_lane(self.lanes_in_job, owner_device, stage)
+        return lane, local_position(self.state.lanes, lane, stage)
+
+    def _owned_read(self, i: int, stage: int, copies) -> Callable | None:
+        """Reads trainable i whole from the owner lane's copy (and its replica's shards)."""
+        _, li = self._owner(i, stage)
+        if li is None:
+            return None
+        if i not in self.state.sharded:
+            return lambda: copies[li][i].value
+        shards = self._replica_positions(li, self.state.sharded[i].num_shards)
+        axis = self.state.sharded[i].axis
+        return lambda: tf.concat([copies[p][i].value for p in shards], axis=axis)
+
+    def _replica_positions(self, li: int, num_shards: int) -> list[int]:
+        """Local positions of the lanes of lane li's replica, by shard rank."""
+        lanes = self.state.lanes
+        replica = lanes[li].index // num_shards
+        positions = [p for p, lane in enumerate(lanes) if lane.index // num_shards == replica]
+        positions.sort(key=lambda p: lanes[p].index % num_shards)
+        assert len(positions) == num_shards, "a split replica's lanes are all on one worker"
+        return positions
+
+    def _owned_non_trainable(self, i: int) -> Callable | None:
+        lane, li = self._owner(i, self.state.non_trainable_stage[i])
+        if li is None:
+            return None
+        variable = self.state.non_trainable[li][i]
+        if is_seed_state(variable):
+            return lambda: tf.constant(seed_of_lane(variable.numpy(), lane.index, sign=-1))
+        return lambda: variable.value
+
+    def _owned_slots(self) -> list[Entry]:
+        """Slots of the variables whose owner lane is local, joined across split shards."""
+        by_key: dict[str, list] = {}
+        applied = self._applied_steps_owner()
+        applied_read = None
+        for li, optimizer, _ in self.update.local_optimizers():
+            if self.state.lanes[li].index == applied and applied_read is None:
+                applied_read = optimizer.iterations
+            self._check_slots_recorded(optimizer)
+            for slot, reference, name in slots_lib.slots_of(optimizer):
+                lane_position, i = self._copy_of[id(reference)]
+                stage = self.state.trainable_stage[i]
+                owner, _ = self._owner(i, stage, self.slot_owners.get(i))
+                lane = self.state.lanes[lane_position]
+                if i in self.state.sharded:
+                    width = self.state.sharded[i].num_shards
+                    mine = lane.index // width == owner.index // width
+                else:
+                    mine = lane.index == owner.index
+                if mine:
+                    by_key.setdefault(f"slot/{i}/{name}", []).append((lane.index, slot, i))
+        entries = []
+        for key, held in by_key.items():
+            held.sort(key=lambda item: item[0])
+            i = held[0][2]
+            slots = [slot for _, slot, _ in held]
+            path = f"{self.state.model_trainable[i].path} ({key.split('/', 2)[2]})"
+            if i in self.state.sharded:
+                axis = self.state.sharded[i].axis
+                read = lambda slots=slots, axis=axis: tf.concat([s.value for s in slots], axis)  # noqa: E731
+            else:
+                read = lambda slot=slots[0]: slot.value  # noqa: E731
+            entries.append(Entry(key, path, read))
+        if applied_read is not None:
+            entries.append(
+                Entry("optimizer/applied_steps", "updates applied", lambda: applied_read.value)
+            )
+        return entries
+
+    def _applied_steps_owner(self) -> int | None:
+        """The lowest global lane that holds an optimizer (ZeRO: owns some variable)."""
+        if not self.state.model_trainable:
+            return None
+        if not self.slot_owners:
+            return self.lanes_in_job[0].index
+        stages = self.state.trainable_stage
+        return min(
+            owner_lane(self.lanes_in_job, device, stages[i]).index
+            for i, device in self.slot_owners.items()
+        )
+
+    def _check_slots_recorded(self, optimizer) -> None:
+        unrecorded = slots_lib.unrecorded_state(optimizer)
+        if unrecorded:
+            raise ValueError(
+                f"{type(optimizer).__name__} keeps state that is not made per variable with "
+                "`add_variable_from_reference`, so a checkpoint cannot key it by model "
+                f"variable (and restore it into another layout). Received: "
+                f"{[v.path for v in unrecorded][:5]}"
+            )
+
+    def _globals(self) -> list[tuple[str, tuple[str, object]]]:
+        """Entries every worker holds identically: the chief writes them."""
+        items = [("optimizer/iterations", ("training step", self.optimizer.iterations))]
+        if isinstance(self.optimizer._learning_rate, keras.Variable):
+            items.append(
+                ("optimizer/learning_rate", ("learning rate", self.optimizer._learning_rate))
+            )
+        scaler = getattr(self.update, "scaler", None)
+        if scaler is not None:
+            for name, v in scaler.named_variables.items():
+                items.append((f"amp/{name}", (f"loss scaler {name}", v)))
+        return items
+
+    # ---- restoring ----------------------------------------------------------------------
+
+    def expected(self) -> dict[str, Expected]:
+        """{key: Expected} for every entry this worker's layout needs."""
+        state, needed = self.state, {}
+
+        def add(key, name, model_variable_or_shape, dtype, target):
+            shape = list(getattr(model_variable_or_shape, "shape", model_variable_or_shape))
+            entry = needed.setdefault(key, Expected(name, shape, dtype, []))
+            if all(t.variable is not target.variable for t in entry.targets):
+                entry.targets.append(target)
+
+        for li, lane in enumerate(state.lanes):
+            for i, v in enumerate(state.model_trainable):
+                if state.trainable[li][i] is None:  # a stage on another worker
+                    continue
+                place = self._shard_placer(i, lane)
+                add(f"trainable/{i}", v.path, v, v.dtype, Target(state.trainable[li][i], place))
+            for i, v in enumerate(state.model_non_trainable):
+                if state.non_trainable[li][i] is None:
+                    continue
+                place = _whole
+                if is_seed_state(v):
+                    place = lambda value, index=lane.index: seed_of_lane(value, index)  # noqa: E731
+                target = Target(state.non_trainable[li][i], place)
+                add(f"non_trainable/{i}", v.path, v, v.dtype, target)
+        applied = []
+        for li, optimizer, _ in self.update.local_optimizers():
+            self._check_slots_recorded(optimizer)
+            applied.append(Target(optimizer.iterations, _whole))
+            for slot, reference, name in slots_lib.slots_of(optimizer):
+                _, i = self._copy_of[id(reference)]
+                model_variable = state.model_trainable[i]
+                place = self._shard_placer(i, state.lanes[li])
+                path = f"{model_variable.path} ({name})"
+                add(f"slot/{i}/{name}", path, model_variable, slot.dtype, Target(slot, place))
+        if applied:
+            needed["optimizer/applied_steps"] = Expected("updates applied", [], "int64", applied)
+        for key, (name, v) in self._globals():
+            add(key, name, v, v.dtype, Target(v, _whole))
+            needed[key].optional = key != "optimizer/iterations"
+        return needed
+
+    def unexpected(self, saved_keys, expected: dict[str, Expected]) -> list[str]:
+        """Saved entries this layout would have to hold but has no place for: a bigger
+        model, or slots of another optimizer for the variables this worker updates."""
+        updated = {
+            str(self._copy_of[id(v)][1])
+            for _, _, variables in self.update.local_optimizers()
+            for v in variables
+        }
+        extra = []
+        for key in saved_keys:
+            kind, _, rest = key.partition("/")
+            if key in expected:
+                continue
+            if kind in ("trainable", "non_trainable") or (
+                kind == "slot" and rest.split("/")[0] in updated
+            ):
+                extra.append(key)
+        return extra
+
+    def _shard_placer(self, i: int, lane: Lane) -> Callable:
+        if i not in self.state.sharded:
+            return _whole
+        spec = self.state.sharded[i]
+        return lambda value: spec.slice(tf.constant(value), lane.index % spec.num_shards)
+
+    def assign(self, values: dict, expected: dict[str, Expected]) -> None:
+        """Assigns every read entry to its targets; then the Keras model gets the result."""
+        for key, entry in expected.items():
+            if key not in values:
+                continue
+            for target in entry.targets:
+                target.variable.assign(target.place(values[key]))
+        self.state.write_back()
+
+
+def _read(variable):
+    # The loss scaler's state is plain tf.Variables, whose `value` is a method.
+    return variable.value if isinstance(variable, keras.Variable) else variable.read_value()

@@ -1,0 +1,302 @@
+"""Checkpoints restore into any layout (DeepSpeed's "universal checkpoint").
+
+Each resharding test trains half a run in one layout, saves, restores into a fresh
+trainer of another layout (other device count, stage cut, ZeRO level, split width,
+grouping) and finishes the run there. The result must equal the uninterrupted run of
+the same steps to 1e-5: every layout computes the same mean-gradient update, so the only
+differences are the order of float sums; a slot or step counter restored wrongly moves
+the weights by far more (Adam's first step after a lost velocity moves each weight by
+about the learning rate, 1e-2).
+"""
+
+import json
+import os
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+from _models import LOSS, max_weight_difference, mlp, mlp_data
+from test_split import data as split_data
+from test_split import head_model, split_trainer
+
+import epl_trainer as epl
+from epl_trainer import checkpoint as ckpt
+from epl_trainer.checkpoint import CheckpointError
+
+ATOL = 1e-5
+STAGES = {"dense_in": 0, "logits": 1}
+
+
+def _trainer(model, devices, optimizer=None, stages=None, **config):
+    return epl.EPLTrainer(
+        model,
+        LOSS,
+        optimizer or keras.optimizers.Adam(0.01),
+        stages=stages,
+        config={"cluster.virtual_devices": devices, **config},
+    )
+
+
+def _resharded_run(tmp_path, make_first, make_second, make_model=mlp, data=mlp_data, epochs=2):
+    """(uninterrupted model, resumed model, the checkpoint's manifest): `make_first`'s
+    layout trains `epochs`, saves; `make_second`'s restores and trains `epochs` more."""
+    x, y = data()
+    uninterrupted = make_model()
+    make_first(uninterrupted).fit(x, y, batch_size=16, epochs=2 * epochs, verbose=0)
+    first = make_first(make_model())
+    first.fit(x, y, batch_size=16, epochs=epochs, verbose=0)
+    path = first.save_checkpoint(str(tmp_path))
+    resumed_model = make_model(seed=99)  # every value must come from the checkpoint
+    resumed = make_second(resumed_model)
+    assert resumed.restore_checkpoint(str(tmp_path)) == path
+    assert int(resumed.optimizer.iterations.numpy()) == int(first.optimizer.iterations.numpy())
+    history = resumed.fit(x, y, batch_size=16, epochs=epochs, verbose=0)
+    assert history.epoch == list(range(epochs, 2 * epochs))
+    manifest = json.loads((tmp_path / os.path.basename(path) / "manifest.json").read_text())
+    print(
+        f"max |resumed - uninterrupted| = {max_weight_difference(uninterrupted, resumed_model):.2e}"
+    )
+    return uninterrupted, resumed_model, manifest
+
+
+def test_zero_v1_on_4_devices_restores_into_a_2_stage_pipeline_on_2(tmp_path):
+    uninterrupted, resumed, manifest = _resharded_run(
+        tmp_path,
+        lambda m: _trainer(m, 4, **{"zero.level": "v1"}),
+        lambda m: _trainer(m, 2, stages=STAGES),
+    )
+    assert max_weight_difference(uninterrupted, resumed) < ATOL
+    assert manifest["layout"]["zero_level"] == "v1" and manifest["layout"]["lanes"] == 4
+    # Adam's two slots of each of the 4 variables, whole, under the model's indices.
+    slots = sorted(k for k in manifest["entries"] if k.startswith("slot/"))
+    assert slots == [f"slot/{i}/{n}" for i in range(4) for n in ("momentum", "velocity")]
+    assert manifest["entries"]["slot/0/velocity"]["shape"] == [6, 16]
+    assert manifest["entries"]["slot/0/velocity"]["name"] == "dense_in/kernel (velocity)"
+
+
+def test_2_stage_pipeline_restores_into_1_device(tmp_path):
+    uninterrupted, resumed, _ = _resharded_run(
+        tmp_path,
+        lambda m: _trainer(m, 2, stages=STAGES, **{"pipeline.num_micro_batch": 2}),
+        lambda m: _trainer(m, 1),
+    )
+    assert max_weight_difference(uninterrupted, resumed) < ATOL
+
+
+def test_1_device_restores_into_zero_v0_over_a_2_stage_pipeline_on_4(tmp_path):
+    uninterrupted, resumed, _ = _resharded_run(
+        tmp_path,
+        lambda m: _trainer(m, 1),
+        lambda m: _trainer(m, 4, stages=STAGES, **{"zero.level": "v0"}),
+    )
+    assert max_weight_difference(uninterrupted, resumed) < ATOL
+
+
+def test_split_width_4_restores_into_width_2(tmp_path):
+    def data():
+        return split_data()
+
+    uninterrupted, resumed, manifest = _resharded_run(
+        tmp_path,
+        lambda m: split_trainer(m, 4, optimizer=keras.optimizers.Adam(0.01)),
+        lambda m: split_trainer(m, 2, optimizer=keras.optimizers.Adam(0.01)),
+        make_model=lambda seed=1: head_model(seed=seed),
+        data=data,
+        epochs=1,
+    )
+    assert max_weight_difference(uninterrupted, resumed) < ATOL
+    assert manifest["layout"]["split_width"] == 4
+    # The head's kernel and its slots are saved whole (16 x 8), not as 4 shards.
+    head = [v.path for v in uninterrupted.trainable_variables].index("head/kernel")
+    assert manifest["entries"][f"trainable/{head}"]["shape"] == [16, 8]
+    assert manifest["entries"][f"slot/{head}/momentum"]["shape"] == [16, 8]
+
+
+def test_grouped_apply_restores_into_plain_apply(tmp_path):
+    uninterrupted, resumed, _ = _resharded_run(
+        tmp_path,
+        lambda m: _trainer(m, 2, **{"optimizer.num_apply_group": 2}),
+        lambda m: _trainer(m, 2),
+    )
+    assert max_weight_difference(uninterrupted, resumed) < ATOL
+
+
+def test_offload_restores_into_zero_v1(tmp_path):
+    uninterrupted, resumed, _ = _resharded_run(
+        tmp_path,
+        lambda m: _trainer(m, 2, **{"offload.level": "v0"}),
+        lambda m: _trainer(m, 4, **{"zero.level": "v1"}),
+    )
+    assert max_weight_difference(uninterrupted, resumed) < ATOL
+
+
+OPTIMIZERS = {
+    "sgd_momentum": lambda: keras.optimizers.SGD(0.05, momentum=0.9),
+    "adamw": lambda: keras.optimizers.AdamW(0.01, weight_decay=0.1),
+    "adagrad": lambda: keras.optimizers.Adagrad(0.1),
+    "lion": lambda: keras.optimizers.Lion(0.001),
+    "lamb": lambda: keras.optimizers.Lamb(0.01),
+    "adam_amsgrad": lambda: keras.optimizers.Adam(0.01, amsgrad=True),
+}
+
+
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_every_optimizers_slots_move_from_zero_shards_to_groups(tmp_path, name):
+    uninterrupted, resumed, manifest = _resharded_run(
+        tmp_path,
+        lambda m: _trainer(m, 4, OPTIMIZERS[name](), **{"zero.level": "v1"}),
+        lambda m: _trainer(m, 2, OPTIMIZERS[name](), **{"optimizer.num_apply_group": 2}),
+        epochs=1,
+    )
+    assert max_weight_difference(uninterrupted, resumed) < ATOL
+    assert any(k.startswith("slot/3/") for k in manifest["entries"])
+
+
+def test_a_checkpoint_of_another_optimizer_is_refused(tmp_path):
+    x, y = mlp_data()
+    first = _trainer(mlp(), 2)
+    first.fit(x, y, batch_size=16, epochs=1, verbose=0)
+    first.save_checkpoint(str(tmp_path))
+    sgd = _trainer(mlp(), 2, keras.optimizers.SGD(0.1, momentum=0.9))
+    with pytest.raises(CheckpointError, match=r"only in the checkpoint: \['dense_in/kernel \("):
+        sgd.restore_checkpoint(str(tmp_path))
+
+
+def test_checkpoint_in_an_in_memory_filesystem_restores_into_another_layout():
+    """`checkpoint.dir` may be any tf.io.gfile path; ram:// has no folder rename, as object
+    stores (gs://) have none: the files move one by one, the manifest last."""
+    directory = "ram://universal_ckpt_test"
+    x, y = mlp_data()
+    uninterrupted = mlp()
+    _trainer(uninterrupted, 2).fit(x, y, batch_size=16, epochs=2, verbose=0)
+    first = _trainer(mlp(), 2)
+    first.fit(x, y, batch_size=16, epochs=1, verbose=0)
+    path = first.save_checkpoint(directory, keep_max=1)
+    assert path == directory + "/ckpt-4"
+    assert tf.io.gfile.exists(path + "/manifest.json")
+    resumed_model = mlp(seed=5)
+    resumed = _trainer(resumed_model, 4, **{"zero.level": "v1"})
+    resumed.restore_checkpoint(directory)
+    resumed.fit(x, y, batch_size=16, epochs=1, verbose=0)
+    assert max_weight_difference(uninterrupted, resumed_model) < ATOL
+    resumed.save_checkpoint(directory, keep_max=1)
+    assert sorted(tf.io.gfile.listdir(directory)) == ["ckpt-8", "latest"]
+    tf.io.gfile.rmtree(directory)
+
+
+class _Crash(Exception):
+    pass
+
+
+def test_a_crash_between_the_shards_and_the_manifest_keeps_the_previous_latest(
+    tmp_path, monkeypatch
+):
+    x, y = mlp_data()
+    trainer = _trainer(mlp(), 2)
+    trainer.fit(x, y, batch_size=16, epochs=1, verbose=0)
+    trainer.save_checkpoint(str(tmp_path))
+    trainer.fit(x, y, batch_size=16, epochs=1, verbose=0)
+
+    def crash(folder):
+        assert sorted(os.listdir(folder))[:3] == [
+            "manifest.json",
+            "shard-0.data-00000-of-00001",
+            "shard-0.index",
+        ]
+        raise _Crash()
+
+    monkeypatch.setattr(ckpt, "before_publish", crash)
+    with pytest.raises(_Crash):
+        trainer.save_checkpoint(str(tmp_path))
+    assert (tmp_path / "latest").read_text() == "ckpt-4"
+    assert not (tmp_path / "ckpt-8").exists()
+    restored = _trainer(mlp(seed=3), 2)
+    assert restored.restore_checkpoint(str(tmp_path)).endswith("ckpt-4")
+    assert int(restored.optimizer.iterations.numpy()) == 4
+
+
+def test_a_missing_shard_is_never_published(tmp_path):
+    """The chief's check once the barrier passed: a job of 2 workers where only worker
+    0's shard is in the folder (worker 1's disk failed) publishes nothing."""
+    directory = str(tmp_path)
+    ckpt.prepare(directory)
+    folder = ckpt.temporary_folder(directory, 6, os.getpid())
+    ckpt.write_shard(folder, 0, [("trainable/0", "w", tf.ones([2]))])
+    with pytest.raises(CheckpointError, match=r"Shard 1 of '.*\.tmp-ckpt-6-\d+' is incomplete: "):
+        ckpt.publish(directory, folder, 6, 2, {}, ["trainable/0"])
+    assert not ckpt.exists(directory) and ckpt.list_checkpoints(directory) == []
+
+
+def test_a_shard_that_fails_to_write_stops_the_save_and_names_it(tmp_path, monkeypatch):
+    x, y = mlp_data()
+    trainer = _trainer(mlp(), 1)
+    trainer.fit(x, y, batch_size=16, epochs=1, verbose=0)
+    trainer.save_checkpoint(str(tmp_path))
+
+    def full_disk(folder, worker, entries):
+        raise OSError(f"No space left on device: {folder}")
+
+    monkeypatch.setattr(ckpt, "write_shard", full_disk)
+    trainer.fit(x, y, batch_size=16, epochs=1, verbose=0)
+    with pytest.raises(OSError, match=r"No space left on device: .*\.tmp-ckpt-8-"):
+        trainer.save_checkpoint(str(tmp_path))
+    assert (tmp_path / "latest").read_text() == "ckpt-4"
+
+
+def test_restore_reads_only_the_shards_its_entries_are_in(tmp_path):
+    """A 2-shard checkpoint (as 2 workers write it) whose shard 1 holds only entries this
+    reader does not need: it is neither opened nor size-checked."""
+    directory = str(tmp_path)
+    ckpt.prepare(directory)
+    folder = ckpt.temporary_folder(directory, 3, os.getpid())
+    ckpt.write_shard(folder, 0, [("trainable/0", "a", tf.fill([2], 5.0))])
+    ckpt.write_shard(folder, 1, [("slot/0/momentum", "a (momentum)", tf.ones([2]))])
+    path = ckpt.publish(directory, folder, 3, 2, {}, ["trainable/0"])
+    with open(os.path.join(path, "shard-1.data-00000-of-00001"), "r+b") as f:
+        f.truncate(1)
+    manifest = ckpt.read_manifest(path)
+    needed = {"trainable/0": _Expected("a", [2], "float32")}
+    values = ckpt.read_entries(path, manifest, needed)
+    np.testing.assert_array_equal(values["trainable/0"], [5.0, 5.0])
+    needed["slot/0/momentum"] = _Expected("a (momentum)", [2], "float32")
+    with pytest.raises(CheckpointError, match=r"shard-1\.data-00000-of-00001' is truncated"):
+        ckpt.read_entries(path, manifest, needed)
+
+
+def test_a_worker_that_owns_nothing_writes_an_empty_shard(tmp_path):
+    """Data parallelism over 2 workers: lane 0's worker owns every entry, the other's shard
+    is empty (TensorFlow cannot write a bundle of no tensors: only its record is written)."""
+    directory = str(tmp_path)
+    ckpt.prepare(directory)
+    folder = ckpt.temporary_folder(directory, 2, os.getpid())
+    ckpt.write_shard(folder, 1, [])
+    ckpt.write_shard(folder, 0, [("trainable/0", "a", tf.fill([2], 5.0))])
+    path = ckpt.publish(directory, folder, 2, 2, {}, ["trainable/0"])
+    assert sorted(os.listdir(path)) == [
+        "manifest.json",
+        "shard-0.data-00000-of-00001",
+        "shard-0.index",
+        "shard-0.json",
+        "shard-1.json",
+    ]
+    manifest = ckpt.read_manifest(path)
+    assert manifest["shards"]["shard-1"] == {"files": {}}
+    values = ckpt.read_entries(path, manifest, {"trainable/0": _Expected("a", [2], "float32")})
+    np.testing.assert_array_equal(values["trainable/0"], [5.0, 5.0])
+
+
+class _Expected:
+    def __init__(self, name, shape, dtype):
+        self.name, self.shape, self.dtype, self.optional = name, shape, dtype, False
+
+
+def test_an_optimizer_with_state_not_made_per_variable_is_refused_by_name(tmp_path):
+    """Adafactor's factored second moments are made with `add_variable`, not from a
+    reference variable: nothing says which model variable they belong to."""
+    x, y = mlp_data()
+    trainer = _trainer(mlp(), 1, keras.optimizers.Adafactor(0.01))
+    trainer.fit(x, y, batch_size=16, epochs=1, verbose=0)
+    with pytest.raises(ValueError, match=r"Adafactor keeps state that is not made per variable"):
+        trainer.save_checkpoint(str(tmp_path))
+    assert not ckpt.exists(str(tmp_path))
