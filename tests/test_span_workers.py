@@ -16,6 +16,7 @@ import keras
 import numpy as np
 import pytest
 
+import epl_trainer as epl
 from epl_trainer import launcher
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -121,6 +122,29 @@ def test_two_replicas_whose_stages_straddle_the_workers(tmp_path):
     result = _launch(tmp_path, 2, 2, "--straddle", "--optimizer", "adam", "--clipnorm", "0.05")
     assert result.returncode == 0, result.stdout + result.stderr
     _check_workers(tmp_path / "out", 2, _keras_reference("adam", clipnorm=0.05))
+
+
+def test_a_checkpoint_of_stages_on_two_workers_restores_into_one_device(tmp_path):
+    """Each worker writes the shard of its stage; one device restores both and goes on
+    training exactly as single-device Keras does without the interruption."""
+    result = _launch(tmp_path, 2, 1, "--optimizer", "adam", "--save_dir", str(tmp_path / "ckpt"))
+    assert result.returncode == 0, result.stdout + result.stderr
+    manifest = next((tmp_path / "ckpt").rglob("manifest.json")).read_text()
+    assert "shard-0" in manifest and "shard-1" in manifest, manifest
+    trainer = epl.EPLTrainer(
+        train_span.make_model(),
+        keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        train_span.make_optimizer("adam"),
+        config={"cluster.virtual_devices": 1},
+    )
+    trainer.restore_checkpoint(str(tmp_path / "ckpt"))
+    assert int(trainer.optimizer.iterations) == 3
+    x, y = train_span.make_data()
+    batch = train_span.GLOBAL_BATCH
+    trainer.fit(x[3 * batch :], y[3 * batch :], batch_size=batch, epochs=1, verbose=0)
+    reference = _keras_reference("adam", steps=6)
+    for got, want in zip(trainer.model.get_weights(), reference["weights"]):
+        np.testing.assert_allclose(got, want, atol=1e-5)
 
 
 def test_gradient_checkpointing_in_stages_on_two_workers(tmp_path):

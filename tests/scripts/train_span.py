@@ -5,6 +5,7 @@ Usage:
   train_span.py OUTPUT_DIR [--stages 2|4] [--num_micro_batch M] [--optimizer sgd|adam]
                 [--schedule PreferBackward|PreferForward] [--straddle] [--steps N]
                 [--recompute] [--clipnorm C] [--pause_worker W --pause_at_step N]
+                [--save_dir DIR]
 Worker w writes OUTPUT_DIR/weights_<w>.npz (its Keras model's weights after fit) and
 OUTPUT_DIR/result_<w>.json (losses, evaluate and predict results).
   --straddle: cluster.device_place_prefer_intra_node=False, so the replicas' stages
@@ -77,6 +78,7 @@ def main():
     parser.add_argument("--recompute", action="store_true")
     parser.add_argument("--clipnorm", type=float, default=None)
     parser.add_argument("--timeout", type=float, default=60.0)
+    parser.add_argument("--save_dir", default=None, help="save a checkpoint there after fit")
     parser.add_argument("--pause_worker", type=int, default=-1)
     parser.add_argument("--pause_at_step", type=int, default=-1)
     args = parser.parse_args()
@@ -122,6 +124,8 @@ def main():
         callbacks=[PauseAfterStep()],
         verbose=0,
     )
+    if args.save_dir:  # every worker writes the shard of the stages it holds
+        trainer.save_checkpoint(args.save_dir)
     evaluated = trainer.evaluate(x[:32], y[:32], batch_size=16 // trainer.data_shards)
     predicted = trainer.predict(x[:8], batch_size=8)
     np.savez(os.path.join(args.output_dir, f"weights_{worker}.npz"), *trainer.model.get_weights())

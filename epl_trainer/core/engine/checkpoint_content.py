@@ -160,8 +160,11 @@ class CheckpointContent:
         applied = self._applied_steps_owner()
         applied_read = None
         for li, optimizer, _ in self.update.local_optimizers():
-            if self.state.lanes[li].index == applied and applied_read is None:
-                applied_read = optimizer.iterations
+            lane = self.state.lanes[li]
+            # One writer: the owner lane's copy on the worker holding the owner stage (a
+            # lane spanning workers is a lane of each of them).
+            if applied and lane.index == applied[0] and lane.is_local(applied[1]):
+                applied_read = optimizer.iterations if applied_read is None else applied_read
             self._check_slots_recorded(optimizer)
             for slot, reference, name in slots_lib.slots_of(optimizer):
                 lane_position, i = self._copy_of[id(reference)]
@@ -193,15 +196,16 @@ class CheckpointContent:
             )
         return entries
 
-    def _applied_steps_owner(self) -> int | None:
-        """The lowest global lane that holds an optimizer (ZeRO: owns some variable)."""
+    def _applied_steps_owner(self) -> tuple[int, int] | None:
+        """(lane, stage): the lowest global lane that holds an optimizer (ZeRO: owns some
+        variable), and the stage of that optimizer."""
         if not self.state.model_trainable:
             return None
-        if not self.slot_owners:
-            return self.lanes_in_job[0].index
         stages = self.state.trainable_stage
+        if not self.slot_owners:
+            return self.lanes_in_job[0].index, min(stages)
         return min(
-            owner_lane(self.lanes_in_job, device, stages[i]).index
+            (owner_lane(self.lanes_in_job, device, stages[i]).index, stages[i])
             for i, device in self.slot_owners.items()
         )
 
