@@ -147,6 +147,17 @@ def test_a_checkpoint_of_stages_on_two_workers_restores_into_one_device(tmp_path
         np.testing.assert_allclose(got, want, atol=1e-5)
 
 
+def test_zero_over_replicas_whose_stages_straddle_the_workers(tmp_path):
+    """ZeRO v1 shards each stage's Adam state over that stage's two replicas, which sit
+    on one worker while the replicas themselves span both; clipped after the reduction,
+    from the owned shards of both workers' stages."""
+    result = _launch(
+        tmp_path, 2, 2, "--straddle", "--zero", "v1", "--optimizer", "adam", "--clipnorm", "0.05"
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    _check_workers(tmp_path / "out", 2, _keras_reference("adam", clipnorm=0.05))
+
+
 def test_gradient_checkpointing_in_stages_on_two_workers(tmp_path):
     result = _launch(tmp_path, 2, 1, "--recompute", "--optimizer", "adam")
     assert result.returncode == 0, result.stdout + result.stderr

@@ -5,7 +5,7 @@ Usage:
   train_span.py OUTPUT_DIR [--stages 2|4] [--num_micro_batch M] [--optimizer sgd|adam]
                 [--schedule PreferBackward|PreferForward] [--straddle] [--steps N]
                 [--recompute] [--clipnorm C] [--pause_worker W --pause_at_step N]
-                [--save_dir DIR]
+                [--save_dir DIR] [--zero v0|v1]
 Worker w writes OUTPUT_DIR/weights_<w>.npz (its Keras model's weights after fit) and
 OUTPUT_DIR/result_<w>.json (losses, evaluate and predict results).
   --straddle: cluster.device_place_prefer_intra_node=False, so the replicas' stages
@@ -76,6 +76,7 @@ def main():
     parser.add_argument("--straddle", action="store_true")
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--recompute", action="store_true")
+    parser.add_argument("--zero", default="", help="zero.level (v0, v1)")
     parser.add_argument("--clipnorm", type=float, default=None)
     parser.add_argument("--timeout", type=float, default=60.0)
     parser.add_argument("--save_dir", default=None, help="save a checkpoint there after fit")
@@ -90,6 +91,8 @@ def main():
     }
     if args.clipnorm is not None:  # clip the reduced gradient, as single-device Keras does
         config["communication.clip_after_allreduce"] = True
+    if args.zero:
+        config["zero.level"] = args.zero
     if args.recompute:
         config["gradient_checkpoint.type"] = "auto"
     env = epl.init(config)

@@ -112,12 +112,7 @@ class GradientReduction:
         first = lane.devices[local_stages[0]]
         with tf.device(first):
             total = tf.add_n(squares) if squares else tf.constant(0.0)
-        if lane.spans_workers:  # the other workers' stages add their squares
-            local = tuple(lane.devices[k] for k in local_stages)
-            group = comm.CollectiveGroup(lane.devices, local)
-            with tf.device(first):
-                shares = [total] + [tf.zeros_like(total) for _ in local[1:]]
-            total = group.all_reduce(shares, "sum")[0]
+        total = sum_over_lane(layout, li, total)  # the other workers' stages add theirs
         with tf.device(first):
             norm = tf.sqrt(total)
             factor = self.clip_global_norm / tf.maximum(norm, self.clip_global_norm)
@@ -132,6 +127,19 @@ class GradientReduction:
 
     def clip_each(self, lane_grads: list[list]) -> list[list]:
         return [self.clip(li, grads) for li, grads in enumerate(lane_grads)]
+
+
+def sum_over_lane(layout: StepLayout, li: int, value):
+    """`value` (a scalar on the lane's first local stage device) summed over the workers
+    that hold the lane's stages; `value` itself when the lane is on one worker."""
+    lane = layout.lanes[li]
+    if not lane.spans_workers:
+        return value
+    local = tuple(lane.devices[k] for k in layout.local_stages(li))
+    group = comm.CollectiveGroup(tuple(lane.devices[: layout.num_stages]), local)
+    with tf.device(local[0]):
+        shares = [value] + [tf.zeros_like(value) for _ in local[1:]]
+    return group.all_reduce(shares, "sum")[0]
 
 
 def _is_slices(gradient) -> bool:

@@ -32,7 +32,7 @@ import tensorflow as tf
 
 from epl_trainer.core import comm
 from epl_trainer.core.engine.apply import OptimizerStep
-from epl_trainer.core.engine.reduce import scaled
+from epl_trainer.core.engine.reduce import scaled, sum_over_lane
 
 
 def assign_owners(sizes: Sequence[int], num_shards: int) -> list[int]:
@@ -425,7 +425,10 @@ class ZeroUpdate:
         self._exchange = zero_reduce_scatter if level == "v1" else zero_all_reduce
         state = layout.state
         self.layouts = []  # layouts[stage], indexed by model trainable index
-        self.owned = []  # owned[stage][lane]: model indices the lane owns
+        # owned[stage][member]: model indices the stage group's local member owns; the
+        # members of stage k are the local lanes `layout.stage_lanes[k]` (every local
+        # lane, unless a replica spans workers and stage k runs on another one).
+        self.owned = []
         for k, group in enumerate(layout.stage_groups):
             on_gpu = any(tf.DeviceSpec.from_string(d).device_type == "GPU" for d in group.devices)
             if group.size > 1 and (on_gpu if measure_ranks is None else measure_ranks):
@@ -437,13 +440,13 @@ class ZeroUpdate:
             )
             self.layouts.append(layouts)
             self.owned.append([owned_indices(layouts, r) for r in lane_shards(group, layouts)])
-        # optimizers[lane][stage]: None when the lane owns nothing in that stage.
+        # optimizers[lane][stage]: None when the lane owns nothing in that stage here.
         self.optimizers = [
             [
-                make_optimizer(lane.devices[k], [state.trainable[li][i] for i in owned[li]])
-                if owned[li]
+                make_optimizer(lane.devices[k], [state.trainable[li][i] for i in owned])
+                if (owned := self.owned_by(k, li))
                 else None
-                for k, owned in enumerate(self.owned)
+                for k in range(layout.num_stages)
             ]
             for li, lane in enumerate(layout.lanes)
         ]
@@ -451,7 +454,7 @@ class ZeroUpdate:
             [
                 OptimizerStep(
                     optimizer,
-                    [state.trainable[li][i] for i in self.owned[k][li]],
+                    [state.trainable[li][i] for i in self.owned_by(k, li)],
                     lane.devices[k],
                     jit_compile,
                 )
@@ -462,6 +465,11 @@ class ZeroUpdate:
             for li, (lane, lane_optimizers) in enumerate(zip(layout.lanes, self.optimizers))
         ]
         self.reduced_agree = False  # each lane holds the reduced gradients of its shard
+
+    def owned_by(self, k: int, li: int) -> list[int]:
+        """The stage-k variables local lane li owns ([] if stage k runs elsewhere)."""
+        members = self.layout.stage_lanes[k]
+        return self.owned[k][members.index(li)] if li in members else []
 
     def __call__(self, lane_grads: list[list]) -> None:
         self.apply(self.reduce(lane_grads))
@@ -495,22 +503,28 @@ class ZeroUpdate:
         Adam squares each row of a slice before summing repeated indices.
         """
         method = self.reduction.method
-        sparse = [i for i in self.layout.trainable_idx[k] if _is_slices(lane_grads[0][i])]
+        members = self.layout.stage_lanes[k]
+        merged: list[list] = [[] for _ in self.layout.lanes]
+        if not members:  # the stage runs on other workers only
+            return merged
+        member_grads = [lane_grads[li] for li in members]
+        sparse = [i for i in self.layout.trainable_idx[k] if _is_slices(member_grads[0][i])]
         layouts = self.layouts[k]
         if sparse:  # the same owners, without the sparse variables in the dense buffers
             layouts = [without_indices(layout, sparse) for layout in layouts]
             layouts = [layout for layout in layouts if layout.indices]
-        dense = self._exchange(group, layouts, lane_grads, method, self.reduction.num_communicators)
+        dense = self._exchange(
+            group, layouts, member_grads, method, self.reduction.num_communicators
+        )
         gathered = {
-            i: comm.all_gather_slices(group, [grads[i] for grads in lane_grads], method)
+            i: comm.all_gather_slices(group, [grads[i] for grads in member_grads], method)
             for i in sparse
         }
         shards = lane_shards(group, self.layouts[k])
-        merged = []
-        for li, shard in enumerate(shards):
-            by_index = dict(zip(owned_indices(layouts, shard), dense[li]))
-            by_index.update({i: gathered[i][li] for i in sparse})
-            merged.append([by_index[i] for i in self.owned[k][li]])
+        for m, (li, shard) in enumerate(zip(members, shards)):
+            by_index = dict(zip(owned_indices(layouts, shard), dense[m]))
+            by_index.update({i: gathered[i][m] for i in sparse})
+            merged[li] = [by_index[i] for i in self.owned[k][m]]
         return merged
 
     def apply(self, owned_grads: list[list[list]]) -> None:
@@ -523,12 +537,14 @@ class ZeroUpdate:
         layout = self.layout
         trainable = layout.state.trainable
         for k, group in enumerate(layout.stage_groups):
-            owned = self.owned[k]
+            owned, members = self.owned[k], layout.stage_lanes[k]
+            if not members:
+                continue
             # Reading after the apply: the function orders ops on the same variable.
-            values = [[trainable[li][i].value for i in owned[li]] for li in range(len(owned))]
+            values = [[trainable[li][i].value for i in owned[m]] for m, li in enumerate(members)]
             full = zero_all_gather(group, self.layouts[k], values, self.reduction.num_communicators)
-            for li, lane_values in enumerate(full):
-                mine = set(owned[li])
+            for m, (li, lane_values) in enumerate(zip(members, full)):
+                mine = set(owned[m])
                 with tf.device(layout.lanes[li].devices[k]):
                     for i, value in lane_values.items():
                         if i not in mine:
@@ -537,17 +553,25 @@ class ZeroUpdate:
     def _clip_owned(self, owned_grads: list[list[list]]) -> list[list[list]]:
         """Global-norm clipping after the reduction, from the owned shards of all stages."""
         layout = self.layout
-        squares = [  # squares[stage][lane]
-            zero_global_norm_squared(group, owned_grads[k])
-            for k, group in enumerate(layout.stage_groups)
-        ]
+        squares = []  # squares[stage][lane]: the stage's squared norm, on local lanes
+        for k, group in enumerate(layout.stage_groups):
+            members = layout.stage_lanes[k]
+            per_lane: list = [None] * len(layout.lanes)
+            if members:
+                totals = zero_global_norm_squared(group, [owned_grads[k][li] for li in members])
+                for li, total in zip(members, totals):
+                    per_lane[li] = total
+            squares.append(per_lane)
         clipped = [[list(grads) for grads in stage] for stage in owned_grads]
         limit = self.reduction.clip_global_norm
         for li, lane in enumerate(layout.lanes):
-            with tf.device(lane.devices[0]):
-                norm = tf.sqrt(tf.add_n([stage[li] for stage in squares]))
-                factor = limit / tf.maximum(norm, limit)
-            for k in range(len(owned_grads)):
+            local_stages = layout.local_stages(li)
+            with tf.device(lane.devices[local_stages[0]]):
+                total = tf.add_n([squares[k][li] for k in local_stages])
+            total = sum_over_lane(layout, li, total)  # stages on other workers add theirs
+            with tf.device(lane.devices[local_stages[0]]):
+                factor = limit / tf.maximum(tf.sqrt(total), limit)
+            for k in local_stages:
                 with tf.device(lane.devices[k]):
                     clipped[k][li] = [scaled(g, factor) for g in owned_grads[k][li]]
         return clipped
@@ -580,8 +604,9 @@ class ZeroUpdate:
                 count = sum(x.block_size * tf.as_dtype(x.dtype).size for x in layouts)
             else:
                 count = sum(shard_bytes(layouts))
-            for lane in self.layout.lanes:
-                usage[lane.devices[k]] = usage.get(lane.devices[k], 0) + count
+            for li in self.layout.stage_lanes[k]:
+                device = self.layout.lanes[li].devices[k]
+                usage[device] = usage.get(device, 0) + count
         return usage
 
     def optimizer_shard_bytes(self) -> list[list[int]]:

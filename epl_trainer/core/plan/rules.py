@@ -86,7 +86,6 @@ def check_plan(
                 "replica, or cluster.device_place_prefer_intra_node=True."
             )
         combined = {
-            "zero.level": config.zero.level,
             "offload.level": config.offload.level,
             "optimizer.num_apply_group": config.optimizer.num_apply_group
             if config.optimizer.num_apply_group > 1
@@ -98,8 +97,8 @@ def check_plan(
                 f"Model replica {replica} spans workers {sorted(workers)}; stages on "
                 "different workers cannot be combined with "
                 + ", ".join(f"{k}={v!r}" for k, v in combined.items())
-                + " yet. Keep each replica in one worker "
-                "(cluster.device_place_prefer_intra_node=True, fewer devices per replica) "
+                + " yet (ZeRO and gradient checkpointing are fine). Keep each replica in one "
+                "worker (cluster.device_place_prefer_intra_node=True, fewer devices per replica) "
                 "or remove those settings."
             )
     if not split:
