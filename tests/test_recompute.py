@@ -503,9 +503,9 @@ def test_engine_trains_to_the_same_weights_with_recompute():
 def test_memory_and_time(kind):
     """Forward+backward+SGD in a tf.function, plain vs recomputed, on 16 x Dense(1024)
     with batch 256 and on an 8-layer transformer (d=128, T=64, batch 32). Peak memory
-    in a fresh process per configuration; step time interleaved in one process (the
-    fastest of 15 rounds). Prints the numbers; asserts only that recompute lowers the
-    peak (time ratios are noisy on a shared 2-core machine)."""
+    in a fresh process per configuration; asserts that recompute lowers the peak. Step
+    times (interleaved in one process, the fastest of 15 rounds) are a benchmark, not a
+    test: `python tests/test_recompute.py {dense,transformer} time` prints them."""
 
     def child(*args):
         out = subprocess.run(
@@ -519,13 +519,8 @@ def test_memory_and_time(kind):
         return json.loads(out.stdout.strip().splitlines()[-1])
 
     peaks = {mode: child("memory", mode) for mode in MODES}
-    times = child("time")
-    for mode in MODES:
-        print(
-            f"{kind:11s} {mode:9s} peak {peaks[mode]:6.1f} MiB "
-            f"({peaks[mode] / peaks['plain']:.2f}x)  step {times[mode]:7.1f} ms "
-            f"({times[mode] / times['plain']:.2f}x)"
-        )
+    for mode, peak in peaks.items():
+        print(f"{kind:11s} {mode:9s} peak {peak:6.1f} MiB ({peak / peaks['plain']:.2f}x)")
     limit = {"dense": 0.9, "transformer": 0.5}[kind]
     assert peaks["recompute"] < limit * peaks["plain"]
 

@@ -92,22 +92,27 @@ def _check_workers(out, num_workers, reference, data_shards=1):
         np.testing.assert_allclose(result["predict"], reference["predict"], atol=1e-5)
 
 
-@pytest.mark.parametrize(
-    "optimizer, schedule",
-    [("sgd", "PreferForward"), ("adam", "PreferBackward")],
-)
-def test_two_stages_on_two_workers_equal_single_device_keras(tmp_path, optimizer, schedule):
-    """2 workers x 1 device: stage 0 on worker 0, stage 1 on worker 1 (GPipe and 1F1B)."""
-    result = _launch(
-        tmp_path, 2, 1, "--optimizer", optimizer, "--schedule", schedule, "--num_micro_batch", "2"
-    )
+def test_two_stages_on_two_workers_equal_single_device_keras(tmp_path):
+    """2 workers x 1 device: stage 0 on worker 0, stage 1 on worker 1; Adam, 1F1B (SGD
+    and GPipe: the hand-started workers below)."""
+    result = _launch(tmp_path, 2, 1, "--optimizer", "adam", "--schedule", "PreferBackward")
     assert result.returncode == 0, result.stdout + result.stderr
-    _check_workers(tmp_path / "out", 2, _keras_reference(optimizer))
+    _check_workers(tmp_path / "out", 2, _keras_reference("adam"))
 
 
 def test_one_four_stage_replica_over_two_workers_of_two_devices(tmp_path):
+    """Stages 0-1 on worker 0, 2-3 on worker 1, each with gradient checkpointing."""
     result = _launch(
-        tmp_path, 2, 2, "--stages", "4", "--optimizer", "adam", "--num_micro_batch", "4"
+        tmp_path,
+        2,
+        2,
+        "--stages",
+        "4",
+        "--optimizer",
+        "adam",
+        "--num_micro_batch",
+        "4",
+        "--recompute",
     )
     assert result.returncode == 0, result.stdout + result.stderr
     logs = "".join(p.read_text() for p in (tmp_path / "logs").rglob("worker_0.log"))
@@ -117,40 +122,9 @@ def test_one_four_stage_replica_over_two_workers_of_two_devices(tmp_path):
 
 def test_two_replicas_whose_stages_straddle_the_workers(tmp_path):
     """2 workers x 2 devices, --straddle: replica r = (stage 0 on w0:CPU:r, stage 1 on
-    w1:CPU:r): data parallelism between replicas that each span both workers, with
-    global-norm clipping (the norm sums both workers' stages)."""
-    result = _launch(tmp_path, 2, 2, "--straddle", "--optimizer", "adam", "--clipnorm", "0.05")
-    assert result.returncode == 0, result.stdout + result.stderr
-    _check_workers(tmp_path / "out", 2, _keras_reference("adam", clipnorm=0.05))
-
-
-def test_a_checkpoint_of_stages_on_two_workers_restores_into_one_device(tmp_path):
-    """Each worker writes the shard of its stage; one device restores both and goes on
-    training exactly as single-device Keras does without the interruption."""
-    result = _launch(tmp_path, 2, 1, "--optimizer", "adam", "--save_dir", str(tmp_path / "ckpt"))
-    assert result.returncode == 0, result.stdout + result.stderr
-    manifest = next((tmp_path / "ckpt").rglob("manifest.json")).read_text()
-    assert "shard-0" in manifest and "shard-1" in manifest, manifest
-    trainer = epl.EPLTrainer(
-        train_span.make_model(),
-        keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-        train_span.make_optimizer("adam"),
-        config={"cluster.virtual_devices": 1},
-    )
-    trainer.restore_checkpoint(str(tmp_path / "ckpt"))
-    assert int(trainer.optimizer.iterations) == 3
-    x, y = train_span.make_data()
-    batch = train_span.GLOBAL_BATCH
-    trainer.fit(x[3 * batch :], y[3 * batch :], batch_size=batch, epochs=1, verbose=0)
-    reference = _keras_reference("adam", steps=6)
-    for got, want in zip(trainer.model.get_weights(), reference["weights"]):
-        np.testing.assert_allclose(got, want, atol=1e-5)
-
-
-def test_zero_over_replicas_whose_stages_straddle_the_workers(tmp_path):
-    """ZeRO v1 shards each stage's Adam state over that stage's two replicas, which sit
-    on one worker while the replicas themselves span both; clipped after the reduction,
-    from the owned shards of both workers' stages."""
+    w1:CPU:r): data parallelism between replicas that each span both workers, with ZeRO
+    v1 (each stage's Adam state sharded over its two replicas, on one worker) and
+    global-norm clipping after the reduction (the norm sums both workers' stages)."""
     result = _launch(
         tmp_path, 2, 2, "--straddle", "--zero", "v1", "--optimizer", "adam", "--clipnorm", "0.05"
     )
@@ -158,15 +132,11 @@ def test_zero_over_replicas_whose_stages_straddle_the_workers(tmp_path):
     _check_workers(tmp_path / "out", 2, _keras_reference("adam", clipnorm=0.05))
 
 
-def test_gradient_checkpointing_in_stages_on_two_workers(tmp_path):
-    result = _launch(tmp_path, 2, 1, "--recompute", "--optimizer", "adam")
-    assert result.returncode == 0, result.stdout + result.stderr
-    _check_workers(tmp_path / "out", 2, _keras_reference("adam"))
-
-
-def test_workers_started_by_hand_with_their_own_tf_config(tmp_path):
+def test_workers_started_by_hand_save_a_checkpoint_that_restores_into_one_device(tmp_path):
     """No epl-launch: each process gets only TF_CONFIG, as a Kubernetes training operator
-    (TFJob) sets it."""
+    (TFJob) sets it. SGD, GPipe, 2 stages on the 2 workers; after 3 steps each worker
+    writes the shard of the stage it holds, and one device restores both and trains on
+    exactly as uninterrupted single-device Keras."""
     ports = launcher.free_ports(2)
     cluster = {"worker": [f"127.0.0.1:{p}" for p in ports]}
     processes = []
@@ -177,7 +147,15 @@ def test_workers_started_by_hand_with_their_own_tf_config(tmp_path):
         )
         processes.append(
             subprocess.Popen(
-                [sys.executable, SCRIPT, str(tmp_path / "out")],
+                [
+                    sys.executable,
+                    SCRIPT,
+                    str(tmp_path / "out"),
+                    "--schedule",
+                    "PreferForward",
+                    "--save_dir",
+                    str(tmp_path / "ckpt"),
+                ],
                 env=env,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.STDOUT,
@@ -188,6 +166,22 @@ def test_workers_started_by_hand_with_their_own_tf_config(tmp_path):
     for p, output in zip(processes, outputs):
         assert p.returncode == 0, output
     _check_workers(tmp_path / "out", 2, _keras_reference())
+
+    manifest = next((tmp_path / "ckpt").rglob("manifest.json")).read_text()
+    assert "shard-0" in manifest and "shard-1" in manifest, manifest
+    trainer = epl.EPLTrainer(
+        train_span.make_model(),
+        keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        train_span.make_optimizer("sgd"),
+        config={"cluster.virtual_devices": 1},
+    )
+    trainer.restore_checkpoint(str(tmp_path / "ckpt"))
+    assert int(trainer.optimizer.iterations) == 3
+    x, y = train_span.make_data()
+    batch = train_span.GLOBAL_BATCH
+    trainer.fit(x[3 * batch :], y[3 * batch :], batch_size=batch, epochs=1, verbose=0)
+    for got, want in zip(trainer.model.get_weights(), _keras_reference(steps=6)["weights"]):
+        np.testing.assert_allclose(got, want, atol=1e-5)
 
 
 def test_kill_of_a_stage_worker_stops_the_other_with_the_named_error(tmp_path):

@@ -9,6 +9,7 @@ import tensorflow as tf
 
 from epl_trainer.core import comm
 from epl_trainer.core.engine import zero
+from epl_trainer.core.engine.state import Lane
 
 DEVICES = [f"/job:localhost/replica:0/task:0/device:CPU:{i}" for i in range(8)]
 # Lanes listed in an order that is not TF's rank order, so lane index != shard.
@@ -188,7 +189,7 @@ def _fake_layout(lane_devices, clip_global_norm=None):
     """The few StepLayout and GradientReduction attributes an update pass reads."""
     rng = np.random.default_rng(7)
     initial = [rng.normal(size=s).astype("float32") for s in SHAPES]
-    lanes = [types.SimpleNamespace(devices=(device,)) for device in lane_devices]
+    lanes = [Lane(i, (device,)) for i, device in enumerate(lane_devices)]
     trainable = []
     for lane in lanes:
         with tf.device(lane.devices[0]):
@@ -199,6 +200,8 @@ def _fake_layout(lane_devices, clip_global_norm=None):
         stage_groups=[comm.CollectiveGroup(tuple(lane_devices), tuple(lane_devices))],
         trainable_idx=[list(range(len(SHAPES)))],
         state=types.SimpleNamespace(trainable=trainable, model_trainable=trainable[0]),
+        stage_lanes=[tuple(range(len(lanes)))],
+        local_stages=lambda li: [0],
     )
     reduction = types.SimpleNamespace(
         method="mean",

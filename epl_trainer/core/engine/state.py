@@ -248,7 +248,9 @@ def variable_bytes(variable) -> int:
 def seed_of_lane(model_seed_state, lane_index: int, sign: int = 1) -> np.ndarray:
     """Lane `lane_index`'s seed state from the model's (or back, with `sign=-1`): the
     seed, element 0, offset by the lane's global index; the counter unchanged."""
-    value = np.array(model_seed_state)
+    # np.asarray, then a copy: np.array(variable) passes `copy=` to TF's __array__, which
+    # does not take it (a DeprecationWarning under numpy 2).
+    value = np.asarray(model_seed_state).copy()
     value[0] += sign * lane_index * _SEED_STRIDE
     return value
 
