@@ -67,11 +67,13 @@ class Boundaries:
             for key in stage.input_keys:
                 if key in self.producer:
                     self.consumers.setdefault(key, []).append(stage.index)
+        # The loss, on the last stage, also reads model outputs made by earlier stages.
         last = num_stages - 1
-        for key in staged.output_keys:  # the loss reads the model outputs on the last stage
-            readers = self.consumers.setdefault(key, []) if key in self.producer else [last]
-            if self.producer.get(key) != last and last not in readers:
-                readers.append(last)
+        for key in staged.output_keys:
+            if self.producer.get(key, last) != last:
+                readers = self.consumers.setdefault(key, [])
+                if last not in readers:
+                    readers.append(last)
         self._specs: dict[tuple, dict] = {}  # by the model inputs' (shape, dtype)s
 
     def routes(self, lane: Lane) -> list[Route]:
