@@ -27,7 +27,10 @@ import os
 import re
 from collections.abc import Callable, Iterable, Mapping
 
+import numpy as np
 import tensorflow as tf
+
+from epl_trainer.core.engine.checkpoint_content import PIECE_MARK
 
 FORMAT_VERSION = 2
 MANIFEST = "manifest.json"
@@ -226,7 +229,10 @@ def read_entries(path: str, manifest: dict, expected: Mapping, unexpected=()) ->
     naming the file or the variable when the checkpoint does not fit.
     """
     saved = manifest["entries"]
-    missing = [e.name for k, e in expected.items() if k not in saved and not e.optional]
+    pieces = _row_pieces(saved)  # key -> [(first row, end row, piece key)] of ZeRO pieces
+    missing = [
+        e.name for k, e in expected.items() if k not in saved and k not in pieces and not e.optional
+    ]
     if missing or unexpected:
         raise CheckpointError(
             f"Checkpoint {path!r} was written for a different model or optimizer: it holds "
@@ -235,17 +241,14 @@ def read_entries(path: str, manifest: dict, expected: Mapping, unexpected=()) ->
         )
     by_shard: dict[str, list[str]] = {}
     for key, entry in expected.items():
-        if key not in saved:
-            continue
-        found = saved[key]
-        dtype = tf.as_dtype(entry.dtype).name
-        if list(found["shape"]) != list(entry.shape) or found["dtype"] != dtype:
-            raise CheckpointError(
-                f"Checkpoint {path!r} was written for a different model: it holds "
-                f"{found['name']!r} with shape {found['shape']} {found['dtype']}, where this "
-                f"model has {entry.name!r} with shape {list(entry.shape)} {dtype}."
-            )
-        by_shard.setdefault(found["shard"], []).append(key)
+        if key in saved:
+            _check_entry(path, saved[key], entry, entry.shape)
+            by_shard.setdefault(saved[key]["shard"], []).append(key)
+        elif key in pieces:
+            _check_rows_covered(path, key, pieces[key], entry)
+            for start, stop, piece_key in pieces[key]:
+                _check_entry(path, saved[piece_key], entry, [stop - start, *entry.shape[1:]])
+                by_shard.setdefault(saved[piece_key]["shard"], []).append(piece_key)
     values = {}
     for shard, keys in sorted(by_shard.items()):
         files = manifest["shards"][shard]["files"]
@@ -265,7 +268,41 @@ def read_entries(path: str, manifest: dict, expected: Mapping, unexpected=()) ->
                 f"Checkpoint data {names} is unreadable (truncated or corrupted): "
                 f"{str(e).strip().splitlines()[0]}"
             ) from e
+    for key in expected:
+        if key not in saved and key in pieces:  # rows joined, in order
+            values[key] = np.concatenate([values.pop(k) for _, _, k in pieces[key]], axis=0)
     return values
+
+
+def _row_pieces(saved: Mapping) -> dict[str, list[tuple[int, int, str]]]:
+    pieces: dict[str, list[tuple[int, int, str]]] = {}
+    for key in saved:
+        base, mark, rows = key.partition(PIECE_MARK)
+        if mark:
+            start, _, stop = rows.partition(":")
+            pieces.setdefault(base, []).append((int(start), int(stop), key))
+    return {base: sorted(found) for base, found in pieces.items()}
+
+
+def _check_entry(path: str, found: dict, entry, shape) -> None:
+    dtype = tf.as_dtype(entry.dtype).name
+    if list(found["shape"]) != list(shape) or found["dtype"] != dtype:
+        raise CheckpointError(
+            f"Checkpoint {path!r} was written for a different model: it holds "
+            f"{found['name']!r} with shape {found['shape']} {found['dtype']}, where this "
+            f"model has {entry.name!r} with shape {list(shape)} {dtype}."
+        )
+
+
+def _check_rows_covered(path: str, key: str, found: list, entry) -> None:
+    """The pieces of an entry cover its rows exactly once, in order."""
+    rows = entry.shape[0] if entry.shape else 1
+    edges = [0] + [edge for start, stop, _ in found for edge in (start, stop)] + [rows]
+    if any(a != b for a, b in zip(edges[::2], edges[1::2])):
+        raise CheckpointError(
+            f"Checkpoint {path!r} holds pieces of {entry.name!r} that do not cover its "
+            f"{rows} rows once: {[(a, b) for a, b, _ in found]}"
+        )
 
 
 def _read_json(file: str, what: str, label: str) -> dict:

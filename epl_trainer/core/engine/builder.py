@@ -56,6 +56,7 @@ def build_engine(
     step_counter=None,
     checkpoint_marks=(),
     jit_compile: bool = False,
+    split_variables: bool = True,
 ) -> Engine:
     """Creates the engine state and the program for this worker's lanes.
 
@@ -72,6 +73,8 @@ def build_engine(
       checkpoint_marks: the user's `add_to_collection` marks.
       jit_compile: compile each stage's forward and backward with XLA (the trainer's
         `jit_compile`, as `Model.compile(jit_compile=True)`).
+      split_variables: ZeRO may cut variables into row pieces (the optimizer's update
+        is element-wise, `zero_layout.splits_variables`).
     """
     staged, plan = engine_plan.staged, engine_plan.plan
     if config.amp.level:
@@ -119,8 +122,14 @@ def build_engine(
     jit = config.optimizer.jit_compile
     if config.zero.level:
         hooks.update = ZeroUpdate(
-            layout, reduction, make_state_optimizer, level=config.zero.level, jit_compile=jit
+            layout,
+            reduction,
+            make_state_optimizer,
+            level=config.zero.level,
+            jit_compile=jit,
+            split_variables=split_variables,
         )
+        hooks.gradient_sink = hooks.update.micro_batch_grads
     else:
         hooks.update = ReplicatedUpdate(
             layout,

@@ -7,6 +7,9 @@ Entries (the "universal" content, as DeepSpeed's universal checkpoints):
                             without the writing lane's offset)
   slot/<i>/<slot name>      the optimizer slot made for trainable variable i, whole,
                             whatever grouping, ZeRO shard or split shard held it
+  slot/<i>/<slot name>@rows=<a>:<b>
+                            rows [a, b) of that slot, when ZeRO cut variable i into
+                            pieces held by different lanes (the reader joins the pieces)
   optimizer/iterations      the training step (the user's optimizer's counter)
   optimizer/applied_steps   updates the optimizers applied (less than the step after
                             skipped non-finite steps; Adam's bias correction counts these)
@@ -81,8 +84,15 @@ def local_position(local_lanes: Sequence[Lane], lane: Lane, stage: int) -> int |
     return None
 
 
+PIECE_MARK = "@rows="  # slot/<i>/<name>@rows=<a>:<b>: rows a..b of a slot (ZeRO pieces)
+
+
 def _whole(value):
     return value
+
+
+def _rows_placer(start: int, stop: int) -> Callable:
+    return lambda value: value[start:stop]
 
 
 class CheckpointContent:
@@ -95,6 +105,8 @@ class CheckpointContent:
         self.optimizer = optimizer
         self.is_chief = is_chief
         self.slot_owners = self.update.slot_owners()
+        # id(ZeRO piece variable) -> (local lane position, trainable index, rows a, b)
+        self._piece_rows = getattr(self.update, "piece_rows", dict)()
         # id(engine copy or shard) -> (local lane position, trainable index)
         self._copy_of = {}
         for li, lane_vars in enumerate(self.state.trainable):
@@ -167,6 +179,12 @@ class CheckpointContent:
                 applied_read = optimizer.iterations if applied_read is None else applied_read
             self._check_slots_recorded(optimizer)
             for slot, reference, name in slots_lib.slots_of(optimizer):
+                if id(reference) in self._piece_rows:  # held by this lane only
+                    lane_position, i, start, stop = self._piece_rows[id(reference)]
+                    rows = "" if start is None else f"{PIECE_MARK}{start}:{stop}"
+                    key = f"slot/{i}/{name}{rows}"
+                    by_key[key] = [(self.state.lanes[lane_position].index, slot, i)]
+                    continue
                 lane_position, i = self._copy_of[id(reference)]
                 stage = self.state.trainable_stage[i]
                 owner, _ = self._owner(i, stage, self.slot_owners.get(i))
@@ -183,7 +201,9 @@ class CheckpointContent:
             held.sort(key=lambda item: item[0])
             i = held[0][2]
             slots = [slot for _, slot, _ in held]
-            path = f"{self.state.model_trainable[i].path} ({key.split('/', 2)[2]})"
+            slot_name, _, rows = key.split("/", 2)[2].partition(PIECE_MARK)
+            rows = f", rows {rows}" if rows else ""
+            path = f"{self.state.model_trainable[i].path} ({slot_name}{rows})"
             if i in self.state.sharded:
                 axis = self.state.sharded[i].axis
                 read = lambda slots=slots, axis=axis: tf.concat([s.value for s in slots], axis)  # noqa: E731
@@ -263,9 +283,13 @@ class CheckpointContent:
             self._check_slots_recorded(optimizer)
             applied.append(Target(optimizer.iterations, _whole))
             for slot, reference, name in slots_lib.slots_of(optimizer):
-                _, i = self._copy_of[id(reference)]
+                if id(reference) in self._piece_rows:
+                    _, i, start, stop = self._piece_rows[id(reference)]
+                    place = _whole if start is None else _rows_placer(start, stop)
+                else:
+                    _, i = self._copy_of[id(reference)]
+                    place = self._shard_placer(i, state.lanes[li])
                 model_variable = state.model_trainable[i]
-                place = self._shard_placer(i, state.lanes[li])
                 path = f"{model_variable.path} ({name})"
                 add(f"slot/{i}/{name}", path, model_variable, slot.dtype, Target(slot, place))
         if applied:
@@ -279,14 +303,16 @@ class CheckpointContent:
         """Saved entries this layout would have to hold but has no place for: a bigger
         model, or slots of another optimizer for the variables this worker updates."""
         updated = {
-            str(self._copy_of[id(v)][1])
+            str(
+                self._piece_rows[id(v)][1] if id(v) in self._piece_rows else self._copy_of[id(v)][1]
+            )
             for _, _, variables in self.update.local_optimizers()
             for v in variables
         }
         extra = []
         for key in saved_keys:
             kind, _, rest = key.partition("/")
-            if key in expected:
+            if key in expected or key.split(PIECE_MARK)[0] in expected:
                 continue
             if kind in ("trainable", "non_trainable") or (
                 kind == "slot" and rest.split("/")[0] in updated

@@ -97,6 +97,8 @@ def apply_amp(hooks: StepHooks, layout: StepLayout, amp_config) -> None:
     policy before the state was created, see `amp.apply_mixed_precision`)."""
     scaler = amp.make_loss_scaler(amp_config, layout.host)
     hooks.loss_scale = scaler.scale
+    if hooks.gradient_sink is not None:  # gradients reduced per micro-batch: unscaled after
+        hooks.gradient_sink.scale = scaler.scale
     hooks.output_cast = amp.float32_outputs
     hooks.extra_logs.update(
         loss_scale=scaler.scale, skipped_steps=lambda: scaler.skipped_steps.value()

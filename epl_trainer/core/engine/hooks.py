@@ -76,6 +76,8 @@ class StepHooks:
       extra_logs: name -> callable giving a tensor, added to every step's logs.
       recomputed: stage -> RecomputedStage (gradient checkpointing), for the summary and
         the gradient check.
+      gradient_sink: None, or where the lane executors hand each micro-batch's dense
+        gradients instead of accumulating them (ZeRO v1: `zero.MicroBatchGradients`).
     """
 
     stage_calls: list
@@ -88,3 +90,4 @@ class StepHooks:
     loss_scale: Callable | None = None
     extra_logs: dict = dataclasses.field(default_factory=dict)
     recomputed: dict = dataclasses.field(default_factory=dict)
+    gradient_sink: object = None

@@ -60,6 +60,7 @@ class LaneExecutor:
       lane: this worker's view of the lane; stages on other workers are not computed
         here, their transfers are (boundaries.py).
       boundaries: the lane's cross-worker transfers, or None when all stages are local.
+      position: the lane's position among this worker's lanes (for `gradient_sink`).
     """
 
     def __init__(
@@ -75,8 +76,10 @@ class LaneExecutor:
         sparse_gradients: bool = False,
         lane=None,
         boundaries=None,
+        position: int = 0,
     ):
         self.staged = staged
+        self.position = position
         self.lane = lane
         self.boundaries = boundaries
         self.devices = devices
@@ -207,8 +210,14 @@ class LaneExecutor:
                 else g
                 for position, g in enumerate(computed)
             ]
+            sink, handed = self.hooks.gradient_sink, {}
             for i, g in zip(self.trainable_idx[k], computed[: len(run.variables)]):
-                grads[i] = g if grads[i] is None else accumulate(grads[i], g)
+                if sink is not None and not _is_slices(g):
+                    handed[i] = g  # reduced per micro-batch (ZeRO v1), never accumulated
+                else:
+                    grads[i] = g if grads[i] is None else accumulate(grads[i], g)
+            if handed:
+                sink.add(self.position, k, handed)
             for (key, _), g in zip(float_inputs, computed[len(run.variables) :]):
                 mb.upstream[key] = g if key not in mb.upstream else mb.upstream[key] + g
         if self.boundaries is not None:

@@ -89,6 +89,7 @@ class Program:
                 sparse_gradients,
                 lane=lane,
                 boundaries=self.boundaries[li],
+                position=li,
             )
             for li, lane in enumerate(layout.lanes)
         ]
@@ -167,6 +168,8 @@ class Program:
             label_parts = split_batch(labels, num_lanes * num_micro)
         lane_grads, lane_non_trainable = [], []
         hooks.lanes.begin_trace()
+        if hooks.gradient_sink is not None:
+            hooks.gradient_sink.clear()  # a trace given up half-way leaves nothing behind
         for li, executor in enumerate(self.executors):
             parts = slice(li * num_micro, (li + 1) * num_micro)
             with hooks.lanes.lane(li):

@@ -157,6 +157,11 @@ class EngineState:
             copies.append(copy)
         return copies
 
+    def adopt(self, copy: keras.Variable, original: keras.Variable) -> None:
+        """Records that an engine variable made elsewhere (a ZeRO piece) stands for
+        `original`, so the user's optimizer settings for it apply (`original_of`)."""
+        self._originals[id(copy)] = original
+
     def original_of(self, copy: keras.Variable) -> keras.Variable:
         """The user's model variable that an engine-owned copy (or shard) stands for."""
         return self._originals[id(copy)]

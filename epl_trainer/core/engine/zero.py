@@ -1,411 +1,81 @@
 """ZeRO: optimizer state (v0) and gradients (v1) sharded over the data-parallel lanes.
 
-Each variable of a stage is owned, whole, by one lane of the stage's collective group
-(so per-variable optimizer semantics stay exact: weight-decay exclusions, LAMB trust
-ratios, per-variable `clipnorm`). Owners are chosen by size, largest first, so the
-shards are balanced. Shard r belongs to the lane whose rank in the group is r
-(`CollectiveGroup.rank_of`), because that is where TF's collectives put chunk r.
+Each stage's variables are cut into equal contiguous ranges, one per member of the
+stage's collective group (zero_layout.py: per dtype and `communication.max_splits`
+bucket, cuts on row boundaries), so every member owns total/N elements whatever the
+variable sizes. A member's optimizer is built on its *pieces*: one variable per piece
+holding the owned rows (DeepSpeed's master partition), refreshed from the lane's copy
+each step, so the lane's variables stay the truth for checkpoints, `set_weights` and
+evaluation. The optimizer's slots exist for the pieces only: the memory saving, and the
+optimizer state of every member (pieces and slots) is total/N within one row.
+Optimizers that are not element-wise (LAMB, per-variable `clipnorm`) get whole
+variables instead (balance is then bounded by the largest one).
 
 One step, in this order:
 
-1. accumulate gradients per lane (unchanged);
-2. v1: reduce-scatter a flat buffer per layout, each lane receiving only the reduced
-   gradients it owns (`zero_reduce_scatter`); v0: all-reduce the full gradients and
-   keep the owned ones (`zero_all_reduce`);
-3. each lane applies its optimizer, built only on the variables it owns (so its slots
-   exist only for its shard: the memory saving);
-4. all-gather the updated variables (`zero_all_gather`) and assign the ones each lane
-   does not own.
-
-Layout as data: `ShardLayout` is plain Python (owners, offsets, block size) plus
-pack/unpack helpers; one layout holds one dtype (`make_layouts` groups by dtype), since
-a collective moves one dtype. Memory report: `shard_bytes`, `balance`.
+1. v1: each micro-batch's dense gradients are reduce-scattered as soon as backward
+   makes them (`MicroBatchGradients`, filled by the lane executors) and summed into the
+   member's shard, so no device holds the accumulated gradient of the whole stage;
+   v0: gradients accumulate per lane, then all-reduce, each member keeping its pieces;
+   sparse gradients (an Embedding's rows) are all-gathered and each owner keeps its rows;
+2. [global-norm clipping over the owned pieces];
+3. each member applies its optimizer to its pieces;
+4. the updated pieces are all-gathered and every lane assigns what it did not update.
 """
 
 from __future__ import annotations
 
-import heapq
-import math
-from collections.abc import Sequence
-
+import keras
 import tensorflow as tf
 
 from epl_trainer.core import comm
+from epl_trainer.core.engine import zero_exchange as exchange
+from epl_trainer.core.engine.amp import unscale_gradients
 from epl_trainer.core.engine.apply import OptimizerStep
 from epl_trainer.core.engine.reduce import scaled, sum_over_lane
+from epl_trainer.core.engine.zero_layout import make_layouts, pieces_of_shard, shard_bytes
+
+LEVELS = ("v0", "v1")
 
 
-def assign_owners(sizes: Sequence[int], num_shards: int) -> list[int]:
-    """Greedy balanced owners: largest first, each to the least-loaded shard.
+class MicroBatchGradients:
+    """Dense gradients per (lane, stage, micro-batch), handed over by the lane executors
+    instead of being accumulated (ZeRO v1 reduce-scatters each micro-batch into shards).
 
-    Ties (equal sizes, equal loads) go to the lower index, so the result is
-    deterministic and identical on every worker. The most-loaded shard exceeds the
-    least-loaded by at most the largest size.
-
-    Returns:
-      `owners[i]`, the shard that owns item i.
-    """
-    if num_shards < 1:
-        raise ValueError(f"num_shards must be >= 1. Received: {num_shards}")
-    if any(s < 0 for s in sizes):
-        raise ValueError(f"sizes must be >= 0. Received: {list(sizes)}")
-    loads = [(0, shard) for shard in range(num_shards)]  # a heap of (load, shard)
-    owners = [0] * len(sizes)
-    for i in sorted(range(len(sizes)), key=lambda i: (-sizes[i], i)):
-        load, shard = heapq.heappop(loads)
-        owners[i] = shard
-        heapq.heappush(loads, (load + sizes[i], shard))
-    return owners
-
-
-class ShardLayout:
-    """Where each variable of one dtype lives in a ZeRO exchange buffer.
-
-    The buffer has `num_shards` blocks of `block_size` elements; block r holds the
-    flattened variables shard r owns (in their order in the layout), then zeros.
-
-    Attributes:
-      shapes: the variables' shapes.
-      sizes: their element counts.
-      dtype: the dtype of every variable in the layout.
-      indices: `indices[j]` is variable j's index in the caller's list.
-      owners: `owners[j]`, the shard (= group rank) owning variable j.
-      owned: `owned[r]`, the layout positions shard r owns, ascending.
-      loads: `loads[r]`, elements shard r owns.
-      block_size: elements per block (the largest load, at least 1).
+    `scale`: None, or the AMP loss scale (a callable): the shards are unscaled after the
+    reduction, as the other gradients are before it.
     """
 
-    def __init__(
-        self,
-        shapes: Sequence[Sequence[int]],
-        num_shards: int,
-        dtype: str = "float32",
-        indices: Sequence[int] | None = None,
-        owners: Sequence[int] | None = None,
-    ):
-        self.shapes = tuple(tuple(int(d) for d in shape) for shape in shapes)
-        self.sizes = tuple(math.prod(shape) for shape in self.shapes)
-        self.num_shards = num_shards
-        self.dtype = str(dtype)
-        self.indices = tuple(range(len(self.shapes)) if indices is None else indices)
-        if len(self.indices) != len(self.shapes):
-            raise ValueError(
-                "ShardLayout needs one index per shape. Received: "
-                f"{len(self.shapes)} shapes, {len(self.indices)} indices"
-            )
-        self.owners = tuple(assign_owners(self.sizes, num_shards) if owners is None else owners)
-        if any(not 0 <= r < num_shards for r in self.owners):
-            raise ValueError(f"owners must be in [0, {num_shards}). Received: {self.owners}")
-        self.owned = tuple(
-            tuple(j for j, owner in enumerate(self.owners) if owner == r) for r in range(num_shards)
-        )
-        self.loads = tuple(sum(self.sizes[j] for j in owned) for owned in self.owned)
-        # At least one element: collectives of empty buffers are not worth special-casing.
-        self.block_size = max(1, *self.loads)
-        # One concat / one split for the whole buffer: pieces in buffer order, with the
-        # layout position of each piece (None for padding).
-        self._pieces: list[tuple[int | None, int]] = []
-        for r in range(num_shards):
-            self._pieces += [(j, self.sizes[j]) for j in self.owned[r]]
-            if self.block_size > self.loads[r]:
-                self._pieces.append((None, self.block_size - self.loads[r]))
+    def __init__(self):
+        self.pending: dict[tuple[int, int], list[dict]] = {}
+        self.scale = None
 
-    def __repr__(self) -> str:
-        return (
-            f"ShardLayout(dtype={self.dtype}, vars={len(self.shapes)}, "
-            f"num_shards={self.num_shards}, block_size={self.block_size}, loads={self.loads})"
-        )
+    def clear(self) -> None:
+        self.pending = {}
 
-    @property
-    def buffer_size(self) -> int:
-        return self.num_shards * self.block_size
+    def add(self, lane_position: int, stage: int, grads: dict) -> None:
+        self.pending.setdefault((lane_position, stage), []).append(grads)
 
-    def owned_indices(self, shard: int) -> list[int]:
-        """The caller's indices of the variables `shard` owns, in layout order."""
-        return [self.indices[j] for j in self.owned[shard]]
-
-    def pack(self, values: Sequence[tf.Tensor]) -> tf.Tensor:
-        """All variables' tensors -> the flat `[num_shards * block_size]` buffer (by rank)."""
-        self._check_count(values, len(self.shapes), "pack")
-        parts = [
-            tf.reshape(values[j], [-1]) if j is not None else tf.zeros([n], self.dtype)
-            for j, n in self._pieces
-        ]
-        return tf.concat(parts, axis=0)
-
-    def unpack_owned(self, chunk: tf.Tensor, shard: int) -> list[tf.Tensor]:
-        """Block `shard` of a buffer (`block_size` elements) -> the tensors shard owns."""
-        owned = self.owned[shard]
-        pieces = tf.split(chunk, [self.sizes[j] for j in owned] + [self.padding(shard)])
-        return [tf.reshape(p, self.shapes[j]) for j, p in zip(owned, pieces)]
-
-    def pack_owned(self, values: Sequence[tf.Tensor], shard: int) -> tf.Tensor:
-        """The tensors `shard` owns (in layout order) -> its `block_size`-element block."""
-        owned = self.owned[shard]
-        self._check_count(values, len(owned), f"pack_owned(shard={shard})")
-        parts = [tf.reshape(v, [-1]) for v in values]
-        parts.append(tf.zeros([self.padding(shard)], self.dtype))
-        return tf.concat(parts, axis=0)
-
-    def unpack_all(self, buffer: tf.Tensor) -> list[tf.Tensor]:
-        """A full buffer (e.g. all-gathered) -> every variable's tensor, in layout order."""
-        pieces = tf.split(buffer, [n for _, n in self._pieces])
-        values: list[tf.Tensor | None] = [None] * len(self.shapes)
-        for (j, _), piece in zip(self._pieces, pieces):
-            if j is not None:
-                values[j] = tf.reshape(piece, self.shapes[j])
-        return values
-
-    def padding(self, shard: int) -> int:
-        return self.block_size - self.loads[shard]
-
-    def _check_count(self, values, expected: int, what: str) -> None:
-        if len(values) != expected:
-            raise ValueError(f"{what} expects {expected} tensors. Received: {len(values)}")
-
-
-def make_layouts(
-    shapes: Sequence[Sequence[int]],
-    dtypes: Sequence,
-    num_shards: int,
-    max_splits: int = 1,
-    indices: Sequence[int] | None = None,
-) -> list[ShardLayout]:
-    """One layout per dtype (per bucket with `max_splits` > 1) for a list of variables.
-
-    `indices[j]` is variable j's index in the caller's list (default: j); the
-    exchanges below index the per-lane gradient lists with it.
-
-    With `max_splits` > 1 the variables of a dtype are cut into contiguous size-balanced
-    buckets (`comm.plan_buckets`) and owners are balanced inside each bucket, so each
-    collective has little padding; the total imbalance is then bounded by the sum of the
-    buckets' largest variables instead of the single largest one.
-    """
-    if len(shapes) != len(dtypes):
-        raise ValueError(
-            f"make_layouts needs one dtype per shape. Received: {len(shapes)} shapes, "
-            f"{len(dtypes)} dtypes"
-        )
-    sizes = [math.prod(int(d) for d in shape) for shape in shapes]
-    names = [tf.as_dtype(d).name for d in dtypes]
-    itemsizes = [tf.as_dtype(d).size for d in dtypes]
-    buckets = comm.plan_buckets([s * b for s, b in zip(sizes, itemsizes)], names, max_splits)
-    indices = list(range(len(shapes)) if indices is None else indices)
-    return [
-        ShardLayout(
-            [shapes[j] for j in bucket],
-            num_shards,
-            names[bucket[0]],
-            indices=[indices[j] for j in bucket],
-        )
-        for bucket in buckets
-    ]
-
-
-def owned_indices(layouts: Sequence[ShardLayout], shard: int) -> list[int]:
-    """The caller's indices of every variable `shard` owns, ascending."""
-    return sorted(i for layout in layouts for i in layout.owned_indices(shard))
-
-
-def owner_of(layouts: Sequence[ShardLayout]) -> dict[int, int]:
-    """{caller index: owning shard} over all layouts."""
-    return {i: r for layout in layouts for i, r in zip(layout.indices, layout.owners)}
-
-
-def shard_bytes(layouts: ShardLayout | Sequence[ShardLayout]) -> list[int]:
-    """Bytes of variables each shard owns (what its optimizer slots scale with)."""
-    layouts = [layouts] if isinstance(layouts, ShardLayout) else list(layouts)
-    if not layouts:
-        return []
-    totals = [0] * layouts[0].num_shards
-    for layout in layouts:
-        itemsize = tf.as_dtype(layout.dtype).size
-        for r, load in enumerate(layout.loads):
-            totals[r] += load * itemsize
-    return totals
-
-
-def balance(layouts: ShardLayout | Sequence[ShardLayout]) -> dict[str, float]:
-    """Shard balance for reports: max / min owned bytes, their ratio, padding bytes."""
-    layouts = [layouts] if isinstance(layouts, ShardLayout) else list(layouts)
-    per_shard = shard_bytes(layouts)
-    padding = sum(
-        (layout.buffer_size - sum(layout.loads)) * tf.as_dtype(layout.dtype).size
-        for layout in layouts
-    )
-    high, low = max(per_shard, default=0), min(per_shard, default=0)
-    return {
-        "max_bytes": high,
-        "min_bytes": low,
-        "max_over_min": high / low if low else float("inf") if high else 1.0,
-        "padding_bytes": padding,
-    }
-
-
-def without_indices(layout: ShardLayout, removed: Sequence[int]) -> ShardLayout:
-    """`layout` less the variables at caller indices `removed`, owners unchanged."""
-    removed = set(removed)
-    keep = [j for j, i in enumerate(layout.indices) if i not in removed]
-    return ShardLayout(
-        [layout.shapes[j] for j in keep],
-        layout.num_shards,
-        layout.dtype,
-        indices=[layout.indices[j] for j in keep],
-        owners=[layout.owners[j] for j in keep],
-    )
-
-
-def _is_slices(gradient) -> bool:
-    return isinstance(gradient, tf.IndexedSlices)
-
-
-# ---- the exchanges (one stage, one collective group) ------------------------------------
-
-
-def lane_shards(group: comm.CollectiveGroup, layouts: Sequence[ShardLayout]) -> list[int]:
-    """The shard of each local lane: its rank in the group."""
-    for layout in layouts:
-        if layout.num_shards != group.size:
-            raise ValueError(
-                "Each layout needs one shard per group member. Received: "
-                f"num_shards={layout.num_shards}, group_size={group.size}"
-            )
-    return [group.rank_of(device) for device in group.local_devices]
-
-
-def zero_reduce_scatter(
-    group: comm.CollectiveGroup,
-    layouts: Sequence[ShardLayout],
-    lane_grads: Sequence[Sequence[tf.Tensor]],
-    reduction: str = "mean",
-    num_chains: int = 1,
-) -> list[list[tf.Tensor]]:
-    """ZeRO v1: reduce-scatters the gradients; each lane receives only those it owns.
-
-    Args:
-      group: the stage's group; `lane_grads[li]` lives on `group.local_devices[li]`.
-      layouts: from `make_layouts(..., num_shards=group.size)`.
-      lane_grads: per local lane, the gradients of every variable the layouts cover
-        (indexed like the layouts' `indices`).
-      reduction: "mean" or "sum".
-      num_chains: layouts are spread round-robin over this many ordering chains.
-
-    Returns:
-      Per local lane, its reduced gradients, aligned with
-      `owned_indices(layouts, group.rank_of(device))`.
-    """
-    shards = lane_shards(group, layouts)
-    owned: list[dict[int, tf.Tensor]] = [{} for _ in shards]
-    for b, layout in enumerate(layouts):
-        buffers = []
-        for device, grads in zip(group.local_devices, lane_grads):
-            with tf.device(device):
-                buffers.append(layout.pack([grads[i] for i in layout.indices]))
-        chunks = group.reduce_scatter(buffers, reduction, chain=b % num_chains)
-        for li, (device, chunk) in enumerate(zip(group.local_devices, chunks)):
-            with tf.device(device):
-                values = layout.unpack_owned(chunk, shards[li])
-            owned[li].update(zip(layout.owned_indices(shards[li]), values))
-    return [[grads[i] for i in sorted(grads)] for grads in owned]
-
-
-def zero_all_reduce(
-    group: comm.CollectiveGroup,
-    layouts: Sequence[ShardLayout],
-    lane_grads: Sequence[Sequence[tf.Tensor]],
-    reduction: str = "mean",
-    num_chains: int = 1,
-) -> list[list[tf.Tensor]]:
-    """ZeRO v0: all-reduces the full gradients (one fused bucket per layout) and keeps,
-    per lane, the ones it owns. Same arguments and result as `zero_reduce_scatter`."""
-    shards = lane_shards(group, layouts)
-    covered = sorted(i for layout in layouts for i in layout.indices)
-    position = {i: p for p, i in enumerate(covered)}
-    per_member = [[grads[i] for i in covered] for grads in lane_grads]
-    buckets = [[position[i] for i in layout.indices] for layout in layouts]
-    reduced = comm.fused_all_reduce(group, per_member, buckets, reduction, num_chains)
-    return [
-        [reduced[li][position[i]] for i in owned_indices(layouts, shard)]
-        for li, shard in enumerate(shards)
-    ]
-
-
-def zero_all_gather(
-    group: comm.CollectiveGroup,
-    layouts: Sequence[ShardLayout],
-    lane_owned_values: Sequence[Sequence[tf.Tensor]],
-    num_chains: int = 1,
-) -> list[dict[int, tf.Tensor]]:
-    """All-gathers the owned (updated) variables so every lane has every variable.
-
-    Args:
-      lane_owned_values: per local lane, the values it owns, aligned with
-        `owned_indices(layouts, group.rank_of(device))`.
-
-    Returns:
-      Per local lane, {caller index: value} for every variable the layouts cover.
-    """
-    shards = lane_shards(group, layouts)
-    owned = [
-        dict(zip(owned_indices(layouts, shard), values))
-        for shard, values in zip(shards, lane_owned_values)
-    ]
-    results: list[dict[int, tf.Tensor]] = [{} for _ in shards]
-    for b, layout in enumerate(layouts):
-        blocks = []
-        for li, device in enumerate(group.local_devices):
-            mine = [owned[li][i] for i in layout.owned_indices(shards[li])]
-            with tf.device(device):
-                blocks.append(layout.pack_owned(mine, shards[li]))
-        gathered = group.all_gather(blocks, chain=b % num_chains)
-        for li, (device, buffer) in enumerate(zip(group.local_devices, gathered)):
-            with tf.device(device):
-                results[li].update(zip(layout.indices, layout.unpack_all(buffer)))
-    return results
-
-
-def zero_global_norm_squared(
-    group: comm.CollectiveGroup, lane_owned_grads: Sequence[Sequence[tf.Tensor]]
-) -> list[tf.Tensor]:
-    """Squared norm of the whole stage gradient, from the owned shards, on every lane.
-
-    Every reduced gradient lives on exactly one lane after a ZeRO reduction, so the sum
-    over the group of each lane's owned squares is the stage's squared norm (for
-    `global_clipnorm` applied after the reduction; add the stages, then take the root).
-    """
-    squares = []
-    for device, grads in zip(group.local_devices, lane_owned_grads):
-        with tf.device(device):
-            # Slices count row by row, as Keras's global norm counts them.
-            terms = [
-                tf.reduce_sum(tf.square(tf.cast(g.values if _is_slices(g) else g, tf.float32)))
-                for g in grads
-            ]
-            squares.append(tf.add_n(terms) if terms else tf.zeros([], tf.float32))
-    return group.all_reduce(squares, "sum")
-
-
-# ---- the update pass (same interface as update.ReplicatedUpdate) -------------------------
+    def take(self, stage: int, members: list[int]) -> list[list[dict]]:
+        """`[micro-batch][member]` of one stage, removed from the pending ones."""
+        per_member = [self.pending.pop((li, stage), []) for li in members]
+        return [list(per_mb) for per_mb in zip(*per_member)]
 
 
 class ZeroUpdate:
     """Sharded update for `zero.level` "v0" / "v1"; a drop-in for `ReplicatedUpdate`.
 
-    Per stage and local lane, the optimizer is built only on the variables the lane
-    owns (`make_optimizer(device, owned_variables)`), so optimizer slots are sharded.
-    The step: [clip local grads] -> reduce (v1 reduce-scatter, v0 all-reduce + keep
-    owned) -> [global-norm clip over the owned shards] -> apply owned -> all-gather ->
-    assign the variables the lane does not own.
-
     Args:
       layout: the step layout (lanes, stage groups, stages' variables, state).
       reduction: the gradient reduction and clipping settings (reduce.py).
-      make_optimizer: `(device, variables) -> built Keras optimizer`.
+      make_optimizer: `(device, variables) -> built Keras optimizer`; `split_variables`
+        says whether it may get row pieces (`zero_layout.splits_variables`).
       level: "v0" or "v1".
       jit_compile: compile each shard's optimizer update with XLA (apply.py).
       measure_ranks: run `CollectiveGroup.measure_ranks()` on every stage group (one
         tiny eager gather each, at build time, on every worker in the same order).
         Default: only for GPU groups, whose ranks follow interconnect links.
+      split_variables: cut variables into row pieces (element-wise optimizers).
     """
 
     def __init__(
@@ -416,19 +86,22 @@ class ZeroUpdate:
         level: str = "v1",
         jit_compile: bool = False,
         measure_ranks: bool | None = None,
+        split_variables: bool = True,
     ):
-        if level not in ("v0", "v1"):
-            raise ValueError(f"zero.level must be 'v0' or 'v1'. Received: {level!r}")
+        if level not in LEVELS:
+            raise ValueError(f"zero.level must be one of {LEVELS}. Received: {level!r}")
         self.layout = layout
         self.reduction = reduction
         self.level = level
-        self._exchange = zero_reduce_scatter if level == "v1" else zero_all_reduce
         state = layout.state
-        self.layouts = []  # layouts[stage], indexed by model trainable index
-        # owned[stage][member]: model indices the stage group's local member owns; the
-        # members of stage k are the local lanes `layout.stage_lanes[k]` (every local
-        # lane, unless a replica spans workers and stage k runs on another one).
-        self.owned = []
+        # v1 shards each micro-batch's gradients (clipping before the reduction needs
+        # each lane's whole gradient, so then they accumulate first).
+        self.micro_batch_grads = (
+            MicroBatchGradients() if level == "v1" and not reduction.clip_before else None
+        )
+        self.layouts = []  # layouts[stage]
+        self.shards = []  # shards[stage][member]: the member's rank in the stage group
+        self.pieces = []  # pieces[stage][member]: [(layout number, Piece)] it owns
         for k, group in enumerate(layout.stage_groups):
             on_gpu = any(tf.DeviceSpec.from_string(d).device_type == "GPU" for d in group.devices)
             if group.size > 1 and (on_gpu if measure_ranks is None else measure_ranks):
@@ -436,130 +109,145 @@ class ZeroUpdate:
             idx = layout.trainable_idx[k]
             variables = [state.model_trainable[i] for i in idx]
             layouts = make_layouts(
-                [v.shape for v in variables], [v.dtype for v in variables], group.size, indices=idx
+                [v.shape for v in variables],
+                [v.dtype for v in variables],
+                group.size,
+                max_splits=getattr(reduction, "max_splits", 1),
+                indices=idx,
+                split_variables=split_variables,
             )
             self.layouts.append(layouts)
-            self.owned.append([owned_indices(layouts, r) for r in lane_shards(group, layouts)])
-        # optimizers[lane][stage]: None when the lane owns nothing in that stage here.
-        self.optimizers = [
+            shards = exchange.member_shards(group, layouts) if layout.stage_lanes[k] else []
+            self.shards.append(shards)
+            self.pieces.append(
+                [
+                    [(b, p) for b, x in enumerate(layouts) for p in x.pieces[shard]]
+                    for shard in shards
+                ]
+            )
+        # piece_variables[stage][member]: what the member's optimizer updates, one
+        # variable per piece, holding its rows.
+        self.piece_variables = [
             [
-                make_optimizer(lane.devices[k], [state.trainable[li][i] for i in owned])
-                if (owned := self.owned_by(k, li))
-                else None
-                for k in range(layout.num_stages)
+                [self._piece_variable(k, li, p) for _, p in self.pieces[k][m]]
+                for m, li in enumerate(layout.stage_lanes[k])
             ]
-            for li, lane in enumerate(layout.lanes)
+            for k in range(layout.num_stages)
         ]
-        self.steps = [
-            [
-                OptimizerStep(
-                    optimizer,
-                    [state.trainable[li][i] for i in self.owned_by(k, li)],
-                    lane.devices[k],
-                    jit_compile,
-                )
-                if optimizer is not None
-                else None
-                for k, optimizer in enumerate(lane_optimizers)
-            ]
-            for li, (lane, lane_optimizers) in enumerate(zip(layout.lanes, self.optimizers))
-        ]
+        self.optimizers = [[None] * layout.num_stages for _ in layout.lanes]
+        self.steps = [[None] * layout.num_stages for _ in layout.lanes]
+        for k in range(layout.num_stages):
+            for m, li in enumerate(layout.stage_lanes[k]):
+                variables = self.piece_variables[k][m]
+                if variables:
+                    device = layout.lanes[li].devices[k]
+                    self.optimizers[li][k] = make_optimizer(device, variables)
+                    self.steps[li][k] = OptimizerStep(
+                        self.optimizers[li][k], variables, device, jit_compile
+                    )
         self.reduced_agree = False  # each lane holds the reduced gradients of its shard
 
-    def owned_by(self, k: int, li: int) -> list[int]:
-        """The stage-k variables local lane li owns ([] if stage k runs elsewhere)."""
-        members = self.layout.stage_lanes[k]
-        return self.owned[k][members.index(li)] if li in members else []
+    def _piece_variable(self, k: int, li: int, piece):
+        lane_variable = self.layout.state.trainable[li][piece.index]
+        with tf.device(self.layout.lanes[li].devices[k]):
+            copy = keras.Variable(
+                exchange.rows_of(lane_variable.value, piece),
+                dtype=lane_variable.dtype,
+                trainable=True,
+                name=lane_variable.name,
+            )
+        state = self.layout.state
+        state.adopt(copy, state.original_of(lane_variable))
+        return copy
+
+    def members_of(self, k: int) -> list[int]:
+        return list(self.layout.stage_lanes[k])
 
     def __call__(self, lane_grads: list[list]) -> None:
         self.apply(self.reduce(lane_grads))
         self.finish()
 
+    # ---- reduce --------------------------------------------------------------------------
+
     def reduce(self, lane_grads: list[list]) -> list[list[list]]:
-        """owned_grads[stage][lane]: each lane's reduced gradients of what it owns."""
+        """owned[stage][lane]: each lane's reduced gradients of its pieces (piece order)."""
         if self.reduction.clip_before:
             lane_grads = self.reduction.clip_each(lane_grads)
-        owned_grads = [
-            self._reduce_stage(k, group, lane_grads)
-            for k, group in enumerate(self.layout.stage_groups)
-        ]
+        self._refresh_pieces()
+        owned = [self._reduce_stage(k, group, lane_grads)
+                 for k, group in enumerate(self.layout.stage_groups)]  # fmt: skip
         if self.reduction.clip_after:
-            owned_grads = self._clip_owned(owned_grads)
-        return owned_grads
+            owned = self._clip_owned(owned)
+        return owned
+
+    def _refresh_pieces(self) -> None:
+        """Piece variables take the rows of the lane's copy (restored, or set by the user)."""
+        state = self.layout.state
+        for k in range(self.layout.num_stages):
+            for m, li in enumerate(self.layout.stage_lanes[k]):
+                with tf.device(self.layout.lanes[li].devices[k]):
+                    for (_, piece), variable in zip(self.pieces[k][m], self.piece_variables[k][m]):
+                        source = state.trainable[li][piece.index].value
+                        variable.assign(exchange.rows_of(source, piece))
+
+    def _reduce_stage(self, k: int, group, lane_grads: list[list]) -> list[list]:
+        """Each lane's reduced gradients of its stage-k pieces.
+
+        Sparse gradients (an Embedding's IndexedSlices) stay sparse: their rows are
+        all-gathered (as in plain data parallelism) and each owner keeps its rows, so the
+        optimizer sees what Keras sees (Adam squares each row of a slice before repeated
+        indices are summed; densifying first would change the update).
+        """
+        method = self.reduction.method
+        members = self.members_of(k)
+        merged: list[list] = [[] for _ in self.layout.lanes]
+        if not members:  # the stage runs on other workers only
+            return merged
+        idx = self.layout.trainable_idx[k]
+        member_grads = [lane_grads[li] for li in members]
+        sparse = {i for i in idx if isinstance(member_grads[0][i], tf.IndexedSlices)}
+        chains = self.reduction.num_communicators
+        layouts = self.layouts[k]
+        per_mb = self.micro_batch_grads.take(k, members) if self.micro_batch_grads else []
+        if per_mb:  # v1, gradients handed over per micro-batch
+            dense = exchange.reduce_scatter_pieces(group, layouts, per_mb, sparse, method, chains)
+            if self.micro_batch_grads.scale is not None:
+                scale = self.micro_batch_grads.scale()
+                dense = [dict(zip(d, unscale_gradients(list(d.values()), scale))) for d in dense]
+        elif self.level == "v1":  # accumulated first (clipping before the reduction)
+            as_dicts = [[{i: grads[i] for i in idx if i not in sparse} for grads in member_grads]]
+            dense = exchange.reduce_scatter_pieces(group, layouts, as_dicts, sparse, method, chains)
+        else:
+            as_dicts = [{i: grads[i] for i in idx if i not in sparse} for grads in member_grads]
+            dense = exchange.all_reduce_pieces(group, layouts, as_dicts, sparse, method, chains)
+        gathered = {
+            i: comm.all_gather_slices(group, [grads[i] for grads in member_grads], method)
+            for i in sorted(sparse, reverse=True)
+        }
+        for m, (li, device) in enumerate(zip(members, group.local_devices)):
+            grads = []
+            for b, piece in self.pieces[k][m]:
+                if piece.index in sparse:
+                    with tf.device(device):
+                        grads.append(exchange.piece_of_slices(gathered[piece.index][m], piece))
+                else:
+                    grads.append(dense[m][(b, piece.position)])
+            merged[li] = grads
+        return merged
 
     def reduced_of_lane(self, owned_grads: list[list[list]], li: int) -> list:
         return [g for stage in owned_grads for g in stage[li]]
 
-    def finish(self) -> None:
-        """Every lane gathers the updated shards (unchanged ones after a skipped step)."""
-        self._gather()
-
-    def _reduce_stage(self, k: int, group, lane_grads: list[list]) -> list[list]:
-        """Each lane's reduced gradients of the stage-k variables it owns.
-
-        Sparse gradients (an Embedding's IndexedSlices) stay sparse: their rows are
-        all-gathered (as in plain data parallelism) and only the owner applies them, so
-        the optimizer sees what Keras sees. Densifying them would change the update:
-        Adam squares each row of a slice before summing repeated indices.
-        """
-        method = self.reduction.method
-        members = self.layout.stage_lanes[k]
-        merged: list[list] = [[] for _ in self.layout.lanes]
-        if not members:  # the stage runs on other workers only
-            return merged
-        member_grads = [lane_grads[li] for li in members]
-        sparse = [i for i in self.layout.trainable_idx[k] if _is_slices(member_grads[0][i])]
-        layouts = self.layouts[k]
-        if sparse:  # the same owners, without the sparse variables in the dense buffers
-            layouts = [without_indices(layout, sparse) for layout in layouts]
-            layouts = [layout for layout in layouts if layout.indices]
-        dense = self._exchange(
-            group, layouts, member_grads, method, self.reduction.num_communicators
-        )
-        gathered = {
-            i: comm.all_gather_slices(group, [grads[i] for grads in member_grads], method)
-            for i in sparse
-        }
-        shards = lane_shards(group, self.layouts[k])
-        for m, (li, shard) in enumerate(zip(members, shards)):
-            by_index = dict(zip(owned_indices(layouts, shard), dense[m]))
-            by_index.update({i: gathered[i][m] for i in sparse})
-            merged[li] = [by_index[i] for i in self.owned[k][m]]
-        return merged
-
-    def apply(self, owned_grads: list[list[list]]) -> None:
-        for li, lane_steps in enumerate(self.steps):
-            for k, step in enumerate(lane_steps):
-                if step is not None:
-                    step(owned_grads[k][li])
-
-    def _gather(self) -> None:
-        layout = self.layout
-        trainable = layout.state.trainable
-        for k, group in enumerate(layout.stage_groups):
-            owned, members = self.owned[k], layout.stage_lanes[k]
-            if not members:
-                continue
-            # Reading after the apply: the function orders ops on the same variable.
-            values = [[trainable[li][i].value for i in owned[m]] for m, li in enumerate(members)]
-            full = zero_all_gather(group, self.layouts[k], values, self.reduction.num_communicators)
-            for m, (li, lane_values) in enumerate(zip(members, full)):
-                mine = set(owned[m])
-                with tf.device(layout.lanes[li].devices[k]):
-                    for i, value in lane_values.items():
-                        if i not in mine:
-                            trainable[li][i].assign(value)
-
     def _clip_owned(self, owned_grads: list[list[list]]) -> list[list[list]]:
-        """Global-norm clipping after the reduction, from the owned shards of all stages."""
+        """Global-norm clipping after the reduction, from the owned pieces of all stages."""
         layout = self.layout
         squares = []  # squares[stage][lane]: the stage's squared norm, on local lanes
         for k, group in enumerate(layout.stage_groups):
-            members = layout.stage_lanes[k]
+            members = self.members_of(k)
             per_lane: list = [None] * len(layout.lanes)
             if members:
-                totals = zero_global_norm_squared(group, [owned_grads[k][li] for li in members])
-                for li, total in zip(members, totals):
+                grads = [owned_grads[k][li] for li in members]
+                for li, total in zip(members, exchange.global_norm_squared(group, grads)):
                     per_lane[li] = total
             squares.append(per_lane)
         clipped = [[list(grads) for grads in stage] for stage in owned_grads]
@@ -576,6 +264,38 @@ class ZeroUpdate:
                     clipped[k][li] = [scaled(g, factor) for g in owned_grads[k][li]]
         return clipped
 
+    # ---- apply and gather ----------------------------------------------------------------
+
+    def apply(self, owned_grads: list[list[list]]) -> None:
+        for li, lane_steps in enumerate(self.steps):
+            for k, step in enumerate(lane_steps):
+                if step is not None:
+                    step(owned_grads[k][li])
+
+    def finish(self) -> None:
+        """Every lane gathers the updated pieces (unchanged ones after a skipped step) and
+        assigns its copy of every variable."""
+        layout = self.layout
+        trainable = layout.state.trainable
+        for k, group in enumerate(layout.stage_groups):
+            members = self.members_of(k)
+            if not members:
+                continue
+            # Reading after the apply: the function orders ops on the same variable.
+            values = [
+                {(b, p.position): v.value for (b, p), v in zip(pieces, variables)}
+                for pieces, variables in zip(self.pieces[k], self.piece_variables[k])
+            ]
+            full = exchange.gather_pieces(
+                group, self.layouts[k], values, self.reduction.num_communicators
+            )
+            for li, lane_values in zip(members, full):
+                with tf.device(layout.lanes[li].devices[k]):
+                    for i, value in lane_values.items():
+                        trainable[li][i].assign(value)
+
+    # ---- reports and checkpoints -----------------------------------------------------------
+
     def local_optimizers(self) -> list[tuple[int, object, list]]:
         """[(local lane position, optimizer, the variables it updates)] on this worker."""
         return [
@@ -586,26 +306,39 @@ class ZeroUpdate:
         ]
 
     def slot_owners(self) -> dict[int, str]:
-        """{trainable index: the stage device of the lane (on any worker) that owns its
-        shard}: the only lane holding that variable's optimizer slots."""
+        """{trainable index: the stage device of the lane (on any worker) owning it whole}:
+        the only lane holding that variable's optimizer slots. Variables cut into pieces
+        are not listed (each piece is held by exactly one lane, `piece_rows`)."""
         owners = {}
         for k, layouts in enumerate(self.layouts):
             group = self.layout.stage_groups[k]
             device_of_rank = {group.rank_of(d): d for d in group.devices}
-            owners.update({i: device_of_rank[r] for i, r in owner_of(layouts).items()})
+            for layout in layouts:
+                for r, pieces in enumerate(layout.pieces):
+                    owners.update({p.index: device_of_rank[r] for p in pieces if p.whole})
         return owners
 
+    def piece_rows(self) -> dict[int, tuple[int, int, int | None, int | None]]:
+        """{id(piece variable): (local lane position, trainable index, first row, end row)}
+        for the pieces held here; the rows are None for a whole variable."""
+        rows = {}
+        for k in range(self.layout.num_stages):
+            for m, li in enumerate(self.members_of(k)):
+                for (_, p), v in zip(self.pieces[k][m], self.piece_variables[k][m]):
+                    span = (None, None) if p.whole else (p.start, p.stop)
+                    rows[id(v)] = (li, p.index, *span)
+        return rows
+
     def gradient_bytes(self) -> dict[str, int]:
-        """Bytes of reduced gradients per compute device: the owned block under v1, the
-        whole stage under v0 (the per-lane accumulated gradients are full in both)."""
+        """Bytes of reduced gradients per compute device: the owned pieces under v1; under
+        v0 the whole stage (all-reduced before the pieces are kept)."""
         usage = {}
         for k, layouts in enumerate(self.layouts):
-            if self.level == "v1":
-                count = sum(x.block_size * tf.as_dtype(x.dtype).size for x in layouts)
-            else:
-                count = sum(shard_bytes(layouts))
-            for li in self.layout.stage_lanes[k]:
+            per_shard = shard_bytes(layouts)
+            whole = sum(per_shard)
+            for m, li in enumerate(self.members_of(k)):
                 device = self.layout.lanes[li].devices[k]
+                count = per_shard[self.shards[k][m]] if self.level == "v1" else whole
                 usage[device] = usage.get(device, 0) + count
         return usage
 
@@ -614,4 +347,16 @@ class ZeroUpdate:
         return [shard_bytes(layouts) for layouts in self.layouts]
 
     def all_optimizer_variables(self) -> list:
-        return [v for lane in self.optimizers for o in lane if o is not None for v in o.variables]
+        """Slots and counters, and the piece variables (the owned rows' master copy, part of
+        the shard's optimizer state as in the ZeRO paper's K = 12 bytes per parameter)."""
+        pieces = [v for stage in self.piece_variables for member in stage for v in member]
+        slots = [v for lane in self.optimizers for o in lane if o is not None for v in o.variables]
+        return slots + pieces
+
+    def owned_pieces(self, k: int, li: int) -> list:
+        """The pieces local lane li owns in stage k ([] if stage k runs elsewhere)."""
+        members = self.members_of(k)
+        return [p for _, p in self.pieces[k][members.index(li)]] if li in members else []
+
+
+__all__ = ["LEVELS", "MicroBatchGradients", "ZeroUpdate", "pieces_of_shard"]
