@@ -45,8 +45,8 @@ def test_reference_stage2_config_translates_with_auto_values_resolved():
     config = setup.config
     # fp16.enabled "auto" follows the base config's amp, which is off.
     assert config.amp.level == ""
-    # Stage 2 + CPU optimizer offload -> the host keeps the optimizer state (offload v0).
-    assert (config.zero.level, config.offload.level) == ("", "v0")
+    # Stage 2 + CPU optimizer offload -> ZeRO v1 with the shards' state on the host.
+    assert (config.zero.level, config.offload.level) == ("v1", "v0")
     assert config.communication.clip_after_allreduce
     optimizer = setup.optimizer
     assert type(optimizer) is keras.optimizers.AdamW
@@ -89,7 +89,7 @@ def test_reference_stage2_config_trains_and_writes_csv(tmp_path, monkeypatch, en
     trainer = epl.EPLTrainer(mlp(), LOSS, keras.optimizers.AdamW(1e-2), config=str(STAGE2))
     trainer.fit(x, y, batch_size=16, epochs=1, steps_per_epoch=3, verbose=0)
     assert trainer.deepspeed.batch == deepspeed.BatchSizes(16, 8, 1, 2)
-    assert trainer.config.offload.level == "v0"
+    assert (trainer.config.zero.level, trainer.config.offload.level) == ("v1", "v0")
     rows = (tmp_path / "stage2_test" / "Train_Samples_train_loss.csv").read_text().splitlines()
     assert rows[0] == "step,train_loss"
     assert [row.split(",")[0] for row in rows[1:]] == ["0", "16", "32"]
@@ -484,7 +484,7 @@ PARITY_CASES = {
             },
             "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}},
         },
-        {"offload.level": "v0"},
+        {"zero.level": "v1", "offload.level": "v0"},
         lambda: schedules.with_momentum_schedule(
             keras.optimizers.AdamW(
                 schedules.OneCycle(0.001, 0.02, cycle_first_step_size=2),

@@ -322,7 +322,7 @@ def test_zero_update_equals_one_optimizer_on_mean_gradients(level, optimizer, cl
     # Slots exist only for owned pieces: every element is in exactly one optimizer.
     total = sum(math.prod(s) for s in SHAPES)
     assert sum(math.prod(v.shape) for _, vs in built for v in vs) == total
-    for li, (lane_optimizer,) in enumerate(update.optimizers):
+    for li, ((lane_optimizer,),) in enumerate(update.optimizers):
         slots = [v for v in lane_optimizer.variables if v.shape.rank]
         assert {v.value.device for v in slots} == {LANE_DEVICES[li]}
         owned = sum(p.size for p in update.owned_pieces(0, li))

@@ -375,15 +375,15 @@ def _memory(values: Mapping, base: Config) -> dict:
                 "DeepSpeed config zero_optimization.offload_optimizer needs stage 1 or 2 "
                 "(as in DeepSpeed). Received: stage=0"
             )
-        # The engine keeps parameters and optimizer state once per worker on the host
-        # and applies the update there; within a worker that is what ZeRO-Offload's
-        # partitions add up to, and it cannot be combined with zero.level.
+        # ZeRO-Offload: the partitions stay (zero.level), their optimizer state and
+        # update move to the worker's host (offload.level), which holds its lanes' shards.
         logger.info(
-            "ZeRO stage %d + offload_optimizer cpu -> offload.level='v0' (one host copy of "
-            "the optimizer state per worker, updated on the host).",
+            "ZeRO stage %d + offload_optimizer cpu -> zero.level=%r, offload.level='v0' (each "
+            "replica's optimizer shard and its update on the worker's host).",
             stage,
+            out["zero.level"],
         )
-        out = {"zero.level": "", "offload.level": "v0"}
+        out["offload.level"] = "v0"
     out.update(_checkpointing(values, base))
     return out
 

@@ -9,7 +9,12 @@
 The names below are the package's interface; the engine uses them as `comm.<name>`.
 """
 
-from epl_trainer.core.comm.fusion import all_gather_slices, fused_all_reduce, plan_buckets
+from epl_trainer.core.comm.fusion import (
+    all_gather_slices,
+    fused_all_reduce,
+    plan_buckets,
+    reduce_scatter,
+)
 from epl_trainer.core.comm.group import CollectiveGroup
 from epl_trainer.core.comm.keys import (
     KEYS_PER_LANE_GROUP,
@@ -36,5 +41,6 @@ __all__ = [
     "next_instance_key",
     "ordering_token",
     "plan_buckets",
+    "reduce_scatter",
     "reserve_local_instance_keys",
 ]

@@ -100,6 +100,25 @@ def fused_all_reduce(
     return results
 
 
+def reduce_scatter(
+    group: CollectiveGroup,
+    buffers: Sequence[tf.Tensor],
+    reduction: str,
+    chain: int = 0,
+    wire_fp16_scale: float | None = None,
+) -> list[tf.Tensor]:
+    """`group.reduce_scatter` of flat buffers, optionally on the float16 wire
+    (`communication.fp16`, as `fused_all_reduce`): each member gets its reduced chunk."""
+    dtype = buffers[0].dtype
+    compress = wire_fp16_scale is not None and dtype == tf.float32 and group.size > 1
+    if compress:
+        buffers = [_to_fp16_wire(flat, wire_fp16_scale) for flat in buffers]
+    chunks = group.reduce_scatter(list(buffers), reduction, chain=chain)
+    if compress:
+        chunks = [_from_fp16_wire(chunk, wire_fp16_scale, dtype) for chunk in chunks]
+    return chunks
+
+
 def all_gather_slices(
     group: CollectiveGroup, per_member: Sequence[tf.IndexedSlices], reduction: str
 ) -> list[tf.IndexedSlices]:

@@ -128,6 +128,8 @@ def build_engine(
             level=config.zero.level,
             jit_compile=jit,
             split_variables=split_variables,
+            apply_device=host_device if offload else None,
+            num_apply_group=config.optimizer.num_apply_group,
         )
         hooks.gradient_sink = hooks.update.micro_batch_grads
     else:

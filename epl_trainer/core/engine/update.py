@@ -36,7 +36,7 @@ def balanced_groups(sizes: list[int], num_groups: int) -> list[list[int]]:
     return [sorted(b) for b in buckets]
 
 
-def _written(variables) -> list:
+def written(variables) -> list:
     """Markers that exist once `variables` have been written (ops on a resource run in
     program order). One element of each is kept: holding whole reads would force copies
     when later groups write."""
@@ -144,7 +144,7 @@ class ReplicatedUpdate:
                         step([reduced[li][i] for i in group])
                         if position + 1 < len(pairs):  # the next group waits for this one
                             with tf.device(step.device):
-                                previous = _written(state.trainable[li][i] for i in group)
+                                previous = written(state.trainable[li][i] for i in group)
 
     def finish(self) -> None:
         """Nothing follows the apply: every lane updated its own copy."""

@@ -33,6 +33,7 @@ from epl_trainer.core.engine import zero_exchange as exchange
 from epl_trainer.core.engine.amp import unscale_gradients
 from epl_trainer.core.engine.apply import OptimizerStep
 from epl_trainer.core.engine.reduce import scaled, sum_over_lane
+from epl_trainer.core.engine.update import balanced_groups, written
 from epl_trainer.core.engine.zero_layout import make_layouts, pieces_of_shard, shard_bytes
 
 LEVELS = ("v0", "v1")
@@ -76,6 +77,11 @@ class ZeroUpdate:
         tiny eager gather each, at build time, on every worker in the same order).
         Default: only for GPU groups, whose ranks follow interconnect links.
       split_variables: cut variables into row pieces (element-wise optimizers).
+      apply_device: where the pieces, their optimizer state and update live (offload,
+        as ZeRO-Offload: the host; the lanes' variables are then the host's shared copy).
+        None: each member's stage device.
+      num_apply_group: `optimizer.num_apply_group`: each member's update runs as this
+        many size-balanced groups of pieces, one after the other (update.py).
     """
 
     def __init__(
@@ -87,12 +93,15 @@ class ZeroUpdate:
         jit_compile: bool = False,
         measure_ranks: bool | None = None,
         split_variables: bool = True,
+        apply_device: str | None = None,
+        num_apply_group: int = 1,
     ):
         if level not in LEVELS:
             raise ValueError(f"zero.level must be one of {LEVELS}. Received: {level!r}")
         self.layout = layout
         self.reduction = reduction
         self.level = level
+        self.apply_device = apply_device
         state = layout.state
         # v1 shards each micro-batch's gradients (clipping before the reduction needs
         # each lane's whole gradient, so then they accumulate first).
@@ -134,22 +143,33 @@ class ZeroUpdate:
             ]
             for k in range(layout.num_stages)
         ]
-        self.optimizers = [[None] * layout.num_stages for _ in layout.lanes]
-        self.steps = [[None] * layout.num_stages for _ in layout.lanes]
+        # groups[stage][member]: positions in its pieces, one list per apply group.
+        self.groups = [
+            [
+                balanced_groups([p.size for _, p in pieces], num_apply_group) if pieces else []
+                for pieces in self.pieces[k]
+            ]
+            for k in range(layout.num_stages)
+        ]
+        # steps[lane][stage]: the member's updates, one per apply group ([] if none).
+        self.steps = [[[] for _ in range(layout.num_stages)] for _ in layout.lanes]
         for k in range(layout.num_stages):
             for m, li in enumerate(layout.stage_lanes[k]):
-                variables = self.piece_variables[k][m]
-                if variables:
-                    device = layout.lanes[li].devices[k]
-                    self.optimizers[li][k] = make_optimizer(device, variables)
-                    self.steps[li][k] = OptimizerStep(
-                        self.optimizers[li][k], variables, device, jit_compile
+                device = self._apply_device(k, li)
+                for group in self.groups[k][m]:
+                    variables = [self.piece_variables[k][m][j] for j in group]
+                    optimizer = make_optimizer(device, variables)
+                    self.steps[li][k].append(
+                        OptimizerStep(optimizer, variables, device, jit_compile)
                     )
         self.reduced_agree = False  # each lane holds the reduced gradients of its shard
 
+    def _apply_device(self, k: int, li: int) -> str:
+        return self.apply_device or self.layout.lanes[li].devices[k]
+
     def _piece_variable(self, k: int, li: int, piece):
         lane_variable = self.layout.state.trainable[li][piece.index]
-        with tf.device(self.layout.lanes[li].devices[k]):
+        with tf.device(self._apply_device(k, li)):
             copy = keras.Variable(
                 exchange.rows_of(lane_variable.value, piece),
                 dtype=lane_variable.dtype,
@@ -185,7 +205,7 @@ class ZeroUpdate:
         state = self.layout.state
         for k in range(self.layout.num_stages):
             for m, li in enumerate(self.layout.stage_lanes[k]):
-                with tf.device(self.layout.lanes[li].devices[k]):
+                with tf.device(self._apply_device(k, li)):
                     for (_, piece), variable in zip(self.pieces[k][m], self.piece_variables[k][m]):
                         source = state.trainable[li][piece.index].value
                         variable.assign(exchange.rows_of(source, piece))
@@ -207,19 +227,26 @@ class ZeroUpdate:
         member_grads = [lane_grads[li] for li in members]
         sparse = {i for i in idx if isinstance(member_grads[0][i], tf.IndexedSlices)}
         chains = self.reduction.num_communicators
+        wire = getattr(self.reduction, "wire_fp16_scale", None)
         layouts = self.layouts[k]
         per_mb = self.micro_batch_grads.take(k, members) if self.micro_batch_grads else []
         if per_mb:  # v1, gradients handed over per micro-batch
-            dense = exchange.reduce_scatter_pieces(group, layouts, per_mb, sparse, method, chains)
+            dense = exchange.reduce_scatter_pieces(
+                group, layouts, per_mb, sparse, method, chains, wire
+            )
             if self.micro_batch_grads.scale is not None:
                 scale = self.micro_batch_grads.scale()
                 dense = [dict(zip(d, unscale_gradients(list(d.values()), scale))) for d in dense]
         elif self.level == "v1":  # accumulated first (clipping before the reduction)
             as_dicts = [[{i: grads[i] for i in idx if i not in sparse} for grads in member_grads]]
-            dense = exchange.reduce_scatter_pieces(group, layouts, as_dicts, sparse, method, chains)
+            dense = exchange.reduce_scatter_pieces(
+                group, layouts, as_dicts, sparse, method, chains, wire
+            )
         else:
             as_dicts = [{i: grads[i] for i in idx if i not in sparse} for grads in member_grads]
-            dense = exchange.all_reduce_pieces(group, layouts, as_dicts, sparse, method, chains)
+            dense = exchange.all_reduce_pieces(
+                group, layouts, as_dicts, sparse, method, chains, wire
+            )
         gathered = {
             i: comm.all_gather_slices(group, [grads[i] for grads in member_grads], method)
             for i in sorted(sparse, reverse=True)
@@ -267,10 +294,19 @@ class ZeroUpdate:
     # ---- apply and gather ----------------------------------------------------------------
 
     def apply(self, owned_grads: list[list[list]]) -> None:
-        for li, lane_steps in enumerate(self.steps):
-            for k, step in enumerate(lane_steps):
-                if step is not None:
-                    step(owned_grads[k][li])
+        for k in range(self.layout.num_stages):
+            for m, li in enumerate(self.members_of(k)):
+                grads, variables = owned_grads[k][li], self.piece_variables[k][m]
+                previous = []
+                # Last layers first (backward's order); each group waits for the one before,
+                # so one group's temporaries are freed before the next starts.
+                pairs = list(zip(self.groups[k][m], self.steps[li][k]))[::-1]
+                for position, (group, step) in enumerate(pairs):
+                    with tf.control_dependencies(previous):
+                        step([grads[j] for j in group])
+                        if position + 1 < len(pairs):
+                            with tf.device(step.device):
+                                previous = written([variables[j] for j in group])
 
     def finish(self) -> None:
         """Every lane gathers the updated pieces (unchanged ones after a skipped step) and
@@ -289,10 +325,13 @@ class ZeroUpdate:
             full = exchange.gather_pieces(
                 group, self.layouts[k], values, self.reduction.num_communicators
             )
+            assigned: set[int] = set()  # with offload the lanes share one copy
             for li, lane_values in zip(members, full):
                 with tf.device(layout.lanes[li].devices[k]):
                     for i, value in lane_values.items():
-                        trainable[li][i].assign(value)
+                        if id(trainable[li][i]) not in assigned:
+                            assigned.add(id(trainable[li][i]))
+                            trainable[li][i].assign(value)
 
     # ---- reports and checkpoints -----------------------------------------------------------
 
@@ -301,8 +340,8 @@ class ZeroUpdate:
         return [
             (li, step.optimizer, step.variables)
             for li, lane_steps in enumerate(self.steps)
-            for step in lane_steps
-            if step is not None
+            for stage_steps in lane_steps
+            for step in stage_steps
         ]
 
     def slot_owners(self) -> dict[int, str]:
@@ -350,8 +389,13 @@ class ZeroUpdate:
         """Slots and counters, and the piece variables (the owned rows' master copy, part of
         the shard's optimizer state as in the ZeRO paper's K = 12 bytes per parameter)."""
         pieces = [v for stage in self.piece_variables for member in stage for v in member]
-        slots = [v for lane in self.optimizers for o in lane if o is not None for v in o.variables]
+        slots = [v for _, optimizer, _ in self.local_optimizers() for v in optimizer.variables]
         return slots + pieces
+
+    @property
+    def optimizers(self) -> list[list[list]]:
+        """optimizers[lane][stage]: the member's optimizers, one per apply group."""
+        return [[[step.optimizer for step in steps] for steps in lane] for lane in self.steps]
 
     def owned_pieces(self, k: int, li: int) -> list:
         """The pieces local lane li owns in stage k ([] if stage k runs elsewhere)."""

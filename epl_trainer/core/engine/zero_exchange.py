@@ -47,6 +47,7 @@ def reduce_scatter_pieces(
     sparse: set[int],
     reduction: str = "mean",
     num_chains: int = 1,
+    wire_fp16_scale: float | None = None,
 ) -> list[dict[PieceKey, tf.Tensor]]:
     """v1: per member, the reduced gradients of its dense pieces, summed over micro-batches.
 
@@ -54,6 +55,7 @@ def reduce_scatter_pieces(
       micro_batch_grads: `[micro-batch][member]`, {caller index: gradient} of every
         dense variable the layouts cover, on the member's device.
       sparse: caller indices whose gradients are IndexedSlices (not in the buffers).
+      wire_fp16_scale: `communication.fp16`: float32 buffers cross as scaled float16.
     """
     shards = member_shards(group, layouts)
     owned: list[dict[PieceKey, tf.Tensor]] = [{} for _ in shards]
@@ -72,7 +74,7 @@ def reduce_scatter_pieces(
                         None if j in excluded else grads[i] for j, i in enumerate(layout.indices)
                     ]
                     buffers.append(layout.pack(values, excluded))
-            chunks = group.reduce_scatter(buffers, reduction, chain=b % num_chains)
+            chunks = comm.reduce_scatter(group, buffers, reduction, b % num_chains, wire_fp16_scale)
             for m, (device, chunk) in enumerate(zip(group.local_devices, chunks)):
                 with tf.device(device):
                     totals[m] = chunk if totals[m] is None else totals[m] + chunk
@@ -91,6 +93,7 @@ def all_reduce_pieces(
     sparse: set[int],
     reduction: str = "mean",
     num_chains: int = 1,
+    wire_fp16_scale: float | None = None,
 ) -> list[dict[PieceKey, tf.Tensor]]:
     """v0: all-reduces the full dense gradients (a fused bucket per layout); each member
     keeps its pieces. `member_grads[m]`: {caller index: gradient}."""
@@ -103,7 +106,9 @@ def all_reduce_pieces(
         for layout in reversed(layouts)  # last layers first
     ]
     buckets = [bucket for bucket in buckets if bucket]
-    reduced = comm.fused_all_reduce(group, per_member, buckets, reduction, num_chains)
+    reduced = comm.fused_all_reduce(
+        group, per_member, buckets, reduction, num_chains, wire_fp16_scale
+    )
     owned: list[dict[PieceKey, tf.Tensor]] = [{} for _ in shards]
     for m, device in enumerate(group.local_devices):
         for b, layout in enumerate(layouts):

@@ -28,19 +28,6 @@ def check_config(config) -> None:
             "auto.auto_parallel=True needs pipeline.num_stages (how many stages to cut). "
             "Received: pipeline.num_stages=None"
         )
-    if config.zero.level and config.communication.fp16:
-        raise ValueError(
-            "communication.fp16 compresses all-reduced gradients; ZeRO reduce-scatters "
-            f"them and does not support it yet. Received: zero.level={config.zero.level!r}, "
-            "communication.fp16=True; drop one of them."
-        )
-    if config.zero.level and (config.offload.level or config.optimizer.num_apply_group > 1):
-        raise ValueError(
-            "zero.level shards the optimizer across replicas and cannot be combined with "
-            f"offload.level or optimizer.num_apply_group yet. Received: zero.level="
-            f"{config.zero.level!r}, offload.level={config.offload.level!r}, "
-            f"optimizer.num_apply_group={config.optimizer.num_apply_group}; use one of them."
-        )
 
 
 def check_plan(

@@ -1,0 +1,128 @@
+"""ZeRO through the trainer: parity with single-device Keras in every combination a user
+can switch on, and the memory each device holds (zero_layout / zero_exchange have their
+unit tests in test_zero_layout.py)."""
+
+import keras
+import numpy as np
+import pytest
+from _models import LOSS, keras_reference, max_weight_difference, parity_data, parity_model
+
+import epl_trainer as epl
+from epl_trainer.core.engine.state import variable_bytes
+
+ATOL = 1e-5
+PARITY_STAGES = {"conv|embed|pool_.*|concat": 0, "hidden|norm|logits": 1}
+
+
+def _trainer(model, devices, optimizer=None, stages=None, **config):
+    return epl.EPLTrainer(
+        model,
+        LOSS,
+        optimizer or keras.optimizers.Adam(0.01),
+        stages=stages,
+        config={"cluster.virtual_devices": devices, **config},
+    )
+
+
+@pytest.mark.parametrize("offload", ["", "v0"], ids=["offload_off", "offload_on"])
+@pytest.mark.parametrize("stages", [None, PARITY_STAGES], ids=["data_parallel", "2_stages"])
+@pytest.mark.parametrize("num_micro_batch", [1, 2])
+@pytest.mark.parametrize("level", ["v0", "v1"])
+def test_zero_matches_keras(level, num_micro_batch, stages, offload):
+    """Adam on a model with Conv, LayerNorm and an Embedding (its IndexedSlices gradient
+    stays sparse and is cut into row pieces with the rest) on 4 devices: 4 replicas, or 2
+    replicas of a 2-stage pipeline; ZeRO-Offload keeps the shards on the host."""
+    x, y = parity_data()
+    reference = parity_model()
+    keras_reference(reference, x, y, keras.optimizers.Adam(0.01), batch_size=16, steps=3)
+    model = parity_model()
+    trainer = _trainer(
+        model,
+        4,
+        stages=stages,
+        **{
+            "zero.level": level,
+            "pipeline.num_micro_batch": num_micro_batch,
+            "offload.level": offload,
+        },
+    )
+    trainer.fit(x, y, batch_size=16, steps_per_epoch=3, verbose=0)
+    assert max_weight_difference(reference, model) < ATOL
+    update = trainer._engine.program.update
+    cut = {i for _, i, start, _ in update.piece_rows().values() if start is not None}
+    assert cut, "the layout cut no variable: the test would not cover row pieces"
+    if offload:  # the shards' state lives on the host, not on the compute devices
+        host = trainer.cluster.host_device
+        devices = {v.value.device for v in update.all_optimizer_variables()}
+        assert devices == {host}
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        {"optimizer.num_apply_group": 3},
+        {"communication.fp16": True, "communication.max_splits": 3},
+        {"communication.clip_after_allreduce": False},
+    ],
+    ids=["grouped_apply", "fp16_wire_buckets", "clip_before_reduction"],
+)
+def test_zero_v1_combines_with(config):
+    """Grouped apply (groups of pieces, chained), gradients on the float16 wire in several
+    buckets, and global-norm clipping before the reduction (EPL's default: gradients
+    then accumulate per lane before they are reduce-scattered)."""
+    x, y = parity_data()
+    clip = 0.05 if "communication.clip_after_allreduce" in config else None
+    optimizer = lambda: keras.optimizers.Adam(0.01, global_clipnorm=clip)  # noqa: E731
+    reference = parity_model()
+    model = parity_model()
+    trainer = _trainer(
+        model, 2, optimizer(), **{"zero.level": "v1", "pipeline.num_micro_batch": 2, **config}
+    )
+    trainer.fit(x, y, batch_size=16, steps_per_epoch=3, verbose=0)
+    if clip:  # per-replica clipping: the reference is plain data parallelism
+        reference_trainer = _trainer(reference, 2, optimizer(), **{"pipeline.num_micro_batch": 2})
+        reference_trainer.fit(x, y, batch_size=16, steps_per_epoch=3, verbose=0)
+        assert trainer._engine.program.hooks.gradient_sink is None
+    else:
+        keras_reference(reference, x, y, keras.optimizers.Adam(0.01), batch_size=16, steps=3)
+    # The float16 wire rounds each gradient to 11 bits: 1e-5 is out of reach there.
+    tolerance = 2e-3 if config.get("communication.fp16") else ATOL
+    assert max_weight_difference(reference, model) < tolerance
+    if "optimizer.num_apply_group" in config:
+        assert all(len(stage) == 3 for stage in trainer._engine.program.update.steps[0])
+
+
+def embedding_heavy_model(seed: int = 0) -> keras.Model:
+    """Half of the parameters are one Embedding (as a BERT vocabulary is a large share)."""
+    keras.utils.set_random_seed(seed)
+    tokens = keras.Input((6,), dtype="int32")
+    h = keras.layers.Embedding(1000, 32, name="embed")(tokens)  # 32,000
+    h = keras.layers.Flatten()(h)
+    h = keras.layers.Dense(160, activation="relu", name="hidden")(h)  # 30,880
+    h = keras.layers.Dense(6, name="mid")(h)  # 966
+    return keras.Model(tokens, keras.layers.Dense(3, name="logits")(h))
+
+
+@pytest.mark.parametrize("level", ["v0", "v1"])
+def test_memory_report_divides_optimizer_state_and_gradients_exactly(level):
+    model = embedding_heavy_model()
+    rng = np.random.default_rng(0)
+    x = rng.integers(0, 1000, size=(64, 6)).astype("int32")
+    y = rng.integers(0, 3, size=(64,)).astype("int32")
+    trainer = _trainer(model, 4, **{"zero.level": level})
+    trainer.fit(x, y, batch_size=16, steps_per_epoch=1, verbose=0)
+    report = trainer.memory_report(print_table=False)
+    sizes = [variable_bytes(v) for v in model.trainable_variables]
+    total = sum(sizes)
+    assert max(sizes) > 0.45 * total  # the embedding is about half the model
+    rows = [report[lane.devices[0]] for lane in trainer.lanes]
+    # Adam's two slots plus the master copy of the owned rows: 3 x total / 4 each, within
+    # 1% (the step counters are a few bytes).
+    for row in rows:
+        assert abs(row.optimizer - 3 * total / 4) <= 0.01 * 3 * total / 4, [
+            r.optimizer for r in rows
+        ]
+        assert row.parameters >= total  # each replica's working copy of the model
+        # v1: each device keeps the reduced gradients of its quarter; v0: all of them.
+        expected = total / 4 if level == "v1" else total
+        assert abs(row.gradients - expected) <= 0.01 * expected
