@@ -51,9 +51,11 @@ def test_amp_trains_close_to_float32(dtype):
     assert model.get_layer("dense_in").compute_dtype == dtype
 
 
-def test_amp_with_gradient_accumulation_and_dynamic_scaling():
+@pytest.mark.parametrize("zero", ["", "v1"], ids=["replicated", "zero_v1"])
+def test_amp_with_gradient_accumulation_and_dynamic_scaling(zero):
+    """ZeRO v1 reduce-scatters each micro-batch's scaled gradients and unscales the shard."""
     _, reference, _ = _fit(None, **{"pipeline.num_micro_batch": 4})
-    _, model, history = _fit("float16", **{"pipeline.num_micro_batch": 4})
+    _, model, history = _fit("float16", **{"pipeline.num_micro_batch": 4, "zero.level": zero})
     for a, b in zip(reference.get_weights(), model.get_weights()):
         np.testing.assert_allclose(a, b, atol=TOLERANCE["float16"])
     assert history.history["loss_scale"][-1] == 2.0**16
