@@ -1,15 +1,19 @@
 """Memory features, measured: peak memory and step time per configuration.
 
-Usage: python bench/memory.py [--steps 10] [--only gc,amp,apply,amp_speed]
+Usage: python bench/memory.py [--steps 10] [--only gc,amp,apply,amp_speed,zero]
 
 Every configuration runs in a fresh process (peak memory is process-wide on CPU), which
 builds the trainer, runs one step to trace, resets the allocator statistics and then
 times `--steps` steps. "step peak" is the peak during those steps minus the memory held
 before them (weights, optimizer state): the activations and temporaries of a step.
-The last table evaluates the ZeRO paper's per-device model-state formulas for the
-measured model: 2+2+12 bytes per parameter (fp16 weights and gradients, fp32 Adam
-states and master weights), 2+2+12/N with optimizer-state sharding, 2+14/N with
-gradients sharded too.
+The "zero" group runs one data-parallel job on 4 logical devices per ZeRO level (a
+parameter-heavy MLP, Adam, 2 micro-batches) and prints, per device, the measured peak
+(the process's peak / 4: the replicas are identical and share one allocator) next to
+`epl-plan`'s estimate of the same run (`estimate.estimate(...).max_peak`, from the
+Keras graph as the automatic partition costs it). The last table evaluates the ZeRO
+paper's per-device model-state formulas for the measured model: 2+2+12 bytes per
+parameter (fp16 weights and gradients, fp32 Adam states and master weights), 2+2+12/N
+with optimizer-state sharding, 2+14/N with gradients sharded too.
 """
 
 import argparse
@@ -84,6 +88,101 @@ def build_model(kind):
     for i in range(16):
         h = keras.layers.Dense(1024, name=f"dense_{i}")(h)
     return keras.Model(inputs, keras.layers.Dense(10, name="head")(h)), 8, (1024,)
+
+
+ZERO_DEVICES = 4
+ZERO_MICRO_BATCH = 2
+ZERO_LEVELS = [("none", ""), ("v0 (optimizer states)", "v0"), ("v1 (+ gradients)", "v1")]
+
+
+def build_zero_model():
+    """Parameter-heavy: 4 x Dense(1024) on 512 inputs (3.7M parameters), batch 16 per
+    device: model states dominate, as in the ZeRO paper's figure."""
+    import keras
+
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((512,))
+    h = inputs
+    for i in range(4):
+        h = keras.layers.Dense(1024, activation="relu", name=f"dense_{i}")(h)
+    return keras.Model(inputs, keras.layers.Dense(10, name="head")(h))
+
+
+def measure_zero(level, steps):
+    """Child process: one ZeRO level on ZERO_DEVICES logical devices."""
+    sys.path.insert(0, ROOT)
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    from epl_trainer.cluster import configure_tensorflow
+
+    configure_tensorflow(ZERO_DEVICES)
+    import keras
+    import numpy as np
+    import tensorflow as tf
+
+    import epl_trainer as epl
+
+    trainer = epl.EPLTrainer(
+        build_zero_model(),
+        keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        keras.optimizers.Adam(1e-4),
+        config={
+            "cluster.virtual_devices": ZERO_DEVICES,
+            "zero.level": level,
+            "pipeline.num_micro_batch": ZERO_MICRO_BATCH,
+        },
+    )
+    batch = 16 * ZERO_DEVICES * ZERO_MICRO_BATCH
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(batch, 512)).astype("float32")
+    y = rng.integers(0, 10, batch).astype("int32")
+    dataset = tf.data.Dataset.from_tensors((x, y)).repeat()
+    trainer.fit(dataset, steps_per_epoch=1, verbose=0)  # trace and build
+    measured = timed_peak(
+        lambda count: trainer.fit(dataset, steps_per_epoch=count, verbose=0), steps
+    )
+    report = trainer.memory_report(print_table=False)
+    row = report[trainer.lanes[0].devices[0]]
+    return {**measured, "states": [row.parameters, row.gradients, row.optimizer]}
+
+
+def predict_zero(level):
+    """epl-plan's per-device peak for the same run."""
+    sys.path.insert(0, ROOT)
+    from epl_trainer.core.graph.auto_partition import model_cost
+    from epl_trainer.core.plan import estimate, planner
+    from epl_trainer.core.plan.ir import StrategySpec
+
+    plan = planner.build_plan(
+        [StrategySpec("replicate", 1, "stage_0")],
+        estimate.virtual_cluster(1, ZERO_DEVICES, "CPU"),
+        0,
+        num_micro_batch=ZERO_MICRO_BATCH,
+    )
+    options = estimate.TrainOptions(micro_batch_size=16, zero=level)
+    return estimate.estimate(model_cost(build_zero_model()), plan, options).max_peak
+
+
+def print_zero_table(rows):
+    print(
+        f"\nZeRO on {ZERO_DEVICES} logical devices (data parallel, Adam, "
+        f"{ZERO_MICRO_BATCH} micro-batches): MiB per device"
+    )
+    header = ("zero.level", "measured peak", "epl-plan peak", "error", "params/grads/opt (report)")
+    widths = (24, 13, 13, 7, 28)
+    print("  ".join(h.ljust(w) for h, w in zip(header, widths)))
+    print("  ".join("-" * w for w in widths))
+    for name, measured, predicted in rows:
+        per_device = measured["peak"] / ZERO_DEVICES
+        states = "/".join(mib(b) for b in measured["states"])
+        cells = (
+            name,
+            mib(per_device),
+            mib(predicted),
+            f"{predicted / per_device - 1:+.0%}",
+            states,
+        )
+        print("  ".join(c.ljust(w) for c, w in zip(cells, widths)))
+    print("  parameter sharding (DeepSpeed stage 3): not built yet")
 
 
 def measure(kind, overrides, steps):
@@ -162,10 +261,21 @@ def main():
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        print(json.dumps(measure(*json.loads(args.child))))
+        arguments = json.loads(args.child)
+        if arguments[0] == "zero":
+            print(json.dumps(measure_zero(arguments[1], arguments[2])))
+        else:
+            print(json.dumps(measure(*arguments)))
         return
     params = None
     for group in args.only.split(","):
+        if group == "zero":
+            rows = [
+                (name, run_child(__file__, ["zero", level, args.steps]), predict_zero(level))
+                for name, level in ZERO_LEVELS
+            ]
+            print_zero_table(rows)
+            continue
         rows = [
             (name, run_child(__file__, [kind, overrides, args.steps]))
             for name, kind, overrides in CONFIGS[group]

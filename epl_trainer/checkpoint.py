@@ -245,10 +245,16 @@ def read_entries(path: str, manifest: dict, expected: Mapping, unexpected=()) ->
             _check_entry(path, saved[key], entry, entry.shape)
             by_shard.setdefault(saved[key]["shard"], []).append(key)
         elif key in pieces:
-            _check_rows_covered(path, key, pieces[key], entry)
+            _check_pieces_cover(path, pieces[key], entry)
             for start, stop, piece_key in pieces[key]:
-                _check_entry(path, saved[piece_key], entry, [stop - start, *entry.shape[1:]])
-                by_shard.setdefault(saved[piece_key]["shard"], []).append(piece_key)
+                found = saved[piece_key]
+                if int(np.prod(found["shape"])) != stop - start:
+                    raise CheckpointError(
+                        f"Checkpoint {path!r} holds {found['name']!r} with shape "
+                        f"{found['shape']}, not the {stop - start} elements its key names."
+                    )
+                _check_entry(path, found, entry, found["shape"])
+                by_shard.setdefault(found["shard"], []).append(piece_key)
     values = {}
     for shard, keys in sorted(by_shard.items()):
         files = manifest["shards"][shard]["files"]
@@ -268,9 +274,10 @@ def read_entries(path: str, manifest: dict, expected: Mapping, unexpected=()) ->
                 f"Checkpoint data {names} is unreadable (truncated or corrupted): "
                 f"{str(e).strip().splitlines()[0]}"
             ) from e
-    for key in expected:
-        if key not in saved and key in pieces:  # rows joined, in order
-            values[key] = np.concatenate([values.pop(k) for _, _, k in pieces[key]], axis=0)
+    for key, entry in expected.items():
+        if key not in saved and key in pieces:  # elements joined, in order
+            flat = [np.reshape(values.pop(k), [-1]) for _, _, k in pieces[key]]
+            values[key] = np.reshape(np.concatenate(flat), entry.shape)
     return values
 
 
@@ -294,14 +301,14 @@ def _check_entry(path: str, found: dict, entry, shape) -> None:
         )
 
 
-def _check_rows_covered(path: str, key: str, found: list, entry) -> None:
-    """The pieces of an entry cover its rows exactly once, in order."""
-    rows = entry.shape[0] if entry.shape else 1
-    edges = [0] + [edge for start, stop, _ in found for edge in (start, stop)] + [rows]
+def _check_pieces_cover(path: str, found: list, entry) -> None:
+    """The pieces of an entry cover its elements exactly once, in order."""
+    size = int(np.prod(entry.shape))
+    edges = [0] + [edge for start, stop, _ in found for edge in (start, stop)] + [size]
     if any(a != b for a, b in zip(edges[::2], edges[1::2])):
         raise CheckpointError(
             f"Checkpoint {path!r} holds pieces of {entry.name!r} that do not cover its "
-            f"{rows} rows once: {[(a, b) for a, b, _ in found]}"
+            f"{size} elements once: {[(a, b) for a, b, _ in found]}"
         )
 
 

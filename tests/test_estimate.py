@@ -51,8 +51,9 @@ def test_zero_paper_model_states_for_7_5b_parameters_on_64_devices():
 def test_our_amp_keeps_float32_weights_and_gradients():
     # amp.level=O1 casts float32 weights on use: 4 + 4 + 8 bytes per parameter with Adam.
     assert estimate.model_state_bytes(10, 4, "", amp="O1") == (40, 40, 80)
-    assert estimate.model_state_bytes(10, 4, "v0", optimizer="sgd") == (40, 40, 0)
-    assert estimate.model_state_bytes(10, 4, "v1", optimizer="momentum") == (40, 10, 10)
+    # ZeRO: each shard's optimizer also holds a float32 copy of its rows (4 / N bytes).
+    assert estimate.model_state_bytes(10, 4, "v0", optimizer="sgd") == (40, 40, 10)
+    assert estimate.model_state_bytes(10, 4, "v1", optimizer="momentum") == (40, 10, 20)
 
 
 # ------------------------------------------------------------------ pipelines
@@ -135,7 +136,8 @@ def test_data_parallel_communication_per_zero_level():
     assert sent[""].comm_data_parallel == pytest.approx(2 * share * 4e9)  # all-reduce
     assert sent["v0"].comm_data_parallel == pytest.approx(3 * share * 4e9)  # + all-gather
     assert sent["v1"].comm_data_parallel == pytest.approx(2 * share * 4e9)  # RS + AG
-    assert sent["v1"].optimizer == 8e9 / 32 and sent["v1"].gradients == 4e9 / 32
+    # Adam slots (8 bytes) + the shard's float32 copy of its rows (4 bytes), over N.
+    assert sent["v1"].optimizer == 12e9 / 32 and sent["v1"].gradients == 4e9 / 32
     assert sent["v0"].gradients == 4e9
 
 

@@ -69,20 +69,20 @@ def test_zero_v1_on_4_devices_restores_into_a_2_stage_pipeline_on_2(tmp_path):
     assert max_weight_difference(uninterrupted, resumed) < ATOL
     assert manifest["layout"]["zero_level"] == "v1" and manifest["layout"]["lanes"] == 4
     # Adam's two slots of each of the 4 variables under the model's indices: whole, or
-    # as the row pieces ZeRO cut them into (each shard owns a quarter of the elements);
-    # the pieces of a slot cover its rows once.
+    # as the pieces ZeRO cut them into (each shard owns a quarter of the elements); the
+    # pieces of a slot cover its elements once.
     entries = manifest["entries"]
-    rows = {}
+    spans = {}
     for key in (k for k in entries if k.startswith("slot/")):
-        base, _, span = key.partition("@rows=")
-        start, stop = (int(e) for e in span.split(":")) if span else (0, entries[key]["shape"][0])
-        assert entries[key]["shape"][0] == stop - start
-        rows.setdefault(base, []).append((start, stop))
-    assert sorted(rows) == [f"slot/{i}/{n}" for i in range(4) for n in ("momentum", "velocity")]
-    assert sorted(rows["slot/0/velocity"]) == [(0, 6)] or len(rows["slot/0/velocity"]) > 1
-    assert any(len(spans) > 1 for spans in rows.values())  # some variable was cut
-    for spans in rows.values():
-        edges = [e for span in sorted(spans) for e in span]
+        base, _, span = key.partition("@elements=")
+        size = int(np.prod(entries[key]["shape"]))
+        start, stop = (int(e) for e in span.split(":")) if span else (0, size)
+        assert size == stop - start
+        spans.setdefault(base, []).append((start, stop))
+    assert sorted(spans) == [f"slot/{i}/{n}" for i in range(4) for n in ("momentum", "velocity")]
+    assert any(len(found) > 1 for found in spans.values())  # some variable was cut
+    for found in spans.values():
+        edges = [e for span in sorted(found) for e in span]
         assert edges[0] == 0 and edges[1:-1:2] == edges[2::2]
     velocity = [k for k in entries if k.startswith("slot/0/velocity")]
     assert all(entries[k]["name"].startswith("dense_in/kernel (velocity") for k in velocity)

@@ -32,42 +32,56 @@ def _random_shapes(rng):
 
 
 def _assert_pieces_cover_each_variable_once(layout):
-    rows = {j: [] for j in range(len(layout.shapes))}
+    spans = {j: [] for j in range(len(layout.shapes))}
     for r in range(layout.num_shards):
         for p in layout.pieces[r]:
-            rows[p.position].append((p.start, p.stop))
+            spans[p.position].append((p.start, p.stop))
             assert p.size == math.prod(p.shape)
-    for j, found in rows.items():
-        edges = [0] + [e for span in sorted(found) for e in span] + [zl.num_rows(layout.shapes[j])]
+    for j, found in spans.items():
+        edges = [0] + [e for span in sorted(found) for e in span] + [layout.sizes[j]]
         assert edges[::2] == edges[1::2], (layout.shapes[j], found)
 
 
 @pytest.mark.parametrize("num_shards", [1, 2, 3, 4, 8])
 @pytest.mark.parametrize("seed", range(5))
-def test_each_shard_owns_total_over_n_within_one_row(num_shards, seed):
+def test_each_shard_owns_total_over_n(num_shards, seed):
+    """Cut by elements: blocks of ceil(total / N), the last one short by < N elements;
+    cut by rows: within one row of total / N."""
     shapes = _random_shapes(np.random.default_rng(seed))
-    layout = zl.FlatLayout(shapes, num_shards)
     total = sum(math.prod(s) for s in shapes)
     largest_row = max(zl.row_size(s) for s in shapes)
-    assert sum(layout.loads) == total
-    for load in layout.loads:
-        assert abs(load - total / num_shards) <= largest_row, (layout.loads, largest_row)
-    _assert_pieces_cover_each_variable_once(layout)
-    assert layout.pieces == zl.FlatLayout(list(shapes), num_shards).pieces  # deterministic
+    for cut, unit in (("elements", num_shards), ("rows", largest_row)):
+        layout = zl.FlatLayout(shapes, num_shards, cut=cut)
+        assert sum(layout.loads) == total
+        for load in layout.loads:
+            assert abs(load - total / num_shards) <= unit, (cut, layout.loads, unit)
+        _assert_pieces_cover_each_variable_once(layout)
+        assert layout.pieces == zl.FlatLayout(list(shapes), num_shards, cut=cut).pieces
 
 
-def test_cuts_fall_on_row_boundaries_and_pieces_keep_trailing_axes():
-    layout = zl.FlatLayout([(10, 3), (4,)], num_shards=2)  # 34 elements: cut at 17 -> row 6
+def test_element_cuts_make_blocks_of_consecutive_elements():
+    layout = zl.FlatLayout([(10, 3), (4,)], num_shards=2)  # 34 elements: 17 each
+    assert layout.loads == (17, 17)
+    (first,), (second, bias) = layout.pieces
+    assert (first.start, first.stop, first.shape, first.whole) == (0, 17, (17,), False)
+    assert (second.start, second.stop, second.shape) == (17, 30, (13,))
+    assert bias.whole and bias.shape == (4,)
+
+
+def test_row_cuts_fall_on_row_boundaries_and_pieces_keep_trailing_axes():
+    layout = zl.FlatLayout([(10, 3), (4,)], num_shards=2, cut="rows")  # 17 -> row 6
     assert layout.loads == (18, 16)
     (first,), (second, bias) = layout.pieces
-    assert (first.start, first.stop, first.shape, first.whole) == (0, 6, (6, 3), False)
-    assert (second.start, second.stop, second.shape) == (6, 10, (4, 3))
+    assert (first.start, first.stop, first.shape, first.whole) == (0, 18, (6, 3), False)
+    assert (second.start, second.stop, second.shape) == (18, 30, (4, 3))
     assert bias.whole and bias.shape == (4,)
+    with pytest.raises(ValueError, match="cut must be one of"):
+        zl.FlatLayout([(2,)], 2, cut="bytes")
 
 
 def test_whole_variables_for_optimizers_that_are_not_element_wise():
     sizes = [12, 7, 8, 5, 1, 24]
-    layout = zl.FlatLayout(SHAPES, num_shards=3, split_variables=False)
+    layout = zl.FlatLayout(SHAPES, num_shards=3, cut="whole")
     assert all(p.whole for pieces in layout.pieces for p in pieces)
     owners = zl.assign_owners(sizes, 3)
     assert [[p.position for p in pieces] for pieces in layout.pieces] == [
@@ -105,8 +119,9 @@ def _rows(value, piece):
 
 @pytest.mark.parametrize("num_shards", [1, 2, 4, 5])
 @pytest.mark.parametrize("excluded", [(), (5,)], ids=["all", "without_one"])
-def test_pack_unpack_round_trips(num_shards, excluded):
-    layout = zl.FlatLayout(SHAPES, num_shards)
+@pytest.mark.parametrize("cut", ["elements", "rows"])
+def test_pack_unpack_round_trips(num_shards, excluded, cut):
+    layout = zl.FlatLayout(SHAPES, num_shards, cut=cut)
     values = _values(SHAPES)
     buffer = layout.pack(values, set(excluded))
     block = layout.exchange_block_size(set(excluded))
@@ -157,12 +172,14 @@ def test_balance_when_an_embedding_is_half_the_model(max_splits):
     shapes = [(30522, 64), (512, 64)]
     for _ in range(4):
         shapes += [(64, 64)] * 4 + [(64,)] * 4 + [(64, 256), (256,), (256, 64), (64,)] * 8
-    shapes = shapes[:2] + shapes[2:][: len(shapes)]
-    layouts = zl.make_layouts(shapes, ["float32"] * len(shapes), 4, max_splits=max_splits)
+    dtypes = ["float32"] * len(shapes)
+    layouts = zl.make_layouts(shapes, dtypes, 4, max_splits=max_splits, row_aligned={0})
+    assert [x.cut for x in layouts] == ["elements"] * max_splits + ["rows"]
+    assert layouts[-1].indices == (0,)  # the embedding, cut on rows in its own layout
     per_shard = zl.shard_bytes(layouts)
     total = sum(per_shard)
     assert max(abs(b - total / 4) for b in per_shard) <= 0.01 * total / 4, per_shard
-    whole = zl.make_layouts(shapes, ["float32"] * len(shapes), 4, split_variables=False)
+    whole = zl.make_layouts(shapes, dtypes, 4, split_variables=False)
     assert max(zl.shard_bytes(whole)) > 1.5 * total / 4  # what exact balance fixes
 
 
@@ -236,7 +253,7 @@ def test_exchanges_give_each_lane_its_mean_gradients_and_every_variable(level, m
 
 
 def test_sparse_rows_of_a_piece_keep_their_count_and_land_locally():
-    piece = zl.Piece(0, 0, 2, 5, (3, 2), whole=False)
+    piece = zl.Piece(0, 0, 4, 10, (3, 2), whole=False)  # rows 2..5 of a (6, 2) table
     slices = tf.IndexedSlices(
         tf.constant([[1.0, 1.0], [2.0, 2.0], [3.0, 3.0], [4.0, 4.0]]),
         tf.constant([0, 2, 4, 2]),
@@ -334,9 +351,10 @@ def test_zero_update_equals_one_optimizer_on_mean_gradients(level, optimizer, cl
     @tf.function
     def step(lane_grads):
         if level == "v1_micro_batches":  # as the lane executors hand them over
-            for li, grads in enumerate(lane_grads):
-                for half in (0.25, 0.75):
+            for half in (0.25, 0.75):  # as the program flushes after each backward
+                for li, grads in enumerate(lane_grads):
                     update.micro_batch_grads.add(li, 0, {i: g * half for i, g in enumerate(grads)})
+                assert sorted(update.micro_batch_grads.flush(0)) == [0, 1, 2, 3]
             lane_grads = [[None] * len(SHAPES) for _ in lane_grads]
         update(lane_grads)
 

@@ -27,6 +27,8 @@ from __future__ import annotations
 
 import logging
 
+import keras
+
 from epl_trainer.core.engine import amp, finite
 from epl_trainer.core.engine.engine import Engine, EnginePlan
 from epl_trainer.core.engine.exchange import WeightExchange, host_of
@@ -128,6 +130,7 @@ def build_engine(
             level=config.zero.level,
             jit_compile=jit,
             split_variables=split_variables,
+            row_aligned=embedding_tables(staged.model, state.model_trainable),
             apply_device=host_device if offload else None,
             num_apply_group=config.optimizer.num_apply_group,
         )
@@ -158,6 +161,17 @@ def build_engine(
         skip = config.optimizer.nonfinite_loss == "skip"
         finite.apply_nonfinite_guard(hooks, layout, skip_metrics=skip)
     return Engine(engine_plan, state, program)
+
+
+def embedding_tables(model, trainable) -> frozenset:
+    """Indices in `trainable` of Embedding tables (their gradient is IndexedSlices of
+    rows; ZeRO cuts them on row boundaries)."""
+    tables = {
+        id(layer.embeddings)
+        for layer in model._flatten_layers()
+        if isinstance(layer, keras.layers.Embedding)
+    }
+    return frozenset(i for i, v in enumerate(trainable) if id(v) in tables)
 
 
 def _devices_by_worker(plan) -> list[list]:

@@ -7,9 +7,10 @@ Entries (the "universal" content, as DeepSpeed's universal checkpoints):
                             without the writing lane's offset)
   slot/<i>/<slot name>      the optimizer slot made for trainable variable i, whole,
                             whatever grouping, ZeRO shard or split shard held it
-  slot/<i>/<slot name>@rows=<a>:<b>
-                            rows [a, b) of that slot, when ZeRO cut variable i into
-                            pieces held by different lanes (the reader joins the pieces)
+  slot/<i>/<slot name>@elements=<a>:<b>
+                            elements [a, b) of that slot (flattened), when ZeRO cut
+                            variable i into pieces held by different lanes (the reader
+                            joins the pieces)
   optimizer/iterations      the training step (the user's optimizer's counter)
   optimizer/applied_steps   updates the optimizers applied (less than the step after
                             skipped non-finite steps; Adam's bias correction counts these)
@@ -84,15 +85,16 @@ def local_position(local_lanes: Sequence[Lane], lane: Lane, stage: int) -> int |
     return None
 
 
-PIECE_MARK = "@rows="  # slot/<i>/<name>@rows=<a>:<b>: rows a..b of a slot (ZeRO pieces)
+PIECE_MARK = "@elements="  # slot/<i>/<name>@elements=<a>:<b>: a ZeRO piece of a slot
 
 
 def _whole(value):
     return value
 
 
-def _rows_placer(start: int, stop: int) -> Callable:
-    return lambda value: value[start:stop]
+def _piece_placer(start: int, stop: int, shape) -> Callable:
+    """Elements [start, stop) of a whole value, in a piece variable's shape."""
+    return lambda value: np.reshape(np.reshape(value, [-1])[start:stop], shape)
 
 
 class CheckpointContent:
@@ -201,9 +203,9 @@ class CheckpointContent:
             held.sort(key=lambda item: item[0])
             i = held[0][2]
             slots = [slot for _, slot, _ in held]
-            slot_name, _, rows = key.split("/", 2)[2].partition(PIECE_MARK)
-            rows = f", rows {rows}" if rows else ""
-            path = f"{self.state.model_trainable[i].path} ({slot_name}{rows})"
+            slot_name, _, span = key.split("/", 2)[2].partition(PIECE_MARK)
+            span = f", elements {span}" if span else ""
+            path = f"{self.state.model_trainable[i].path} ({slot_name}{span})"
             if i in self.state.sharded:
                 axis = self.state.sharded[i].axis
                 read = lambda slots=slots, axis=axis: tf.concat([s.value for s in slots], axis)  # noqa: E731
@@ -285,7 +287,7 @@ class CheckpointContent:
             for slot, reference, name in slots_lib.slots_of(optimizer):
                 if id(reference) in self._piece_rows:
                     _, i, start, stop = self._piece_rows[id(reference)]
-                    place = _whole if start is None else _rows_placer(start, stop)
+                    place = _whole if start is None else _piece_placer(start, stop, slot.shape)
                 else:
                     _, i = self._copy_of[id(reference)]
                     place = self._shard_placer(i, state.lanes[li])

@@ -99,6 +99,18 @@ class LaneExecutor:
           (gradients summed over micro-batches, one per trainable variable on its stage
           device; the updated non-trainable values; the micro-batches, for metrics).
         """
+        steps = self.steps(feature_parts, label_parts, non_trainable, task_scope)
+        while True:
+            try:
+                next(steps)
+            except StopIteration as done:
+                return done.value
+
+    def steps(self, feature_parts, label_parts, non_trainable: list, task_scope=None):
+        """`run` one task at a time: a generator that yields (stage, task) after emitting
+        each task of the schedule and returns what `run` returns. The program can then
+        walk all lanes in lockstep and `send` back tensors the stage's next task must
+        wait for (ZeRO v1: the reduce-scatter of the micro-batch's gradients)."""
         micro_batches = [
             MicroBatch(dict(zip(self.staged.input_keys, self.staged.flatten_inputs(f))), y)
             for f, y in zip(feature_parts, label_parts)
@@ -117,12 +129,16 @@ class LaneExecutor:
                         self.boundaries.forward_receives(stage, mb.values)
                     else:
                         self.boundaries.gradient_receives(stage, mb.values, mb.upstream)
+                yield stage, task
                 continue
             with tf.name_scope(name), tf.control_dependencies(after):
                 if task.kind == FORWARD:
                     previous[stage] = self._forward(stage, mb, non_trainable)
                 else:
                     previous[stage] = self._backward(stage, mb, grads)
+            wait_for = yield stage, task
+            if wait_for:
+                previous[stage] = list(previous[stage]) + list(wait_for)
         return grads, non_trainable, micro_batches
 
     def _forward(self, k: int, mb: MicroBatch, non_trainable: list) -> list:

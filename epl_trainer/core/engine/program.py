@@ -31,7 +31,7 @@ from epl_trainer.core.engine.hooks import StepHooks
 from epl_trainer.core.engine.layout import StepLayout
 from epl_trainer.core.engine.pipeline import LaneExecutor
 from epl_trainer.core.engine.state import EngineState
-from epl_trainer.core.plan.schedule import execution_order, make_schedule
+from epl_trainer.core.plan.schedule import FORWARD, execution_order, make_schedule
 
 
 class Program:
@@ -168,17 +168,21 @@ class Program:
             label_parts = split_batch(labels, num_lanes * num_micro)
         lane_grads, lane_non_trainable = [], []
         hooks.lanes.begin_trace()
-        if hooks.gradient_sink is not None:
-            hooks.gradient_sink.clear()  # a trace given up half-way leaves nothing behind
-        for li, executor in enumerate(self.executors):
-            parts = slice(li * num_micro, (li + 1) * num_micro)
+        runs = [
+            executor.steps(
+                feature_parts[li * num_micro : (li + 1) * num_micro],
+                label_parts[li * num_micro : (li + 1) * num_micro],
+                [None if v is None else v.value for v in layout.state.non_trainable[li]],
+                task_scope=f"lane{li}",
+            )
+            for li, executor in enumerate(self.executors)
+        ]
+        if hooks.gradient_sink is None:
+            results = [self._run_lane(li, run) for li, run in enumerate(runs)]
+        else:
+            results = self._run_lanes_in_lockstep(runs, hooks.gradient_sink)
+        for li, (grads, non_trainable, micro_batches) in enumerate(results):
             with hooks.lanes.lane(li):
-                grads, non_trainable, micro_batches = executor.run(
-                    feature_parts[parts],
-                    label_parts[parts],
-                    [None if v is None else v.value for v in layout.state.non_trainable[li]],
-                    task_scope=f"lane{li}",
-                )
                 for mb in micro_batches:
                     if mb.loss is not None:  # the loss lives where the last stage runs
                         hooks.update_metrics(mb.labels, mb.y_pred, mb.loss)
@@ -192,6 +196,39 @@ class Program:
             if self.step_counter is not None:
                 self.step_counter.assign_add(1)
             return {**self._metric_results(), BATCH_SIZE_KEY: batch}
+
+    def _run_lane(self, li: int, run):
+        """Emits one lane's whole schedule; returns what `LaneExecutor.run` returns."""
+        with self.hooks.lanes.lane(li):
+            while True:
+                try:
+                    next(run)
+                except StopIteration as done:
+                    return done.value
+
+    def _run_lanes_in_lockstep(self, runs, sink):
+        """Emits the lanes' schedules task by task, all lanes at once, so each backward's
+        gradients can be reduced over the lanes right away (`sink.flush`, ZeRO v1) and
+        the stage's next task waits for that reduction: no micro-batch's gradients
+        outlive their reduce-scatter, and none accumulates in full."""
+        sink.clear()  # a trace given up half-way leaves nothing behind
+        sent: list = [None] * len(runs)
+        results: list = [None] * len(runs)
+        while any(result is None for result in results):
+            tasks = []
+            for li, run in enumerate(runs):
+                if results[li] is not None:
+                    continue
+                with self.hooks.lanes.lane(li):
+                    try:
+                        tasks.append(run.send(sent[li]))
+                    except StopIteration as done:
+                        results[li] = done.value
+            sent = [None] * len(runs)
+            stage, task = tasks[0] if tasks else (None, None)
+            if task is not None and task.kind != FORWARD:
+                sent = [sink.flush(stage).get(li) for li in range(len(runs))]
+        return results
 
     def _checked_batch_size(self, features, parts: int):
         """The batch size, checked to split into lanes x micro-batches.

@@ -40,27 +40,48 @@ LEVELS = ("v0", "v1")
 
 
 class MicroBatchGradients:
-    """Dense gradients per (lane, stage, micro-batch), handed over by the lane executors
-    instead of being accumulated (ZeRO v1 reduce-scatters each micro-batch into shards).
+    """ZeRO v1's gradients, one micro-batch at a time: the lane executors hand over each
+    backward's dense gradients (`add`) instead of accumulating them; once every local
+    lane has, the program calls `flush(stage)`, which reduce-scatters them over the stage
+    group at once and sums each member's pieces into its running total (`take` gives
+    the totals to the update). `flush` returns, per lane, tensors the stage's next task
+    waits for, so a micro-batch's full gradients are freed before the next backward.
 
-    `scale`: None, or the AMP loss scale (a callable): the shards are unscaled after the
-    reduction, as the other gradients are before it.
+    Args:
+      reduce_micro_batch: `(stage, per-member {index: gradient}) -> per-member
+        {piece key: reduced piece}`.
+
+    Attributes:
+      scale: None, or the AMP loss scale (a callable): the totals are unscaled after
+        the reduction, as the other gradients are before it.
     """
 
-    def __init__(self):
-        self.pending: dict[tuple[int, int], list[dict]] = {}
+    def __init__(self, reduce_micro_batch):
+        self._reduce = reduce_micro_batch
         self.scale = None
+        self.clear()
 
     def clear(self) -> None:
-        self.pending = {}
+        self.pending: dict[tuple[int, int], dict] = {}
+        self.totals: dict[int, list[dict]] = {}
 
     def add(self, lane_position: int, stage: int, grads: dict) -> None:
-        self.pending.setdefault((lane_position, stage), []).append(grads)
+        self.pending[(lane_position, stage)] = grads
 
-    def take(self, stage: int, members: list[int]) -> list[list[dict]]:
-        """`[micro-batch][member]` of one stage, removed from the pending ones."""
-        per_member = [self.pending.pop((li, stage), []) for li in members]
-        return [list(per_mb) for per_mb in zip(*per_member)]
+    def flush(self, stage: int) -> dict[int, list]:
+        lanes = sorted(li for li, k in self.pending if k == stage)
+        if not lanes:
+            return {}
+        reduced = self._reduce(stage, [self.pending.pop((li, stage)) for li in lanes])
+        totals = self.totals.setdefault(stage, [{} for _ in lanes])
+        for total, pieces in zip(totals, reduced):
+            for key, value in pieces.items():
+                with tf.device(value.device):
+                    total[key] = value if key not in total else total[key] + value
+        return {li: list(pieces.values()) for li, pieces in zip(lanes, reduced)}
+
+    def take(self, stage: int) -> list[dict] | None:
+        return self.totals.pop(stage, None)
 
 
 class ZeroUpdate:
@@ -76,7 +97,9 @@ class ZeroUpdate:
       measure_ranks: run `CollectiveGroup.measure_ranks()` on every stage group (one
         tiny eager gather each, at build time, on every worker in the same order).
         Default: only for GPU groups, whose ranks follow interconnect links.
-      split_variables: cut variables into row pieces (element-wise optimizers).
+      split_variables: cut variables into pieces (element-wise optimizers).
+      row_aligned: model indices of variables whose gradient can be IndexedSlices (an
+        Embedding's table): cut on row boundaries, so sparse rows split by index.
       apply_device: where the pieces, their optimizer state and update live (offload,
         as ZeRO-Offload: the host; the lanes' variables are then the host's shared copy).
         None: each member's stage device.
@@ -93,6 +116,7 @@ class ZeroUpdate:
         jit_compile: bool = False,
         measure_ranks: bool | None = None,
         split_variables: bool = True,
+        row_aligned: frozenset = frozenset(),
         apply_device: str | None = None,
         num_apply_group: int = 1,
     ):
@@ -106,7 +130,9 @@ class ZeroUpdate:
         # v1 shards each micro-batch's gradients (clipping before the reduction needs
         # each lane's whole gradient, so then they accumulate first).
         self.micro_batch_grads = (
-            MicroBatchGradients() if level == "v1" and not reduction.clip_before else None
+            MicroBatchGradients(self._reduce_micro_batch)
+            if level == "v1" and not reduction.clip_before
+            else None
         )
         self.layouts = []  # layouts[stage]
         self.shards = []  # shards[stage][member]: the member's rank in the stage group
@@ -124,6 +150,7 @@ class ZeroUpdate:
                 max_splits=getattr(reduction, "max_splits", 1),
                 indices=idx,
                 split_variables=split_variables,
+                row_aligned=row_aligned,
             )
             self.layouts.append(layouts)
             shards = exchange.member_shards(group, layouts) if layout.stage_lanes[k] else []
@@ -229,11 +256,9 @@ class ZeroUpdate:
         chains = self.reduction.num_communicators
         wire = getattr(self.reduction, "wire_fp16_scale", None)
         layouts = self.layouts[k]
-        per_mb = self.micro_batch_grads.take(k, members) if self.micro_batch_grads else []
-        if per_mb:  # v1, gradients handed over per micro-batch
-            dense = exchange.reduce_scatter_pieces(
-                group, layouts, per_mb, sparse, method, chains, wire
-            )
+        totals = self.micro_batch_grads.take(k) if self.micro_batch_grads else None
+        if totals is not None:  # v1: reduce-scattered micro-batch by micro-batch
+            dense = totals
             if self.micro_batch_grads.scale is not None:
                 scale = self.micro_batch_grads.scale()
                 dense = [dict(zip(d, unscale_gradients(list(d.values()), scale))) for d in dense]
@@ -261,6 +286,25 @@ class ZeroUpdate:
                     grads.append(dense[m][(b, piece.position)])
             merged[li] = grads
         return merged
+
+    def _reduce_micro_batch(self, k: int, member_grads: list[dict]) -> list[dict]:
+        """One micro-batch's dense stage-k gradients, reduce-scattered into pieces."""
+        group, members = self.layout.stage_groups[k], self.members_of(k)
+        if len(member_grads) != len(members):
+            raise ValueError(
+                f"Stage {k}'s gradients come from {len(member_grads)} lanes; its group has "
+                f"{len(members)} members here."
+            )
+        sparse = set(self.layout.trainable_idx[k]) - set(member_grads[0])
+        return exchange.reduce_scatter_pieces(
+            group,
+            self.layouts[k],
+            [member_grads],
+            sparse,
+            self.reduction.method,
+            self.reduction.num_communicators,
+            getattr(self.reduction, "wire_fp16_scale", None),
+        )
 
     def reduced_of_lane(self, owned_grads: list[list[list]], li: int) -> list:
         return [g for stage in owned_grads for g in stage[li]]
@@ -358,8 +402,8 @@ class ZeroUpdate:
         return owners
 
     def piece_rows(self) -> dict[int, tuple[int, int, int | None, int | None]]:
-        """{id(piece variable): (local lane position, trainable index, first row, end row)}
-        for the pieces held here; the rows are None for a whole variable."""
+        """{id(piece variable): (local lane position, trainable index, first element, end
+        element)} for the pieces held here; the elements are None for a whole variable."""
         rows = {}
         for k in range(self.layout.num_stages):
             for m, li in enumerate(self.members_of(k)):

@@ -142,12 +142,10 @@ def gather_pieces(
 
 
 def rows_of(value: tf.Tensor, piece: Piece) -> tf.Tensor:
-    """A whole variable's dense tensor -> the piece's rows."""
+    """A whole variable's dense tensor -> the piece's elements, in the piece's shape."""
     if piece.whole:
         return value
-    unit = row_size(piece.shape)  # a cut piece keeps the variable's trailing axes
-    flat = tf.reshape(value, [-1])[piece.start * unit : piece.stop * unit]
-    return tf.reshape(flat, piece.shape)
+    return tf.reshape(tf.reshape(value, [-1])[piece.start : piece.stop], piece.shape)
 
 
 def piece_of_slices(slices: tf.IndexedSlices, piece: Piece) -> tf.IndexedSlices:
@@ -156,14 +154,20 @@ def piece_of_slices(slices: tf.IndexedSlices, piece: Piece) -> tf.IndexedSlices:
     The row count stays static (XLA-compiled updates need static shapes): rows outside
     the piece become zero rows at index 0, which add nothing to a densified gradient (how
     Keras's optimizers apply IndexedSlices: a segment sum, or scatter-adds of values).
+    A piece cut by elements (a variable not expected to get sparse gradients) gets
+    the densified gradient's elements.
     """
     if piece.whole:
         return slices
+    if tuple(slices.values.shape[1:]) != tuple(piece.shape[1:]):
+        return rows_of(tf.convert_to_tensor(slices), piece)
+    unit = row_size(piece.shape)
+    first, end = piece.start // unit, piece.stop // unit
     indices = tf.cast(slices.indices, tf.int64)
-    inside = (indices >= piece.start) & (indices < piece.stop)
+    inside = (indices >= first) & (indices < end)
     mask = tf.reshape(inside, [-1] + [1] * (len(slices.values.shape) - 1))
     values = tf.where(mask, slices.values, tf.zeros_like(slices.values))
-    local = tf.where(inside, indices - piece.start, tf.zeros_like(indices))
+    local = tf.where(inside, indices - first, tf.zeros_like(indices))
     dense_shape = tf.constant(
         piece.shape, tf.int64 if slices.dense_shape is None else slices.dense_shape.dtype
     )

@@ -1,24 +1,27 @@
-"""ZeRO partitions as data: which rows of which variable each shard owns.
+"""ZeRO partitions as data: which elements of which variable each shard owns.
 
 The variables of one dtype (one bucket with `communication.max_splits` > 1) are laid end
-to end as one flat buffer, and the buffer is cut into `num_shards` contiguous ranges of
-total/N elements. A cut that falls inside a variable is moved to the nearest row
-boundary of that variable (a row: one index of its first axis), so shard r owns whole
-rows: an Embedding's sparse gradient (IndexedSlices of rows) then splits by row index,
-and each owned range is a tensor of the variable's shape with fewer rows. Each shard
-owns total/N elements within one row of the variables it is cut in (measured on BERT:
-a 30522 x 768 embedding, rows of 768 elements against millions per shard).
+to end as one flat buffer, and the buffer is cut into `num_shards` ranges of
+ceil(total/N) elements: block r of the exchange buffer is exactly shard r's range, so
+packing a reduce-scatter is one concatenation (the last block padded) and every shard
+owns total/N elements whatever the variable sizes. A `Piece` is the part of one
+variable a shard owns, as a flat element range [start, stop) of that variable.
 
-A `Piece` is one variable's rows owned by one shard; a variable cut k times has k + 1
-pieces on consecutive shards. Optimizers whose update is not element-wise (LAMB's
-trust ratio, Adafactor's factored moments, per-variable `clipnorm`) need whole
-variables: with `split_variables=False` each variable is owned whole, dealt out largest
-first to the least-loaded shard (balance is then bounded by the largest variable).
+Three ways to cut (`FlatLayout(cut=...)`):
 
-Exchange buffers (`pack`, `unpack_block`, ...) hold one block of `block_size` elements
-per shard, block r being shard r's pieces end to end, then zeros. They take an
-`excluded` set of layout positions: sparse gradients travel as rows, not in the buffer,
-while ownership stays the same. Pure Python but for the pack/unpack helpers.
+* "elements" (dense variables, element-wise optimizers): cuts anywhere; a cut piece is a
+  1-D tensor of its elements.
+* "rows" (variables whose gradient can be IndexedSlices, an Embedding's table): cuts move
+  to the nearest row boundary, so a piece is whole rows (shape: the variable's, fewer
+  rows) and a sparse gradient splits by row index. Blocks then differ by up to a row;
+  such a layout packs its (rarely dense) gradients piece by piece.
+* "whole" (optimizers whose update is not element-wise: LAMB's trust ratio, Adafactor's
+  factored moments, per-variable `clipnorm`): each variable is owned whole, dealt out
+  largest first; balance is then bounded by the largest variable.
+
+Exchange buffers (`pack`, `unpack_block`, ...) take an `excluded` set of layout
+positions: sparse gradients travel as rows, not in the buffer, while ownership stays the
+same. Pure Python but for the pack/unpack helpers.
 """
 
 from __future__ import annotations
@@ -33,24 +36,22 @@ import tensorflow as tf
 
 from epl_trainer.core import comm
 
+CUTS = ("elements", "rows", "whole")
+
 
 @dataclasses.dataclass(frozen=True)
 class Piece:
-    """Rows [start, stop) of the variable at layout position `position`."""
+    """Elements [start, stop) of the variable at layout position `position`."""
 
     position: int  # in the layout
     index: int  # the caller's index of the variable
     start: int
     stop: int
-    shape: tuple[int, ...]  # the piece's own shape: the variable's, with stop - start rows
+    shape: tuple[int, ...]  # the piece's own shape (the variable's when whole)
     whole: bool  # the piece is the entire variable
 
     @property
     def size(self) -> int:
-        return math.prod(self.shape)
-
-    @property
-    def rows(self) -> int:
         return self.stop - self.start
 
 
@@ -59,16 +60,10 @@ def row_size(shape: Sequence[int]) -> int:
     return math.prod(shape[1:]) if len(shape) > 1 else 1
 
 
-def num_rows(shape: Sequence[int]) -> int:
-    return int(shape[0]) if len(shape) else 1
-
-
-def cut_points(shapes: Sequence[Sequence[int]], num_shards: int) -> list[int]:
-    """Element offsets [0, c_1, ..., c_{N-1}, total] of the shards' ranges.
-
-    Cut r is r*total/N moved to the nearest row boundary of the variable it falls in;
-    cuts never go backwards.
-    """
+def cut_points(shapes: Sequence[Sequence[int]], num_shards: int, rows: bool) -> list[int]:
+    """Element offsets [0, c_1, ..., c_{N-1}, total] of the shards' ranges: c_r =
+    r * ceil(total / N), or with `rows` r*total/N moved to the nearest row boundary of
+    the variable it falls in. Cuts never go backwards."""
     if num_shards < 1:
         raise ValueError(f"num_shards must be >= 1. Received: {num_shards}")
     sizes = [math.prod(shape) for shape in shapes]
@@ -76,8 +71,10 @@ def cut_points(shapes: Sequence[Sequence[int]], num_shards: int) -> list[int]:
     for size in sizes:
         starts.append(starts[-1] + size)
     total = starts[-1]
-    cuts = [0]
-    j = 0
+    if not rows:
+        block = -(-total // num_shards)
+        return [min(r * block, total) for r in range(num_shards)] + [total]
+    cuts, j = [0], 0
     for r in range(1, num_shards):
         target = r * total / num_shards
         while j < len(sizes) - 1 and starts[j + 1] <= target:
@@ -95,6 +92,7 @@ class FlatLayout:
     Attributes:
       shapes, sizes, dtype, num_shards: the variables' shapes and element counts.
       indices: `indices[j]` is variable j's index in the caller's list.
+      cut: "elements", "rows" or "whole" (module doc).
       pieces: `pieces[r]`, the pieces shard r owns, in buffer order.
       loads: `loads[r]`, elements shard r owns.
       block_size: elements per block of a full exchange buffer (the largest load, >= 1).
@@ -106,51 +104,58 @@ class FlatLayout:
         num_shards: int,
         dtype: str = "float32",
         indices: Sequence[int] | None = None,
-        split_variables: bool = True,
+        cut: str = "elements",
     ):
+        if cut not in CUTS:
+            raise ValueError(f"cut must be one of {CUTS}. Received: {cut!r}")
         self.shapes = tuple(tuple(int(d) for d in shape) for shape in shapes)
         self.sizes = tuple(math.prod(shape) for shape in self.shapes)
         self.num_shards = num_shards
         self.dtype = tf.as_dtype(dtype).name
-        self.split_variables = split_variables
+        self.cut = cut
         self.indices = tuple(range(len(self.shapes)) if indices is None else indices)
         if len(self.indices) != len(self.shapes):
             raise ValueError(
                 "FlatLayout needs one index per shape. Received: "
                 f"{len(self.shapes)} shapes, {len(self.indices)} indices"
             )
-        if split_variables:
-            cuts = cut_points(self.shapes, num_shards)
-            self.pieces = tuple(self._pieces_between(a, b) for a, b in itertools.pairwise(cuts))
-        else:  # whole variables, dealt out largest first (not contiguous: better balance)
+        if cut == "whole":  # dealt out largest first (not contiguous: better balance)
             owners = assign_owners(self.sizes, num_shards)
             self.pieces = tuple(
                 tuple(self._whole(j) for j, owner in enumerate(owners) if owner == r)
                 for r in range(num_shards)
             )
+        else:
+            cuts = cut_points(self.shapes, num_shards, rows=cut == "rows")
+            self.pieces = tuple(self._pieces_between(a, b) for a, b in itertools.pairwise(cuts))
         self.loads = tuple(sum(p.size for p in pieces) for pieces in self.pieces)
         self.block_size = max(1, *self.loads)
 
     def _whole(self, j: int) -> Piece:
-        shape = self.shapes[j]
-        return Piece(j, self.indices[j], 0, num_rows(shape), shape, True)
+        return Piece(j, self.indices[j], 0, self.sizes[j], self.shapes[j], True)
 
     def _pieces_between(self, begin: int, end: int) -> tuple[Piece, ...]:
         pieces, offset = [], 0
         for j, (shape, size) in enumerate(zip(self.shapes, self.sizes)):
             low, high = max(begin, offset), min(end, offset + size)
             if low < high:
-                unit = row_size(shape)
-                start, stop = (low - offset) // unit, (high - offset) // unit
-                whole = start == 0 and stop == num_rows(shape)
-                own_shape = shape if whole else (stop - start, *shape[1:])
-                pieces.append(Piece(j, self.indices[j], start, stop, own_shape, whole))
+                start, stop = low - offset, high - offset
+                if start == 0 and stop == size:
+                    pieces.append(self._whole(j))
+                else:
+                    unit = row_size(shape)
+                    own = (
+                        ((stop - start) // unit, *shape[1:])
+                        if self.cut == "rows"
+                        else (stop - start,)
+                    )
+                    pieces.append(Piece(j, self.indices[j], start, stop, own, False))
             offset += size
         return tuple(pieces)
 
     def __repr__(self) -> str:
         return (
-            f"FlatLayout(dtype={self.dtype}, vars={len(self.shapes)}, "
+            f"FlatLayout(dtype={self.dtype}, cut={self.cut}, vars={len(self.shapes)}, "
             f"num_shards={self.num_shards}, block_size={self.block_size}, loads={self.loads})"
         )
 
@@ -163,6 +168,8 @@ class FlatLayout:
 
     def exchange_block_size(self, excluded: Collection[int] = ()) -> int:
         """Block size of a buffer without the variables at `excluded` positions."""
+        if not excluded:
+            return self.block_size
         return max(1, *(sum(p.size for p in self.pieces_of(r, excluded))
                         for r in range(self.num_shards)))  # fmt: skip
 
@@ -172,6 +179,11 @@ class FlatLayout:
         """Every variable's tensor (layout order; anything at excluded positions) -> the
         `[num_shards * block]` buffer, block r holding shard r's pieces."""
         self._check_count(values, len(self.shapes), "pack")
+        if self.cut == "elements" and not excluded:
+            # Blocks are consecutive ranges of the variables laid end to end: one concat.
+            parts = [tf.reshape(v, [-1]) for v in values]
+            parts.append(tf.zeros([self.buffer_size - sum(self.sizes)], self.dtype))
+            return tf.concat(parts, axis=0)
         block = self.exchange_block_size(excluded)
         flat = {}
         parts = []
@@ -180,7 +192,7 @@ class FlatLayout:
             for p in pieces:
                 if p.position not in flat:
                     flat[p.position] = tf.reshape(values[p.position], [-1])
-                parts.append(self._rows(flat[p.position], p))
+                parts.append(flat[p.position] if p.whole else flat[p.position][p.start : p.stop])
             parts.append(tf.zeros([block - sum(p.size for p in pieces)], self.dtype))
         return tf.concat(parts, axis=0)
 
@@ -203,6 +215,9 @@ class FlatLayout:
 
     def unpack_all(self, buffer: tf.Tensor) -> list[tf.Tensor]:
         """A full buffer (all-gathered blocks) -> every variable's tensor, layout order."""
+        if self.cut == "elements":
+            parts = tf.split(buffer, [*self.sizes, self.buffer_size - sum(self.sizes)])
+            return [tf.reshape(part, shape) for part, shape in zip(parts, self.shapes)]
         blocks = tf.split(buffer, self.num_shards)
         flat: list[list[tf.Tensor]] = [[] for _ in self.shapes]
         for r, block in enumerate(blocks):
@@ -216,12 +231,6 @@ class FlatLayout:
             for parts, shape in zip(flat, self.shapes)
         ]
 
-    def _rows(self, flat: tf.Tensor, piece: Piece) -> tf.Tensor:
-        if piece.whole:
-            return flat
-        unit = row_size(self.shapes[piece.position])
-        return flat[piece.start * unit : piece.stop * unit]
-
     def _check_count(self, values, expected: int, what: str) -> None:
         if len(values) != expected:
             raise ValueError(f"{what} expects {expected} tensors. Received: {len(values)}")
@@ -234,12 +243,15 @@ def make_layouts(
     max_splits: int = 1,
     indices: Sequence[int] | None = None,
     split_variables: bool = True,
+    row_aligned: Collection[int] = (),
 ) -> list[FlatLayout]:
-    """One layout per dtype (per contiguous bucket with `max_splits` > 1).
+    """One layout per dtype (per contiguous bucket with `max_splits` > 1), cut by
+    elements; the variables at caller indices `row_aligned` (those whose gradient can be
+    IndexedSlices) in their own layout per dtype, cut by rows; everything whole when not
+    `split_variables`.
 
     `indices[j]` is variable j's index in the caller's list (default: j). Each bucket is
-    cut into N equal ranges on its own, so every collective carries at most one row of
-    padding per shard.
+    cut into N equal ranges on its own.
     """
     if len(shapes) != len(dtypes):
         raise ValueError(
@@ -249,17 +261,28 @@ def make_layouts(
     sizes = [math.prod(int(d) for d in shape) for shape in shapes]
     names = [tf.as_dtype(d).name for d in dtypes]
     itemsizes = [tf.as_dtype(d).size for d in dtypes]
-    buckets = comm.plan_buckets([s * b for s, b in zip(sizes, itemsizes)], names, max_splits)
     indices = list(range(len(shapes)) if indices is None else indices)
+    rows = [j for j, i in enumerate(indices) if i in set(row_aligned)] if split_variables else []
+    dense = [j for j in range(len(shapes)) if j not in rows]
+    groups = [
+        ([dense[b] for b in bucket], "elements" if split_variables else "whole")
+        for bucket in comm.plan_buckets(
+            [sizes[j] * itemsizes[j] for j in dense], [names[j] for j in dense], max_splits
+        )
+    ]
+    by_dtype: dict[str, list[int]] = {}
+    for j in rows:
+        by_dtype.setdefault(names[j], []).append(j)
+    groups += [(members, "rows") for members in by_dtype.values()]
     return [
         FlatLayout(
-            [shapes[j] for j in bucket],
+            [shapes[j] for j in members],
             num_shards,
-            names[bucket[0]],
-            indices=[indices[j] for j in bucket],
-            split_variables=split_variables,
+            names[members[0]],
+            indices=[indices[j] for j in members],
+            cut=cut,
         )
-        for bucket in buckets
+        for members, cut in groups
     ]
 
 

@@ -23,9 +23,11 @@ DeepSpeed fp16)
 =================  =======================  ===================  ====================
 
 `zero.level` "v0" divides the optimizer state by N (the paper's P_os), "v1" also the
-gradients (P_os+g): with "master" Adam, 7.5e9 parameters and N = 64 that is 120 GB,
-31.4 GB and 16.6 GB per device (GB = 1e9 bytes). "master" is not what `amp.level="O1"`
-does; it is there to compare with the paper and with DeepSpeed.
+gradients (P_os+g); ours adds a float32 copy of each shard's rows that its optimizer
+updates (4/N bytes per parameter, what "master" counts in K). With "master" Adam,
+7.5e9 parameters and N = 64 that is 120 GB, 31.4 GB and 16.6 GB per device (GB = 1e9
+bytes). "master" is not what `amp.level="O1"` does; it is there to compare with the
+paper and with DeepSpeed.
 
 Activations per micro-batch: the bytes kept for backward (`NodeCost.kept_bytes` per
 sample, times the micro-batch size, halved for 16-bit activations under AMP), plus
@@ -347,7 +349,12 @@ def model_state_bytes(
         param_b, grad_b, optimizer_b = 4, 4, 4 * slots
     n = data_parallel
     gradients = params * grad_b / (n if zero == "v1" else 1)
-    state = params * optimizer_b / (n if zero in ("v0", "v1") else 1)
+    if zero in ("v0", "v1"):
+        # Each shard's optimizer runs on a float32 copy of its rows (zero.py), the master
+        # partition "master" AMP already counts.
+        state = params * (optimizer_b + (4 if amp != "master" else 0)) / n
+    else:
+        state = params * optimizer_b
     return params * param_b, gradients, state
 
 
