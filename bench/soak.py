@@ -1,6 +1,9 @@
 """Soak: steps/s, threads and resident memory over a long data-parallel run.
 
-Usage: python bench/soak.py [--steps 50000] [--batch 16] [--devices 2]
+Usage: python bench/soak.py [--steps 50000] [--batch 16] [--devices 2] [--config JSON]
+
+`--config` adds config keys to EPLTrainer's, e.g. '{"zero.level": "v1",
+"pipeline.num_micro_batch": 2}' for a ZeRO soak.
 
 One process. A small model trains `--steps` steps with EPLTrainer on `--devices`
 logical CPU devices (data parallel), then the same number with plain Keras `fit`.
@@ -10,6 +13,7 @@ timer thread alive for 600 s and a run like this one aborted at ~30,000 threads.
 """
 
 import argparse
+import json
 import os
 import sys
 import time
@@ -23,7 +27,9 @@ def main():
     parser.add_argument("--steps", type=int, default=50_000)
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--devices", type=int, default=2)
+    parser.add_argument("--config", default="{}", help="extra config keys, as JSON")
     args = parser.parse_args()
+    extra = json.loads(args.config)
 
     from epl_trainer.cluster import configure_tensorflow
 
@@ -62,11 +68,11 @@ def main():
         model(),
         loss,
         keras.optimizers.Adam(1e-3),
-        config={"cluster.virtual_devices": args.devices},
+        config={"cluster.virtual_devices": args.devices, **extra},
     )
     rows = [
         measure(
-            f"EPLTrainer, {trainer.plan.num_replicas} replicas",
+            f"EPLTrainer, {trainer.plan.num_replicas} replicas" + (" +config" if extra else ""),
             lambda n: trainer.fit(data, steps_per_epoch=n, verbose=0),
         )
     ]
