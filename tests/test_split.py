@@ -270,10 +270,36 @@ def test_split_without_colocation_is_refused():
         )
 
 
-def test_split_with_zero_is_refused():
-    # Refused when the trainer is made (core/plan/rules.py), before anything is built.
-    message = _error(lambda: split_trainer(head_model(), 2, **{"zero.level": "v1"}))
-    assert "zero.level='v1'" in message
+@pytest.mark.parametrize("level", ["v0", "v1"])
+def test_split_with_zero_shards_the_replicated_part(level):
+    """8 devices, 2 replicas of width 4, a split head: ZeRO partitions the replicated
+    `features` layer over the 8 lanes; each lane updates its own head shard after the
+    shards are reduced over the replicas. Adam, 2 micro-batches, global-norm clipping
+    after the reduction (the norm adds the pieces' and the shards' squares)."""
+    x, y = data()
+    optimizer = lambda: keras.optimizers.Adam(0.01, global_clipnorm=0.5)  # noqa: E731
+    reference = head_model()
+    keras_reference(reference, x, y, optimizer(), batch_size=16, steps=3)
+    model = head_model()
+    trainer = epl.EPLTrainer(
+        model,
+        LOSS,
+        optimizer(),
+        strategy=epl.Strategy(default=epl.replicate(4), split=["head"]),
+        config={
+            "cluster.virtual_devices": 8,
+            "zero.level": level,
+            "pipeline.num_micro_batch": 2,
+            "communication.clip_after_allreduce": True,
+            **COLOCATE,
+        },
+    )
+    trainer.fit(x, y, batch_size=16, steps_per_epoch=3, verbose=0)
+    assert max_weight_difference(reference, model) < ATOL
+    update = trainer._engine.program.update
+    features = {v.path: i for i, v in enumerate(model.trainable_variables)}["features/kernel"]
+    owners = {lane for lane, i, _, _ in update.piece_rows().values() if i == features}
+    assert len(owners) > 1  # the replicated kernel is cut over several lanes
 
 
 def test_clipping_before_the_reduction_is_refused_with_a_hint():

@@ -228,7 +228,7 @@ class LaneExecutor:
             ]
             sink, handed = self.hooks.gradient_sink, {}
             for i, g in zip(self.trainable_idx[k], computed[: len(run.variables)]):
-                if sink is not None and not _is_slices(g):
+                if sink is not None and i in sink.covered and not _is_slices(g):
                     handed[i] = g  # reduced per micro-batch (ZeRO v1), never accumulated
                 else:
                     grads[i] = g if grads[i] is None else accumulate(grads[i], g)

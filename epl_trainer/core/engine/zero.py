@@ -56,8 +56,9 @@ class MicroBatchGradients:
         the reduction, as the other gradients are before it.
     """
 
-    def __init__(self, reduce_micro_batch):
+    def __init__(self, reduce_micro_batch, covered: frozenset):
         self._reduce = reduce_micro_batch
+        self.covered = covered  # model indices the ZeRO layouts hold (not split shards)
         self.scale = None
         self.clear()
 
@@ -130,7 +131,10 @@ class ZeroUpdate:
         # v1 shards each micro-batch's gradients (clipping before the reduction needs
         # each lane's whole gradient, so then they accumulate first).
         self.micro_batch_grads = (
-            MicroBatchGradients(self._reduce_micro_batch)
+            MicroBatchGradients(
+                self._reduce_micro_batch,
+                frozenset(i for i in range(len(state.model_trainable)) if i not in state.sharded),
+            )
             if level == "v1" and not reduction.clip_before
             else None
         )
@@ -141,7 +145,8 @@ class ZeroUpdate:
             on_gpu = any(tf.DeviceSpec.from_string(d).device_type == "GPU" for d in group.devices)
             if group.size > 1 and (on_gpu if measure_ranks is None else measure_ranks):
                 group.measure_ranks()
-            idx = layout.trainable_idx[k]
+            # Split layers' shards are not replicated: each lane updates its own (below).
+            idx = [i for i in layout.trainable_idx[k] if i not in state.sharded]
             variables = [state.model_trainable[i] for i in idx]
             layouts = make_layouts(
                 [v.shape for v in variables],
@@ -189,6 +194,26 @@ class ZeroUpdate:
                     self.steps[li][k].append(
                         OptimizerStep(optimizer, variables, device, jit_compile)
                     )
+        # Split layers (split.py): every lane updates its own slices of the split weights,
+        # after they are reduced over the replicas (the lane hooks), as without ZeRO.
+        self.split_idx = [
+            [i for i in layout.trainable_idx[k] if i in state.sharded]
+            for k in range(layout.num_stages)
+        ]
+        self.split_steps = [
+            [
+                OptimizerStep(
+                    make_optimizer(lane.devices[k], [state.trainable[li][i] for i in idx]),
+                    [state.trainable[li][i] for i in idx],
+                    lane.devices[k],
+                    jit_compile,
+                )
+                if idx and lane.is_local(k)
+                else None
+                for k, idx in enumerate(self.split_idx)
+            ]
+            for li, lane in enumerate(layout.lanes)
+        ]
         self.reduced_agree = False  # each lane holds the reduced gradients of its shard
 
     def _apply_device(self, k: int, li: int) -> str:
@@ -223,6 +248,13 @@ class ZeroUpdate:
         self._refresh_pieces()
         owned = [self._reduce_stage(k, group, lane_grads)
                  for k, group in enumerate(self.layout.stage_groups)]  # fmt: skip
+        if any(self.split_idx):
+            reduced = [list(grads) for grads in lane_grads]
+            self.reduction.lane_hooks.reduce_sharded(lane_grads, reduced)
+            for k, idx in enumerate(self.split_idx):
+                for li in range(len(self.layout.lanes)):
+                    if self.split_steps[li][k] is not None:
+                        owned[k][li] = owned[k][li] + [reduced[li][i] for i in idx]
         if self.reduction.clip_after:
             owned = self._clip_owned(owned)
         return owned
@@ -250,7 +282,8 @@ class ZeroUpdate:
         merged: list[list] = [[] for _ in self.layout.lanes]
         if not members:  # the stage runs on other workers only
             return merged
-        idx = self.layout.trainable_idx[k]
+        sharded = self.layout.state.sharded
+        idx = [i for i in self.layout.trainable_idx[k] if i not in sharded]
         member_grads = [lane_grads[li] for li in members]
         sparse = {i for i in idx if isinstance(member_grads[0][i], tf.IndexedSlices)}
         chains = self.reduction.num_communicators
@@ -317,7 +350,7 @@ class ZeroUpdate:
             members = self.members_of(k)
             per_lane: list = [None] * len(layout.lanes)
             if members:
-                grads = [owned_grads[k][li] for li in members]
+                grads = [self._piece_part(k, li, owned_grads[k][li]) for li in members]
                 for li, total in zip(members, exchange.global_norm_squared(group, grads)):
                     per_lane[li] = total
             squares.append(per_lane)
@@ -325,8 +358,9 @@ class ZeroUpdate:
         limit = self.reduction.clip_global_norm
         for li, lane in enumerate(layout.lanes):
             local_stages = layout.local_stages(li)
+            split_squares = self._split_norm_squares(li, owned_grads)
             with tf.device(lane.devices[local_stages[0]]):
-                total = tf.add_n([squares[k][li] for k in local_stages])
+                total = tf.add_n([squares[k][li] for k in local_stages] + split_squares)
             total = sum_over_lane(layout, li, total)  # stages on other workers add theirs
             with tf.device(lane.devices[local_stages[0]]):
                 factor = limit / tf.maximum(tf.sqrt(total), limit)
@@ -334,6 +368,21 @@ class ZeroUpdate:
                 with tf.device(lane.devices[k]):
                     clipped[k][li] = [scaled(g, factor) for g in owned_grads[k][li]]
         return clipped
+
+    def _piece_part(self, k: int, li: int, grads: list) -> list:
+        """A lane's owned gradients of stage k without the split shards' (appended last)."""
+        return grads[: len(grads) - len(self.split_idx[k])] if self.split_idx[k] else grads
+
+    def _split_norm_squares(self, li: int, owned_grads: list[list[list]]) -> list:
+        """The split shards' squared norm summed over the lane's replica (lane hooks)."""
+        if not any(self.split_idx):
+            return []
+        grads = [None] * len(self.layout.state.model_trainable)
+        for k, idx in enumerate(self.split_idx):
+            if idx and owned_grads[k][li]:
+                for i, g in zip(idx, owned_grads[k][li][-len(idx) :]):
+                    grads[i] = g
+        return self.reduction.lane_hooks.shard_norm_squares(li, grads)
 
     # ---- apply and gather ----------------------------------------------------------------
 
@@ -344,6 +393,9 @@ class ZeroUpdate:
                 previous = []
                 # Last layers first (backward's order); each group waits for the one before,
                 # so one group's temporaries are freed before the next starts.
+                split_step = self.split_steps[li][k]
+                if split_step is not None:
+                    split_step(grads[len(grads) - len(self.split_idx[k]) :])
                 pairs = list(zip(self.groups[k][m], self.steps[li][k]))[::-1]
                 for position, (group, step) in enumerate(pairs):
                     with tf.control_dependencies(previous):
@@ -381,12 +433,19 @@ class ZeroUpdate:
 
     def local_optimizers(self) -> list[tuple[int, object, list]]:
         """[(local lane position, optimizer, the variables it updates)] on this worker."""
-        return [
+        pieces = [
             (li, step.optimizer, step.variables)
             for li, lane_steps in enumerate(self.steps)
             for stage_steps in lane_steps
             for step in stage_steps
         ]
+        split = [
+            (li, step.optimizer, step.variables)
+            for li, lane_steps in enumerate(self.split_steps)
+            for step in lane_steps
+            if step is not None
+        ]
+        return pieces + split
 
     def slot_owners(self) -> dict[int, str]:
         """{trainable index: the stage device of the lane (on any worker) owning it whole}:

@@ -97,7 +97,6 @@ def check_plan(
             "recipe); split on separate devices is not supported."
         )
     combined = {
-        "zero.level": config.zero.level,
         "offload.level": config.offload.level,
         "gradient_checkpoint.type": config.gradient_checkpoint.type,
     }
