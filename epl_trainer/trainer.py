@@ -26,7 +26,6 @@ from epl_trainer.annotations import checkpoints, strategies
 from epl_trainer.cluster import build_cluster, detect_lost_workers
 from epl_trainer.config import Config
 from epl_trainer.core import engine
-from epl_trainer.core.engine import zero_layout
 from epl_trainer.end_of_data import EndOfDataAgreement
 from epl_trainer.env import Env
 from epl_trainer.losses import CompiledLoss
@@ -251,7 +250,6 @@ class EPLTrainer(CheckpointMixin):
             step_counter=self.optimizer.iterations,
             checkpoint_marks=checkpoints.get_collection(),
             jit_compile=self.jit_compile,
-            split_variables=zero_layout.splits_variables(self.optimizer),
         )
         if self.config.gradient_checkpoint.check_gradients:
             self._engine.check_recompute_gradients(features)

@@ -42,6 +42,7 @@ from epl_trainer.core.engine.split_lanes import apply_split
 from epl_trainer.core.engine.state import EngineState
 from epl_trainer.core.engine.update import ReplicatedUpdate
 from epl_trainer.core.engine.zero import ZeroUpdate
+from epl_trainer.core.engine.zero_layout import splits_variables
 
 logger = logging.getLogger(__name__)
 
@@ -58,7 +59,6 @@ def build_engine(
     step_counter=None,
     checkpoint_marks=(),
     jit_compile: bool = False,
-    split_variables: bool = True,
 ) -> Engine:
     """Creates the engine state and the program for this worker's lanes.
 
@@ -75,8 +75,6 @@ def build_engine(
       checkpoint_marks: the user's `add_to_collection` marks.
       jit_compile: compile each stage's forward and backward with XLA (the trainer's
         `jit_compile`, as `Model.compile(jit_compile=True)`).
-      split_variables: ZeRO may cut variables into row pieces (the optimizer's update
-        is element-wise, `zero_layout.splits_variables`).
     """
     staged, plan = engine_plan.staged, engine_plan.plan
     if config.amp.level:
@@ -129,7 +127,9 @@ def build_engine(
             make_state_optimizer,
             level=config.zero.level,
             jit_compile=jit,
-            split_variables=split_variables,
+            # Cut variables into pieces only for an element-wise update (a probe replica
+            # of the user's optimizer, on no variables, tells).
+            split_variables=splits_variables(make_optimizer(host_device, [], [])),
             row_aligned=embedding_tables(staged.model, state.model_trainable),
             apply_device=host_device if offload else None,
             num_apply_group=config.optimizer.num_apply_group,
