@@ -63,13 +63,14 @@ def test_zero_matches_keras(level, num_micro_batch, stages, offload):
         {"optimizer.num_apply_group": 3},
         {"communication.fp16": True, "communication.max_splits": 3},
         {"communication.clip_after_allreduce": False},
+        {"gradient_checkpoint.type": "auto"},
     ],
-    ids=["grouped_apply", "fp16_wire_buckets", "clip_before_reduction"],
+    ids=["grouped_apply", "fp16_wire_buckets", "clip_before_reduction", "recompute"],
 )
 def test_zero_v1_combines_with(config):
     """Grouped apply (groups of pieces, chained), gradients on the float16 wire in several
-    buckets, and global-norm clipping before the reduction (EPL's default: gradients
-    then accumulate per lane before they are reduce-scattered)."""
+    buckets, global-norm clipping before the reduction (EPL's default: gradients then
+    accumulate per lane before they are reduce-scattered), gradient checkpointing."""
     x, y = parity_data()
     clip = 0.05 if "communication.clip_after_allreduce" in config else None
     optimizer = lambda: keras.optimizers.Adam(0.01, global_clipnorm=clip)  # noqa: E731
