@@ -2,6 +2,7 @@
 paper's model-state numbers, GPipe's bubble, the automatic partition's use of it, and
 its estimate against peaks measured in fresh processes."""
 
+import concurrent.futures
 import json
 import os
 import subprocess
@@ -220,9 +221,12 @@ def _measure(kind, devices, micro_batch_size, config):
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 
+# One case per memory feature, each a fresh process of ~15 s. The plain transformer on one
+# device is not a case of its own: the 2-stage case estimates the same float32 activations
+# (81% of its estimate, 85% of the one-device one) and Adam states, per stage and times the
+# micro-batches in flight, so an error in that plain accounting fails it as well.
 CASES = [
     # (label, model, devices, micro-batch size, trainer config, estimator options)
-    ("transformer, 1 device", "transformer", 1, 32, {}, {}),
     ("transformer, gc auto", "transformer", 1, 32, {"gradient_checkpoint.type": "auto"},
      {"gc": True}),
     ("transformer, AMP O1 bfloat16", "transformer", 1, 32,
@@ -234,14 +238,32 @@ CASES = [
 ]  # fmt: skip
 
 
+@pytest.fixture(scope="module")
+def measurements(request):
+    """label -> the Future of that case's measurement. The processes of the cases this
+    session runs start at once, two at a time on two cores: each is one Python process
+    that keeps one core busy (importing, tracing, three steps), and the peak it reports
+    is its own allocator's, which no other process touches."""
+    selected = [
+        item.callspec.params["case"]
+        for item in request.session.items
+        if getattr(item, "function", None) is test_estimate_within_25_percent_of_measured_peak
+    ]
+    pool = concurrent.futures.ThreadPoolExecutor(max_workers=min(2, os.cpu_count() or 1))
+    try:
+        yield {case[0]: pool.submit(_measure, *case[1:5]) for case in selected}
+    finally:
+        pool.shutdown(cancel_futures=True)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("case", CASES, ids=[case[0] for case in CASES])
-def test_estimate_within_25_percent_of_measured_peak(case):
+def test_estimate_within_25_percent_of_measured_peak(case, measurements):
     """Estimated from the Keras graph (`auto_partition.model_cost`, what the automatic
     partition cuts) and, for the transformer, from its sizes alone (what `epl-plan
     --model transformer` does). One fresh process per case: the peak is process-wide."""
     label, kind, devices, micro_batch_size, config, options = case
-    measured = _measure(kind, devices, micro_batch_size, config)["peak"]
+    measured = measurements[label].result()["peak"]
     num_stages = config.get("pipeline.num_stages", 1)
     train = TrainOptions(micro_batch_size=micro_batch_size, **options)
     num_micro_batch = config.get("pipeline.num_micro_batch", 1)

@@ -16,26 +16,23 @@ import time
 import keras
 import numpy as np
 import pytest
+from _launch import SCRIPTS, clean_env, launch_command
 
 from epl_trainer import launcher
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SCRIPT = os.path.join(ROOT, "tests", "scripts", "train_ft.py")
-sys.path.insert(0, os.path.dirname(SCRIPT))
+SCRIPT = os.path.join(SCRIPTS, "train_ft.py")
+sys.path.insert(0, SCRIPTS)
 import train_ft  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 STEPS = 2 * train_ft.NUM_SAMPLES // train_ft.GLOBAL_BATCH  # 2 epochs of 8 steps
 TIMEOUT = 20.0  # communication.timeout_seconds in these runs
+STUCK_TIMEOUT = 4.0  # ... from the pause on, in the stuck-worker test
 
 
 def _env(**extra):
-    env = {k: v for k, v in os.environ.items() if not k.startswith("EPL_") and k != "TF_CONFIG"}
-    env["PYTHONPATH"] = os.pathsep.join([ROOT, env.get("PYTHONPATH", "")])
-    env["CUDA_VISIBLE_DEVICES"] = ""
-    env.update(extra)
-    return env
+    return clean_env(CUDA_VISIBLE_DEVICES="", **extra)
 
 
 def _run_alone(out, *args, attempt=0):
@@ -46,11 +43,9 @@ def _run_alone(out, *args, attempt=0):
 
 
 def _launch(out, *args, max_restarts=0):
-    command = [
-        sys.executable, "-m", "epl_trainer.launcher", "--num_workers", "2",
-        "--gpu_per_worker", "1", "--log_dir", str(out / "logs"),
-        "--max_restarts", str(max_restarts), SCRIPT, str(out), "--timeout", str(TIMEOUT), *args,
-    ]  # fmt: skip
+    command = launch_command(
+        SCRIPT, out / "logs", 2, 1, out, "--timeout", TIMEOUT, *args, max_restarts=max_restarts
+    )
     return subprocess.Popen(
         command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env()
     )
@@ -133,7 +128,12 @@ def test_killed_worker_makes_the_survivor_fail_within_the_timeout(tmp_path):
 
 
 def test_a_stuck_but_alive_worker_is_reported_as_stuck(tmp_path):
-    _, workers = _two_workers(tmp_path, "--pause_worker", "1", "--pause_at_step", "3")
+    """Worker 1 sleeps after step 3 and still answers probes: worker 0's step 4 makes no
+    progress, and the watchdog stops it after communication.timeout_seconds. That timeout
+    also bounds the first step, which traces (~9 s for two workers on 2 cores), so the run
+    starts with TIMEOUT and both workers switch to STUCK_TIMEOUT after step 3."""
+    pause = ["--pause_worker", "1", "--pause_at_step", "3"]
+    _, workers = _two_workers(tmp_path, *pause, "--timeout_after_pause", str(STUCK_TIMEOUT))
     survivor, stuck = workers
     try:
         _wait_for_file(tmp_path / "paused_1", stuck)
@@ -143,16 +143,22 @@ def test_a_stuck_but_alive_worker_is_reported_as_stuck(tmp_path):
         _stop(workers)
     assert survivor.returncode == 1, output
     assert "WorkerLostError" in output, output
-    assert "communication.timeout_seconds=20, yet every peer still answers" in output, output
+    assert "peer worker(s) are unreachable" not in output, output
+    expected = f"communication.timeout_seconds={STUCK_TIMEOUT:g}, yet every peer still answers"
+    assert expected in output, output
 
 
-def test_max_restarts_finishes_the_job_with_the_uninterrupted_weights(tmp_path):
-    reference = _launch(tmp_path / "reference")
+def _killed_once_and_restarted(tmp_path, *args):
+    """A 2-worker job under epl-launch --max_restarts 1 whose worker 1 gets kill -9 after
+    step 5, and the same job without the fault. The restarted job must finish from the
+    newest checkpoint before the kill (save_steps=2: step 4) with the uninterrupted
+    weights, bit for bit. Returns the faulty job's output directory."""
+    reference = _launch(tmp_path / "reference", *args)
     out, err = reference.communicate(timeout=300)
     assert reference.returncode == 0, out + err
 
     faulty = tmp_path / "faulty"
-    job = _launch(faulty, "--pause_worker", "1", "--pause_at_step", "5", max_restarts=1)
+    job = _launch(faulty, *args, "--pause_worker", "1", "--pause_at_step", "5", max_restarts=1)
     try:
         pid = int(_wait_for_file(faulty / "paused_1", job))
         os.kill(pid, signal.SIGKILL)
@@ -164,40 +170,23 @@ def test_max_restarts_finishes_the_job_with_the_uninterrupted_weights(tmp_path):
     assert job.returncode == 0, out + err
     assert "worker 1 was killed by SIGKILL (exit code 137)" in err
     assert "restart 1/1" in err
-    # Restarted from the newest checkpoint before the kill (save_steps=2: step 4), so the
-    # first batch worker 0 trains on is its half of global batch 4.
+    # The first batch worker 0 trains on after the restart is its half of global batch 4.
     assert _samples(faulty, 0, attempt=1)[0] == [32, 33, 34, 35]
     for worker in range(2):
         for got, want in zip(_weights(faulty, worker), _weights(tmp_path / "reference", worker)):
             np.testing.assert_array_equal(got, want)
+    return faulty
+
+
+def test_max_restarts_finishes_the_job_with_the_uninterrupted_weights(tmp_path):
+    _killed_once_and_restarted(tmp_path)
 
 
 def test_zero_across_workers_restarts_from_sharded_checkpoints_with_identical_weights(tmp_path):
     """ZeRO v1 over 2 workers: each worker writes the optimizer slots it owns into its own
     shard; killed once and restarted, the job ends with the uninterrupted weights, and its
     checkpoint also restores into one device."""
-    reference = _launch(tmp_path / "reference", "--zero", "v1")
-    out, err = reference.communicate(timeout=300)
-    assert reference.returncode == 0, out + err
-
-    faulty = tmp_path / "faulty"
-    job = _launch(
-        faulty, "--zero", "v1", "--pause_worker", "1", "--pause_at_step", "5", max_restarts=1
-    )
-    try:
-        pid = int(_wait_for_file(faulty / "paused_1", job))
-        os.kill(pid, signal.SIGKILL)
-        out, err = job.communicate(timeout=400)
-    finally:
-        if job.poll() is None:
-            job.kill()
-            job.wait()
-    assert job.returncode == 0, out + err
-    assert "restart 1/1" in err
-    assert _samples(faulty, 0, attempt=1)[0] == [32, 33, 34, 35]  # resumed at step 4
-    for worker in range(2):
-        for got, want in zip(_weights(faulty, worker), _weights(tmp_path / "reference", worker)):
-            np.testing.assert_array_equal(got, want)
+    faulty = _killed_once_and_restarted(tmp_path, "--zero", "v1")
 
     ckpt_dir = faulty / "ckpt"
     manifest = json.loads((ckpt_dir / f"ckpt-{STEPS}" / "manifest.json").read_text())

@@ -1,42 +1,25 @@
 """Real worker processes on 127.0.0.1 under epl-launch."""
 
 import os
-import subprocess
 import sys
 import time
 
 import keras
 import numpy as np
 import pytest
+from _launch import SCRIPTS, run_launch
 
 import epl_trainer as epl
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SCRIPT = os.path.join(ROOT, "tests", "scripts", "train_dp.py")
-sys.path.insert(0, os.path.dirname(SCRIPT))
+SCRIPT = os.path.join(SCRIPTS, "train_dp.py")
+sys.path.insert(0, SCRIPTS)
 import train_dp  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
 
 def _launch(tmp_path, num_workers, devices_per_worker, *script_args):
-    command = [
-        sys.executable,
-        "-m",
-        "epl_trainer.launcher",
-        "--num_workers",
-        str(num_workers),
-        "--gpu_per_worker",
-        str(devices_per_worker),
-        "--log_dir",
-        str(tmp_path / "logs"),
-        SCRIPT,
-        str(tmp_path / "out"),
-        *script_args,
-    ]
-    env = {k: v for k, v in os.environ.items() if not k.startswith("EPL_")}
-    env["PYTHONPATH"] = os.pathsep.join([ROOT, env.get("PYTHONPATH", "")])
-    return subprocess.run(command, capture_output=True, text=True, timeout=200, env=env)
+    return run_launch(SCRIPT, tmp_path, num_workers, devices_per_worker, *script_args, timeout=200)
 
 
 def _single_process_weights(steps=3, global_batch=16, classes=3):

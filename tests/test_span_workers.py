@@ -15,40 +15,20 @@ import time
 import keras
 import numpy as np
 import pytest
+from _launch import SCRIPTS, clean_env, run_launch
 
 import epl_trainer as epl
 from epl_trainer import launcher
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SCRIPT = os.path.join(ROOT, "tests", "scripts", "train_span.py")
-sys.path.insert(0, os.path.dirname(SCRIPT))
+SCRIPT = os.path.join(SCRIPTS, "train_span.py")
+sys.path.insert(0, SCRIPTS)
 import train_span  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 
-def _env():
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("EPL_", "TF_CONFIG"))}
-    env["PYTHONPATH"] = os.pathsep.join([ROOT, env.get("PYTHONPATH", "")])
-    return env
-
-
 def _launch(tmp_path, num_workers, devices_per_worker, *script_args):
-    command = [
-        sys.executable,
-        "-m",
-        "epl_trainer.launcher",
-        "--num_workers",
-        str(num_workers),
-        "--gpu_per_worker",
-        str(devices_per_worker),
-        "--log_dir",
-        str(tmp_path / "logs"),
-        SCRIPT,
-        str(tmp_path / "out"),
-        *script_args,
-    ]
-    return subprocess.run(command, capture_output=True, text=True, timeout=240, env=_env())
+    return run_launch(SCRIPT, tmp_path, num_workers, devices_per_worker, *script_args)
 
 
 def _keras_reference(optimizer="sgd", steps=3, clipnorm=None):
@@ -141,7 +121,7 @@ def test_workers_started_by_hand_save_a_checkpoint_that_restores_into_one_device
     cluster = {"worker": [f"127.0.0.1:{p}" for p in ports]}
     processes = []
     for index in range(2):
-        env = _env()
+        env = clean_env()
         env["TF_CONFIG"] = json.dumps(
             {"cluster": cluster, "task": {"type": "worker", "index": index}}
         )
@@ -189,7 +169,7 @@ def test_kill_of_a_stage_worker_stops_the_other_with_the_named_error(tmp_path):
     ports = launcher.free_ports(2)
     processes = []
     for index in range(2):
-        env = launcher.worker_env(index, ports, 1, base_env=_env())
+        env = launcher.worker_env(index, ports, 1, base_env=clean_env())
         processes.append(
             subprocess.Popen(
                 [

@@ -2,8 +2,8 @@
 
 Run under `epl-launch`, with TF_CONFIG set by a test, or alone (one worker). Usage:
   train_ft.py OUTPUT_DIR [--epochs E] [--save_steps K] [--keep_max M] [--timeout T]
-              [--pause_worker W --pause_at_step N] [--kill_at_step N] [--kill_in_save N]
-              [--zero LEVEL]
+              [--pause_worker W --pause_at_step N [--timeout_after_pause T2]]
+              [--kill_at_step N] [--kill_in_save N] [--zero LEVEL]
 
 Checkpoints go to OUTPUT_DIR/ckpt (`checkpoint.dir`), so a second run of the same
 command resumes the first. Worker w writes:
@@ -13,6 +13,9 @@ command resumes the first. Worker w writes:
   OUTPUT_DIR/paused_<w>                      its pid, when it pauses (--pause_at_step)
 Fault injection, on the first attempt only (EPL_RESTART_ATTEMPT unset or 0):
   --pause_worker W --pause_at_step N   worker W sleeps after step N (a test kills it)
+  --timeout_after_pause T2             after step N, every worker's trainer runs with
+                                       communication.timeout_seconds=T2 (the first steps,
+                                       whose tracing the timeout also bounds, keep T)
   --kill_at_step N                     every worker SIGKILLs itself after step N
   --kill_in_save N                     worker 0 SIGKILLs itself while saving step N's
                                        checkpoint, between writing and publishing
@@ -90,6 +93,7 @@ def main():
     parser.add_argument("--timeout", type=float, default=30.0)
     parser.add_argument("--pause_worker", type=int, default=-1)
     parser.add_argument("--pause_at_step", type=int, default=-1)
+    parser.add_argument("--timeout_after_pause", type=float, default=0.0)
     parser.add_argument("--kill_at_step", type=int, default=-1)
     parser.add_argument("--kill_in_save", type=int, default=-1)
     parser.add_argument("--zero", default="", help="zero.level (optimizer state sharded)")
@@ -134,6 +138,11 @@ def main():
             step = int(trainer.optimizer.iterations.numpy())
             if step == args.kill_at_step:
                 os.kill(os.getpid(), signal.SIGKILL)
+            if step == args.pause_at_step and args.timeout_after_pause:
+                # The watchdog reads the trainer's config at every step (watchdog_for).
+                trainer.config = trainer.config.replace(
+                    {"communication.timeout_seconds": args.timeout_after_pause}
+                )
             if step == args.pause_at_step and worker == args.pause_worker:
                 with open(os.path.join(args.output_dir, f"paused_{worker}"), "w") as f:
                     f.write(str(os.getpid()))
