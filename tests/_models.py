@@ -6,6 +6,20 @@ import numpy as np
 LOSS = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
 
 
+def adam_trainer(model, devices, optimizer=None, stages=None, **config):
+    """An EPLTrainer on `devices` logical devices (Adam 0.01 unless `optimizer`), with the
+    config keys given as keyword arguments (`**{"zero.level": "v1"}`)."""
+    import epl_trainer as epl
+
+    return epl.EPLTrainer(
+        model,
+        LOSS,
+        optimizer or keras.optimizers.Adam(0.01),
+        stages=stages,
+        config={"cluster.virtual_devices": devices, **config},
+    )
+
+
 def parity_model(seed: int = 1) -> keras.Model:
     """Dense, Conv, LayerNormalization and Embedding in one functional model."""
     keras.utils.set_random_seed(seed)

@@ -4,26 +4,16 @@ checkpointing have their own files)."""
 import keras
 import pytest
 from _models import (
-    LOSS,
+    adam_trainer,
     keras_reference,
     max_weight_difference,
     mlp,
     mlp_data,
 )
 
-import epl_trainer as epl
 from epl_trainer.core.engine.state import variable_bytes
 
 ATOL = 1e-5
-
-
-def _trainer(model, devices, optimizer=None, **config):
-    return epl.EPLTrainer(
-        model,
-        LOSS,
-        optimizer or keras.optimizers.Adam(0.01),
-        config={"cluster.virtual_devices": devices, **config},
-    )
 
 
 @pytest.mark.parametrize("groups", [1, 3, 8])
@@ -32,7 +22,7 @@ def test_grouped_apply_matches_keras(groups):
     reference = mlp()
     keras_reference(reference, x, y, keras.optimizers.Adam(0.01), batch_size=16, steps=3)
     model = mlp()
-    trainer = _trainer(model, 2, **{"optimizer.num_apply_group": groups})
+    trainer = adam_trainer(model, 2, **{"optimizer.num_apply_group": groups})
     trainer.fit(x, y, batch_size=16, steps_per_epoch=3, verbose=0)
     update = trainer._engine.program.update
     assert len(update.groups[0]) == min(groups, len(model.trainable_variables))
@@ -45,7 +35,7 @@ def test_grouped_apply_chains_groups_with_control_dependencies():
     import tensorflow as tf
 
     x, y = mlp_data()
-    trainer = _trainer(mlp(), 1, **{"optimizer.num_apply_group": 2})
+    trainer = adam_trainer(mlp(), 1, **{"optimizer.num_apply_group": 2})
     dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(16)
     trainer.fit(dataset, steps_per_epoch=1, verbose=0)
     graph = trainer._engine.program.train_on_iterator.get_concrete_function(iter(dataset)).graph
@@ -65,7 +55,7 @@ def test_offload_matches_keras_and_keeps_parameters_on_the_host():
     reference = mlp()
     keras_reference(reference, x, y, keras.optimizers.Adam(0.01), batch_size=16, steps=3)
     model = mlp()
-    trainer = _trainer(model, 4, **{"offload.level": "v0"})
+    trainer = adam_trainer(model, 4, **{"offload.level": "v0"})
     trainer.fit(x, y, batch_size=16, steps_per_epoch=3, verbose=0)
     assert max_weight_difference(reference, model) < ATOL
 
@@ -84,7 +74,7 @@ def test_offload_matches_keras_and_keeps_parameters_on_the_host():
 def test_memory_report_of_plain_data_parallelism_counts_every_replica():
     x, y = mlp_data()
     model = mlp()
-    trainer = _trainer(model, 4)
+    trainer = adam_trainer(model, 4)
     trainer.fit(x, y, batch_size=16, steps_per_epoch=1, verbose=0)
     report = trainer.memory_report(print_table=False)
     params = sum(variable_bytes(v) for v in model.trainable_variables)
@@ -98,12 +88,14 @@ def test_memory_report_of_plain_data_parallelism_counts_every_replica():
 def test_zero_checkpoint_restores_every_shard(tmp_path):
     x, y = mlp_data()
     uninterrupted = mlp()
-    _trainer(uninterrupted, 4, **{"zero.level": "v1"}).fit(x, y, batch_size=16, epochs=2, verbose=0)
-    first = _trainer(mlp(), 4, **{"zero.level": "v1"})
+    adam_trainer(uninterrupted, 4, **{"zero.level": "v1"}).fit(
+        x, y, batch_size=16, epochs=2, verbose=0
+    )
+    first = adam_trainer(mlp(), 4, **{"zero.level": "v1"})
     first.fit(x, y, batch_size=16, epochs=1, verbose=0)
     first.save_checkpoint(str(tmp_path))
     resumed_model = mlp(seed=7)
-    resumed = _trainer(resumed_model, 4, **{"zero.level": "v1"})
+    resumed = adam_trainer(resumed_model, 4, **{"zero.level": "v1"})
     resumed.restore_checkpoint(str(tmp_path))
     resumed.fit(x, y, batch_size=16, epochs=1, verbose=0)
     assert max_weight_difference(uninterrupted, resumed_model) < 1e-6

@@ -47,9 +47,7 @@ def test_auxiliary_losses_of_earlier_stages_are_reported_once():
     got = two_stages.fit(x, y, batch_size=16, verbose=0).history["loss"][0]
     assert got == pytest.approx(expected, rel=1e-6)
     reference = _regularised()
-    assert expected == pytest.approx(
-        float(LOSS(y, reference(x)) + sum(reference.losses)), rel=1e-6
-    )
+    assert expected == pytest.approx(float(LOSS(y, reference(x)) + sum(reference.losses)), rel=1e-6)
 
 
 def test_evaluate_on_no_data_is_an_error_not_a_zero_loss():
@@ -62,4 +60,3 @@ def test_evaluate_on_no_data_is_an_error_not_a_zero_loss():
     empty = tf.data.Dataset.from_tensor_slices((x, y)).batch(4).take(0)
     with pytest.raises(ValueError, match="evaluate received no data"):
         trainer.evaluate(empty)
-

@@ -16,26 +16,15 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
-from _models import LOSS, max_weight_difference, mlp, mlp_data
+from _models import adam_trainer, max_weight_difference, mlp, mlp_data
 from test_split import data as split_data
 from test_split import head_model, split_trainer
 
-import epl_trainer as epl
 from epl_trainer import checkpoint as ckpt
 from epl_trainer.checkpoint import CheckpointError
 
 ATOL = 1e-5
 STAGES = {"dense_in": 0, "logits": 1}
-
-
-def _trainer(model, devices, optimizer=None, stages=None, **config):
-    return epl.EPLTrainer(
-        model,
-        LOSS,
-        optimizer or keras.optimizers.Adam(0.01),
-        stages=stages,
-        config={"cluster.virtual_devices": devices, **config},
-    )
 
 
 def _resharded_run(tmp_path, make_first, make_second, make_model=mlp, data=mlp_data, epochs=2):
@@ -63,8 +52,8 @@ def _resharded_run(tmp_path, make_first, make_second, make_model=mlp, data=mlp_d
 def test_zero_v1_on_4_devices_restores_into_a_2_stage_pipeline_on_2(tmp_path):
     uninterrupted, resumed, manifest = _resharded_run(
         tmp_path,
-        lambda m: _trainer(m, 4, **{"zero.level": "v1"}),
-        lambda m: _trainer(m, 2, stages=STAGES),
+        lambda m: adam_trainer(m, 4, **{"zero.level": "v1"}),
+        lambda m: adam_trainer(m, 2, stages=STAGES),
     )
     assert max_weight_difference(uninterrupted, resumed) < ATOL
     assert manifest["layout"]["zero_level"] == "v1" and manifest["layout"]["lanes"] == 4
@@ -91,8 +80,8 @@ def test_zero_v1_on_4_devices_restores_into_a_2_stage_pipeline_on_2(tmp_path):
 def test_2_stage_pipeline_restores_into_1_device(tmp_path):
     uninterrupted, resumed, _ = _resharded_run(
         tmp_path,
-        lambda m: _trainer(m, 2, stages=STAGES, **{"pipeline.num_micro_batch": 2}),
-        lambda m: _trainer(m, 1),
+        lambda m: adam_trainer(m, 2, stages=STAGES, **{"pipeline.num_micro_batch": 2}),
+        lambda m: adam_trainer(m, 1),
     )
     assert max_weight_difference(uninterrupted, resumed) < ATOL
 
@@ -100,8 +89,8 @@ def test_2_stage_pipeline_restores_into_1_device(tmp_path):
 def test_1_device_restores_into_zero_v0_over_a_2_stage_pipeline_on_4(tmp_path):
     uninterrupted, resumed, _ = _resharded_run(
         tmp_path,
-        lambda m: _trainer(m, 1),
-        lambda m: _trainer(m, 4, stages=STAGES, **{"zero.level": "v0"}),
+        lambda m: adam_trainer(m, 1),
+        lambda m: adam_trainer(m, 4, stages=STAGES, **{"zero.level": "v0"}),
     )
     assert max_weight_difference(uninterrupted, resumed) < ATOL
 
@@ -129,8 +118,8 @@ def test_split_width_4_restores_into_width_2(tmp_path):
 def test_grouped_apply_restores_into_plain_apply(tmp_path):
     uninterrupted, resumed, _ = _resharded_run(
         tmp_path,
-        lambda m: _trainer(m, 2, **{"optimizer.num_apply_group": 2}),
-        lambda m: _trainer(m, 2),
+        lambda m: adam_trainer(m, 2, **{"optimizer.num_apply_group": 2}),
+        lambda m: adam_trainer(m, 2),
     )
     assert max_weight_difference(uninterrupted, resumed) < ATOL
 
@@ -138,8 +127,8 @@ def test_grouped_apply_restores_into_plain_apply(tmp_path):
 def test_offload_restores_into_zero_v1(tmp_path):
     uninterrupted, resumed, _ = _resharded_run(
         tmp_path,
-        lambda m: _trainer(m, 2, **{"offload.level": "v0"}),
-        lambda m: _trainer(m, 4, **{"zero.level": "v1"}),
+        lambda m: adam_trainer(m, 2, **{"offload.level": "v0"}),
+        lambda m: adam_trainer(m, 4, **{"zero.level": "v1"}),
     )
     assert max_weight_difference(uninterrupted, resumed) < ATOL
 
@@ -158,8 +147,8 @@ OPTIMIZERS = {
 def test_every_optimizers_slots_move_from_zero_shards_to_groups(tmp_path, name):
     uninterrupted, resumed, manifest = _resharded_run(
         tmp_path,
-        lambda m: _trainer(m, 4, OPTIMIZERS[name](), **{"zero.level": "v1"}),
-        lambda m: _trainer(m, 2, OPTIMIZERS[name](), **{"optimizer.num_apply_group": 2}),
+        lambda m: adam_trainer(m, 4, OPTIMIZERS[name](), **{"zero.level": "v1"}),
+        lambda m: adam_trainer(m, 2, OPTIMIZERS[name](), **{"optimizer.num_apply_group": 2}),
         epochs=1,
     )
     assert max_weight_difference(uninterrupted, resumed) < ATOL
@@ -168,10 +157,10 @@ def test_every_optimizers_slots_move_from_zero_shards_to_groups(tmp_path, name):
 
 def test_a_checkpoint_of_another_optimizer_is_refused(tmp_path):
     x, y = mlp_data()
-    first = _trainer(mlp(), 2)
+    first = adam_trainer(mlp(), 2)
     first.fit(x, y, batch_size=16, epochs=1, verbose=0)
     first.save_checkpoint(str(tmp_path))
-    sgd = _trainer(mlp(), 2, keras.optimizers.SGD(0.1, momentum=0.9))
+    sgd = adam_trainer(mlp(), 2, keras.optimizers.SGD(0.1, momentum=0.9))
     with pytest.raises(CheckpointError, match=r"only in the checkpoint: \['dense_in/kernel \("):
         sgd.restore_checkpoint(str(tmp_path))
 
@@ -182,14 +171,14 @@ def test_checkpoint_in_an_in_memory_filesystem_restores_into_another_layout():
     directory = "ram://universal_ckpt_test"
     x, y = mlp_data()
     uninterrupted = mlp()
-    _trainer(uninterrupted, 2).fit(x, y, batch_size=16, epochs=2, verbose=0)
-    first = _trainer(mlp(), 2)
+    adam_trainer(uninterrupted, 2).fit(x, y, batch_size=16, epochs=2, verbose=0)
+    first = adam_trainer(mlp(), 2)
     first.fit(x, y, batch_size=16, epochs=1, verbose=0)
     path = first.save_checkpoint(directory, keep_max=1)
     assert path == directory + "/ckpt-4"
     assert tf.io.gfile.exists(path + "/manifest.json")
     resumed_model = mlp(seed=5)
-    resumed = _trainer(resumed_model, 4, **{"zero.level": "v1"})
+    resumed = adam_trainer(resumed_model, 4, **{"zero.level": "v1"})
     resumed.restore_checkpoint(directory)
     resumed.fit(x, y, batch_size=16, epochs=1, verbose=0)
     assert max_weight_difference(uninterrupted, resumed_model) < ATOL
@@ -206,7 +195,7 @@ def test_a_crash_between_the_shards_and_the_manifest_keeps_the_previous_latest(
     tmp_path, monkeypatch
 ):
     x, y = mlp_data()
-    trainer = _trainer(mlp(), 2)
+    trainer = adam_trainer(mlp(), 2)
     trainer.fit(x, y, batch_size=16, epochs=1, verbose=0)
     trainer.save_checkpoint(str(tmp_path))
     trainer.fit(x, y, batch_size=16, epochs=1, verbose=0)
@@ -224,7 +213,7 @@ def test_a_crash_between_the_shards_and_the_manifest_keeps_the_previous_latest(
         trainer.save_checkpoint(str(tmp_path))
     assert (tmp_path / "latest").read_text() == "ckpt-4"
     assert not (tmp_path / "ckpt-8").exists()
-    restored = _trainer(mlp(seed=3), 2)
+    restored = adam_trainer(mlp(seed=3), 2)
     assert restored.restore_checkpoint(str(tmp_path)).endswith("ckpt-4")
     assert int(restored.optimizer.iterations.numpy()) == 4
 
@@ -243,7 +232,7 @@ def test_a_missing_shard_is_never_published(tmp_path):
 
 def test_a_shard_that_fails_to_write_stops_the_save_and_names_it(tmp_path, monkeypatch):
     x, y = mlp_data()
-    trainer = _trainer(mlp(), 1)
+    trainer = adam_trainer(mlp(), 1)
     trainer.fit(x, y, batch_size=16, epochs=1, verbose=0)
     trainer.save_checkpoint(str(tmp_path))
 
@@ -308,7 +297,7 @@ def test_an_optimizer_with_state_not_made_per_variable_is_refused_by_name(tmp_pa
     """Adafactor's factored second moments are made with `add_variable`, not from a
     reference variable: nothing says which model variable they belong to."""
     x, y = mlp_data()
-    trainer = _trainer(mlp(), 1, keras.optimizers.Adafactor(0.01))
+    trainer = adam_trainer(mlp(), 1, keras.optimizers.Adafactor(0.01))
     trainer.fit(x, y, batch_size=16, epochs=1, verbose=0)
     with pytest.raises(ValueError, match=r"Adafactor keeps state that is not made per variable"):
         trainer.save_checkpoint(str(tmp_path))

@@ -5,23 +5,18 @@ unit tests in test_zero_layout.py)."""
 import keras
 import numpy as np
 import pytest
-from _models import LOSS, keras_reference, max_weight_difference, parity_data, parity_model
+from _models import (
+    adam_trainer,
+    keras_reference,
+    max_weight_difference,
+    parity_data,
+    parity_model,
+)
 
-import epl_trainer as epl
 from epl_trainer.core.engine.state import variable_bytes
 
 ATOL = 1e-5
 PARITY_STAGES = {"conv|embed|pool_.*|concat": 0, "hidden|norm|logits": 1}
-
-
-def _trainer(model, devices, optimizer=None, stages=None, **config):
-    return epl.EPLTrainer(
-        model,
-        LOSS,
-        optimizer or keras.optimizers.Adam(0.01),
-        stages=stages,
-        config={"cluster.virtual_devices": devices, **config},
-    )
 
 
 @pytest.mark.parametrize("offload", ["", "v0"], ids=["offload_off", "offload_on"])
@@ -36,7 +31,7 @@ def test_zero_matches_keras(level, num_micro_batch, stages, offload):
     reference = parity_model()
     keras_reference(reference, x, y, keras.optimizers.Adam(0.01), batch_size=16, steps=3)
     model = parity_model()
-    trainer = _trainer(
+    trainer = adam_trainer(
         model,
         4,
         stages=stages,
@@ -76,12 +71,14 @@ def test_zero_v1_combines_with(config):
     optimizer = lambda: keras.optimizers.Adam(0.01, global_clipnorm=clip)  # noqa: E731
     reference = parity_model()
     model = parity_model()
-    trainer = _trainer(
+    trainer = adam_trainer(
         model, 2, optimizer(), **{"zero.level": "v1", "pipeline.num_micro_batch": 2, **config}
     )
     trainer.fit(x, y, batch_size=16, steps_per_epoch=3, verbose=0)
     if clip:  # per-replica clipping: the reference is plain data parallelism
-        reference_trainer = _trainer(reference, 2, optimizer(), **{"pipeline.num_micro_batch": 2})
+        reference_trainer = adam_trainer(
+            reference, 2, optimizer(), **{"pipeline.num_micro_batch": 2}
+        )
         reference_trainer.fit(x, y, batch_size=16, steps_per_epoch=3, verbose=0)
         assert trainer._engine.program.hooks.gradient_sink is None
     else:
@@ -110,7 +107,7 @@ def test_memory_report_divides_optimizer_state_and_gradients_exactly(level):
     rng = np.random.default_rng(0)
     x = rng.integers(0, 1000, size=(64, 6)).astype("int32")
     y = rng.integers(0, 3, size=(64,)).astype("int32")
-    trainer = _trainer(model, 4, **{"zero.level": level})
+    trainer = adam_trainer(model, 4, **{"zero.level": level})
     trainer.fit(x, y, batch_size=16, steps_per_epoch=1, verbose=0)
     report = trainer.memory_report(print_table=False)
     sizes = [variable_bytes(v) for v in model.trainable_variables]

@@ -159,6 +159,10 @@ class Program:
         with tf.device(self.layout.host):
             return {**self._metric_results(), BATCH_SIZE_KEY: batch, STEPS_KEY: ran}
 
+    # The steps are plain graph building (explicit tf.cond / tf.while where needed), so
+    # autograph does not convert them, nor the engine and Keras code they call; only the
+    # loops over several steps or batches below are converted.
+    @tf.autograph.experimental.do_not_convert
     def _train_step(self, features, labels):
         layout, hooks = self.layout, self.hooks
         num_lanes, num_micro = len(layout.lanes), self.num_micro_batch
@@ -355,6 +359,7 @@ class Program:
             outputs = [tree.map_structure(lambda *xs: tf.concat(xs, axis=0), *outputs)]
         return hooks.output_cast(outputs[0]), hooks.output_cast(aux_total)
 
+    @tf.autograph.experimental.do_not_convert
     def _eval_step(self, features, labels, pad_to: int = 0):
         layout, hooks = self.layout, self.hooks
         num_lanes = len(layout.lanes)
@@ -402,6 +407,7 @@ class Program:
             ran += 1
         return ran
 
+    @tf.autograph.experimental.do_not_convert
     def _predict_step(self, features, pad_to: int = 0):
         layout, hooks = self.layout, self.hooks
         num_lanes = len(layout.lanes)
