@@ -296,7 +296,7 @@ def _fake_layout(lane_devices, clip_global_norm=None):
         num_stages=1,
         stage_groups=[comm.CollectiveGroup(tuple(lane_devices), tuple(lane_devices))],
         trainable_idx=[list(range(len(SHAPES)))],
-        state=_State(trainable=trainable, model_trainable=trainable[0], originals={}),
+        state=_State(trainable=trainable, model_trainable=trainable[0], originals={}, sharded={}),
         stage_lanes=[tuple(range(len(lanes)))],
         local_stages=lambda li: [0],
     )

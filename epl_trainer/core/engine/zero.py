@@ -34,7 +34,7 @@ from epl_trainer.core.engine.amp import unscale_gradients
 from epl_trainer.core.engine.apply import OptimizerStep
 from epl_trainer.core.engine.reduce import scaled, sum_over_lane
 from epl_trainer.core.engine.update import balanced_groups, written
-from epl_trainer.core.engine.zero_layout import make_layouts, pieces_of_shard, shard_bytes
+from epl_trainer.core.engine.zero_layout import make_layouts, shard_bytes
 
 LEVELS = ("v0", "v1")
 
@@ -504,6 +504,3 @@ class ZeroUpdate:
         """The pieces local lane li owns in stage k ([] if stage k runs elsewhere)."""
         members = self.members_of(k)
         return [p for _, p in self.pieces[k][members.index(li)]] if li in members else []
-
-
-__all__ = ["LEVELS", "MicroBatchGradients", "ZeroUpdate", "pieces_of_shard"]

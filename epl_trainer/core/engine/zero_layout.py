@@ -303,11 +303,6 @@ def assign_owners(sizes: Sequence[int], num_shards: int) -> list[int]:
     return owners
 
 
-def pieces_of_shard(layouts: Sequence[FlatLayout], shard: int) -> list[Piece]:
-    """Every piece `shard` owns, layout after layout."""
-    return [p for layout in layouts for p in layout.pieces[shard]]
-
-
 def shard_bytes(layouts: FlatLayout | Sequence[FlatLayout]) -> list[int]:
     """Bytes of variables each shard owns (what its optimizer slots scale with)."""
     layouts = [layouts] if isinstance(layouts, FlatLayout) else list(layouts)

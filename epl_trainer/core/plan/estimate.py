@@ -38,13 +38,18 @@ recomputed in backward. A stage keeps `inflight` micro-batches alive: all M with
 schedule itself (`core/plan/schedule.py`). The bubble is GPipe's (S - 1) / (M + S - 1), the
 same for both schedules.
 
-Peak per device = parameters + optimizer state + the stage's full gradients (the trainer
-accumulates them before the reduction even under ZeRO v1) + activations + a backward
-workspace of twice the largest tensor (its incoming and outgoing gradient) + collective
-buffers when N > 1: the fused all-reduce buffers hold one more copy of the gradients;
-a reduce-scatter (v1) holds the packed gradients and the received blocks (TF's CPU
-collectives run it as an all-to-all), two copies. v0's all-gather of the updated
-parameters runs after the gradients are freed, so it adds no more than its all-reduce.
+Peak per device = parameters + optimizer state + the stage's full gradients (ZeRO v1
+no longer accumulates them, but each micro-batch's gradients exist in full until their
+reduce-scatter) + activations + a backward workspace of twice the largest tensor (its
+incoming and outgoing gradient) + collective buffers when N > 1: one more copy of the
+gradients, the fused all-reduce buffers or v1's packed reduce-scatter buffer. (TF's CPU
+reduce-scatter sometimes adds a scratch copy of its input: a 16 MiB one peaked at 16 or
+33 MiB per device over four runs; counting it always overestimated the measured v1
+peak by 27%.) With several micro-batches v1 also holds, while a micro-batch's full
+gradients exist, the shard summed so far and that micro-batch's reduced chunk: two more
+shards (measured on 4 devices, 2 micro-batches: v1's peak 7 MiB over v0's, two shards of
+3.5 MiB). v0's all-gather of the updated parameters runs after the gradients are freed,
+so it adds no more than its all-reduce.
 
 Communication per step: bytes each device sends with ring collectives (all-reduce
 2(N-1)/N of the buffer, reduce-scatter and all-gather (N-1)/N each): plain data
@@ -543,6 +548,7 @@ def _stage(model, plan: Plan, options: TrainOptions, k, start, stop, in_flight):
     # a reduce-scatter or all-gather buffer.
     share = (n - 1) / n
     wire = full_gradients  # gradients travel in their own dtype
+    v1_accumulates = options.zero == "v1" and m > 1
     if options.zero == "v1":
         comm_dp = share * wire + share * parameters
     elif options.zero == "v0":
@@ -567,7 +573,7 @@ def _stage(model, plan: Plan, options: TrainOptions, k, start, stop, in_flight):
         inflight=inflight,
         recompute=round(mb * (segment_amp if options.amp else segment)) if options.gc else 0,
         workspace=round(2 * mb * largest * scale),
-        comm_buffers=0 if n == 1 else round(wire * (2 if options.zero == "v1" else 1)),
+        comm_buffers=0 if n == 1 else round(wire + (2 * gradients if v1_accumulates else 0)),
         comm_data_parallel=round(comm_dp) if n > 1 else 0,
         comm_pipeline=round(sends * mb * m * scale),
     )
