@@ -346,8 +346,7 @@ def print_tables(args, single: dict, pipelines: dict) -> None:
         "eff/ideal",
     )
     widths = (8, 3, 18, 16, 7, 10, 15, 9)
-    print("  ".join(h.ljust(w) for h, w in zip(header, widths)))
-    print("  ".join("-" * w for w in widths))
+    rows = []
     for (schedule, m), workers in pipelines.items():
         rate = workers[0]["samples_per_sec"]
         speedup = rate / keras_rate
@@ -362,7 +361,8 @@ def print_tables(args, single: dict, pipelines: dict) -> None:
             f"{ideal:.2f}",
             f"{speedup / STAGES / ideal:.2f}",
         )
-        print("  ".join(c.ljust(w) for c, w in zip(cells, widths)))
+        rows.append(cells)
+    print_table(header, widths, rows)
     print(
         "\nWhere the time goes. 1-dev: EPLTrainer on one device with the same micro-batches, "
         "one core;\nms/step and CPU ms/step (all threads); busy = CPU time / wall time "
@@ -381,8 +381,7 @@ def print_tables(args, single: dict, pipelines: dict) -> None:
         "eff vs 1-dev / ideal",
     )
     widths = (8, 3, 8, 12, 8, 9, 9, 7, 7, 20)
-    print("  ".join(h.ljust(w) for h, w in zip(header, widths)))
-    print("  ".join("-" * w for w in widths))
+    rows = []
     for (schedule, m), workers in pipelines.items():
         one = single[f"epl_{m}"]
         ideal = 1 - bubble_fraction(STAGES, m)
@@ -398,7 +397,8 @@ def print_tables(args, single: dict, pipelines: dict) -> None:
             f"{workers[1]['busy']:.2f}",
             f"{one['step_ms'] / workers[0]['step_ms'] / STAGES / ideal:.2f}",
         )
-        print("  ".join(c.ljust(w) for c, w in zip(cells, widths)))
+        rows.append(cells)
+    print_table(header, widths, rows)
 
 
 def orchestrate(args) -> None:
@@ -426,6 +426,12 @@ def orchestrate(args) -> None:
     print(f"\nPlan (worker 0, {next(iter(pipelines))}):\n{first[0]['plan']}")
     print_tables(args, single, pipelines)
     print(f"\ntotal {time.perf_counter() - started:.0f} s")
+
+
+def print_table(header, widths, rows) -> None:
+    """Columns left-aligned to `widths`, a rule under the header."""
+    for cells in [header, ["-" * w for w in widths], *rows]:
+        print("  ".join(str(c).ljust(w) for c, w in zip(cells, widths)))
 
 
 def main():

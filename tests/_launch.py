@@ -51,3 +51,24 @@ def run_launch(script, tmp_path, num_workers, devices_per_worker, *script_args, 
         script, tmp_path / "logs", num_workers, devices_per_worker, tmp_path / "out", *script_args
     )
     return subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=clean_env())
+
+
+def start_workers_by_hand(script, *script_args, num_workers=2, base_env=None):
+    """`num_workers` single-device workers of one job started directly, each with only
+    its TF_CONFIG (no launcher), running `script *script_args`, output piped as text.
+
+    Returns (ports, the Popen of each worker in worker order)."""
+    from epl_trainer import launcher
+
+    ports = launcher.free_ports(num_workers)
+    workers = [
+        subprocess.Popen(
+            [sys.executable, str(script), *(str(a) for a in script_args)],
+            env=launcher.worker_env(index, ports, 1, base_env=base_env or clean_env()),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for index in range(num_workers)
+    ]
+    return ports, workers

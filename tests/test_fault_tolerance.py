@@ -16,9 +16,7 @@ import time
 import keras
 import numpy as np
 import pytest
-from _launch import SCRIPTS, clean_env, launch_command
-
-from epl_trainer import launcher
+from _launch import SCRIPTS, clean_env, launch_command, start_workers_by_hand
 
 SCRIPT = os.path.join(SCRIPTS, "train_ft.py")
 sys.path.insert(0, SCRIPTS)
@@ -85,20 +83,7 @@ def uninterrupted(tmp_path_factory):
 
 def _two_workers(out, *args):
     """Worker 0 and worker 1 of a 2-worker job started directly (no launcher)."""
-    ports = launcher.free_ports(2)
-    workers = []
-    for index in range(2):
-        env = launcher.worker_env(index, ports, 1, base_env=_env())
-        workers.append(
-            subprocess.Popen(
-                [sys.executable, SCRIPT, str(out), "--timeout", str(TIMEOUT), *args],
-                env=env,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                text=True,
-            )
-        )
-    return ports, workers
+    return start_workers_by_hand(SCRIPT, out, "--timeout", TIMEOUT, *args, base_env=_env())
 
 
 def _stop(workers):

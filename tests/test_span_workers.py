@@ -15,7 +15,7 @@ import time
 import keras
 import numpy as np
 import pytest
-from _launch import SCRIPTS, clean_env, run_launch
+from _launch import SCRIPTS, clean_env, run_launch, start_workers_by_hand
 
 import epl_trainer as epl
 from epl_trainer import launcher
@@ -166,31 +166,10 @@ def test_workers_started_by_hand_save_a_checkpoint_that_restores_into_one_device
 
 def test_kill_of_a_stage_worker_stops_the_other_with_the_named_error(tmp_path):
     timeout = 20
-    ports = launcher.free_ports(2)
-    processes = []
-    for index in range(2):
-        env = launcher.worker_env(index, ports, 1, base_env=clean_env())
-        processes.append(
-            subprocess.Popen(
-                [
-                    sys.executable,
-                    SCRIPT,
-                    str(tmp_path / "out"),
-                    "--steps",
-                    "50",
-                    "--timeout",
-                    str(timeout),
-                    "--pause_worker",
-                    "1",
-                    "--pause_at_step",
-                    "2",
-                ],
-                env=env,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                text=True,
-            )
-        )
+    ports, processes = start_workers_by_hand(
+        SCRIPT, tmp_path / "out", "--steps", 50, "--timeout", timeout,
+        "--pause_worker", 1, "--pause_at_step", 2,
+    )  # fmt: skip
     survivor, victim = processes
     try:
         paused = tmp_path / "out" / "paused_1"

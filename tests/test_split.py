@@ -298,7 +298,7 @@ def test_split_with_zero_shards_the_replicated_part(level):
     assert max_weight_difference(reference, model) < ATOL
     update = trainer._engine.program.update
     features = {v.path: i for i, v in enumerate(model.trainable_variables)}["features/kernel"]
-    owners = {lane for lane, i, _, _ in update.piece_rows().values() if i == features}
+    owners = {lane for lane, i, _, _ in update.piece_spans().values() if i == features}
     assert len(owners) > 1  # the replicated kernel is cut over several lanes
 
 

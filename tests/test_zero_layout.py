@@ -114,7 +114,7 @@ def _values(shapes, seed=0, dtype="float32"):
 
 
 def _rows(value, piece):
-    return zero_exchange.rows_of(value, piece).numpy()
+    return zero_exchange.elements_of(value, piece).numpy()
 
 
 @pytest.mark.parametrize("num_shards", [1, 2, 4, 5])
@@ -134,7 +134,7 @@ def test_pack_unpack_round_trips(num_shards, excluded, cut):
             assert p.position not in excluded
             np.testing.assert_array_equal(value.numpy(), _rows(values[p.position], p))
     blocks = [
-        layout.pack_block([zero_exchange.rows_of(values[p.position], p) for p in pieces], r)
+        layout.pack_block([zero_exchange.elements_of(values[p.position], p) for p in pieces], r)
         for r, pieces in enumerate(layout.pieces)
     ]
     for original, value in zip(values, layout.unpack_all(tf.concat(blocks, 0))):
@@ -376,7 +376,7 @@ def test_zero_update_equals_one_optimizer_on_mean_gradients(level, optimizer, cl
         assert max(shard_bytes) - min(shard_bytes) <= 4 * 4  # within one row (4 floats)
     # Checkpoints save each piece's slots from the one lane holding it; a variable owned
     # whole is listed with its owner's device.
-    owners, pieces = update.slot_owners(), update.piece_rows()
+    owners, pieces = update.slot_owners(), update.piece_spans()
     for li, _, variables in update.local_optimizers():
         for v in variables:
             lane, i, start, _ = pieces[id(v)]

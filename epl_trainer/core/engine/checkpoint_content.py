@@ -108,7 +108,7 @@ class CheckpointContent:
         self.is_chief = is_chief
         self.slot_owners = self.update.slot_owners()
         # id(ZeRO piece variable) -> (local lane position, trainable index, rows a, b)
-        self._piece_rows = getattr(self.update, "piece_rows", dict)()
+        self._piece_spans = getattr(self.update, "piece_spans", dict)()
         # id(engine copy or shard) -> (local lane position, trainable index)
         self._copy_of = {}
         for li, lane_vars in enumerate(self.state.trainable):
@@ -181,8 +181,8 @@ class CheckpointContent:
                 applied_read = optimizer.iterations if applied_read is None else applied_read
             self._check_slots_recorded(optimizer)
             for slot, reference, name in slots_lib.slots_of(optimizer):
-                if id(reference) in self._piece_rows:  # held by this lane only
-                    lane_position, i, start, stop = self._piece_rows[id(reference)]
+                if id(reference) in self._piece_spans:  # held by this lane only
+                    lane_position, i, start, stop = self._piece_spans[id(reference)]
                     rows = "" if start is None else f"{PIECE_MARK}{start}:{stop}"
                     key = f"slot/{i}/{name}{rows}"
                     by_key[key] = [(self.state.lanes[lane_position].index, slot, i)]
@@ -285,8 +285,8 @@ class CheckpointContent:
             self._check_slots_recorded(optimizer)
             applied.append(Target(optimizer.iterations, _whole))
             for slot, reference, name in slots_lib.slots_of(optimizer):
-                if id(reference) in self._piece_rows:
-                    _, i, start, stop = self._piece_rows[id(reference)]
+                if id(reference) in self._piece_spans:
+                    _, i, start, stop = self._piece_spans[id(reference)]
                     place = _whole if start is None else _piece_placer(start, stop, slot.shape)
                 else:
                     _, i = self._copy_of[id(reference)]
@@ -305,9 +305,7 @@ class CheckpointContent:
         """Saved entries this layout would have to hold but has no place for: a bigger
         model, or slots of another optimizer for the variables this worker updates."""
         updated = {
-            str(
-                self._piece_rows[id(v)][1] if id(v) in self._piece_rows else self._copy_of[id(v)][1]
-            )
+            str(self._index_of(v))
             for _, _, variables in self.update.local_optimizers()
             for v in variables
         }
@@ -321,6 +319,11 @@ class CheckpointContent:
             ):
                 extra.append(key)
         return extra
+
+    def _index_of(self, variable) -> int:
+        """The trainable index an engine copy, split shard or ZeRO piece stands for."""
+        held = self._piece_spans.get(id(variable)) or self._copy_of[id(variable)]
+        return held[1]
 
     def _shard_placer(self, i: int, lane: Lane) -> Callable:
         if i not in self.state.sharded:

@@ -99,12 +99,7 @@ class LaneExecutor:
           (gradients summed over micro-batches, one per trainable variable on its stage
           device; the updated non-trainable values; the micro-batches, for metrics).
         """
-        steps = self.steps(feature_parts, label_parts, non_trainable, task_scope)
-        while True:
-            try:
-                next(steps)
-            except StopIteration as done:
-                return done.value
+        return run_to_end(self.steps(feature_parts, label_parts, non_trainable, task_scope))
 
     def steps(self, feature_parts, label_parts, non_trainable: list, task_scope=None):
         """`run` one task at a time: a generator that yields (stage, task) after emitting
@@ -239,6 +234,15 @@ class LaneExecutor:
         if self.boundaries is not None:
             self.boundaries.gradient_sends(k, mb.values, mb.upstream)
         return computed
+
+
+def run_to_end(steps):
+    """Drives a `LaneExecutor.steps` generator to its end; returns its result."""
+    while True:
+        try:
+            next(steps)
+        except StopIteration as done:
+            return done.value
 
 
 def _is_slices(gradient) -> bool:

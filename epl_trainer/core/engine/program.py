@@ -29,7 +29,7 @@ from epl_trainer.core import comm
 from epl_trainer.core.engine.boundaries import Boundaries, LaneBoundaries
 from epl_trainer.core.engine.hooks import StepHooks
 from epl_trainer.core.engine.layout import StepLayout
-from epl_trainer.core.engine.pipeline import LaneExecutor
+from epl_trainer.core.engine.pipeline import LaneExecutor, run_to_end
 from epl_trainer.core.engine.state import EngineState
 from epl_trainer.core.plan.schedule import FORWARD, execution_order, make_schedule
 
@@ -68,6 +68,13 @@ class Program:
         self.step_counter = step_counter
         if hooks.update_metrics is None:
             hooks.update_metrics = self.update_metrics
+        # Chosen once, from the passes: ZeRO v1 reduces each backward's gradients over the
+        # lanes at once, so the lanes' tasks are emitted in lockstep.
+        self._emit_lanes = (
+            self._emit_lanes_one_by_one
+            if hooks.gradient_sink is None
+            else self._emit_lanes_in_lockstep
+        )
         self.schedule = make_schedule(pipeline_strategy, layout.num_stages, num_micro_batch)
         order = execution_order(self.schedule)
         # Lanes whose stages live on several workers pass tensors across (boundaries.py).
@@ -181,10 +188,7 @@ class Program:
             )
             for li, executor in enumerate(self.executors)
         ]
-        if hooks.gradient_sink is None:
-            results = [self._run_lane(li, run) for li, run in enumerate(runs)]
-        else:
-            results = self._run_lanes_in_lockstep(runs, hooks.gradient_sink)
+        results = self._emit_lanes(runs)
         for li, (grads, non_trainable, micro_batches) in enumerate(results):
             with hooks.lanes.lane(li):
                 for mb in micro_batches:
@@ -201,20 +205,21 @@ class Program:
                 self.step_counter.assign_add(1)
             return {**self._metric_results(), BATCH_SIZE_KEY: batch}
 
-    def _run_lane(self, li: int, run):
-        """Emits one lane's whole schedule; returns what `LaneExecutor.run` returns."""
-        with self.hooks.lanes.lane(li):
-            while True:
-                try:
-                    next(run)
-                except StopIteration as done:
-                    return done.value
+    def _emit_lanes_one_by_one(self, runs) -> list:
+        """Emits each lane's whole schedule in turn; per lane, what `LaneExecutor.run`
+        returns."""
+        results = []
+        for li, run in enumerate(runs):
+            with self.hooks.lanes.lane(li):
+                results.append(run_to_end(run))
+        return results
 
-    def _run_lanes_in_lockstep(self, runs, sink):
+    def _emit_lanes_in_lockstep(self, runs) -> list:
         """Emits the lanes' schedules task by task, all lanes at once, so each backward's
         gradients can be reduced over the lanes right away (`sink.flush`, ZeRO v1) and
         the stage's next task waits for that reduction: no micro-batch's gradients
         outlive their reduce-scatter, and none accumulates in full."""
+        sink = self.hooks.gradient_sink
         sink.clear()  # a trace given up half-way leaves nothing behind
         sent: list = [None] * len(runs)
         results: list = [None] * len(runs)
@@ -231,7 +236,8 @@ class Program:
             sent = [None] * len(runs)
             stage, task = tasks[0] if tasks else (None, None)
             if task is not None and task.kind != FORWARD:
-                sent = [sink.flush(stage).get(li) for li in range(len(runs))]
+                flushed = sink.flush(stage)  # once: it reduces every lane's gradients
+                sent = [flushed.get(li) for li in range(len(runs))]
         return results
 
     def _checked_batch_size(self, features, parts: int):

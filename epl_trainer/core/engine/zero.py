@@ -92,7 +92,7 @@ class ZeroUpdate:
       layout: the step layout (lanes, stage groups, stages' variables, state).
       reduction: the gradient reduction and clipping settings (reduce.py).
       make_optimizer: `(device, variables) -> built Keras optimizer`; `split_variables`
-        says whether it may get row pieces (`zero_layout.splits_variables`).
+        says whether it may get pieces (`zero_layout.splits_variables`).
       level: "v0" or "v1".
       jit_compile: compile each shard's optimizer update with XLA (apply.py).
       measure_ranks: run `CollectiveGroup.measure_ranks()` on every stage group (one
@@ -223,7 +223,7 @@ class ZeroUpdate:
         lane_variable = self.layout.state.trainable[li][piece.index]
         with tf.device(self._apply_device(k, li)):
             copy = keras.Variable(
-                exchange.rows_of(lane_variable.value, piece),
+                exchange.elements_of(lane_variable.value, piece),
                 dtype=lane_variable.dtype,
                 trainable=True,
                 name=lane_variable.name,
@@ -267,7 +267,7 @@ class ZeroUpdate:
                 with tf.device(self._apply_device(k, li)):
                     for (_, piece), variable in zip(self.pieces[k][m], self.piece_variables[k][m]):
                         source = state.trainable[li][piece.index].value
-                        variable.assign(exchange.rows_of(source, piece))
+                        variable.assign(exchange.elements_of(source, piece))
 
     def _reduce_stage(self, k: int, group, lane_grads: list[list]) -> list[list]:
         """Each lane's reduced gradients of its stage-k pieces.
@@ -450,7 +450,7 @@ class ZeroUpdate:
     def slot_owners(self) -> dict[int, str]:
         """{trainable index: the stage device of the lane (on any worker) owning it whole}:
         the only lane holding that variable's optimizer slots. Variables cut into pieces
-        are not listed (each piece is held by exactly one lane, `piece_rows`)."""
+        are not listed (each piece is held by exactly one lane, `piece_spans`)."""
         owners = {}
         for k, layouts in enumerate(self.layouts):
             group = self.layout.stage_groups[k]
@@ -460,7 +460,7 @@ class ZeroUpdate:
                     owners.update({p.index: device_of_rank[r] for p in pieces if p.whole})
         return owners
 
-    def piece_rows(self) -> dict[int, tuple[int, int, int | None, int | None]]:
+    def piece_spans(self) -> dict[int, tuple[int, int, int | None, int | None]]:
         """{id(piece variable): (local lane position, trainable index, first element, end
         element)} for the pieces held here; the elements are None for a whole variable."""
         rows = {}

@@ -114,7 +114,7 @@ def all_reduce_pieces(
         for b, layout in enumerate(layouts):
             for p in layout.pieces_of(shards[m], _excluded(layout, sparse)):
                 with tf.device(device):
-                    owned[m][(b, p.position)] = rows_of(reduced[m][position[p.index]], p)
+                    owned[m][(b, p.position)] = elements_of(reduced[m][position[p.index]], p)
     return owned
 
 
@@ -141,7 +141,7 @@ def gather_pieces(
     return results
 
 
-def rows_of(value: tf.Tensor, piece: Piece) -> tf.Tensor:
+def elements_of(value: tf.Tensor, piece: Piece) -> tf.Tensor:
     """A whole variable's dense tensor -> the piece's elements, in the piece's shape."""
     if piece.whole:
         return value
@@ -160,7 +160,7 @@ def piece_of_slices(slices: tf.IndexedSlices, piece: Piece) -> tf.IndexedSlices:
     if piece.whole:
         return slices
     if tuple(slices.values.shape[1:]) != tuple(piece.shape[1:]):
-        return rows_of(tf.convert_to_tensor(slices), piece)
+        return elements_of(tf.convert_to_tensor(slices), piece)
     unit = row_size(piece.shape)
     first, end = piece.start // unit, piece.stop // unit
     indices = tf.cast(slices.indices, tf.int64)

@@ -341,7 +341,7 @@ ELEMENTWISE_OPTIMIZERS = (
 
 
 def splits_variables(optimizer) -> bool:
-    """Whether ZeRO may cut `optimizer`'s variables into row pieces: its update is a
+    """Whether ZeRO may cut `optimizer`'s variables into pieces: its update is a
     Keras element-wise one (the class defining `update_step`, so a subclass that changes
     the update is not taken on trust) and it has no per-variable `clipnorm`."""
     owner = next((cls for cls in type(optimizer).__mro__ if "update_step" in vars(cls)), object)
