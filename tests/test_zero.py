@@ -124,3 +124,45 @@ def test_memory_report_divides_optimizer_state_and_gradients_exactly(level):
         # v1: each device keeps the reduced gradients of its quarter; v0: all of them.
         expected = total / 4 if level == "v1" else total
         assert abs(row.gradients - expected) <= 0.01 * expected
+
+
+def test_lockstep_hands_every_lane_the_reduce_scatter_of_its_micro_batch():
+    """ZeRO v1's lanes are emitted task by task; after each backward the sink is flushed
+    once (one reduce-scatter over the lanes) and every lane's next task gets its own
+    markers to wait for. (Flushing once per lane left lanes 1.. with nothing to wait for.)"""
+    import contextlib
+    import types
+
+    from epl_trainer.core.engine.program import Program
+    from epl_trainer.core.plan.schedule import BACKWARD, FORWARD, Task
+
+    tasks = [Task(FORWARD, 0), Task(BACKWARD, 0), Task(FORWARD, 1), Task(BACKWARD, 1)]
+    received = {0: [], 1: []}
+
+    def lane(li):
+        for task in tasks:
+            sent = yield 0, task
+            received[li].append(sent)
+        return f"lane {li} done"
+
+    class Sink:
+        flushes = 0
+
+        def clear(self):
+            pass
+
+        def flush(self, stage):
+            Sink.flushes += 1
+            return {0: [f"rs{Sink.flushes} lane 0"], 1: [f"rs{Sink.flushes} lane 1"]}
+
+    program = types.SimpleNamespace(
+        hooks=types.SimpleNamespace(
+            gradient_sink=Sink(),
+            lanes=types.SimpleNamespace(lane=lambda li: contextlib.nullcontext()),
+        )
+    )
+    results = Program._emit_lanes_in_lockstep(program, [lane(0), lane(1)])
+    assert results == ["lane 0 done", "lane 1 done"]
+    assert Sink.flushes == 2  # one per backward round
+    for li in (0, 1):  # the task after each backward waits for that round's markers
+        assert received[li] == [None, [f"rs1 lane {li}"], None, [f"rs2 lane {li}"]]
