@@ -120,7 +120,9 @@ class ZeroConfig(_Section):
     """ZeRO sharding of data-parallel state."""
 
     level: str = _enum(
-        "", "ZeRO level; v1 shards optimizer states, grads.", choices=("", "v0", "v1")
+        "",
+        "ZeRO level: v0 shards optimizer states, v1 also gradients, v2 also parameters.",
+        choices=("", "v0", "v1", "v2"),
     )
 
 

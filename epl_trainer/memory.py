@@ -14,6 +14,7 @@ import dataclasses
 import os
 
 from epl_trainer.core.engine.state import variable_bytes
+from epl_trainer.core.engine.zero_params import is_gathered
 from epl_trainer.core.graph.cost import format_bytes
 
 
@@ -73,8 +74,10 @@ def build_report(state, update, lanes) -> MemoryReport:
         for device in lane.devices:
             row(device)
     seen: set[int] = set()
-    for variable in [v for vs in state.trainable + state.non_trainable for v in vs]:
-        if id(variable) not in seen:
+    # ZeRO v2's lanes hold gathered stand-ins (no storage); its pieces are the parameters.
+    held = [v for vs in state.trainable + state.non_trainable for v in vs if not is_gathered(v)]
+    for variable in held + getattr(update, "parameter_pieces", list)():
+        if variable is not None and id(variable) not in seen:
             seen.add(id(variable))
             row(variable.value.device).parameters += variable_bytes(variable)
     for variable in update.all_optimizer_variables():

@@ -14,6 +14,7 @@ from _models import (
 )
 
 from epl_trainer.core.engine.state import variable_bytes
+from epl_trainer.core.engine.zero_params import is_gathered
 
 ATOL = 1e-5
 PARITY_STAGES = {"conv|embed|pool_.*|concat": 0, "hidden|norm|logits": 1}
@@ -22,11 +23,12 @@ PARITY_STAGES = {"conv|embed|pool_.*|concat": 0, "hidden|norm|logits": 1}
 @pytest.mark.parametrize("offload", ["", "v0"], ids=["offload_off", "offload_on"])
 @pytest.mark.parametrize("stages", [None, PARITY_STAGES], ids=["data_parallel", "2_stages"])
 @pytest.mark.parametrize("num_micro_batch", [1, 2])
-@pytest.mark.parametrize("level", ["v0", "v1"])
+@pytest.mark.parametrize("level", ["v0", "v1", "v2"])
 def test_zero_matches_keras(level, num_micro_batch, stages, offload):
     """Adam on a model with Conv, LayerNorm and an Embedding (its IndexedSlices gradient
     stays sparse and is cut into row pieces with the rest) on 4 devices: 4 replicas, or 2
-    replicas of a 2-stage pipeline; ZeRO-Offload keeps the shards on the host."""
+    replicas of a 2-stage pipeline; ZeRO-Offload keeps the shards on the host. v2 holds
+    the parameters only as pieces: no lane has a variable of its own."""
     x, y = parity_data()
     reference = parity_model()
     keras_reference(reference, x, y, keras.optimizers.Adam(0.01), batch_size=16, steps=3)
@@ -50,6 +52,8 @@ def test_zero_matches_keras(level, num_micro_batch, stages, offload):
         host = trainer.cluster.host_device
         devices = {v.value.device for v in update.all_optimizer_variables()}
         assert devices == {host}
+    held = [v for lane in trainer._engine.state.trainable for v in lane if v is not None]
+    assert all(is_gathered(v) for v in held) == (level == "v2")
 
 
 @pytest.mark.parametrize(
@@ -62,17 +66,19 @@ def test_zero_matches_keras(level, num_micro_batch, stages, offload):
     ],
     ids=["grouped_apply", "fp16_wire_buckets", "clip_before_reduction", "recompute"],
 )
-def test_zero_v1_combines_with(config):
+@pytest.mark.parametrize("level", ["v1", "v2"])
+def test_zero_combines_with(level, config):
     """Grouped apply (groups of pieces, chained), gradients on the float16 wire in several
     buckets, global-norm clipping before the reduction (EPL's default: gradients then
-    accumulate per lane before they are reduce-scattered), gradient checkpointing."""
+    accumulate per lane before they are reduce-scattered), gradient checkpointing (v2:
+    each segment gathers its parameters, and again in its backward)."""
     x, y = parity_data()
     clip = 0.05 if "communication.clip_after_allreduce" in config else None
     optimizer = lambda: keras.optimizers.Adam(0.01, global_clipnorm=clip)  # noqa: E731
     reference = parity_model()
     model = parity_model()
     trainer = adam_trainer(
-        model, 2, optimizer(), **{"zero.level": "v1", "pipeline.num_micro_batch": 2, **config}
+        model, 2, optimizer(), **{"zero.level": level, "pipeline.num_micro_batch": 2, **config}
     )
     trainer.fit(x, y, batch_size=16, steps_per_epoch=3, verbose=0)
     if clip:  # per-replica clipping: the reference is plain data parallelism
@@ -88,6 +94,8 @@ def test_zero_v1_combines_with(config):
     assert max_weight_difference(reference, model) < tolerance
     if "optimizer.num_apply_group" in config:
         assert all(len(stage) == 3 for stage in trainer._engine.program.update.steps[0])
+    gathers = trainer._engine.program.hooks.gather_per_segment
+    assert bool(gathers) == (level == "v2" and "gradient_checkpoint.type" in config)
 
 
 def embedding_heavy_model(seed: int = 0) -> keras.Model:
@@ -101,7 +109,7 @@ def embedding_heavy_model(seed: int = 0) -> keras.Model:
     return keras.Model(tokens, keras.layers.Dense(3, name="logits")(h))
 
 
-@pytest.mark.parametrize("level", ["v0", "v1"])
+@pytest.mark.parametrize("level", ["v0", "v1", "v2"])
 def test_memory_report_divides_optimizer_state_and_gradients_exactly(level):
     model = embedding_heavy_model()
     rng = np.random.default_rng(0)
@@ -115,14 +123,20 @@ def test_memory_report_divides_optimizer_state_and_gradients_exactly(level):
     assert max(sizes) > 0.45 * total  # the embedding is about half the model
     rows = [report[lane.devices[0]] for lane in trainer.lanes]
     # Adam's two slots plus the master copy of the owned rows: 3 x total / 4 each, within
-    # 1% (the step counters are a few bytes).
+    # 1% (the step counters are a few bytes). Under v2 the owned rows are the parameters.
+    optimizer_share = 2 if level == "v2" else 3
     for row in rows:
-        assert abs(row.optimizer - 3 * total / 4) <= 0.01 * 3 * total / 4, [
+        assert abs(row.optimizer - optimizer_share * total / 4) <= 0.01 * total, [
             r.optimizer for r in rows
         ]
-        assert row.parameters >= total  # each replica's working copy of the model
-        # v1: each device keeps the reduced gradients of its quarter; v0: all of them.
-        expected = total / 4 if level == "v1" else total
+        if level == "v2":  # a quarter of the parameters each, between steps
+            assert abs(row.parameters - total / 4) <= 0.01 * total / 4, [
+                r.parameters for r in rows
+            ]
+        else:
+            assert row.parameters >= total  # each replica's working copy of the model
+        # v1, v2: each device keeps the reduced gradients of its quarter; v0: all of them.
+        expected = total if level == "v0" else total / 4
         assert abs(row.gradients - expected) <= 0.01 * expected
 
 

@@ -14,7 +14,8 @@ The passes run in this order, each a small function that fills slots of the step
    segments whose insides are recomputed in backward (recompute.py); after split, so the
    recomputed stages are the ones whose forward is plain; then, with the trainer's
    `jit_compile`, each stage's forward (and so its backward) is compiled by XLA;
-5. the update: ZeRO's sharded reduce / apply / gather (`zero.level`, zero.py), or plain
+5. the update: ZeRO's sharded reduce / apply / gather (`zero.level`, zero.py; v2 holds
+   the parameters only as pieces, zero_params.py), or plain
    all-reduce + apply (update.py, with grouped apply and offload), both on the gradient
    reduction of reduce.py (`communication.*`, global-norm clipping), each optimizer
    XLA-compiled where it compiles (`optimizer.jit_compile`, apply.py);
@@ -135,6 +136,10 @@ def build_engine(
             num_apply_group=config.optimizer.num_apply_group,
         )
         hooks.gradient_sink = hooks.update.micro_batch_grads
+        if config.zero.level == "v2" and not jit_compile:
+            # Checkpointed stages gather per segment, again in backward (an XLA-compiled
+            # stage takes values: it gathers once per step, as the other stages do).
+            hooks.gather_per_segment = set(hooks.recomputed)
     else:
         hooks.update = ReplicatedUpdate(
             layout,

@@ -78,6 +78,9 @@ class StepHooks:
         the gradient check.
       gradient_sink: None, or where the lane executors hand each micro-batch's dense
         gradients instead of accumulating them (ZeRO v1: `zero.MicroBatchGradients`).
+      gather_per_segment: stages whose forward gets its parameters as
+        `zero_params.SegmentGathers` instead of values (ZeRO v2 with gradient
+        checkpointing: gathered segment by segment, again in backward).
     """
 
     stage_calls: list
@@ -91,3 +94,4 @@ class StepHooks:
     extra_logs: dict = dataclasses.field(default_factory=dict)
     recomputed: dict = dataclasses.field(default_factory=dict)
     gradient_sink: object = None
+    gather_per_segment: set = dataclasses.field(default_factory=set)

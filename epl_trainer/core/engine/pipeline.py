@@ -15,6 +15,7 @@ import dataclasses
 
 import tensorflow as tf
 
+from epl_trainer.core.engine.zero_params import SegmentGathers
 from epl_trainer.core.graph.partition import StagedModel
 from epl_trainer.core.plan.schedule import FORWARD, Task
 
@@ -24,11 +25,14 @@ class _StageRun:
     """What the forward of one (stage, micro-batch) leaves for its backward."""
 
     tape: tf.GradientTape
-    variables: list
+    variables: list  # the values the forward read, the gradient's sources
     input_keys: list
     inputs: list
     outputs: dict
     objective: tf.Tensor | None  # loss (last stage) or auxiliary losses, already scaled
+    # ZeRO v2 gathered per segment: each source's position among the stage's variables
+    # (a variable two segments use has two sources); None: `variables` is in stage order.
+    positions: list | None = None
 
 
 @dataclasses.dataclass
@@ -111,6 +115,9 @@ class LaneExecutor:
             for f, y in zip(feature_parts, label_parts)
         ]
         non_trainable = list(non_trainable)
+        # Per stage, its variables' values, read once per step and shared by its
+        # micro-batches (ZeRO v2: the gather of the stage's parameters).
+        self._read_values: dict[int, list] = {}
         grads: list = [None] * len(self.variables)
         previous: list = [None] * self.num_stages  # per stage: tensors ending its last task
         for stage, task in self.order:
@@ -150,8 +157,15 @@ class LaneExecutor:
                         if key in mb.values and key not in input_keys
                     ]
                 inputs = [mb.values[key] for key in input_keys]
-                variables = [self.variables[i].value for i in self.trainable_idx[k]]
-                tape.watch([x for x in inputs if x.dtype.is_floating] + variables)
+                tape.watch([x for x in inputs if x.dtype.is_floating])
+                if k in self.hooks.gather_per_segment:  # ZeRO v2 + checkpointing
+                    gathers = SegmentGathers(
+                        [self.variables[i] for i in self.trainable_idx[k]], tape.watch
+                    )
+                    variables = gathers
+                else:
+                    variables = self._stage_values(k)
+                    tape.watch(variables)
                 nt_idx = self.non_trainable_idx[k]
                 outputs, new_nt, aux = self.hooks.stage_calls[k](
                     variables,
@@ -184,9 +198,20 @@ class LaneExecutor:
         mb.values.update(results)
         if self.boundaries is not None:
             self.boundaries.forward_sends(k, mb.values)
-        mb.runs[k] = _StageRun(tape, variables, input_keys, inputs, results, objective)
+        positions = None
+        if isinstance(variables, SegmentGathers):
+            positions = [p for p, _ in variables.sources]
+            variables = [v for _, v in variables.sources]
+        mb.runs[k] = _StageRun(
+            tape, variables, input_keys, inputs, results, objective, positions
+        )
         markers = list(_flat_tensors(results)) + ([objective] if objective is not None else [])
         return markers
+
+    def _stage_values(self, k: int) -> list:
+        if k not in self._read_values:
+            self._read_values[k] = [self.variables[i].value for i in self.trainable_idx[k]]
+        return self._read_values[k]
 
     def _backward(self, k: int, mb: MicroBatch, grads: list) -> list:
         run = mb.runs.pop(k)  # drop the tape's Python references once used
@@ -222,7 +247,10 @@ class LaneExecutor:
                 for position, g in enumerate(computed)
             ]
             sink, handed = self.hooks.gradient_sink, {}
-            for i, g in zip(self.trainable_idx[k], computed[: len(run.variables)]):
+            variable_grads = computed[: len(run.variables)]
+            if run.positions is not None:
+                variable_grads = self._by_position(k, run.positions, variable_grads)
+            for i, g in zip(self.trainable_idx[k], variable_grads):
                 if sink is not None and i in sink.covered and not _is_slices(g):
                     handed[i] = g  # reduced per micro-batch (ZeRO v1), never accumulated
                 else:
@@ -234,6 +262,19 @@ class LaneExecutor:
         if self.boundaries is not None:
             self.boundaries.gradient_sends(k, mb.values, mb.upstream)
         return computed
+
+
+    def _by_position(self, k: int, positions: list, gradients: list) -> list:
+        """Per-source gradients -> one per stage variable: summed where several segments
+        read the variable, zeros where none did."""
+        by_position: list = [None] * len(self.trainable_idx[k])
+        for p, g in zip(positions, gradients):
+            by_position[p] = g if by_position[p] is None else accumulate(by_position[p], g)
+        for p, g in enumerate(by_position):
+            if g is None:
+                variable = self.variables[self.trainable_idx[k][p]]
+                by_position[p] = tf.zeros(variable.shape, variable.dtype)
+        return by_position
 
 
 def run_to_end(steps):

@@ -115,8 +115,16 @@ class RecomputedStage:
         training: bool = False,
         return_losses: bool = False,
     ):
-        """Runs the segments in order; see the class doc for the contract."""
+        """Runs the segments in order; see the class doc for the contract.
+
+        `trainable_variables` may also be a `zero_params.SegmentGathers` (ZeRO v2): each
+        segment then gathers its parameters just before its forward, the gather of
+        segment b+1 waiting for segment b-1's outputs (one segment of prefetch), and
+        gathers them again in its backward instead of keeping them.
+        """
         staged = self.staged
+        gathers = trainable_variables if hasattr(trainable_variables, "regather") else None
+        markers: list = []  # per segment run: a scalar 0 once its outputs exist
         flat = staged.flatten_inputs(inputs)
         flat = [
             x if x is None else keras.ops.convert_to_tensor(x, dtype=t.dtype)
@@ -127,14 +135,25 @@ class RecomputedStage:
         losses: list = []
         for part, recompute in zip(staged.stages, self.recomputed):
             t_idx, nt_idx = self._trainable_idx[part.index], self._non_trainable_idx[part.index]
-            call = _recomputed_call if recompute else _plain_call
-            outputs, new_state, part_losses = call(
-                part.model,
-                [trainable_variables[i] for i in t_idx],
-                [non_trainable[i] for i in nt_idx],
-                [values[k] for k in part.input_keys],
-                training,
-            )
+            regather = None
+            if gathers is None:
+                variables = [trainable_variables[i] for i in t_idx]
+            else:
+                variables = gathers.gather(t_idx, markers[-2] if len(markers) > 1 else None)
+                regather = lambda after, t_idx=t_idx: gathers.regather(t_idx, after)  # noqa: E731
+            args = [values[k] for k in part.input_keys]
+            nt_values = [non_trainable[i] for i in nt_idx]
+            if recompute:
+                outputs, new_state, part_losses = _recomputed_call(
+                    part.model, variables, nt_values, args, training, regather
+                )
+            else:
+                outputs, new_state, part_losses = _plain_call(
+                    part.model, variables, nt_values, args, training
+                )
+            if gathers is not None:
+                floats = [y for y in outputs if y.dtype.is_floating]
+                markers.append(_after(floats[0]) if floats else None)
             for i, value in zip(nt_idx, new_state):
                 non_trainable[i] = value
             values.update(zip(part.output_keys, outputs))
@@ -248,7 +267,7 @@ def _plain_call(model, variables, non_trainable, args, training):
     return tree.flatten(outputs), state, list(losses)
 
 
-def _recomputed_call(model, variables, non_trainable, args, training):
+def _recomputed_call(model, variables, non_trainable, args, training, regather=None):
     """One segment as a custom-gradient op whose backward reruns its forward.
 
     Float inputs and variable values are the op's differentiable arguments. Int inputs
@@ -260,6 +279,11 @@ def _recomputed_call(model, variables, non_trainable, args, training):
     lose that attribute (the loss then applied a second softmax: the bias of a softmax
     classifier moved off Keras's), so the logits are extra results of the op and are
     attached to their outputs again.
+
+    `regather`: None, or `(after) -> variable values` (ZeRO v2): the backward gathers the
+    parameters again instead of reading the op's inputs, so the forward's gathered
+    values are freed after the forward; the gradients of the gathered values are the
+    gradients of the op's variable inputs.
     """
     if not any(_is_float(t.dtype) for t in model.outputs):
         return _plain_call(model, variables, non_trainable, args, training)  # no gradient
@@ -302,16 +326,17 @@ def _recomputed_call(model, variables, non_trainable, args, training):
                 (i, tf.convert_to_tensor(dy)) for i, dy in enumerate(upstream) if dy is not None
             ]
             dependency = None if tf.executing_eagerly() or not wanted else _after(wanted[0][1])
+            inputs = list(differentiable)
+            if regather is not None:
+                inputs[count:] = regather(dependency)
             with tf.GradientTape() as tape:
-                tape.watch(differentiable)
-                again, _, again_losses = run(
-                    differentiable[:count], differentiable[count:], dependency
-                )
+                tape.watch(inputs)
+                again, _, again_losses = run(inputs[:count], inputs[count:], dependency)
                 logits = [_logits_of(again[i]) for i in with_logits]
                 targets = [again[i] for i in float_out] + logits + again_losses
             return tape.gradient(
                 [targets[i] for i, _ in wanted],
-                list(differentiable),
+                inputs,
                 output_gradients=[dy for _, dy in wanted],
                 unconnected_gradients=tf.UnconnectedGradients.ZERO,
             )

@@ -162,6 +162,17 @@ class EngineState:
         `original`, so the user's optimizer settings for it apply (`original_of`)."""
         self._originals[id(copy)] = original
 
+    def hold_in_pieces(self, views: Mapping[int, object]) -> None:
+        """ZeRO v2 (zero_params.py): trainable variable i is held only as pieces; every
+        local lane's copy is replaced by `views[i]`, which gathers them when read."""
+        for lane_vars in self.trainable:
+            for i, view in views.items():
+                if lane_vars[i] is not None and lane_vars[i] is not view:
+                    self._originals.pop(id(lane_vars[i]), None)
+                    lane_vars[i] = view
+        for i, view in views.items():
+            self._originals[id(view)] = self.model_trainable[i]
+
     def original_of(self, copy: keras.Variable) -> keras.Variable:
         """The user's model variable that an engine-owned copy (or shard) stands for."""
         return self._originals[id(copy)]
@@ -233,12 +244,13 @@ class EngineState:
                 lane_vars[i].assign(self._shard_of(i, self.model_trainable[i].value, lane))
 
     def resident_bytes(self) -> dict[str, int]:
-        """Bytes of variables per device, from the engine's own state (shared copies once)."""
+        """Bytes of variables per device, from the engine's own state (shared copies once;
+        ZeRO v2's gathered stand-ins hold nothing)."""
         usage: dict[str, int] = {}
         seen: set[int] = set()
         for lane_vars in self.trainable + self.non_trainable:
             for v in lane_vars:
-                if v is None or id(v) in seen:
+                if v is None or id(v) in seen or not isinstance(v, keras.Variable):
                     continue
                 seen.add(id(v))
                 device = v.value.device

@@ -1,4 +1,5 @@
-"""ZeRO: optimizer state (v0) and gradients (v1) sharded over the data-parallel lanes.
+"""ZeRO: optimizer state (v0), gradients (v1) and parameters (v2) sharded over the
+data-parallel lanes.
 
 Each stage's variables are cut into equal contiguous ranges, one per member of the
 stage's collective group (zero_layout.py: per dtype and `communication.max_splits`
@@ -9,18 +10,23 @@ each step, so the lane's variables stay the truth for checkpoints, `set_weights`
 evaluation. The optimizer's slots exist for the pieces only: the memory saving, and the
 optimizer state of every member (pieces and slots) is total/N within one row.
 Optimizers that are not element-wise (LAMB, per-variable `clipnorm`) get whole
-variables instead (balance is then bounded by the largest one).
+variables instead (balance is then bounded by the largest one). Under v2 the pieces are
+the only copy of the parameters: the lanes read them through `GatheredParameter`s
+(zero_params.py), and steps 0 and 4 below do not exist.
 
 One step, in this order:
 
-1. v1: each micro-batch's dense gradients are reduce-scattered as soon as backward
+0. (v0, v1) the pieces take the lane's values (a checkpoint restore or `set_weights`
+   wrote those);
+1. v1 and v2: each micro-batch's dense gradients are reduce-scattered as soon as backward
    makes them (`MicroBatchGradients`, filled by the lane executors) and summed into the
    member's shard, so no device holds the accumulated gradient of the whole stage;
    v0: gradients accumulate per lane, then all-reduce, each member keeping its pieces;
    sparse gradients (an Embedding's rows) are all-gathered and each owner keeps its rows;
 2. [global-norm clipping over the owned pieces];
 3. each member applies its optimizer to its pieces;
-4. the updated pieces are all-gathered and every lane assigns what it did not update.
+4. (v0, v1) the updated pieces are all-gathered and every lane assigns what it did not
+   update.
 """
 
 from __future__ import annotations
@@ -35,8 +41,10 @@ from epl_trainer.core.engine.apply import OptimizerStep
 from epl_trainer.core.engine.reduce import scaled, sum_over_lane
 from epl_trainer.core.engine.update import balanced_groups, written
 from epl_trainer.core.engine.zero_layout import make_layouts, shard_bytes
+from epl_trainer.core.engine.zero_params import GatheredParameter, check_local_groups
 
-LEVELS = ("v0", "v1")
+LEVELS = ("v0", "v1", "v2")
+SHARDS_GRADIENTS = ("v1", "v2")
 
 
 class MicroBatchGradients:
@@ -86,14 +94,14 @@ class MicroBatchGradients:
 
 
 class ZeroUpdate:
-    """Sharded update for `zero.level` "v0" / "v1"; a drop-in for `ReplicatedUpdate`.
+    """Sharded update for `zero.level` "v0" / "v1" / "v2"; a drop-in for `ReplicatedUpdate`.
 
     Args:
       layout: the step layout (lanes, stage groups, stages' variables, state).
       reduction: the gradient reduction and clipping settings (reduce.py).
       make_optimizer: `(device, variables) -> built Keras optimizer`; `split_variables`
         says whether it may get pieces (`zero_layout.splits_variables`).
-      level: "v0" or "v1".
+      level: "v0", "v1" or "v2" (needs every stage group on this worker).
       jit_compile: compile each shard's optimizer update with XLA (apply.py).
       measure_ranks: run `CollectiveGroup.measure_ranks()` on every stage group (one
         tiny eager gather each, at build time, on every worker in the same order).
@@ -128,14 +136,16 @@ class ZeroUpdate:
         self.level = level
         self.apply_device = apply_device
         state = layout.state
-        # v1 shards each micro-batch's gradients (clipping before the reduction needs
+        if level == "v2":
+            check_local_groups(layout)
+        # v1 and v2 shard each micro-batch's gradients (clipping before the reduction needs
         # each lane's whole gradient, so then they accumulate first).
         self.micro_batch_grads = (
             MicroBatchGradients(
                 self._reduce_micro_batch,
                 frozenset(i for i in range(len(state.model_trainable)) if i not in state.sharded),
             )
-            if level == "v1" and not reduction.clip_before
+            if level in SHARDS_GRADIENTS and not reduction.clip_before
             else None
         )
         self.layouts = []  # layouts[stage]
@@ -215,6 +225,20 @@ class ZeroUpdate:
             for li, lane in enumerate(layout.lanes)
         ]
         self.reduced_agree = False  # each lane holds the reduced gradients of its shard
+        if level == "v2":
+            state.hold_in_pieces(self._gathered_parameters())
+
+    def _gathered_parameters(self) -> dict[int, GatheredParameter]:
+        """v2: {trainable index: its stand-in over the pieces of every member}."""
+        state, views = self.layout.state, {}
+        for k in range(self.layout.num_stages):
+            found: dict[int, list] = {}
+            for pieces, variables in zip(self.pieces[k], self.piece_variables[k]):
+                for (_, piece), variable in zip(pieces, variables):
+                    found.setdefault(piece.index, []).append((piece, variable))
+            for i, pairs in found.items():
+                views[i] = GatheredParameter(state.model_trainable[i], pairs)
+        return views
 
     def _apply_device(self, k: int, li: int) -> str:
         return self.apply_device or self.layout.lanes[li].devices[k]
@@ -260,7 +284,10 @@ class ZeroUpdate:
         return owned
 
     def _refresh_pieces(self) -> None:
-        """Piece variables take the rows of the lane's copy (restored, or set by the user)."""
+        """Piece variables take the rows of the lane's copy (restored, or set by the user);
+        under v2 the pieces are the only copy."""
+        if self.level == "v2":
+            return
         state = self.layout.state
         for k in range(self.layout.num_stages):
             for m, li in enumerate(self.layout.stage_lanes[k]):
@@ -295,7 +322,7 @@ class ZeroUpdate:
             if self.micro_batch_grads.scale is not None:
                 scale = self.micro_batch_grads.scale()
                 dense = [dict(zip(d, unscale_gradients(list(d.values()), scale))) for d in dense]
-        elif self.level == "v1":  # accumulated first (clipping before the reduction)
+        elif self.level in SHARDS_GRADIENTS:  # accumulated first (clipping before the reduction)
             as_dicts = [[{i: grads[i] for i in idx if i not in sparse} for grads in member_grads]]
             dense = exchange.reduce_scatter_pieces(
                 group, layouts, as_dicts, sparse, method, chains, wire
@@ -406,7 +433,9 @@ class ZeroUpdate:
 
     def finish(self) -> None:
         """Every lane gathers the updated pieces (unchanged ones after a skipped step) and
-        assigns its copy of every variable."""
+        assigns its copy of every variable; under v2 the next read gathers them."""
+        if self.level == "v2":
+            return
         layout = self.layout
         trainable = layout.state.trainable
         for k, group in enumerate(layout.stage_groups):
@@ -472,15 +501,15 @@ class ZeroUpdate:
         return rows
 
     def gradient_bytes(self) -> dict[str, int]:
-        """Bytes of reduced gradients per compute device: the owned pieces under v1; under
-        v0 the whole stage (all-reduced before the pieces are kept)."""
+        """Bytes of reduced gradients per compute device: the owned pieces under v1 and v2;
+        under v0 the whole stage (all-reduced before the pieces are kept)."""
         usage = {}
         for k, layouts in enumerate(self.layouts):
             per_shard = shard_bytes(layouts)
             whole = sum(per_shard)
             for m, li in enumerate(self.members_of(k)):
                 device = self.layout.lanes[li].devices[k]
-                count = per_shard[self.shards[k][m]] if self.level == "v1" else whole
+                count = per_shard[self.shards[k][m]] if self.level in SHARDS_GRADIENTS else whole
                 usage[device] = usage.get(device, 0) + count
         return usage
 
@@ -490,10 +519,17 @@ class ZeroUpdate:
 
     def all_optimizer_variables(self) -> list:
         """Slots and counters, and the piece variables (the owned rows' master copy, part of
-        the shard's optimizer state as in the ZeRO paper's K = 12 bytes per parameter)."""
-        pieces = [v for stage in self.piece_variables for member in stage for v in member]
+        the shard's optimizer state as in the ZeRO paper's K = 12 bytes per parameter),
+        except under v2, where the pieces are the parameters (`parameter_pieces`)."""
         slots = [v for _, optimizer, _ in self.local_optimizers() for v in optimizer.variables]
-        return slots + pieces
+        return slots + ([] if self.level == "v2" else self._all_pieces())
+
+    def parameter_pieces(self) -> list:
+        """v2: the piece variables, the only copy of the parameters ([] under v0, v1)."""
+        return self._all_pieces() if self.level == "v2" else []
+
+    def _all_pieces(self) -> list:
+        return [v for stage in self.piece_variables for member in stage for v in member]
 
     @property
     def optimizers(self) -> list[list[list]]:
