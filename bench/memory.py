@@ -92,7 +92,15 @@ def build_model(kind):
 
 ZERO_DEVICES = 4
 ZERO_MICRO_BATCH = 2
-ZERO_LEVELS = [("none", ""), ("v0 (optimizer states)", "v0"), ("v1 (+ gradients)", "v1")]
+# (name, zero.level, gradient checkpointing): v2 gathers each stage's parameters once per
+# step, or with checkpointing one segment at a time (again in its backward).
+ZERO_LEVELS = [
+    ("none", "", ""),
+    ("v0 (optimizer states)", "v0", ""),
+    ("v1 (+ gradients)", "v1", ""),
+    ("v2 (+ parameters)", "v2", ""),
+    ("v2 + checkpointing", "v2", "auto"),
+]
 
 
 def build_zero_model():
@@ -108,7 +116,7 @@ def build_zero_model():
     return keras.Model(inputs, keras.layers.Dense(10, name="head")(h))
 
 
-def measure_zero(level, steps):
+def measure_zero(level, checkpointing, steps):
     """Child process: one ZeRO level on ZERO_DEVICES logical devices."""
     sys.path.insert(0, ROOT)
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
@@ -129,6 +137,7 @@ def measure_zero(level, steps):
             "cluster.virtual_devices": ZERO_DEVICES,
             "zero.level": level,
             "pipeline.num_micro_batch": ZERO_MICRO_BATCH,
+            "gradient_checkpoint.type": checkpointing,
         },
     )
     batch = 16 * ZERO_DEVICES * ZERO_MICRO_BATCH
@@ -145,7 +154,7 @@ def measure_zero(level, steps):
     return {**measured, "states": [row.parameters, row.gradients, row.optimizer]}
 
 
-def predict_zero(level):
+def predict_zero(level, checkpointing):
     """epl-plan's per-device peak for the same run."""
     sys.path.insert(0, ROOT)
     from epl_trainer.core.graph.auto_partition import model_cost
@@ -158,7 +167,7 @@ def predict_zero(level):
         0,
         num_micro_batch=ZERO_MICRO_BATCH,
     )
-    options = estimate.TrainOptions(micro_batch_size=16, zero=level)
+    options = estimate.TrainOptions(micro_batch_size=16, zero=level, gc=bool(checkpointing))
     return estimate.estimate(model_cost(build_zero_model()), plan, options).max_peak
 
 
@@ -182,7 +191,6 @@ def print_zero_table(rows):
             states,
         )
         print("  ".join(c.ljust(w) for c, w in zip(cells, widths)))
-    print("  parameter sharding (DeepSpeed stage 3): not built yet")
 
 
 def measure(kind, overrides, steps):
@@ -263,7 +271,7 @@ def main():
     if args.child:
         arguments = json.loads(args.child)
         if arguments[0] == "zero":
-            print(json.dumps(measure_zero(arguments[1], arguments[2])))
+            print(json.dumps(measure_zero(*arguments[1:])))
         else:
             print(json.dumps(measure(*arguments)))
         return
@@ -271,8 +279,12 @@ def main():
     for group in args.only.split(","):
         if group == "zero":
             rows = [
-                (name, run_child(__file__, ["zero", level, args.steps]), predict_zero(level))
-                for name, level in ZERO_LEVELS
+                (
+                    name,
+                    run_child(__file__, ["zero", level, gc, args.steps]),
+                    predict_zero(level, gc),
+                )
+                for name, level, gc in ZERO_LEVELS
             ]
             print_zero_table(rows)
             continue

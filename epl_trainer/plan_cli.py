@@ -67,7 +67,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--pipeline_strategy", choices=PIPELINE_STRATEGIES, help="pipeline.strategy"
     )
     parallel.add_argument(
-        "--zero", choices=("none", "v0", "v1"), help="zero.level: v0 = P_os, v1 = P_os+g"
+        "--zero",
+        choices=("none", "v0", "v1", "v2"),
+        help="zero.level: v0 = P_os, v1 = P_os+g, v2 = P_os+g+p",
     )
     parallel.add_argument(
         "--amp",
@@ -208,7 +210,12 @@ def plan_and_estimate(
 def zero_comparison(result: estimate.Estimate) -> list[tuple[str, float]]:
     """Model-state bytes per device of the largest stage at every ZeRO level."""
     stage = max(result.stages, key=lambda s: s.params)
-    names = {"": "none (replicated)", "v0": "v0 (P_os)", "v1": "v1 (P_os+g)"}
+    names = {
+        "": "none (replicated)",
+        "v0": "v0 (P_os)",
+        "v1": "v1 (P_os+g)",
+        "v2": "v2 (P_os+g+p)",
+    }
     rows = []
     for level in estimate.ZERO_LEVELS:
         states = estimate.model_state_bytes(

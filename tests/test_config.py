@@ -205,7 +205,7 @@ def test_env_parse_error_names_variable_type_and_value(name, value, expected_typ
 def test_env_range_and_enum_errors_name_variable():
     with pytest.raises(ConfigError, match=r"EPL_PIPELINE_NUM_MICRO_BATCH .* must be >= 1"):
         make(EPL_PIPELINE_NUM_MICRO_BATCH="0")
-    with pytest.raises(ConfigError, match=r"EPL_ZERO_LEVEL .* must be one of \['', 'v0', 'v1'\]"):
+    with pytest.raises(ConfigError, match=r"EPL_ZERO_LEVEL .* must be one of \['', 'v0', 'v1', 'v2'\]"):
         make(EPL_ZERO_LEVEL="v3")
 
 
@@ -256,7 +256,7 @@ def test_unknown_section_suggests_closest():
         ("amp.loss_scale", "128", r"expects 'dynamic' or a positive number\. Received: '128'"),
         ("communication.fp16_scale", None, r"expects int or float\. Received: None"),
         ("cluster.run_visible_devices", 0, r"expects str\. Received: 0 \(type int\)"),
-        ("zero.level", 1, r"expects one of '', 'v0', 'v1'\. Received: 1 \(type int\)"),
+        ("zero.level", 1, r"expects one of '', 'v0', 'v1', 'v2'\. Received: 1 \(type int\)"),
     ],
 )
 def test_wrong_type_names_key_type_and_value(key, value, expected):

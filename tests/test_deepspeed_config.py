@@ -78,9 +78,22 @@ def test_reference_stage2_config_fp16_auto_follows_base_amp():
     assert setup.fp16
 
 
-def test_reference_stage3_config_is_rejected_as_not_supported_yet():
-    with pytest.raises(NotImplementedError, match=r"ZeRO stage 3 .*not supported yet"):
-        _translate(str(STAGE3))
+def test_reference_stage3_config_trains_with_parameters_and_optimizer_on_the_host(
+    tmp_path, monkeypatch, env_with_two_devices
+):
+    """Stage 3 with offload_optimizer and offload_param: zero.level "v2" (the parameters
+    only as shards) with offload (the shards, their optimizer state and update on the
+    host); nothing of the section is dropped."""
+    monkeypatch.chdir(tmp_path)
+    x, y = mlp_data()
+    trainer = epl.EPLTrainer(mlp(), LOSS, keras.optimizers.AdamW(1e-2), config=str(STAGE3))
+    assert (trainer.config.zero.level, trainer.config.offload.level) == ("v2", "v0")
+    trainer.fit(x, y, batch_size=16, epochs=1, steps_per_epoch=3, verbose=0)
+    host = trainer.cluster.host_device
+    pieces = trainer._engine.program.update.parameter_pieces()
+    assert pieces and {v.value.device for v in pieces} == {host}
+    rows = (tmp_path / "stage3_test" / "Train_Samples_train_loss.csv").read_text().splitlines()
+    assert len(rows) == 4
 
 
 def test_reference_stage2_config_trains_and_writes_csv(tmp_path, monkeypatch, env_with_two_devices):
@@ -345,7 +358,13 @@ def test_fp16_and_bf16_map_to_amp():
 
 @pytest.mark.parametrize(
     "zero, levels",
-    [({"stage": 0}, ("", "")), ({"stage": 1}, ("v0", "")), ({"stage": 2}, ("v1", ""))],
+    [
+        ({"stage": 0}, ("", "")),
+        ({"stage": 1}, ("v0", "")),
+        ({"stage": 2}, ("v1", "")),
+        ({"stage": 3}, ("v2", "")),
+        ({"stage": 3, "offload_param": {"device": "cpu"}}, ("v2", "v0")),
+    ],
 )
 def test_zero_stages_map_to_levels(zero, levels):
     config = _translate({"zero_optimization": zero}).config
@@ -360,7 +379,6 @@ def test_zero_stages_map_to_levels(zero, levels):
         ({"stage": 0, "offload_optimizer": {"device": "cpu"}}, DeepSpeedConfigError, "stage 1"),
         ({"stage": 2, "reduce_scatter": False}, DeepSpeedConfigError, "reduce_scatter"),
         ({"stage": 2, "overlap_com": True}, DeepSpeedConfigError, "did you mean 'overlap_comm'"),
-        ({"stage": 3}, NotImplementedError, "stage 3"),
     ],
 )
 def test_zero_errors(zero, error, match):

@@ -37,8 +37,9 @@ def _small_transformer():
 # ------------------------------------------------------------------ the ZeRO paper
 def test_zero_paper_model_states_for_7_5b_parameters_on_64_devices():
     """ZeRO (Rajbhandari et al. 2020), figure 1 / section 3: Psi = 7.5B, N_d = 64,
-    mixed-precision Adam (K = 12): 120 GB, 31.4 GB (P_os), 16.6 GB (P_os+g)."""
-    paper = {"": 120.0, "v0": 31.4, "v1": 16.6}
+    mixed-precision Adam (K = 12): 120 GB, 31.4 GB (P_os), 16.6 GB (P_os+g), 1.9 GB
+    (P_os+g+p)."""
+    paper = {"": 120.0, "v0": 31.4, "v1": 16.6, "v2": 1.9}
     print("\nZeRO paper, 7.5B parameters, N_d = 64, K = 12 (GB = 1e9 bytes):")
     for level, expected in paper.items():
         states = sum(estimate.model_state_bytes(7.5e9, 64, level, amp="master"))
@@ -47,6 +48,7 @@ def test_zero_paper_model_states_for_7_5b_parameters_on_64_devices():
         assert round(states / 1e9, 1) == expected
     # The formulas behind them: (2 + 2 + K) Psi, 4 Psi + K Psi / N, 2 Psi + 14 Psi / N.
     assert estimate.model_state_bytes(1.0, 64, "v1", amp="master") == (2, 2 / 64, 12 / 64)
+    assert estimate.model_state_bytes(1.0, 64, "v2", amp="master") == (2 / 64, 2 / 64, 12 / 64)
 
 
 def test_our_amp_keeps_float32_weights_and_gradients():
@@ -55,6 +57,8 @@ def test_our_amp_keeps_float32_weights_and_gradients():
     # ZeRO: each shard's optimizer also holds a float32 copy of its rows (4 / N bytes).
     assert estimate.model_state_bytes(10, 4, "v0", optimizer="sgd") == (40, 40, 10)
     assert estimate.model_state_bytes(10, 4, "v1", optimizer="momentum") == (40, 10, 20)
+    # v2: the shards are the float32 parameters, so no separate master copy.
+    assert estimate.model_state_bytes(10, 4, "v2", optimizer="momentum") == (10, 10, 10)
 
 
 # ------------------------------------------------------------------ pipelines

@@ -95,6 +95,26 @@ def test_1_device_restores_into_zero_v0_over_a_2_stage_pipeline_on_4(tmp_path):
     assert max_weight_difference(uninterrupted, resumed) < ATOL
 
 
+def test_zero_v2_over_a_2_stage_pipeline_restores_into_1_device(tmp_path):
+    """v2 holds the parameters only as pieces: they are saved gathered, as every layout's."""
+    uninterrupted, resumed, manifest = _resharded_run(
+        tmp_path,
+        lambda m: adam_trainer(m, 4, stages=STAGES, **{"zero.level": "v2"}),
+        lambda m: adam_trainer(m, 1),
+    )
+    assert max_weight_difference(uninterrupted, resumed) < ATOL
+    assert manifest["layout"]["zero_level"] == "v2"
+
+
+def test_1_device_restores_into_zero_v2_on_4(tmp_path):
+    uninterrupted, resumed, _ = _resharded_run(
+        tmp_path,
+        lambda m: adam_trainer(m, 1),
+        lambda m: adam_trainer(m, 4, **{"zero.level": "v2", "pipeline.num_micro_batch": 2}),
+    )
+    assert max_weight_difference(uninterrupted, resumed) < ATOL
+
+
 def test_split_width_4_restores_into_width_2(tmp_path):
     def data():
         return split_data()

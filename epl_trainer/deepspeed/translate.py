@@ -248,7 +248,6 @@ class DeepSpeedConfig:
 
         Raises:
           DeepSpeedConfigError: an unknown, unsupported or invalid key or value.
-          NotImplementedError: ZeRO stage 3.
         """
         base = self.base if self.base is not None else base
         if base is None:
@@ -347,18 +346,14 @@ def _memory(values: Mapping, base: Config) -> dict:
         raise DeepSpeedConfigError(
             f"DeepSpeed config zero_optimization.stage must be 0-3. Received: {stage}"
         )
-    if stage == 3:
-        raise NotImplementedError(
-            "DeepSpeed ZeRO stage 3 (parameter partitioning) is not supported yet by "
-            "epl_trainer; use stage 1 or 2 (optimizer-state / gradient partitioning), "
-            "optionally with offload_optimizer. Received: zero_optimization.stage=3"
-        )
     for key, (accepted, why) in _ZERO_DEFAULT_ONLY.items():
         require_value(zero, key, (accepted,), "zero_optimization", why)
-    if (
-        zero.get("offload_param")
-        and _offload_device(zero, "offload_param", _OFFLOAD_PARAM_KEYS) != "none"
-    ):
+    param_device = (
+        _offload_device(zero, "offload_param", _OFFLOAD_PARAM_KEYS)
+        if zero.get("offload_param")
+        else "none"
+    )
+    if param_device != "none" and stage != 3:
         raise DeepSpeedConfigError(
             "DeepSpeed config zero_optimization.offload_param is only valid with ZeRO stage 3 "
             f"(as in DeepSpeed). Received: stage={stage}"
@@ -368,20 +363,24 @@ def _memory(values: Mapping, base: Config) -> dict:
         if "offload_optimizer" in zero
         else "none"
     )
-    out = {"zero.level": ("", "v0", "v1")[stage], "offload.level": ""}
-    if device == "cpu":
+    out = {"zero.level": ("", "v0", "v1", "v2")[stage], "offload.level": ""}
+    if "cpu" in (device, param_device):
         if stage == 0:
             raise DeepSpeedConfigError(
-                "DeepSpeed config zero_optimization.offload_optimizer needs stage 1 or 2 "
+                "DeepSpeed config zero_optimization.offload_optimizer needs stage 1, 2 or 3 "
                 "(as in DeepSpeed). Received: stage=0"
             )
         # ZeRO-Offload: the partitions stay (zero.level), their optimizer state and
         # update move to the worker's host (offload.level), which holds its lanes' shards.
+        # Under stage 3 the shards are the parameters too: offload_optimizer and
+        # offload_param both put parameters and optimizer state on the host.
         logger.info(
-            "ZeRO stage %d + offload_optimizer cpu -> zero.level=%r, offload.level='v0' (each "
-            "replica's optimizer shard and its update on the worker's host).",
+            "ZeRO stage %d + offload %s cpu -> zero.level=%r, offload.level='v0' (each "
+            "replica's %s shard and its update on the worker's host).",
             stage,
+            "/".join(k for k, d in (("optimizer", device), ("param", param_device)) if d == "cpu"),
             out["zero.level"],
+            "parameter and optimizer" if stage == 3 else "optimizer",
         )
         out["offload.level"] = "v0"
     out.update(_checkpointing(values, base))

@@ -88,7 +88,7 @@ __all__ = [
     "virtual_cluster",
 ]
 
-ZERO_LEVELS = ("", "v0", "v1")  # zero.level; the paper's P_os and P_os+g
+ZERO_LEVELS = ("", "v0", "v1", "v2")  # zero.level; the paper's P_os, P_os+g, P_os+g+p
 AMP_MODES = ("", "O1", "master")  # amp.level, plus the paper's fp16 + fp32 master weights
 # Per-parameter state slots of Keras optimizers (each as large as the parameter).
 OPTIMIZER_SLOTS = {
@@ -249,6 +249,7 @@ class StageEstimate:
     comm_buffers: int  # collective buffers of the gradient reduction
     comm_data_parallel: int  # bytes sent per step
     comm_pipeline: int  # bytes sent per step
+    gathered: int = 0  # ZeRO v2: whole parameters gathered at once (the working set)
 
     @property
     def model_states(self) -> int:
@@ -261,7 +262,9 @@ class StageEstimate:
     @property
     def peak(self) -> int:
         states = self.parameters + self.optimizer + max(self.gradients, self.full_gradients)
-        return states + self.activation_peak + self.workspace + self.comm_buffers
+        return (
+            states + self.activation_peak + self.workspace + self.comm_buffers + self.gathered
+        )
 
     @property
     def comm(self) -> int:
@@ -353,7 +356,11 @@ def model_state_bytes(
     else:
         param_b, grad_b, optimizer_b = 4, 4, 4 * slots
     n = data_parallel
-    gradients = params * grad_b / (n if zero == "v1" else 1)
+    gradients = params * grad_b / (n if zero in ("v1", "v2") else 1)
+    if zero == "v2":
+        # The shards are the parameters (float32 under "" / "O1", whose optimizer then
+        # needs no master copy; the paper's 16-bit copy under "master").
+        return params * param_b / n, gradients, params * optimizer_b / n
     if zero in ("v0", "v1"):
         # Each shard's optimizer runs on a float32 copy of its rows (zero.py), the master
         # partition "master" AMP already counts.
@@ -527,7 +534,7 @@ def _stage(model, plan: Plan, options: TrainOptions, k, start, stop, in_flight):
     plain = sum(node.kept_bytes for node in nodes)
     # Under AMP the activations are 16-bit except what layers keep in float32.
     plain_amp = sum(_amp_bytes(node, low) for node in nodes)
-    kept, segment, segment_amp = _checkpointed(model, start, stop, low)
+    kept, segment, segment_amp, segment_params = _checkpointed(model, start, stop, low)
     # A later stage's input is an activation (16-bit under AMP); the first stage's is data.
     low_input = stage_input * (low if k > 0 else 1)
     activations = {
@@ -548,8 +555,16 @@ def _stage(model, plan: Plan, options: TrainOptions, k, start, stop, in_flight):
     # a reduce-scatter or all-gather buffer.
     share = (n - 1) / n
     wire = full_gradients  # gradients travel in their own dtype
-    v1_accumulates = options.zero == "v1" and m > 1
-    if options.zero == "v1":
+    v1_accumulates = options.zero in ("v1", "v2") and m > 1
+    whole_parameters = model_state_bytes(params, 1, "", options.amp, options.optimizer)[0]
+    gathered = 0
+    if options.zero == "v2":
+        # Gathered once per step for the whole stage; with checkpointing one segment and
+        # the next one's prefetch, per micro-batch in forward and again in backward.
+        gathered = 4 * (segment_params if options.gc else params)
+        gathers = 2 * m if options.gc else 1
+        comm_dp = share * wire * m + gathers * share * whole_parameters
+    elif options.zero == "v1":
         comm_dp = share * wire + share * parameters
     elif options.zero == "v0":
         comm_dp = 2 * share * wire + share * parameters
@@ -574,6 +589,7 @@ def _stage(model, plan: Plan, options: TrainOptions, k, start, stop, in_flight):
         recompute=round(mb * (segment_amp if options.amp else segment)) if options.gc else 0,
         workspace=round(2 * mb * largest * scale),
         comm_buffers=0 if n == 1 else round(wire + (2 * gradients if v1_accumulates else 0)),
+        gathered=round(gathered),
         comm_data_parallel=round(comm_dp) if n > 1 else 0,
         comm_pipeline=round(sends * mb * m * scale),
     )
@@ -581,7 +597,8 @@ def _stage(model, plan: Plan, options: TrainOptions, k, start, stop, in_flight):
 
 def _checkpointed(model: ModelCost, start: int, stop: int, low: float):
     """(bytes kept at checkpoint boundaries inside [start, stop), largest segment's
-    activation bytes, the same under AMP), per sample."""
+    activation bytes, the same under AMP, per sample; the most parameters two
+    neighbouring segments hold)."""
     positions = model.checkpoint_positions
     positions = model.cut_positions if positions is None else positions
     inner = sorted(p for p in positions if start < p < stop)
@@ -590,7 +607,10 @@ def _checkpointed(model: ModelCost, start: int, stop: int, low: float):
     nodes = model.nodes
     segment = max(sum(node.kept_bytes for node in nodes[a:b]) for a, b in edges)
     segment_amp = max(sum(_amp_bytes(node, low) for node in nodes[a:b]) for a, b in edges)
-    return kept, segment, segment_amp
+    # Parameters of two neighbouring segments (one gathered while the other computes).
+    per_segment = [sum(node.params for node in nodes[a:b]) for a, b in edges]
+    pairs = [a + b for a, b in itertools.pairwise(per_segment)] or per_segment
+    return kept, segment, segment_amp, max(pairs)
 
 
 def _amp_bytes(node: NodeCost, low: float) -> float:
