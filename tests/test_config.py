@@ -205,7 +205,9 @@ def test_env_parse_error_names_variable_type_and_value(name, value, expected_typ
 def test_env_range_and_enum_errors_name_variable():
     with pytest.raises(ConfigError, match=r"EPL_PIPELINE_NUM_MICRO_BATCH .* must be >= 1"):
         make(EPL_PIPELINE_NUM_MICRO_BATCH="0")
-    with pytest.raises(ConfigError, match=r"EPL_ZERO_LEVEL .* must be one of \['', 'v0', 'v1', 'v2'\]"):
+    with pytest.raises(
+        ConfigError, match=r"EPL_ZERO_LEVEL .* must be one of \['', 'v0', 'v1', 'v2'\]"
+    ):
         make(EPL_ZERO_LEVEL="v3")
 
 

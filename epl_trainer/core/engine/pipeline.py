@@ -202,9 +202,7 @@ class LaneExecutor:
         if isinstance(variables, SegmentGathers):
             positions = [p for p, _ in variables.sources]
             variables = [v for _, v in variables.sources]
-        mb.runs[k] = _StageRun(
-            tape, variables, input_keys, inputs, results, objective, positions
-        )
+        mb.runs[k] = _StageRun(tape, variables, input_keys, inputs, results, objective, positions)
         markers = list(_flat_tensors(results)) + ([objective] if objective is not None else [])
         return markers
 
@@ -262,7 +260,6 @@ class LaneExecutor:
         if self.boundaries is not None:
             self.boundaries.gradient_sends(k, mb.values, mb.upstream)
         return computed
-
 
     def _by_position(self, k: int, positions: list, gradients: list) -> list:
         """Per-source gradients -> one per stage variable: summed where several segments

@@ -72,7 +72,7 @@ class GatheredParameter:
             before `after` exists (recompute.py's re-gather in backward, prefetch).
         """
         parts = []
-        for piece, variable in self.pieces:
+        for _, variable in self.pieces:
             part = variable.value
             if after is not None:
                 part = part + tf.cast(after, part.dtype)

@@ -249,7 +249,7 @@ class StageEstimate:
     comm_buffers: int  # collective buffers of the gradient reduction
     comm_data_parallel: int  # bytes sent per step
     comm_pipeline: int  # bytes sent per step
-    gathered: int = 0  # ZeRO v2: whole parameters gathered at once (the working set)
+    gathered: int = 0  # ZeRO v2: gathered whole parameters beyond the full gradients
 
     @property
     def model_states(self) -> int:
@@ -262,9 +262,7 @@ class StageEstimate:
     @property
     def peak(self) -> int:
         states = self.parameters + self.optimizer + max(self.gradients, self.full_gradients)
-        return (
-            states + self.activation_peak + self.workspace + self.comm_buffers + self.gathered
-        )
+        return states + self.activation_peak + self.workspace + self.comm_buffers + self.gathered
 
     @property
     def comm(self) -> int:
@@ -560,8 +558,16 @@ def _stage(model, plan: Plan, options: TrainOptions, k, start, stop, in_flight):
     gathered = 0
     if options.zero == "v2":
         # Gathered once per step for the whole stage; with checkpointing one segment and
-        # the next one's prefetch, per micro-batch in forward and again in backward.
+        # the next one's prefetch, per micro-batch in forward and again in backward. A
+        # layer's gathered weights are freed by its last backward, as its gradients
+        # appear: with one micro-batch (or per-segment gathers) the two together stay
+        # within one copy of the stage's parameters; with several micro-batches sharing
+        # the step's gather, the first backward's gradients coexist with all of it.
+        # (Measured, 4 x Dense(1024): 2 devices, 1 micro-batch 118-131 MB vs 132 MB
+        # estimated; 4 devices, 2 micro-batches 53-56 MiB vs 60 per device.)
         gathered = 4 * (segment_params if options.gc else params)
+        if options.gc or m == 1:
+            gathered = max(0.0, gathered - full_gradients)
         gathers = 2 * m if options.gc else 1
         comm_dp = share * wire * m + gathers * share * whole_parameters
     elif options.zero == "v1":
