@@ -4,7 +4,8 @@
 each replica would normalise with its own half-batch statistics, which is not the same
 math as one device), KerasHub's BERT backbone (dict inputs, any sequence length) and a
 model that went through `compile`. Each is trained on 2 devices under data parallelism,
-ZeRO v1, and an automatic 2-stage pipeline whose stages run with gradient checkpointing,
+ZeRO v1, ZeRO v2 with gradient checkpointing (parameters gathered segment by segment), and
+an automatic 2-stage pipeline whose stages run with gradient checkpointing,
 and must end where single-device Keras `fit` ends on the same batches (CELLS: which
 model runs in which mode, and why).
 
@@ -29,6 +30,7 @@ LOSS = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
 MODES = {
     "data_parallel": {},
     "zero_v1": {"zero.level": "v1"},
+    "zero_v2+gradient_checkpointing": {"zero.level": "v2", "gradient_checkpoint.type": "auto"},
     "gradient_checkpointing": {"gradient_checkpoint.type": "auto"},
     "auto_pipeline+gradient_checkpointing": {
         "auto.auto_parallel": True,
@@ -165,6 +167,9 @@ CELLS = [
     *[(name, "data_parallel") for name in MODELS if name != "mobilenet_v3_small"],
     *[(name, "zero_v1") for name in MODELS],
     ("compiled", "gradient_checkpointing"),  # recompute, then the all-reduce: see above
+    # Parameters gathered per recomputed segment, again in its backward (zero_params.py):
+    # depends on the model's graph, as checkpointing does.
+    *[(name, "zero_v2+gradient_checkpointing") for name in MODELS if name != "mobilenet_v3_small"],
     *[(name, "auto_pipeline+gradient_checkpointing") for name in MODELS],
 ]
 _references = {}
