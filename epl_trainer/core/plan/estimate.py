@@ -557,14 +557,9 @@ def _stage(model, plan: Plan, options: TrainOptions, k, start, stop, in_flight):
     whole_parameters = model_state_bytes(params, 1, "", options.amp, options.optimizer)[0]
     gathered = 0
     if options.zero == "v2":
-        # Gathered once per step for the whole stage; with checkpointing one segment and
-        # the next one's prefetch, per micro-batch in forward and again in backward. A
-        # layer's gathered weights are freed by its last backward, as its gradients
-        # appear: with one micro-batch (or per-segment gathers) the two together stay
-        # within one copy of the stage's parameters; with several micro-batches sharing
-        # the step's gather, the first backward's gradients coexist with all of it.
-        # (Measured, 4 x Dense(1024): 2 devices, 1 micro-batch 118-131 MB vs 132 MB
-        # estimated; 4 devices, 2 micro-batches 53-56 MiB vs 60 per device.)
+        # The whole stage once per step, or (checkpointing) a segment and the next one's
+        # prefetch. A layer's gathered weights are freed as its gradients appear, so the
+        # two share one copy, unless micro-batches share the step's gather.
         gathered = 4 * (segment_params if options.gc else params)
         if options.gc or m == 1:
             gathered = max(0.0, gathered - full_gradients)
