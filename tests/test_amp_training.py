@@ -51,9 +51,10 @@ def test_amp_trains_close_to_float32(dtype):
     assert model.get_layer("dense_in").compute_dtype == dtype
 
 
-@pytest.mark.parametrize("zero", ["", "v1"], ids=["replicated", "zero_v1"])
+@pytest.mark.parametrize("zero", ["", "v1", "v2"], ids=["replicated", "zero_v1", "zero_v2"])
 def test_amp_with_gradient_accumulation_and_dynamic_scaling(zero):
-    """ZeRO v1 reduce-scatters each micro-batch's scaled gradients and unscales the shard."""
+    """ZeRO v1 and v2 reduce-scatter each micro-batch's scaled gradients and unscale the
+    shard (v2's float32 parameters are gathered and cast on use, as the lanes' are)."""
     _, reference, _ = _fit(None, **{"pipeline.num_micro_batch": 4})
     _, model, history = _fit("float16", **{"pipeline.num_micro_batch": 4, "zero.level": zero})
     for a, b in zip(reference.get_weights(), model.get_weights()):

@@ -270,7 +270,7 @@ def test_split_without_colocation_is_refused():
         )
 
 
-@pytest.mark.parametrize("level", ["v0", "v1"])
+@pytest.mark.parametrize("level", ["v0", "v1", "v2"])
 def test_split_with_zero_shards_the_replicated_part(level):
     """8 devices, 2 replicas of width 4, a split head: ZeRO partitions the replicated
     `features` layer over the 8 lanes; each lane updates its own head shard after the
