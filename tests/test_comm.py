@@ -138,17 +138,25 @@ def test_rank_of_rejects_a_non_member():
 # ---- reduce-scatter and all-gather --------------------------------------------------------
 
 
+@pytest.mark.parametrize("path", ["in_process", "collective"])
 @pytest.mark.parametrize("n", [2, 4, 8])
 @pytest.mark.parametrize("reduction", ["mean", "sum"])
-def test_reduce_scatter_gives_each_member_the_chunk_of_its_rank(n, reduction):
+def test_reduce_scatter_gives_each_member_the_chunk_of_its_rank(n, reduction, path):
+    """In one process on CPU the members sum each other's blocks one at a time (no
+    [size, B] all-to-all buffer); with an instance key (how members on several workers
+    meet) the collective all-to-all runs."""
     members = _scrambled(n, seed=10 + n)
     group = _group(members)
     block = 3
     arrays = np.random.default_rng(n).normal(size=(n, n * block)).astype("float32")
+    key = None if path == "in_process" else comm.next_instance_key(group.key)
 
     @tf.function
     def step():
-        return group.reduce_scatter(_place(group, arrays), reduction)
+        return group.reduce_scatter(_place(group, arrays), reduction, instance_key=key)
+
+    ops = {op.type for op in step.get_concrete_function().graph.get_operations()}
+    assert ("CollectiveAllToAllV2" in ops) == (path == "collective")
 
     reduced = arrays.mean(0) if reduction == "mean" else arrays.sum(0)
     for device, chunk in zip(members, step()):

@@ -160,6 +160,8 @@ class CollectiveGroup:
             `size * B` (the same on every member).
           reduction: "mean" or "sum".
           instance_key: a key from `next_instance_key(group.key)`; allocated here if None.
+            With None and every member a CPU device of this process, no collective runs
+            (`_reduce_scatter_in_process`).
           chain: which ordering-token chain (communicator) to use.
 
         Returns:
@@ -171,6 +173,10 @@ class CollectiveGroup:
             raise ValueError(f"reduction must be 'mean' or 'sum'. Received: {reduction!r}")
         if self.size == 1:
             return list(values)
+        local = tuple(self.local_devices) == tuple(self.devices)
+        on_cpu = all(tf.DeviceSpec.from_string(d).device_type == "CPU" for d in self.devices)
+        if local and on_cpu and instance_key is None:
+            return self._reduce_scatter_in_process(values, reduction)
         instance_key = next_instance_key(self.key) if instance_key is None else instance_key
         results = []
         for device, value in zip(self.local_devices, values):
@@ -207,6 +213,38 @@ class CollectiveGroup:
                 if length is not None:
                     chunk = tf.ensure_shape(chunk, [length // self.size])
                 results.append(chunk)
+        return results
+
+    def _reduce_scatter_in_process(self, values, reduction: str) -> list[tf.Tensor]:
+        """`reduce_scatter` when every member is a CPU device of this process.
+
+        TF has no CPU kernel for a reduce-scatter, and its all-to-all hands each member a
+        [size, B] buffer, one more copy of the whole input, before the member sums it. Here
+        member r sums block r of the members' buffers one at a time (each addition waits
+        for the previous), so it never holds more than two blocks besides the inputs.
+        """
+        rank = {device: self.rank_of(device) for device in self.devices}
+        by_rank = {rank[d]: (d, v) for d, v in zip(self.local_devices, values)}
+        results = []
+        for device in self.local_devices:
+            r = rank[device]
+            total = None
+            for m in range(self.size):
+                source, flat = by_rank[m]
+                # Sliced where the buffer lives (only the block travels), once the running
+                # sum has taken the previous block.
+                with tf.device(source), tf.control_dependencies([] if total is None else [total]):
+                    block = tf.shape(flat)[0] // self.size
+                    part = flat[r * block : (r + 1) * block]
+                with tf.device(device):
+                    total = tf.identity(part) if total is None else total + part
+            with tf.device(device):
+                if reduction == "mean":
+                    total = total / tf.cast(self.size, total.dtype)
+                length = values[0].shape[0]
+                if length is not None:
+                    total = tf.ensure_shape(total, [length // self.size])
+                results.append(total)
         return results
 
     def all_gather(
