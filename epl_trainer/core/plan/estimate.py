@@ -42,14 +42,12 @@ Peak per device = parameters + optimizer state + the stage's full gradients (ZeR
 no longer accumulates them, but each micro-batch's gradients exist in full until their
 reduce-scatter) + activations + a backward workspace of twice the largest tensor (its
 incoming and outgoing gradient) + collective buffers when N > 1: one more copy of the
-gradients, the fused all-reduce buffers or v1's packed reduce-scatter buffer. (TF's CPU
-reduce-scatter sometimes adds a scratch copy of its input: a 16 MiB one peaked at 16 or
-33 MiB per device over four runs; counting it always overestimated the measured v1
-peak by 27%.) With several micro-batches v1 also holds, while a micro-batch's full
-gradients exist, the shard summed so far and that micro-batch's reduced chunk: two more
-shards (measured on 4 devices, 2 micro-batches: v1's peak 7 MiB over v0's, two shards of
-3.5 MiB). v0's all-gather of the updated parameters runs after the gradients are freed,
-so it adds no more than its all-reduce.
+gradients, the fused all-reduce buffers or v1's packed reduce-scatter buffer. (The shard
+v1 sums over micro-batches and a micro-batch's reduced chunk are 2/N more; counted while
+TF's all-to-all made the CPU reduce-scatter, they stopped showing once members summed
+each other's blocks one at a time: 4 devices, 2 micro-batches, v1 51.5-57.4 MiB per
+device against v0's 55.4-57.9.) v0's all-gather of the updated parameters runs after
+the gradients are freed, so it adds no more than its all-reduce.
 
 Communication per step: bytes each device sends with ring collectives (all-reduce
 2(N-1)/N of the buffer, reduce-scatter and all-gather (N-1)/N each): plain data
@@ -553,7 +551,6 @@ def _stage(model, plan: Plan, options: TrainOptions, k, start, stop, in_flight):
     # a reduce-scatter or all-gather buffer.
     share = (n - 1) / n
     wire = full_gradients  # gradients travel in their own dtype
-    v1_accumulates = options.zero in ("v1", "v2") and m > 1
     whole_parameters = model_state_bytes(params, 1, "", options.amp, options.optimizer)[0]
     gathered = 0
     if options.zero == "v2":
@@ -589,7 +586,7 @@ def _stage(model, plan: Plan, options: TrainOptions, k, start, stop, in_flight):
         inflight=inflight,
         recompute=round(mb * (segment_amp if options.amp else segment)) if options.gc else 0,
         workspace=round(2 * mb * largest * scale),
-        comm_buffers=0 if n == 1 else round(wire + (2 * gradients if v1_accumulates else 0)),
+        comm_buffers=0 if n == 1 else round(wire),
         gathered=round(gathered),
         comm_data_parallel=round(comm_dp) if n > 1 else 0,
         comm_pipeline=round(sends * mb * m * scale),
