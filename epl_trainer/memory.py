@@ -76,7 +76,7 @@ def build_report(state, update, lanes) -> MemoryReport:
     seen: set[int] = set()
     # ZeRO v2's lanes hold gathered stand-ins (no storage); its pieces are the parameters.
     held = [v for vs in state.trainable + state.non_trainable for v in vs if not is_gathered(v)]
-    for variable in held + getattr(update, "parameter_pieces", list)():
+    for variable in held + update.parameter_pieces():
         if variable is not None and id(variable) not in seen:
             seen.add(id(variable))
             row(variable.value.device).parameters += variable_bytes(variable)

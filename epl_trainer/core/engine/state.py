@@ -22,6 +22,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from epl_trainer.core.engine.zero_params import is_gathered
 from epl_trainer.core.graph.partition import StagedModel
 from epl_trainer.core.plan.ir import Plan
 
@@ -250,7 +251,7 @@ class EngineState:
         seen: set[int] = set()
         for lane_vars in self.trainable + self.non_trainable:
             for v in lane_vars:
-                if v is None or id(v) in seen or not isinstance(v, keras.Variable):
+                if v is None or id(v) in seen or is_gathered(v):
                     continue
                 seen.add(id(v))
                 device = v.value.device

@@ -189,3 +189,7 @@ class ReplicatedUpdate:
 
     def all_optimizer_variables(self) -> list:
         return [v for lane in self.optimizers for stage in lane for o in stage for v in o.variables]
+
+    def parameter_pieces(self) -> list:
+        """Parameters held outside the lanes' variables: none (ZeRO v2 has some)."""
+        return []

@@ -33,12 +33,11 @@ class GatheredParameter:
     reads (`value`, `assign`, `shape`, `dtype`, `name`, `path`, `trainable`).
 
     Args:
-      original: the user's model variable it stands for.
+      original: the user's model variable it stands for (its shape, name and path).
       pieces: [(Piece, piece variable)] covering the variable's elements, any order.
     """
 
     def __init__(self, original, pieces):
-        self.original = original
         self.shape = tuple(original.shape)
         self.dtype = pieces[0][1].dtype
         self.name = original.name
@@ -86,9 +85,6 @@ class GatheredParameter:
         for piece, variable in self.pieces:
             with tf.device(variable.value.device):
                 variable.assign(tf.reshape(flat[piece.start : piece.stop], variable.shape))
-
-    def numpy(self):
-        return self.value.numpy()
 
     def __repr__(self) -> str:
         return f"<GatheredParameter {self.path} shape={self.shape} pieces={len(self.pieces)}>"

@@ -551,9 +551,9 @@ def _stage(model, plan: Plan, options: TrainOptions, k, start, stop, in_flight):
     # a reduce-scatter or all-gather buffer.
     share = (n - 1) / n
     wire = full_gradients  # gradients travel in their own dtype
-    whole_parameters = model_state_bytes(params, 1, "", options.amp, options.optimizer)[0]
     gathered = 0
     if options.zero == "v2":
+        whole_parameters = model_state_bytes(params, 1, "", options.amp, options.optimizer)[0]
         # The whole stage once per step, or (checkpointing) a segment and the next one's
         # prefetch. A layer's gathered weights are freed as its gradients appear, so the
         # two share one copy, unless micro-batches share the step's gather.
