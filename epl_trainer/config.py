@@ -175,6 +175,14 @@ class ClusterConfig(_Section):
     run_visible_devices: str = _str("", "Devices visible to the run, usually set by the scheduler.")
     colocate_split_and_replicate: bool = _bool(False, "Let taskgraphs share the same devices.")
     virtual_devices: int = _int(0, "CPU devices to create without GPUs (0 = one).", minimum=0)
+    intra_op_threads: int = _int(
+        0,
+        "Threads one op may use (0: the cores divided among the virtual devices).",
+        minimum=0,
+    )
+    inter_op_threads: int = _int(
+        0, "Ops run at once (0: TensorFlow's default, one per core).", minimum=0
+    )
 
 
 @_register("communication")

@@ -1,11 +1,21 @@
 """TF_CONFIG parsing, local devices and epl.init / Env."""
 
 import json
+import os
+import subprocess
+import sys
 
 import pytest
+from _launch import ROOT
 
 import epl_trainer as epl
-from epl_trainer.cluster import ClusterError, build_cluster, configure_tensorflow, parse_tf_config
+from epl_trainer.cluster import (
+    ClusterError,
+    build_cluster,
+    configure_tensorflow,
+    default_intra_op_threads,
+    parse_tf_config,
+)
 
 
 def _tf_config(cluster, task_type, index):
@@ -75,3 +85,43 @@ def test_init_and_env_get():
     assert env.cluster.total_gpu_num == 2 and env.cluster.worker_index == 0
     epl.init()  # back to defaults for the other tests
     assert epl.Env.get().cluster.total_gpu_num == 1
+
+
+@pytest.mark.parametrize(
+    "devices, cores, expected",
+    [(1, 2, None), (2, 2, 1), (4, 2, 1), (2, 8, 4), (3, 8, 2)],
+)
+def test_simulated_devices_share_the_cores(devices, cores, expected):
+    assert default_intra_op_threads(devices, cores) == expected
+
+
+_THREADS_PROBE = """
+import json, sys
+import tensorflow as tf
+import epl_trainer as epl
+epl.init(json.loads(sys.argv[1]))
+print(tf.config.threading.get_intra_op_parallelism_threads(),
+      tf.config.threading.get_inter_op_parallelism_threads())
+"""
+
+
+@pytest.mark.parametrize(
+    "config, expected",
+    [
+        ({"cluster.virtual_devices": 2}, (max(1, len(os.sched_getaffinity(0)) // 2), 0)),
+        ({}, (0, 0)),  # one device: TensorFlow's defaults
+        (
+            {"cluster.virtual_devices": 2, "cluster.intra_op_threads": 3,
+             "cluster.inter_op_threads": 5},
+            (3, 5),
+        ),
+    ],
+)  # fmt: skip
+def test_init_sets_the_thread_pools(config, expected):
+    # Thread pools are fixed when TensorFlow starts: a fresh process per case.
+    out = subprocess.run(
+        [sys.executable, "-c", _THREADS_PROBE, json.dumps(config)],
+        capture_output=True, text=True, check=True,
+        env={**os.environ, "PYTHONPATH": str(ROOT), "TF_CPP_MIN_LOG_LEVEL": "2"},
+    )  # fmt: skip
+    assert tuple(int(n) for n in out.stdout.split()) == expected

@@ -45,6 +45,8 @@ EXPECTED_DEFAULTS = {
     "cluster.run_visible_devices": "",
     "cluster.colocate_split_and_replicate": False,
     "cluster.virtual_devices": 0,
+    "cluster.intra_op_threads": 0,
+    "cluster.inter_op_threads": 0,
     "communication.num_communicators": 2,
     "communication.sparse_as_dense": False,
     "communication.max_splits": 5,
