@@ -121,6 +121,7 @@ def build_engine(
         return make_optimizer(device, variables, [state.original_of(v) for v in variables])
 
     jit = config.optimizer.jit_compile
+    tables = embedding_tables(staged.model, state.model_trainable)
     if config.zero.level:
         hooks.update = ZeroUpdate(
             layout,
@@ -131,7 +132,7 @@ def build_engine(
             # Cut variables into pieces only for an element-wise update (a probe replica
             # of the user's optimizer, on no variables, tells).
             split_variables=splits_variables(make_optimizer(host_device, [], [])),
-            row_aligned=embedding_tables(staged.model, state.model_trainable),
+            row_aligned=tables,
             apply_device=host_device if offload else None,
             num_apply_group=config.optimizer.num_apply_group,
         )
@@ -159,6 +160,7 @@ def build_engine(
         pipeline_strategy=plan.pipeline_strategy,
         sparse_gradients=not config.communication.sparse_as_dense,
         step_counter=step_counter,
+        embedding_tables=tables,
     )
     if config.amp.level:
         finite.apply_amp(hooks, layout, config.amp)

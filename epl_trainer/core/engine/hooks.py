@@ -81,6 +81,9 @@ class StepHooks:
       gather_per_segment: stages whose forward gets its parameters as
         `zero_params.SegmentGathers` instead of values (ZeRO v2 with gradient
         checkpointing: gathered segment by segment, again in backward).
+      micro_batch_loop: whether a lane of one stage may run its micro-batches as a loop
+        in the graph (program.py); False when a pass emits collectives per micro-batch
+        inside the forward (split layers).
     """
 
     stage_calls: list
@@ -95,3 +98,4 @@ class StepHooks:
     recomputed: dict = dataclasses.field(default_factory=dict)
     gradient_sink: object = None
     gather_per_segment: set = dataclasses.field(default_factory=set)
+    micro_batch_loop: bool = True

@@ -12,6 +12,7 @@ activations as soon as its backward has run.
 from __future__ import annotations
 
 import dataclasses
+import typing
 
 import tensorflow as tf
 
@@ -61,6 +62,8 @@ class LaneExecutor:
       hooks: the step's `StepHooks`, read while tracing: `stage_calls[k]` (how stage k's
         forward runs), `loss_fn`, `output_cast` and `loss_scale` (AMP).
       sparse_gradients: keep Embedding gradients as IndexedSlices.
+      embedding_tables: model-order indices of Embedding tables (their gradients are
+        the IndexedSlices `run_in_loop` carries as rows).
       lane: this worker's view of the lane; stages on other workers are not computed
         here, their transfers are (boundaries.py).
       boundaries: the lane's cross-worker transfers, or None when all stages are local.
@@ -78,6 +81,7 @@ class LaneExecutor:
         num_micro_batch: int,
         hooks,
         sparse_gradients: bool = False,
+        embedding_tables: frozenset = frozenset(),
         lane=None,
         boundaries=None,
         position: int = 0,
@@ -94,6 +98,7 @@ class LaneExecutor:
         self.num_micro_batch = num_micro_batch
         self.hooks = hooks
         self.sparse_gradients = sparse_gradients
+        self.embedding_tables = embedding_tables
         self.num_stages = len(staged.stages)
 
     def run(self, feature_parts, label_parts, non_trainable: list, task_scope=None):
@@ -142,6 +147,72 @@ class LaneExecutor:
             if wait_for:
                 previous[stage] = list(previous[stage]) + list(wait_for)
         return grads, non_trainable, micro_batches
+
+    def run_in_loop(self, feature_parts, label_parts, non_trainable: list, task_scope=None):
+        """`run` for a lane of one stage, its micro-batches as a loop in the graph.
+
+        One stage's schedule is F0 B0 F1 B1 ...: each iteration runs one micro-batch's
+        forward and backward and adds its gradients to the running sums (loop variables),
+        so the traced step holds one forward and one backward whatever the micro-batch
+        count (unrolled, each micro-batch adds its own copy: ~5,900 ops and 3.5 s of
+        tracing per micro-batch for a 12-layer BERT, bench/trace.py). An Embedding's
+        sparse gradient is carried as rows in TensorArrays and concatenated after the
+        loop: the same IndexedSlices the unrolled step builds (Keras's global norm counts
+        repeated rows separately, so merging them would change the clipping). The
+        micro-batches' losses and metrics are updated inside the loop, by
+        `hooks.update_metrics`.
+
+        Returns:
+          (gradients summed over micro-batches, the updated non-trainable values).
+        """
+        stacked_features = tf.nest.map_structure(lambda *xs: tf.stack(xs), *feature_parts)
+        stacked_labels = tf.nest.map_structure(lambda *xs: tf.stack(xs), *label_parts)
+        self._read_values = {}
+        owned = self.trainable_idx[0]
+        sparse = [i for i in owned if self.sparse_gradients and i in self.embedding_tables]
+        dense = [i for i in owned if i not in sparse]
+        with tf.device(self.devices[0]):
+            values = dict(zip(owned, self._stage_values(0)))  # read once, outside the loop
+            sums = [tf.zeros(values[i].shape, values[i].dtype) for i in dense]
+            rows = [_RowArrays.empty(values[i]) for i in sparse]
+        carried = [i for i, v in enumerate(non_trainable) if v is not None]
+
+        def body(step, sums, rows, carried_values):
+            features = tf.nest.map_structure(lambda x: x[step], stacked_features)
+            labels = tf.nest.map_structure(lambda x: x[step], stacked_labels)
+            keys, inputs = self.staged.input_keys, self.staged.flatten_inputs(features)
+            mb = MicroBatch(dict(zip(keys, inputs)), labels)
+            state = list(non_trainable)
+            for index, value in zip(carried, carried_values):
+                state[index] = value
+            grads: list = [None] * len(self.variables)
+            name = f"{task_scope or 'lane'}_stage0"
+            with tf.name_scope(name + "_F"):
+                self._forward(0, mb, state)
+            with tf.name_scope(name + "_B"):
+                self._backward(0, mb, grads)
+            self.hooks.update_metrics(mb.labels, mb.y_pred, mb.loss)
+            with tf.device(self.devices[0]):
+                sums = [total + tf.convert_to_tensor(grads[i]) for total, i in zip(sums, dense)]
+                rows = [r.write(step, grads[i]) for r, i in zip(rows, sparse)]
+            return step + 1, sums, rows, [state[index] for index in carried]
+
+        _, sums, rows, carried_values = tf.while_loop(
+            lambda step, *_: step < self.num_micro_batch,
+            body,
+            (tf.constant(0), sums, rows, [non_trainable[index] for index in carried]),
+            parallel_iterations=1,  # one micro-batch's activations alive at a time
+        )
+        grads: list = [None] * len(self.variables)
+        for i, total in zip(dense, sums):
+            grads[i] = total
+        with tf.device(self.devices[0]):
+            for i, r in zip(sparse, rows):
+                grads[i] = r.slices(values[i].shape)
+        non_trainable = list(non_trainable)
+        for index, value in zip(carried, carried_values):
+            non_trainable[index] = value
+        return grads, non_trainable
 
     def _forward(self, k: int, mb: MicroBatch, non_trainable: list) -> list:
         staged, stage = self.staged, self.staged.stages[k]
@@ -272,6 +343,40 @@ class LaneExecutor:
                 variable = self.variables[self.trainable_idx[k][p]]
                 by_position[p] = tf.zeros(variable.shape, variable.dtype)
         return by_position
+
+
+class _RowArrays(typing.NamedTuple):
+    """An Embedding gradient's rows over a loop's iterations: values and indices, one
+    TensorArray element per micro-batch (a named tuple: a loop variable TF can nest)."""
+
+    values: tf.TensorArray
+    indices: tf.TensorArray
+
+    @staticmethod
+    def empty(table) -> _RowArrays:
+        def array(dtype, shape):
+            return tf.TensorArray(dtype, size=0, dynamic_size=True, infer_shape=False,
+                                  element_shape=tf.TensorShape(shape))  # fmt: skip
+
+        return _RowArrays(array(table.dtype, [None, *table.shape[1:]]), array(tf.int64, [None]))
+
+    def write(self, step, gradient) -> _RowArrays:
+        if not _is_slices(gradient):  # e.g. AMP's cast made it dense: its non-zero rows
+            gradient = _dense_as_slices(gradient)
+        return _RowArrays(
+            self.values.write(step, gradient.values),
+            self.indices.write(step, tf.cast(gradient.indices, tf.int64)),
+        )
+
+    def slices(self, shape) -> tf.IndexedSlices:
+        return tf.IndexedSlices(
+            self.values.concat(), self.indices.concat(), tf.constant(shape.as_list(), tf.int64)
+        )
+
+
+def _dense_as_slices(gradient) -> tf.IndexedSlices:
+    rows = tf.range(tf.shape(gradient, out_type=tf.int64)[0])
+    return tf.IndexedSlices(gradient, rows, tf.shape(gradient, out_type=tf.int64))
 
 
 def run_to_end(steps):

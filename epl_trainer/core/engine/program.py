@@ -46,6 +46,7 @@ class Program:
       num_micro_batch, pipeline_strategy: the plan's.
       sparse_gradients: keep Embedding gradients as IndexedSlices
         (`communication.sparse_as_dense=False`).
+      embedding_tables: model-order indices of the Embedding tables.
       step_counter: the optimizer's `iterations`, advanced once per step.
     """
 
@@ -59,6 +60,7 @@ class Program:
         pipeline_strategy: str,
         sparse_gradients: bool,
         step_counter=None,
+        embedding_tables: frozenset = frozenset(),
     ):
         self.layout = layout
         self.hooks = hooks
@@ -76,6 +78,16 @@ class Program:
             else self._emit_lanes_in_lockstep
         )
         self.schedule = make_schedule(pipeline_strategy, layout.num_stages, num_micro_batch)
+        # One stage's schedule (F0 B0 F1 B1 ...) runs as a loop over micro-batches in the
+        # graph, so tracing does not grow with them; a pipeline's tasks keep activations
+        # from one micro-batch's forward to its backward several tasks later, which a tape
+        # cannot carry across loop iterations, so they are emitted one by one.
+        self.loops_micro_batches = (
+            layout.num_stages == 1
+            and num_micro_batch > 1
+            and hooks.micro_batch_loop
+            and hooks.gradient_sink is None  # ZeRO reduces each micro-batch on its own
+        )
         order = execution_order(self.schedule)
         # Lanes whose stages live on several workers pass tensors across (boundaries.py).
         boundaries = Boundaries(layout.staged)
@@ -94,6 +106,7 @@ class Program:
                 num_micro_batch,
                 hooks,
                 sparse_gradients,
+                embedding_tables,
                 lane=lane,
                 boundaries=self.boundaries[li],
                 position=li,
@@ -179,16 +192,26 @@ class Program:
             label_parts = split_batch(labels, num_lanes * num_micro)
         lane_grads, lane_non_trainable = [], []
         hooks.lanes.begin_trace()
-        runs = [
-            executor.steps(
+        inputs = [
+            (
                 feature_parts[li * num_micro : (li + 1) * num_micro],
                 label_parts[li * num_micro : (li + 1) * num_micro],
                 [None if v is None else v.value for v in layout.state.non_trainable[li]],
-                task_scope=f"lane{li}",
             )
-            for li, executor in enumerate(self.executors)
+            for li in range(num_lanes)
         ]
-        results = self._emit_lanes(runs)
+        if self.loops_micro_batches:
+            results = []
+            for li, executor in enumerate(self.executors):
+                with hooks.lanes.lane(li):  # metrics are updated inside the loop
+                    grads, non_trainable = executor.run_in_loop(*inputs[li], f"lane{li}")
+                results.append((grads, non_trainable, []))
+        else:
+            runs = [
+                executor.steps(*inputs[li], task_scope=f"lane{li}")
+                for li, executor in enumerate(self.executors)
+            ]
+            results = self._emit_lanes(runs)
         for li, (grads, non_trainable, micro_batches) in enumerate(results):
             with hooks.lanes.lane(li):
                 for mb in micro_batches:

@@ -113,6 +113,9 @@ def apply_split(
     """Split layers run on the lane's shards; split outputs get the sharded loss."""
     runtime = split.SplitRuntime(split_layers, layout.lanes, lanes_in_job, width)
     hooks.lanes = SplitLanes(runtime, layout, communication)
+    # A split layer's collectives get their instance keys while tracing (split.py), one
+    # per traced call: a loop over micro-batches would reuse them on every iteration.
+    hooks.micro_batch_loop = False
     num_outputs = len(tree.flatten(layout.staged.model.outputs))
     hooks.loss_fn = split.SplitLoss(hooks.loss_fn, runtime, num_outputs)
     for k, stage in enumerate(layout.staged.stages):
