@@ -10,10 +10,12 @@ time of every run, then one row per trainer with the mean over seeds and the F1
 difference to plain Keras. The engine must lose nothing: the same seed gives the same
 initial weights and batches, so the F1 of the two trainers should agree.
 
-`--speed` runs the EPL default (XLA-compiled stages and updates, 16 steps per call)
-against the engine without any of those (`--nojit_compile --steps_per_execution=1`,
-`optimizer.jit_compile=False`) and without the XLA stages only (`--nojit_compile`),
-seed 0, interleaved, and prints the wall and training times.
+`--speed` runs the EPL default (XLA-compiled updates, 16 steps per call, stages as plain
+ops with one thread per op per simulated device) against the engine without XLA and
+with one step per call (`--steps_per_execution=1`, `optimizer.jit_compile=False`), with
+XLA-compiled stages (`--jit_compile`) and with TensorFlow's thread pools
+(`cluster.intra_op_threads=2`), seed 0, interleaved, and prints the wall and training
+times.
 """
 
 import argparse
@@ -54,12 +56,12 @@ def run(trainer: str, seed: int, extra: list[str]) -> dict:
 
 SPEED_VARIANTS = {
     "no XLA, 1 step per call": [
-        "--nojit_compile",
         "--steps_per_execution=1",
         "--epl_set=optimizer.jit_compile=False",
     ],
     "default": [],
-    "default without XLA stages": ["--nojit_compile"],
+    "default with XLA stages": ["--jit_compile"],
+    "default with TF's thread pools": ["--epl_set=cluster.intra_op_threads=2"],
 }
 
 

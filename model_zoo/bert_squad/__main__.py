@@ -77,16 +77,17 @@ flags.DEFINE_integer("builtin_train_paragraphs", 12000, "Built-in data: training
 flags.DEFINE_integer("builtin_dev_paragraphs", 100, "Built-in data: dev paragraphs.")
 flags.DEFINE_string("output_dir", "/tmp/epl_bert_squad", "Logs, predictions and metrics.")
 flags.DEFINE_integer("seed", 0, "Seed of the built-in data, the shuffling and the weights.")
-# The tiny model's step is mostly op dispatch, so 16 steps per call, and XLA. Keras
-# compiles its whole step as one computation; EPLTrainer each stage's forward and
-# backward. Measured on the default run (python bench/bert_squad.py, seeds 0-2):
-# EPLTrainer's training took 110-147 s with XLA stages and 124-149 s without. (A
-# synthetic 160-step probe of the same model showed the opposite, 65 against 59 ms of
-# CPU per step: on this machine the two are within its noise.)
+# 16 steps per call: the tiny model's step is short, so host round trips show.
+# XLA by default for Keras (its whole step is one computation) but not for EPLTrainer's
+# stages. With one thread per op for each of the pipeline's two simulated devices (the
+# cluster's default, cluster.py), the stages run side by side as plain ops, and XLA
+# stages were slower: 21-25 ms per step as ops against 38-43 with XLA stages
+# (python bench/threads.py).
 flags.DEFINE_bool(
     "jit_compile",
-    True,
-    "XLA: Keras compiles its whole step, EPLTrainer each stage's forward and backward.",
+    None,
+    "XLA: Keras compiles its whole step, EPLTrainer each stage's forward and backward. "
+    "Default: on for --trainer=keras, off for EPLTrainer.",
 )
 flags.DEFINE_integer("steps_per_execution", 16, "Training steps per call of the compiled step.")
 flags.DEFINE_enum(
@@ -261,7 +262,7 @@ def main(argv):
             model,
             loss=losses,
             optimizer=optimizer(model, total_steps),
-            jit_compile=FLAGS.jit_compile,
+            jit_compile=bool(FLAGS.jit_compile),  # None: off
             steps_per_execution=FLAGS.steps_per_execution,
         )
         print(f"{config}\n{trainer.plan.summary()}")
@@ -273,7 +274,7 @@ def main(argv):
         model.compile(
             optimizer=optimizer(model, total_steps),
             loss=losses,
-            jit_compile=FLAGS.jit_compile,
+            jit_compile=FLAGS.jit_compile is not False,  # None: on
             steps_per_execution=FLAGS.steps_per_execution,
         )
         print("Plain Keras fit on one device (no EPL engine), for comparison.")
