@@ -231,6 +231,10 @@ def main(argv):
         raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
     start_time = time.perf_counter()
     config = epl_flags.config_from_flags(environ=environ_with_defaults(FLAGS.epl_config))
+    if FLAGS.trainer == "keras":
+        # Keras trains on one device, with all the cores (the pipeline's two simulated
+        # devices would give each op half of them, cluster.py).
+        config = config.replace({"cluster.virtual_devices": 1})
     cluster = epl.init(config).cluster  # configures the devices: before any TF work
     if FLAGS.trainer == "keras" and cluster.worker_num > 1:
         raise app.UsageError(

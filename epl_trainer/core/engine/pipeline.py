@@ -153,17 +153,19 @@ class LaneExecutor:
 
         One stage's schedule is F0 B0 F1 B1 ...: each iteration runs one micro-batch's
         forward and backward and adds its gradients to the running sums (loop variables),
-        so the traced step holds one forward and one backward whatever the micro-batch
-        count (unrolled, each micro-batch adds its own copy: ~5,900 ops and 3.5 s of
-        tracing per micro-batch for a 12-layer BERT, bench/trace.py). An Embedding's
-        sparse gradient is carried as rows in TensorArrays and concatenated after the
-        loop: the same IndexedSlices the unrolled step builds (Keras's global norm counts
-        repeated rows separately, so merging them would change the clipping). The
-        micro-batches' losses and metrics are updated inside the loop, by
-        `hooks.update_metrics`.
+        so the traced step holds the micro-batch twice whatever the micro-batch count
+        (unrolled, each adds its own copy: ~5,900 ops and 3.5 s of tracing per
+        micro-batch for a 12-layer BERT, bench/trace.py). The last micro-batch runs after
+        the loop, as the unrolled step runs it, so the gradient reductions that follow
+        can start while its backward still computes the earlier layers. An Embedding's
+        sparse gradient is carried as rows in TensorArrays: the step gets the same
+        IndexedSlices as unrolled (Keras's global norm counts repeated rows separately,
+        so merging them would change the clipping). The losses and metrics of the
+        looped micro-batches are updated inside the loop, by `hooks.update_metrics`.
 
         Returns:
-          (gradients summed over micro-batches, the updated non-trainable values).
+          (gradients summed over micro-batches, the updated non-trainable values, the
+          last micro-batch, whose loss and metrics the caller updates).
         """
         stacked_features = tf.nest.map_structure(lambda *xs: tf.stack(xs), *feature_parts)
         stacked_labels = tf.nest.map_structure(lambda *xs: tf.stack(xs), *label_parts)
@@ -176,29 +178,34 @@ class LaneExecutor:
             sums = [tf.zeros(values[i].shape, values[i].dtype) for i in dense]
             rows = [_RowArrays.empty(values[i]) for i in sparse]
         carried = [i for i, v in enumerate(non_trainable) if v is not None]
+        name = f"{task_scope or 'lane'}_stage0"
 
-        def body(step, sums, rows, carried_values):
+        def micro_batch(step, state: list, grads: list) -> MicroBatch:
             features = tf.nest.map_structure(lambda x: x[step], stacked_features)
             labels = tf.nest.map_structure(lambda x: x[step], stacked_labels)
             keys, inputs = self.staged.input_keys, self.staged.flatten_inputs(features)
             mb = MicroBatch(dict(zip(keys, inputs)), labels)
-            state = list(non_trainable)
-            for index, value in zip(carried, carried_values):
-                state[index] = value
-            grads: list = [None] * len(self.variables)
-            name = f"{task_scope or 'lane'}_stage0"
             with tf.name_scope(name + "_F"):
                 self._forward(0, mb, state)
             with tf.name_scope(name + "_B"):
                 self._backward(0, mb, grads)
+            return mb
+
+        def body(step, sums, rows, carried_values):
+            state = list(non_trainable)
+            for index, value in zip(carried, carried_values):
+                state[index] = value
+            grads: list = [None] * len(self.variables)
+            mb = micro_batch(step, state, grads)
             self.hooks.update_metrics(mb.labels, mb.y_pred, mb.loss)
             with tf.device(self.devices[0]):
                 sums = [total + tf.convert_to_tensor(grads[i]) for total, i in zip(sums, dense)]
                 rows = [r.write(step, grads[i]) for r, i in zip(rows, sparse)]
             return step + 1, sums, rows, [state[index] for index in carried]
 
+        last = self.num_micro_batch - 1
         _, sums, rows, carried_values = tf.while_loop(
-            lambda step, *_: step < self.num_micro_batch,
+            lambda step, *_: step < last,
             body,
             (tf.constant(0), sums, rows, [non_trainable[index] for index in carried]),
             parallel_iterations=1,  # one micro-batch's activations alive at a time
@@ -212,7 +219,8 @@ class LaneExecutor:
         non_trainable = list(non_trainable)
         for index, value in zip(carried, carried_values):
             non_trainable[index] = value
-        return grads, non_trainable
+        mb = micro_batch(tf.constant(last), non_trainable, grads)  # accumulates into grads
+        return grads, non_trainable, mb
 
     def _forward(self, k: int, mb: MicroBatch, non_trainable: list) -> list:
         staged, stage = self.staged, self.staged.stages[k]
@@ -409,7 +417,8 @@ def accumulate(total, gradient):
     if _is_slices(total) and _is_slices(gradient):
         return tf.IndexedSlices(
             tf.concat([total.values, gradient.values], axis=0),
-            tf.concat([total.indices, gradient.indices], axis=0),
+            # The rows a micro-batch loop carries are int64 (`_RowArrays`).
+            tf.concat([total.indices, tf.cast(gradient.indices, total.indices.dtype)], axis=0),
             total.dense_shape,
         )
     return tf.convert_to_tensor(total) + tf.convert_to_tensor(gradient)

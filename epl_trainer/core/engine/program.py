@@ -203,9 +203,9 @@ class Program:
         if self.loops_micro_batches:
             results = []
             for li, executor in enumerate(self.executors):
-                with hooks.lanes.lane(li):  # metrics are updated inside the loop
-                    grads, non_trainable = executor.run_in_loop(*inputs[li], f"lane{li}")
-                results.append((grads, non_trainable, []))
+                with hooks.lanes.lane(li):
+                    grads, non_trainable, last = executor.run_in_loop(*inputs[li], f"lane{li}")
+                results.append((grads, non_trainable, [last]))  # the loop updated the others
         else:
             runs = [
                 executor.steps(*inputs[li], task_scope=f"lane{li}")
