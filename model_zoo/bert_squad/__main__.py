@@ -81,7 +81,7 @@ flags.DEFINE_integer("seed", 0, "Seed of the built-in data, the shuffling and th
 # XLA by default for Keras (its whole step is one computation) but not for EPLTrainer's
 # stages. With one thread per op for each of the pipeline's two simulated devices (the
 # cluster's default, cluster.py), the stages run side by side as plain ops, and XLA
-# stages were slower: 21-25 ms per step as ops against 38-43 with XLA stages
+# stages were slower: 21.3-22.3 ms per step as ops against 39.8-41.0 with XLA stages
 # (python bench/threads.py).
 flags.DEFINE_bool(
     "jit_compile",
