@@ -80,9 +80,15 @@ def lane0_reduces_in_launch_order(graph) -> list:
     return sorted(ops, key=lambda op: int(tf.get_static_value(op.inputs[3])))
 
 
-@pytest.mark.parametrize("amp", [False, True], ids=["float32", "amp_float16"])
-def test_gradient_all_reduces_do_not_wait_for_the_finite_flag_or_earlier_layers(amp):
-    graph = trace_step({"amp.level": "O1"} if amp else {})
+@pytest.mark.parametrize(
+    "config",
+    [{}, {"amp.level": "O1"}, {"pipeline.num_micro_batch": 2}],
+    # 2 micro-batches: the first runs in a loop in the graph, the last after it, so the
+    # reductions still overlap the last backward (LaneExecutor.run_in_loop).
+    ids=["float32", "amp_float16", "micro_batch_loop"],
+)
+def test_gradient_all_reduces_do_not_wait_for_the_finite_flag_or_earlier_layers(config):
+    graph = trace_step(config)
     operations = graph.get_operations()
     reduces = [op for op in operations if op.type == "CollectiveReduceV2"]
     # 2 lanes x 5 buckets, and nothing else: in data parallelism every lane decides
