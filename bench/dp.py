@@ -106,23 +106,30 @@ def optimizer_bound_runners(optimizer_name, steps_per_execution):
 def optimizer_bound_table(steps, repeats):
     print(
         f"\nOptimizer-bound: 4 x Dense(2048) (16.8M parameters), batch 4, one device; "
-        f"{steps} steps x {repeats} repeats (median steps/s)"
+        f"{steps} steps x {repeats} repeats (median steps/s; and process CPU ms per step,\n"
+        "which the VM's CPU scheduling, that quantises wall times here, does not stretch)"
     )
     header = f"{'optimizer':<9} {'spe':>4}  {'Keras fit':>9} {'Keras jit':>9} {'EPLTrainer':>10}"
-    print(f"{header}  {'vs fit':>7} {'vs jit':>7}")
+    cpu = f"{'CPU ms: fit':>11} {'jit':>5} {'ours':>5}  {'vs fit':>6} {'vs jit':>6}"
+    print(f"{header}  {'vs fit':>7} {'vs jit':>7}   {cpu}")
     for name in ("adam", "adamw"):
         for spe in (1, 16):
             runners = optimizer_bound_runners(name, spe)
             for _, run in runners:
                 run(2 * spe)  # warm-up: trace and compile
             rates = {label: [] for label, _ in runners}
+            cpu_ms = {label: [] for label, _ in runners}
             for _ in range(repeats):
                 for label, run in runners:
-                    rates[label].append(steps_per_second(run, steps))
+                    rate, cpu_per_step = timed_steps(run, steps)
+                    rates[label].append(rate)
+                    cpu_ms[label].append(cpu_per_step)
             fit, jit, ours = (statistics.median(r) for r in rates.values())
+            c_fit, c_jit, c_ours = (statistics.median(c) for c in cpu_ms.values())
             print(
                 f"{name:<9} {spe:>4}  {fit:9.1f} {jit:9.1f} {ours:10.1f}  "
-                f"{ours / fit:6.2f}x {ours / jit:6.2f}x"
+                f"{ours / fit:6.2f}x {ours / jit:6.2f}x   {c_fit:11.1f} {c_jit:5.1f} "
+                f"{c_ours:5.1f}  {c_fit / c_ours:5.2f}x {c_jit / c_ours:5.2f}x"
             )
 
 
@@ -155,9 +162,14 @@ class _null_scope:
 
 
 def steps_per_second(run, steps):
-    start = time.perf_counter()
+    return timed_steps(run, steps)[0]
+
+
+def timed_steps(run, steps):
+    """(steps per second of wall time, process CPU milliseconds per step)."""
+    start, cpu = time.perf_counter(), time.process_time()
     run(steps)
-    return steps / (time.perf_counter() - start)
+    return steps / (time.perf_counter() - start), 1e3 * (time.process_time() - cpu) / steps
 
 
 def main():
