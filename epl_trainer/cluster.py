@@ -230,6 +230,24 @@ def default_intra_op_threads(num_cpu_devices: int, cores: int) -> int | None:
     return max(1, cores // num_cpu_devices)
 
 
+def _warn_unapplied_thread_keys(cluster_config) -> None:
+    """Thread pools are fixed when TensorFlow starts: a key set after that (a second
+    `epl.init` in one process) cannot take effect, so say so rather than ignore it."""
+    threading = tf.config.threading
+    for key, asked, current in (
+        ("intra_op_threads", cluster_config.intra_op_threads,
+         threading.get_intra_op_parallelism_threads()),
+        ("inter_op_threads", cluster_config.inter_op_threads,
+         threading.get_inter_op_parallelism_threads()),
+    ):  # fmt: skip
+        if asked and asked != current:
+            logger.warning(
+                "cluster.%s=%d is not applied: TensorFlow already started with %d (0: its "
+                "default). Set it before TensorFlow runs (the first epl.init).",
+                key, asked, current,
+            )  # fmt: skip
+
+
 def _tensorflow_initialized() -> bool:
     from tensorflow.python.eager import context  # no public query exists
 
@@ -264,6 +282,7 @@ def build_cluster(cluster_config, environ: Mapping[str, str] | None = None) -> C
         inter_op_threads=cluster_config.inter_op_threads or None,
         visible_gpus=cluster_config.run_visible_devices,
     )
+    _warn_unapplied_thread_keys(cluster_config)
     if spec.worker_num > 1:
         _start_collective_runtime(spec)
     gpus = tf.config.list_logical_devices("GPU")

@@ -125,3 +125,10 @@ def test_init_sets_the_thread_pools(config, expected):
         env={**os.environ, "PYTHONPATH": str(ROOT), "TF_CPP_MIN_LOG_LEVEL": "2"},
     )  # fmt: skip
     assert tuple(int(n) for n in out.stdout.split()) == expected
+
+
+def test_thread_keys_set_after_tensorflow_started_are_reported(caplog):
+    with caplog.at_level("WARNING", logger="epl_trainer.cluster"):
+        epl.init({"cluster.intra_op_threads": 3})
+    epl.init()
+    assert "cluster.intra_op_threads=3 is not applied" in caplog.text
