@@ -182,7 +182,8 @@ def test_lockstep_hands_every_lane_the_reduce_scatter_of_its_micro_batch():
         hooks=types.SimpleNamespace(
             gradient_sink=Sink(),
             lanes=types.SimpleNamespace(lane=lambda li: contextlib.nullcontext()),
-        )
+        ),
+        _lane_runs=lambda runs: runs,  # the lanes' task generators, given directly
     )
     results = Program._emit_lanes_in_lockstep(program, [lane(0), lane(1)])
     assert results == ["lane 0 done", "lane 1 done"]

@@ -70,14 +70,6 @@ class Program:
         self.step_counter = step_counter
         if hooks.update_metrics is None:
             hooks.update_metrics = self.update_metrics
-        # Chosen once, from the passes: ZeRO v1 reduces each backward's gradients over the
-        # lanes at once, so the lanes' tasks are emitted in lockstep.
-        self._emit_lanes = (
-            self._emit_lanes_one_by_one
-            if hooks.gradient_sink is None
-            else self._emit_lanes_in_lockstep
-        )
-        self.schedule = make_schedule(pipeline_strategy, layout.num_stages, num_micro_batch)
         # One stage's schedule (F0 B0 F1 B1 ...) runs as a loop over micro-batches in the
         # graph, so tracing does not grow with them; a pipeline's tasks keep activations
         # from one micro-batch's forward to its backward several tasks later, which a tape
@@ -88,6 +80,15 @@ class Program:
             and hooks.micro_batch_loop
             and hooks.gradient_sink is None  # ZeRO reduces each micro-batch on its own
         )
+        # Chosen once, from the passes: ZeRO v1 reduces each backward's gradients over the
+        # lanes at once, so the lanes' tasks are emitted in lockstep.
+        if self.loops_micro_batches:
+            self._emit_lanes = self._emit_lanes_in_loops
+        elif hooks.gradient_sink is None:
+            self._emit_lanes = self._emit_lanes_one_by_one
+        else:
+            self._emit_lanes = self._emit_lanes_in_lockstep
+        self.schedule = make_schedule(pipeline_strategy, layout.num_stages, num_micro_batch)
         order = execution_order(self.schedule)
         # Lanes whose stages live on several workers pass tensors across (boundaries.py).
         boundaries = Boundaries(layout.staged)
@@ -200,18 +201,7 @@ class Program:
             )
             for li in range(num_lanes)
         ]
-        if self.loops_micro_batches:
-            results = []
-            for li, executor in enumerate(self.executors):
-                with hooks.lanes.lane(li):
-                    grads, non_trainable, last = executor.run_in_loop(*inputs[li], f"lane{li}")
-                results.append((grads, non_trainable, [last]))  # the loop updated the others
-        else:
-            runs = [
-                executor.steps(*inputs[li], task_scope=f"lane{li}")
-                for li, executor in enumerate(self.executors)
-            ]
-            results = self._emit_lanes(runs)
+        results = self._emit_lanes(inputs)
         for li, (grads, non_trainable, micro_batches) in enumerate(results):
             with hooks.lanes.lane(li):
                 for mb in micro_batches:
@@ -228,22 +218,39 @@ class Program:
                 self.step_counter.assign_add(1)
             return {**self._metric_results(), BATCH_SIZE_KEY: batch}
 
-    def _emit_lanes_one_by_one(self, runs) -> list:
+    def _lane_runs(self, inputs) -> list:
+        return [
+            executor.steps(*inputs[li], task_scope=f"lane{li}")
+            for li, executor in enumerate(self.executors)
+        ]
+
+    def _emit_lanes_one_by_one(self, inputs) -> list:
         """Emits each lane's whole schedule in turn; per lane, what `LaneExecutor.run`
         returns."""
         results = []
-        for li, run in enumerate(runs):
+        for li, run in enumerate(self._lane_runs(inputs)):
             with self.hooks.lanes.lane(li):
                 results.append(run_to_end(run))
         return results
 
-    def _emit_lanes_in_lockstep(self, runs) -> list:
+    def _emit_lanes_in_loops(self, inputs) -> list:
+        """Each lane's micro-batches as a loop in the graph (one stage); the loop
+        updates the metrics of all but the last micro-batch, returned for the caller."""
+        results = []
+        for li, executor in enumerate(self.executors):
+            with self.hooks.lanes.lane(li):
+                grads, non_trainable, last = executor.run_in_loop(*inputs[li], f"lane{li}")
+            results.append((grads, non_trainable, [last]))
+        return results
+
+    def _emit_lanes_in_lockstep(self, inputs) -> list:
         """Emits the lanes' schedules task by task, all lanes at once, so each backward's
         gradients can be reduced over the lanes right away (`sink.flush`, ZeRO v1) and
         the stage's next task waits for that reduction: no micro-batch's gradients
         outlive their reduce-scatter, and none accumulates in full."""
         sink = self.hooks.gradient_sink
         sink.clear()  # a trace given up half-way leaves nothing behind
+        runs = self._lane_runs(inputs)
         sent: list = [None] * len(runs)
         results: list = [None] * len(runs)
         while any(result is None for result in results):
