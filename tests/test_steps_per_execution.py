@@ -77,6 +77,10 @@ def test_several_steps_per_call_train_exactly_like_one(steps_per_epoch):
         == {None: [*range(6)] * 2, 6: [*range(6)] * 2, 4: [0, 1, 2, 3, 0, 1]}[steps_per_epoch]
     )
 
+    # Calls of 4 and of 2 steps share one trace (the count is a tensor): the main job's
+    # epochs end on a shorter call, which traced the step again.
+    assert trainer._engine.program._train_many.experimental_get_tracing_count() == 1
+
 
 def test_steps_per_execution_comes_from_compile_and_matches_keras():
     x, y = data()
