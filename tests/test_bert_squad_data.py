@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from model_zoo.bert_squad import builtin_data, evaluation, squad
-from model_zoo.bert_squad.tokenization import BasicTokenizer, FullTokenizer
+from model_zoo.bert_squad.tokenization import BasicTokenizer, FullTokenizer, is_whitespace
 
 
 def write_vocab(path, tokens):
@@ -195,6 +195,45 @@ def test_reads_a_squad_json_file(tmp_path):
     assert (first.start_position, first.end_position) == (4, 4)  # inside the word "(1895)"
     assert (second.start_position, second.end_position) == (6, 7)
     assert first.answer_texts == ["1895"]
+
+
+def test_words_split_on_exactly_googles_whitespace():
+    """The reader's regular expression splits where Google's per-character test does:
+    checked on every Unicode code point, and on text mixing them."""
+    differing = [
+        hex(code)
+        for code in range(0x110000)
+        if bool(squad.WORD.fullmatch(chr(code))) == is_whitespace(chr(code))
+    ]
+    assert not differing
+    text = " a\u00a0b\u200bc\t\u3000dé\x0b e "  # U+200B and U+000B are not whitespace there
+    words, char_to_word = squad._split_words(text)
+    assert words == ["a", "b\u200bc", "dé\x0b", "e"]
+    assert char_to_word == [-1, 0, 0, 1, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3]
+
+
+def test_max_context_spans_follow_googles_per_token_rule():
+    """Google's `_check_is_max_context` asks, per token and window, whether no other
+    window holding the token scores higher (min of left and right context + 0.01 x
+    length; the first window on a tie). Computed once per example here."""
+
+    def google(spans, span_index, position):
+        best_score, best_index = None, None
+        for index, (start, length) in enumerate(spans):
+            end = start + length - 1
+            if start <= position <= end:
+                score = min(position - start, end - position) + 0.01 * length
+                if best_score is None or score > best_score:
+                    best_score, best_index = score, index
+        return span_index == best_index
+
+    for num_tokens in (0, 1, 9, 10, 11, 37, 100):
+        for max_tokens, stride in ((10, 4), (10, 10), (7, 3), (128, 64)):
+            spans = squad.doc_spans(num_tokens, max_tokens, stride)
+            best = squad._max_context_spans(spans, num_tokens)
+            for index, (start, length) in enumerate(spans):
+                for position in range(start, start + length):
+                    assert (best[position] == index) == google(spans, index, position)
 
 
 def test_reading_skips_a_training_answer_not_at_its_offset(tmp_path, caplog):

@@ -15,11 +15,12 @@ import dataclasses
 import functools
 import json
 import logging
+import re
 from pathlib import Path
 
 import numpy as np
 
-from model_zoo.bert_squad.tokenization import FullTokenizer, is_whitespace
+from model_zoo.bert_squad.tokenization import FullTokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -115,21 +116,25 @@ def read_squad_examples(path: str | Path, is_training: bool) -> list[SquadExampl
     return examples_from_dataset(read_squad_json(path), is_training)
 
 
+# Whitespace as Google's reader sees it (tokenization.is_whitespace): space, tab, newline,
+# carriage return and the Unicode category Zs. One regular expression finds the words
+# instead of a Python loop over every character (tests/test_bert_squad_data.py checks the
+# character class against unicodedata over every code point).
+_ZS = "\u00a0\u1680\u2000-\u200a\u202f\u205f\u3000"
+WORD = re.compile(f"[^ \t\n\r{_ZS}]+")
+
+
 def _split_words(text: str) -> tuple[list[str], list[int]]:
-    """Whitespace words and, for every character, the index of its word."""
+    """Whitespace words and, for every character, the index of its word (a space
+    belongs to the word before it, -1 before the first word)."""
     words: list[str] = []
     char_to_word: list[int] = []
-    previous_is_space = True
-    for char in text:
-        if is_whitespace(char):
-            previous_is_space = True
-        else:
-            if previous_is_space:
-                words.append(char)
-            else:
-                words[-1] += char
-            previous_is_space = False
-        char_to_word.append(len(words) - 1)
+    for match in WORD.finditer(text):
+        start, end = match.span()
+        char_to_word += [len(words) - 1] * (start - len(char_to_word))
+        words.append(match.group())
+        char_to_word += [len(words) - 1] * (end - start)
+    char_to_word += [len(words) - 1] * (len(text) - len(char_to_word))
     return words, char_to_word
 
 
@@ -153,19 +158,32 @@ def convert_examples_to_features(
             f"[CLS]/[SEP] tokens. Received: max_seq_length={max_seq_length}, "
             f"max_query_length={max_query_length}"
         )
-    # Contexts are shared by several questions and words repeat: tokenize each word once.
+    # Contexts are shared by several questions and words repeat: tokenize each word once,
+    # and each context once (the examples of a paragraph share its doc_tokens list; the
+    # examples keep it alive, so its id is not reused while this runs).
     tokenize = functools.lru_cache(maxsize=None)(tokenizer.tokenize)
+    context_pieces = {}
+    questions = tokenizer.tokenize_all([example.question_text for example in examples])
+    answers = [None] * len(examples)
+    if is_training:
+        answers = tokenizer.tokenize_all([example.answer_texts[0] for example in examples])
     features = []
     for example_index, example in enumerate(examples):
-        query_tokens = tokenizer.tokenize(example.question_text)[:max_query_length]
-        doc_pieces, tok_to_orig, orig_to_tok = _context_pieces(example.doc_tokens, tokenize)
+        query_tokens = questions[example_index][:max_query_length]
+        key = id(example.doc_tokens)
+        if key not in context_pieces:
+            context_pieces[key] = _context_pieces(example.doc_tokens, tokenize)
+        doc_pieces, tok_to_orig, orig_to_tok = context_pieces[key]
         answer = None
         if is_training:
-            answer = _answer_pieces(example, doc_pieces, orig_to_tok, tokenizer)
+            answer = _answer_pieces(example, doc_pieces, orig_to_tok, answers[example_index])
         max_tokens_for_doc = max_seq_length - len(query_tokens) - 3
         spans = doc_spans(len(doc_pieces), max_tokens_for_doc, doc_stride)
+        best_span = _max_context_spans(spans, len(doc_pieces))
         for span_index in range(len(spans)):
-            feature = _window(spans, span_index, query_tokens, doc_pieces, tok_to_orig, tokenizer)
+            feature = _window(
+                spans, span_index, best_span, query_tokens, doc_pieces, tok_to_orig, tokenizer
+            )
             feature.unique_id = 1000000000 + len(features)
             feature.example_index = example_index
             feature.input_ids += [0] * (max_seq_length - len(feature.input_ids))
@@ -191,27 +209,26 @@ def _context_pieces(doc_tokens, tokenize):
     return pieces, tok_to_orig, orig_to_tok
 
 
-def _answer_pieces(example, doc_pieces, orig_to_tok, tokenizer) -> tuple[int, int]:
-    """The training answer's first and last context piece."""
+def _answer_pieces(example, doc_pieces, orig_to_tok, answer_pieces) -> tuple[int, int]:
+    """The training answer's first and last context piece (`answer_pieces`: its text
+    tokenized)."""
     start = orig_to_tok[example.start_position]
     last_word = example.end_position + 1
     end = orig_to_tok[last_word] - 1 if last_word < len(orig_to_tok) else len(doc_pieces) - 1
-    return _improve_answer_span(doc_pieces, start, end, tokenizer, example.answer_texts[0])
+    return _improve_answer_span(doc_pieces, start, end, answer_pieces)
 
 
-def _window(spans, span_index, query_tokens, doc_pieces, tok_to_orig, tokenizer):
-    """`[CLS] question [SEP] context window [SEP]`, unpadded, with its context maps."""
+def _window(spans, span_index, best_span, query_tokens, doc_pieces, tok_to_orig, tokenizer):
+    """`[CLS] question [SEP] context window [SEP]`, unpadded, with its context maps.
+    `best_span[p]`: the window that gives context token p its most context."""
     span_start, span_length = spans[span_index]
-    tokens = ["[CLS]", *query_tokens, "[SEP]"]
-    segment_ids = [0] * len(tokens)
-    token_to_orig, is_max_context = {}, {}
-    for position in range(span_start, span_start + span_length):
-        token_to_orig[len(tokens)] = tok_to_orig[position]
-        is_max_context[len(tokens)] = _is_max_context(spans, span_index, position)
-        tokens.append(doc_pieces[position])
-        segment_ids.append(1)
+    positions = range(span_start, span_start + span_length)
+    offset = len(query_tokens) + 2  # the window's first context token
+    tokens = ["[CLS]", *query_tokens, "[SEP]", *doc_pieces[span_start : span_start + span_length]]
     tokens.append("[SEP]")
-    segment_ids.append(1)
+    segment_ids = [0] * offset + [1] * (span_length + 1)
+    token_to_orig = {offset + i: tok_to_orig[p] for i, p in enumerate(positions)}
+    is_max_context = {offset + i: best_span[p] == span_index for i, p in enumerate(positions)}
     input_ids = tokenizer.convert_tokens_to_ids(tokens)
     return InputFeatures(
         unique_id=0,
@@ -238,24 +255,28 @@ def doc_spans(num_tokens: int, max_tokens: int, stride: int) -> list[tuple[int, 
         start += min(length, stride)
 
 
-def _is_max_context(spans, span_index: int, position: int) -> bool:
-    """Whether span `span_index` has the most context (min of left/right, ties to shorter
-    spans by a small length bonus) around token `position` among the spans holding it."""
-    best_score, best_index = None, None
+def _max_context_spans(spans, num_tokens: int) -> list[int]:
+    """For every context token, the span with the most context around it (the min of its
+    left and right context, ties to longer spans by a small length bonus; the first such
+    span on equal scores): Google's `_check_is_max_context`, computed once per example
+    rather than per token and window."""
+    if len(spans) == 1:  # one window holds everything (most contexts)
+        return [0] * num_tokens
+    best_score = [None] * num_tokens
+    best_index = [0] * num_tokens
     for index, (start, length) in enumerate(spans):
         end = start + length - 1
-        if not start <= position <= end:
-            continue
-        score = min(position - start, end - position) + 0.01 * length
-        if best_score is None or score > best_score:
-            best_score, best_index = score, index
-    return span_index == best_index
+        for position in range(start, end + 1):
+            score = min(position - start, end - position) + 0.01 * length
+            if best_score[position] is None or score > best_score[position]:
+                best_score[position], best_index[position] = score, index
+    return best_index
 
 
-def _improve_answer_span(doc_pieces, start, end, tokenizer, answer_text):
+def _improve_answer_span(doc_pieces, start, end, answer_pieces):
     """The tightest piece span whose text equals the tokenized answer, e.g. "1895" inside
     the word "(1895)"; the word-level span when there is none."""
-    target = " ".join(tokenizer.tokenize(answer_text))
+    target = " ".join(answer_pieces)
     for new_start in range(start, end + 1):
         for new_end in range(end, new_start - 1, -1):
             if " ".join(doc_pieces[new_start : new_end + 1]) == target:

@@ -71,6 +71,12 @@ class FullTokenizer:
     def tokenize(self, text: str) -> list[str]:
         return self._tokenizer.encode(text, add_special_tokens=False).tokens
 
+    def tokenize_all(self, texts: list[str]) -> list[list[str]]:
+        """`tokenize` of each text, in one call (the per-call overhead was a quarter of
+        the built-in data's featurisation)."""
+        encodings = self._tokenizer.encode_batch(texts, add_special_tokens=False)
+        return [encoding.tokens for encoding in encodings]
+
     def convert_tokens_to_ids(self, tokens) -> list[int]:
         return [self.vocab[t] for t in tokens]
 
