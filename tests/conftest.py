@@ -17,12 +17,18 @@ configure_tensorflow(NUM_TEST_DEVICES)
 import pytest  # noqa: E402
 
 from epl_trainer.annotations.strategies import reset_annotations  # noqa: E402
+from epl_trainer.env import Env  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
-def _fresh_annotations():
-    """EPL semantics: after a `replicate` scope closes, new layers still join its TaskGraph.
-    So one test's scopes would annotate the next test's models; each test starts clean."""
+def _fresh_process_state():
+    """EPL semantics: after a `replicate` scope closes, new layers still join its TaskGraph,
+    and `epl.init`'s config holds for the rest of the process. So one test's scopes would
+    annotate the next test's models, and its `epl.init` would be the next test's base
+    config (a DeepSpeed recipe translated on top of 2 devices instead of one ran one step,
+    not two, in whichever test came after it); each test starts clean."""
     reset_annotations()
+    env = Env._instance
     yield
     reset_annotations()
+    Env._instance = env

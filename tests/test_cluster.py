@@ -132,3 +132,15 @@ def test_thread_keys_set_after_tensorflow_started_are_reported(caplog):
         epl.init({"cluster.intra_op_threads": 3})
     epl.init()
     assert "cluster.intra_op_threads=3 is not applied" in caplog.text
+
+
+# These two run in this order: the first leaves a process-wide config behind.
+def test_init_sets_the_process_wide_config():
+    assert epl.init({"cluster.virtual_devices": 2}).config.cluster.virtual_devices == 2
+
+
+def test_each_test_starts_from_the_default_config():
+    """conftest restores `epl.init`'s config after each test: the test above would
+    otherwise be this one's base config (a DeepSpeed recipe translated on top of its 2
+    devices took a batch twice as large, and ran one step where its test expected two)."""
+    assert epl.Env.get().config.cluster.virtual_devices == 0
