@@ -324,6 +324,8 @@ def test_main_runs_end_to_end_on_builtin_data(tmp_path, trainer):
     assert len(predictions) == 4 * builtin_data.QUESTIONS_PER_PARAGRAPH
     metrics = json.loads((tmp_path / "metrics.json").read_text())
     assert set(metrics["dev"]) == {"exact_match", "f1"}
+    # The final scores are the last epoch's (the dev set is not predicted again for them).
+    assert metrics["dev"]["f1"] == metrics["history"]["dev_f1"][-1]
     losses = metrics["history"]["loss"]
     assert len(losses) == 2 and losses[1] < losses[0]  # the pipeline really trains
     assert metrics["trainer"] == trainer
