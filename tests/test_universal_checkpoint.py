@@ -153,11 +153,12 @@ def test_offload_restores_into_zero_v1(tmp_path):
     assert max_weight_difference(uninterrupted, resumed) < ATOL
 
 
+# Slots are keyed by variable index and slot name whatever the optimizer
+# (checkpoint_content.py), so three cover the paths: one slot per variable, three (Adam's
+# two and amsgrad's maximum), and Lamb, whose variables ZeRO keeps whole. AdamW, Adagrad
+# and Lion (one or two slots, cut like the others) were trimmed for the suite's time.
 OPTIMIZERS = {
     "sgd_momentum": lambda: keras.optimizers.SGD(0.05, momentum=0.9),
-    "adamw": lambda: keras.optimizers.AdamW(0.01, weight_decay=0.1),
-    "adagrad": lambda: keras.optimizers.Adagrad(0.1),
-    "lion": lambda: keras.optimizers.Lion(0.001),
     "lamb": lambda: keras.optimizers.Lamb(0.01),
     "adam_amsgrad": lambda: keras.optimizers.Adam(0.01, amsgrad=True),
 }
