@@ -4,6 +4,7 @@
 
 Usage: python bench/bert_squad.py [--seeds 0 1 2] [--trainer epl keras] [-- EXTRA FLAGS]
        python bench/bert_squad.py --speed [--repeats 2]
+       python bench/bert_squad.py --against COMMIT [--seeds 0 1 2]
 
 Each run is a fresh process, one at a time (2 cores). Prints dev EM / F1 and the wall
 time of every run, then one row per trainer with the mean over seeds and the F1
@@ -16,6 +17,11 @@ with one step per call (`--steps_per_execution=1`, `optimizer.jit_compile=False`
 XLA-compiled stages (`--jit_compile`) and with TensorFlow's thread pools
 (`cluster.intra_op_threads=2`), seed 0, interleaved, and prints the wall and training
 times.
+
+`--against COMMIT` runs EPLTrainer here and at COMMIT (a temporary git worktree, whose
+own `model_zoo` and `epl_trainer` it imports), each seed's two runs back to back with
+the first of them alternating, and prints the speedup per seed. Wall times on this
+machine drift by up to 2x over minutes, so only runs made side by side compare.
 """
 
 import argparse
@@ -29,7 +35,7 @@ import tempfile
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir)
 
 
-def run(trainer: str, seed: int, extra: list[str]) -> dict:
+def run(trainer: str, seed: int, extra: list[str], root: str = ROOT) -> dict:
     with tempfile.TemporaryDirectory() as out:
         command = [
             sys.executable,
@@ -40,8 +46,8 @@ def run(trainer: str, seed: int, extra: list[str]) -> dict:
             f"--output_dir={out}",
             *extra,
         ]
-        env = {**os.environ, "PYTHONPATH": os.path.abspath(ROOT)}
-        subprocess.run(command, cwd=ROOT, env=env, check=True, capture_output=True, text=True)
+        env = {**os.environ, "PYTHONPATH": os.path.abspath(root)}
+        subprocess.run(command, cwd=root, env=env, check=True, capture_output=True, text=True)
         with open(os.path.join(out, "metrics.json")) as f:
             metrics = json.load(f)
     return {
@@ -50,7 +56,8 @@ def run(trainer: str, seed: int, extra: list[str]) -> dict:
         "em": metrics["dev"]["exact_match"],
         "f1": metrics["dev"]["f1"],
         "seconds": metrics["wall_time_sec"],
-        "train_s": metrics["seconds"]["training"],  # without data preparation and dev predictions
+        # Without data preparation and dev predictions (older commits do not write it).
+        "train_s": metrics.get("seconds", {}).get("training", float("nan")),
     }
 
 
@@ -83,14 +90,44 @@ def speed(repeats: int, extra: list[str]) -> None:
         print(f"median wall {name:<26} {median:7.1f} s ({base / median:.2f}x the first)")
 
 
+def against(commit: str, seeds: list[int], extra: list[str]) -> None:
+    with tempfile.TemporaryDirectory() as parent:
+        tree = os.path.join(parent, "tree")
+        git = ["git", "-C", ROOT, "worktree"]
+        subprocess.run([*git, "add", "--detach", tree, commit], check=True, capture_output=True)
+        try:
+            print(
+                f"{'seed':>4}  {'here EM / F1':>13} {'wall s':>7}  {commit[:10] + ' EM / F1':>19} "
+                f"{'wall s':>7}  speedup"
+            )
+            speedups = []
+            for i, seed in enumerate(seeds):
+                order = [("here", ROOT), ("then", tree)][:: -1 if i % 2 else 1]
+                rows = {label: run("epl", seed, extra, root) for label, root in order}
+                here, then = rows["here"], rows["then"]
+                speedups.append(then["seconds"] / here["seconds"])
+                print(
+                    f"{seed:>4}  {here['em']:6.1f} / {here['f1']:5.1f} {here['seconds']:7.1f}  "
+                    f"{then['em']:11.1f} / {then['f1']:5.1f} {then['seconds']:7.1f}  "
+                    f"{speedups[-1]:6.2f}x"
+                )
+            print(f"mean speedup {statistics.mean(speedups):.2f}x, lowest {min(speedups):.2f}x")
+        finally:
+            subprocess.run([*git, "remove", "--force", tree], check=False, capture_output=True)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--trainer", nargs="+", default=["epl", "keras"])
     parser.add_argument("--speed", action="store_true")
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--against", metavar="COMMIT", help="EPLTrainer here vs at COMMIT")
     args, extra = parser.parse_known_args()
     extra = [a for a in extra if a != "--"]
+    if args.against:
+        against(args.against, args.seeds, extra)
+        return
     if args.speed:
         speed(args.repeats, extra)
         return
