@@ -91,6 +91,7 @@ def speed(repeats: int, extra: list[str]) -> None:
 
 
 def against(commit: str, seeds: list[int], extra: list[str]) -> None:
+    """EPLTrainer here and at `commit`, side by side per seed (the module docstring)."""
     with tempfile.TemporaryDirectory() as parent:
         tree = os.path.join(parent, "tree")
         git = ["git", "-C", ROOT, "worktree"]
