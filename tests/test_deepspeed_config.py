@@ -11,7 +11,6 @@ from _models import LOSS, mlp, mlp_data
 import epl_trainer as epl
 from epl_trainer import deepspeed, schedules
 from epl_trainer.deepspeed import DeepSpeedConfig, DeepSpeedConfigError, resolve_batch_sizes
-from epl_trainer.env import Env
 
 DATA = Path(__file__).parent / "data"
 # The two example configs of shared/reference/deepspeed_config_quickstart.txt, verbatim.
@@ -27,11 +26,9 @@ def _translate(values, optimizer=None, base=TWO_DEVICES, **kwargs):
 
 @pytest.fixture
 def env_with_two_devices():
-    """epl.init with 2 devices for this test only (EPLTrainer(config=<DeepSpeed>) builds on it)."""
-    saved = Env._instance
+    """epl.init with 2 devices for this test only (EPLTrainer(config=<DeepSpeed>) builds on
+    it); conftest restores the config after the test."""
     epl.init(TWO_DEVICES)
-    yield
-    Env._instance = saved
 
 
 # ---- the reference configs -----------------------------------------------------------------
