@@ -15,14 +15,14 @@ def timed_peak(run, steps: int) -> dict:
     optimizer state), their difference ("step_peak": activations and temporaries) and
     milliseconds per step. Call it after one untimed step, so tracing is not measured.
     """
-    import tensorflow as tf
+    from epl_trainer.memory import allocator_memory, reset_peak_memory
 
-    resident = tf.config.experimental.get_memory_info("CPU:0")["current"]
-    tf.config.experimental.reset_memory_stats("CPU:0")
+    resident = allocator_memory()["current"]
+    reset_peak_memory()
     start = time.perf_counter()
     run(steps)
     seconds = (time.perf_counter() - start) / steps
-    peak = tf.config.experimental.get_memory_info("CPU:0")["peak"]
+    peak = allocator_memory()["peak"]
     return {
         "peak": peak,
         "resident": resident,

@@ -193,6 +193,11 @@ def configure_tensorflow(
                 "TensorFlow starts (epl.init() first, or conftest.py in tests)."
             )
         return
+    # Memory statistics (peak bytes) on every CPU: TensorFlow's default CPU allocator
+    # keeps none, and it picks its BFC allocator, which does, only where oneDNN is on (by
+    # default only on some CPUs: off on an AVX2-only AMD EPYC). Read when the allocator
+    # is created, so before TensorFlow starts; an explicit user setting wins.
+    os.environ.setdefault("TF_CPU_ALLOCATOR_USE_BFC", "true")
     if visible_gpus:
         gpus = tf.config.list_physical_devices("GPU")
         try:

@@ -89,6 +89,51 @@ def build_report(state, update, lanes) -> MemoryReport:
     return MemoryReport(devices)
 
 
+class AllocatorStatsUnavailable(RuntimeError):
+    """The device's allocator keeps no statistics (peak / current bytes)."""
+
+
+def allocator_memory(device: str = "CPU:0") -> dict[str, int]:
+    """`{"current", "peak"}` bytes of a device's allocator (process-wide on CPU: logical
+    CPU devices share one allocator).
+
+    Raises:
+      AllocatorStatsUnavailable: the allocator keeps no statistics. TensorFlow's default
+        CPU allocator keeps none; its BFC allocator does, and TensorFlow uses it only
+        where oneDNN is on (by default only on some CPUs), or with
+        `TF_CPU_ALLOCATOR_USE_BFC=true` set before TensorFlow starts, which
+        `epl_trainer.cluster.configure_tensorflow` (and so `epl.init`) does.
+    """
+    import tensorflow as tf
+
+    try:
+        return tf.config.experimental.get_memory_info(device)
+    except ValueError as e:
+        raise _unavailable(device, e) from e
+
+
+def reset_peak_memory(device: str = "CPU:0") -> None:
+    """Starts a new peak for `allocator_memory(device)["peak"]` (same error when the
+    allocator keeps no statistics)."""
+    import tensorflow as tf
+
+    try:
+        tf.config.experimental.reset_memory_stats(device)
+    except ValueError as e:
+        raise _unavailable(device, e) from e
+
+
+def _unavailable(device: str, error: Exception) -> AllocatorStatsUnavailable:
+    return AllocatorStatsUnavailable(
+        f"The allocator of {device!r} keeps no memory statistics ({error}). On CPU, "
+        "TensorFlow keeps them only with its BFC allocator: call "
+        "epl_trainer.cluster.configure_tensorflow() (or epl.init()) before TensorFlow "
+        "starts, or set TF_CPU_ALLOCATOR_USE_BFC=true in the environment. Received: "
+        f"TF_CPU_ALLOCATOR_USE_BFC={os.environ.get('TF_CPU_ALLOCATOR_USE_BFC')!r}, "
+        f"TF_ENABLE_ONEDNN_OPTS={os.environ.get('TF_ENABLE_ONEDNN_OPTS')!r}"
+    )
+
+
 def process_threads() -> int:
     """Threads of this process, TensorFlow's native ones included (Linux /proc)."""
     return len(os.listdir("/proc/self/task"))

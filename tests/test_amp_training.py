@@ -35,6 +35,7 @@ def _fit(amp_dtype=None, steps=20, devices=2, **config):
     return trainer, model, history
 
 
+@pytest.mark.onednn
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 def test_amp_trains_close_to_float32(dtype):
     reference_trainer, reference, _ = _fit(None)

@@ -263,6 +263,7 @@ def measurements(request):
 
 
 @pytest.mark.slow
+@pytest.mark.onednn
 @pytest.mark.parametrize("case", CASES, ids=[case[0] for case in CASES])
 def test_estimate_within_25_percent_of_measured_peak(case, measurements):
     """Estimated from the Keras graph (`auto_partition.model_cost`, what the automatic

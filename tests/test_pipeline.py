@@ -185,6 +185,7 @@ def test_a_batch_that_does_not_split_into_micro_batches_is_an_error():
 
 
 @pytest.mark.slow
+@pytest.mark.onednn
 @pytest.mark.timeout(300)
 def test_1f1b_peak_memory_is_clearly_below_gpipe():
     """4 stages, 8 micro-batches, each strategy measured in a fresh process."""

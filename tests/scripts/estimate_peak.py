@@ -4,7 +4,7 @@ Usage: estimate_peak.py MODEL DEVICES MICRO_BATCH_SIZE [CONFIG_JSON]
 MODEL is "transformer" or "mlp" (`build_model`, shared with tests/test_estimate.py).
 Prints one JSON line {"peak", "resident", "params", "batch"}. As bench/memory.py and
 DESIGN.md section 6 measure: a fresh process, one step to trace and build, then
-`tf.config.experimental.get_memory_info('CPU:0')['peak']` over the next steps after a
+the allocator's peak (`epl_trainer.memory.allocator_memory`) over the next steps after a
 reset (on CPU the logical devices share one allocator: the whole process's tensors).
 """
 
@@ -58,6 +58,7 @@ def main():
     import tensorflow as tf
 
     import epl_trainer as epl
+    from epl_trainer.memory import allocator_memory, reset_peak_memory
 
     model = build_model(kind)
     trainer = epl.EPLTrainer(
@@ -77,10 +78,10 @@ def main():
     y = rng.integers(0, 10, batch).astype("int32")
     dataset = tf.data.Dataset.from_tensors((x, y)).repeat()
     trainer.fit(dataset, steps_per_epoch=1, verbose=0)  # trace and build
-    resident = tf.config.experimental.get_memory_info("CPU:0")["current"]
-    tf.config.experimental.reset_memory_stats("CPU:0")
+    resident = allocator_memory()["current"]
+    reset_peak_memory()
     trainer.fit(dataset, steps_per_epoch=2, verbose=0)
-    peak = tf.config.experimental.get_memory_info("CPU:0")["peak"]
+    peak = allocator_memory()["peak"]
     params = sum(int(np.prod(v.shape)) for v in model.trainable_variables)
     print(json.dumps({"peak": peak, "resident": resident, "params": params, "batch": batch}))
 

@@ -46,6 +46,7 @@ def main():
     import tensorflow as tf
 
     import epl_trainer as epl
+    from epl_trainer.memory import allocator_memory, reset_peak_memory
 
     stages = {
         f"stage{s}_up|stage{s}_down" + ("|pool|head" if s == args.stages - 1 else ""): s
@@ -68,9 +69,9 @@ def main():
     y = rng.integers(0, 4, 2 * batch).astype("int32")
     dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(batch)
     trainer.fit(dataset.take(1), verbose=0)  # trace and build
-    tf.config.experimental.reset_memory_stats("CPU:0")
+    reset_peak_memory()
     trainer.fit(dataset.skip(1), verbose=0)
-    peak = tf.config.experimental.get_memory_info("CPU:0")["peak"]
+    peak = allocator_memory()["peak"]
     print(
         json.dumps(
             {
