@@ -18,7 +18,7 @@ import numpy as np
 import tensorflow as tf
 from keras import tree
 
-from epl_trainer import compiled, deepspeed, optimizers
+from epl_trainer import compiled, deepspeed, optimizers, start_state
 from epl_trainer import data as data_lib
 from epl_trainer import io as io_lib
 from epl_trainer import model_fn as model_fn_lib
@@ -183,6 +183,8 @@ class EPLTrainer(CheckpointMixin):
                 self.config, self.engine_plan.plan, len(self.engine_plan.lanes_in_job)
             )
         self.model.optimizer = self.optimizer  # what Keras callbacks read (LR, iterations)
+        self._start_state = start_state.StartState(self.cluster, self._lost_worker_check)
+        self._start_state.take(self.model, self.optimizer)  # worker 0's values (start_state.py)
 
     def _build_from_data(self, dataset, mode: str) -> None:
         """Builds an Estimator-style model_fn's model from the data's element spec (once)."""
@@ -238,6 +240,7 @@ class EPLTrainer(CheckpointMixin):
             self.model(tree.map_structure(lambda x: x[:1], features))
         with tf.device(self.cluster.host_device):
             self.loss_tracker.reset_state()
+        self._start_state.take(self.model, self.optimizer)  # if the batch above built it
         self._engine = engine.build_engine(
             self.engine_plan,
             self.config,
