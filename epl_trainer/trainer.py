@@ -14,13 +14,12 @@ import re
 import time
 
 import keras
-import numpy as np
 import tensorflow as tf
 from keras import tree
 
 from epl_trainer import compiled, deepspeed, optimizers, start_state
 from epl_trainer import data as data_lib
-from epl_trainer import io as io_lib
+from epl_trainer import fit_inputs as fit_lib
 from epl_trainer import model_fn as model_fn_lib
 from epl_trainer.annotations import checkpoints, strategies
 from epl_trainer.cluster import build_cluster, detect_lost_workers
@@ -34,21 +33,21 @@ from epl_trainer.metric_sync import MetricSync
 from epl_trainer.metrics import resolve_metrics
 from epl_trainer.model_fn import ModelSpec  # noqa: F401  (re-exported: epl.ModelSpec)
 from epl_trainer.trainer_checkpoints import CheckpointMixin
+from epl_trainer.trainer_data import TrainingDataMixin, needs_data_to_build
+from epl_trainer.trainer_inference import (
+    EVAL_STEPS_PER_CALL,  # noqa: F401  (re-exported)
+    InferenceMixin,
+)
 from epl_trainer.watchdog import watchdog_for
 
 logger = logging.getLogger(__name__)
-
-
-# Evaluation batches per call of the compiled evaluation loop: one host round trip per
-# this many batches (evaluate calls no batch callbacks, so nothing needs them sooner).
-EVAL_STEPS_PER_CALL = 64
 
 
 class NonFiniteLossError(FloatingPointError):
     """A float32 training step produced a NaN or Inf loss (non-finite gradients)."""
 
 
-class EPLTrainer(CheckpointMixin):
+class EPLTrainer(CheckpointMixin, TrainingDataMixin, InferenceMixin):
     """Trains a Keras model with the parallelism given by annotations and config.
 
     Args:
@@ -82,6 +81,9 @@ class EPLTrainer(CheckpointMixin):
         `Model.compile(jit_compile=True)`. Default: True if the model was compiled with
         `jit_compile=True`, else False. (Optimizer updates are compiled separately, by
         `optimizer.jit_compile`.)
+
+    A Sequential model without an input shape is built from the first data's shapes (as
+    `Model.fit` builds it) and planned then; `plan`, `staged` and `lanes` exist from then on.
     """
 
     def __init__(
@@ -126,6 +128,8 @@ class EPLTrainer(CheckpointMixin):
         self._nonfinite_seen = 0
         multi_worker = self.cluster.worker_num > 1
         self._end_of_data = EndOfDataAgreement(self.cluster) if multi_worker else None
+        self._shuffle_seed: int | None = None
+        self._pending_model = None
         arguments = dict(
             loss=loss,
             metrics=metrics,
@@ -146,6 +150,11 @@ class EPLTrainer(CheckpointMixin):
                     f"model must be a keras.Model or a model_fn. Received: {type(model).__name__}"
                 )
             spec = model_fn_lib.call_model_fn(model)
+        if needs_data_to_build(spec.model):
+            # Planning cuts the layer graph, which an unbuilt Sequential does not have
+            # yet: it is built from the first data's shapes (`_build_from_data`).
+            self.model, self._pending_model = spec.model, (spec, arguments)
+            return
         self._setup(spec, **arguments)
 
     def _setup(self, spec, loss, metrics, loss_weights, strategy, stages, split) -> None:
@@ -185,15 +194,6 @@ class EPLTrainer(CheckpointMixin):
         self.model.optimizer = self.optimizer  # what Keras callbacks read (LR, iterations)
         self._start_state = start_state.StartState(self.cluster, self._lost_worker_check)
         self._start_state.take(self.model, self.optimizer)  # worker 0's values (start_state.py)
-
-    def _build_from_data(self, dataset, mode: str) -> None:
-        """Builds an Estimator-style model_fn's model from the data's element spec (once)."""
-        if self._pending_model_fn is None:
-            return
-        fn, arguments = self._pending_model_fn
-        self._pending_model_fn = None
-        spec = model_fn_lib.call_estimator_model_fn(fn, dataset.element_spec, mode, self.params)
-        self._setup(spec, **arguments)
 
     @property
     def plan(self):
@@ -236,6 +236,8 @@ class EPLTrainer(CheckpointMixin):
     def _ensure_engine(self, features) -> engine.Engine:
         if self._engine is not None:
             return self._engine
+        if self._pending_model is not None:  # restore_checkpoint(features=...) before fit
+            self._build_from_data(tf.data.Dataset.from_tensors(features), model_fn_lib.INFER)
         if not self.model.built:
             self.model(tree.map_structure(lambda x: x[:1], features))
         with tf.device(self.cluster.host_device):
@@ -272,18 +274,38 @@ class EPLTrainer(CheckpointMixin):
 
     def fit(
         self,
-        x,
+        x=None,
         y=None,
         batch_size=None,
         epochs=1,
-        steps_per_epoch=None,
-        validation_data=None,
-        callbacks=None,
         verbose="auto",
+        callbacks=None,
+        validation_split=0.0,
+        validation_data=None,
+        shuffle=False,
+        class_weight=None,
+        sample_weight=None,
+        initial_epoch=0,
+        steps_per_epoch=None,
+        validation_steps=None,
+        validation_batch_size=None,
+        validation_freq=1,
         parse_fn=None,
         file_format=None,
     ):
-        """Trains; returns a `keras.callbacks.History` (as `Model.fit`).
+        """Trains; returns a `keras.callbacks.History`. The arguments are `Model.fit`'s,
+        with Keras's meaning (`fit_inputs.py`), and:
+
+        - `batch_size` is per worker (numpy inputs are dealt to the workers in batches).
+        - `shuffle` is False by default: numpy inputs are batched in order unless
+          `shuffle=True` (a new order every epoch, from a seed drawn from NumPy's global
+          generator, the same on every worker) or "batch". A Dataset is used as given.
+        - `sample_weight` and `class_weight` become one float32 weight per sample;
+          `class_weight` needs a single output. Dataset elements may be
+          `(x, y, sample_weight)`.
+        - Without `initial_epoch`, a second `fit` continues the epoch count of the first;
+          a run resumed from `checkpoint.dir` continues up to `epochs` (Keras's
+          BackupAndRestore).
 
         With `parse_fn`, `x` is a list of file names or a glob: records are read with
         `file_format` ("tfrecord" by default, "text", or a callable `files -> Dataset`),
@@ -291,69 +313,66 @@ class EPLTrainer(CheckpointMixin):
         per worker. With `io.slicing=True` each worker reads only its share of the files
         (`epl_trainer.io`).
         """
-        if self._pending_model_fn is not None:
-            probe = data_lib.spec_probe(x, y, parse_fn, file_format)
+        if validation_split and validation_data is None:
+            (x, y, sample_weight), validation_data = fit_lib.train_validation_split(
+                x, y, sample_weight, validation_split
+            )
+        files = parse_fn is not None or file_format is not None
+        if not files:
+            x, sample_weight = fit_lib.with_class_weight(x, y, sample_weight, class_weight)
+        if self._waits_for_data:
+            probe = data_lib.spec_probe(x, y, parse_fn, file_format, sample_weight)
             self._build_from_data(probe, model_fn_lib.TRAIN)
         if self.deepspeed is not None:  # batch sizes, monitors and steps_per_print
             batch_size = self.deepspeed.fit_batch_size(x, batch_size, self.plan, len(self.lanes))
             extra = self.deepspeed.callbacks(self.loss_tracker, self.cluster.is_chief)
             callbacks = [*(callbacks or []), *extra]
-        if parse_fn is not None or file_format is not None:
+        if files:
             dataset = self._files_dataset(x, y, batch_size, parse_fn, file_format, steps_per_epoch)
+            dataset, passes = fit_lib.with_class_weight(dataset, None, None, class_weight)[0], None
         else:
-            if self.config.io.slicing and isinstance(x, tf.data.Dataset):
-                logger.warning(
-                    "io.slicing slices files given as fit(files, parse_fn=...); a "
-                    "tf.data.Dataset is used as given (shard it with epl.io.slice_files)."
-                )
-            dataset = data_lib.as_dataset(
-                x,
-                y,
-                batch_size,
-                worker_index=self.data_shard,
-                worker_num=self.data_shards,
-                drop_remainder=True,
-            )
+            dataset, passes = self._fit_dataset(x, y, sample_weight, batch_size, shuffle)
         data_lib.check_element_spec(dataset.element_spec, self.model, with_labels=True)
-        verbose = 1 if verbose == "auto" else verbose
+        validation = None
+        if validation_data is not None:
+            fit_lib.should_validate(0, validation_freq)  # a bad value fails before training
+            validation = self._validation_dataset(
+                validation_data, validation_batch_size or batch_size, validation_steps
+            )
+        verbose = fit_lib.verbosity(verbose)
         # A fresh trainer with checkpoint.dir resumes its newest checkpoint; `epochs` then
         # counts from the job's first epoch (Keras's initial_epoch), so a restarted script
         # finishes the run it was doing instead of adding epochs.
         resumed = self._auto_resume(dataset)
-        last_epoch = epochs if resumed else self.epochs_done + epochs
-        callback_list = keras.callbacks.CallbackList(
+        epochs_run = fit_lib.epoch_range(epochs, initial_epoch, self.epochs_done, resumed)
+        callback_list = fit_lib.callback_list(
             callbacks,
+            self.model,
+            verbose,
+            epochs=epochs_run.stop,
+            steps=steps_per_epoch or fit_lib.num_batches(dataset),
             add_history=True,
-            add_progbar=verbose != 0,
-            model=self.model,
-            verbose=verbose,
-            epochs=last_epoch,
-            steps=steps_per_epoch,
         )
         write_back_each_step = _needs_fresh_weights_per_step(callback_list)
         self.model.stop_training = False
         callback_list.on_train_begin()
         first_step, position = self._resume_position
         self._resume_position = (0, 0)
-        self._batches = batches = data_lib.EpochBatches(dataset, steps_per_epoch, position)
+        # Workers that agree on the end of the data (end_of_data.py) all take each step.
+        known = fit_lib.num_batches(dataset) if self._end_of_data is None else None
+        self._batches = batches = data_lib.EpochBatches(
+            dataset, steps_per_epoch, position, passes, epochs_run.start, known
+        )
         logs = {}
         try:
-            for epoch in range(self.epochs_done, last_epoch):
-                self._reset_metrics()
+            for epoch in epochs_run:
                 callback_list.on_epoch_begin(epoch)
                 logs = self._run_epoch(batches, callback_list, write_back_each_step, first_step)
                 first_step = 0
-                if validation_data is not None:
-                    val_x, val_y = data_lib.unpack_validation(validation_data)
-                    # A dataset is already batched (as in Model.fit); batch_size is for arrays.
-                    val_batch = None if isinstance(val_x, tf.data.Dataset) else batch_size
-                    val_logs = self.evaluate(val_x, val_y, batch_size=val_batch)
+                if validation is not None and fit_lib.should_validate(epoch, validation_freq):
+                    val_logs = self._evaluate_dataset(validation, callback_list)
                     logs.update({f"val_{k}": v for k, v in val_logs.items()})
-                self.epochs_done = epoch + 1
-                self._step_in_epoch = 0
-                self._engine.write_back()
-                if self.config.checkpoint.dir:
-                    self._save_periodic()
+                self._end_epoch(epoch)
                 callback_list.on_epoch_end(epoch, logs)
                 if self.model.stop_training:
                     break
@@ -366,41 +385,17 @@ class EPLTrainer(CheckpointMixin):
             self._engine.load_from_model()  # e.g. EarlyStopping(restore_best_weights=True)
         return self.model.history
 
-    def _files_dataset(self, files, y, batch_size, parse_fn, file_format, steps_per_epoch):
-        """This worker's batches from input files (sliced across workers with io.slicing)."""
-        if parse_fn is None or y is not None:
-            raise ValueError(
-                "Training from files needs x = file names or a glob, y=None and a parse_fn "
-                f"mapping one record to (features, labels). Received: y={type(y).__name__}, "
-                f"parse_fn={parse_fn!r}, file_format={file_format!r}"
-            )
-        workers = self.cluster.worker_num
-        if workers > 1 and steps_per_epoch is None:
-            # A worker's share holds an unknown number of records: an epoch bounded by the
-            # data would let one worker stop while its peers wait in a collective.
-            raise ValueError(
-                "Training from files on several workers needs steps_per_epoch (each "
-                f"worker's files repeat). Received: steps_per_epoch=None, worker_num={workers}"
-            )
-        files = io_lib.expand_files(files)
-        if self.config.io.slicing:
-            files = io_lib.slice_files(
-                files,
-                worker_index=self.data_shard,
-                replicas_per_worker=self.engine_plan.lanes_per_data_shard(),
-                unbalanced_io_slicing=self.config.io.unbalanced_io_slicing,
-                drop_last_files=self.config.io.drop_last_files,
-            )
-        return io_lib.files_dataset(
-            files,
-            parse_fn,
-            data_lib.DEFAULT_BATCH_SIZE if batch_size is None else batch_size,
-            file_format=file_format or "tfrecord",
-            repeat=workers > 1,
-        )
+    def _end_epoch(self, epoch: int) -> None:
+        """The epoch is done: the Keras model gets the weights, checkpoint.dir a checkpoint."""
+        self.epochs_done = epoch + 1
+        self._step_in_epoch = 0
+        self._engine.write_back()
+        if self.config.checkpoint.dir:
+            self._save_periodic()
 
     def _run_epoch(self, batches, callback_list, write_back_each_step, first_step=0) -> dict:
         program = self._ensure_engine_for(batches.dataset)
+        self._reset_metrics()
         logs = {}
         chunk = {"last": -1, "end": 0, "ran": 0}  # the last call's step indices and iterations
 
@@ -454,71 +449,6 @@ class EPLTrainer(CheckpointMixin):
         with self._lost_worker_check("the epoch's metric sync"):
             metric_logs = self._logs()
         return {**metric_logs, **{k: v for k, v in logs.items() if k not in metric_logs}}
-
-    def evaluate(self, x, y=None, batch_size=None, steps=None) -> dict:
-        """Returns {"loss": ..., metric name: ...} over the data (every worker's share)."""
-        dataset = data_lib.as_dataset(
-            x,
-            y,
-            batch_size,
-            worker_index=self.data_shard,
-            worker_num=self.data_shards,
-        )
-        self._build_from_data(dataset, model_fn_lib.EVAL)
-        data_lib.check_element_spec(dataset.element_spec, self.model, with_labels=True)
-        self._reset_metrics()
-        if steps is not None:
-            dataset = dataset.take(steps)
-        batches = 0
-        iterator = iter(dataset)
-        element = next(iterator, None)  # builds the engine (a subclassed model needs a batch)
-        if element is not None:
-            features, labels = data_lib.split_element(element, with_labels=True)
-            size = int(tf.shape(tree.flatten(features)[0])[0])
-            program = self._ensure_engine(features)
-            with self._lost_worker_check("an evaluation step"):
-                program.eval_step(features, labels)
-            batches += 1
-            # The rest in the graph, EVAL_STEPS_PER_CALL batches per call.
-            ran = EVAL_STEPS_PER_CALL
-            while ran == EVAL_STEPS_PER_CALL:
-                with self._lost_worker_check("an evaluation step"):
-                    ran = int(program.eval_many_on_iterator(iterator, EVAL_STEPS_PER_CALL, size))
-                batches += ran
-        with self._lost_worker_check("the evaluation's metric sync"):
-            logs = self._logs()
-        if batches == 0 and self.cluster.worker_num == 1:
-            # Keras's Mean reports 0 for no samples: a silent, wrong "perfect" loss.
-            raise ValueError(
-                "evaluate received no data. Check the dataset, batch_size and steps. "
-                f"Received: steps={steps}"
-            )
-        return logs
-
-    def predict(self, x, batch_size=None):
-        """Model outputs for `x` (numpy, structured like the model's outputs)."""
-        dataset = data_lib.as_dataset(x, None, batch_size)
-        self._build_from_data(dataset, model_fn_lib.INFER)
-        data_lib.check_element_spec(dataset.element_spec, self.model, with_labels=False)
-        iterator = iter(dataset)
-        element = next(iterator, None)  # builds the engine (a subclassed model needs a batch)
-        if element is None:
-            raise ValueError("predict received no data.")
-        features, _ = data_lib.split_element(element, with_labels=False)
-        size = int(tf.shape(tree.flatten(features)[0])[0])
-        program = self._ensure_engine(features)
-        first = program.predict_step(features)
-        flat = [[np.asarray(t)] for t in tree.flatten(first)]
-        # The rest in the graph, EVAL_STEPS_PER_CALL batches per call.
-        ran = EVAL_STEPS_PER_CALL
-        while ran == EVAL_STEPS_PER_CALL:
-            outputs, ran = program.predict_many_on_iterator(
-                iterator, EVAL_STEPS_PER_CALL, size, tree.flatten(first)
-            )
-            ran = int(ran)
-            for pieces, output in zip(flat, outputs):
-                pieces.append(np.asarray(output))
-        return tree.pack_sequence_as(first, [np.concatenate(pieces) for pieces in flat])
 
     def memory_report(self, print_table: bool = True):
         """Bytes of parameters, gradients and optimizer state per device (engine state).

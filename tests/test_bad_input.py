@@ -368,7 +368,7 @@ CASES = [
         "dataset without labels",
         _fit(_xy_dataset(with_labels=False)),
         ValueError,
-        r"must yield \(features, labels\) pairs",
+        r"must yield \(features, labels\) pairs or \(features, labels, sample_weight\) triples",
     ),
     (
         "dataset feature width",
@@ -394,6 +394,46 @@ CASES = [
         lambda p: _trainer().fit(_xy_dataset()(), np.zeros(16), verbose=0),
         ValueError,
         r"When x is a tf\.data\.Dataset, y must be None",
+    ),
+    (
+        "dataset with sample_weight",
+        lambda p: _trainer().fit(_xy_dataset()(), sample_weight=np.ones(16), verbose=0),
+        ValueError,
+        r"When x is a tf\.data\.Dataset, sample_weight must be None",
+    ),
+    (
+        "per-output sample weights",
+        lambda p: _trainer().fit(*mlp_data(16), sample_weight=[np.ones(16)] * 2, verbose=0),
+        ValueError,
+        r"sample_weight must be one array of shape \(num_samples,\).*Received: a list of 2",
+    ),
+    (
+        "class_weight with sample_weight",
+        lambda p: _trainer().fit(
+            *mlp_data(16), class_weight={0: 2.0}, sample_weight=np.ones(16), verbose=0
+        ),
+        ValueError,
+        r"You cannot `class_weight` and `sample_weight` at the same time",
+    ),
+    (
+        "validation_split of a dataset",
+        lambda p: _trainer().fit(_xy_dataset()(), validation_split=0.5, verbose=0),
+        ValueError,
+        r"validation_split is only supported for NumPy arrays.*Received: x of type",
+    ),
+    (
+        "validation_freq not an int or list",
+        lambda p: _trainer().fit(
+            *mlp_data(16), validation_data=mlp_data(16), validation_freq="1", verbose=0
+        ),
+        ValueError,
+        r"Expected `validation_freq` to be a list or int\. Received: validation_freq='1'",
+    ),
+    (
+        "shuffle of an unknown kind",
+        lambda p: _trainer().fit(*mlp_data(16), shuffle="epoch", verbose=0),
+        ValueError,
+        r'shuffle must be True, False or "batch"\. Received: \'epoch\'',
     ),
     (
         "numpy lengths differ",

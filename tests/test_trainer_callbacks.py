@@ -121,6 +121,7 @@ def test_learning_rate_scheduler_reaches_every_replica():
         batch_size=16,
         epochs=3,
         steps_per_epoch=2,
+        shuffle=False,
         verbose=0,
         callbacks=[keras.callbacks.LearningRateScheduler(schedule)],
     )
@@ -145,7 +146,7 @@ def test_steps_per_epoch_follows_keras(steps, expected):
     )
     model = mlp()
     trainer = _trainer(model)
-    trainer.fit(x, y, batch_size=16, epochs=3, steps_per_epoch=steps, verbose=0)
+    trainer.fit(x, y, batch_size=16, epochs=3, steps_per_epoch=steps, shuffle=False, verbose=0)
     assert int(trainer.optimizer.iterations.numpy()) == expected
     assert int(reference.optimizer.iterations.numpy()) == expected
     assert max_weight_difference(reference, model) < 1e-5

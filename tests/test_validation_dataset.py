@@ -25,6 +25,8 @@ def test_fit_with_a_batch_size_validates_on_the_dataset_as_keras_does():
         metrics=["accuracy"],
         config={"cluster.virtual_devices": 2},
     )
-    history = trainer.fit(x, y, batch_size=16, epochs=1, verbose=0, validation_data=validation)
+    history = trainer.fit(
+        x, y, batch_size=16, epochs=1, shuffle=False, verbose=0, validation_data=validation
+    )
     assert history.history["val_loss"][0] == pytest.approx(expected["val_loss"][0], abs=1e-5)
     assert history.history["val_accuracy"][0] == pytest.approx(expected["val_accuracy"][0])
