@@ -10,6 +10,8 @@ from keras import tree
 # Not exported by keras.losses, but what Keras itself wraps loss functions with.
 from keras.src.losses.losses import LossFunctionWrapper
 
+from epl_trainer.core.engine.objective import compiled_loss_terms
+
 
 class CompiledLoss:
     """Sums one Keras loss per model output, with Keras's reduction semantics.
@@ -89,6 +91,11 @@ class CompiledLoss:
                 value = value * weight
             total = value if total is None else total + value
         return total
+
+    def terms(self, y_true, y_pred, sample_weight=None) -> list:
+        """Each output's weighted loss sum and Keras's divisor, kept apart so the step
+        divides once for the global batch (`core/engine/objective.py`)."""
+        return compiled_loss_terms(self, y_true, y_pred, sample_weight)
 
     @property
     def is_sparse_categorical(self) -> bool:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import re
 import time
 
 import keras
@@ -504,15 +503,12 @@ class EPLTrainer(CheckpointMixin, TrainingDataMixin, InferenceMixin):
 
 
 def _run_checked(step_fn, *args):
-    """Runs a step; the in-graph batch-split assertion becomes the ValueError it stands for."""
+    """Runs a step; AMP's in-graph minimum-scale assertion becomes the error it stands for."""
     try:
         return step_fn(*args)
     except tf.errors.InvalidArgumentError as e:
         if (error := engine.min_scale_error(e)) is not None:
             raise error from None
-        found = re.search(rf"\[({re.escape(engine.BATCH_SPLIT_ERROR)}.*?)\] \[(\d+)\]", e.message)
-        if found:
-            raise ValueError(found.group(1) + found.group(2)) from None
         raise
 
 

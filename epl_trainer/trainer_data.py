@@ -60,7 +60,14 @@ class TrainingDataMixin:
             return data_lib.as_dataset(x, y, batch_size, sample_weight=sample_weight), None
         if shuffle not in (True, False, "batch"):
             raise ValueError(f'shuffle must be True, False or "batch". Received: {shuffle!r}')
-        deal = dict(worker_index=self.data_shard, worker_num=self.data_shards, drop_remainder=True)
+        # A short last batch trains as Keras does (the engine fills it up with weight-0
+        # rows). With several input shards it would give one worker a batch of another
+        # shape than its peers', whose collectives would then not match: dropped there.
+        deal = dict(
+            worker_index=self.data_shard,
+            worker_num=self.data_shards,
+            drop_remainder=self.data_shards > 1,
+        )
         if not shuffle:
             return data_lib.as_dataset(x, y, batch_size, sample_weight=sample_weight, **deal), None
         seed = self._agreed_shuffle_seed()

@@ -17,7 +17,6 @@ from epl_trainer import fit_inputs
 
 ATOL = 1e-5
 CLASS_WEIGHT = {0: 1.0, 1: 2.5, 2: 0.5}
-ENGINE_SAMPLE_WEIGHTS = pytest.mark.xfail(reason="engine sample weights", strict=False)
 
 
 def _trainer(model=None, metrics=None):
@@ -159,7 +158,6 @@ def test_validation_freq_steps_and_batch_size_as_keras(freq):
         _trainer().fit(x, y, validation_data=(x, y), validation_freq="2", verbose=0)
 
 
-@ENGINE_SAMPLE_WEIGHTS
 def test_validation_data_with_sample_weights_as_keras():
     x, y = mlp_data()
     validation = (x[:32], y[:32], _weights(32))
@@ -269,7 +267,6 @@ def test_reshuffled_passes_deal_every_sample_once_to_the_workers():
 # ---- sample and class weights ------------------------------------------------------------
 
 
-@ENGINE_SAMPLE_WEIGHTS
 def test_sample_weight_trains_as_keras():
     x, y = mlp_data()
     weights = _weights()
@@ -285,7 +282,6 @@ def test_sample_weight_trains_as_keras():
     assert max_weight_difference(model, keras_model) < ATOL
 
 
-@ENGINE_SAMPLE_WEIGHTS
 @pytest.mark.parametrize("as_dataset", [False, True])
 def test_class_weight_trains_as_keras(as_dataset):
     x, y = mlp_data()
@@ -307,7 +303,6 @@ def test_class_weight_trains_as_keras(as_dataset):
     assert max_weight_difference(model, keras_model) < ATOL
 
 
-@ENGINE_SAMPLE_WEIGHTS
 def test_dataset_of_x_y_sample_weight_trains_and_evaluates_as_keras():
     x, y = mlp_data()
     dataset = tf.data.Dataset.from_tensor_slices((x, y, _weights().astype("float64"))).batch(16)
@@ -322,7 +317,6 @@ def test_dataset_of_x_y_sample_weight_trains_and_evaluates_as_keras():
     assert trainer.evaluate(dataset, verbose=0, return_dict=False) == pytest.approx(want, abs=ATOL)
 
 
-@ENGINE_SAMPLE_WEIGHTS
 def test_evaluate_sample_weight_as_keras():
     x, y = mlp_data()
     weights = _weights()

@@ -135,7 +135,8 @@ def float32_outputs(outputs):
     (`_keras_logits`), which then compute from logits, stably; a plain cast would drop
     them. They are carried over, cast to float32, so the loss runs from float32 logits
     — as TensorFlow's automatic mixed precision (which EPL's AMP is built on) keeps
-    softmax cross-entropy in float32. A no-op on float32 tensors.
+    softmax cross-entropy in float32. A Keras mask (`_keras_mask`, e.g. from
+    `Embedding(mask_zero=True)`) is carried over too. A no-op on float32 tensors.
     """
 
     def cast(x):
@@ -143,11 +144,14 @@ def float32_outputs(outputs):
             return x
         y = tf.cast(x, tf.float32)
         logits = getattr(x, "_keras_logits", None)
-        if logits is not None:
-            try:
+        mask = getattr(x, "_keras_mask", None)  # a padding mask the loss divides by
+        try:
+            if logits is not None:
                 y._keras_logits = tf.cast(logits, tf.float32)
-            except AttributeError:  # an eager tensor may refuse new attributes
-                pass
+            if mask is not None:
+                y._keras_mask = mask
+        except AttributeError:  # an eager tensor may refuse new attributes
+            pass
         return y
 
     return tree.map_structure(cast, outputs)

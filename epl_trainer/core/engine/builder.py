@@ -161,6 +161,7 @@ def build_engine(
         sparse_gradients=not config.communication.sparse_as_dense,
         step_counter=step_counter,
         embedding_tables=tables,
+        data_shards=engine_plan.data_shards[0],
     )
     if config.amp.level:
         finite.apply_amp(hooks, layout, config.amp)

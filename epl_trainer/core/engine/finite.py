@@ -78,11 +78,14 @@ def apply_nonfinite_guard(hooks: StepHooks, layout: StepLayout, skip_metrics: bo
     if skip_metrics:
         update_metrics = hooks.update_metrics
 
-        def update_finite_metrics(labels, y_pred, loss) -> None:
+        def update_finite_metrics(labels, y_pred, loss, *weighing) -> None:
             def update():
-                update_metrics(labels, y_pred, loss)
+                update_metrics(labels, y_pred, loss, *weighing)
                 return tf.constant(True)
 
+            if loss is None:  # reported once for the step (objective.py's data divisor)
+                update()
+                return
             with tf.device(layout.host):
                 finite = tf.reduce_all(tf.math.is_finite(loss))
             tf.cond(finite, update, lambda: tf.constant(False))

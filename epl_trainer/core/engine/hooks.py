@@ -64,11 +64,15 @@ class StepHooks:
         non_trainable, args, training) -> (outputs, new non-trainable, aux losses)`
         (a plain stateless call, recomputed segments, or split layers on shards).
       eval_stage_calls: per stage, the forward of evaluate / predict (never recomputed).
-      loss_fn: `(labels, y_pred) -> scalar` for one micro-batch.
+      loss_fn: the loss of one micro-batch: `(labels, y_pred, sample_weight) -> scalar`,
+        and `.terms(labels, y_pred, sample_weight) -> [objective.LossTerm]`, each
+        output's weighted sum and divisor, which the step divides once for the global
+        batch (objective.py).
       update: `(lane_grads) -> None`: reduces and applies the gradients (the update
         pass: replicated, ZeRO, wrapped by the finiteness check).
-      update_metrics: `(labels, y_pred, loss) -> None` for one micro-batch's running
-        metrics; the non-finite guard filters it.
+      update_metrics: `(labels, y_pred, loss, mask, rows) -> None` for one
+        micro-batch's running metrics (`mask`: real rows, `rows`: their count); the
+        non-finite guard filters it.
       lanes: the lane hooks (`ReplicatedLanes`, or split's `SplitLanes`).
       output_cast: applied to outputs and auxiliary losses before the loss and metrics
         (AMP: float32).
@@ -84,6 +88,9 @@ class StepHooks:
       micro_batch_loop: whether a lane of one stage may run its micro-batches as a loop
         in the graph (program.py); False when a pass emits collectives per micro-batch
         inside the forward (split layers).
+      fixed_batch_shape: whether a shorter batch must be filled up to the widest one
+        seen (split layers: their collectives gather activations, and TF fixes a
+        collective's shape by its key, which one trace reuses).
     """
 
     stage_calls: list
@@ -99,3 +106,4 @@ class StepHooks:
     gradient_sink: object = None
     gather_per_segment: set = dataclasses.field(default_factory=set)
     micro_batch_loop: bool = True
+    fixed_batch_shape: bool = False

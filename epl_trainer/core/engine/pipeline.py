@@ -15,7 +15,9 @@ import dataclasses
 import typing
 
 import tensorflow as tf
+from keras import tree
 
+from epl_trainer.core.engine import objective as objective_lib
 from epl_trainer.core.engine.zero_params import SegmentGathers
 from epl_trainer.core.graph.partition import StagedModel
 from epl_trainer.core.plan.schedule import FORWARD, Task
@@ -36,12 +38,37 @@ class _StageRun:
     positions: list | None = None
 
 
+class MicroBatchInput(typing.NamedTuple):
+    """One micro-batch of the step's batch (program.py's `StepBatch`).
+
+    Attributes:
+      weights: per-row loss weights (the data's sample weights, 0 on rows added to fill
+        the batch), or None: all 1.
+      mask: 1 on real rows, 0 on added ones, or None: all real.
+      rows: real rows (int32), or None: all.
+    """
+
+    features: typing.Any
+    labels: typing.Any
+    weights: tf.Tensor | None
+    mask: tf.Tensor | None
+    rows: tf.Tensor | None
+
+
 @dataclasses.dataclass
 class MicroBatch:
     """The tensors of one micro-batch while it moves through the stages."""
 
     values: dict  # tensor key -> tensor: model inputs and stage outputs
     labels: object
+    weights: tf.Tensor | None = None  # as MicroBatchInput's
+    mask: tf.Tensor | None = None
+    rows: tf.Tensor | None = None
+    # A loss divisor known only from the data (objective.py): [divisor, weighted loss
+    # sum] of this micro-batch, and the global divisor its objective assumed. Its loss is
+    # then reported once per step (program.py), not per micro-batch (`loss` is None).
+    data_share: tf.Tensor | None = None
+    data_estimate: tf.Tensor | None = None
     runs: dict = dataclasses.field(default_factory=dict)  # stage -> _StageRun
     upstream: dict = dataclasses.field(default_factory=dict)  # key -> gradient of the loss
     loss: tf.Tensor | None = None  # reported: the loss plus every stage's auxiliary losses
@@ -101,24 +128,30 @@ class LaneExecutor:
         self.embedding_tables = embedding_tables
         self.num_stages = len(staged.stages)
 
-    def run(self, feature_parts, label_parts, non_trainable: list, task_scope=None):
+    def run(self, parts: list, non_trainable: list, rows, task_scope=None):
         """Emits every task of the schedule for this lane.
+
+        Args:
+          parts: the lane's `MicroBatchInput`s.
+          rows: the step's `objective.StepRows` (what the loss is divided by).
 
         Returns:
           (gradients summed over micro-batches, one per trainable variable on its stage
           device; the updated non-trainable values; the micro-batches, for metrics).
         """
-        return run_to_end(self.steps(feature_parts, label_parts, non_trainable, task_scope))
+        return run_to_end(self.steps(parts, non_trainable, rows, task_scope))
 
-    def steps(self, feature_parts, label_parts, non_trainable: list, task_scope=None):
+    def _micro_batch(self, part: MicroBatchInput) -> MicroBatch:
+        values = dict(zip(self.staged.input_keys, self.staged.flatten_inputs(part.features)))
+        return MicroBatch(values, part.labels, part.weights, part.mask, part.rows)
+
+    def steps(self, parts: list, non_trainable: list, rows, task_scope=None):
         """`run` one task at a time: a generator that yields (stage, task) after emitting
         each task of the schedule and returns what `run` returns. The program can then
         walk all lanes in lockstep and `send` back tensors the stage's next task must
         wait for (ZeRO v1: the reduce-scatter of the micro-batch's gradients)."""
-        micro_batches = [
-            MicroBatch(dict(zip(self.staged.input_keys, self.staged.flatten_inputs(f))), y)
-            for f, y in zip(feature_parts, label_parts)
-        ]
+        self.rows = rows
+        micro_batches = [self._micro_batch(part) for part in parts]
         non_trainable = list(non_trainable)
         # Per stage, its variables' values, read once per step and shared by its
         # micro-batches (ZeRO v2: the gather of the stage's parameters).
@@ -148,7 +181,7 @@ class LaneExecutor:
                 previous[stage] = list(previous[stage]) + list(wait_for)
         return grads, non_trainable, micro_batches
 
-    def run_in_loop(self, feature_parts, label_parts, non_trainable: list, task_scope=None):
+    def run_in_loop(self, parts: list, non_trainable: list, rows, task_scope=None):
         """`run` for a lane of one stage, its micro-batches as a loop in the graph.
 
         One stage's schedule is F0 B0 F1 B1 ...: each iteration runs one micro-batch's
@@ -165,10 +198,11 @@ class LaneExecutor:
 
         Returns:
           (gradients summed over micro-batches, the updated non-trainable values, the
-          last micro-batch, whose loss and metrics the caller updates).
+          last micro-batch, whose loss and metrics the caller updates; its
+          `data_share` then covers every micro-batch of the lane).
         """
-        stacked_features = tf.nest.map_structure(lambda *xs: tf.stack(xs), *feature_parts)
-        stacked_labels = tf.nest.map_structure(lambda *xs: tf.stack(xs), *label_parts)
+        self.rows = rows
+        stacked = tf.nest.map_structure(lambda *xs: None if xs[0] is None else tf.stack(xs), *parts)
         self._read_values = {}
         owned = self.trainable_idx[0]
         sparse = [i for i in owned if self.sparse_gradients and i in self.embedding_tables]
@@ -181,35 +215,38 @@ class LaneExecutor:
         name = f"{task_scope or 'lane'}_stage0"
 
         def micro_batch(step, state: list, grads: list) -> MicroBatch:
-            features = tf.nest.map_structure(lambda x: x[step], stacked_features)
-            labels = tf.nest.map_structure(lambda x: x[step], stacked_labels)
-            keys, inputs = self.staged.input_keys, self.staged.flatten_inputs(features)
-            mb = MicroBatch(dict(zip(keys, inputs)), labels)
+            part = tf.nest.map_structure(lambda x: None if x is None else x[step], stacked)
+            mb = self._micro_batch(part)
             with tf.name_scope(name + "_F"):
                 self._forward(0, mb, state)
             with tf.name_scope(name + "_B"):
                 self._backward(0, mb, grads)
             return mb
 
-        def body(step, sums, rows, carried_values):
+        def body(step, sums, row_arrays, carried_values, data_share):
             state = list(non_trainable)
             for index, value in zip(carried, carried_values):
                 state[index] = value
             grads: list = [None] * len(self.variables)
             mb = micro_batch(step, state, grads)
-            self.hooks.update_metrics(mb.labels, mb.y_pred, mb.loss)
+            self.hooks.update_metrics(mb.labels, mb.y_pred, mb.loss, mb.mask, mb.rows)
             with tf.device(self.devices[0]):
                 sums = [total + tf.convert_to_tensor(grads[i]) for total, i in zip(sums, dense)]
-                rows = [r.write(step, grads[i]) for r, i in zip(rows, sparse)]
-            return step + 1, sums, rows, [state[index] for index in carried]
+                row_arrays = [r.write(step, grads[i]) for r, i in zip(row_arrays, sparse)]
+                if mb.data_share is not None:
+                    data_share += mb.data_share
+            return step + 1, sums, row_arrays, [state[index] for index in carried], data_share
 
         last = self.num_micro_batch - 1
-        _, sums, rows, carried_values = tf.while_loop(
+        with tf.device(self.devices[0]):
+            no_share = tf.zeros([2])
+        _, sums, row_arrays, carried_values, looped_share = tf.while_loop(
             lambda step, *_: step < last,
             body,
-            (tf.constant(0), sums, rows, [non_trainable[index] for index in carried]),
+            (tf.constant(0), sums, rows, [non_trainable[index] for index in carried], no_share),
             parallel_iterations=1,  # one micro-batch's activations alive at a time
         )
+        rows = row_arrays
         grads: list = [None] * len(self.variables)
         for i, total in zip(dense, sums):
             grads[i] = total
@@ -220,6 +257,9 @@ class LaneExecutor:
         for index, value in zip(carried, carried_values):
             non_trainable[index] = value
         mb = micro_batch(tf.constant(last), non_trainable, grads)  # accumulates into grads
+        if mb.data_share is not None:
+            with tf.device(self.devices[0]):
+                mb.data_share = looped_share + mb.data_share
         return grads, non_trainable, mb
 
     def _forward(self, k: int, mb: MicroBatch, non_trainable: list) -> list:
@@ -255,23 +295,21 @@ class LaneExecutor:
                 results = staged.stage_results(stage, outputs)
                 aux = self.hooks.output_cast(list(aux))
                 objective = tf.add_n(aux) if aux else None
+                if objective is not None:
+                    if not last:
+                        mb.earlier_aux.append(objective)
+                    # Auxiliary losses count once per batch, as in Keras: their mean over
+                    # the micro-batches (and, by the reduction, the lanes).
+                    objective = tf.cast(objective, tf.float32) * (1.0 / self.num_micro_batch)
                 if last:
                     table = {**mb.values, **results}
                     mb.y_pred = self.hooks.output_cast(
                         staged.pack_outputs([table[key] for key in staged.output_keys])
                     )
-                    loss = self.hooks.loss_fn(mb.labels, mb.y_pred)
+                    loss, mb.loss = self._loss(mb, aux)
                     objective = loss if objective is None else loss + objective
-                    # Earlier stages trained on their own auxiliary losses; the reported
-                    # loss includes them too (tf.stop_gradient: not differentiated twice).
-                    reported = [tf.stop_gradient(a) for a in mb.earlier_aux]
-                    mb.loss = tf.add_n([objective, *reported]) if reported else objective
-                elif objective is not None:
-                    mb.earlier_aux.append(objective)
-                if objective is not None:
-                    objective = tf.cast(objective, tf.float32) * (1.0 / self.num_micro_batch)
-                    if self.hooks.loss_scale is not None:  # AMP: scaled so fp16 grads survive
-                        objective = objective * self.hooks.loss_scale()
+                if objective is not None and self.hooks.loss_scale is not None:
+                    objective = objective * self.hooks.loss_scale()  # AMP: fp16 grads survive
         for i, value in zip(nt_idx, new_nt):
             non_trainable[i] = value
         mb.values.update(results)
@@ -284,6 +322,38 @@ class LaneExecutor:
         mb.runs[k] = _StageRun(tape, variables, input_keys, inputs, results, objective, positions)
         markers = list(_flat_tensors(results)) + ([objective] if objective is not None else [])
         return markers
+
+    def _loss(self, mb: MicroBatch, aux: list):
+        """The micro-batch's share of the global batch's loss (differentiated), and its
+        reported loss per real row (objective.py)."""
+        terms = self.hooks.loss_fn.terms(mb.labels, mb.y_pred, mb.weights)
+        padded = tf.shape(tree.flatten(mb.labels)[0])[0]
+        data = [term for term in terms if term.kind == objective_lib.DATA]
+        if data and not self.rows.single:
+            if len(terms) > 1 or aux or mb.earlier_aux:
+                raise ValueError(
+                    "A loss divided by the data (a mask on the predictions, or reduction="
+                    "'mean_with_sample_weight') is exact over micro-batches and replicas "
+                    "only as the model's one loss, without auxiliary losses (add_loss, "
+                    "regularizers): its divisor is known after every forward, and the "
+                    "gradients are corrected by one factor. Train one micro-batch on one "
+                    "device, or weight the rows by sample_weight instead of a mask. "
+                    f"Received: {len(terms)} output losses, "
+                    f"{len(aux) + len(mb.earlier_aux)} auxiliary losses"
+                )
+            mb.data_share = tf.stack([tf.cast(data[0].divisor, tf.float32),
+                                      tf.cast(data[0].total, tf.float32)])  # fmt: skip
+            mb.data_estimate = objective_lib.data_estimate(terms, padded, self.rows)
+            return objective_lib.micro_batch_objective(terms, padded, self.rows), None
+        loss = objective_lib.micro_batch_objective(terms, padded, self.rows)
+        reported = objective_lib.micro_batch_report(
+            terms, padded, padded if mb.rows is None else mb.rows, self.rows
+        )
+        # Every stage's auxiliary losses are part of the reported loss (earlier stages'
+        # with tf.stop_gradient: they are differentiated where they were computed).
+        extra = [tf.cast(a, tf.float32) for a in aux]
+        extra += [tf.stop_gradient(tf.cast(a, tf.float32)) for a in mb.earlier_aux]
+        return loss, tf.add_n([reported, *extra]) if extra else reported
 
     def _stage_values(self, k: int) -> list:
         if k not in self._read_values:

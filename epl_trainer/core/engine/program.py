@@ -21,16 +21,18 @@ builder.py), never flags tested inside the step.
 
 from __future__ import annotations
 
-import keras
 import tensorflow as tf
 from keras import tree
 
 from epl_trainer.core import comm
+from epl_trainer.core.engine import objective
 from epl_trainer.core.engine.boundaries import Boundaries, LaneBoundaries
 from epl_trainer.core.engine.hooks import StepHooks
 from epl_trainer.core.engine.layout import StepLayout
 from epl_trainer.core.engine.pipeline import LaneExecutor, run_to_end
+from epl_trainer.core.engine.reduce import scaled
 from epl_trainer.core.engine.state import EngineState
+from epl_trainer.core.engine.step_batch import StepBatch, pad_batch, split_batch, unpack_element
 from epl_trainer.core.plan.schedule import FORWARD, execution_order, make_schedule
 
 
@@ -48,6 +50,8 @@ class Program:
         (`communication.sparse_as_dense=False`).
       embedding_tables: model-order indices of the Embedding tables.
       step_counter: the optimizer's `iterations`, advanced once per step.
+      data_shards: workers that read different batches (the global batch is this many
+        worker batches: the loss's divisor counts all of them, objective.py).
     """
 
     def __init__(
@@ -61,8 +65,10 @@ class Program:
         sparse_gradients: bool,
         step_counter=None,
         embedding_tables: frozenset = frozenset(),
+        data_shards: int = 1,
     ):
         self.layout = layout
+        self.data_shards = data_shards
         self.hooks = hooks
         self.metrics = metrics
         self.loss_tracker = loss_tracker
@@ -70,6 +76,10 @@ class Program:
         self.step_counter = step_counter
         if hooks.update_metrics is None:
             hooks.update_metrics = self.update_metrics
+        self._widest_batch = None
+        if hooks.fixed_batch_shape:
+            with tf.init_scope(), tf.device(layout.host):
+                self._widest_batch = tf.Variable(0, dtype=tf.int32, trainable=False)
         # One stage's schedule (F0 B0 F1 B1 ...) runs as a loop over micro-batches in the
         # graph, so tracing does not grow with them; a pipeline's tasks keep activations
         # from one micro-batch's forward to its backward several tasks later, which a tape
@@ -153,12 +163,10 @@ class Program:
     # ---- the training step -------------------------------------------------------------
 
     def _train_on_iterator(self, iterator):
-        features, labels = split_element(next(iterator))
-        return self._train_step(features, labels)
+        return self._train_step(*unpack_element(next(iterator)))
 
     def _train_on_element(self, element):
-        features, labels = split_element(element)
-        return self._train_step(features, labels)
+        return self._train_step(*unpack_element(element))
 
     def train_many_on_iterator(self, iterator, steps: int):
         """`_train_many_on_iterator` compiled once for every step count: the count goes in
@@ -177,8 +185,7 @@ class Program:
             element = iterator.get_next_as_optional()
             if not element.has_value():
                 break
-            features, labels = split_element(element.get_value())
-            logs = self._train_step(features, labels)
+            logs = self._train_step(*unpack_element(element.get_value()))
             batch = logs[BATCH_SIZE_KEY]
             ran += 1
         with tf.device(self.layout.host):
@@ -188,39 +195,88 @@ class Program:
     # autograph does not convert them, nor the engine and Keras code they call; only the
     # loops over several steps or batches below are converted.
     @tf.autograph.experimental.do_not_convert
-    def _train_step(self, features, labels):
+    def _train_step(self, features, labels, sample_weight=None):
         layout, hooks = self.layout, self.hooks
         num_lanes, num_micro = len(layout.lanes), self.num_micro_batch
-        batch = self._checked_batch_size(features, num_lanes * num_micro)
-        with tf.device(layout.host), tf.control_dependencies([batch]):  # check, then split
-            feature_parts = split_batch(features, num_lanes * num_micro)
-            label_parts = split_batch(labels, num_lanes * num_micro)
+        with tf.device(layout.host):
+            batch = StepBatch.split(
+                features, labels, sample_weight, num_lanes, num_micro, self._widest_batch
+            )
+            rows = objective.StepRows(
+                real_rows=tf.cast(batch.rows, tf.float32),
+                lanes=num_lanes * self.data_shards,
+                local_lanes=num_lanes,
+                data_shards=self.data_shards,
+                single=num_lanes * num_micro * self.data_shards == 1,
+            )
         lane_grads, lane_non_trainable = [], []
         hooks.lanes.begin_trace()
         inputs = [
             (
-                feature_parts[li * num_micro : (li + 1) * num_micro],
-                label_parts[li * num_micro : (li + 1) * num_micro],
+                batch.lane_parts(li, num_micro),
                 [None if v is None else v.value for v in layout.state.non_trainable[li]],
+                rows,
             )
             for li in range(num_lanes)
         ]
         results = self._emit_lanes(inputs)
+        data_shares = []
         for li, (grads, non_trainable, micro_batches) in enumerate(results):
             with hooks.lanes.lane(li):
                 for mb in micro_batches:
-                    if mb.loss is not None:  # the loss lives where the last stage runs
-                        hooks.update_metrics(mb.labels, mb.y_pred, mb.loss)
+                    if mb.y_pred is not None:  # the loss lives where the last stage runs
+                        hooks.update_metrics(mb.labels, mb.y_pred, mb.loss, mb.mask, mb.rows)
+                    if mb.data_share is not None:
+                        data_shares.append((li, mb.data_share, mb.data_estimate))
             lane_grads.append(grads)
             lane_non_trainable.append(non_trainable)
+        if data_shares:
+            lane_grads = self._correct_data_divisor(lane_grads, data_shares, batch.rows)
         hooks.update(lane_grads)
         self._store_non_trainable(lane_non_trainable)
         # Depend on the data itself (a static batch size folds into a constant), so a
         # step whose input ran out increments nothing.
-        with tf.device(layout.host), tf.control_dependencies([batch, tree.flatten(features)[0]]):
+        with tf.device(layout.host), tf.control_dependencies([tree.flatten(features)[0]]):
             if self.step_counter is not None:
                 self.step_counter.assign_add(1)
-            return {**self._metric_results(), BATCH_SIZE_KEY: batch}
+            return {**self._metric_results(), BATCH_SIZE_KEY: tf.identity(batch.rows)}
+
+    def _correct_data_divisor(self, lane_grads: list[list], data_shares: list, rows):
+        """Multiplies the gradients by (the global divisor they were scaled by) / (the true
+        one) when the loss's divisor depends on the data (a mask, or
+        "mean_with_sample_weight"; objective.py), and reports the step's loss (the
+        global weighted sum / the global divisor): one all-reduce of four scalars over
+        every lane of the job (divisor, loss sum, estimate, count)."""
+        layout, hooks = self.layout, self.hooks
+        everyone = layout.everyone
+        by_lane: dict[int, list] = {}
+        for li, share, estimate in data_shares:
+            by_lane.setdefault(li, []).append((share, estimate))
+        # `everyone` has one member per local lane (its first stage), or, when lanes span
+        # workers, one per local stage of each lane: the last stage's member contributes.
+        last = layout.num_stages - 1
+        if layout.spans_workers:
+            roles = [(li, k == last) for k in range(layout.num_stages)
+                     for li in layout.stage_lanes[k]]  # fmt: skip
+        else:
+            roles = [(li, True) for li in layout.stage_lanes[0]]
+        members = []
+        for device, (li, contributes) in zip(everyone.local_devices, roles):
+            with tf.device(device):
+                if contributes and li in by_lane:
+                    share = tf.add_n([s for s, _ in by_lane[li]])
+                    estimate = tf.cast(by_lane[li][0][1], tf.float32)
+                    members.append(tf.concat([share, [estimate, 1.0]], axis=0))
+                else:
+                    members.append(tf.zeros([4]))
+        total = everyone.all_reduce(members, "sum")[0]
+        with tf.device(layout.host):
+            divisor, loss_sum, estimate, count = tf.unstack(total)
+            factor = tf.math.divide_no_nan(estimate / tf.maximum(count, 1.0), divisor)
+            self.loss_tracker.update_state(tf.math.divide_no_nan(loss_sum, divisor), rows)
+        if hooks.gradient_sink is not None:  # reduced per micro-batch: corrected after it
+            hooks.gradient_sink.correction = factor
+        return [[None if g is None else scaled(g, factor) for g in grads] for grads in lane_grads]
 
     def _lane_runs(self, inputs) -> list:
         return [
@@ -274,28 +330,6 @@ class Program:
                 sent = [flushed.get(li) for li in range(len(runs))]
         return results
 
-    def _checked_batch_size(self, features, parts: int):
-        """The batch size, checked to split into lanes x micro-batches.
-
-        A static batch dimension is checked while tracing (a ValueError); a dynamic one
-        by an in-graph assertion whose message starts with BATCH_SPLIT_ERROR.
-        """
-        first = tree.flatten(features)[0]
-        static = first.shape[0]
-        terms = f"local_replicas={len(self.lanes)}, num_micro_batch={self.num_micro_batch}"
-        if static is not None and static % parts:
-            raise ValueError(f"{BATCH_SPLIT_ERROR} Received: batch_size={static}, {terms}")
-        with tf.device(self.layout.host):
-            batch = tf.shape(first)[0]
-            if static is None:
-                check = tf.debugging.Assert(
-                    tf.equal(batch % parts, 0),
-                    [f"{BATCH_SPLIT_ERROR} Received: {terms}, batch_size=", batch],
-                )
-                with tf.control_dependencies([check]):
-                    batch = tf.identity(batch)
-        return batch
-
     def _metric_results(self) -> dict:
         """Running metric values, computed in the step so one call returns the logs."""
         with tf.device(self.layout.host):
@@ -325,16 +359,24 @@ class Program:
                     assigned.add(id(variable))
                     variable.assign(value)
 
-    def update_metrics(self, labels, y_pred, loss) -> None:
-        """The default `update_metrics` hook: one micro-batch's loss and metrics."""
+    def update_metrics(self, labels, y_pred, loss, mask=None, rows=None) -> None:
+        """The default `update_metrics` hook: one micro-batch's loss and metrics.
+
+        Args:
+          loss: the micro-batch's reported loss, per real row (objective.py).
+          mask: 1 on real rows, 0 on rows added to fill the batch (None: all real). As in
+            Keras, metrics get no sample weights of the data (`weighted_metrics` would).
+          rows: real rows of the micro-batch (None: all of them).
+        """
         with tf.device(self.layout.host):
             first = tree.flatten(labels)[0]
             # A static batch size is a constant: tie it to the data, so a step whose input
             # ran out does not count its samples.
             with tf.control_dependencies([first]):
-                batch = tf.identity(tf.shape(first)[0])
-            self.loss_tracker.update_state(loss, sample_weight=batch)
-            self._update_output_metrics(labels, y_pred, None)
+                batch = tf.identity(tf.shape(first)[0] if rows is None else rows)
+            if loss is not None:  # None: reported once for the step (a data divisor)
+                self.loss_tracker.update_state(loss, sample_weight=batch)
+            self._update_output_metrics(labels, y_pred, mask)
 
     def _update_output_metrics(self, labels, y_pred, sample_weight) -> None:
         flat_true, flat_pred = tree.flatten(labels), tree.flatten(y_pred)
@@ -400,28 +442,30 @@ class Program:
         return hooks.output_cast(outputs[0]), hooks.output_cast(aux_total)
 
     @tf.autograph.experimental.do_not_convert
-    def _eval_step(self, features, labels, pad_to: int = 0):
+    def _eval_step(self, features, labels, sample_weight=None, pad_to: int = 0):
         layout, hooks = self.layout, self.hooks
         num_lanes = len(layout.lanes)
         with tf.device(layout.host):
-            features, labels, mask = pad_batch(
-                (features, labels), num_lanes * self._eval_pieces, minimum=pad_to
-            )
-            parts = split_batch((features, labels, mask), num_lanes)
+            real_rows = tf.cast(tf.shape(tree.flatten(features)[0])[0], tf.float32)
+            structures = (features, labels) if sample_weight is None else (
+                features, labels, tf.cast(sample_weight, tf.float32))  # fmt: skip
+            *padded, mask = pad_batch(structures, num_lanes * self._eval_pieces, minimum=pad_to)
+            parts = split_batch((*padded, mask), num_lanes)
+            if sample_weight is None:
+                parts = [(f, y, None, w) for f, y, w in parts]
+            rows = objective.StepRows(real_rows, num_lanes * self.data_shards, num_lanes,
+                                      self.data_shards, single=False)  # fmt: skip
         hooks.lanes.begin_trace()
-        for li, (f, y, w) in enumerate(parts):
+        for li, (f, y, sw, w) in enumerate(parts):
             with hooks.lanes.lane(li):
                 y_pred, aux = self._forward(li, f)
                 if y_pred is None:  # the loss and metrics are computed where y_pred is
                     continue
                 with tf.device(layout.lanes[li].devices[-1]):
                     count = tf.reduce_sum(w)
-                    # Keras reduces by the (padded) part size; undo that to average valid rows.
-                    loss = (
-                        hooks.loss_fn(y, y_pred, sample_weight=w)
-                        * tf.cast(tf.shape(w)[0], w.dtype)
-                        / tf.maximum(count, 1.0)
-                    )
+                    weights = w if sw is None else sw
+                    terms = hooks.loss_fn.terms(y, y_pred, weights)
+                    loss = objective.micro_batch_report(terms, tf.shape(w)[0], count, rows)
                     if aux:
                         loss = loss + tf.add_n(aux)
                 with tf.device(layout.host):
@@ -442,8 +486,7 @@ class Program:
             element = iterator.get_next_as_optional()
             if not element.has_value():
                 break
-            features, labels = split_element(element.get_value())
-            self._eval_step(features, labels, pad_to=batch_size)
+            self._eval_step(*unpack_element(element.get_value()), pad_to=batch_size)
             ran += 1
         return ran
 
@@ -495,37 +538,3 @@ class Program:
 
 BATCH_SIZE_KEY = "_batch_size"
 STEPS_KEY = "_steps"  # steps run by one call of train_many_on_iterator
-BATCH_SPLIT_ERROR = "The per-worker batch must split evenly into local replicas x micro-batches."
-
-
-def split_element(element):
-    """(features, labels) from a training dataset element, checked while tracing."""
-    if not isinstance(element, tuple) or len(element) != 2:
-        raise ValueError(
-            "Training and evaluation datasets must yield (features, labels) pairs. Received "
-            f"an element with structure {tree.map_structure(lambda x: x.shape, element)}"
-        )
-    return element
-
-
-def split_batch(structure, parts: int) -> list:
-    """Splits every tensor of a nested structure into `parts` equal slices on axis 0."""
-    if parts == 1:
-        return [structure]
-    flat = tree.flatten(structure)
-    sliced = [tf.split(x, parts, axis=0) for x in flat]
-    return [tree.pack_sequence_as(structure, [s[p] for s in sliced]) for p in range(parts)]
-
-
-def pad_batch(structures: tuple, multiple: int, minimum: int = 0):
-    """Pads axis 0 to a multiple of `multiple`, and to at least `minimum` rows; returns the
-    padded structures and a mask of the real rows."""
-    flat = tree.flatten(structures)
-    batch = tf.shape(flat[0])[0]
-    target = tf.maximum(batch, minimum)
-    pad = target - batch + (multiple - target % multiple) % multiple
-    padded = tree.map_structure(
-        lambda x: tf.pad(x, [[0, pad]] + [[0, 0]] * (len(x.shape) - 1)), structures
-    )
-    mask = tf.cast(tf.sequence_mask(batch, batch + pad), keras.backend.floatx())
-    return (*padded, mask)

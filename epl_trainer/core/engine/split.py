@@ -39,6 +39,7 @@ from keras import tree
 from keras.src.backend.common.stateless_scope import StatelessScope
 
 from epl_trainer.core import comm
+from epl_trainer.core.engine import objective
 from epl_trainer.core.plan.ir import SplitError
 
 
@@ -466,29 +467,37 @@ class SplitLoss:
         self.sparse = sparse_outputs(self.losses, runtime.layers)
 
     def __call__(self, y_true, y_pred, sample_weight=None):
+        """The micro-batch's loss (Keras's value on this lane's rows)."""
+        terms = self.terms(y_true, y_pred, sample_weight)
+        return tf.add_n([term.total / term.divisor for term in terms])
+
+    def terms(self, y_true, y_pred, sample_weight=None) -> list[objective.LossTerm]:
+        """Each output's weighted loss sum and divisor (objective.py); a split output's
+        is the sharded cross-entropy's sum over this lane's rows."""
         flat_true, flat_pred = tree.flatten(y_true), tree.flatten(y_pred)
         lane_comm = self.runtime.active
-        total = None
+        terms = []
         for index, (loss, t, p) in enumerate(zip(self.losses, flat_true, flat_pred)):
-            if index in self.sparse:
-                with tf.device(lane_comm.device):
-                    labels = (
-                        lane_comm.gather_rows(tf.reshape(t, [-1]))
-                        if self.sparse[index]
-                        else gather_dense_labels(t, lane_comm)
-                    )
-                    weights = (
-                        None
-                        if sample_weight is None
-                        else lane_comm.gather_rows(tf.cast(sample_weight, tf.float32))
-                    )
-                    value = sharded_cross_entropy(p, labels, lane_comm, self.sparse[index], weights)
-            else:
-                value = loss(t, p, sample_weight=sample_weight)
-            if self.weights[index] != 1.0:
-                value = value * self.weights[index]
-            total = value if total is None else total + value
-        return total
+            weight = self.weights[index]
+            if index not in self.sparse:
+                terms.append(objective.keras_loss_term(loss, t, p, sample_weight, weight))
+                continue
+            with tf.device(lane_comm.device):
+                labels = (
+                    lane_comm.gather_rows(tf.reshape(t, [-1]))
+                    if self.sparse[index]
+                    else gather_dense_labels(t, lane_comm)
+                )
+                weights = (
+                    None
+                    if sample_weight is None
+                    else lane_comm.gather_rows(tf.cast(sample_weight, tf.float32))
+                )
+                mean = sharded_cross_entropy(p, labels, lane_comm, self.sparse[index], weights)
+                rows = tf.cast(tf.shape(t)[0], tf.float32)
+                total = mean * rows * weight
+                terms.append(objective.LossTerm(total, rows, objective.PER_ROW, rows))
+        return terms
 
 
 _ACCURACY = (keras.metrics.SparseCategoricalAccuracy, keras.metrics.CategoricalAccuracy)

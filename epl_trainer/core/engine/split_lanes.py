@@ -116,6 +116,7 @@ def apply_split(
     # A split layer's collectives get their instance keys while tracing (split.py), one
     # per traced call: a loop over micro-batches would reuse them on every iteration.
     hooks.micro_batch_loop = False
+    hooks.fixed_batch_shape = True  # the lanes gather rows: one shape per collective key
     num_outputs = len(tree.flatten(layout.staged.model.outputs))
     hooks.loss_fn = split.SplitLoss(hooks.loss_fn, runtime, num_outputs)
     for k, stage in enumerate(layout.staged.stages):

@@ -62,15 +62,19 @@ class MicroBatchGradients:
     Attributes:
       scale: None, or the AMP loss scale (a callable): the totals are unscaled after
         the reduction, as the other gradients are before it.
+      correction: None, or a factor the step sets before the update (a loss divisor
+        known only from the data, program.py): the totals are multiplied by it.
     """
 
     def __init__(self, reduce_micro_batch, covered: frozenset):
         self._reduce = reduce_micro_batch
         self.covered = covered  # model indices the ZeRO layouts hold (not split shards)
         self.scale = None
+        self.correction = None
         self.clear()
 
     def clear(self) -> None:
+        self.correction = None
         self.pending: dict[tuple[int, int], dict] = {}
         self.totals: dict[int, list[dict]] = {}
 
@@ -322,6 +326,9 @@ class ZeroUpdate:
             if self.micro_batch_grads.scale is not None:
                 scale = self.micro_batch_grads.scale()
                 dense = [dict(zip(d, unscale_gradients(list(d.values()), scale))) for d in dense]
+            if self.micro_batch_grads.correction is not None:
+                factor = self.micro_batch_grads.correction
+                dense = [{key: scaled(g, factor) for key, g in d.items()} for d in dense]
         elif self.level in SHARDS_GRADIENTS:  # accumulated first (clipping before the reduction)
             as_dicts = [[{i: grads[i] for i in idx if i not in sparse} for grads in member_grads]]
             dense = exchange.reduce_scatter_pieces(

@@ -1,0 +1,219 @@
+"""One-batch loss semantics: the gradient of a step is the single-device gradient of
+the global batch, however the batch is cut into micro-batches, lanes and workers.
+
+Keras reduces a batch's loss as `sum(weight * loss) / divisor`, where the divisor is
+the number of loss elements ("sum_over_batch_size"), the number of unmasked elements
+(a mask on the predictions, e.g. behind `Embedding(mask_zero=True)`), the sum of the
+sample weights ("mean_with_sample_weight"), or 1 ("sum"). A mean of the micro-batches'
+own means equals that only for unweighted, unmasked per-sample means. So each
+micro-batch contributes its weighted *sum* (`LossTerm.total`), and is divided once by
+the global batch's divisor:
+
+* a per-row divisor (elements, no mask) follows from the global row count, known when
+  the step starts: each micro-batch's objective is `total * lanes / (elements per row *
+  real rows)`, so after the gradients are averaged over the lanes of the job (the
+  reduction's "mean") the step's gradient is `sum(grad total) / global divisor`;
+* "sum" has no divisor: `total * lanes`, and the average over lanes is the sum;
+* a data-dependent divisor (a mask, or "mean_with_sample_weight") is known only after
+  every micro-batch's forward: its micro-batches are first scaled as if unmasked, and
+  the gradients are corrected by one factor once the global divisor is known
+  (`DataDivisor`).
+
+Rows added to fill an odd batch (`pad_to_multiple`) carry weight 0, and the row count
+is the real one, so they change neither the sum nor the divisor.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import keras
+import tensorflow as tf
+from keras import tree
+
+# Not exported by keras.losses; what `Loss.__call__` itself uses to merge masks and weights.
+from keras.src.backend import get_keras_mask
+from keras.src.losses.loss import apply_mask, squeeze_or_expand_to_same_rank
+
+PER_ROW, SUM, DATA = "per_row", "sum", "data"
+
+
+@dataclasses.dataclass
+class LossTerm:
+    """One output's loss on one micro-batch, before the division by the batch's divisor.
+
+    Attributes:
+      total: sum of weight * loss over the micro-batch, times the output's loss weight.
+      divisor: Keras's divisor on this micro-batch (elements, unmasked elements, weight
+        sum; 1 for "sum").
+      kind: PER_ROW (elements: the same per row in every micro-batch), SUM, or DATA
+        (unmasked elements or weight sums: known only from the data).
+      elements: loss elements on this micro-batch (padding included).
+    """
+
+    total: tf.Tensor
+    divisor: tf.Tensor
+    kind: str
+    elements: tf.Tensor
+
+
+def keras_loss_term(loss: keras.losses.Loss, y_true, y_pred, sample_weight, loss_weight=1.0):
+    """`loss(y_true, y_pred, sample_weight)` as a `LossTerm` (Keras's `Loss.__call__`,
+    with the reduction's sum and divisor kept apart)."""
+    reduction = loss.reduction
+    if reduction in (None, "none"):
+        raise ValueError(
+            f"Loss {loss.name!r} has reduction={reduction!r}: the trainer needs a scalar loss "
+            "per batch. Use 'sum_over_batch_size' (Keras's default), 'sum', 'mean' or "
+            "'mean_with_sample_weight'."
+        )
+    in_mask = get_keras_mask(y_pred)
+    convert = keras.ops.convert_to_tensor  # casts, as Keras's `Loss.__call__` does
+    y_pred = tree.map_structure(lambda x: convert(x, dtype=loss.dtype), y_pred)
+    y_true = tree.map_structure(lambda x: convert(x, dtype=loss.dtype), y_true)
+    values = convert(loss.call(y_true, y_pred), dtype=loss.dtype)
+    out_mask = get_keras_mask(values)
+    masks = [m for m in (in_mask, out_mask) if m is not None]
+    mask = None
+    if masks:
+        mask = masks[0] if len(masks) == 1 else tf.logical_and(*masks)
+    if sample_weight is not None:
+        sample_weight = convert(sample_weight, dtype=loss.dtype)
+        rank = values.shape.rank
+        if sample_weight.shape.rank == 1 and rank is not None and rank > 1:
+            # A weight per row applies to each of the row's loss elements (per token).
+            sample_weight = tf.reshape(sample_weight, [-1] + [1] * (rank - 1))
+    # "sum" merges mask and weights without Keras's total/valid rescaling of the mask.
+    weights = apply_mask(sample_weight, mask, dtype=values.dtype, reduction="sum")
+    if weights is not None:
+        values, weights = squeeze_or_expand_to_same_rank(values, tf.cast(weights, values.dtype))
+        values = values * weights
+    total = tf.reduce_sum(values)
+    if reduction == "sum" or values.shape.rank == 0:
+        divisor, kind = tf.ones([], total.dtype), SUM
+    elif reduction == "mean_with_sample_weight" and weights is not None:
+        divisor, kind = tf.reduce_sum(weights), DATA
+    elif mask is not None:
+        divisor, kind = tf.reduce_sum(tf.cast(mask, total.dtype)), DATA
+    else:
+        divisor, kind = tf.cast(tf.size(values), total.dtype), PER_ROW
+    if loss_weight != 1.0:
+        total = total * loss_weight
+    return LossTerm(total, divisor, kind, tf.cast(tf.size(values), total.dtype))
+
+
+def compiled_loss_terms(compiled_loss, y_true, y_pred, sample_weight) -> list[LossTerm]:
+    """One `LossTerm` per model output of a `CompiledLoss` (its losses and loss weights)."""
+    flat_true, flat_pred = tree.flatten(y_true), tree.flatten(y_pred)
+    if len(flat_true) != len(flat_pred):
+        compiled_loss(y_true, y_pred)  # raises its error naming both structures
+    losses = compiled_loss.losses_for(len(flat_pred))
+    weights = compiled_loss.weights_for(len(flat_pred))
+    return [
+        keras_loss_term(loss, t, p, sample_weight, weight)
+        for loss, weight, t, p in zip(losses, weights, flat_true, flat_pred)
+    ]
+
+
+@dataclasses.dataclass
+class StepRows:
+    """What one step's objective is normalised by, known when the step starts.
+
+    Attributes:
+      real_rows: rows of this worker's batch before padding (float32 scalar).
+      lanes: lanes of the job the gradient reduction averages over.
+      local_lanes: this worker's lanes.
+      data_shards: workers reading different batches (the global batch is this many
+        worker batches).
+      single: the step is one micro-batch on one lane of one worker: a data-dependent
+        divisor is then known where the loss is computed.
+    """
+
+    real_rows: tf.Tensor
+    lanes: int
+    local_lanes: int
+    data_shards: int
+    single: bool = False
+
+    @property
+    def global_rows(self) -> tf.Tensor:
+        return self.real_rows * float(self.data_shards)
+
+
+def micro_batch_objective(terms, padded_rows, rows: StepRows):
+    """The objective one micro-batch differentiates (before auxiliary losses and loss
+    scaling), so that the reduced gradient is the global batch's.
+
+    A DATA term is scaled here as if it were unmasked (by its elements); the step then
+    multiplies the gradients by `data_correction` once every micro-batch's divisor is
+    known.
+
+    Args:
+      terms: the micro-batch's `LossTerm`s.
+      padded_rows: rows of the micro-batch, padding included (every micro-batch of the
+        step has as many).
+    """
+    padded_rows = tf.cast(padded_rows, tf.float32)
+    parts = []
+    for term in terms:
+        total = tf.cast(term.total, tf.float32)
+        if term.kind == SUM:
+            parts.append(total * float(rows.lanes))
+            continue
+        if term.kind == DATA and rows.single:
+            parts.append(tf.math.divide_no_nan(total, tf.cast(term.divisor, tf.float32)))
+            continue
+        # Elements per row, from this micro-batch's shape (the same in all of them).
+        per_row = tf.cast(term.elements, tf.float32) / padded_rows
+        parts.append(total * float(rows.lanes) / (per_row * rows.global_rows))
+    return tf.add_n(parts)
+
+
+def data_estimate(terms, padded_rows, rows: StepRows):
+    """The global divisor a DATA term was scaled by in `micro_batch_objective` (its
+    elements as if unmasked, for the global batch)."""
+    (term,) = [t for t in terms if t.kind == DATA]
+    per_row = tf.cast(term.elements, tf.float32) / tf.cast(padded_rows, tf.float32)
+    return per_row * rows.global_rows
+
+
+def micro_batch_report(terms, padded_rows, real_rows, rows: StepRows):
+    """The micro-batch's loss as Keras would report it for the global batch, per real
+    row: the loss tracker averages it weighted by `real_rows`, giving the step's loss."""
+    padded_rows = tf.cast(padded_rows, tf.float32)
+    real_rows = tf.cast(real_rows, tf.float32)
+    parts = []
+    for term in terms:
+        total = tf.cast(term.total, tf.float32)
+        if term.kind == SUM:  # the batch's loss is the sum over all its rows
+            parts.append(tf.math.divide_no_nan(total * rows.global_rows, real_rows))
+        elif term.kind == PER_ROW:
+            per_row = tf.cast(term.divisor, tf.float32) / padded_rows
+            parts.append(tf.math.divide_no_nan(total, per_row * real_rows))
+        else:  # the micro-batch's own weighted mean (exact per step: DataDivisor.report)
+            parts.append(tf.math.divide_no_nan(total, tf.cast(term.divisor, tf.float32)))
+    return tf.add_n(parts)
+
+
+def pad_to_multiple(structures: tuple, sample_weight, multiple: int, minimum=0):
+    """Pads axis 0 of every tensor to a multiple of `multiple`, and to at least `minimum`
+    rows, by repeating the batch's rows (copies, not zeros, so that layers computing
+    batch statistics see real data); the added rows get weight 0.
+
+    Returns:
+      (padded structures, weights [rows] float32: the given sample weights, or 1, on real
+      rows and 0 on added ones, real row count as int32).
+    """
+    flat = tree.flatten(structures)
+    batch = tf.shape(flat[0])[0]
+    target = tf.maximum(batch, minimum)
+    pad = target - batch + (multiple - target % multiple) % multiple
+    rows = tf.range(batch + pad) % batch
+    padded = tree.map_structure(lambda x: tf.gather(x, rows), structures)
+    real = tf.cast(tf.range(batch + pad) < batch, tf.float32)
+    if sample_weight is None:
+        weights = real
+    else:
+        weight = tf.cast(sample_weight, tf.float32)
+        weights = tf.gather(weight, rows) * tf.reshape(real, [-1] + [1] * (weight.shape.rank - 1))
+    return padded, weights, batch

@@ -1,0 +1,95 @@
+"""One step's batch: unpacked from a dataset element, split into lanes x micro-batches,
+and filled up with weight-0 rows when it does not split evenly (objective.py)."""
+
+from __future__ import annotations
+
+import keras
+import tensorflow as tf
+from keras import tree
+
+from epl_trainer.core.engine import objective
+from epl_trainer.core.engine.pipeline import MicroBatchInput
+
+
+def split_element(element):
+    """(features, labels) from a training dataset element, checked while tracing."""
+    return unpack_element(element)[:2]
+
+
+def unpack_element(element):
+    """(features, labels, sample_weight or None) from a training or evaluation element:
+    `(x, y)` or `(x, y, sample_weight)`, as Keras takes them."""
+    if not isinstance(element, tuple) or len(element) not in (2, 3):
+        raise ValueError(
+            "Training and evaluation datasets must yield (features, labels) or (features, "
+            "labels, sample_weight). Received an element with structure "
+            f"{tree.map_structure(lambda x: x.shape, element)}"
+        )
+    return element if len(element) == 3 else (*element, None)
+
+
+class StepBatch:
+    """One step's batch cut into lanes x micro-batches, padded to split evenly.
+
+    A batch that does not divide into lanes x micro-batches (an odd batch, an epoch's
+    short last batch) is filled up by repeating its rows with weight 0, so the step is
+    the single-device step on exactly the real rows (objective.py).
+    """
+
+    def __init__(self, parts: list, rows):
+        self.parts, self.rows = parts, rows
+
+    @staticmethod
+    def split(
+        features, labels, sample_weight, num_lanes: int, num_micro: int, widest=None
+    ) -> StepBatch:
+        """Args:
+        widest: None, or a variable holding the most rows a step has had; a shorter
+          batch is filled up to it (`StepHooks.fixed_batch_shape`).
+        """
+        parts = num_lanes * num_micro
+        static = tree.flatten(features)[0].shape[0]
+        fits = static is not None and static % parts == 0
+        if sample_weight is None and fits and widest is None:
+            pieces = split_batch((features, labels), parts)  # nothing to fill or weigh
+            inputs = [MicroBatchInput(f, y, None, None, None) for f, y in pieces]
+            return StepBatch(inputs, tf.constant(static, tf.int32))
+        minimum = 0
+        if widest is not None:
+            widest.assign(tf.maximum(widest, tf.shape(tree.flatten(features)[0])[0]))
+            minimum = widest.read_value()
+        (features, labels), weights, rows = objective.pad_to_multiple(
+            (features, labels), sample_weight, parts, minimum
+        )
+        real = tf.cast(tf.range(tf.shape(weights)[0]) < rows, tf.float32)
+        pieces = split_batch((features, labels, weights, real), parts)
+        # Real rows per micro-batch in one op (the step's ops do not grow with the count).
+        part_rows = tf.unstack(tf.cast(tf.reduce_sum(tf.reshape(real, [parts, -1]), 1), tf.int32))
+        inputs = [MicroBatchInput(f, y, w, m, r) for (f, y, w, m), r in zip(pieces, part_rows)]
+        return StepBatch(inputs, rows)
+
+    def lane_parts(self, li: int, num_micro: int) -> list:
+        return self.parts[li * num_micro : (li + 1) * num_micro]
+
+
+def split_batch(structure, parts: int) -> list:
+    """Splits every tensor of a nested structure into `parts` equal slices on axis 0."""
+    if parts == 1:
+        return [structure]
+    flat = tree.flatten(structure)
+    sliced = [tf.split(x, parts, axis=0) for x in flat]
+    return [tree.pack_sequence_as(structure, [s[p] for s in sliced]) for p in range(parts)]
+
+
+def pad_batch(structures: tuple, multiple: int, minimum: int = 0):
+    """Pads axis 0 to a multiple of `multiple`, and to at least `minimum` rows; returns the
+    padded structures and a mask of the real rows."""
+    flat = tree.flatten(structures)
+    batch = tf.shape(flat[0])[0]
+    target = tf.maximum(batch, minimum)
+    pad = target - batch + (multiple - target % multiple) % multiple
+    padded = tree.map_structure(
+        lambda x: tf.pad(x, [[0, pad]] + [[0, 0]] * (len(x.shape) - 1)), structures
+    )
+    mask = tf.cast(tf.sequence_mask(batch, batch + pad), keras.backend.floatx())
+    return (*padded, mask)
