@@ -17,7 +17,8 @@ def first_given(*values):
 
 
 def settings(model: keras.Model) -> dict:
-    """What `model.compile(...)` was given: optimizer, loss, loss_weights, metrics.
+    """What `model.compile(...)` was given: optimizer, loss, loss_weights, metrics,
+    weighted_metrics.
 
     Empty for a model that was never compiled. Keras keeps the arguments as given in
     `_compile_config` (what `get_compile_config` serialises); `optimizer` and `loss`
@@ -31,15 +32,10 @@ def settings(model: keras.Model) -> dict:
         "loss": record.get("loss", getattr(model, "loss", None)),
         "loss_weights": record.get("loss_weights"),
         "metrics": record.get("metrics"),
+        "weighted_metrics": record.get("weighted_metrics"),
         "steps_per_execution": record.get("steps_per_execution"),
         "jit_compile": record.get("jit_compile"),
     }
-    if record.get("weighted_metrics"):
-        raise ValueError(
-            "The model was compiled with weighted_metrics, which EPLTrainer does not support "
-            "yet; pass metrics=... instead. Received: weighted_metrics="
-            f"{record['weighted_metrics']!r}"
-        )
     inner = getattr(settings["optimizer"], "inner_optimizer", None)
     if inner is not None:
         # compile() wraps the optimizer in a LossScaleOptimizer under mixed_float16; the

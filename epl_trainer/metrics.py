@@ -35,11 +35,16 @@ def resolve_metrics(
         prefix = f"{output_names[index]}_" if len(output_names) > 1 else ""
         for spec in specs:
             resolved.append((index, _as_metric(spec, loss_name, prefix)))
+    check_unique_names(resolved)
+    return resolved
+
+
+def check_unique_names(resolved) -> None:
+    """Metrics report under their names: two with one name would share a log entry."""
     names = [m.name for _, m in resolved]
     duplicates = sorted({n for n in names if names.count(n) > 1})
     if duplicates:
         raise ValueError(f"Metric names must be unique. Duplicated: {duplicates}")
-    return resolved
 
 
 def _as_list(spec) -> list:

@@ -29,7 +29,7 @@ from epl_trainer.env import Env
 from epl_trainer.losses import CompiledLoss
 from epl_trainer.memory import build_report
 from epl_trainer.metric_sync import MetricSync
-from epl_trainer.metrics import resolve_metrics
+from epl_trainer.metrics import check_unique_names, resolve_metrics
 from epl_trainer.model_fn import ModelSpec  # noqa: F401  (re-exported: epl.ModelSpec)
 from epl_trainer.trainer_checkpoints import CheckpointMixin
 from epl_trainer.trainer_data import TrainingDataMixin, needs_data_to_build
@@ -64,6 +64,8 @@ class EPLTrainer(CheckpointMixin, TrainingDataMixin, InferenceMixin):
         (settable by callbacks) drives every replica's copy. Default: the compiled
         model's optimizer, else SGD.
       metrics: Keras metrics or names ("accuracy" is resolved from the loss, as compile).
+      weighted_metrics: metrics that get the data's sample weights, as `Model.compile`'s
+        (plain `metrics` do not). Default: the compiled model's.
       loss_weights: scales each output's loss (a list or dict, as `Model.compile`).
       params: passed to an Estimator-style model_fn as its `params`.
       strategy: `epl.Strategy(...)`, or a bare `epl.replicate(n)` / `epl.split(n)`.
@@ -99,6 +101,7 @@ class EPLTrainer(CheckpointMixin, TrainingDataMixin, InferenceMixin):
         params=None,
         steps_per_execution=None,
         jit_compile=None,
+        weighted_metrics=None,
     ):
         if optimizer is None and isinstance(model, keras.Model):
             optimizer = compiled.settings(model).get("optimizer")
@@ -132,6 +135,7 @@ class EPLTrainer(CheckpointMixin, TrainingDataMixin, InferenceMixin):
         arguments = dict(
             loss=loss,
             metrics=metrics,
+            weighted_metrics=weighted_metrics,
             loss_weights=loss_weights,
             strategy=strategy,
             stages=stages,
@@ -156,7 +160,9 @@ class EPLTrainer(CheckpointMixin, TrainingDataMixin, InferenceMixin):
             return
         self._setup(spec, **arguments)
 
-    def _setup(self, spec, loss, metrics, loss_weights, strategy, stages, split) -> None:
+    def _setup(
+        self, spec, loss, metrics, loss_weights, strategy, stages, split, weighted_metrics=None
+    ) -> None:
         """Takes the model and cuts and plans it (from __init__, or at the first data)."""
         model = spec.model
         given = compiled.settings(model)
@@ -170,7 +176,14 @@ class EPLTrainer(CheckpointMixin, TrainingDataMixin, InferenceMixin):
                 self.optimizer = keras.optimizers.get(chosen)
         self.model = model
         self.loss = CompiledLoss(loss, compiled.output_names(model), loss_weights)
-        self.metrics = resolve_metrics(metrics, self.loss.name(), compiled.output_names(model))
+        names = compiled.output_names(model)
+        self.metrics = resolve_metrics(metrics, self.loss.name(), names)
+        # Keras's weighted_metrics: given the data's sample weights (the others are not).
+        weighted = first(weighted_metrics, given.get("weighted_metrics"))
+        weighted = resolve_metrics(weighted, self.loss.name(), names)
+        self._weighted_metrics = frozenset(id(metric) for _, metric in weighted)
+        self.metrics = self.metrics + weighted
+        check_unique_names(self.metrics)
         self.loss_tracker = keras.metrics.Mean(name="loss")
         annotation = _annotate(model, self.config, strategy, stages, split)
         self.engine_plan = engine.plan_engine(
@@ -254,6 +267,7 @@ class EPLTrainer(CheckpointMixin, TrainingDataMixin, InferenceMixin):
             step_counter=self.optimizer.iterations,
             checkpoint_marks=checkpoints.get_collection(),
             jit_compile=self.jit_compile,
+            weighted_metrics=self._weighted_metrics,
         )
         if self.config.gradient_checkpoint.check_gradients:
             self._engine.check_recompute_gradients(features)
@@ -281,7 +295,7 @@ class EPLTrainer(CheckpointMixin, TrainingDataMixin, InferenceMixin):
         callbacks=None,
         validation_split=0.0,
         validation_data=None,
-        shuffle=False,
+        shuffle=True,
         class_weight=None,
         sample_weight=None,
         initial_epoch=0,
@@ -296,9 +310,11 @@ class EPLTrainer(CheckpointMixin, TrainingDataMixin, InferenceMixin):
         with Keras's meaning (`fit_inputs.py`), and:
 
         - `batch_size` is per worker (numpy inputs are dealt to the workers in batches).
-        - `shuffle` is False by default: numpy inputs are batched in order unless
-          `shuffle=True` (a new order every epoch, from a seed drawn from NumPy's global
-          generator, the same on every worker) or "batch". A Dataset is used as given.
+        - `shuffle` (True by default, as Keras): numpy inputs are dealt in a new order
+          every epoch, from a seed drawn from NumPy's global generator (the same on every
+          worker); "batch" shuffles whole batches; False keeps the array order (for runs
+          compared with a fixed-order reference or resumed from a checkpoint). A Dataset
+          is used as given.
         - `sample_weight` and `class_weight` become one float32 weight per sample;
           `class_weight` needs a single output. Dataset elements may be
           `(x, y, sample_weight)`.

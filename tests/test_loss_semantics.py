@@ -209,3 +209,26 @@ def test_split_head_with_sample_weights_and_odd_batches(batch):
     reported = trainer.fit(dataset, epochs=1, verbose=0).history["loss"][-1]
     assert max_weight_difference(reference, model) < ATOL
     np.testing.assert_allclose(reported, expected, rtol=1e-5)
+
+
+@pytest.mark.parametrize("layout", ["dp2", "pipeline"])
+def test_weighted_metrics_get_the_sample_weights_and_metrics_do_not(layout):
+    """As Keras's compile: `weighted_metrics` see the data's sample weights, `metrics`
+    only the real rows (the rows added to fill a batch of 5 count in neither)."""
+    x, y, w = _dense_data()
+    dataset = _dataset(x, y, w, batch=5)
+    reference, model = _dense_model(), _dense_model()
+    for m in (reference, model):
+        m.compile(
+            optimizer=keras.optimizers.SGD(0.5),
+            loss=SPARSE_CE,
+            metrics=[keras.metrics.SparseCategoricalAccuracy(name="acc")],
+            weighted_metrics=[keras.metrics.SparseCategoricalAccuracy(name="weighted_acc")],
+        )
+    expected = reference.fit(dataset, epochs=1, verbose=0, shuffle=False).history
+    trainer = epl.EPLTrainer(model, stages=_stages(layout, model), config=LAYOUTS[layout])
+    history = trainer.fit(dataset, epochs=1, verbose=0).history
+    assert expected["acc"][-1] != expected["weighted_acc"][-1]  # the weights matter here
+    for key in ("loss", "acc", "weighted_acc"):
+        np.testing.assert_allclose(history[key][-1], expected[key][-1], rtol=1e-5)
+    assert max_weight_difference(reference, model) < ATOL

@@ -60,6 +60,7 @@ def build_engine(
     step_counter=None,
     checkpoint_marks=(),
     jit_compile: bool = False,
+    weighted_metrics: frozenset = frozenset(),
 ) -> Engine:
     """Creates the engine state and the program for this worker's lanes.
 
@@ -76,6 +77,7 @@ def build_engine(
       checkpoint_marks: the user's `add_to_collection` marks.
       jit_compile: compile each stage's forward and backward with XLA (the trainer's
         `jit_compile`, as `Model.compile(jit_compile=True)`).
+      weighted_metrics: ids of the metrics given the data's sample weights.
     """
     staged, plan = engine_plan.staged, engine_plan.plan
     if config.amp.level:
@@ -162,6 +164,7 @@ def build_engine(
         step_counter=step_counter,
         embedding_tables=tables,
         data_shards=engine_plan.data_shards[0],
+        weighted_metrics=weighted_metrics,
     )
     if config.amp.level:
         finite.apply_amp(hooks, layout, config.amp)

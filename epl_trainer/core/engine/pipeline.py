@@ -229,7 +229,7 @@ class LaneExecutor:
                 state[index] = value
             grads: list = [None] * len(self.variables)
             mb = micro_batch(step, state, grads)
-            self.hooks.update_metrics(mb.labels, mb.y_pred, mb.loss, mb.mask, mb.rows)
+            self.hooks.update_metrics(mb.labels, mb.y_pred, mb.loss, mb.mask, mb.rows, mb.weights)
             with tf.device(self.devices[0]):
                 sums = [total + tf.convert_to_tensor(grads[i]) for total, i in zip(sums, dense)]
                 row_arrays = [r.write(step, grads[i]) for r, i in zip(row_arrays, sparse)]

@@ -50,6 +50,8 @@ class Program:
         (`communication.sparse_as_dense=False`).
       embedding_tables: model-order indices of the Embedding tables.
       step_counter: the optimizer's `iterations`, advanced once per step.
+      weighted_metrics: ids of the metrics that get the data's sample weights (Keras's
+        `weighted_metrics`); the others get only the mask of real rows.
       data_shards: workers that read different batches (the global batch is this many
         worker batches: the loss's divisor counts all of them, objective.py).
     """
@@ -66,9 +68,11 @@ class Program:
         step_counter=None,
         embedding_tables: frozenset = frozenset(),
         data_shards: int = 1,
+        weighted_metrics: frozenset = frozenset(),
     ):
         self.layout = layout
         self.data_shards = data_shards
+        self.weighted_metrics = weighted_metrics
         self.hooks = hooks
         self.metrics = metrics
         self.loss_tracker = loss_tracker
@@ -225,7 +229,9 @@ class Program:
             with hooks.lanes.lane(li):
                 for mb in micro_batches:
                     if mb.y_pred is not None:  # the loss lives where the last stage runs
-                        hooks.update_metrics(mb.labels, mb.y_pred, mb.loss, mb.mask, mb.rows)
+                        hooks.update_metrics(
+                            mb.labels, mb.y_pred, mb.loss, mb.mask, mb.rows, mb.weights
+                        )
                     if mb.data_share is not None:
                         data_shares.append((li, mb.data_share, mb.data_estimate))
             lane_grads.append(grads)
@@ -359,14 +365,15 @@ class Program:
                     assigned.add(id(variable))
                     variable.assign(value)
 
-    def update_metrics(self, labels, y_pred, loss, mask=None, rows=None) -> None:
+    def update_metrics(self, labels, y_pred, loss, mask=None, rows=None, weights=None) -> None:
         """The default `update_metrics` hook: one micro-batch's loss and metrics.
 
         Args:
           loss: the micro-batch's reported loss, per real row (objective.py).
           mask: 1 on real rows, 0 on rows added to fill the batch (None: all real). As in
-            Keras, metrics get no sample weights of the data (`weighted_metrics` would).
+            Keras, `metrics` get only this, `weighted_metrics` the data's sample weights.
           rows: real rows of the micro-batch (None: all of them).
+          weights: the sample weights (0 on added rows), or None: the mask.
         """
         with tf.device(self.layout.host):
             first = tree.flatten(labels)[0]
@@ -376,14 +383,17 @@ class Program:
                 batch = tf.identity(tf.shape(first)[0] if rows is None else rows)
             if loss is not None:  # None: reported once for the step (a data divisor)
                 self.loss_tracker.update_state(loss, sample_weight=batch)
-            self._update_output_metrics(labels, y_pred, mask)
+            self._update_output_metrics(labels, y_pred, mask, weights)
 
-    def _update_output_metrics(self, labels, y_pred, sample_weight) -> None:
+    def _update_output_metrics(self, labels, y_pred, mask, weights=None) -> None:
         flat_true, flat_pred = tree.flatten(labels), tree.flatten(y_pred)
         for index, metric in self.metrics:
             y_true, y = flat_true[index], flat_pred[index]
-            if not self.hooks.lanes.update_output_metric(index, metric, y_true, y, sample_weight):
-                metric.update_state(y_true, y, sample_weight=sample_weight)
+            weight = mask
+            if id(metric) in self.weighted_metrics and weights is not None:
+                weight = weights
+            if not self.hooks.lanes.update_output_metric(index, metric, y_true, y, weight):
+                metric.update_state(y_true, y, sample_weight=weight)
 
     # ---- evaluation and prediction ---------------------------------------------------------
 
@@ -470,7 +480,7 @@ class Program:
                         loss = loss + tf.add_n(aux)
                 with tf.device(layout.host):
                     self.loss_tracker.update_state(loss, sample_weight=count)
-                    self._update_output_metrics(y, y_pred, w)
+                    self._update_output_metrics(y, y_pred, w, None if sw is None else sw * w)
 
     def _eval_many_on_iterator(self, iterator, steps: int, batch_size: int):
         """Up to `steps` evaluation batches in one call (a loop in the graph); returns how
