@@ -8,6 +8,8 @@ the same argument is passed to it (passed arguments win, then a model_fn's
 
 from __future__ import annotations
 
+import math
+
 import keras
 
 
@@ -36,12 +38,42 @@ def settings(model: keras.Model) -> dict:
         "steps_per_execution": record.get("steps_per_execution"),
         "jit_compile": record.get("jit_compile"),
     }
-    inner = getattr(settings["optimizer"], "inner_optimizer", None)
-    if inner is not None:
-        # compile() wraps the optimizer in a LossScaleOptimizer under mixed_float16; the
-        # engine scales the loss itself (amp.*), so it drives the inner optimizer.
-        settings["optimizer"] = inner
+    settings["optimizer"] = unwrapped_optimizer(settings["optimizer"])
     return {k: v for k, v in settings.items() if v is not None}
+
+
+def unwrapped_optimizer(optimizer):
+    """The optimizer inside a `LossScaleOptimizer` (which compile() wraps around it under
+    mixed_float16): the engine scales the loss itself (`mixed_precision_keys`)."""
+    inner = getattr(optimizer, "inner_optimizer", None)
+    return optimizer if inner is None else inner
+
+
+def mixed_precision_keys(model, optimizer) -> dict:
+    """The `amp.*` keys for a model Keras set up for mixed precision, or {}.
+
+    A model built under `keras.config.set_dtype_policy("mixed_float16")` (or
+    "mixed_bfloat16") computes in the low dtype, and `compile` wraps its optimizer in a
+    `LossScaleOptimizer` for float16. The engine scales the loss itself (amp.py), so it
+    takes over Keras's schedule: start at `initial_scale`, halve on every overflow (the
+    step skipped and counted), double after `dynamic_growth_steps` clean steps.
+    """
+    policy = getattr(getattr(model, "dtype_policy", None), "name", "")
+    scaler = optimizer if isinstance(optimizer, keras.optimizers.LossScaleOptimizer) else None
+    if policy not in ("mixed_float16", "mixed_bfloat16") and scaler is None:
+        return {}
+    dtype = "bfloat16" if policy == "mixed_bfloat16" else "float16"
+    keys = {"amp.level": "O1", "amp.dtype": dtype}
+    if dtype == "float16":
+        initial = scaler.initial_scale if scaler is not None else 2.0**15
+        keys.update({
+            "amp.loss_scale": "dynamic",
+            "amp.initial_scale_power": round(math.log2(initial)),
+            "amp.loss_scale_window": scaler.dynamic_growth_steps if scaler is not None else 2000,
+            "amp.hysteresis": 1,  # Keras halves at the first overflow
+            "amp.min_loss_scale": 2.0**-24,  # Keras has no minimum
+        })  # fmt: skip
+    return keys
 
 
 def output_names(model) -> list[str]:

@@ -103,13 +103,21 @@ class EPLTrainer(CheckpointMixin, TrainingDataMixin, InferenceMixin):
         jit_compile=None,
         weighted_metrics=None,
     ):
+        keras_scaler = optimizer
         if optimizer is None and isinstance(model, keras.Model):
+            keras_scaler = getattr(model, "optimizer", None) if model.compiled else None
             optimizer = compiled.settings(model).get("optimizer")
         self._optimizer_given = optimizer is not None
         config, optimizer, self.deepspeed = deepspeed.trainer_setup(config, optimizer or "sgd")
         self.config = Env.get().config if config is None else Config.load(config)
         self.cluster = Env.get().cluster if config is None else build_cluster(self.config.cluster)
-        self.optimizer = keras.optimizers.get(optimizer)
+        self.optimizer = compiled.unwrapped_optimizer(keras.optimizers.get(optimizer))
+        if isinstance(model, keras.Model) and not self.config.amp.level:
+            # Keras's mixed precision (a mixed dtype policy, a LossScaleOptimizer) becomes
+            # the engine's AMP with Keras's loss-scale schedule, not a silent float16 run.
+            amp_keys = compiled.mixed_precision_keys(model, keras_scaler)
+            if amp_keys:
+                self.config = self.config.replace(amp_keys)
         self.params = params
         if steps_per_execution is None and isinstance(model, keras.Model):
             steps_per_execution = compiled.settings(model).get("steps_per_execution")
