@@ -1,0 +1,89 @@
+"""pytest plugin for the Keras test subprocess (`-p keras_conformance.plugin`).
+
+Environment: KC_LAYOUT ("plain", or a key of `routing.LAYOUTS`), KC_RESULTS (JSON file
+written at the end), KC_ONLY (optional file of node ids, one a line: every other test
+is deselected).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+KERAS_MARKERS = ("requires_trainable_backend", "large", "skip_if_backend", "extra_large")
+_results: dict[str, dict] = {}
+_layout = os.environ.get("KC_LAYOUT", "plain")
+
+
+def pytest_configure(config):
+    for marker in KERAS_MARKERS:
+        config.addinivalue_line("markers", marker)
+    if _layout != "plain":
+        # Before TensorFlow initialises (the Keras test modules import it at collection).
+        from epl_trainer.cluster import configure_tensorflow
+
+        configure_tensorflow(2)
+        from keras_conformance import routing
+
+        routing.install(_layout)
+
+
+def pytest_collection_modifyitems(config, items):
+    only = os.environ.get("KC_ONLY")
+    if not only:
+        return
+    with open(only) as f:
+        keep = {line.strip() for line in f if line.strip()}
+    selected = [item for item in items if item.nodeid in keep]
+    deselected = [item for item in items if item.nodeid not in keep]
+    if deselected:
+        config.hook.pytest_deselected(items=deselected)
+    items[:] = selected
+
+
+def _first_line(report) -> str:
+    crash = getattr(report.longrepr, "reprcrash", None)
+    text = crash.message if crash is not None else str(report.longrepr)
+    lines = [line for line in text.splitlines() if line.strip()]
+    return lines[0].strip()[:300] if lines else "?"
+
+
+def pytest_runtest_setup(item):
+    if _layout != "plain":
+        from keras_conformance import routing
+
+        routing.stats.update(routed=0, keras=0, reasons=[])
+
+
+def pytest_collectreport(report):
+    if report.failed:
+        _results[report.nodeid + "::<collection>"] = {
+            "outcome": "failed",
+            "error": _first_line(report),
+        }
+
+
+def pytest_runtest_logreport(report):
+    entry = _results.setdefault(report.nodeid, {"outcome": "passed"})
+    if report.skipped and entry["outcome"] == "passed":
+        entry["outcome"] = "skipped"
+        if hasattr(report, "wasxfail"):
+            entry["outcome"] = "xfailed"
+    elif report.failed and entry["outcome"] != "failed":
+        entry["outcome"] = "failed"
+        entry["error"] = f"[{report.when}] {_first_line(report)}"
+    if report.when == "call" and hasattr(report, "wasxfail") and report.passed:
+        entry["outcome"] = "xpassed"
+    if report.when == "teardown" and _layout != "plain":
+        from keras_conformance import routing
+
+        entry["routed_calls"] = routing.stats["routed"]
+        entry["keras_calls"] = routing.stats["keras"]
+        entry["keras_reasons"] = sorted(set(routing.stats["reasons"]))
+
+
+def pytest_sessionfinish(session, exitstatus):
+    path = os.environ.get("KC_RESULTS")
+    if path:
+        with open(path, "w") as f:
+            json.dump(_results, f, indent=1, sort_keys=True)
