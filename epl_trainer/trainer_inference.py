@@ -35,7 +35,7 @@ class InferenceMixin:
         sample_weight=None,
         steps=None,
         callbacks=None,
-        return_dict=True,
+        return_dict=False,
     ):
         """The loss and metrics over the data (every worker's share), as `Model.evaluate`.
 
@@ -48,9 +48,9 @@ class InferenceMixin:
           steps: evaluate at most this many batches.
           callbacks: Keras callbacks; they get on_test_begin/end and, when they implement
             them, on_test_batch_begin/end for every batch, with Keras's logs.
-          return_dict: True (the default here) returns {"loss": ..., metric: ...};
-            False returns Keras's list [loss, *metrics], or the loss alone when there
-            are no metrics. (Keras's default is False.)
+          return_dict: False (the default, as Keras) returns Keras's list
+            [loss, *metrics], or the loss alone when there are no metrics; True returns
+            {"loss": ..., metric: ...}.
         """
         dataset = self._evaluation_dataset(x, y, sample_weight, batch_size, model_fn_lib.EVAL)
         dataset = fit_inputs.at_most(dataset, steps)

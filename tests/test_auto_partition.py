@@ -472,7 +472,7 @@ def test_trainer_with_auto_parallel_matches_keras():
         },
     )
     assert "Stage costs" in trainer.plan.summary() and "spread" in trainer.plan.summary()
-    trainer.fit(x, y, batch_size=16, epochs=1, verbose=0)
+    trainer.fit(x, y, batch_size=16, epochs=1, verbose=0, shuffle=False)
     for a, b in zip(reference.get_weights(), model.get_weights(), strict=True):
         np.testing.assert_allclose(a, b, atol=ATOL)
 

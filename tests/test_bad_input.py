@@ -66,7 +66,7 @@ def _saved_checkpoint(tmp_path) -> str:
     """A real checkpoint of the MLP (2 steps); returns its folder."""
     trainer = _trainer()
     x, y = mlp_data(16)
-    trainer.fit(x, y, batch_size=8, verbose=0)
+    trainer.fit(x, y, batch_size=8, verbose=0, shuffle=False)
     return trainer.save_checkpoint(str(tmp_path / "ckpt"))
 
 
@@ -358,7 +358,9 @@ CASES = [
         lambda p: (
             _saved_checkpoint(p),
             _truncate(_data_file_folder(p)),
-            _trainer(**{"checkpoint.dir": str(p / "ckpt")}).fit(*mlp_data(16), verbose=0),
+            _trainer(**{"checkpoint.dir": str(p / "ckpt")}).fit(
+                *mlp_data(16), verbose=0, shuffle=False
+            ),
         ),
         CheckpointError,
         r"is truncated or corrupted",
@@ -403,14 +405,20 @@ CASES = [
     ),
     (
         "per-output sample weights",
-        lambda p: _trainer().fit(*mlp_data(16), sample_weight=[np.ones(16)] * 2, verbose=0),
+        lambda p: _trainer().fit(
+            *mlp_data(16), sample_weight=[np.ones(16)] * 2, verbose=0, shuffle=False
+        ),
         ValueError,
         r"sample_weight must be one array of shape \(num_samples,\).*Received: a list of 2",
     ),
     (
         "class_weight with sample_weight",
         lambda p: _trainer().fit(
-            *mlp_data(16), class_weight={0: 2.0}, sample_weight=np.ones(16), verbose=0
+            *mlp_data(16),
+            class_weight={0: 2.0},
+            sample_weight=np.ones(16),
+            verbose=0,
+            shuffle=False,
         ),
         ValueError,
         r"You cannot `class_weight` and `sample_weight` at the same time",
@@ -424,7 +432,11 @@ CASES = [
     (
         "validation_freq not an int or list",
         lambda p: _trainer().fit(
-            *mlp_data(16), validation_data=mlp_data(16), validation_freq="1", verbose=0
+            *mlp_data(16),
+            validation_data=mlp_data(16),
+            validation_freq="1",
+            verbose=0,
+            shuffle=False,
         ),
         ValueError,
         r"Expected `validation_freq` to be a list or int\. Received: validation_freq='1'",
@@ -437,7 +449,9 @@ CASES = [
     ),
     (
         "numpy lengths differ",
-        lambda p: _trainer().fit(np.zeros((16, 6), "float32"), np.zeros(15), verbose=0),
+        lambda p: _trainer().fit(
+            np.zeros((16, 6), "float32"), np.zeros(15), verbose=0, shuffle=False
+        ),
         ValueError,
         r"All input arrays must have the same length\. Received lengths \[15, 16\]",
     ),

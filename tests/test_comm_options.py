@@ -46,7 +46,7 @@ def trainer_for(model, optimizer=None, devices=2, **config):
 
 
 def step_graph(trainer, x, y, batch_size=16):
-    trainer.fit(x, y, batch_size=batch_size, steps_per_epoch=1, verbose=0)
+    trainer.fit(x, y, batch_size=batch_size, steps_per_epoch=1, verbose=0, shuffle=False)
     dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(batch_size, drop_remainder=True)
     return trainer._engine.program.train_on_iterator.get_concrete_function(iter(dataset)).graph
 
@@ -114,7 +114,7 @@ def test_fp16_wire_matches_float32_within_half_precision():
     keras_reference(reference, x, y, keras.optimizers.SGD(0.1), batch_size=16, steps=3)
     model = deep_mlp()
     trainer = trainer_for(model, **{"communication.fp16": True, "communication.fp16_scale": 64})
-    trainer.fit(x, y, batch_size=16, steps_per_epoch=3, verbose=0)
+    trainer.fit(x, y, batch_size=16, steps_per_epoch=3, verbose=0, shuffle=False)
     difference = max_weight_difference(reference, model)
     # float16 keeps 11 significant bits: relative error 2^-11 ~ 5e-4 of each gradient,
     # times the learning rate, over 3 steps.
@@ -139,7 +139,7 @@ def test_sparse_embedding_gradients_are_gathered_as_slices(optimizer):
     keras_reference(reference, x, y, make(), batch_size=16, steps=3)
     model = embedding_model()
     trainer = trainer_for(model, make(), devices=4)
-    trainer.fit(x, y, batch_size=16, steps_per_epoch=3, verbose=0)
+    trainer.fit(x, y, batch_size=16, steps_per_epoch=3, verbose=0, shuffle=False)
     assert max_weight_difference(reference, model) < 1e-5
 
     graph = step_graph(trainer, x, y)
@@ -158,7 +158,7 @@ def test_sparse_as_dense_reduces_the_embedding_dense():
     trainer = trainer_for(
         model, keras.optimizers.SGD(0.5), **{"communication.sparse_as_dense": True}
     )
-    trainer.fit(x, y, batch_size=16, steps_per_epoch=3, verbose=0)
+    trainer.fit(x, y, batch_size=16, steps_per_epoch=3, verbose=0, shuffle=False)
     assert max_weight_difference(reference, model) < 1e-5
     graph = step_graph(trainer, x, y)
     assert not collectives(graph, "CollectiveGatherV2")
@@ -177,5 +177,5 @@ def test_sparse_gradients_with_accumulation_and_clipping_match_keras():
         optimizer(),
         **{"pipeline.num_micro_batch": 2, "communication.clip_after_allreduce": True},
     )
-    trainer.fit(x, y, batch_size=16, steps_per_epoch=3, verbose=0)
+    trainer.fit(x, y, batch_size=16, steps_per_epoch=3, verbose=0, shuffle=False)
     assert max_weight_difference(reference, model) < 1e-5

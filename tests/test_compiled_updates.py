@@ -159,7 +159,7 @@ def test_trainer_with_compiled_updates_ends_where_plain_updates_do(config):
             optimizer,
             config={**config, "optimizer.jit_compile": jit},
         )
-        trainer.fit(x, y, batch_size=16, epochs=1, steps_per_epoch=4, verbose=0)
+        trainer.fit(x, y, batch_size=16, epochs=1, steps_per_epoch=4, verbose=0, shuffle=False)
         steps = [s for lane in trainer._engine.update.steps for s in _flat(lane) if s]
         assert steps and all(s.jit_compile == jit for s in steps)
         weights[jit] = model.get_weights()
@@ -193,10 +193,12 @@ def test_stages_compiled_with_xla_train_like_plain_ones():
             config={"cluster.virtual_devices": 2, "pipeline.num_micro_batch": 2},
             jit_compile=jit,
         )
-        history = trainer.fit(x, y, batch_size=16, epochs=1, steps_per_epoch=4, verbose=0)
+        history = trainer.fit(
+            x, y, batch_size=16, epochs=1, steps_per_epoch=4, verbose=0, shuffle=False
+        )
         losses[jit] = history.history["loss"]
         weights[jit] = model.get_weights()
-        evaluated = trainer.evaluate(x, y, batch_size=16)["loss"]
+        evaluated = trainer.evaluate(x, y, batch_size=16, return_dict=True)["loss"]
         losses[jit] = [*losses[jit], evaluated]
     np.testing.assert_allclose(losses[True], losses[False], rtol=1e-5)
     for plain, compiled in zip(weights[False], weights[True]):

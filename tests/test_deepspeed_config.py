@@ -85,7 +85,7 @@ def test_reference_stage3_config_trains_with_parameters_and_optimizer_on_the_hos
     x, y = mlp_data()
     trainer = epl.EPLTrainer(mlp(), LOSS, keras.optimizers.AdamW(1e-2), config=str(STAGE3))
     assert (trainer.config.zero.level, trainer.config.offload.level) == ("v2", "v0")
-    trainer.fit(x, y, batch_size=16, epochs=1, steps_per_epoch=3, verbose=0)
+    trainer.fit(x, y, batch_size=16, epochs=1, steps_per_epoch=3, verbose=0, shuffle=False)
     host = trainer.cluster.host_device
     pieces = trainer._engine.program.update.parameter_pieces()
     assert pieces and {v.value.device for v in pieces} == {host}
@@ -97,7 +97,7 @@ def test_reference_stage2_config_trains_and_writes_csv(tmp_path, monkeypatch, en
     monkeypatch.chdir(tmp_path)  # output_path "" -> <cwd>/<job_name>, as DeepSpeed
     x, y = mlp_data()
     trainer = epl.EPLTrainer(mlp(), LOSS, keras.optimizers.AdamW(1e-2), config=str(STAGE2))
-    trainer.fit(x, y, batch_size=16, epochs=1, steps_per_epoch=3, verbose=0)
+    trainer.fit(x, y, batch_size=16, epochs=1, steps_per_epoch=3, verbose=0, shuffle=False)
     assert trainer.deepspeed.batch == deepspeed.BatchSizes(16, 8, 1, 2)
     assert (trainer.config.zero.level, trainer.config.offload.level) == ("v1", "v0")
     rows = (tmp_path / "stage2_test" / "Train_Samples_train_loss.csv").read_text().splitlines()
@@ -166,8 +166,10 @@ def test_trainer_applies_accumulation_and_checks_fit_batch(env_with_two_devices)
     assert trainer.plan.num_micro_batch == 2  # 32 / (8 x 2 replicas)
     assert trainer.config.pipeline.num_micro_batch == 2
     with pytest.raises(DeepSpeedConfigError, match="Received: batch_size=16"):
-        trainer.fit(x, y, batch_size=16, verbose=0)
-    trainer.fit(x, y, steps_per_epoch=2, verbose=0)  # batch_size defaults to 32 per worker
+        trainer.fit(x, y, batch_size=16, verbose=0, shuffle=False)
+    trainer.fit(
+        x, y, steps_per_epoch=2, verbose=0, shuffle=False
+    )  # batch_size defaults to 32 per worker
     assert int(trainer.optimizer.iterations.numpy()) == 2
 
 
@@ -523,8 +525,8 @@ def test_deepspeed_config_and_native_config_train_to_identical_weights(case):
         native["communication.clip_after_allreduce"] = True
     native_trainer = epl.EPLTrainer(native_model, LOSS, native_optimizer(), config=native)
     assert ds_trainer.config == native_trainer.config
-    ds_trainer.fit(x, y, epochs=2, steps_per_epoch=3, verbose=0)
-    native_trainer.fit(x, y, batch_size=32, epochs=2, steps_per_epoch=3, verbose=0)
+    ds_trainer.fit(x, y, epochs=2, steps_per_epoch=3, verbose=0, shuffle=False)
+    native_trainer.fit(x, y, batch_size=32, epochs=2, steps_per_epoch=3, verbose=0, shuffle=False)
     for a, b in zip(ds_model.get_weights(), native_model.get_weights()):
         np.testing.assert_array_equal(a, b)
     assert int(ds_trainer.optimizer.iterations.numpy()) == 6
@@ -563,9 +565,9 @@ def test_activation_checkpointing_recomputes_and_trains_like_without():
     }
     recomputed_model, plain_model = mlp(seed=5), mlp(seed=5)
     trainer = epl.EPLTrainer(recomputed_model, LOSS, config=DeepSpeedConfig(ds, base=TWO_DEVICES))
-    trainer.fit(x, y, steps_per_epoch=2, verbose=0)
+    trainer.fit(x, y, steps_per_epoch=2, verbose=0, shuffle=False)
     assert trainer._engine.program.recomputed  # the stage runs as recomputed segments
     plain = epl.EPLTrainer(plain_model, LOSS, keras.optimizers.SGD(0.1), config=TWO_DEVICES)
-    plain.fit(x, y, batch_size=16, steps_per_epoch=2, verbose=0)
+    plain.fit(x, y, batch_size=16, steps_per_epoch=2, verbose=0, shuffle=False)
     for a, b in zip(recomputed_model.get_weights(), plain_model.get_weights()):
         np.testing.assert_allclose(a, b, atol=1e-6)

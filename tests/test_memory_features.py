@@ -23,7 +23,7 @@ def test_grouped_apply_matches_keras(groups):
     keras_reference(reference, x, y, keras.optimizers.Adam(0.01), batch_size=16, steps=3)
     model = mlp()
     trainer = adam_trainer(model, 2, **{"optimizer.num_apply_group": groups})
-    trainer.fit(x, y, batch_size=16, steps_per_epoch=3, verbose=0)
+    trainer.fit(x, y, batch_size=16, steps_per_epoch=3, verbose=0, shuffle=False)
     update = trainer._engine.program.update
     assert len(update.groups[0]) == min(groups, len(model.trainable_variables))
     assert max_weight_difference(reference, model) < ATOL
@@ -56,7 +56,7 @@ def test_offload_matches_keras_and_keeps_parameters_on_the_host():
     keras_reference(reference, x, y, keras.optimizers.Adam(0.01), batch_size=16, steps=3)
     model = mlp()
     trainer = adam_trainer(model, 4, **{"offload.level": "v0"})
-    trainer.fit(x, y, batch_size=16, steps_per_epoch=3, verbose=0)
+    trainer.fit(x, y, batch_size=16, steps_per_epoch=3, verbose=0, shuffle=False)
     assert max_weight_difference(reference, model) < ATOL
 
     report = trainer.memory_report(print_table=False)
@@ -75,7 +75,7 @@ def test_memory_report_of_plain_data_parallelism_counts_every_replica():
     x, y = mlp_data()
     model = mlp()
     trainer = adam_trainer(model, 4)
-    trainer.fit(x, y, batch_size=16, steps_per_epoch=1, verbose=0)
+    trainer.fit(x, y, batch_size=16, steps_per_epoch=1, verbose=0, shuffle=False)
     report = trainer.memory_report(print_table=False)
     params = sum(variable_bytes(v) for v in model.trainable_variables)
     for lane in trainer.lanes:
@@ -89,13 +89,13 @@ def test_zero_checkpoint_restores_every_shard(tmp_path):
     x, y = mlp_data()
     uninterrupted = mlp()
     adam_trainer(uninterrupted, 4, **{"zero.level": "v1"}).fit(
-        x, y, batch_size=16, epochs=2, verbose=0
+        x, y, batch_size=16, epochs=2, verbose=0, shuffle=False
     )
     first = adam_trainer(mlp(), 4, **{"zero.level": "v1"})
-    first.fit(x, y, batch_size=16, epochs=1, verbose=0)
+    first.fit(x, y, batch_size=16, epochs=1, verbose=0, shuffle=False)
     first.save_checkpoint(str(tmp_path))
     resumed_model = mlp(seed=7)
     resumed = adam_trainer(resumed_model, 4, **{"zero.level": "v1"})
     resumed.restore_checkpoint(str(tmp_path))
-    resumed.fit(x, y, batch_size=16, epochs=1, verbose=0)
+    resumed.fit(x, y, batch_size=16, epochs=1, verbose=0, shuffle=False)
     assert max_weight_difference(uninterrupted, resumed_model) < 1e-6

@@ -200,7 +200,7 @@ def test_recipe_config_runs_two_steps_from_files(tmp_path):
     assert [tg.kind for tg in trainer.plan.taskgraphs] == ["replicate", "split", "split"]
     parse_fn = data.parse_fn_for("tsv", vocab, LENGTH, LENGTH)
     evaluation = data.records([path], "tsv").map(parse_fn).batch(8)
-    before = trainer.evaluate(evaluation)
+    before = trainer.evaluate(evaluation, return_dict=True)
     history = trainer.fit(
         [path],
         batch_size=8,
@@ -212,7 +212,9 @@ def test_recipe_config_runs_two_steps_from_files(tmp_path):
     )
     assert int(trainer.optimizer.iterations.numpy()) == 2
     assert np.isfinite(history.history["loss"][0])
-    assert trainer.evaluate(evaluation)["loss"] < before["loss"]  # the two steps trained
+    assert (
+        trainer.evaluate(evaluation, return_dict=True)["loss"] < before["loss"]
+    )  # the two steps trained
     state = trainer._engine.state
     for layer in moe_t5.moe_layers(model):
         index = next(i for i, v in enumerate(state.model_trainable) if v is layer.w_in)
@@ -235,13 +237,15 @@ def test_split_experts_train_like_keras():
     epl.init(str(RECIPE))
     model = moe_t5.build_model(tiny_config(), seed=1)
     trainer = epl.EPLTrainer(model, moe_t5.SequenceCrossEntropy(), keras.optimizers.SGD(0.5))
-    trainer.fit(x, y, batch_size=8, epochs=1, steps_per_epoch=2, verbose=0)
+    trainer.fit(x, y, batch_size=8, epochs=1, steps_per_epoch=2, verbose=0, shuffle=False)
     for ours, theirs in zip(model.weights, reference.weights):
         np.testing.assert_allclose(ours.numpy(), theirs.numpy(), atol=ATOL, err_msg=ours.path)
 
     reference_loss = moe_t5.SequenceCrossEntropy()(y, reference(x, training=False))
     expected = float(reference_loss) + float(sum(reference.losses))
-    assert trainer.evaluate(x, y, batch_size=16)["loss"] == pytest.approx(expected, abs=ATOL)
+    assert trainer.evaluate(x, y, batch_size=16, return_dict=True)["loss"] == pytest.approx(
+        expected, abs=ATOL
+    )
     np.testing.assert_allclose(
         trainer.predict(x, batch_size=16), reference.predict(x, verbose=0), atol=ATOL
     )

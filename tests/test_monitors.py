@@ -100,7 +100,9 @@ def test_trainer_writes_deepspeed_events_per_step(tmp_path, caplog):
     )
     running = _RunningLoss()
     with caplog.at_level(logging.INFO, logger="epl_trainer.monitors"):
-        trainer.fit(x, y, epochs=1, steps_per_epoch=5, callbacks=[running], verbose=0)
+        trainer.fit(
+            x, y, epochs=1, steps_per_epoch=5, callbacks=[running], verbose=0, shuffle=False
+        )
 
     directory = tmp_path / "csv"
     assert sorted(p.name for p in directory.iterdir()) == [
@@ -141,7 +143,7 @@ def test_trainer_writes_deepspeed_events_per_step(tmp_path, caplog):
     assert "skipped=0" in printed[0]
 
     # A second fit continues the x-axis and the same files (one header per run).
-    trainer.fit(x, y, epochs=1, steps_per_epoch=2, verbose=0)
+    trainer.fit(x, y, epochs=1, steps_per_epoch=2, verbose=0, shuffle=False)
     loss_rows = _rows(directory / "Train_Samples_train_loss.csv")
     assert [r[0] for r in loss_rows] == ["step", "0", "32", "64", "96", "128", "160", "192"]
 
@@ -221,7 +223,7 @@ def test_two_workers_monitor_from_worker_zero_and_match_one_process(tmp_path):
         config=DeepSpeedConfig({k: values[k] for k in list(values)[:3]}, base=TWO_DEVICES),
     )
     x, y = train_dp.make_data()
-    trainer.fit(x, y, epochs=1, steps_per_epoch=3, verbose=0)
+    trainer.fit(x, y, epochs=1, steps_per_epoch=3, verbose=0, shuffle=False)
     for worker in range(2):
         weights = np.load(tmp_path / "out" / f"weights_{worker}.npz")
         for i, value in enumerate(reference.get_weights()):

@@ -31,7 +31,7 @@ def _single_process_weights(steps=3, global_batch=16, classes=3):
         config={"cluster.virtual_devices": 1},
     )
     x, y = train_dp.make_data()
-    trainer.fit(x, y, batch_size=global_batch, steps_per_epoch=steps, verbose=0)
+    trainer.fit(x, y, batch_size=global_batch, steps_per_epoch=steps, verbose=0, shuffle=False)
     return model.get_weights()
 
 

@@ -83,7 +83,7 @@ def test_pipeline_matches_single_device_keras(num_stages, strategy, num_micro_ba
     x, y = skip_data()
     model = skip_model()
     trainer = _pipeline_trainer(model, num_stages, num_stages, num_micro_batch, strategy)
-    trainer.fit(x, y, batch_size=16, steps_per_epoch=3, verbose=0)
+    trainer.fit(x, y, batch_size=16, steps_per_epoch=3, verbose=0, shuffle=False)
     assert len(trainer.plan.taskgraphs) == num_stages and trainer.plan.num_replicas == 1
     assert _difference_from_keras(model) < ATOL
 
@@ -92,7 +92,7 @@ def test_two_pipelines_of_two_stages_match_keras():
     x, y = skip_data()
     model = skip_model()
     trainer = _pipeline_trainer(model, 2, 4, 4)
-    trainer.fit(x, y, batch_size=16, steps_per_epoch=3, verbose=0)
+    trainer.fit(x, y, batch_size=16, steps_per_epoch=3, verbose=0, shuffle=False)
     assert trainer.plan.num_replicas == 2
     assert _difference_from_keras(model) < ATOL
 
@@ -244,7 +244,7 @@ def test_stages_from_epl_annotations_match_keras(use_default_strategy):
     try:
         model = _annotated_skip_model(use_default_strategy)
         trainer = epl.EPLTrainer(model, LOSS, keras.optimizers.SGD(0.1))
-        trainer.fit(x, y, batch_size=16, steps_per_epoch=3, verbose=0)
+        trainer.fit(x, y, batch_size=16, steps_per_epoch=3, verbose=0, shuffle=False)
     finally:
         epl.init()  # clear annotations and config for the other tests
     assert len(trainer.plan.taskgraphs) == 2

@@ -20,7 +20,7 @@ def test_epoch_loss_without_steps_per_epoch_counts_each_sample_once():
     x, y = _data()
     expected = float(LOSS(y, model(x)))
     trainer = epl.EPLTrainer(model, LOSS, keras.optimizers.SGD(0.0))
-    history = trainer.fit(x, y, batch_size=8, verbose=0)
+    history = trainer.fit(x, y, batch_size=8, verbose=0, shuffle=False)
     assert history.history["loss"][0] == pytest.approx(expected, rel=1e-6)
 
 
@@ -36,7 +36,7 @@ def _regularised(seed=0):
 def test_auxiliary_losses_of_earlier_stages_are_reported_once():
     x, y = _data(16)
     one_stage = epl.EPLTrainer(_regularised(), LOSS, keras.optimizers.SGD(0.0))
-    expected = one_stage.fit(x, y, batch_size=16, verbose=0).history["loss"][0]
+    expected = one_stage.fit(x, y, batch_size=16, verbose=0, shuffle=False).history["loss"][0]
     two_stages = epl.EPLTrainer(
         _regularised(),
         LOSS,
@@ -44,7 +44,7 @@ def test_auxiliary_losses_of_earlier_stages_are_reported_once():
         stages={"first|reg": 0, "last": 1},
         config={"cluster.virtual_devices": 2},
     )
-    got = two_stages.fit(x, y, batch_size=16, verbose=0).history["loss"][0]
+    got = two_stages.fit(x, y, batch_size=16, verbose=0, shuffle=False).history["loss"][0]
     assert got == pytest.approx(expected, rel=1e-6)
     reference = _regularised()
     assert expected == pytest.approx(float(LOSS(y, reference(x)) + sum(reference.losses)), rel=1e-6)

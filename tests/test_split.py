@@ -88,7 +88,9 @@ def test_split_head_matches_single_device_keras(devices):
         )
     else:
         trainer = split_trainer(model, devices)
-    history = trainer.fit(x, y, batch_size=16, epochs=1, steps_per_epoch=3, verbose=0)
+    history = trainer.fit(
+        x, y, batch_size=16, epochs=1, steps_per_epoch=3, verbose=0, shuffle=False
+    )
     assert max_weight_difference(reference, model) < ATOL
     assert np.isfinite(history.history["loss"][0])
     kinds = [tg.kind for tg in trainer.plan.taskgraphs]
@@ -100,7 +102,7 @@ def test_each_lane_holds_one_column_shard():
     model = head_model(classes=8)
     trainer = split_trainer(model, 4)
     x, y = data()
-    trainer.fit(x, y, batch_size=16, epochs=1, steps_per_epoch=1, verbose=0)
+    trainer.fit(x, y, batch_size=16, epochs=1, steps_per_epoch=1, verbose=0, shuffle=False)
     state = trainer._engine.state
     kernel_index = next(
         i for i, v in enumerate(state.model_trainable) if v is model.layers[-1].kernel
@@ -128,11 +130,11 @@ def test_resnet_like_features_with_a_large_split_classifier(classes):
 
     model = resnet_like(classes)
     trainer = split_trainer(model, 4)
-    ours = trainer.fit(x, y, batch_size=16, epochs=1, steps_per_epoch=3, verbose=0)
+    ours = trainer.fit(x, y, batch_size=16, epochs=1, steps_per_epoch=3, verbose=0, shuffle=False)
     assert max_weight_difference(reference, model) < ATOL
     # The training loss (mean over the 3 steps, as Keras reports it) agrees too.
     assert ours.history["loss"][0] == pytest.approx(history.history["loss"][0], abs=1e-5)
-    loss = trainer.evaluate(x[32:48], y[32:48], batch_size=16)["loss"]
+    loss = trainer.evaluate(x[32:48], y[32:48], batch_size=16, return_dict=True)["loss"]
     assert loss == pytest.approx(reference_loss, abs=1e-5)
 
     # No tensor of the full logits' size exists anywhere in the traced training step.
@@ -166,10 +168,10 @@ def test_softmax_head_and_one_hot_labels_match_keras():
 
     model = head_model(activation="softmax")
     trainer = split_trainer(model, 4, loss=loss, metrics=["accuracy"])
-    trainer.fit(x, onehot, batch_size=16, epochs=1, steps_per_epoch=3, verbose=0)
+    trainer.fit(x, onehot, batch_size=16, epochs=1, steps_per_epoch=3, verbose=0, shuffle=False)
     assert max_weight_difference(reference, model) < ATOL
     expected = reference.evaluate(x, onehot, batch_size=16, verbose=0, return_dict=True)
-    got = trainer.evaluate(x, onehot, batch_size=16)
+    got = trainer.evaluate(x, onehot, batch_size=16, return_dict=True)
     assert got["loss"] == pytest.approx(expected["loss"], abs=1e-5)
     assert got["accuracy"] == pytest.approx(expected["accuracy"])
     probabilities = trainer.predict(x[:10], batch_size=10)
@@ -182,11 +184,11 @@ def test_accuracy_from_the_distributed_argmax_matches_keras():
     reference.compile(loss=LOSS, metrics=["accuracy"])
     expected = reference.evaluate(x, y, batch_size=16, verbose=0, return_dict=True)
     trainer = split_trainer(head_model(), 4, metrics=["accuracy"])
-    got = trainer.evaluate(x, y, batch_size=16)
+    got = trainer.evaluate(x, y, batch_size=16, return_dict=True)
     assert got["accuracy"] == pytest.approx(expected["accuracy"])
     assert got["loss"] == pytest.approx(expected["loss"], abs=1e-5)
     # Uneven final batch: padding rows get weight 0 on every lane.
-    got = trainer.evaluate(x[:50], y[:50], batch_size=16)
+    got = trainer.evaluate(x[:50], y[:50], batch_size=16, return_dict=True)
     expected = reference.evaluate(x[:50], y[:50], batch_size=16, verbose=0, return_dict=True)
     assert got["accuracy"] == pytest.approx(expected["accuracy"])
     assert got["loss"] == pytest.approx(expected["loss"], abs=1e-5)
@@ -204,7 +206,7 @@ def test_adam_and_clipping_after_allreduce_match_keras():
         optimizer=keras.optimizers.Adam(0.01, global_clipnorm=0.5),
         **{"communication.clip_after_allreduce": True},
     )
-    trainer.fit(x, y, batch_size=16, epochs=1, steps_per_epoch=3, verbose=0)
+    trainer.fit(x, y, batch_size=16, epochs=1, steps_per_epoch=3, verbose=0, shuffle=False)
     assert max_weight_difference(reference, model) < ATOL
 
 
@@ -212,15 +214,15 @@ def test_checkpoint_restores_every_shard_and_its_slots(tmp_path):
     x, y = data()
     model = head_model()
     trainer = split_trainer(model, 4, optimizer=keras.optimizers.Adam(0.01))
-    trainer.fit(x, y, batch_size=16, epochs=1, steps_per_epoch=2, verbose=0)
+    trainer.fit(x, y, batch_size=16, epochs=1, steps_per_epoch=2, verbose=0, shuffle=False)
     trainer.save_checkpoint(str(tmp_path))
-    trainer.fit(x, y, batch_size=16, epochs=1, steps_per_epoch=2, verbose=0)
+    trainer.fit(x, y, batch_size=16, epochs=1, steps_per_epoch=2, verbose=0, shuffle=False)
     expected = [w.copy() for w in model.get_weights()]
 
     fresh = head_model(seed=7)
     restored = split_trainer(fresh, 4, optimizer=keras.optimizers.Adam(0.01))
     restored.restore_checkpoint(str(tmp_path))
-    restored.fit(x, y, batch_size=16, epochs=1, steps_per_epoch=2, verbose=0)
+    restored.fit(x, y, batch_size=16, epochs=1, steps_per_epoch=2, verbose=0, shuffle=False)
     for a, b in zip(expected, fresh.get_weights()):
         np.testing.assert_array_equal(a, b)
 
@@ -294,7 +296,7 @@ def test_split_with_zero_shards_the_replicated_part(level):
             **COLOCATE,
         },
     )
-    trainer.fit(x, y, batch_size=16, steps_per_epoch=3, verbose=0)
+    trainer.fit(x, y, batch_size=16, steps_per_epoch=3, verbose=0, shuffle=False)
     assert max_weight_difference(reference, model) < ATOL
     update = trainer._engine.program.update
     features = {v.path: i for i, v in enumerate(model.trainable_variables)}["features/kernel"]
@@ -318,10 +320,10 @@ def test_metrics_other_than_accuracy_on_a_split_output_are_refused():
 def test_split_head_under_bf16_amp_trains_close_to_float32():
     x, y = data()
     fp32 = head_model()
-    split_trainer(fp32, 4).fit(x, y, batch_size=16, steps_per_epoch=3, verbose=0)
+    split_trainer(fp32, 4).fit(x, y, batch_size=16, steps_per_epoch=3, verbose=0, shuffle=False)
     bf16 = head_model()
     trainer = split_trainer(bf16, 4, **{"amp.level": "O1", "amp.dtype": "bfloat16"})
-    history = trainer.fit(x, y, batch_size=16, steps_per_epoch=3, verbose=0)
+    history = trainer.fit(x, y, batch_size=16, steps_per_epoch=3, verbose=0, shuffle=False)
     assert np.isfinite(history.history["loss"][0])
     assert max_weight_difference(fp32, bf16) < 2e-2
 

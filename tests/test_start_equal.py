@@ -119,5 +119,5 @@ def test_a_single_worker_runs_no_collective(monkeypatch):
         keras.optimizers.SGD(0.1),
         config={"cluster.virtual_devices": 2},
     )
-    trainer.fit(x, y, batch_size=8, epochs=1, steps_per_epoch=2, verbose=0)
+    trainer.fit(x, y, batch_size=8, epochs=1, steps_per_epoch=2, verbose=0, shuffle=False)
     assert int(trainer.optimizer.iterations.numpy()) == 2

@@ -55,6 +55,7 @@ def train(steps_per_execution, steps_per_epoch=None, epochs=2, rows=96, **config
         steps_per_epoch=steps_per_epoch,
         verbose=0,
         callbacks=[log],
+        shuffle=False,
     )
     return m, trainer, history, log
 
@@ -91,7 +92,7 @@ def test_steps_per_execution_comes_from_compile_and_matches_keras():
     compiled.compile(keras.optimizers.Adam(0.01), LOSS, steps_per_execution=3)
     trainer = epl.EPLTrainer(compiled, config={"cluster.virtual_devices": 1})
     assert trainer.steps_per_execution == 3
-    trainer.fit(x, y, batch_size=16, epochs=1, verbose=0)
+    trainer.fit(x, y, batch_size=16, epochs=1, verbose=0, shuffle=False)
     for a, b in zip(reference.get_weights(), compiled.get_weights()):
         np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-6)
 
@@ -121,7 +122,7 @@ def test_evaluation_and_prediction_over_many_calls_equal_keras():
     trainer = epl.EPLTrainer(
         model(), LOSS, metrics=["accuracy"], config={"cluster.virtual_devices": 2}
     )
-    got = trainer.evaluate(x, y, batch_size=16)
+    got = trainer.evaluate(x, y, batch_size=16, return_dict=True)
     assert got["loss"] == pytest.approx(expected["loss"], rel=1e-5)
     assert got["accuracy"] == pytest.approx(expected["accuracy"], rel=1e-6)
     predictions = trainer.predict(x, batch_size=16)
@@ -149,7 +150,9 @@ def test_pipelined_evaluation_and_prediction_equal_keras():
         trainer._ensure_engine_for(tf.data.Dataset.from_tensors((x, y))).program._eval_pieces == 4
     )
     np.testing.assert_allclose(trainer.predict(x, batch_size=15), expected, rtol=1e-5, atol=1e-6)
-    assert trainer.evaluate(x, y, batch_size=15)["loss"] == pytest.approx(expected_loss, rel=1e-5)
+    assert trainer.evaluate(x, y, batch_size=15, return_dict=True)["loss"] == pytest.approx(
+        expected_loss, rel=1e-5
+    )
 
 
 def test_split_layers_with_several_steps_per_call_are_refused():
@@ -176,7 +179,7 @@ def test_several_steps_per_call_of_a_pipeline_train_exactly_like_one():
             config={"cluster.virtual_devices": 2, "pipeline.num_micro_batch": 2},
             steps_per_execution=steps_per_execution,
         )
-        trainer.fit(x, y, batch_size=16, epochs=2, verbose=0)
+        trainer.fit(x, y, batch_size=16, epochs=2, verbose=0, shuffle=False)
         weights.append(m.get_weights())
     for a, b in zip(*weights):
         np.testing.assert_array_equal(a, b)

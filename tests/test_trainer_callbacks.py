@@ -42,6 +42,7 @@ def test_history_and_tensorboard_get_loss_learning_rate_and_throughput(tmp_path)
         epochs=2,
         verbose=0,
         callbacks=[keras.callbacks.TensorBoard(str(tmp_path), update_freq=1)],
+        shuffle=False,
     )
     assert isinstance(history, keras.callbacks.History)
     assert len(history.history["loss"]) == 2
@@ -52,7 +53,7 @@ def test_history_and_tensorboard_get_loss_learning_rate_and_throughput(tmp_path)
 
 def test_progress_bar_shows_loss_and_samples_per_second(capsys):
     x, y = mlp_data()
-    _trainer().fit(x, y, batch_size=16, epochs=1, verbose=1)
+    _trainer().fit(x, y, batch_size=16, epochs=1, verbose=1, shuffle=False)
     out = capsys.readouterr().out
     assert "loss:" in out and "samples_per_sec:" in out and "4/4" in out
 
@@ -72,6 +73,7 @@ def test_csv_logger_and_model_checkpoint(tmp_path):
             keras.callbacks.CSVLogger(str(tmp_path / "log.csv")),
             keras.callbacks.ModelCheckpoint(weights_path, save_weights_only=True),
         ],
+        shuffle=False,
     )
     with open(tmp_path / "log.csv") as f:
         rows = list(csv.DictReader(f))
@@ -84,7 +86,9 @@ def test_csv_logger_and_model_checkpoint(tmp_path):
 def test_early_stopping_stops_training():
     x, y = mlp_data()
     stopper = keras.callbacks.EarlyStopping(monitor="loss", patience=0, min_delta=1e9)
-    history = _trainer().fit(x, y, batch_size=16, epochs=10, verbose=0, callbacks=[stopper])
+    history = _trainer().fit(
+        x, y, batch_size=16, epochs=10, verbose=0, callbacks=[stopper], shuffle=False
+    )
     assert len(history.history["loss"]) == 2
 
 
@@ -93,7 +97,7 @@ def test_early_stopping_restores_best_weights_into_the_engine():
     model = mlp()
     trainer = _trainer(model, optimizer=keras.optimizers.SGD(5.0))  # diverges: epoch 0 is best
     stopper = keras.callbacks.EarlyStopping(monitor="loss", patience=1, restore_best_weights=True)
-    trainer.fit(x, y, batch_size=16, epochs=6, verbose=0, callbacks=[stopper])
+    trainer.fit(x, y, batch_size=16, epochs=6, verbose=0, callbacks=[stopper], shuffle=False)
     np.testing.assert_allclose(trainer.predict(x), model.predict(x, verbose=0), atol=1e-5)
 
 
@@ -131,7 +135,7 @@ def test_learning_rate_scheduler_reaches_every_replica():
 def test_validation_data_adds_val_logs():
     x, y = mlp_data()
     history = _trainer(metrics=["accuracy"]).fit(
-        x, y, batch_size=16, epochs=1, verbose=0, validation_data=(x[:20], y[:20])
+        x, y, batch_size=16, epochs=1, verbose=0, validation_data=(x[:20], y[:20]), shuffle=False
     )
     assert {"val_loss", "val_accuracy"} <= set(history.history)
 

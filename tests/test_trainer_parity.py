@@ -36,7 +36,7 @@ def test_data_parallel_matches_single_device_keras(devices):
 
     model = parity_model()
     trainer = _trainer(model, devices)
-    trainer.fit(x, y, batch_size=16, epochs=1, steps_per_epoch=3, verbose=0)
+    trainer.fit(x, y, batch_size=16, epochs=1, steps_per_epoch=3, verbose=0, shuffle=False)
 
     assert trainer.plan.num_replicas == devices
     assert max_weight_difference(reference, model) < ATOL
@@ -50,7 +50,7 @@ def test_gradient_accumulation_matches_keras_on_the_same_batches(devices):
 
     model = parity_model()
     trainer = _trainer(model, devices, **{"pipeline.num_micro_batch": 4})
-    trainer.fit(x, y, batch_size=32, epochs=1, steps_per_epoch=3, verbose=0)
+    trainer.fit(x, y, batch_size=32, epochs=1, steps_per_epoch=3, verbose=0, shuffle=False)
 
     assert trainer.plan.num_micro_batch == 4
     assert max_weight_difference(reference, model) < ATOL
@@ -62,7 +62,7 @@ def test_adam_with_data_parallelism_keeps_slots_per_replica():
     keras_reference(reference, x, y, keras.optimizers.Adam(0.01), batch_size=16, steps=4)
     model = mlp()
     trainer = _trainer(model, 4, optimizer=keras.optimizers.Adam(0.01))
-    trainer.fit(x, y, batch_size=16, steps_per_epoch=4, verbose=0)
+    trainer.fit(x, y, batch_size=16, steps_per_epoch=4, verbose=0, shuffle=False)
     assert max_weight_difference(reference, model) < ATOL
     assert int(trainer.optimizer.iterations.numpy()) == 4
 
@@ -74,7 +74,7 @@ def test_sum_reduction_is_mean_times_replicas():
     keras_reference(reference, x, y, keras.optimizers.SGD(0.2), batch_size=16, steps=3)
     model = mlp()
     trainer = _trainer(model, 2, **{"communication.gradients_reduce_method": "sum"})
-    trainer.fit(x, y, batch_size=16, steps_per_epoch=3, verbose=0)
+    trainer.fit(x, y, batch_size=16, steps_per_epoch=3, verbose=0, shuffle=False)
     assert max_weight_difference(reference, model) < ATOL
 
 
@@ -85,7 +85,7 @@ def test_gradient_buckets_do_not_change_the_result(max_splits):
     keras_reference(reference, x, y, keras.optimizers.SGD(0.1), batch_size=16, steps=2)
     model = parity_model()
     trainer = _trainer(model, 2, **{"communication.max_splits": max_splits})
-    trainer.fit(x, y, batch_size=16, steps_per_epoch=2, verbose=0)
+    trainer.fit(x, y, batch_size=16, steps_per_epoch=2, verbose=0, shuffle=False)
     assert max_weight_difference(reference, model) < ATOL
 
 
@@ -102,10 +102,10 @@ def test_global_clipnorm_before_and_after_allreduce():
         2,
         optimizer=keras.optimizers.SGD(0.5, global_clipnorm=0.05),
         **{"communication.clip_after_allreduce": True},
-    ).fit(x, y, batch_size=16, steps_per_epoch=3, verbose=0)
+    ).fit(x, y, batch_size=16, steps_per_epoch=3, verbose=0, shuffle=False)
     before = mlp()
     _trainer(before, 2, optimizer=keras.optimizers.SGD(0.5, global_clipnorm=0.05)).fit(
-        x, y, batch_size=16, steps_per_epoch=3, verbose=0
+        x, y, batch_size=16, steps_per_epoch=3, verbose=0, shuffle=False
     )
     assert max_weight_difference(reference, after) < ATOL
     assert max_weight_difference(reference, before) > 1e-4
@@ -115,7 +115,7 @@ def test_batchnorm_statistics_stay_identical_across_replicas():
     x, y = mlp_data()
     model = mlp(batchnorm=True)
     trainer = _trainer(model, 4)
-    trainer.fit(x, y, batch_size=16, steps_per_epoch=2, verbose=0)
+    trainer.fit(x, y, batch_size=16, steps_per_epoch=2, verbose=0, shuffle=False)
     state = trainer._engine.state
     for i in state.synced_non_trainable():
         values = [np.asarray(lane[i].value) for lane in state.non_trainable]
@@ -130,9 +130,11 @@ def test_batchnorm_statistics_average_the_replicas():
     x, y = mlp_data(n=32)
     single = [mlp(batchnorm=True) for _ in range(2)]
     for half, model in zip((slice(0, 16), slice(16, 32)), single):
-        _trainer(model, 1).fit(x[half], y[half], batch_size=16, steps_per_epoch=1, verbose=0)
+        _trainer(model, 1).fit(
+            x[half], y[half], batch_size=16, steps_per_epoch=1, verbose=0, shuffle=False
+        )
     model = mlp(batchnorm=True)
-    _trainer(model, 2).fit(x, y, batch_size=32, steps_per_epoch=1, verbose=0)
+    _trainer(model, 2).fit(x, y, batch_size=32, steps_per_epoch=1, verbose=0, shuffle=False)
     expected = (single[0].get_layer("bn").moving_mean + single[1].get_layer("bn").moving_mean) / 2
     np.testing.assert_allclose(model.get_layer("bn").moving_mean.numpy(), expected, atol=1e-6)
 
@@ -141,7 +143,7 @@ def test_dropout_seeds_differ_per_replica_and_lane0_keeps_the_models():
     model = mlp(dropout=0.5)
     trainer = _trainer(model, 4)
     x, y = mlp_data()
-    trainer.fit(x, y, batch_size=16, steps_per_epoch=1, verbose=0)
+    trainer.fit(x, y, batch_size=16, steps_per_epoch=1, verbose=0, shuffle=False)
     state = trainer._engine.state
     index = next(i for i, v in enumerate(state.model_non_trainable) if "seed_generator" in v.path)
     seeds = [int(np.asarray(lane[index].value)[0]) for lane in state.non_trainable]
@@ -159,7 +161,9 @@ def test_evaluate_and_predict_match_keras_with_uneven_batches():
     trainer = epl.EPLTrainer(
         model, LOSS, "sgd", metrics=["accuracy"], config={"cluster.virtual_devices": 4}
     )
-    logs = trainer.evaluate(x, y, batch_size=16)  # last batch of 2 does not split into 4
+    logs = trainer.evaluate(
+        x, y, batch_size=16, return_dict=True
+    )  # last batch of 2 does not split into 4
     outputs = trainer.predict(x, batch_size=16)
     assert logs["loss"] == pytest.approx(expected_loss, abs=1e-5)
     assert logs["accuracy"] == pytest.approx(expected_accuracy, abs=1e-6)
@@ -170,7 +174,7 @@ def test_weights_are_written_back_to_the_keras_model():
     x, y = mlp_data()
     model = mlp()
     trainer = _trainer(model, 2)
-    trainer.fit(x, y, batch_size=16, steps_per_epoch=2, verbose=0)
+    trainer.fit(x, y, batch_size=16, steps_per_epoch=2, verbose=0, shuffle=False)
     np.testing.assert_allclose(model.predict(x, verbose=0), trainer.predict(x), atol=1e-5)
 
 
@@ -187,7 +191,7 @@ def test_two_stages_and_two_pipelines_match_keras():
         stages={"conv|pool_image|embed|pool_tokens|concat": 0, "hidden|norm|logits": 1},
         config={"cluster.virtual_devices": 4, "pipeline.num_micro_batch": 2},
     )
-    trainer.fit(x, y, batch_size=16, steps_per_epoch=3, verbose=0)
+    trainer.fit(x, y, batch_size=16, steps_per_epoch=3, verbose=0, shuffle=False)
     assert trainer.plan.num_replicas == 2
     assert [lane.devices for lane in trainer.lanes] == [
         (
@@ -213,7 +217,7 @@ def test_model_fn_returning_a_model_spec():
     trainer = epl.EPLTrainer(
         model_fn, optimizer=keras.optimizers.SGD(0.1), config={"cluster.virtual_devices": 2}
     )
-    history = trainer.fit(x, y, batch_size=16, steps_per_epoch=2, verbose=0)
+    history = trainer.fit(x, y, batch_size=16, steps_per_epoch=2, verbose=0, shuffle=False)
     assert "accuracy" in history.history
     assert max_weight_difference(reference, trainer.model) < ATOL
 
@@ -262,7 +266,7 @@ def test_subclassed_model_trains_data_parallel():
     trainer = _trainer(model, 2)
     model(x[:1])
     model.set_weights(initial)
-    trainer.fit(x, y, batch_size=16, steps_per_epoch=3, verbose=0)
+    trainer.fit(x, y, batch_size=16, steps_per_epoch=3, verbose=0, shuffle=False)
     assert max_weight_difference(reference, model) < ATOL
 
 

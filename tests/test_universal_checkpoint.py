@@ -32,15 +32,15 @@ def _resharded_run(tmp_path, make_first, make_second, make_model=mlp, data=mlp_d
     layout trains `epochs`, saves; `make_second`'s restores and trains `epochs` more."""
     x, y = data()
     uninterrupted = make_model()
-    make_first(uninterrupted).fit(x, y, batch_size=16, epochs=2 * epochs, verbose=0)
+    make_first(uninterrupted).fit(x, y, batch_size=16, epochs=2 * epochs, verbose=0, shuffle=False)
     first = make_first(make_model())
-    first.fit(x, y, batch_size=16, epochs=epochs, verbose=0)
+    first.fit(x, y, batch_size=16, epochs=epochs, verbose=0, shuffle=False)
     path = first.save_checkpoint(str(tmp_path))
     resumed_model = make_model(seed=99)  # every value must come from the checkpoint
     resumed = make_second(resumed_model)
     assert resumed.restore_checkpoint(str(tmp_path)) == path
     assert int(resumed.optimizer.iterations.numpy()) == int(first.optimizer.iterations.numpy())
-    history = resumed.fit(x, y, batch_size=16, epochs=epochs, verbose=0)
+    history = resumed.fit(x, y, batch_size=16, epochs=epochs, verbose=0, shuffle=False)
     assert history.epoch == list(range(epochs, 2 * epochs))
     manifest = json.loads((tmp_path / os.path.basename(path) / "manifest.json").read_text())
     print(
@@ -179,7 +179,7 @@ def test_every_optimizers_slots_move_from_zero_shards_to_groups(tmp_path, name):
 def test_a_checkpoint_of_another_optimizer_is_refused(tmp_path):
     x, y = mlp_data()
     first = adam_trainer(mlp(), 2)
-    first.fit(x, y, batch_size=16, epochs=1, verbose=0)
+    first.fit(x, y, batch_size=16, epochs=1, verbose=0, shuffle=False)
     first.save_checkpoint(str(tmp_path))
     sgd = adam_trainer(mlp(), 2, keras.optimizers.SGD(0.1, momentum=0.9))
     with pytest.raises(CheckpointError, match=r"only in the checkpoint: \['dense_in/kernel \("):
@@ -192,16 +192,16 @@ def test_checkpoint_in_an_in_memory_filesystem_restores_into_another_layout():
     directory = "ram://universal_ckpt_test"
     x, y = mlp_data()
     uninterrupted = mlp()
-    adam_trainer(uninterrupted, 2).fit(x, y, batch_size=16, epochs=2, verbose=0)
+    adam_trainer(uninterrupted, 2).fit(x, y, batch_size=16, epochs=2, verbose=0, shuffle=False)
     first = adam_trainer(mlp(), 2)
-    first.fit(x, y, batch_size=16, epochs=1, verbose=0)
+    first.fit(x, y, batch_size=16, epochs=1, verbose=0, shuffle=False)
     path = first.save_checkpoint(directory, keep_max=1)
     assert path == directory + "/ckpt-4"
     assert tf.io.gfile.exists(path + "/manifest.json")
     resumed_model = mlp(seed=5)
     resumed = adam_trainer(resumed_model, 4, **{"zero.level": "v1"})
     resumed.restore_checkpoint(directory)
-    resumed.fit(x, y, batch_size=16, epochs=1, verbose=0)
+    resumed.fit(x, y, batch_size=16, epochs=1, verbose=0, shuffle=False)
     assert max_weight_difference(uninterrupted, resumed_model) < ATOL
     resumed.save_checkpoint(directory, keep_max=1)
     assert sorted(tf.io.gfile.listdir(directory)) == ["ckpt-8", "latest"]
@@ -217,9 +217,9 @@ def test_a_crash_between_the_shards_and_the_manifest_keeps_the_previous_latest(
 ):
     x, y = mlp_data()
     trainer = adam_trainer(mlp(), 2)
-    trainer.fit(x, y, batch_size=16, epochs=1, verbose=0)
+    trainer.fit(x, y, batch_size=16, epochs=1, verbose=0, shuffle=False)
     trainer.save_checkpoint(str(tmp_path))
-    trainer.fit(x, y, batch_size=16, epochs=1, verbose=0)
+    trainer.fit(x, y, batch_size=16, epochs=1, verbose=0, shuffle=False)
 
     def crash(folder):
         assert sorted(os.listdir(folder))[:3] == [
@@ -254,14 +254,14 @@ def test_a_missing_shard_is_never_published(tmp_path):
 def test_a_shard_that_fails_to_write_stops_the_save_and_names_it(tmp_path, monkeypatch):
     x, y = mlp_data()
     trainer = adam_trainer(mlp(), 1)
-    trainer.fit(x, y, batch_size=16, epochs=1, verbose=0)
+    trainer.fit(x, y, batch_size=16, epochs=1, verbose=0, shuffle=False)
     trainer.save_checkpoint(str(tmp_path))
 
     def full_disk(folder, worker, entries):
         raise OSError(f"No space left on device: {folder}")
 
     monkeypatch.setattr(ckpt, "write_shard", full_disk)
-    trainer.fit(x, y, batch_size=16, epochs=1, verbose=0)
+    trainer.fit(x, y, batch_size=16, epochs=1, verbose=0, shuffle=False)
     with pytest.raises(OSError, match=r"No space left on device: .*\.tmp-ckpt-8-"):
         trainer.save_checkpoint(str(tmp_path))
     assert (tmp_path / "latest").read_text() == "ckpt-4"
@@ -319,7 +319,7 @@ def test_an_optimizer_with_state_not_made_per_variable_is_refused_by_name(tmp_pa
     reference variable: nothing says which model variable they belong to."""
     x, y = mlp_data()
     trainer = adam_trainer(mlp(), 1, keras.optimizers.Adafactor(0.01))
-    trainer.fit(x, y, batch_size=16, epochs=1, verbose=0)
+    trainer.fit(x, y, batch_size=16, epochs=1, verbose=0, shuffle=False)
     with pytest.raises(ValueError, match=r"Adafactor keeps state that is not made per variable"):
         trainer.save_checkpoint(str(tmp_path))
     assert not ckpt.exists(str(tmp_path))

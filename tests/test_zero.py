@@ -58,7 +58,7 @@ def test_zero_matches_keras(level, num_micro_batch, stages, offload):
             "offload.level": offload,
         },
     )
-    trainer.fit(x, y, batch_size=16, steps_per_epoch=3, verbose=0)
+    trainer.fit(x, y, batch_size=16, steps_per_epoch=3, verbose=0, shuffle=False)
     assert max_weight_difference(reference, model) < ATOL
     update = trainer._engine.program.update
     cut = {i for _, i, start, _ in update.piece_spans().values() if start is not None}
@@ -95,12 +95,12 @@ def test_zero_combines_with(level, config):
     trainer = adam_trainer(
         model, 2, optimizer(), **{"zero.level": level, "pipeline.num_micro_batch": 2, **config}
     )
-    trainer.fit(x, y, batch_size=16, steps_per_epoch=3, verbose=0)
+    trainer.fit(x, y, batch_size=16, steps_per_epoch=3, verbose=0, shuffle=False)
     if clip:  # per-replica clipping: the reference is plain data parallelism
         reference_trainer = adam_trainer(
             reference, 2, optimizer(), **{"pipeline.num_micro_batch": 2}
         )
-        reference_trainer.fit(x, y, batch_size=16, steps_per_epoch=3, verbose=0)
+        reference_trainer.fit(x, y, batch_size=16, steps_per_epoch=3, verbose=0, shuffle=False)
         assert trainer._engine.program.hooks.gradient_sink is None
     else:
         keras_reference(reference, x, y, keras.optimizers.Adam(0.01), batch_size=16, steps=3)
@@ -131,7 +131,7 @@ def test_memory_report_divides_optimizer_state_and_gradients_exactly(level):
     x = rng.integers(0, 1000, size=(64, 6)).astype("int32")
     y = rng.integers(0, 3, size=(64,)).astype("int32")
     trainer = adam_trainer(model, 4, **{"zero.level": level})
-    trainer.fit(x, y, batch_size=16, steps_per_epoch=1, verbose=0)
+    trainer.fit(x, y, batch_size=16, steps_per_epoch=1, verbose=0, shuffle=False)
     report = trainer.memory_report(print_table=False)
     sizes = [variable_bytes(v) for v in model.trainable_variables]
     total = sum(sizes)
@@ -252,7 +252,7 @@ def test_v2_per_segment_gathers_are_not_kept_for_backward(monkeypatch):
     trainer = adam_trainer(
         parity_model(), 2, **{"zero.level": "v2", "gradient_checkpoint.type": "auto"}
     )
-    trainer.fit(x, y, batch_size=16, steps_per_epoch=1, verbose=0)
+    trainer.fit(x, y, batch_size=16, steps_per_epoch=1, verbose=0, shuffle=False)
     graph = made["gather"][-1].graph  # the last traced step
     forward = [t for t in made["gather"] if t.graph is graph]
     again = [t for t in made["regather"] if t.graph is graph]
@@ -268,7 +268,7 @@ def test_v2_evaluates_and_predicts_from_the_gathered_parameters():
     x, y = parity_data()
     model = parity_model()
     trainer = adam_trainer(model, 4, stages=PARITY_STAGES, **{"zero.level": "v2"})
-    trainer.fit(x, y, batch_size=16, steps_per_epoch=2, verbose=0)
+    trainer.fit(x, y, batch_size=16, steps_per_epoch=2, verbose=0, shuffle=False)
     reference = parity_model()
     reference.set_weights(model.get_weights())  # the trained weights, written back
     np.testing.assert_allclose(trainer.predict(x, batch_size=16), reference.predict(x, verbose=0),
@@ -280,4 +280,4 @@ def test_v2_evaluates_and_predicts_from_the_gathered_parameters():
                                atol=1e-5)  # fmt: skip
     reference.compile(loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
     expected = reference.evaluate(x, y, batch_size=16, verbose=0)
-    assert abs(trainer.evaluate(x, y, batch_size=16)["loss"] - expected) < 1e-5
+    assert abs(trainer.evaluate(x, y, batch_size=16, return_dict=True)["loss"] - expected) < 1e-5

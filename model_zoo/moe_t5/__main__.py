@@ -218,7 +218,7 @@ def main(argv):
         worker_num=cluster.worker_num,
     )
     initial = {
-        **trainer.evaluate(evaluation),
+        **trainer.evaluate(evaluation, return_dict=True),
         **moe_t5.router_statistics(model, probe),
     }
     print("Before training: " + _format(initial))
@@ -238,7 +238,7 @@ def main(argv):
     )
     train_time = time.perf_counter() - train_start
     final = {
-        **trainer.evaluate(evaluation),
+        **trainer.evaluate(evaluation, return_dict=True),
         **moe_t5.router_statistics(model, probe),
     }
     print("After training:  " + _format(final))

@@ -144,7 +144,7 @@ def main(argv):
         callbacks=callbacks,
         verbose=2,
     )
-    final = trainer.evaluate(x_val, y_val, batch_size=FLAGS.batch_size)
+    final = trainer.evaluate(x_val, y_val, batch_size=FLAGS.batch_size, return_dict=True)
     wall_time = time.perf_counter() - start
     print(
         f"Validation: loss {final['loss']:.4f}, accuracy {final['accuracy']:.4f} "

@@ -198,7 +198,9 @@ def train(options: Options) -> dict:
     if options.verbose:
         print(trainer.plan.summary())
     train_data, validation_data = datasets(options, trainer, num_classes, image_size)
-    initial = trainer.evaluate(validation_data) if validation_data is not None else None
+    initial = (
+        trainer.evaluate(validation_data, return_dict=True) if validation_data is not None else None
+    )
     callbacks = []
     if options.output_dir and cluster.is_chief:
         callbacks.append(keras.callbacks.TensorBoard(str(Path(options.output_dir) / "logs")))
@@ -210,7 +212,9 @@ def train(options: Options) -> dict:
         callbacks=callbacks,
         verbose=options.verbose,
     )
-    final = trainer.evaluate(validation_data) if validation_data is not None else None
+    final = (
+        trainer.evaluate(validation_data, return_dict=True) if validation_data is not None else None
+    )
     metrics = {
         "model": trainer.model.name,
         "num_classes": num_classes,

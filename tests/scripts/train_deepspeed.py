@@ -28,7 +28,9 @@ def main():
         config=ds_config,
     )
     x, y = make_data()
-    trainer.fit(x, y, epochs=1, steps_per_epoch=3, verbose=0)  # batch from the config
+    trainer.fit(
+        x, y, epochs=1, steps_per_epoch=3, verbose=0, shuffle=False
+    )  # batch from the config
     os.makedirs(output_dir, exist_ok=True)
     np.savez(
         os.path.join(output_dir, f"weights_{cluster.worker_index}.npz"),

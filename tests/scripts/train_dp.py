@@ -81,7 +81,9 @@ def main():
         import tensorflow as tf
 
         data = tf.data.Dataset.from_tensor_slices((x[:8], y[:8])).batch(8)
-        logs = trainer.evaluate(data.take(0) if cluster.worker_index == 1 else data)
+        logs = trainer.evaluate(
+            data.take(0) if cluster.worker_index == 1 else data, return_dict=True
+        )
         print(f"worker {cluster.worker_index} evaluate loss={logs['loss']:.6f}", flush=True)
 
     class FailAfterFirstStep(keras.callbacks.Callback):
@@ -110,6 +112,7 @@ def main():
             steps_per_epoch=args.steps,
             callbacks=[FailAfterFirstStep()],
             verbose=0,
+            shuffle=False,
         )
     os.makedirs(args.output_dir, exist_ok=True)
     np.savez(

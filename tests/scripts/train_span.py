@@ -126,10 +126,13 @@ def main():
         steps_per_epoch=args.steps,
         callbacks=[PauseAfterStep()],
         verbose=0,
+        shuffle=False,
     )
     if args.save_dir:  # every worker writes the shard of the stages it holds
         trainer.save_checkpoint(args.save_dir)
-    evaluated = trainer.evaluate(x[:32], y[:32], batch_size=16 // trainer.data_shards)
+    evaluated = trainer.evaluate(
+        x[:32], y[:32], batch_size=16 // trainer.data_shards, return_dict=True
+    )
     predicted = trainer.predict(x[:8], batch_size=8)
     np.savez(os.path.join(args.output_dir, f"weights_{worker}.npz"), *trainer.model.get_weights())
     with open(os.path.join(args.output_dir, f"result_{worker}.json"), "w") as f:

@@ -136,6 +136,7 @@ def main():
         steps_per_epoch=args.steps,
         callbacks=[SaveStart()],
         verbose=0,
+        shuffle=False,
     )
     np.savez(os.path.join(args.output_dir, f"weights_{worker}.npz"), *model.get_weights())
     result = {
