@@ -44,8 +44,13 @@ def pytest_collection_modifyitems(config, items):
 def _first_line(report) -> str:
     crash = getattr(report.longrepr, "reprcrash", None)
     text = crash.message if crash is not None else str(report.longrepr)
-    lines = [line for line in text.splitlines() if line.strip()]
-    return lines[0].strip()[:300] if lines else "?"
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    if not lines:
+        return "?"
+    if lines[0].endswith(":") and len(lines) > 1:  # "Items in the first set ...:" + items
+        items = sorted(line.removeprefix("E").strip() for line in lines[1:6])
+        return f"{lines[0]} {'; '.join(items)}"[:300]
+    return lines[0][:300]
 
 
 def pytest_runtest_setup(item):
