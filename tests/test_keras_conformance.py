@@ -10,8 +10,9 @@ path of the full results are printed (run with `-s`).
 
 Layouts: "dp" (`cluster.virtual_devices: 2`, data parallel) runs by default; "pipeline"
 (auto.auto_parallel, 2 stages, 2 micro-batches) only with
-`EPL_CONFORMANCE_LAYOUTS=dp,pipeline`, since plain + dp already take ~3-6 minutes on 2
-cores (measured: plain 192 s, dp 155 s, pipeline 136 s, on a busy machine).
+`EPL_CONFORMANCE_LAYOUTS=dp,pipeline`, since plain + dp already take ~4 minutes on 2
+cores (measured: plain 128-192 s, dp 109-155 s, pipeline 136 s; the higher figures with
+another test run on the machine).
 Files: `keras/src/callbacks/*_test.py` calling `fit` by default; add
 `keras/src/models/model_test.py` with `EPL_CONFORMANCE_GROUPS=callbacks,models` (plain
 model_test alone takes ~60 s more; it has no ratchet baseline yet).
