@@ -9,6 +9,8 @@ import numpy as np
 import tensorflow as tf
 from keras import tree
 
+from epl_trainer.core.engine import step_batch
+
 logger = logging.getLogger(__name__)
 
 DEFAULT_BATCH_SIZE = 32
@@ -203,17 +205,11 @@ def unpack_element(element, with_labels: bool = True):
     engine makes the same check while tracing. For prediction a tuple of 1-3 parts is
     `(x, ...)` and anything else is the features (Keras's `unpack_x_y_sample_weight`).
     """
-    if isinstance(element, tuple) and len(element) in (2, 3):
-        return element[0], element[1], element[2] if len(element) == 3 else None
-    if not with_labels:
-        if isinstance(element, tuple) and len(element) == 1:
-            return element[0], None, None
-        return element, None, None
-    raise ValueError(
-        "Training and evaluation datasets must yield (features, labels) pairs or "
-        "(features, labels, sample_weight) triples. Received an element with structure "
-        f"{tree.map_structure(lambda x: getattr(x, 'shape', x), element)}"
-    )
+    if with_labels or (isinstance(element, tuple) and len(element) in (2, 3)):
+        return step_batch.unpack_element(element)  # the check the compiled step makes
+    if isinstance(element, tuple) and len(element) == 1:
+        return element[0], None, None
+    return element, None, None
 
 
 def split_element(element, with_labels: bool):

@@ -122,7 +122,6 @@ class StepRows:
     Attributes:
       real_rows: rows of this worker's batch before padding (float32 scalar).
       lanes: lanes of the job the gradient reduction averages over.
-      local_lanes: this worker's lanes.
       data_shards: workers reading different batches (the global batch is this many
         worker batches).
       single: the step is one micro-batch on one lane of one worker: a data-dependent
@@ -131,7 +130,6 @@ class StepRows:
 
     real_rows: tf.Tensor
     lanes: int
-    local_lanes: int
     data_shards: int
     single: bool = False
 

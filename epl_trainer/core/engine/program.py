@@ -209,7 +209,6 @@ class Program:
             rows = objective.StepRows(
                 real_rows=tf.cast(batch.rows, tf.float32),
                 lanes=num_lanes * self.data_shards,
-                local_lanes=num_lanes,
                 data_shards=self.data_shards,
                 single=num_lanes * num_micro * self.data_shards == 1,
             )
@@ -463,8 +462,7 @@ class Program:
             parts = split_batch((*padded, mask), num_lanes)
             if sample_weight is None:
                 parts = [(f, y, None, w) for f, y, w in parts]
-            rows = objective.StepRows(real_rows, num_lanes * self.data_shards, num_lanes,
-                                      self.data_shards, single=False)  # fmt: skip
+            rows = objective.StepRows(real_rows, num_lanes * self.data_shards, self.data_shards)
         hooks.lanes.begin_trace()
         for li, (f, y, sw, w) in enumerate(parts):
             with hooks.lanes.lane(li):

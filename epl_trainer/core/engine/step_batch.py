@@ -11,19 +11,14 @@ from epl_trainer.core.engine import objective
 from epl_trainer.core.engine.pipeline import MicroBatchInput
 
 
-def split_element(element):
-    """(features, labels) from a training dataset element, checked while tracing."""
-    return unpack_element(element)[:2]
-
-
 def unpack_element(element):
     """(features, labels, sample_weight or None) from a training or evaluation element:
     `(x, y)` or `(x, y, sample_weight)`, as Keras takes them."""
     if not isinstance(element, tuple) or len(element) not in (2, 3):
         raise ValueError(
-            "Training and evaluation datasets must yield (features, labels) or (features, "
-            "labels, sample_weight). Received an element with structure "
-            f"{tree.map_structure(lambda x: x.shape, element)}"
+            "Training and evaluation datasets must yield (features, labels) pairs or "
+            "(features, labels, sample_weight) triples. Received an element with structure "
+            f"{tree.map_structure(lambda x: getattr(x, 'shape', x), element)}"
         )
     return element if len(element) == 3 else (*element, None)
 
