@@ -79,3 +79,32 @@ def mixed_precision_keys(model, optimizer) -> dict:
 def output_names(model) -> list[str]:
     names = getattr(model, "output_names", None)
     return list(names) if names else ["output"]
+
+
+def build_keras_compile_metrics(model, element_spec) -> None:
+    """Builds a compiled model's own `CompileMetrics` from the data's shapes, as Keras's
+    first `fit` does (`Trainer._symbolic_build`), without running or training anything.
+
+    The trainer computes the metrics with its own objects; Keras's callbacks that pick
+    a direction for a monitored metric (`EarlyStopping`, `ReduceLROnPlateau`,
+    `ModelCheckpoint`, mode "auto") look it up in `model.metrics`, which lists Keras's
+    compiled metrics only once they are built.
+    """
+    compile_metrics = getattr(model, "_compile_metrics", None)
+    if not getattr(model, "compiled", False) or compile_metrics is None:
+        return
+    if compile_metrics.built or not model.built:
+        return
+    from keras.src.trainers import data_adapters
+
+    def symbolic(spec):
+        if spec is None:
+            return None
+        return keras.KerasTensor(spec.shape, dtype=spec.dtype.name)
+
+    element = keras.tree.map_structure(symbolic, element_spec)
+    x, y, sample_weight = data_adapters.data_adapter_utils.unpack_x_y_sample_weight(element)
+    y_pred = keras.src.backend.compute_output_spec(model, x, training=False)
+    keras.src.backend.compute_output_spec(
+        model.compute_metrics, x, y, y_pred, sample_weight=sample_weight
+    )

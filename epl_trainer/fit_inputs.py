@@ -144,19 +144,16 @@ def with_class_weight(x, y, sample_weight, class_weight):
 def epoch_range(epochs, initial_epoch, epochs_done: int, resumed: bool) -> range:
     """The epochs `fit` runs, numbered as callbacks see them.
 
-    As Keras, `initial_epoch` > 0 runs epochs `initial_epoch .. epochs - 1`, and a run
-    resumed from a checkpoint (Keras's BackupAndRestore) continues its epoch count up to
-    `epochs`. Otherwise `epochs` more epochs run, numbered from those this trainer ran
-    before (0 on a fresh trainer, as Keras).
+    As Keras: epochs `initial_epoch .. epochs - 1` (a second `fit(epochs=2)` runs epochs
+    0 and 1 again). A run resumed from `checkpoint.dir` continues its epoch count up to
+    `epochs`, as one resumed by Keras's BackupAndRestore does.
     """
     for name, value in (("epochs", epochs), ("initial_epoch", initial_epoch)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
             raise ValueError(f"{name} must be an int >= 0. Received: {name}={value!r}")
     if resumed:
         return range(epochs_done, epochs)
-    if initial_epoch:
-        return range(initial_epoch, epochs)
-    return range(epochs_done, epochs_done + epochs)
+    return range(initial_epoch, epochs)
 
 
 def should_validate(epoch: int, validation_freq) -> bool:
@@ -207,13 +204,19 @@ def has_batch_hooks(callbacks: keras.callbacks.CallbackList, mode: str) -> bool:
     `on_<mode>_batch_begin/end`: then every batch gets its calls, as in Keras; without one
     the trainer runs many batches per call and calls them once per call."""
     quiet = (keras.callbacks.ProgbarLogger, keras.callbacks.History)
-    names = [f"on_{mode}_batch_begin", f"on_{mode}_batch_end"]
     return any(
-        not getattr(getattr(callback, name), "_is_default", False)
+        implements_batch_hooks(callback, mode)
         for callback in callbacks.callbacks
         if not isinstance(callback, quiet)
-        for name in names
     )
+
+
+def implements_batch_hooks(callback: keras.callbacks.Callback, mode: str) -> bool:
+    """Whether `callback` overrides Keras's empty `on_<mode>_batch_begin/end`."""
+    names = [f"on_{mode}_batch_begin", f"on_{mode}_batch_end"]
+    if mode == "train":  # Keras's defaults call the older aliases
+        names += ["on_batch_begin", "on_batch_end"]
+    return any(not getattr(getattr(callback, name), "_is_default", False) for name in names)
 
 
 def at_most(dataset: tf.data.Dataset, steps) -> tf.data.Dataset:
@@ -230,6 +233,13 @@ def num_batches(dataset: tf.data.Dataset) -> int | None:
     for the progress bar and callbacks' `params["steps"]`)."""
     count = int(dataset.cardinality())
     return count if count >= 0 else None
+
+
+def log_value(value):
+    """A log entry as Keras gives it to callbacks (`pythonify_logs`): a float for a
+    scalar, the numpy array otherwise (e.g. `F1Score`'s per-class scores)."""
+    array = np.asarray(value)
+    return float(array) if array.ndim == 0 else array
 
 
 def flatten_logs_in_order(logs: dict, metric_names: Sequence[str]):

@@ -12,6 +12,7 @@ import tensorflow as tf
 
 from epl_trainer.cluster import Cluster
 from epl_trainer.core import comm
+from epl_trainer.fit_inputs import log_value
 
 
 class MetricSync:
@@ -29,7 +30,7 @@ class MetricSync:
         logs = {}
         for m in metrics:
             values = [next(reduced) for _ in m.variables]
-            logs[m.name] = float(m.stateless_result(values))
+            logs[m.name] = log_value(m.stateless_result(values))
         return logs
 
     def _build(self, variables):

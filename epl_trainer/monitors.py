@@ -136,10 +136,23 @@ class DeepSpeedMonitor(keras.callbacks.Callback):
       loss_tracker: the trainer's loss `keras.metrics.Mean` (its running sums give each
         step's loss); None logs Keras's running-mean `loss` instead.
       log_loss_scale: write `Train/Samples/loss_scale` (DeepSpeed does with fp16 only).
+      stats: the trainer's `step_stats` (the loss scale and skipped steps, which are not
+        in Keras's logs); None reads them from the logs.
     """
 
-    def __init__(self, writers, train_batch_size: int, *, loss_tracker=None, log_loss_scale=False):
+    reads_logs_only = True  # the trainer need not write the weights back every step
+
+    def __init__(
+        self,
+        writers,
+        train_batch_size: int,
+        *,
+        loss_tracker=None,
+        log_loss_scale=False,
+        stats=None,
+    ):
         super().__init__()
+        self.stats = stats
         self.writers = list(writers)
         self.train_batch_size = int(train_batch_size)
         self.log_loss_scale = log_loss_scale
@@ -158,13 +171,14 @@ class DeepSpeedMonitor(keras.callbacks.Callback):
         samples_before = self._steps * self.train_batch_size
         self._steps += 1
         samples = self._steps * self.train_batch_size
-        applied = self._steps - int(logs.get("skipped_steps", 0))
+        stats = logs if self.stats is None else self.stats
+        applied = self._steps - int(stats.get("skipped_steps", 0))
         events = [
             (TRAIN_LOSS, self._step_loss(logs), samples_before),
             (LEARNING_RATE, current_learning_rate(self.model.optimizer, applied), samples),
         ]
-        if self.log_loss_scale and "loss_scale" in logs:
-            events.append((LOSS_SCALE, float(logs["loss_scale"]), samples))
+        if self.log_loss_scale and "loss_scale" in stats:
+            events.append((LOSS_SCALE, float(stats["loss_scale"]), samples))
         for writer in self.writers:
             writer.write_events(events)
 
@@ -172,8 +186,11 @@ class DeepSpeedMonitor(keras.callbacks.Callback):
 class StepsPerPrint(keras.callbacks.Callback):
     """DeepSpeed's `steps_per_print`: logs step, skipped steps, lr and loss every N steps."""
 
-    def __init__(self, steps_per_print: int):
+    reads_logs_only = True
+
+    def __init__(self, steps_per_print: int, stats=None):
         super().__init__()
+        self.stats = stats  # the trainer's step_stats (skipped steps); None: the logs
         if isinstance(steps_per_print, bool) or not isinstance(steps_per_print, int):
             raise TypeError(f"steps_per_print must be an int. Received: {steps_per_print!r}")
         if steps_per_print < 1:
@@ -189,7 +206,7 @@ class StepsPerPrint(keras.callbacks.Callback):
         self._steps += 1
         if self._steps % self.steps_per_print:
             return
-        skipped = int(logs.get("skipped_steps", 0))
+        skipped = int((logs if self.stats is None else self.stats).get("skipped_steps", 0))
         lr = current_learning_rate(self.model.optimizer, self._steps - skipped)
         logger.info(
             "step=%d, skipped=%d, lr=[%s], loss=%s", self._steps, skipped, lr, logs.get("loss")

@@ -135,7 +135,14 @@ class EPLTrainer(CheckpointMixin, TrainingDataMixin, InferenceMixin):
         self._step_in_epoch = 0
         self._batches: data_lib.EpochBatches | None = None
         self._resume_position = (0, 0)  # (step_in_epoch, input position) of a restore
+        self._restored = False  # a checkpoint was restored since the last fit
         self._nonfinite_seen = 0
+        # The trainer's own per-step values, kept out of the callbacks' logs (which are
+        # Keras's: loss and metrics): throughput, and with AMP the loss scale and skipped
+        # steps. `step_stats` holds the last step's, `stats_history` the last step of each
+        # epoch of the latest `fit` (as `History.history` does for the logs).
+        self.step_stats: dict = {}
+        self.stats_history: dict[str, list] = {}
         multi_worker = self.cluster.worker_num > 1
         self._end_of_data = EndOfDataAgreement(self.cluster) if multi_worker else None
         self._shuffle_seed: int | None = None
@@ -326,9 +333,11 @@ class EPLTrainer(CheckpointMixin, TrainingDataMixin, InferenceMixin):
         - `sample_weight` and `class_weight` become one float32 weight per sample;
           `class_weight` needs a single output. Dataset elements may be
           `(x, y, sample_weight)`.
-        - Without `initial_epoch`, a second `fit` continues the epoch count of the first;
-          a run resumed from `checkpoint.dir` continues up to `epochs` (Keras's
-          BackupAndRestore).
+        - Epochs are numbered as in Keras: `initial_epoch .. epochs - 1` on every call
+          (Keras's `BackupAndRestore` moves the start to its backup's epoch). A run
+          resumed from `checkpoint.dir` continues its epoch count up to `epochs`, as
+          BackupAndRestore; after an explicit `restore_checkpoint`, `fit` runs `epochs`
+          more epochs numbered from the checkpoint's count.
 
         With `parse_fn`, `x` is a list of file names or a glob: records are read with
         `file_format` ("tfrecord" by default, "text", or a callable `files -> Dataset`),
@@ -348,7 +357,9 @@ class EPLTrainer(CheckpointMixin, TrainingDataMixin, InferenceMixin):
             self._build_from_data(probe, model_fn_lib.TRAIN)
         if self.deepspeed is not None:  # batch sizes, monitors and steps_per_print
             batch_size = self.deepspeed.fit_batch_size(x, batch_size, self.plan, len(self.lanes))
-            extra = self.deepspeed.callbacks(self.loss_tracker, self.cluster.is_chief)
+            extra = self.deepspeed.callbacks(
+                self.loss_tracker, self.cluster.is_chief, self.step_stats
+            )
             callbacks = [*(callbacks or []), *extra]
         if files:
             dataset = self._files_dataset(x, y, batch_size, parse_fn, file_format, steps_per_epoch)
@@ -356,6 +367,7 @@ class EPLTrainer(CheckpointMixin, TrainingDataMixin, InferenceMixin):
         else:
             dataset, passes = self._fit_dataset(x, y, sample_weight, batch_size, shuffle)
         data_lib.check_element_spec(dataset.element_spec, self.model, with_labels=True)
+        compiled.build_keras_compile_metrics(self.model, dataset.element_spec)
         validation = None
         if validation_data is not None:
             fit_lib.should_validate(0, validation_freq)  # a bad value fails before training
@@ -367,24 +379,34 @@ class EPLTrainer(CheckpointMixin, TrainingDataMixin, InferenceMixin):
         # counts from the job's first epoch (Keras's initial_epoch), so a restarted script
         # finishes the run it was doing instead of adding epochs.
         resumed = self._auto_resume(dataset)
-        epochs_run = fit_lib.epoch_range(epochs, initial_epoch, self.epochs_done, resumed)
+        restored, self._restored = self._restored and not resumed, False
+        fit_lib.epoch_range(epochs, initial_epoch, self.epochs_done, resumed)  # checks values
         callback_list = fit_lib.callback_list(
             callbacks,
             self.model,
             verbose,
-            epochs=epochs_run.stop,
+            epochs=epochs,
             steps=steps_per_epoch or fit_lib.num_batches(dataset),
             add_history=True,
         )
         write_back_each_step = _needs_fresh_weights_per_step(callback_list)
         self.model.stop_training = False
+        self.stats_history = {}
         callback_list.on_train_begin()
+        if self._engine is not None:
+            # The model holds the trainer's state here; a callback may have set weights
+            # (Keras's BackupAndRestore loads its backup and sets model._initial_epoch).
+            self._engine.load_from_model()
+        initial_epoch = getattr(self.model, "_initial_epoch", None) or initial_epoch
+        epochs_run = fit_lib.epoch_range(epochs, initial_epoch, self.epochs_done, resumed)
+        if restored:  # restore_checkpoint(...) then fit: `epochs` more, numbered on
+            epochs_run = range(self.epochs_done, self.epochs_done + epochs)
         first_step, position = self._resume_position
         self._resume_position = (0, 0)
         # Workers that agree on the end of the data (end_of_data.py) all take each step.
         known = fit_lib.num_batches(dataset) if self._end_of_data is None else None
         self._batches = batches = data_lib.EpochBatches(
-            dataset, steps_per_epoch, position, passes, epochs_run.start, known
+            dataset, steps_per_epoch, position, passes, self.epochs_done, known
         )
         logs = {}
         try:
@@ -395,7 +417,7 @@ class EPLTrainer(CheckpointMixin, TrainingDataMixin, InferenceMixin):
                 if validation is not None and fit_lib.should_validate(epoch, validation_freq):
                     val_logs = self._evaluate_dataset(validation, callback_list)
                     logs.update({f"val_{k}": v for k, v in val_logs.items()})
-                self._end_epoch(epoch)
+                self._end_epoch()
                 callback_list.on_epoch_end(epoch, logs)
                 if self.model.stop_training:
                     break
@@ -408,9 +430,13 @@ class EPLTrainer(CheckpointMixin, TrainingDataMixin, InferenceMixin):
             self._engine.load_from_model()  # e.g. EarlyStopping(restore_best_weights=True)
         return self.model.history
 
-    def _end_epoch(self, epoch: int) -> None:
-        """The epoch is done: the Keras model gets the weights, checkpoint.dir a checkpoint."""
-        self.epochs_done = epoch + 1
+    def _end_epoch(self) -> None:
+        """The epoch is done: the Keras model gets the weights, checkpoint.dir a checkpoint.
+
+        `epochs_done` counts every epoch this trainer ran (a resumed one: the job's), across
+        `fit` calls: it numbers the passes over shuffled data and the checkpoints, while
+        callbacks see Keras's epoch index (from `initial_epoch`, each `fit`)."""
+        self.epochs_done += 1
         self._step_in_epoch = 0
         self._engine.write_back()
         if self.config.checkpoint.dir:
@@ -419,11 +445,10 @@ class EPLTrainer(CheckpointMixin, TrainingDataMixin, InferenceMixin):
     def _run_epoch(self, batches, callback_list, write_back_each_step, first_step=0) -> dict:
         program = self._ensure_engine_for(batches.dataset)
         self._reset_metrics()
-        logs = {}
+        log_names = {self.loss_tracker.name, *(metric.name for _, metric in self.metrics)}
         chunk = {"last": -1, "end": 0, "ran": 0}  # the last call's step indices and iterations
 
         def step(index, iterator, count):
-            nonlocal logs
             callback_list.on_train_batch_begin(index)
             start = time.perf_counter()
             with self._lost_worker_check():
@@ -438,16 +463,29 @@ class EPLTrainer(CheckpointMixin, TrainingDataMixin, InferenceMixin):
             if ran == 0:
                 return 0, False
             batch = int(results.pop(engine.BATCH_SIZE_KEY))
-            logs = {name: float(value) for name, value in results.items()}
-            self._check_finite(logs, index + ran - 1)
+            # Callbacks get Keras's logs (the loss and metrics); the trainer's own values
+            # (throughput, AMP loss scale, skipped steps) go to `step_stats`.
+            logs = {k: fit_lib.log_value(v) for k, v in results.items() if k in log_names}
+            stats = {k: fit_lib.log_value(v) for k, v in results.items() if k not in log_names}
             elapsed = time.perf_counter() - start
-            logs["samples_per_sec"] = ran * batch * self.data_shards / max(elapsed, 1e-9)
+            stats["samples_per_sec"] = ran * batch * self.data_shards / max(elapsed, 1e-9)
+            self.step_stats.clear()
+            self.step_stats.update(stats)
+            nonfinite_at = self._nonfinite_step(stats, index + ran - 1)
             if write_back_each_step:
                 self._engine.write_back()
             chunk.update(last=index + ran - 1, end=int(self.optimizer.iterations.numpy()), ran=ran)
             # Keras's convention with steps_per_execution: one batch callback per call,
             # with the index of its last step.
             callback_list.on_train_batch_end(index + ran - 1, logs)
+            if nonfinite_at is not None and not self.model.stop_training:
+                # The callbacks saw the NaN loss first (TerminateOnNaN stops or raises).
+                raise NonFiniteLossError(
+                    f"The loss or its gradients are not finite (NaN or Inf) at {nonfinite_at}. "
+                    "The step was not applied: weights and optimizer state are those before "
+                    "it. Look for the source (learning rate, input data, a log of zero), or "
+                    "set optimizer.nonfinite_loss='skip' to skip such steps."
+                )
             return ran, self.model.stop_training
 
         def after_step(index):
@@ -467,11 +505,12 @@ class EPLTrainer(CheckpointMixin, TrainingDataMixin, InferenceMixin):
                 "The training data yielded no batch. Check the dataset, batch_size "
                 "and steps_per_epoch."
             )
-        # Epoch logs: metrics reduced over all workers, plus the last step's other values
-        # (throughput, AMP loss scale and skipped steps).
+        # Epoch logs: the metrics reduced over all workers; the last step's own values
+        # (throughput, AMP loss scale and skipped steps) join `stats_history`.
+        for key, value in self.step_stats.items():
+            self.stats_history.setdefault(key, []).append(value)
         with self._lost_worker_check("the epoch's metric sync"):
-            metric_logs = self._logs()
-        return {**metric_logs, **{k: v for k, v in logs.items() if k not in metric_logs}}
+            return self._logs()
 
     def memory_report(self, print_table: bool = True):
         """Bytes of parameters, gradients and optimizer state per device (engine state).
@@ -494,23 +533,19 @@ class EPLTrainer(CheckpointMixin, TrainingDataMixin, InferenceMixin):
         with detect_lost_workers(self.cluster, timeout), watchdog.watch(what):
             yield
 
-    def _check_finite(self, logs: dict, index: int) -> None:
-        """Stops (or warns, optimizer.nonfinite_loss="skip") after a skipped non-finite step."""
-        count = int(logs.get("nonfinite_steps", 0))
+    def _nonfinite_step(self, stats: dict, index: int) -> str | None:
+        """Where a non-finite step that stops training was skipped ("training step ...
+        (epoch, batch)"), or None. With optimizer.nonfinite_loss="skip" it only warns."""
+        count = int(stats.get("nonfinite_steps", 0))
         if count <= self._nonfinite_seen:
-            return
+            return None
         self._nonfinite_seen = count
         step = int(self.optimizer.iterations.numpy())
         where = f"training step {step} (epoch {self.epochs_done + 1}, batch {index})"
         if self.config.optimizer.nonfinite_loss == "skip":
             logger.warning("Non-finite loss at %s: the step was skipped.", where)
-            return
-        raise NonFiniteLossError(
-            f"The loss or its gradients are not finite (NaN or Inf) at {where}. The step was "
-            "not applied: weights and optimizer state are those before it. Look for the "
-            "source (learning rate, input data, a log of zero), or set "
-            "optimizer.nonfinite_loss='skip' to skip such steps."
-        )
+            return None
+        return where
 
     # ---- logs and checks ---------------------------------------------------------------
 
@@ -552,9 +587,36 @@ def _annotate(model, config: Config, strategy, stages, split):
     return None
 
 
+# Callbacks whose batch hooks read only the logs and the optimizer, never the weights.
+_LOGS_ONLY_CALLBACKS = (
+    keras.callbacks.ProgbarLogger,
+    keras.callbacks.History,
+    keras.callbacks.CSVLogger,
+    keras.callbacks.TerminateOnNaN,
+    keras.callbacks.EarlyStopping,
+    keras.callbacks.ReduceLROnPlateau,
+    keras.callbacks.LearningRateScheduler,
+    keras.callbacks.RemoteMonitor,
+    keras.callbacks.TensorBoard,  # batch summaries of the logs; weights at epoch end
+)
+_SAVERS = (keras.callbacks.ModelCheckpoint, keras.callbacks.BackupAndRestore)
+
+
 def _needs_fresh_weights_per_step(callback_list) -> bool:
-    saving = keras.callbacks.ModelCheckpoint
-    return any(isinstance(c, saving) and c.save_freq != "epoch" for c in callback_list.callbacks)
+    """Whether a callback may read the Keras model's variables after a step: the engine
+    then writes them back after every step, as Keras's model holds them (one copy of the
+    weights per step), else only at epoch ends."""
+    for callback in callback_list.callbacks:
+        if isinstance(callback, _SAVERS):
+            if callback.save_freq != "epoch":
+                return True
+            continue
+        logs_only = isinstance(callback, _LOGS_ONLY_CALLBACKS) or getattr(
+            callback, "reads_logs_only", False
+        )
+        if not logs_only and fit_lib.implements_batch_hooks(callback, "train"):
+            return True
+    return False
 
 
 def _checked_steps_per_execution(value, worker_num: int) -> int:

@@ -191,7 +191,7 @@ class InferenceMixin:
     def _local_logs(self) -> dict:
         """This worker's loss and metrics so far (a batch callback's logs)."""
         metrics = [self.loss_tracker] + [metric for _, metric in self.metrics]
-        return {metric.name: float(metric.result()) for metric in metrics}
+        return {metric.name: fit_inputs.log_value(metric.result()) for metric in metrics}
 
 
 def _rows(features) -> int:

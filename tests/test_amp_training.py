@@ -59,11 +59,11 @@ def test_amp_with_gradient_accumulation_and_dynamic_scaling(zero):
     """ZeRO v1 and v2 reduce-scatter each micro-batch's scaled gradients and unscale the
     shard (v2's float32 parameters are gathered and cast on use, as the lanes' are)."""
     _, reference, _ = _fit(None, **{"pipeline.num_micro_batch": 4})
-    _, model, history = _fit("float16", **{"pipeline.num_micro_batch": 4, "zero.level": zero})
+    trainer, model, _ = _fit("float16", **{"pipeline.num_micro_batch": 4, "zero.level": zero})
     for a, b in zip(reference.get_weights(), model.get_weights()):
         np.testing.assert_allclose(a, b, atol=TOLERANCE["float16"])
-    assert history.history["loss_scale"][-1] == 2.0**16
-    assert history.history["skipped_steps"][-1] == 0
+    assert trainer.stats_history["loss_scale"][-1] == 2.0**16
+    assert trainer.stats_history["skipped_steps"][-1] == 0
 
 
 def test_overflowing_steps_are_skipped_and_the_scale_backs_off():
@@ -83,13 +83,11 @@ def test_overflowing_steps_are_skipped_and_the_scale_backs_off():
             "amp.hysteresis": 1,
         },
     )
-    history = trainer.fit(
-        x, y, batch_size=16, epochs=1, steps_per_epoch=1, verbose=0, shuffle=False
-    )
+    trainer.fit(x, y, batch_size=16, epochs=1, steps_per_epoch=1, verbose=0, shuffle=False)
     for a, b in zip(before, model.get_weights()):
         np.testing.assert_array_equal(a, b)
-    assert history.history["skipped_steps"] == [1]
-    assert history.history["loss_scale"] == [2.0**59]
+    assert trainer.stats_history["skipped_steps"] == [1]
+    assert trainer.stats_history["loss_scale"] == [2.0**59]
     optimizer = trainer._engine.program.update.inner.optimizers[0][0][0]
     assert int(optimizer.iterations.numpy()) == 0  # the optimizer did not step either
 

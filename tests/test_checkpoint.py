@@ -38,7 +38,7 @@ def test_restore_into_a_fresh_trainer_continues_identically(tmp_path):
     resumed.restore_checkpoint(str(tmp_path))
     assert resumed.epochs_done == 2
     assert int(resumed.optimizer.iterations.numpy()) == 8
-    history = resumed.fit(_dataset(), epochs=2, verbose=0)
+    history = resumed.fit(_dataset(), epochs=2, verbose=0)  # 2 more, numbered from 2
     assert max_weight_difference(uninterrupted, resumed_model) == 0.0
     assert history.epoch == [2, 3]
 

@@ -98,7 +98,7 @@ class Recorder(keras.callbacks.Callback):
 
 
 def _assert_same_logs(got: dict, expected: dict, keys=None):
-    """The logs Keras gives (the trainer may add its own, e.g. samples_per_sec)."""
+    """The logs Keras gives."""
     for key in keys or expected:
         assert key in got, (key, sorted(got))
         np.testing.assert_allclose(got[key], expected[key], rtol=ATOL, atol=ATOL, err_msg=key)
@@ -203,11 +203,51 @@ def test_initial_epoch_runs_the_epochs_from_it_as_keras():
     assert epochs == [index for hook, index in expected.sequence() if hook == "epoch_end"]
     assert epochs == [2, 3] and got_history.epoch == history.epoch == [2, 3]
     assert got.params_seen[0]["epochs"] == expected.params_seen[0]["epochs"] == 4
-    assert trainer.epochs_done == 4
+    assert trainer.epochs_done == 2  # epochs this trainer ran (checkpoints, shuffle passes)
     assert int(trainer.optimizer.iterations.numpy()) == 8
     assert max_weight_difference(model, keras_model) < ATOL
     with pytest.raises(ValueError, match=r"initial_epoch must be an int >= 0\. Received"):
         trainer.fit(x, y, batch_size=16, initial_epoch=-1, verbose=0)
+
+
+def test_a_second_fit_numbers_its_epochs_from_zero_as_keras():
+    x, y = mlp_data()
+    keras_model, model = _keras(), mlp()
+    trainer = _trainer(model)
+    for _ in range(2):
+        history = keras_model.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
+        got = trainer.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
+        assert got.epoch == history.epoch == [0, 1]
+    assert trainer.epochs_done == 4
+    assert max_weight_difference(model, keras_model) < ATOL
+
+
+def test_backup_and_restore_resumes_an_interrupted_fit_as_keras(tmp_path):
+    """Keras's BackupAndRestore: the interrupted run's backup is loaded into the model at
+    on_train_begin (the trainer takes it) and the epochs continue from its epoch."""
+
+    class Interrupt(keras.callbacks.Callback):
+        def on_epoch_end(self, epoch, logs=None):
+            if epoch == 1:
+                raise RuntimeError("interrupted")
+
+    x, y = mlp_data()
+    runs = []
+    for make, fit in ((_keras, None), (mlp, "epl")):
+        model = make()
+        fit_fn = model.fit if fit is None else _trainer(model).fit
+        backup = keras.callbacks.BackupAndRestore(str(tmp_path / str(fit)))
+        with pytest.raises(RuntimeError, match="interrupted"):
+            fit_fn(x, y, batch_size=16, epochs=4, shuffle=False, verbose=0,
+                   callbacks=[backup, Interrupt()])  # fmt: skip
+        fit_fn = model.fit if fit is None else _trainer(model).fit  # a restarted script
+        history = fit_fn(
+            x, y, batch_size=16, epochs=4, shuffle=False, verbose=0, callbacks=[backup]
+        )
+        runs.append((model, history.epoch))
+    (keras_model, keras_epochs), (model, epochs) = runs
+    assert epochs == keras_epochs == [2, 3]
+    assert max_weight_difference(model, keras_model) < ATOL
 
 
 # ---- shuffle -----------------------------------------------------------------------------

@@ -49,10 +49,11 @@ def test_keras_mixed_precision_becomes_the_engines_amp(policy, name):
     x, y = _data()
     reference.fit(x, y, batch_size=8, shuffle=False, verbose=0)
     trainer = epl.EPLTrainer(model, config={"cluster.virtual_devices": 2})
-    history = trainer.fit(x, y, batch_size=8, shuffle=False, verbose=0).history
+    trainer.fit(x, y, batch_size=8, shuffle=False, verbose=0)
+    stats = trainer.stats_history
     assert trainer.config.amp.level == "O1" and trainer.config.amp.dtype == dtype
     if dtype == "float16":
-        assert history["loss_scale"][-1] == reference.optimizer.dynamic_scale.numpy() == 2.0**15
+        assert stats["loss_scale"][-1] == reference.optimizer.dynamic_scale.numpy() == 2.0**15
     # Low-precision rounding on half batches per device: close, not bit-equal.
     assert max_weight_difference(reference, model) < (2e-3 if dtype == "float16" else 2e-2)
 
@@ -64,9 +65,10 @@ def test_an_overflowing_float16_step_is_skipped_and_the_scale_halved_as_keras(po
     x, y = _data(n=8, scale=1e5)  # float16 activations overflow: inf gradients
     reference.fit(x, y, batch_size=8, shuffle=False, verbose=0)
     trainer = epl.EPLTrainer(model, config={"cluster.virtual_devices": 2})
-    logs = trainer.fit(x, y, batch_size=8, shuffle=False, verbose=0).history
-    assert reference.optimizer.dynamic_scale.numpy() == logs["loss_scale"][-1] == 2.0**14
-    assert logs["skipped_steps"][-1] == 1
+    trainer.fit(x, y, batch_size=8, shuffle=False, verbose=0)
+    stats = trainer.stats_history
+    assert reference.optimizer.dynamic_scale.numpy() == stats["loss_scale"][-1] == 2.0**14
+    assert stats["skipped_steps"][-1] == 1
     for before, after, keras_after in zip(start, model.get_weights(), reference.get_weights()):
         np.testing.assert_array_equal(after, before)
         np.testing.assert_array_equal(keras_after, before)

@@ -48,12 +48,39 @@ def test_nonfinite_loss_stops_with_the_step_and_leaves_the_weights_before_it():
     assert all(np.isfinite(w).all() for w in model.get_weights())
 
 
+def test_terminate_on_nan_stops_training_as_in_keras_and_the_step_is_not_applied():
+    """Keras's TerminateOnNaN sees the NaN loss in the batch logs and stops: no
+    NonFiniteLossError, the epoch's loss is NaN (as Keras's), the weights are those
+    before the bad step (Keras would have applied it)."""
+    model = mlp()
+    history = _trainer(model).fit(
+        _data(poisoned=True), epochs=3, verbose=0, callbacks=[keras.callbacks.TerminateOnNaN()]
+    )
+    assert len(history.history["loss"]) == 1 and np.isnan(history.history["loss"][0])
+    reference = mlp()
+    _trainer(reference).fit(_data(poisoned=False).take(BAD_BATCH), verbose=0)
+    assert max_weight_difference(model, reference) == 0.0
+
+
+def test_callbacks_see_the_nan_batch_before_the_error_and_terminate_on_nan_may_raise():
+    seen = []
+    record = keras.callbacks.LambdaCallback(on_train_batch_end=lambda b, logs: seen.append(logs))
+    with pytest.raises(NonFiniteLossError):
+        _trainer(mlp()).fit(_data(poisoned=True), verbose=0, callbacks=[record])
+    assert len(seen) == BAD_BATCH + 1 and np.isnan(seen[-1]["loss"])
+    with pytest.raises(RuntimeError, match="NaN or Inf loss encountered"):
+        _trainer(mlp()).fit(
+            _data(poisoned=True),
+            verbose=0,
+            callbacks=[keras.callbacks.TerminateOnNaN(raise_error=True)],
+        )
+
+
 def test_skip_mode_skips_the_step_as_if_the_batch_were_not_there(caplog):
     model = mlp()
-    history = _trainer(model, **{"optimizer.nonfinite_loss": "skip"}).fit(
-        _data(poisoned=True), verbose=0
-    )
-    assert history.history["nonfinite_steps"] == [1]
+    trainer = _trainer(model, **{"optimizer.nonfinite_loss": "skip"})
+    trainer.fit(_data(poisoned=True), verbose=0)
+    assert trainer.stats_history["nonfinite_steps"] == [1]
     assert "Non-finite loss at training step 3 (epoch 1, batch 2)" in caplog.text
     reference = mlp()
     _trainer(reference).fit(_data(poisoned=False, drop_bad=True), verbose=0)
@@ -64,11 +91,11 @@ def test_skip_mode_skips_the_step_as_if_the_batch_were_not_there(caplog):
 def test_a_dynamic_fp16_loss_scaler_skips_the_step_without_an_error():
     """The dynamic scaler owns overflow: it lowers the scale and goes on."""
     model = mlp()
-    history = _trainer(model, **{"amp.level": "O1", "amp.dtype": "float16"}).fit(
-        _data(poisoned=True), verbose=0
-    )
-    assert history.history["skipped_steps"] == [1]
-    assert "nonfinite_steps" not in history.history
+    trainer = _trainer(model, **{"amp.level": "O1", "amp.dtype": "float16"})
+    history = trainer.fit(_data(poisoned=True), verbose=0)
+    assert trainer.stats_history["skipped_steps"] == [1]
+    assert "nonfinite_steps" not in trainer.stats_history
+    assert set(history.history) == {"loss"}  # Keras's logs only
     assert all(np.isfinite(w).all() for w in model.get_weights())
 
 
@@ -89,7 +116,8 @@ def test_a_fixed_loss_scale_stops_on_a_nonfinite_step(amp):
 def test_a_fixed_loss_scale_skips_with_a_warning_when_told_to(amp, caplog):
     model = mlp()
     config = {**amp, "optimizer.nonfinite_loss": "skip"}
-    history = _trainer(model, **config).fit(_data(poisoned=True), verbose=0)
-    assert history.history["nonfinite_steps"] == [1]
+    trainer = _trainer(model, **config)
+    trainer.fit(_data(poisoned=True), verbose=0)
+    assert trainer.stats_history["nonfinite_steps"] == [1]
     assert "Non-finite loss at training step 3 (epoch 1, batch 2)" in caplog.text
     assert all(np.isfinite(w).all() for w in model.get_weights())

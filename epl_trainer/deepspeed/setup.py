@@ -105,8 +105,9 @@ class DeepSpeedSetup:
             )
         return None if _is_dataset(x) else expected
 
-    def callbacks(self, loss_tracker, is_chief: bool) -> list:
-        """steps_per_print and the monitors, on worker 0 only (as DeepSpeed's rank 0).
+    def callbacks(self, loss_tracker, is_chief: bool, stats=None) -> list:
+        """steps_per_print and the monitors, on worker 0 only (as DeepSpeed's rank 0);
+        `stats`: the trainer's `step_stats` (loss scale, skipped steps).
 
         Built once per trainer, so later `fit` calls continue the same files.
         """
@@ -116,7 +117,7 @@ class DeepSpeedSetup:
             return []
         if self._callbacks is not None:
             return self._callbacks
-        result = [monitors.StepsPerPrint(self.steps_per_print)]
+        result = [monitors.StepsPerPrint(self.steps_per_print, stats)]
         writers = [
             (monitors.TensorBoardWriter if spec.kind == "tensorboard" else monitors.CsvWriter)(
                 spec.output_path, spec.job_name
@@ -132,6 +133,7 @@ class DeepSpeedSetup:
                     self.batch.train_batch_size,
                     loss_tracker=loss_tracker,
                     log_loss_scale=self.fp16,
+                    stats=stats,
                 )
             )
         self._callbacks = result
