@@ -266,7 +266,7 @@ class EPLTrainer(CheckpointMixin, TrainingDataMixin, InferenceMixin):
         if self._pending_model is not None:  # restore_checkpoint(features=...) before fit
             self._build_from_data(tf.data.Dataset.from_tensors(features), model_fn_lib.INFER)
         if not self.model.built:
-            self.model(tree.map_structure(lambda x: x[:1], features))
+            _build_model(self.model, features)
         with tf.device(self.cluster.host_device):
             self.loss_tracker.reset_state()
         self._start_state.take(self.model, self.optimizer)  # if the batch above built it
@@ -558,7 +558,22 @@ class EPLTrainer(CheckpointMixin, TrainingDataMixin, InferenceMixin):
         metrics = [self.loss_tracker] + [m for _, m in self.metrics]
         if self._metric_sync is not None:
             return self._metric_sync.results(metrics)
-        return {m.name: float(m.result()) for m in metrics}
+        return {m.name: fit_lib.log_value(m.result()) for m in metrics}
+
+
+def _build_model(model, features) -> None:
+    """Builds an unbuilt (subclassed) model as Keras's first fit does: on symbolic inputs,
+    so a call that changes the model's state (a counter, a running statistic) does not
+    run. A model that cannot be traced symbolically is called on one row instead."""
+    symbolic = tree.map_structure(
+        lambda x: keras.KerasTensor(x.shape, dtype=x.dtype.name), features
+    )
+    try:
+        keras.src.backend.compute_output_spec(model, symbolic, training=False)
+    except Exception:  # the concrete call below raises the model's own error, if any
+        logger.debug("Symbolic build failed; building %s on one row.", model.name, exc_info=True)
+    if not model.built:
+        model(tree.map_structure(lambda x: x[:1], features))
 
 
 def _run_checked(step_fn, *args):

@@ -158,3 +158,45 @@ def test_steps_per_epoch_follows_keras(steps, expected):
     assert int(trainer.optimizer.iterations.numpy()) == expected
     assert int(reference.optimizer.iterations.numpy()) == expected
     assert max_weight_difference(reference, model) < 1e-5
+
+
+class CountingModel(keras.Model):
+    """Counts its calls in a non-trainable variable (Keras's own callback test)."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = self.add_variable(shape=(), initializer="zeros", trainable=False)
+        self.dense = keras.layers.Dense(1)
+
+    def call(self, inputs):
+        self.calls.assign(self.calls + 1)
+        return self.dense(inputs)
+
+
+def test_a_batch_callback_reads_the_model_state_of_that_step():
+    """A callback's batch hooks see the model as Keras's: built without running a call
+    (symbolically), and written back after every step."""
+    seen = []
+    record = keras.callbacks.LambdaCallback(
+        on_train_batch_end=lambda batch, logs: seen.append(int(model.calls.numpy()))
+    )
+    model = CountingModel()
+    x, y = np.random.random((8, 3)).astype("float32"), np.random.random((8, 1)).astype("float32")
+    _trainer(model).fit(x, y, batch_size=2, verbose=0, shuffle=False, callbacks=[record])
+    assert seen == [1, 2, 3, 4]  # each replica's copy counts one call per step
+
+
+def test_metric_results_that_are_arrays_stay_arrays_in_the_logs():
+    x, y = mlp_data()
+    y = keras.utils.to_categorical(y % 3, 3)
+    model = keras.Sequential([keras.Input((x.shape[1],)), keras.layers.Dense(3, "softmax")])
+    trainer = epl.EPLTrainer(
+        model,
+        "categorical_crossentropy",
+        keras.optimizers.SGD(0.1),
+        metrics=[keras.metrics.F1Score(name="f1")],
+        config={"cluster.virtual_devices": 2},
+    )
+    history = trainer.fit(x, y, batch_size=16, verbose=0, shuffle=False)
+    assert history.history["f1"][0].shape == (3,)
+    assert trainer.evaluate(x, y, verbose=0, return_dict=True)["f1"].shape == (3,)
