@@ -219,6 +219,21 @@ def implements_batch_hooks(callback: keras.callbacks.Callback, mode: str) -> boo
     return any(not getattr(getattr(callback, name), "_is_default", False) for name in names)
 
 
+def may_set_weights(callbacks: keras.callbacks.CallbackList, hook: str) -> bool:
+    """Whether a callback may set the model's weights in `hook` (e.g. "on_epoch_end"):
+    Keras's SwapEMAWeights, or a callback not of Keras's own that implements the hook.
+    Keras's other callbacks only read them there."""
+    for callback in callbacks.callbacks:
+        if getattr(getattr(callback, hook), "_is_default", False):
+            continue
+        if isinstance(callback, (keras.callbacks.SwapEMAWeights, keras.callbacks.LambdaCallback)):
+            return True  # LambdaCallback: the user's functions
+        keras_own = type(callback).__module__.startswith(("keras.", "epl_trainer."))
+        if not keras_own and not getattr(callback, "reads_logs_only", False):
+            return True
+    return False
+
+
 def at_most(dataset: tf.data.Dataset, steps) -> tf.data.Dataset:
     """The dataset's first `steps` batches (all of them for None)."""
     if steps is None:

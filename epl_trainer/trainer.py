@@ -24,6 +24,7 @@ from epl_trainer.annotations import checkpoints, strategies
 from epl_trainer.cluster import build_cluster, detect_lost_workers
 from epl_trainer.config import Config
 from epl_trainer.core import engine
+from epl_trainer.core.engine import ema
 from epl_trainer.end_of_data import EndOfDataAgreement
 from epl_trainer.env import Env
 from epl_trainer.losses import CompiledLoss
@@ -219,6 +220,8 @@ class EPLTrainer(CheckpointMixin, TrainingDataMixin, InferenceMixin):
                 self.config, self.engine_plan.plan, len(self.engine_plan.lanes_in_job)
             )
         self.model.optimizer = self.optimizer  # what Keras callbacks read (LR, iterations)
+        if ema.uses_ema(self.optimizer):
+            ema.check_supported(self.config.zero.level)
         self._start_state = start_state.StartState(self.cluster, self._lost_worker_check)
         self._start_state.take(self.model, self.optimizer)  # worker 0's values (start_state.py)
 
@@ -411,24 +414,43 @@ class EPLTrainer(CheckpointMixin, TrainingDataMixin, InferenceMixin):
         logs = {}
         try:
             for epoch in epochs_run:
-                callback_list.on_epoch_begin(epoch)
+                self._run_hook(callback_list, "on_epoch_begin", epoch)
                 logs = self._run_epoch(batches, callback_list, write_back_each_step, first_step)
                 first_step = 0
                 if validation is not None and fit_lib.should_validate(epoch, validation_freq):
                     val_logs = self._evaluate_dataset(validation, callback_list)
                     logs.update({f"val_{k}": v for k, v in val_logs.items()})
                 self._end_epoch()
-                callback_list.on_epoch_end(epoch, logs)
+                self._run_hook(callback_list, "on_epoch_end", epoch, logs)
                 if self.model.stop_training:
                     break
         finally:
             self._batches = None
         if self._engine is not None:
+            if len(epochs_run) and ema.uses_ema(self.optimizer):
+                self._engine.finalize_ema()  # as Keras's fit: the weights := their averages
             self._engine.write_back()
         callback_list.on_train_end(logs)
         if self._engine is not None:
             self._engine.load_from_model()  # e.g. EarlyStopping(restore_best_weights=True)
         return self.model.history
+
+    def _run_hook(self, callbacks, hook: str, *args) -> None:
+        """Runs a callback hook in which a callback may set the model's weights (Keras's
+        SwapEMAWeights swaps them with the optimizer's moving averages; a user's callback
+        may call set_weights): the Keras model (and the optimizer's averages) get the
+        trainer's state before it, the trainer takes them back after it. Other hooks run
+        as they are."""
+        sync = self._engine is not None and fit_lib.may_set_weights(callbacks, hook)
+        if sync:
+            self._engine.write_back()
+            if ema.uses_ema(self.optimizer):
+                self._engine.ema_to_master(self.optimizer)
+        getattr(callbacks, hook)(*args)
+        if sync:
+            self._engine.load_from_model()
+            if ema.uses_ema(self.optimizer):
+                self._engine.ema_from_master(self.optimizer)
 
     def _end_epoch(self) -> None:
         """The epoch is done: the Keras model gets the weights, checkpoint.dir a checkpoint.

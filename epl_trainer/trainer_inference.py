@@ -89,7 +89,7 @@ class InferenceMixin:
             program = self._ensure_engine(features)
             size = _rows(features)
         self._reset_metrics()
-        callbacks.on_test_begin()
+        self._run_hook(callbacks, "on_test_begin")
         batches = 0
         if program is not None:
 
@@ -104,7 +104,7 @@ class InferenceMixin:
         if batches == 0 and self.cluster.worker_num == 1:
             # Keras's Mean reports 0 for no samples: a silent, wrong "perfect" loss.
             raise ValueError("evaluate received no data. Check the dataset, batch_size and steps.")
-        callbacks.on_test_end(logs)
+        self._run_hook(callbacks, "on_test_end", logs)
         return logs
 
     def predict(self, x, batch_size=None, verbose="auto", steps=None, callbacks=None):

@@ -200,3 +200,34 @@ def test_metric_results_that_are_arrays_stay_arrays_in_the_logs():
     history = trainer.fit(x, y, batch_size=16, verbose=0, shuffle=False)
     assert history.history["f1"][0].shape == (3,)
     assert trainer.evaluate(x, y, verbose=0, return_dict=True)["f1"].shape == (3,)
+
+
+def _ema_sgd():
+    return keras.optimizers.SGD(0.1, use_ema=True, ema_momentum=0.9)
+
+
+def test_use_ema_and_swap_ema_weights_match_keras():
+    """Keras's fit ends with the weights replaced by the optimizer's moving averages, and
+    SwapEMAWeights validates on the averages: the same here, from the lanes' averages."""
+    x, y = mlp_data()
+    callbacks = [keras.callbacks.SwapEMAWeights()]
+    reference = mlp()
+    reference.compile(_ema_sgd(), LOSS)
+    expected = reference.fit(
+        x, y, batch_size=16, epochs=2, shuffle=False, verbose=0, callbacks=callbacks,
+        validation_data=(x[:32], y[:32]),
+    )  # fmt: skip
+    model = mlp()
+    got = _trainer(model, optimizer=_ema_sgd()).fit(
+        x, y, batch_size=16, epochs=2, shuffle=False, verbose=0,
+        callbacks=[keras.callbacks.SwapEMAWeights()], validation_data=(x[:32], y[:32]),
+    )  # fmt: skip
+    np.testing.assert_allclose(got.history["val_loss"], expected.history["val_loss"], atol=1e-5)
+    assert max_weight_difference(reference, model) < 1e-5
+
+
+def test_use_ema_with_zero_is_refused_by_name():
+    with pytest.raises(ValueError, match=r"use_ema=True is not supported with ZeRO.*zero\.level"):
+        epl.EPLTrainer(
+            mlp(), LOSS, _ema_sgd(), config={"cluster.virtual_devices": 2, "zero.level": "v1"}
+        )

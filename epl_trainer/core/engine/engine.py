@@ -21,6 +21,7 @@ from collections.abc import Mapping, Sequence
 import keras
 from keras import tree
 
+from epl_trainer.core.engine import ema
 from epl_trainer.core.engine import split as split_lib
 from epl_trainer.core.engine.gradient_check import check_stage_gradients
 from epl_trainer.core.engine.program import Program
@@ -204,6 +205,18 @@ class Engine:
     def load_from_model(self) -> None:
         """Copies the Keras model's values into every lane (e.g. after set_weights)."""
         self.state.load_from_model()
+
+    def finalize_ema(self) -> None:
+        """With `use_ema=True`: every lane's weights become their moving average."""
+        ema.finalize(self.update)
+
+    def ema_to_master(self, master) -> None:
+        """With `use_ema=True`: the user's optimizer gets the lanes' moving averages."""
+        ema.to_master(self.update, self.state, master)
+
+    def ema_from_master(self, master) -> None:
+        """With `use_ema=True`: the lanes take the user's optimizer's moving averages."""
+        ema.from_master(self.update, self.state, master)
 
     def check_recompute_gradients(self, features) -> dict:
         """`gradient_checkpoint.check_gradients`: recomputed vs plain gradients, once."""
