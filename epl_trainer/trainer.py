@@ -104,6 +104,7 @@ class EPLTrainer(CheckpointMixin, TrainingDataMixin, InferenceMixin):
         jit_compile=None,
         weighted_metrics=None,
     ):
+        _check_no_distribution_strategy(model)
         keras_scaler = optimizer
         if optimizer is None and isinstance(model, keras.Model):
             keras_scaler = getattr(model, "optimizer", None) if model.compiled else None
@@ -581,6 +582,23 @@ class EPLTrainer(CheckpointMixin, TrainingDataMixin, InferenceMixin):
         if self._metric_sync is not None:
             return self._metric_sync.results(metrics)
         return {m.name: fit_lib.log_value(m.result()) for m in metrics}
+
+
+def _check_no_distribution_strategy(model) -> None:
+    """EPLTrainer places the model's copies itself: inside a `tf.distribute` strategy's
+    scope (or on a model whose variables one mirrors) both would distribute it."""
+    strategy = tf.distribute.get_strategy() if tf.distribute.has_strategy() else None
+    if strategy is None and isinstance(model, keras.Model):
+        for variable in model.variables[:1]:
+            if isinstance(getattr(variable, "value", None), tf.distribute.DistributedValues):
+                strategy = "the model's variables"
+    if strategy is not None:
+        name = strategy if isinstance(strategy, str) else type(strategy).__name__
+        raise ValueError(
+            "EPLTrainer distributes the model itself and cannot run under a tf.distribute "
+            f"strategy. Received: {name}. Build and train the model outside "
+            "`strategy.scope()`, and give the devices with cluster.* keys."
+        )
 
 
 def _build_model(model, features) -> None:

@@ -561,3 +561,12 @@ def test_random_config_dicts_raise_only_config_error(param_dict):
     except ConfigError:
         return
     assert Config(config.to_dict(), environ={}) == config
+
+
+def test_a_tf_distribute_strategy_scope_is_refused_by_name():
+    strategy = tf.distribute.OneDeviceStrategy("/cpu:0")
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
+        model.compile("sgd", "mse")
+        with pytest.raises(ValueError, match=r"cannot run under a tf.distribute strategy.*OneDe"):
+            epl.EPLTrainer(model, config={"cluster.virtual_devices": 2})

@@ -17,7 +17,10 @@ TESTS_DIR = HERE.parent
 REPO = TESTS_DIR.parent
 CALLBACKS = "callbacks"
 MODELS = "models"
-MODEL_FILES = ("model_test.py",)
+MODEL_FILES = ("model_test.py", "functional_test.py", "sequential_test.py")
+# Plain Keras's outcomes, recorded by `python -m keras_conformance.runner --record`: a run
+# with the same keras version reuses them instead of running the tests plain again.
+RECORDED = HERE / "plain_baseline.json"
 
 
 def keras_src() -> Path:
@@ -164,12 +167,49 @@ def format_report(report: dict, seconds: dict) -> str:
     return "\n".join(lines)
 
 
-def run(directory: Path, layouts=("dp",), groups=(CALLBACKS,)) -> tuple[dict, str, Path]:
-    """Copies the tests, runs plain then each layout on plain's passes; returns the report,
-    its text and the JSON path."""
-    copy_files(select_files(groups), directory)
+def keras_version() -> str:
+    """The installed keras's version, read without importing keras (no TF here)."""
+    from importlib.metadata import version
+
+    return version("keras")
+
+
+def recorded_plain(files) -> dict | None:
+    """The recorded plain outcomes of `files`, if recorded with the installed keras."""
+    if not RECORDED.exists():
+        return None
+    record = json.loads(RECORDED.read_text())
+    names = {path.name for path in files}
+    if record["keras"] != keras_version() or not names <= set(record["files"]):
+        return None
+    return {node: r for node, r in record["results"].items() if file_of(node) in names}
+
+
+def record_plain(directory: Path, groups=(CALLBACKS, MODELS)) -> Path:
+    """Runs every selected file on plain Keras and records the outcomes in RECORDED."""
+    files = select_files(groups)
+    copy_files(files, directory)
+    plain, _ = run_layout(directory, "plain")
+    results = {n: {"outcome": r["outcome"]} for n, r in sorted(plain.items())}
+    record = {"keras": keras_version(), "files": sorted(p.name for p in files), "results": results}
+    RECORDED.write_text(json.dumps(record, indent=1) + "\n")
+    return RECORDED
+
+
+def run(
+    directory: Path, layouts=("dp",), groups=(CALLBACKS,), plain_run=False
+) -> tuple[dict, str, Path]:
+    """Copies the tests, takes plain Keras's outcomes (recorded for this keras version, or
+    run with `plain_run`/without a record), runs each layout on plain's passes; returns
+    the report, its text and the JSON path."""
+    files = select_files(groups)
+    copy_files(files, directory)
     seconds = {}
-    plain, seconds["plain"] = run_layout(directory, "plain")
+    plain = None if plain_run else recorded_plain(files)
+    if plain is None:
+        plain, seconds["plain"] = run_layout(directory, "plain")
+    else:
+        seconds["plain (recorded)"] = 0.0
     passed = sorted(n for n, r in plain.items() if r["outcome"] == "passed")
     routed = {}
     for layout in layouts:
@@ -190,8 +230,13 @@ if __name__ == "__main__":
     parser.add_argument("--layouts", default="dp")
     parser.add_argument("--groups", default=CALLBACKS)
     parser.add_argument("--dir", default=None)
+    parser.add_argument("--plain", action="store_true", help="run plain Keras, not the record")
+    parser.add_argument("--record", action="store_true", help=f"record plain runs in {RECORDED}")
     args = parser.parse_args()
     directory = Path(args.dir or tempfile.mkdtemp(prefix="keras_conformance_"))
-    _, text, path = run(directory, args.layouts.split(","), args.groups.split(","))
+    if args.record:
+        print(f"Recorded plain Keras outcomes in {record_plain(directory)}")
+        raise SystemExit(0)
+    _, text, path = run(directory, args.layouts.split(","), args.groups.split(","), args.plain)
     print(text)
     print(f"\nReport JSON: {path}")
