@@ -214,6 +214,7 @@ class Program:
             )
         lane_grads, lane_non_trainable = [], []
         hooks.lanes.begin_trace()
+        hooks.batch_statistics.begin_trace()
         inputs = [
             (
                 batch.lane_parts(li, num_micro),

@@ -1,0 +1,140 @@
+"""Synchronized BatchNorm (core/engine/sync_batch_norm.py): with `batch_norm.synchronized`
+or `BatchNormalization(synchronized=True)`, a step on several replicas normalises over
+the global batch, so it equals one plain Keras step on one device on the whole batch
+(weights and moving statistics, 1e-5), with SGD and Adam; with several micro-batches,
+micro-batch j of every replica is normalised together. Without it each replica
+normalises over its own rows, and training differs from one-device Keras.
+"""
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+from _models import max_weight_difference
+
+import epl_trainer as epl
+
+ATOL = 1e-5
+BATCH = 8
+STEPS = 3
+SPARSE_CE = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+
+def _bn_model(seed=7, synchronized=False):
+    """Conv + BatchNorm (statistics over rows and positions) and Dense + BatchNorm.
+
+    No bias before a BatchNorm (as usual): its gradient is 0 up to rounding, which Adam
+    would divide by its own tiny root mean square into steps of +-learning rate."""
+    keras.utils.set_random_seed(seed)
+    inputs = keras.Input((6, 6, 2), name="image")
+    h = keras.layers.Conv2D(4, 3, use_bias=False, name="conv")(inputs)
+    h = keras.layers.BatchNormalization(momentum=0.8, synchronized=synchronized, name="bn_conv")(h)
+    h = keras.layers.Activation("relu")(h)
+    h = keras.layers.Flatten()(h)
+    h = keras.layers.Dense(8, use_bias=False, name="dense")(h)
+    h = keras.layers.BatchNormalization(momentum=0.8, synchronized=synchronized, name="bn_dense")(h)
+    h = keras.layers.Activation("tanh")(h)
+    return keras.Model(inputs, keras.layers.Dense(3, name="logits")(h))
+
+
+def _data(n=BATCH * STEPS, seed=0):
+    rng = np.random.default_rng(seed)
+    # Each replica's rows come from another distribution: local statistics differ a lot.
+    x = rng.normal(size=(n, 6, 6, 2)).astype("float32")
+    x[np.arange(n) % BATCH >= BATCH // 2] = x[np.arange(n) % BATCH >= BATCH // 2] * 3 + 2
+    y = rng.integers(0, 3, n).astype("int32")
+    return x, y
+
+
+def _keras_fit(model, x, y, optimizer):
+    model.compile(optimizer=optimizer, loss=SPARSE_CE)
+    model.fit(x, y, batch_size=BATCH, epochs=1, verbose=0, shuffle=False)
+
+
+def _epl_fit(model, x, y, optimizer, config, stages=None):
+    trainer = epl.EPLTrainer(model, SPARSE_CE, optimizer, stages=stages, config=config)
+    trainer.fit(x, y, batch_size=BATCH, epochs=1, verbose=0, shuffle=False)
+    return trainer
+
+
+def _moving_difference(a, b) -> float:
+    values = [
+        (u, v)
+        for la, lb in zip(a.layers, b.layers)
+        if isinstance(la, keras.layers.BatchNormalization)
+        for u, v in ((la.moving_mean, lb.moving_mean), (la.moving_variance, lb.moving_variance))
+    ]
+    return max(float(np.abs(np.asarray(u) - np.asarray(v)).max()) for u, v in values)
+
+
+OPTIMIZERS = {
+    "sgd": lambda: keras.optimizers.SGD(0.1),
+    "adam": lambda: keras.optimizers.Adam(0.01),
+}
+SYNC = {"cluster.virtual_devices": 2, "batch_norm.synchronized": True}
+
+
+@pytest.mark.parametrize("optimizer", sorted(OPTIMIZERS))
+def test_two_replicas_equal_keras_on_one_device(optimizer):
+    x, y = _data()
+    reference, model = _bn_model(), _bn_model()
+    _keras_fit(reference, x, y, OPTIMIZERS[optimizer]())
+    _epl_fit(model, x, y, OPTIMIZERS[optimizer](), SYNC)
+    assert max_weight_difference(reference, model) < ATOL
+    assert _moving_difference(reference, model) < ATOL
+
+
+def test_unsynchronized_replicas_differ_from_keras():
+    """The default normalises over each replica's rows: the option changes the step."""
+    x, y = _data()
+    reference, model = _bn_model(), _bn_model()
+    _keras_fit(reference, x, y, keras.optimizers.SGD(0.1))
+    _epl_fit(model, x, y, keras.optimizers.SGD(0.1), {"cluster.virtual_devices": 2})
+    assert max_weight_difference(reference, model) > 1e-3
+    assert _moving_difference(reference, model) > 1e-2
+
+
+def test_layer_argument_synchronizes_that_layer():
+    """Keras's own `synchronized=True` is honoured without the config key."""
+    x, y = _data()
+    reference, model = _bn_model(synchronized=True), _bn_model(synchronized=True)
+    _keras_fit(reference, x, y, keras.optimizers.SGD(0.1))
+    _epl_fit(model, x, y, keras.optimizers.SGD(0.1), {"cluster.virtual_devices": 2})
+    assert max_weight_difference(reference, model) < ATOL
+    assert _moving_difference(reference, model) < ATOL
+
+
+def _keras_micro_batch_steps(model, x, y, optimizer, lanes, micro):
+    """One-device Keras reference of `lanes` replicas x `micro` micro-batches: per step,
+    micro-batch j is row block j of every replica's rows, normalised together; the loss
+    is the global batch's mean, the moving statistics move once per micro-batch."""
+    optimizer.build(model.trainable_variables)
+    for start in range(0, len(x), BATCH):
+        xb, yb = x[start : start + BATCH], y[start : start + BATCH]
+        per = BATCH // (lanes * micro)
+        grads = None
+        for j in range(micro):
+            rows = np.concatenate(
+                [np.arange(per) + (lane * micro + j) * per for lane in range(lanes)]
+            )
+            with tf.GradientTape() as tape:
+                logits = model(xb[rows], training=True)
+                loss = SPARSE_CE(yb[rows], logits) * (len(rows) / BATCH)
+            g = tape.gradient(loss, model.trainable_variables)
+            grads = g if grads is None else [a + b for a, b in zip(grads, g)]
+        optimizer.apply(grads, model.trainable_variables)
+
+
+def test_micro_batches_normalise_each_micro_batch_across_replicas():
+    x, y = _data()
+    reference, model = _bn_model(), _bn_model()
+    _keras_micro_batch_steps(reference, x, y, keras.optimizers.SGD(0.1), lanes=2, micro=2)
+    _epl_fit(model, x, y, keras.optimizers.SGD(0.1), {**SYNC, "pipeline.num_micro_batch": 2})
+    assert max_weight_difference(reference, model) < ATOL
+    assert _moving_difference(reference, model) < ATOL
+
+
+def test_jit_compile_is_refused():
+    model = _bn_model()
+    with pytest.raises(ValueError, match=r"Synchronized BatchNorm .* jit_compile=True"):
+        epl.EPLTrainer(model, SPARSE_CE, keras.optimizers.SGD(0.1), config=SYNC, jit_compile=True)
