@@ -29,11 +29,11 @@ def _bn_model(seed=7, synchronized=False):
     inputs = keras.Input((6, 6, 2), name="image")
     h = keras.layers.Conv2D(4, 3, use_bias=False, name="conv")(inputs)
     h = keras.layers.BatchNormalization(momentum=0.8, synchronized=synchronized, name="bn_conv")(h)
-    h = keras.layers.Activation("relu")(h)
-    h = keras.layers.Flatten()(h)
+    h = keras.layers.Activation("relu", name="relu")(h)
+    h = keras.layers.Flatten(name="flatten")(h)
     h = keras.layers.Dense(8, use_bias=False, name="dense")(h)
     h = keras.layers.BatchNormalization(momentum=0.8, synchronized=synchronized, name="bn_dense")(h)
-    h = keras.layers.Activation("tanh")(h)
+    h = keras.layers.Activation("tanh", name="tanh")(h)
     return keras.Model(inputs, keras.layers.Dense(3, name="logits")(h))
 
 
@@ -46,14 +46,14 @@ def _data(n=BATCH * STEPS, seed=0):
     return x, y
 
 
-def _keras_fit(model, x, y, optimizer):
+def _keras_fit(model, x, y, optimizer, batch=BATCH):
     model.compile(optimizer=optimizer, loss=SPARSE_CE)
-    model.fit(x, y, batch_size=BATCH, epochs=1, verbose=0, shuffle=False)
+    model.fit(x, y, batch_size=batch, epochs=1, verbose=0, shuffle=False)
 
 
-def _epl_fit(model, x, y, optimizer, config, stages=None):
-    trainer = epl.EPLTrainer(model, SPARSE_CE, optimizer, stages=stages, config=config)
-    trainer.fit(x, y, batch_size=BATCH, epochs=1, verbose=0, shuffle=False)
+def _epl_fit(model, x, y, optimizer, config, stages=None, batch=BATCH, **kwargs):
+    trainer = epl.EPLTrainer(model, SPARSE_CE, optimizer, stages=stages, config=config, **kwargs)
+    trainer.fit(x, y, batch_size=batch, epochs=1, verbose=0, shuffle=False)
     return trainer
 
 
@@ -104,6 +104,46 @@ def test_layer_argument_synchronizes_that_layer():
     assert _moving_difference(reference, model) < ATOL
 
 
+@pytest.mark.parametrize(
+    "layout",
+    [
+        {"zero.level": "v1"},  # lanes emitted in lockstep
+        {"zero.level": "v2"},
+        {"gradient_checkpoint.type": "auto"},  # the recomputed forward reuses the statistics
+        {"offload.level": "v0"},
+    ],
+    ids=lambda layout: "-".join(f"{v}" for v in layout.values()),
+)
+def test_memory_features_keep_keras_semantics(layout):
+    x, y = _data()
+    reference, model = _bn_model(), _bn_model()
+    _keras_fit(reference, x, y, keras.optimizers.SGD(0.1))
+    _epl_fit(model, x, y, keras.optimizers.SGD(0.1), {**SYNC, **layout})
+    assert max_weight_difference(reference, model) < ATOL
+    assert _moving_difference(reference, model) < ATOL
+
+
+def test_rows_filling_an_odd_batch_do_not_count():
+    """Batch 7 on 2 replicas is filled up to 8 with a copy of a real row (weight 0): the
+    copy enters neither the statistics nor the loss, and an epoch's short last batch (5
+    rows) trains as Keras's does."""
+    x, y = _data(n=19)
+    reference, model = _bn_model(), _bn_model()
+    _keras_fit(reference, x, y, keras.optimizers.SGD(0.1), batch=7)
+    _epl_fit(model, x, y, keras.optimizers.SGD(0.1), SYNC, batch=7)
+    assert max_weight_difference(reference, model) < ATOL
+    assert _moving_difference(reference, model) < ATOL
+
+
+def test_steps_per_execution():
+    x, y = _data()
+    reference, model = _bn_model(), _bn_model()
+    _keras_fit(reference, x, y, keras.optimizers.SGD(0.1))
+    _epl_fit(model, x, y, keras.optimizers.SGD(0.1), SYNC, steps_per_execution=3)
+    assert max_weight_difference(reference, model) < ATOL
+    assert _moving_difference(reference, model) < ATOL
+
+
 def _keras_micro_batch_steps(model, x, y, optimizer, lanes, micro):
     """One-device Keras reference of `lanes` replicas x `micro` micro-batches: per step,
     micro-batch j is row block j of every replica's rows, normalised together; the loss
@@ -130,6 +170,19 @@ def test_micro_batches_normalise_each_micro_batch_across_replicas():
     reference, model = _bn_model(), _bn_model()
     _keras_micro_batch_steps(reference, x, y, keras.optimizers.SGD(0.1), lanes=2, micro=2)
     _epl_fit(model, x, y, keras.optimizers.SGD(0.1), {**SYNC, "pipeline.num_micro_batch": 2})
+    assert max_weight_difference(reference, model) < ATOL
+    assert _moving_difference(reference, model) < ATOL
+
+
+def test_pipeline_normalises_over_the_replicas_of_each_stage():
+    """BatchNorms in both stages of 2 pipelines (4 devices), 2 micro-batches: each
+    stage's layer normalises micro-batch j over its stage's 2 replicas."""
+    x, y = _data()
+    reference, model = _bn_model(), _bn_model()
+    _keras_micro_batch_steps(reference, x, y, keras.optimizers.SGD(0.1), lanes=2, micro=2)
+    config = {**SYNC, "cluster.virtual_devices": 4, "pipeline.num_micro_batch": 2}
+    stages = {"conv|bn_conv|relu|flatten": 0, "dense|bn_dense|tanh|logits": 1}
+    _epl_fit(model, x, y, keras.optimizers.SGD(0.1), config, stages=stages)
     assert max_weight_difference(reference, model) < ATOL
     assert _moving_difference(reference, model) < ATOL
 
