@@ -6,44 +6,28 @@ micro-batch j of every replica is normalised together. Without it each replica
 normalises over its own rows, and training differs from one-device Keras.
 """
 
+import os
+import sys
+
 import keras
 import numpy as np
 import pytest
 import tensorflow as tf
+from _launch import SCRIPTS, run_launch
 from _models import max_weight_difference
 
 import epl_trainer as epl
 
+sys.path.insert(0, SCRIPTS)
+import train_sync_bn
+
 ATOL = 1e-5
-BATCH = 8
-STEPS = 3
+BATCH = train_sync_bn.BATCH
 SPARSE_CE = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
 
 
-def _bn_model(seed=7, synchronized=False):
-    """Conv + BatchNorm (statistics over rows and positions) and Dense + BatchNorm.
-
-    No bias before a BatchNorm (as usual): its gradient is 0 up to rounding, which Adam
-    would divide by its own tiny root mean square into steps of +-learning rate."""
-    keras.utils.set_random_seed(seed)
-    inputs = keras.Input((6, 6, 2), name="image")
-    h = keras.layers.Conv2D(4, 3, use_bias=False, name="conv")(inputs)
-    h = keras.layers.BatchNormalization(momentum=0.8, synchronized=synchronized, name="bn_conv")(h)
-    h = keras.layers.Activation("relu", name="relu")(h)
-    h = keras.layers.Flatten(name="flatten")(h)
-    h = keras.layers.Dense(8, use_bias=False, name="dense")(h)
-    h = keras.layers.BatchNormalization(momentum=0.8, synchronized=synchronized, name="bn_dense")(h)
-    h = keras.layers.Activation("tanh", name="tanh")(h)
-    return keras.Model(inputs, keras.layers.Dense(3, name="logits")(h))
-
-
-def _data(n=BATCH * STEPS, seed=0):
-    rng = np.random.default_rng(seed)
-    # Each replica's rows come from another distribution: local statistics differ a lot.
-    x = rng.normal(size=(n, 6, 6, 2)).astype("float32")
-    x[np.arange(n) % BATCH >= BATCH // 2] = x[np.arange(n) % BATCH >= BATCH // 2] * 3 + 2
-    y = rng.integers(0, 3, n).astype("int32")
-    return x, y
+_bn_model = train_sync_bn.make_model
+_data = train_sync_bn.make_data
 
 
 def _keras_fit(model, x, y, optimizer, batch=BATCH):
@@ -185,6 +169,25 @@ def test_pipeline_normalises_over_the_replicas_of_each_stage():
     _epl_fit(model, x, y, keras.optimizers.SGD(0.1), config, stages=stages)
     assert max_weight_difference(reference, model) < ATOL
     assert _moving_difference(reference, model) < ATOL
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_two_workers_of_two_devices_equal_keras_on_one_device(tmp_path):
+    """4 replicas on 2 worker processes (epl-launch): the statistics are summed over the
+    lanes of both workers."""
+    script = os.path.join(SCRIPTS, "train_sync_bn.py")
+    result = run_launch(script, tmp_path, 2, 2, timeout=200)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "worker 0/2 devices=2" in result.stdout
+    reference = _bn_model()
+    x, y = _data()
+    _keras_fit(reference, x, y, keras.optimizers.SGD(train_sync_bn.LEARNING_RATE))
+    expected = reference.get_weights()  # moving statistics included
+    for w in range(2):
+        saved = np.load(tmp_path / "out" / f"weights_{w}.npz")
+        for i, value in enumerate(expected):
+            np.testing.assert_allclose(saved[f"arr_{i}"], value, atol=ATOL)
 
 
 def test_jit_compile_is_refused():
