@@ -161,19 +161,23 @@ def test_pipeline_normalises_over_the_replicas_of_each_stage():
     reference, model = _bn_model(), _bn_model()
     _keras_micro_batch_steps(reference, x, y, keras.optimizers.SGD(0.1), lanes=2, micro=2)
     config = {**SYNC, "cluster.virtual_devices": 4, "pipeline.num_micro_batch": 2}
-    stages = {"conv|bn_conv|relu|flatten": 0, "dense|bn_dense|tanh|logits": 1}
-    _epl_fit(model, x, y, keras.optimizers.SGD(0.1), config, stages=stages)
+    _epl_fit(model, x, y, keras.optimizers.SGD(0.1), config, stages=train_sync_bn.STAGES)
     assert max_weight_difference(reference, model) < ATOL
     assert _moving_difference(reference, model) < ATOL
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(240)
-def test_two_workers_of_two_devices_equal_keras_on_one_device(tmp_path):
-    """4 replicas on 2 worker processes (epl-launch): the statistics are summed over the
-    lanes of both workers."""
+@pytest.mark.parametrize("layout", ["data_parallel", "pipelines", "straddle"])
+def test_two_workers_of_two_devices_equal_keras_on_one_device(tmp_path, layout):
+    """2 worker processes x 2 devices (epl-launch; layouts in tests/scripts/train_sync_bn.py).
+    data_parallel: 4 replicas, statistics summed over the lanes of both workers.
+    pipelines: a 2-stage replica per worker, each stage's statistics summed over the
+    workers. straddle: 2 replicas that each span both workers, a worker computing one
+    stage of each (it builds no collective of the stage it does not hold); before the
+    lanes were emitted in lockstep this one hung."""
     script = os.path.join(SCRIPTS, "train_sync_bn.py")
-    result = run_launch(script, tmp_path, 2, 2, timeout=200)
+    result = run_launch(script, tmp_path, 2, 2, "--layout", layout, timeout=200)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "worker 0/2 devices=2" in result.stdout
     reference = _bn_model()

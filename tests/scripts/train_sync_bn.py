@@ -2,8 +2,15 @@
 `batch_norm.synchronized=True`, saves its weights and moving statistics.
 
 Run under `epl-launch` (TF_CONFIG set). Usage:
-  train_sync_bn.py OUTPUT_DIR [--global_batch B]
-Worker w writes OUTPUT_DIR/weights_<w>.npz (the model's `get_weights()`).
+  train_sync_bn.py OUTPUT_DIR [--layout data_parallel|pipelines|straddle]
+Worker w writes OUTPUT_DIR/weights_<w>.npz (the model's `get_weights()`). On 2 workers x 2
+devices:
+  data_parallel: 4 replicas of the whole model (each layer's group spans both workers);
+  pipelines: two stages; worker w holds replica w (stage k on its device k): each
+             stage's group is device k of both workers;
+  straddle: two stages, cluster.device_place_prefer_intra_node=False: replica r is
+            stage 0 on worker 0's device r and stage 1 on worker 1's device r (each
+            replica spans both workers; each stage's group lives on one worker).
 """
 
 import argparse
@@ -20,6 +27,7 @@ import epl_trainer as epl
 BATCH = 8
 STEPS = 3
 LEARNING_RATE = 0.1
+STAGES = {"conv|bn_conv|relu|flatten": 0, "dense|bn_dense|tanh|logits": 1}
 
 
 def make_data(n=BATCH * STEPS, seed=0):
@@ -56,21 +64,25 @@ def make_model(seed=7, synchronized=False):
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("output_dir")
-    parser.add_argument("--global_batch", type=int, default=BATCH)
+    parser.add_argument(
+        "--layout", default="data_parallel", choices=["data_parallel", "pipelines", "straddle"]
+    )
     args = parser.parse_args()
-    cluster = epl.init({"batch_norm.synchronized": True}).cluster
+    config = {"batch_norm.synchronized": True}
+    if args.layout == "straddle":
+        config["cluster.device_place_prefer_intra_node"] = False
+    cluster = epl.init(config).cluster
     import keras
 
     trainer = epl.EPLTrainer(
         make_model(),
         keras.losses.SparseCategoricalCrossentropy(from_logits=True),
         keras.optimizers.SGD(LEARNING_RATE),
+        stages=None if args.layout == "data_parallel" else STAGES,
     )
     x, y = make_data()
-    trainer.fit(
-        x, y, batch_size=args.global_batch // cluster.worker_num, epochs=1, verbose=0,
-        shuffle=False,
-    )  # fmt: skip
+    batch = BATCH // trainer.data_shards  # workers computing the same replicas share a batch
+    trainer.fit(x, y, batch_size=batch, epochs=1, verbose=0, shuffle=False)
     os.makedirs(args.output_dir, exist_ok=True)
     path = os.path.join(args.output_dir, f"weights_{cluster.worker_index}.npz")
     np.savez(path, *trainer.model.get_weights())

@@ -113,6 +113,9 @@ class StepHooks:
       fixed_batch_shape: whether a shorter batch must be filled up to the widest one
         seen (split layers: their collectives gather activations, and TF fixes a
         collective's shape by its key, which one trace reuses).
+      lanes_in_lockstep: emit every lane's task t before any lane's task t+1
+        (program.py), also without a gradient sink: synchronized BatchNorm joins the same
+        task of every lane inside it.
       batch_statistics: contexts around each lane's forward and backward of a (stage,
         micro-batch): `LocalBatchStatistics`, or synchronized BatchNorm's
         (sync_batch_norm.py).
@@ -132,4 +135,5 @@ class StepHooks:
     gather_per_segment: set = dataclasses.field(default_factory=set)
     micro_batch_loop: bool = True
     fixed_batch_shape: bool = False
+    lanes_in_lockstep: bool = False
     batch_statistics: LocalBatchStatistics = dataclasses.field(default_factory=LocalBatchStatistics)

@@ -90,6 +90,10 @@ def apply_sync_batch_norm(hooks: StepHooks, layout: StepLayout, synchronize_all:
     # Its collectives are keyed by micro-batch while tracing: a loop over micro-batches
     # would run one key on every iteration, out of step with nothing to tell them apart.
     hooks.micro_batch_loop = False
+    # Lane li's forward waits at each layer for every other lane's same forward: the
+    # lanes' tasks are emitted together, so that nothing TF runs in program order (the
+    # asserts of cross-worker transfers) makes lane li's next task wait for a later one.
+    hooks.lanes_in_lockstep = True
 
 
 @dataclasses.dataclass
