@@ -87,8 +87,8 @@ def apply_sync_batch_norm(hooks: StepHooks, layout: StepLayout, synchronize_all:
     if not any(layers):
         return
     hooks.batch_statistics = SyncBatchNorm(layout, layers)
-    # Its collectives are keyed by micro-batch while tracing: a loop over micro-batches
-    # would run one key on every iteration, out of step with nothing to tell them apart.
+    # Its collectives' keys and the statistics a recompute reuses are found by the
+    # micro-batch's index while tracing; in a loop over micro-batches it is a tensor.
     hooks.micro_batch_loop = False
     # Lane li's forward waits at each layer for every other lane's same forward: the
     # lanes' tasks are emitted together, so that nothing TF runs in program order (the
