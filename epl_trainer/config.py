@@ -202,6 +202,18 @@ class CommunicationConfig(_Section):
     timeout_seconds: int | float = _positive_number(600, "Collective wait before a peer is dead.")
 
 
+@_register("batch_norm")
+@dataclasses.dataclass(frozen=True)
+class BatchNormConfig(_Section):
+    """BatchNormalization across data-parallel replicas."""
+
+    synchronized: bool = _bool(
+        False,
+        "Normalise every BatchNormalization in training over the global batch of all "
+        "replicas (each micro-batch across them), as a layer with synchronized=True.",
+    )
+
+
 @_register("checkpoint")
 @dataclasses.dataclass(frozen=True)
 class CheckpointConfig(_Section):
@@ -397,6 +409,7 @@ class Config:
     optimizer: OptimizerConfig
     cluster: ClusterConfig
     communication: CommunicationConfig
+    batch_norm: BatchNormConfig
     checkpoint: CheckpointConfig
     io: IoConfig
     auto: AutoConfig

@@ -14,12 +14,17 @@ The passes run in this order, each a small function that fills slots of the step
    segments whose insides are recomputed in backward (recompute.py); after split, so the
    recomputed stages are the ones whose forward is plain; then, with the trainer's
    `jit_compile`, each stage's forward (and so its backward) is compiled by XLA;
-5. the update: ZeRO's sharded reduce / apply / gather (`zero.level`, zero.py; v2 holds
+5. synchronized BatchNorm (`batch_norm.synchronized`, or layers built with
+   `synchronized=True`): each lane's forward computes the batch statistics of its
+   synchronized layers over every replica (sync_batch_norm.py); after the passes that
+   choose the stage calls, which it runs inside, and before the update, whose
+   collectives follow its own in every lane;
+6. the update: ZeRO's sharded reduce / apply / gather (`zero.level`, zero.py; v2 holds
    the parameters only as pieces, zero_params.py), or plain
    all-reduce + apply (update.py, with grouped apply and offload), both on the gradient
    reduction of reduce.py (`communication.*`, global-norm clipping), each optimizer
    XLA-compiled where it compiles (`optimizer.jit_compile`, apply.py);
-6. the finiteness check between the update's reduction and its apply (finite.py): AMP's
+7. the finiteness check between the update's reduction and its apply (finite.py): AMP's
    loss scaling, or the non-finite guard; last, because it wraps whatever update the
    step has.
 """
@@ -41,6 +46,7 @@ from epl_trainer.core.engine.recompute import apply_recompute
 from epl_trainer.core.engine.reduce import GradientReduction
 from epl_trainer.core.engine.split_lanes import apply_split
 from epl_trainer.core.engine.state import EngineState
+from epl_trainer.core.engine.sync_batch_norm import apply_sync_batch_norm
 from epl_trainer.core.engine.update import ReplicatedUpdate
 from epl_trainer.core.engine.zero import ZeroUpdate
 from epl_trainer.core.engine.zero_layout import splits_variables
@@ -116,6 +122,7 @@ def build_engine(
     if jit_compile:
         hooks.stage_calls = [compiled_stage_call(call) for call in hooks.stage_calls]
         hooks.eval_stage_calls = [compiled_stage_call(call) for call in hooks.eval_stage_calls]
+    apply_sync_batch_norm(hooks, layout, config.batch_norm.synchronized)
     reduction = GradientReduction(layout, config.communication, hooks.lanes, clip_global_norm)
 
     def make_state_optimizer(device, variables):

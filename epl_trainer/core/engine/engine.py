@@ -26,6 +26,7 @@ from epl_trainer.core.engine import split as split_lib
 from epl_trainer.core.engine.gradient_check import check_stage_gradients
 from epl_trainer.core.engine.program import Program
 from epl_trainer.core.engine.state import EngineState, Lane, lanes_for_worker
+from epl_trainer.core.engine.sync_batch_norm import check_sync_batch_norm
 from epl_trainer.core.graph.auto_partition import auto_partition
 from epl_trainer.core.graph.partition import StagedModel, partition_model, whole_model
 from epl_trainer.core.plan import planner, rules
@@ -112,6 +113,12 @@ def plan_engine(
         cut_description=auto.cut_description if auto else None,
     )
     rules.check_plan(plan, config, clip_global_norm, steps_per_execution, jit_compile)
+    check_sync_batch_norm(
+        model,
+        config.batch_norm.synchronized,
+        jit_compile,
+        split=any(tg.kind == "split" for tg in plan.taskgraphs),
+    )
     split_layers = []
     if any(tg.kind == "split" for tg in plan.taskgraphs):
         # Colocated TaskGraphs share every device of a lane: one stage, whose split

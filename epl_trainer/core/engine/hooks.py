@@ -4,6 +4,10 @@
 pass never reaches into a built object. The builder (builder.py) fills them in a stated
 order: split, gradient checkpointing, the update, then AMP or the non-finite guard.
 
+`LocalBatchStatistics` is where a lane's forward and backward of one (stage,
+micro-batch) run: by default BatchNormalization normalises over the lane's own rows;
+sync_batch_norm.py's `SyncBatchNorm` makes it normalise over every replica.
+
 `LaneHooks` is the part of the step that differs when layers are split over the lanes
 of a replica: which lane is current while a lane's ops are traced, how sharded
 gradients are reduced and counted in the global norm, how split outputs feed metrics
@@ -55,6 +59,24 @@ class ReplicatedLanes:
         return tree.map_structure(lambda x: x[:batch], joined)
 
 
+class LocalBatchStatistics:
+    """Batch statistics of a program without synchronized BatchNorm: each lane's layers
+    compute them on the rows they see (no context needed)."""
+
+    def begin_trace(self) -> None:
+        """Called once at the start of every traced training step."""
+        return
+
+    def forward(self, li: int, stage: int, micro_batch, mask):
+        """A context around lane li's forward of (stage, micro_batch); `mask`: 1 on the
+        micro-batch's real rows, 0 on rows added to fill the batch (None: all real)."""
+        return contextlib.nullcontext()
+
+    def backward(self, li: int, stage: int, micro_batch, mask):
+        """A context around the matching backward (a recomputed forward runs in it)."""
+        return contextlib.nullcontext()
+
+
 @dataclasses.dataclass
 class StepHooks:
     """Named slots of the training, evaluation and prediction steps.
@@ -91,6 +113,12 @@ class StepHooks:
       fixed_batch_shape: whether a shorter batch must be filled up to the widest one
         seen (split layers: their collectives gather activations, and TF fixes a
         collective's shape by its key, which one trace reuses).
+      lanes_in_lockstep: emit every lane's task t before any lane's task t+1
+        (program.py), also without a gradient sink: synchronized BatchNorm joins the same
+        task of every lane inside it.
+      batch_statistics: contexts around each lane's forward and backward of a (stage,
+        micro-batch): `LocalBatchStatistics`, or synchronized BatchNorm's
+        (sync_batch_norm.py).
     """
 
     stage_calls: list
@@ -107,3 +135,5 @@ class StepHooks:
     gather_per_segment: set = dataclasses.field(default_factory=set)
     micro_batch_loop: bool = True
     fixed_batch_shape: bool = False
+    lanes_in_lockstep: bool = False
+    batch_statistics: LocalBatchStatistics = dataclasses.field(default_factory=LocalBatchStatistics)

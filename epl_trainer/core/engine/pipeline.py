@@ -61,6 +61,7 @@ class MicroBatch:
 
     values: dict  # tensor key -> tensor: model inputs and stage outputs
     labels: object
+    index: int | None  # position among the lane's micro-batches (None: a loop's step)
     weights: tf.Tensor | None = None  # as MicroBatchInput's
     mask: tf.Tensor | None = None
     rows: tf.Tensor | None = None
@@ -141,9 +142,9 @@ class LaneExecutor:
         """
         return run_to_end(self.steps(parts, non_trainable, rows, task_scope))
 
-    def _micro_batch(self, part: MicroBatchInput) -> MicroBatch:
+    def _micro_batch(self, part: MicroBatchInput, index: int | None) -> MicroBatch:
         values = dict(zip(self.staged.input_keys, self.staged.flatten_inputs(part.features)))
-        return MicroBatch(values, part.labels, part.weights, part.mask, part.rows)
+        return MicroBatch(values, part.labels, index, part.weights, part.mask, part.rows)
 
     def steps(self, parts: list, non_trainable: list, rows, task_scope=None):
         """`run` one task at a time: a generator that yields (stage, task) after emitting
@@ -151,7 +152,7 @@ class LaneExecutor:
         walk all lanes in lockstep and `send` back tensors the stage's next task must
         wait for (ZeRO v1: the reduce-scatter of the micro-batch's gradients)."""
         self.rows = rows
-        micro_batches = [self._micro_batch(part) for part in parts]
+        micro_batches = [self._micro_batch(part, j) for j, part in enumerate(parts)]
         non_trainable = list(non_trainable)
         # Per stage, its variables' values, read once per step and shared by its
         # micro-batches (ZeRO v2: the gather of the stage's parameters).
@@ -216,7 +217,7 @@ class LaneExecutor:
 
         def micro_batch(step, state: list, grads: list) -> MicroBatch:
             part = tf.nest.map_structure(lambda x: None if x is None else x[step], stacked)
-            mb = self._micro_batch(part)
+            mb = self._micro_batch(part, None)
             with tf.name_scope(name + "_F"):
                 self._forward(0, mb, state)
             with tf.name_scope(name + "_B"):
@@ -286,12 +287,14 @@ class LaneExecutor:
                     variables = self._stage_values(k)
                     tape.watch(variables)
                 nt_idx = self.non_trainable_idx[k]
-                outputs, new_nt, aux = self.hooks.stage_calls[k](
-                    variables,
-                    [non_trainable[i] for i in nt_idx],
-                    staged.stage_arguments(stage, mb.values),
-                    True,
-                )
+                statistics = self.hooks.batch_statistics
+                with statistics.forward(self.position, k, mb.index, mb.mask):
+                    outputs, new_nt, aux = self.hooks.stage_calls[k](
+                        variables,
+                        [non_trainable[i] for i in nt_idx],
+                        staged.stage_arguments(stage, mb.values),
+                        True,
+                    )
                 results = staged.stage_results(stage, outputs)
                 aux = self.hooks.output_cast(list(aux))
                 objective = tf.add_n(aux) if aux else None
@@ -374,12 +377,13 @@ class LaneExecutor:
             float_inputs = [
                 (key, x) for key, x in zip(run.input_keys, run.inputs) if x.dtype.is_floating
             ]
-            computed = run.tape.gradient(
-                targets,
-                run.variables + [x for _, x in float_inputs],
-                output_gradients=output_gradients,
-                unconnected_gradients=tf.UnconnectedGradients.ZERO,
-            )
+            with self.hooks.batch_statistics.backward(self.position, k, mb.index, mb.mask):
+                computed = run.tape.gradient(
+                    targets,
+                    run.variables + [x for _, x in float_inputs],
+                    output_gradients=output_gradients,
+                    unconnected_gradients=tf.UnconnectedGradients.ZERO,
+                )
             keep_slices = self.sparse_gradients
             computed = [
                 g

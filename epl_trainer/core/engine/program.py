@@ -95,10 +95,11 @@ class Program:
             and hooks.gradient_sink is None  # ZeRO reduces each micro-batch on its own
         )
         # Chosen once, from the passes: ZeRO v1 reduces each backward's gradients over the
-        # lanes at once, so the lanes' tasks are emitted in lockstep.
+        # lanes at once, and synchronized BatchNorm joins every lane's same task, so the
+        # lanes' tasks are emitted in lockstep.
         if self.loops_micro_batches:
             self._emit_lanes = self._emit_lanes_in_loops
-        elif hooks.gradient_sink is None:
+        elif hooks.gradient_sink is None and not hooks.lanes_in_lockstep:
             self._emit_lanes = self._emit_lanes_one_by_one
         else:
             self._emit_lanes = self._emit_lanes_in_lockstep
@@ -214,6 +215,7 @@ class Program:
             )
         lane_grads, lane_non_trainable = [], []
         hooks.lanes.begin_trace()
+        hooks.batch_statistics.begin_trace()
         inputs = [
             (
                 batch.lane_parts(li, num_micro),
@@ -312,9 +314,17 @@ class Program:
         """Emits the lanes' schedules task by task, all lanes at once, so each backward's
         gradients can be reduced over the lanes right away (`sink.flush`, ZeRO v1) and
         the stage's next task waits for that reduction: no micro-batch's gradients
-        outlive their reduce-scatter, and none accumulates in full."""
+        outlive their reduce-scatter, and none accumulates in full.
+
+        Without a gradient sink (`StepHooks.lanes_in_lockstep`), it only fixes the
+        program order: every lane's task t comes before any lane's task t+1. TF runs
+        stateful ops that use no resource (the asserts of transfers' length keys) in
+        program order; emitted lane by lane, lane 0's gradient send would wait for lane
+        1's forward receive while lane 0's forward waits for lane 1's at a synchronized
+        BatchNorm: a deadlock (measured: replicas spanning 2 workers hung)."""
         sink = self.hooks.gradient_sink
-        sink.clear()  # a trace given up half-way leaves nothing behind
+        if sink is not None:
+            sink.clear()  # a trace given up half-way leaves nothing behind
         runs = self._lane_runs(inputs)
         sent: list = [None] * len(runs)
         results: list = [None] * len(runs)
@@ -330,7 +340,7 @@ class Program:
                         results[li] = done.value
             sent = [None] * len(runs)
             stage, task = tasks[0] if tasks else (None, None)
-            if task is not None and task.kind != FORWARD:
+            if sink is not None and task is not None and task.kind != FORWARD:
                 flushed = sink.flush(stage)  # once: it reduces every lane's gradients
                 sent = [flushed.get(li) for li in range(len(runs))]
         return results
