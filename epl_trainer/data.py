@@ -131,6 +131,13 @@ def _array_inputs(x, y, sample_weight):
         )
     if sample_weight is not None:
         sample_weight = per_sample_weights(sample_weight)
+    missing = [i for i, a in enumerate(tree.flatten(x)) if a is None]
+    if missing:
+        raise ValueError(
+            f"x holds None for input(s) at flat position(s) {missing}: every model input "
+            "needs an array (a required input is not optional, and EPLTrainer does not take "
+            "None for Keras's optional inputs yet)."
+        )
     arrays = tuple(a for a in (x, y, sample_weight) if a is not None)
     lengths = {len(a) for a in tree.flatten(arrays)}
     if len(lengths) != 1:

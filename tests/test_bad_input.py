@@ -570,3 +570,11 @@ def test_a_tf_distribute_strategy_scope_is_refused_by_name():
         model.compile("sgd", "mse")
         with pytest.raises(ValueError, match=r"cannot run under a tf.distribute strategy.*OneDe"):
             epl.EPLTrainer(model, config={"cluster.virtual_devices": 2})
+
+
+def test_a_none_input_array_is_refused_by_position():
+    x = keras.Input((3,), name="x")
+    model = keras.Model(x, keras.layers.Dense(1)(x))
+    trainer = epl.EPLTrainer(model, "mse", "sgd", config={"cluster.virtual_devices": 2})
+    with pytest.raises(ValueError, match=r"x holds None for input\(s\) at flat position\(s\) \[0\]"):
+        trainer.fit([None], np.ones((4, 1)), verbose=0)
