@@ -576,5 +576,5 @@ def test_a_none_input_array_is_refused_by_position():
     x = keras.Input((3,), name="x")
     model = keras.Model(x, keras.layers.Dense(1)(x))
     trainer = epl.EPLTrainer(model, "mse", "sgd", config={"cluster.virtual_devices": 2})
-    with pytest.raises(ValueError, match=r"x holds None for input\(s\) at flat position\(s\) \[0\]"):
+    with pytest.raises(ValueError, match=r"None for input\(s\) at flat position\(s\) \[0\]"):
         trainer.fit([None], np.ones((4, 1)), verbose=0)

@@ -35,8 +35,14 @@ MICRO_BATCH_CALLS = (
 )
 
 EXCEPTIONS: dict[str, tuple[tuple[str, ...], list[str]]] = {
-    NONFINITE_NOT_APPLIED: ((ALL,), ["csv_logger_test.py::CSVLoggerTest::test_stop_training_csv"]),
-    NONFINITE_STOPS: ((ALL,), ["tensorboard_test.py::TestTensorBoardV2::test_TensorBoard_weight_images"]),
+    NONFINITE_NOT_APPLIED: (
+        (ALL,),
+        ["csv_logger_test.py::CSVLoggerTest::test_stop_training_csv"],
+    ),
+    NONFINITE_STOPS: (
+        (ALL,),
+        ["tensorboard_test.py::TestTensorBoardV2::test_TensorBoard_weight_images"],
+    ),
     TF_DISTRIBUTE: (
         (ALL,),
         ["swap_ema_weights_test.py::SwapEMAWeightsTest::test_swap_ema_weights_with_tf_distribute"],
