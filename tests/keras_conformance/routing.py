@@ -31,8 +31,9 @@ stats = {"routed": 0, "keras": 0, "reasons": []}
 _local = threading.local()
 
 
-class RoutingRefused(RuntimeError):
-    """EPLTrainer's constructor refused the model."""
+class RoutingRefused(Exception):
+    """EPLTrainer's constructor refused the model. Not a RuntimeError (nor a ValueError):
+    a Keras test expecting one of those from `fit` must not pass on a refusal."""
 
 
 def _keras_own_steps(model, keras) -> str | None:
