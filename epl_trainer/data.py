@@ -10,6 +10,7 @@ import tensorflow as tf
 from keras import tree
 
 from epl_trainer.core.engine import step_batch
+from epl_trainer.pipeline_models import Preprocessing
 
 logger = logging.getLogger(__name__)
 
@@ -25,6 +26,7 @@ def as_dataset(
     worker_index: int = 0,
     worker_num: int = 1,
     drop_remainder: bool = False,
+    preprocessing: Preprocessing | None = None,
 ) -> tf.data.Dataset:
     """A dataset of per-worker batches: `(x, y)`, `(x, y, sample_weight)` or `x` alone.
 
@@ -33,16 +35,26 @@ def as_dataset(
     dicts/lists of them) are batched in order, and dealt round-robin across workers:
     global batch t is the concatenation of every worker's batch t, so `batch_size` is per
     worker. `ReshuffledArrays` deals them the same way in a new order every pass.
+
+    With `preprocessing` (a KerasHub task's, `pipeline_models.py`) the inputs are raw
+    samples: this worker's batches of them are mapped through it.
     """
     if isinstance(x, tf.data.Dataset):
         _check_dataset_arguments(y, batch_size, sample_weight)
-        return standardize_dataset(x)
+        return standardize_dataset(_preprocessed(x, preprocessing))
+    if preprocessing is not None:
+        x, y = preprocessing.raw_arrays(x), preprocessing.raw_arrays(y)
     arrays, total = _array_inputs(x, y, sample_weight)
     batch_size = _checked_batch_size(batch_size)
     dataset = tf.data.Dataset.from_tensor_slices(arrays)
     dataset = dataset.batch(batch_size, drop_remainder=drop_remainder)
     usable = _usable_batches(total, batch_size, worker_num, drop_remainder)
-    return _deal(dataset, usable, worker_index, worker_num).prefetch(tf.data.AUTOTUNE)
+    dataset = _preprocessed(_deal(dataset, usable, worker_index, worker_num), preprocessing)
+    return standardize_dataset(dataset).prefetch(tf.data.AUTOTUNE)
+
+
+def _preprocessed(dataset: tf.data.Dataset, preprocessing: Preprocessing | None):
+    return dataset if preprocessing is None else preprocessing.apply(dataset)
 
 
 class ReshuffledArrays:
@@ -52,8 +64,8 @@ class ReshuffledArrays:
     the same global batches (workers agree on `seed`) and a resumed run that knows its
     pass finds the same order again. `shuffle="batch"` permutes within each batch-sized
     chunk and keeps the chunks in order (Keras's option for data read in chunks).
-    Batches are gathered from one host copy of the arrays; the dealing across workers
-    and the dropped remainder are those of `as_dataset`.
+    Batches are gathered from one host copy of the arrays; the dealing across workers,
+    the dropped remainder and the preprocessing of raw samples are those of `as_dataset`.
     """
 
     def __init__(
@@ -68,7 +80,11 @@ class ReshuffledArrays:
         worker_index: int = 0,
         worker_num: int = 1,
         drop_remainder: bool = False,
+        preprocessing: Preprocessing | None = None,
     ):
+        if preprocessing is not None:
+            x, y = preprocessing.raw_arrays(x), preprocessing.raw_arrays(y)
+        self.preprocessing = preprocessing
         arrays, self.total = _array_inputs(x, y, sample_weight)
         with tf.device("/CPU:0"):
             self._tensors = tree.map_structure(tf.convert_to_tensor, arrays)
@@ -96,7 +112,8 @@ class ReshuffledArrays:
         def gather(rows):
             return tree.map_structure(lambda t: tf.gather(t, rows), tensors)
 
-        return indices.map(gather).prefetch(tf.data.AUTOTUNE)
+        batches = _preprocessed(indices.map(gather), self.preprocessing)
+        return standardize_dataset(batches).prefetch(tf.data.AUTOTUNE)
 
 
 def _check_dataset_arguments(y, batch_size, sample_weight) -> None:
@@ -226,22 +243,29 @@ def split_element(element, with_labels: bool):
 
 
 def standardize_dataset(dataset: tf.data.Dataset) -> tf.data.Dataset:
-    """A dataset whose sample weights (a third part) are float32 of shape [batch], the
-    form the engine takes; other datasets are returned as they are."""
+    """A dataset whose sample weights (a third part) are float32, of shape [batch] for one
+    weight per sample; other datasets are returned as they are.
+
+    Weights of shape (batch, 1) become (batch,). Weights of rank >= 2 otherwise are one
+    weight per loss element, as Keras takes them: a causal LM's preprocessor weighs each
+    token by its padding mask (a bool [batch, sequence]).
+    """
     spec = dataset.element_spec
     if not (isinstance(spec, tuple) and len(spec) == 3):
         return dataset
     weight = spec[2]
     shape = getattr(weight, "shape", None)
-    if shape is None or not (shape.rank == 1 or (shape.rank == 2 and shape[1] == 1)):
+    if shape is None or shape.rank is None or shape.rank == 0:
         raise ValueError(
             "Sample weights must hold one weight per sample, of shape (batch,) or "
-            "(batch, 1); per-output or per-timestep weights are not supported. Received: "
-            f"sample_weight spec {weight}"
+            "(batch, 1), or one per loss element, of shape (batch, ...); per-output "
+            f"sample weights are not supported. Received: sample_weight spec {weight}"
         )
-    if shape.rank == 1 and weight.dtype == tf.float32:
+    if weight.dtype == tf.float32 and not (shape.rank == 2 and shape[1] == 1):
         return dataset
-    return dataset.map(lambda x, y, w: (x, y, tf.reshape(tf.cast(w, tf.float32), [-1])))
+    if shape.rank == 2 and shape[1] == 1:
+        return dataset.map(lambda x, y, w: (x, y, tf.reshape(tf.cast(w, tf.float32), [-1])))
+    return dataset.map(lambda x, y, w: (x, y, tf.cast(w, tf.float32)))
 
 
 def features_only(dataset: tf.data.Dataset) -> tf.data.Dataset:

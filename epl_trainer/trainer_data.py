@@ -2,7 +2,8 @@
 
 `fit`'s data with Keras's meaning (`fit_inputs.py` holds the argument rules): numpy
 inputs dealt to the workers in batches, in order or reshuffled every pass (`shuffle`),
-with per-sample weights; Datasets used as given; files read and sliced by `io.py`. A
+with per-sample weights; Datasets used as given; files read and sliced by `io.py`; a
+KerasHub task's batches mapped through its preprocessor (`pipeline_models.py`). A
 model that can be planned only once it has seen data (an Estimator-style model_fn, an
 unbuilt Sequential) is built here from the data's element spec.
 """
@@ -17,7 +18,7 @@ import tensorflow as tf
 from keras import tree
 
 from epl_trainer import data as data_lib
-from epl_trainer import fit_inputs
+from epl_trainer import fit_inputs, pipeline_models
 from epl_trainer import io as io_lib
 from epl_trainer import model_fn as model_fn_lib
 
@@ -51,13 +52,17 @@ class TrainingDataMixin:
     def _fit_dataset(self, x, y, sample_weight, batch_size, shuffle):
         """This worker's training batches, and for shuffled numpy inputs the source of
         each pass's order (`data.ReshuffledArrays`)."""
+        preprocessing = pipeline_models.preprocessing(self.model)
         if isinstance(x, tf.data.Dataset):
             if self.config.io.slicing:
                 logger.warning(
                     "io.slicing slices files given as fit(files, parse_fn=...); a "
                     "tf.data.Dataset is used as given (shard it with epl.io.slice_files)."
                 )
-            return data_lib.as_dataset(x, y, batch_size, sample_weight=sample_weight), None
+            dataset = data_lib.as_dataset(
+                x, y, batch_size, sample_weight=sample_weight, preprocessing=preprocessing
+            )
+            return dataset, None
         if shuffle not in (True, False, "batch"):
             raise ValueError(f'shuffle must be True, False or "batch". Received: {shuffle!r}')
         # A short last batch trains as Keras does (the engine fills it up with weight-0
@@ -67,6 +72,7 @@ class TrainingDataMixin:
             worker_index=self.data_shard,
             worker_num=self.data_shards,
             drop_remainder=self.data_shards > 1,
+            preprocessing=preprocessing,
         )
         if not shuffle:
             return data_lib.as_dataset(x, y, batch_size, sample_weight=sample_weight, **deal), None
@@ -119,13 +125,15 @@ class TrainingDataMixin:
                 unbalanced_io_slicing=self.config.io.unbalanced_io_slicing,
                 drop_last_files=self.config.io.drop_last_files,
             )
-        return io_lib.files_dataset(
+        dataset = io_lib.files_dataset(
             files,
             parse_fn,
             data_lib.DEFAULT_BATCH_SIZE if batch_size is None else batch_size,
             file_format=file_format or "tfrecord",
             repeat=workers > 1,
         )
+        # Batches of parsed records, preprocessed as any batches (pipeline_models.py).
+        return data_lib.as_dataset(dataset, preprocessing=pipeline_models.preprocessing(self.model))
 
 
 def needs_data_to_build(model) -> bool:

@@ -14,7 +14,7 @@ import tensorflow as tf
 from keras import tree
 
 from epl_trainer import data as data_lib
-from epl_trainer import fit_inputs
+from epl_trainer import fit_inputs, pipeline_models
 from epl_trainer import model_fn as model_fn_lib
 
 # Evaluation and prediction batches per call of the compiled loop when no callback needs
@@ -75,6 +75,7 @@ class InferenceMixin:
             sample_weight=sample_weight,
             worker_index=self.data_shard,
             worker_num=self.data_shards,
+            preprocessing=pipeline_models.preprocessing(self.model),
         )
         data_lib.check_element_spec(dataset.element_spec, self.model, with_labels=True)
         return dataset
@@ -124,9 +125,15 @@ class InferenceMixin:
         if self._waits_for_data:
             probe = data_lib.spec_probe(x, None, None, None)
             self._build_from_data(probe, model_fn_lib.INFER)
-        if isinstance(x, tf.data.Dataset):
+        preprocessing = pipeline_models.preprocessing(self.model)
+        if preprocessing is None and isinstance(x, tf.data.Dataset):
             x = data_lib.features_only(x)
-        dataset = fit_inputs.at_most(data_lib.as_dataset(x, None, batch_size), steps)
+        dataset = data_lib.as_dataset(x, None, batch_size, preprocessing=preprocessing)
+        if preprocessing is not None:
+            # As Keras: a batch (with its labels, if any) is preprocessed first, then its
+            # features are predicted (a causal LM's preprocessor makes labels itself).
+            dataset = data_lib.features_only(dataset)
+        dataset = fit_inputs.at_most(dataset, steps)
         data_lib.check_element_spec(dataset.element_spec, self.model, with_labels=False)
         callback_list = fit_inputs.callback_list(
             callbacks,

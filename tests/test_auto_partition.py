@@ -333,6 +333,39 @@ def test_calls_of_a_shared_layer_stay_in_one_stage():
     assert_forward_matches(model, result, 2, x)
 
 
+class _TiedLogits(keras.layers.Layer):
+    """Logits from another layer's embedding matrix (tied input and output embeddings)."""
+
+    def __init__(self, embedding, **kwargs):
+        super().__init__(**kwargs)
+        self.embedding = embedding
+
+    def call(self, x):
+        return keras.ops.matmul(x, keras.ops.transpose(self.embedding.embeddings))
+
+
+def test_users_of_a_shared_weight_stay_in_one_stage():
+    """A nested model embeds the tokens; a later layer reads the same embedding matrix
+    (GPT-2's tied embeddings in a KerasHub task): no cut may fall between them."""
+    keras.utils.set_random_seed(0)
+    embedding = keras.layers.Embedding(20, 8, name="embed")
+    inner_tokens = keras.Input((5,), dtype="int32")
+    backbone = keras.Model(inner_tokens, embedding(inner_tokens), name="backbone")
+    tokens = keras.Input((5,), dtype="int32")
+    x = backbone(tokens)
+    for i, width in enumerate((12, 8)):  # different widths: no repeated blocks
+        x = keras.layers.Dense(width, activation="tanh", name=f"d{i}")(x)
+    x = _TiedLogits(embedding, name="tied")(x)
+    model = keras.Model(tokens, keras.layers.Dense(3, name="out")(x))
+    nodes = compute_nodes(model)
+    candidates = cut_candidates(nodes, nodes_cost(nodes))
+    assert candidates.positions == (4,)  # before "out": every other cut splits the weight
+    assert candidates.excluded_shared == 3
+    assert auto_partition(model, 2).cut_names == ("out",)
+    with pytest.raises(ValueError, match=r"Cannot cut 3 stages.*users of a shared weight"):
+        auto_partition(model, 3)
+
+
 def test_subclassed_model_cannot_be_cut():
     class Net(keras.Model):
         def __init__(self):

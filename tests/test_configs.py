@@ -49,6 +49,11 @@ TRAINED_BY_ZOO_TESTS = {
         "test_recipe_config_runs_two_steps_from_files",
         '"moe_t5_split.json"',
     ),
+    "text_classifier_zero1.json": (
+        "test_text_classifier",
+        "test_recipe_trains_on_tsv_files_end_to_end",
+        '"configs/text_classifier_zero1.json"',
+    ),
 }
 
 

@@ -213,5 +213,11 @@ def pad_to_multiple(structures: tuple, sample_weight, multiple: int, minimum=0):
         weights = real
     else:
         weight = tf.cast(sample_weight, tf.float32)
-        weights = tf.gather(weight, rows) * tf.reshape(real, [-1] + [1] * (weight.shape.rank - 1))
+        weights = tf.gather(weight, rows) * per_row(real, weight)
     return padded, weights, batch
+
+
+def per_row(row_values, like):
+    """`row_values` ([rows]) shaped to multiply `like` row by row: sample weights may be
+    one per row ([rows]) or one per loss element ([rows, tokens], a causal LM's)."""
+    return tf.reshape(row_values, [-1] + [1] * (like.shape.rank - 1))

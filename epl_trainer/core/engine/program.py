@@ -488,7 +488,8 @@ class Program:
                         loss = loss + tf.add_n(aux)
                 with tf.device(layout.host):
                     self.loss_tracker.update_state(loss, sample_weight=count)
-                    self._update_output_metrics(y, y_pred, w, None if sw is None else sw * w)
+                    weighted = None if sw is None else sw * objective.per_row(w, sw)
+                    self._update_output_metrics(y, y_pred, w, weighted)
 
     def _eval_many_on_iterator(self, iterator, steps: int, batch_size: int):
         """Up to `steps` evaluation batches in one call (a loop in the graph); returns how

@@ -482,6 +482,12 @@ class SplitLoss:
             if index not in self.sparse:
                 terms.append(objective.keras_loss_term(loss, t, p, sample_weight, weight))
                 continue
+            if sample_weight is not None and sample_weight.shape.rank != 1:
+                raise ValueError(
+                    "A split classifier's sharded cross-entropy takes one sample weight per "
+                    "row; per-element weights (a weight per token) are not supported. "
+                    f"Received: sample_weight of shape {sample_weight.shape}"
+                )
             with tf.device(lane_comm.device):
                 labels = (
                     lane_comm.gather_rows(tf.reshape(t, [-1]))

@@ -12,8 +12,9 @@ Steps, in order:
 3. Candidate cuts (`cut_candidates`): the boundaries between consecutive blocks when
    blocks carry most of the model's FLOPs, otherwise every node boundary. Nodes before
    the first block (embeddings) join the first stage and nodes after the last (the head)
-   the last stage. A cut never separates two calls of the same layer (a shared layer
-   must live in one stage).
+   the last stage. A cut never separates two calls of the same layer, nor two users of
+   the same weight (tied input and output embeddings, a layer inside a nested model
+   called again outside it): `partition_model` keeps each weight in one stage.
 4. Choose S-1 cuts among the candidates (`estimate.partition_stages`, the same cut
    `epl-plan` makes for models it only knows by their sizes): an exact dynamic program
    minimising the largest stage cost, ties broken by the smallest largest stage
@@ -98,7 +99,7 @@ class CutCandidates:
     positions: tuple[int, ...]
     runs: tuple[RepeatedRun, ...]  # the blocks the positions come from (empty: nodes)
     num_nodes: int
-    excluded_shared: int = 0  # positions dropped to keep a shared layer's calls together
+    excluded_shared: int = 0  # positions dropped to keep a shared layer / weight's users together
 
     @property
     def max_stages(self) -> int:
@@ -114,7 +115,10 @@ class CutCandidates:
         else:
             text = "; ".join(run.describe() for run in self.runs) + "; cuts only between blocks"
         if self.excluded_shared:
-            text += f" ({self.excluded_shared} cut(s) excluded inside shared layers' calls)"
+            text += (
+                f" ({self.excluded_shared} cut(s) excluded between calls of a shared layer "
+                "or users of a shared weight)"
+            )
         return text
 
 
@@ -327,7 +331,8 @@ def _too_many_stages(name: str, num_stages: int, candidates: CutCandidates) -> s
     if candidates.excluded_shared:
         why += (
             f", and {candidates.excluded_shared} cut point(s) would separate calls of a "
-            "shared layer"
+            "shared layer or users of a shared weight (e.g. tied input and output "
+            "embeddings), which must live in one stage"
         )
     return (
         f"Cannot cut {num_stages} stages from model {name!r} with {what}: {why}, so at "
@@ -440,11 +445,15 @@ def cut_candidates(
 
 
 def _outside_shared_layers(nodes: Sequence) -> np.ndarray:
-    """allowed[p]: cutting before node p keeps every layer's calls in one stage."""
+    """allowed[p]: cutting before node p keeps every layer's calls, and every weight's
+    users, in one stage (a KerasHub causal LM's backbone embeds its tokens with the
+    weight its output layer reads again)."""
     allowed = np.ones(len(nodes) + 1, dtype=bool)
     span: dict[int, list[int]] = {}
     for i, node in enumerate(nodes):
-        span.setdefault(id(node.operation), [i, i])[1] = i
+        owners = [id(node.operation)] + [id(w) for w in getattr(node.operation, "weights", ())]
+        for owner in owners:
+            span.setdefault(owner, [i, i])[1] = i
     for first, last in span.values():
         allowed[first + 1 : last + 1] = False
     return allowed
