@@ -29,7 +29,7 @@ from epl_trainer.env import Env
 from epl_trainer.losses import CompiledLoss
 from epl_trainer.memory import build_report
 from epl_trainer.metric_sync import MetricSync
-from epl_trainer.metrics import check_unique_names, resolve_metrics
+from epl_trainer.metrics import CompiledMetrics
 from epl_trainer.model_fn import ModelSpec  # noqa: F401  (re-exported: epl.ModelSpec)
 from epl_trainer.trainer_checkpoints import CheckpointMixin
 from epl_trainer.trainer_data import TrainingDataMixin, needs_data_to_build
@@ -190,15 +190,15 @@ class EPLTrainer(CheckpointMixin, TrainingDataMixin, InferenceMixin):
             if chosen is not None:
                 self.optimizer = keras.optimizers.get(chosen)
         self.model = model
-        self.loss = CompiledLoss(loss, compiled.output_names(model), loss_weights)
+        # Keras's CompileLoss / CompileMetrics match them to the outputs, built from the
+        # first data's shapes (`_build_objectives`), as Keras's first fit builds them.
         names = compiled.output_names(model)
-        self.metrics = resolve_metrics(metrics, self.loss.name(), names)
+        self.loss = CompiledLoss(loss, names, loss_weights)
         # Keras's weighted_metrics: given the data's sample weights (the others are not).
         weighted = first(weighted_metrics, given.get("weighted_metrics"))
-        weighted = resolve_metrics(weighted, self.loss.name(), names)
-        self._weighted_metrics = frozenset(id(metric) for _, metric in weighted)
-        self.metrics = self.metrics + weighted
-        check_unique_names(self.metrics)
+        self.metrics = CompiledMetrics(metrics, weighted, names)
+        self._objectives_spec = None  # the first data's element spec
+        self._objectives_built = False
         self.loss_tracker = keras.metrics.Mean(name="loss")
         annotation = _annotate(model, self.config, strategy, stages, split)
         self.engine_plan = engine.plan_engine(
@@ -267,6 +267,7 @@ class EPLTrainer(CheckpointMixin, TrainingDataMixin, InferenceMixin):
             self._build_from_data(tf.data.Dataset.from_tensors(features), model_fn_lib.INFER)
         if not self.model.built:
             _build_model(self.model, features)
+        self._build_objectives()
         with tf.device(self.cluster.host_device):
             self.loss_tracker.reset_state()
         self._start_state.take(self.model, self.optimizer)  # if the batch above built it
@@ -282,7 +283,6 @@ class EPLTrainer(CheckpointMixin, TrainingDataMixin, InferenceMixin):
             step_counter=self.optimizer.iterations,
             checkpoint_marks=checkpoints.get_collection(),
             jit_compile=self.jit_compile,
-            weighted_metrics=self._weighted_metrics,
         )
         if self.config.gradient_checkpoint.check_gradients:
             self._engine.check_recompute_gradients(features)
@@ -367,7 +367,7 @@ class EPLTrainer(CheckpointMixin, TrainingDataMixin, InferenceMixin):
         else:
             dataset, passes = self._fit_dataset(x, y, sample_weight, batch_size, shuffle)
         data_lib.check_element_spec(dataset.element_spec, self.model, with_labels=True)
-        compiled.build_keras_compile_metrics(self.model, dataset.element_spec)
+        self._build_objectives(dataset.element_spec)
         validation = None
         if validation_data is not None:
             fit_lib.should_validate(0, validation_freq)  # a bad value fails before training
@@ -445,7 +445,7 @@ class EPLTrainer(CheckpointMixin, TrainingDataMixin, InferenceMixin):
     def _run_epoch(self, batches, callback_list, write_back_each_step, first_step=0) -> dict:
         program = self._ensure_engine_for(batches.dataset)
         self._reset_metrics()
-        log_names = {self.loss_tracker.name, *(metric.name for _, metric in self.metrics)}
+        log_names = {name for name, _ in self._named_metrics()}
         chunk = {"last": -1, "end": 0, "ran": 0}  # the last call's step indices and iterations
 
         def step(index, iterator, count):
@@ -549,16 +549,43 @@ class EPLTrainer(CheckpointMixin, TrainingDataMixin, InferenceMixin):
 
     # ---- logs and checks ---------------------------------------------------------------
 
+    def _build_objectives(self, element_spec=None) -> None:
+        """Builds the loss and metrics (ours and the compiled model's own
+        `CompileMetrics`) from the first data's shapes, as Keras's first fit does: its
+        `CompileLoss` / `CompileMetrics` match them to the outputs and raise Keras's
+        errors. Called with the data's element spec, and again once the model is built
+        (an unbuilt model is built at the engine's first batch)."""
+        if self._objectives_built:  # later data does not rebuild them (as in Keras)
+            return
+        if element_spec is not None:
+            self._objectives_spec = element_spec
+        if self._objectives_spec is None or not self.model.built:
+            return
+        batch = compiled.symbolic_batch(self.model, self._objectives_spec)
+        _, y, y_pred, sample_weight = batch
+        self._objectives_built = True
+        self.loss.build(y, y_pred, sample_weight)
+        self.metrics.build(y, y_pred)
+        compiled.build_keras_compile_metrics(self.model, batch)
+
+    def _named_metrics(self) -> list:
+        """[(log key, metric)] in Keras's order: the loss, the compiled metrics (Keras's
+        names), each output's loss (several losses)."""
+        return [
+            (self.loss_tracker.name, self.loss_tracker),
+            *((self.metrics.name(m), m) for _, m in self.metrics),
+            *((t.name, t) for t in self.loss.trackers),
+        ]
+
     def _reset_metrics(self) -> None:
-        self.loss_tracker.reset_state()
-        for _, metric in self.metrics:
+        for _, metric in self._named_metrics():
             metric.reset_state()
 
     def _logs(self) -> dict:
-        metrics = [self.loss_tracker] + [m for _, m in self.metrics]
+        named = self._named_metrics()
         if self._metric_sync is not None:
-            return self._metric_sync.results(metrics)
-        return {m.name: fit_lib.log_value(m.result()) for m in metrics}
+            return self._metric_sync.results(named)
+        return {name: fit_lib.log_value(m.result()) for name, m in named}
 
 
 def _build_model(model, features) -> None:
