@@ -26,9 +26,10 @@ from epl_trainer.core.engine.objective import NO_LOSS_MESSAGE, keras_loss_term
 @dataclasses.dataclass(frozen=True)
 class LossEntry:
     """One loss of the compiled structure: the flat model output it reads (the index in
-    `keras.tree.flatten(y_pred)`), the Keras loss, its weight and Keras's name."""
+    `keras.tree.flatten(y_pred)`; a structure of indices for a loss that takes a part of
+    a nested output structure at once), the Keras loss, its weight and Keras's name."""
 
-    index: int
+    index: object
     loss: keras.losses.Loss
     weight: float
     name: str
@@ -82,13 +83,6 @@ class CompiledLoss:
             index = markers
             for key in path:
                 index = index[key]
-            if not isinstance(index, int):
-                raise ValueError(
-                    f"The loss {loss.name!r} at {path or 'the top'} of the loss structure "
-                    "applies to several model outputs at once "
-                    f"({tree.map_structure(lambda _: 'X', index)}); give one loss per "
-                    "output tensor."
-                )
             weight = 1.0 if weight is None else float(weight)
             entries.append(LossEntry(index, loss, weight, name))
         self.entries = entries
@@ -114,7 +108,7 @@ class CompiledLoss:
         flat_true = tree.flatten(y_true)
         if len(flat_true) == len(flat_pred):
             return flat_true
-        with_loss = sorted({entry.index for entry in self.entries})
+        with_loss = sorted({i for entry in self.entries for i in tree.flatten(entry.index)})
         if len(flat_true) == len(with_loss):
             aligned = [None] * len(flat_pred)
             for index, label in zip(with_loss, flat_true):
@@ -134,8 +128,8 @@ class CompiledLoss:
         flat_true = self.flat_labels(y_true, y_pred)
         return [
             keras_loss_term(
-                entry.loss, flat_true[entry.index], flat_pred[entry.index], sample_weight,
-                entry.weight,
+                entry.loss, pick(flat_true, entry.index), pick(flat_pred, entry.index),
+                sample_weight, entry.weight,
             )
             for entry in self.entries
         ]  # fmt: skip
@@ -148,24 +142,29 @@ class CompiledLoss:
         return tf.add_n([tf.math.divide_no_nan(t.total, t.divisor) for t in terms])
 
     def losses_for(self, num_outputs: int) -> list:
-        """Per flat output, its (first) Keras loss or None."""
+        """Per flat output, its (first) Keras loss of its own, or None."""
         found = [None] * num_outputs
         for entry in self.entries:
-            if found[entry.index] is None:
+            if isinstance(entry.index, int) and found[entry.index] is None:
                 found[entry.index] = entry.loss
         return found
 
     def weights_for(self, num_outputs: int) -> list[float]:
-        """Per flat output, the weight of its (first) loss (1 without a loss)."""
+        """Per flat output, the weight of its (first) loss of its own (1 without)."""
         found = [None] * num_outputs
         for entry in self.entries:
-            if found[entry.index] is None:
+            if isinstance(entry.index, int) and found[entry.index] is None:
                 found[entry.index] = entry.weight
         return [1.0 if w is None else w for w in found]
 
     def name(self) -> str:
         """The name of the (first) loss, or "loss"."""
         return self.entries[0].name if self.entries else "loss"
+
+
+def pick(flat: list, index):
+    """`flat[index]`, or for a structure of indices the same structure of items."""
+    return tree.map_structure(lambda i: flat[i], index)
 
 
 def _symbolic(x):

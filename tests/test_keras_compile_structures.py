@@ -133,3 +133,32 @@ def test_compiled_without_loss_predicts_and_fit_raises_keras_error():
     np.testing.assert_allclose(predicted[0], model.predict(x, verbose=0)[0], rtol=1e-6)
     with pytest.raises(ValueError, match="No loss to compute"):
         trainer.fit(x, (y1, y2), batch_size=4, verbose=0)
+
+
+def _tuple_outputs():
+    keras.utils.set_random_seed(0)
+    x = keras.Input(shape=(3,), name="input_a")
+    y1 = keras.layers.Dense(1, name="y1")(x)
+    y2 = keras.layers.Dense(1, name="y2")(x)
+    return keras.Model(x, (y1, y2))
+
+
+def _struct_mae(y_true, y_pred):
+    """A loss over a whole output structure, as Keras allows (the outputs' sum of MAE)."""
+    assert isinstance(y_true, tuple) and isinstance(y_pred, tuple)
+    total = 0
+    for t, p in zip(keras.tree.flatten(y_true), keras.tree.flatten(y_pred)):
+        total += keras.losses.mean_absolute_error(t, p)
+    return total
+
+
+def test_a_loss_over_a_structure_of_outputs_next_to_per_output_losses():
+    _, y1, y2 = _data()
+    loss = [_struct_mae, ("mse", "mae")]  # a list around a tuple output: each applies to it
+    results = _fit_both(
+        _tuple_outputs,
+        dict(loss=loss, loss_weights=[0.3, (0.5, 2.0)]),
+        (y1, y2),
+    )
+    assert sorted(results[1]) == ["loss", "y1_loss", "y1_y2_loss", "y2_loss"]
+    _assert_same(*results)

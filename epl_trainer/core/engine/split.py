@@ -480,8 +480,9 @@ class SplitLoss:
         terms = []
         for entry in self.compiled_loss.entries:
             index, weight = entry.index, entry.weight
-            t, p = flat_true[index], flat_pred[index]
-            if index not in self.sparse:
+            t = tree.map_structure(lambda i: flat_true[i], index)
+            p = tree.map_structure(lambda i: flat_pred[i], index)
+            if not isinstance(index, int) or index not in self.sparse:
                 terms.append(objective.keras_loss_term(entry.loss, t, p, sample_weight, weight))
                 continue
             with tf.device(lane_comm.device):
