@@ -54,7 +54,8 @@ class CompiledLoss:
         self.output_names = list(output_names or [])
         self._new_keras_loss()  # Keras checks the arguments' types here
         self.entries: list[LossEntry] = []
-        # Keras's Mean per loss, reporting `<name>_loss`; empty for a single loss.
+        # Keras's Mean per loss, reporting `<name>_loss`; empty for a single loss. Updated
+        # in place by `build`.
         self.trackers: list[keras.metrics.Metric] = []
         self.built = False
 
@@ -72,10 +73,24 @@ class CompiledLoss:
         data's): each call starts from a new `CompileLoss`.
         """
         keras_loss = self._new_keras_loss()
+        if keras_loss is not None:
+            keras.src.backend.compute_output_spec(keras_loss, y_true, y_pred, sample_weight)
+        self._take(keras_loss, y_pred)
+
+    def build_from_outputs(self, y_pred) -> None:
+        """Resolves the structure from the model's outputs alone, before any data (labels
+        assumed shaped like the outputs; the loss is not computed). `build` with the
+        data's shapes replaces it."""
+        keras_loss = self._new_keras_loss()
+        if keras_loss is not None:
+            keras_loss.build(y_pred, y_pred)
+        self._take(keras_loss, y_pred)
+
+    def _take(self, keras_loss, y_pred) -> None:
+        """Takes the entries and trackers of a built Keras `CompileLoss` (or none)."""
         if keras_loss is None:
-            self.entries, self.trackers, self.built = [], [], True
+            self.entries, self.trackers[:], self.built = [], [], True
             return
-        keras.src.backend.compute_output_spec(keras_loss, y_true, y_pred, sample_weight)
         flat_count = len(tree.flatten(y_pred))
         markers = tree.pack_sequence_as(keras_loss._y_pred_build_structure, list(range(flat_count)))
         entries = []
@@ -86,7 +101,7 @@ class CompiledLoss:
             weight = 1.0 if weight is None else float(weight)
             entries.append(LossEntry(index, loss, weight, name))
         self.entries = entries
-        self.trackers = list(keras_loss.metrics)
+        self.trackers[:] = keras_loss.metrics  # in place: the engine holds the list
         self.built = True
 
     def build_from(self, y_true, y_pred) -> None:

@@ -192,6 +192,13 @@ class EPLTrainer(CheckpointMixin, TrainingDataMixin, InferenceMixin):
         self.model = model
         # Keras's CompileLoss / CompileMetrics match them to the outputs, built from the
         # first data's shapes (`_build_objectives`), as Keras's first fit builds them.
+        if loss is None and not getattr(model, "compiled", False):
+            # A compiled model may have no loss (add_loss only, or predict only), as in
+            # Keras; a model handed over without compile or a loss is a missing argument.
+            raise ValueError(
+                "EPLTrainer needs a loss: pass loss=..., or compile the model with one. "
+                "Received: loss=None"
+            )
         names = compiled.output_names(model)
         self.loss = CompiledLoss(loss, names, loss_weights)
         # Keras's weighted_metrics: given the data's sample weights (the others are not).

@@ -121,7 +121,7 @@ def plan_engine(
         )
         num_outputs = len(tree.flatten(model.outputs))
         if not loss.built:  # resolved from the outputs' shapes until the data's are known
-            loss.build_from(model.outputs, model.outputs)
+            loss.build_from_outputs(model.outputs)
         if not metrics.built:
             metrics.build(model.outputs, model.outputs)
         split_lib.sparse_outputs(loss.losses_for(num_outputs), split_layers)
