@@ -28,16 +28,17 @@ def _data():
     return x, y1, y2
 
 
-def _fit_both(make_model, compile_kwargs, y, config=DP, epochs=2):
+def _fit_both(make_model, compile_kwargs, y, config=DP, epochs=2, batch_size=4):
     """(plain Keras history, trainer history, plain weights, trainer weights)."""
     x = _data()[0]
+    fit = dict(batch_size=batch_size, epochs=epochs, shuffle=False, verbose=0)
     reference = make_model()
     reference.compile(optimizer=keras.optimizers.SGD(0.1), **compile_kwargs)
-    expected = reference.fit(x, y, batch_size=4, epochs=epochs, shuffle=False, verbose=0)
+    expected = reference.fit(x, y, **fit)
     model = make_model()
     model.compile(optimizer=keras.optimizers.SGD(0.1), **compile_kwargs)
     trainer = epl_trainer.EPLTrainer(model, config=dict(config))
-    got = trainer.fit(x, y, batch_size=4, epochs=epochs, shuffle=False, verbose=0)
+    got = trainer.fit(x, y, **fit)
     return expected.history, got.history, reference.get_weights(), model.get_weights()
 
 
@@ -76,6 +77,22 @@ def test_dict_losses_weights_and_per_output_loss_logs():
     _assert_same(*results)
 
 
+def test_per_output_losses_over_micro_batches_and_an_odd_batch():
+    """Each output's own loss is reduced as the total loss: micro-batches, replicas and
+    rows added to fill a batch of 5 change neither."""
+    _, y1, y2 = _data()
+    config = {**DP, "pipeline.num_micro_batch": 2}
+    results = _fit_both(
+        _two_outputs,
+        dict(loss=["mse", "bce"], loss_weights=[2.0, 0.5]),
+        (y1, y2),
+        config=config,
+        batch_size=5,
+    )
+    assert sorted(results[1]) == ["loss", "output_a_loss", "output_b_loss"]
+    _assert_same(*results)
+
+
 def test_nested_list_metrics_and_abbreviations():
     _, y1, y2 = _data()
     results = _fit_both(
@@ -100,16 +117,16 @@ def test_dict_outputs_with_dict_labels():
     _assert_same(*results)
 
 
-def test_evaluate_returns_keras_logs():
+def test_evaluate_returns_keras_logs_with_an_odd_batch():
     x, y1, y2 = _data()
     kwargs = dict(loss=["mse", "bce"], metrics=["mae", "mae"])
     reference = _two_outputs()
     reference.compile(optimizer="sgd", **kwargs)
-    expected = reference.evaluate(x, (y1, y2), batch_size=4, verbose=0, return_dict=True)
+    expected = reference.evaluate(x, (y1, y2), batch_size=5, verbose=0, return_dict=True)
     model = _two_outputs()
     model.compile(optimizer="sgd", **kwargs)
     trainer = epl_trainer.EPLTrainer(model, config=dict(DP))
-    got = trainer.evaluate(x, (y1, y2), batch_size=4, verbose=0, return_dict=True)
+    got = trainer.evaluate(x, (y1, y2), batch_size=5, verbose=0, return_dict=True)
     assert sorted(got) == sorted(expected)
     for key in expected:
         np.testing.assert_allclose(got[key], expected[key], rtol=1e-5, err_msg=key)

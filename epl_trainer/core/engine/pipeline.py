@@ -71,7 +71,8 @@ class MicroBatch:
     data_estimate: tf.Tensor | None = None
     runs: dict = dataclasses.field(default_factory=dict)  # stage -> _StageRun
     upstream: dict = dataclasses.field(default_factory=dict)  # key -> gradient of the loss
-    # Reported, [the loss plus every stage's auxiliary losses, each output's own loss].
+    # Reported: [the loss plus every stage's auxiliary losses, the micro-batch's share of
+    # the step's rows, each output's own loss] (program.py's `_update_loss_trackers`).
     loss: tf.Tensor | None = None
     y_pred: object = None
     earlier_aux: list = dataclasses.field(default_factory=list)  # aux losses of earlier stages
@@ -357,9 +358,10 @@ class LaneExecutor:
         extra += [tf.stop_gradient(tf.cast(a, tf.float32)) for a in mb.earlier_aux]
         if extra:
             reported = tf.add_n([reported, *extra])
-        # [the loss, each output's own loss]: what the loss trackers report (program.py).
+        # What the loss trackers report (program.py's `_update_loss_trackers`).
         outputs = objective_lib.output_reports(terms, padded, real, self.rows)
-        return loss, tf.stack([reported, *outputs])
+        share = tf.cast(real, tf.float32) / self.rows.global_rows
+        return loss, tf.stack([reported, share, *outputs])
 
     def _stage_values(self, k: int) -> list:
         if k not in self._read_values:

@@ -400,10 +400,16 @@ class Program:
         ]
 
     def _update_loss_trackers(self, reported, batch) -> None:
-        """`reported`: [the loss, each output's own loss] (pipeline.py's `_loss`)."""
+        """`reported`: [the loss, the micro-batch's share of the step's rows (over all
+        workers), each output's own loss] (pipeline.py's `_loss`).
+
+        The loss is averaged over rows; each output's loss over steps, each step's
+        counting once whatever its rows, as Keras's `CompileLoss` trackers average them
+        (their weight, the batch's static row count, is unknown in Keras's traced step).
+        """
         self.loss_tracker.update_state(reported[0], sample_weight=batch)
         for i, tracker in enumerate(self.output_loss_trackers):
-            tracker.update_state(reported[1 + i], sample_weight=batch)
+            tracker.update_state(reported[2 + i], sample_weight=reported[1])
 
     def _update_output_metrics(self, labels, y_pred, mask, weights=None) -> None:
         if not len(self.metrics):
@@ -504,8 +510,9 @@ class Program:
                     if aux:
                         loss = loss + tf.add_n(aux)
                     outputs = objective.output_reports(terms, padded, count, rows)
+                    share = count / rows.global_rows
                 with tf.device(layout.host):
-                    self._update_loss_trackers(tf.stack([loss, *outputs]), count)
+                    self._update_loss_trackers(tf.stack([loss, share, *outputs]), count)
                     self._update_output_metrics(y, y_pred, w, None if sw is None else sw * w)
 
     def _eval_many_on_iterator(self, iterator, steps: int, batch_size: int):
