@@ -164,18 +164,6 @@ class CompiledLoss:
                 found[entry.index] = entry.loss
         return found
 
-    def weights_for(self, num_outputs: int) -> list[float]:
-        """Per flat output, the weight of its (first) loss of its own (1 without)."""
-        found = [None] * num_outputs
-        for entry in self.entries:
-            if isinstance(entry.index, int) and found[entry.index] is None:
-                found[entry.index] = entry.weight
-        return [1.0 if w is None else w for w in found]
-
-    def name(self) -> str:
-        """The name of the (first) loss, or "loss"."""
-        return self.entries[0].name if self.entries else "loss"
-
 
 def pick(flat: list, index):
     """`flat[index]`, or for a structure of indices the same structure of items."""

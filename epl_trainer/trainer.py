@@ -59,11 +59,15 @@ class EPLTrainer(CheckpointMixin, TrainingDataMixin, InferenceMixin):
         `staged` exist from then on. A model that went through `model.compile(...)` brings
         its optimizer, loss, loss_weights and metrics: each is used unless the
         same argument is passed here (passed arguments win).
-      loss: a Keras loss (object, name or function; list/dict for several outputs).
+      loss: a Keras loss (object, name or function), or a list / dict / nested structure
+        of them, as `Model.compile` takes it; matched to the outputs by Keras's own
+        `CompileLoss` at the first data (losses.py).
       optimizer: a Keras optimizer or its name. It stays the "master": its learning rate
         (settable by callbacks) drives every replica's copy. Default: the compiled
         model's optimizer, else SGD.
-      metrics: Keras metrics or names ("accuracy" is resolved from the loss, as compile).
+      metrics: Keras metrics or names, in `Model.compile`'s structures (a list for one
+        output, a list or dict per output); resolved by Keras's own `CompileMetrics`
+        ("accuracy" from the shapes) and logged under Keras's names (metrics.py).
       weighted_metrics: metrics that get the data's sample weights, as `Model.compile`'s
         (plain `metrics` do not). Default: the compiled model's.
       loss_weights: scales each output's loss (a list or dict, as `Model.compile`).
