@@ -26,10 +26,8 @@ from epl_trainer.config import Config
 from epl_trainer.core import engine
 from epl_trainer.end_of_data import EndOfDataAgreement
 from epl_trainer.env import Env
-from epl_trainer.losses import CompiledLoss
 from epl_trainer.memory import build_report
 from epl_trainer.metric_sync import MetricSync
-from epl_trainer.metrics import CompiledMetrics
 from epl_trainer.model_fn import ModelSpec  # noqa: F401  (re-exported: epl.ModelSpec)
 from epl_trainer.trainer_checkpoints import CheckpointMixin
 from epl_trainer.trainer_data import TrainingDataMixin, needs_data_to_build
@@ -37,6 +35,7 @@ from epl_trainer.trainer_inference import (
     EVAL_STEPS_PER_CALL,  # noqa: F401  (re-exported)
     InferenceMixin,
 )
+from epl_trainer.trainer_objectives import ObjectivesMixin
 from epl_trainer.watchdog import watchdog_for
 
 logger = logging.getLogger(__name__)
@@ -46,7 +45,7 @@ class NonFiniteLossError(FloatingPointError):
     """A float32 training step produced a NaN or Inf loss (non-finite gradients)."""
 
 
-class EPLTrainer(CheckpointMixin, TrainingDataMixin, InferenceMixin):
+class EPLTrainer(CheckpointMixin, TrainingDataMixin, InferenceMixin, ObjectivesMixin):
     """Trains a Keras model with the parallelism given by annotations and config.
 
     Args:
@@ -186,31 +185,18 @@ class EPLTrainer(CheckpointMixin, TrainingDataMixin, InferenceMixin):
         model = spec.model
         given = compiled.settings(model)
         first = compiled.first_given
-        loss = first(loss, spec.loss, given.get("loss"))
-        metrics = first(metrics, spec.metrics, given.get("metrics"))
-        loss_weights = first(loss_weights, spec.loss_weights, given.get("loss_weights"))
         if not self._optimizer_given and self.deepspeed is None:
             chosen = first(spec.optimizer, given.get("optimizer"))
             if chosen is not None:
                 self.optimizer = keras.optimizers.get(chosen)
         self.model = model
-        # Keras's CompileLoss / CompileMetrics match them to the outputs, built from the
-        # first data's shapes (`_build_objectives`), as Keras's first fit builds them.
-        if loss is None and not getattr(model, "compiled", False):
-            # A compiled model may have no loss (add_loss only, or predict only), as in
-            # Keras; a model handed over without compile or a loss is a missing argument.
-            raise ValueError(
-                "EPLTrainer needs a loss: pass loss=..., or compile the model with one. "
-                "Received: loss=None"
-            )
-        names = compiled.output_names(model)
-        self.loss = CompiledLoss(loss, names, loss_weights)
-        # Keras's weighted_metrics: given the data's sample weights (the others are not).
-        weighted = first(weighted_metrics, given.get("weighted_metrics"))
-        self.metrics = CompiledMetrics(metrics, weighted, names)
-        self._objectives_spec = None  # the first data's element spec
-        self._objectives_built = False
-        self.loss_tracker = keras.metrics.Mean(name="loss")
+        self._setup_objectives(
+            model,
+            loss=first(loss, spec.loss, given.get("loss")),
+            metrics=first(metrics, spec.metrics, given.get("metrics")),
+            loss_weights=first(loss_weights, spec.loss_weights, given.get("loss_weights")),
+            weighted_metrics=first(weighted_metrics, given.get("weighted_metrics")),
+        )
         annotation = _annotate(model, self.config, strategy, stages, split)
         self.engine_plan = engine.plan_engine(
             model,
@@ -400,7 +386,7 @@ class EPLTrainer(CheckpointMixin, TrainingDataMixin, InferenceMixin):
             steps=steps_per_epoch or fit_lib.num_batches(dataset),
             add_history=True,
         )
-        write_back_each_step = _needs_fresh_weights_per_step(callback_list)
+        write_back_each_step = fit_lib.needs_fresh_weights_per_step(callback_list)
         self.model.stop_training = False
         self.stats_history = {}
         callback_list.on_train_begin()
@@ -560,44 +546,6 @@ class EPLTrainer(CheckpointMixin, TrainingDataMixin, InferenceMixin):
 
     # ---- logs and checks ---------------------------------------------------------------
 
-    def _build_objectives(self, element_spec=None) -> None:
-        """Builds the loss and metrics (ours and the compiled model's own
-        `CompileMetrics`) from the first data's shapes, as Keras's first fit does: its
-        `CompileLoss` / `CompileMetrics` match them to the outputs and raise Keras's
-        errors. Called with the data's element spec, and again once the model is built
-        (an unbuilt model is built at the engine's first batch)."""
-        if self._objectives_built:  # later data does not rebuild them (as in Keras)
-            return
-        if element_spec is not None:
-            self._objectives_spec = element_spec
-        if self._objectives_spec is None or not self.model.built:
-            return
-        batch = compiled.symbolic_batch(self.model, self._objectives_spec)
-        _, y, y_pred, sample_weight = batch
-        self._objectives_built = True
-        self.loss.build(y, y_pred, sample_weight)
-        self.metrics.build(y, y_pred)
-        compiled.build_keras_compile_metrics(self.model, batch)
-
-    def _named_metrics(self) -> list:
-        """[(log key, metric)] in Keras's order: the loss, the compiled metrics (Keras's
-        names), each output's loss (several losses)."""
-        return [
-            (self.loss_tracker.name, self.loss_tracker),
-            *((self.metrics.name(m), m) for _, m in self.metrics),
-            *((t.name, t) for t in self.loss.trackers),
-        ]
-
-    def _reset_metrics(self) -> None:
-        for _, metric in self._named_metrics():
-            metric.reset_state()
-
-    def _logs(self) -> dict:
-        named = self._named_metrics()
-        if self._metric_sync is not None:
-            return self._metric_sync.results(named)
-        return {name: fit_lib.log_value(m.result()) for name, m in named}
-
 
 def _build_model(model, features) -> None:
     """Builds an unbuilt (subclassed) model as Keras's first fit does: on symbolic inputs,
@@ -638,38 +586,6 @@ def _annotate(model, config: Config, strategy, stages, split):
             + (", ".join(f"{k}={v!r}" for k, v in given.items()) or "replicate/split scopes")
         )
     return None
-
-
-# Callbacks whose batch hooks read only the logs and the optimizer, never the weights.
-_LOGS_ONLY_CALLBACKS = (
-    keras.callbacks.ProgbarLogger,
-    keras.callbacks.History,
-    keras.callbacks.CSVLogger,
-    keras.callbacks.TerminateOnNaN,
-    keras.callbacks.EarlyStopping,
-    keras.callbacks.ReduceLROnPlateau,
-    keras.callbacks.LearningRateScheduler,
-    keras.callbacks.RemoteMonitor,
-    keras.callbacks.TensorBoard,  # batch summaries of the logs; weights at epoch end
-)
-_SAVERS = (keras.callbacks.ModelCheckpoint, keras.callbacks.BackupAndRestore)
-
-
-def _needs_fresh_weights_per_step(callback_list) -> bool:
-    """Whether a callback may read the Keras model's variables after a step: the engine
-    then writes them back after every step, as Keras's model holds them (one copy of the
-    weights per step), else only at epoch ends."""
-    for callback in callback_list.callbacks:
-        if isinstance(callback, _SAVERS):
-            if callback.save_freq != "epoch":
-                return True
-            continue
-        logs_only = isinstance(callback, _LOGS_ONLY_CALLBACKS) or getattr(
-            callback, "reads_logs_only", False
-        )
-        if not logs_only and fit_lib.implements_batch_hooks(callback, "train"):
-            return True
-    return False
 
 
 def _checked_steps_per_execution(value, worker_num: int) -> int:
