@@ -76,14 +76,34 @@ def mixed_precision_keys(model, optimizer) -> dict:
     return keys
 
 
-def output_names(model) -> list[str]:
+def output_names(model) -> list[str] | None:
+    """The output names Keras's `compile` gives `CompileLoss` / `CompileMetrics`: the
+    model's `output_names` if it has them, else None."""
     names = getattr(model, "output_names", None)
-    return list(names) if names else ["output"]
+    return list(names) if names else None
 
 
-def build_keras_compile_metrics(model, element_spec) -> None:
-    """Builds a compiled model's own `CompileMetrics` from the data's shapes, as Keras's
-    first `fit` does (`Trainer._symbolic_build`), without running or training anything.
+def symbolic_batch(model, element_spec) -> tuple:
+    """(x, y, y_pred, sample_weight) as KerasTensors for a batch of `element_spec`, as
+    Keras's first `fit` makes them (`Trainer._symbolic_build`): the model's outputs are
+    computed symbolically, so nothing runs and no state changes."""
+    from keras.src.trainers import data_adapters
+
+    def symbolic(spec):
+        if spec is None:
+            return None
+        return keras.KerasTensor(spec.shape, dtype=spec.dtype.name)
+
+    element = keras.tree.map_structure(symbolic, element_spec)
+    x, y, sample_weight = data_adapters.data_adapter_utils.unpack_x_y_sample_weight(element)
+    y_pred = keras.src.backend.compute_output_spec(model, x, training=False)
+    return x, y, y_pred, sample_weight
+
+
+def build_keras_compile_metrics(model, batch) -> None:
+    """Builds a compiled model's own `CompileMetrics` from the data's symbolic `batch`
+    (`symbolic_batch`), as Keras's first `fit` does, without running or training
+    anything.
 
     The trainer computes the metrics with its own objects; Keras's callbacks that pick
     a direction for a monitored metric (`EarlyStopping`, `ReduceLROnPlateau`,
@@ -95,16 +115,7 @@ def build_keras_compile_metrics(model, element_spec) -> None:
         return
     if compile_metrics.built or not model.built:
         return
-    from keras.src.trainers import data_adapters
-
-    def symbolic(spec):
-        if spec is None:
-            return None
-        return keras.KerasTensor(spec.shape, dtype=spec.dtype.name)
-
-    element = keras.tree.map_structure(symbolic, element_spec)
-    x, y, sample_weight = data_adapters.data_adapter_utils.unpack_x_y_sample_weight(element)
-    y_pred = keras.src.backend.compute_output_spec(model, x, training=False)
+    x, y, y_pred, sample_weight = batch
     keras.src.backend.compute_output_spec(
         model.compute_metrics, x, y, y_pred, sample_weight=sample_weight
     )

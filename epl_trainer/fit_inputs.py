@@ -264,3 +264,35 @@ def flatten_logs_in_order(logs: dict, metric_names: Sequence[str]):
     results = [logs[name] for name in metric_names if name in logs]
     results += [logs[key] for key in sorted(logs) if key not in metric_names]
     return results[0] if len(results) == 1 else results
+
+
+# Callbacks whose batch hooks read only the logs and the optimizer, never the weights.
+_LOGS_ONLY_CALLBACKS = (
+    keras.callbacks.ProgbarLogger,
+    keras.callbacks.History,
+    keras.callbacks.CSVLogger,
+    keras.callbacks.TerminateOnNaN,
+    keras.callbacks.EarlyStopping,
+    keras.callbacks.ReduceLROnPlateau,
+    keras.callbacks.LearningRateScheduler,
+    keras.callbacks.RemoteMonitor,
+    keras.callbacks.TensorBoard,  # batch summaries of the logs; weights at epoch end
+)
+_SAVERS = (keras.callbacks.ModelCheckpoint, keras.callbacks.BackupAndRestore)
+
+
+def needs_fresh_weights_per_step(callback_list) -> bool:
+    """Whether a callback may read the Keras model's variables after a step: the engine
+    then writes them back after every step, as Keras's model holds them (one copy of the
+    weights per step), else only at epoch ends."""
+    for callback in callback_list.callbacks:
+        if isinstance(callback, _SAVERS):
+            if callback.save_freq != "epoch":
+                return True
+            continue
+        logs_only = isinstance(callback, _LOGS_ONLY_CALLBACKS) or getattr(
+            callback, "reads_logs_only", False
+        )
+        if not logs_only and implements_batch_hooks(callback, "train"):
+            return True
+    return False

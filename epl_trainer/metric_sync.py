@@ -22,15 +22,16 @@ class MetricSync:
         self.cluster = cluster
         self._reduce = None
 
-    def results(self, metrics) -> dict:
-        """{metric name: value over all workers} (the metrics must stay the same)."""
+    def results(self, named_metrics) -> dict:
+        """{log key: value over all workers} of [(log key, metric)] (the metrics must
+        stay the same)."""
         if self._reduce is None:
-            self._reduce = self._build([v for m in metrics for v in m.variables])
+            self._reduce = self._build([v for _, m in named_metrics for v in m.variables])
         reduced = iter(self._reduce())
         logs = {}
-        for m in metrics:
+        for name, m in named_metrics:
             values = [next(reduced) for _ in m.variables]
-            logs[m.name] = log_value(m.stateless_result(values))
+            logs[name] = log_value(m.stateless_result(values))
         return logs
 
     def _build(self, variables):

@@ -1,81 +1,108 @@
-"""Turns `metrics=[...]` into Keras metric objects, resolving "accuracy" as `compile` does."""
+"""The metrics of `compile(metrics=..., weighted_metrics=...)`, resolved by Keras's own
+`CompileMetrics`: which metric reads which output, "accuracy" picked from the shapes,
+and the names the logs show (`<output>_<metric>` with several outputs, made unique as
+Keras makes them)."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 
 import keras
+from keras import tree
 
-_ACCURACY_NAMES = ("accuracy", "acc")
+# Keras's own resolver of compile()'s metrics structure; not exported by keras.metrics.
+from keras.src.trainers.compile_utils import CompileMetrics
 
 
-def resolve_metrics(
-    metrics, loss_name: str, output_names: Sequence[str]
-) -> list[tuple[int, keras.metrics.Metric]]:
-    """Returns (output index, metric) pairs.
+class CompiledMetrics:
+    """(flat output index, metric) pairs built by Keras's `CompileMetrics`.
 
-    Args:
-      metrics: None, a list applied to every output, or a dict {output name: list}.
-      loss_name: used to pick the accuracy variant for "accuracy" / "acc".
-      output_names: the model's output names (metrics get a prefix when there are several).
+    Iterating gives the pairs (the index is in `keras.tree.flatten(y_pred)` order); the
+    pairs, `weighted_ids` (ids of the `weighted_metrics`, which get the data's sample
+    weights) and `log_names` are filled by `build` and updated in place when built
+    again, so the engine's references stay valid.
     """
-    if metrics is None:
-        return []
-    if isinstance(metrics, Mapping):
-        unknown = [k for k in metrics if k not in output_names]
-        if unknown:
-            raise ValueError(
-                f"metrics keys {unknown} are not model outputs. Outputs: {list(output_names)}"
-            )
-        per_output = {output_names.index(k): _as_list(v) for k, v in metrics.items()}
-    else:
-        per_output = dict.fromkeys(range(len(output_names)), _as_list(metrics))
-    resolved = []
-    for index, specs in per_output.items():
-        prefix = f"{output_names[index]}_" if len(output_names) > 1 else ""
-        for spec in specs:
-            resolved.append((index, _as_metric(spec, loss_name, prefix)))
-    check_unique_names(resolved)
-    return resolved
+
+    def __init__(self, metrics, weighted_metrics, output_names: Sequence[str] | None = None):
+        self._metrics = metrics
+        self._weighted_metrics = weighted_metrics
+        self.output_names = list(output_names or [])
+        self._new_keras_metrics()  # Keras checks the arguments' types here
+        self.pairs: list[tuple[int, keras.metrics.Metric]] = []
+        self.weighted_ids: set[int] = set()
+        self.log_names: dict[int, str] = {}
+        self.built = False
+
+    def _new_keras_metrics(self) -> CompileMetrics:
+        return CompileMetrics(
+            self._metrics, self._weighted_metrics, output_names=self.output_names or None
+        )
+
+    def build(self, y_true, y_pred) -> None:
+        """Resolves the metrics from symbolic `y_true` / `y_pred` (the data's shapes), as
+        Keras's first `fit` builds its `CompileMetrics`."""
+        keras_metrics = self._new_keras_metrics()
+        keras_metrics.build(y_true, y_pred)
+        # Keras's flat order of the outputs (by output name for a dict), as indices
+        # into keras.tree.flatten(y_pred), the order the engine reads outputs in.
+        markers = tree.pack_sequence_as(y_pred, list(range(len(tree.flatten(y_pred)))))
+        order = keras_metrics._flatten_y(markers)
+        plain = _pairs(keras_metrics._flat_metrics, order)
+        weighted = _pairs(keras_metrics._flat_weighted_metrics, order)
+        self.pairs[:] = [(index, metric) for index, metric, _ in plain + weighted]
+        self.weighted_ids.clear()
+        self.weighted_ids.update(id(metric) for _, metric, _ in weighted)
+        self.log_names.clear()
+        self.log_names.update(_keras_names(plain, weighted))
+        self.built = True
+
+    def name(self, metric) -> str:
+        """The metric's key in the logs."""
+        return self.log_names.get(id(metric), metric.name)
+
+    def __iter__(self):
+        return iter(self.pairs)
+
+    def __len__(self) -> int:
+        return len(self.pairs)
 
 
-def check_unique_names(resolved) -> None:
-    """Metrics report under their names: two with one name would share a log entry."""
-    names = [m.name for _, m in resolved]
-    duplicates = sorted({n for n in names if names.count(n) > 1})
-    if duplicates:
-        raise ValueError(f"Metric names must be unique. Duplicated: {duplicates}")
+def _pairs(flat_lists, order) -> list:
+    """[(flat output index, metric, output name or None)] of Keras's per-output
+    `MetricsList`s."""
+    found = []
+    for position, metrics_list in enumerate(flat_lists):
+        if not metrics_list:
+            continue
+        for metric in metrics_list.metrics:
+            found.append((order[position], metric, metrics_list.output_name))
+    return found
 
 
-def _as_list(spec) -> list:
-    return list(spec) if isinstance(spec, (list, tuple)) else [spec]
-
-
-def _as_metric(spec, loss_name: str, prefix: str) -> keras.metrics.Metric:
-    if isinstance(spec, keras.metrics.Metric):
-        if prefix and not spec.name.startswith(prefix):
-            raise ValueError(
-                f"With several outputs, pass metric names (not metric objects) or a dict per "
-                f"output. Received object {spec.name!r}."
-            )
-        return spec
-    if isinstance(spec, str) and spec.lower() in _ACCURACY_NAMES:
-        return _accuracy_for(loss_name, name=prefix + spec)
-    fn = keras.metrics.get(spec)
-    if isinstance(fn, keras.metrics.Metric):
-        return fn
-    if isinstance(fn, type) and issubclass(fn, keras.metrics.Metric):
-        return fn(name=prefix + (spec if isinstance(spec, str) else fn.__name__))
-    name = spec if isinstance(spec, str) else getattr(fn, "__name__", "metric")
-    return keras.metrics.MeanMetricWrapper(fn, name=prefix + name)
-
-
-def _accuracy_for(loss_name: str, name: str) -> keras.metrics.Metric:
-    lowered = loss_name.lower()
-    if "sparse_categorical" in lowered:
-        return keras.metrics.SparseCategoricalAccuracy(name=name)
-    if "categorical" in lowered:
-        return keras.metrics.CategoricalAccuracy(name=name)
-    if "binary" in lowered:
-        return keras.metrics.BinaryAccuracy(name=name)
-    return keras.metrics.Accuracy(name=name)
+def _keras_names(plain, weighted) -> dict[int, str]:
+    """{id(metric): log name}, as `CompileMetrics.result` names them: prefixed by the
+    output's name, a repeated name numbered, a weighted metric whose name a plain one
+    took prefixed by "weighted_"."""
+    names, counters = {}, {}
+    for _, metric, output in plain:
+        name = f"{output}_{metric.name}" if output else metric.name
+        if name in counters:
+            counters[name] += 1
+            name = f"{name}_{counters[name] - 1}"
+        else:
+            counters[name] = 1
+        names[id(metric)] = name
+    for _, metric, output in weighted:
+        name = f"{output}_{metric.name}" if output else metric.name
+        if name in counters:
+            name = f"weighted_{metric.name}"
+            name = f"{output}_{name}" if output else name
+            if name in counters:
+                counters[name] += 1
+                name = f"{name}_{counters[name] - 1}"
+            else:
+                counters[name] = 1
+        else:
+            counters[name] = 1
+        names[id(metric)] = name
+    return names

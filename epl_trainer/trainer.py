@@ -27,10 +27,8 @@ from epl_trainer.core import engine
 from epl_trainer.core.engine import ema
 from epl_trainer.end_of_data import EndOfDataAgreement
 from epl_trainer.env import Env
-from epl_trainer.losses import CompiledLoss
 from epl_trainer.memory import build_report
 from epl_trainer.metric_sync import MetricSync
-from epl_trainer.metrics import check_unique_names, resolve_metrics
 from epl_trainer.model_fn import ModelSpec  # noqa: F401  (re-exported: epl.ModelSpec)
 from epl_trainer.trainer_checkpoints import CheckpointMixin
 from epl_trainer.trainer_data import TrainingDataMixin, needs_data_to_build
@@ -38,6 +36,7 @@ from epl_trainer.trainer_inference import (
     EVAL_STEPS_PER_CALL,  # noqa: F401  (re-exported)
     InferenceMixin,
 )
+from epl_trainer.trainer_objectives import ObjectivesMixin
 from epl_trainer.watchdog import watchdog_for
 
 logger = logging.getLogger(__name__)
@@ -47,7 +46,7 @@ class NonFiniteLossError(FloatingPointError):
     """A float32 training step produced a NaN or Inf loss (non-finite gradients)."""
 
 
-class EPLTrainer(CheckpointMixin, TrainingDataMixin, InferenceMixin):
+class EPLTrainer(CheckpointMixin, TrainingDataMixin, InferenceMixin, ObjectivesMixin):
     """Trains a Keras model with the parallelism given by annotations and config.
 
     Args:
@@ -60,11 +59,15 @@ class EPLTrainer(CheckpointMixin, TrainingDataMixin, InferenceMixin):
         `staged` exist from then on. A model that went through `model.compile(...)` brings
         its optimizer, loss, loss_weights and metrics: each is used unless the
         same argument is passed here (passed arguments win).
-      loss: a Keras loss (object, name or function; list/dict for several outputs).
+      loss: a Keras loss (object, name or function), or a list / dict / nested structure
+        of them, as `Model.compile` takes it; matched to the outputs by Keras's own
+        `CompileLoss` at the first data (losses.py).
       optimizer: a Keras optimizer or its name. It stays the "master": its learning rate
         (settable by callbacks) drives every replica's copy. Default: the compiled
         model's optimizer, else SGD.
-      metrics: Keras metrics or names ("accuracy" is resolved from the loss, as compile).
+      metrics: Keras metrics or names, in `Model.compile`'s structures (a list for one
+        output, a list or dict per output); resolved by Keras's own `CompileMetrics`
+        ("accuracy" from the shapes) and logged under Keras's names (metrics.py).
       weighted_metrics: metrics that get the data's sample weights, as `Model.compile`'s
         (plain `metrics` do not). Default: the compiled model's.
       loss_weights: scales each output's loss (a list or dict, as `Model.compile`).
@@ -184,24 +187,18 @@ class EPLTrainer(CheckpointMixin, TrainingDataMixin, InferenceMixin):
         model = spec.model
         given = compiled.settings(model)
         first = compiled.first_given
-        loss = first(loss, spec.loss, given.get("loss"))
-        metrics = first(metrics, spec.metrics, given.get("metrics"))
-        loss_weights = first(loss_weights, spec.loss_weights, given.get("loss_weights"))
         if not self._optimizer_given and self.deepspeed is None:
             chosen = first(spec.optimizer, given.get("optimizer"))
             if chosen is not None:
                 self.optimizer = keras.optimizers.get(chosen)
         self.model = model
-        self.loss = CompiledLoss(loss, compiled.output_names(model), loss_weights)
-        names = compiled.output_names(model)
-        self.metrics = resolve_metrics(metrics, self.loss.name(), names)
-        # Keras's weighted_metrics: given the data's sample weights (the others are not).
-        weighted = first(weighted_metrics, given.get("weighted_metrics"))
-        weighted = resolve_metrics(weighted, self.loss.name(), names)
-        self._weighted_metrics = frozenset(id(metric) for _, metric in weighted)
-        self.metrics = self.metrics + weighted
-        check_unique_names(self.metrics)
-        self.loss_tracker = keras.metrics.Mean(name="loss")
+        self._setup_objectives(
+            model,
+            loss=first(loss, spec.loss, given.get("loss")),
+            metrics=first(metrics, spec.metrics, given.get("metrics")),
+            loss_weights=first(loss_weights, spec.loss_weights, given.get("loss_weights")),
+            weighted_metrics=first(weighted_metrics, given.get("weighted_metrics")),
+        )
         annotation = _annotate(model, self.config, strategy, stages, split)
         self.engine_plan = engine.plan_engine(
             model,
@@ -271,6 +268,7 @@ class EPLTrainer(CheckpointMixin, TrainingDataMixin, InferenceMixin):
             self._build_from_data(tf.data.Dataset.from_tensors(features), model_fn_lib.INFER)
         if not self.model.built:
             _build_model(self.model, features)
+        self._build_objectives()
         with tf.device(self.cluster.host_device):
             self.loss_tracker.reset_state()
         self._start_state.take(self.model, self.optimizer)  # if the batch above built it
@@ -286,7 +284,6 @@ class EPLTrainer(CheckpointMixin, TrainingDataMixin, InferenceMixin):
             step_counter=self.optimizer.iterations,
             checkpoint_marks=checkpoints.get_collection(),
             jit_compile=self.jit_compile,
-            weighted_metrics=self._weighted_metrics,
         )
         if self.config.gradient_checkpoint.check_gradients:
             self._engine.check_recompute_gradients(features)
@@ -371,7 +368,7 @@ class EPLTrainer(CheckpointMixin, TrainingDataMixin, InferenceMixin):
         else:
             dataset, passes = self._fit_dataset(x, y, sample_weight, batch_size, shuffle)
         data_lib.check_element_spec(dataset.element_spec, self.model, with_labels=True)
-        compiled.build_keras_compile_metrics(self.model, dataset.element_spec)
+        self._build_objectives(dataset.element_spec)
         validation = None
         if validation_data is not None:
             fit_lib.should_validate(0, validation_freq)  # a bad value fails before training
@@ -393,7 +390,7 @@ class EPLTrainer(CheckpointMixin, TrainingDataMixin, InferenceMixin):
             steps=steps_per_epoch or fit_lib.num_batches(dataset),
             add_history=True,
         )
-        write_back_each_step = _needs_fresh_weights_per_step(callback_list)
+        write_back_each_step = fit_lib.needs_fresh_weights_per_step(callback_list)
         self.model.stop_training = False
         self.stats_history = {}
         callback_list.on_train_begin()
@@ -468,7 +465,7 @@ class EPLTrainer(CheckpointMixin, TrainingDataMixin, InferenceMixin):
     def _run_epoch(self, batches, callback_list, write_back_each_step, first_step=0) -> dict:
         program = self._ensure_engine_for(batches.dataset)
         self._reset_metrics()
-        log_names = {self.loss_tracker.name, *(metric.name for _, metric in self.metrics)}
+        log_names = {name for name, _ in self._named_metrics()}
         chunk = {"last": -1, "end": 0, "ran": 0}  # the last call's step indices and iterations
 
         def step(index, iterator, count):
@@ -572,17 +569,6 @@ class EPLTrainer(CheckpointMixin, TrainingDataMixin, InferenceMixin):
 
     # ---- logs and checks ---------------------------------------------------------------
 
-    def _reset_metrics(self) -> None:
-        self.loss_tracker.reset_state()
-        for _, metric in self.metrics:
-            metric.reset_state()
-
-    def _logs(self) -> dict:
-        metrics = [self.loss_tracker] + [m for _, m in self.metrics]
-        if self._metric_sync is not None:
-            return self._metric_sync.results(metrics)
-        return {m.name: fit_lib.log_value(m.result()) for m in metrics}
-
 
 def _check_no_distribution_strategy(model) -> None:
     """EPLTrainer places the model's copies itself: inside a `tf.distribute` strategy's
@@ -640,38 +626,6 @@ def _annotate(model, config: Config, strategy, stages, split):
             + (", ".join(f"{k}={v!r}" for k, v in given.items()) or "replicate/split scopes")
         )
     return None
-
-
-# Callbacks whose batch hooks read only the logs and the optimizer, never the weights.
-_LOGS_ONLY_CALLBACKS = (
-    keras.callbacks.ProgbarLogger,
-    keras.callbacks.History,
-    keras.callbacks.CSVLogger,
-    keras.callbacks.TerminateOnNaN,
-    keras.callbacks.EarlyStopping,
-    keras.callbacks.ReduceLROnPlateau,
-    keras.callbacks.LearningRateScheduler,
-    keras.callbacks.RemoteMonitor,
-    keras.callbacks.TensorBoard,  # batch summaries of the logs; weights at epoch end
-)
-_SAVERS = (keras.callbacks.ModelCheckpoint, keras.callbacks.BackupAndRestore)
-
-
-def _needs_fresh_weights_per_step(callback_list) -> bool:
-    """Whether a callback may read the Keras model's variables after a step: the engine
-    then writes them back after every step, as Keras's model holds them (one copy of the
-    weights per step), else only at epoch ends."""
-    for callback in callback_list.callbacks:
-        if isinstance(callback, _SAVERS):
-            if callback.save_freq != "epoch":
-                return True
-            continue
-        logs_only = isinstance(callback, _LOGS_ONLY_CALLBACKS) or getattr(
-            callback, "reads_logs_only", False
-        )
-        if not logs_only and fit_lib.implements_batch_hooks(callback, "train"):
-            return True
-    return False
 
 
 def _checked_steps_per_execution(value, worker_num: int) -> int:

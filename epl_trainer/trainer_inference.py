@@ -61,7 +61,9 @@ class InferenceMixin:
         logs = self._evaluate_dataset(dataset, callback_list)
         if return_dict:
             return logs
-        names = [self.loss_tracker.name] + [metric.name for _, metric in self.metrics]
+        # Keras's order (`_flatten_metrics_in_order`): the metrics' own names, so a
+        # prefixed name (several outputs) is placed by sorting, as in Keras.
+        names = [metric.name for _, metric in self._named_metrics()]
         return fit_inputs.flatten_logs_in_order(logs, names)
 
     def _evaluation_dataset(self, x, y, sample_weight, batch_size, mode):
@@ -78,6 +80,7 @@ class InferenceMixin:
             preprocessing=pipeline_models.preprocessing(self.model),
         )
         data_lib.check_element_spec(dataset.element_spec, self.model, with_labels=True)
+        self._build_objectives(dataset.element_spec)
         return dataset
 
     def _evaluate_dataset(self, dataset, callbacks) -> dict:
@@ -197,8 +200,8 @@ class InferenceMixin:
 
     def _local_logs(self) -> dict:
         """This worker's loss and metrics so far (a batch callback's logs)."""
-        metrics = [self.loss_tracker] + [metric for _, metric in self.metrics]
-        return {metric.name: fit_inputs.log_value(metric.result()) for metric in metrics}
+        named = self._named_metrics()
+        return {name: fit_inputs.log_value(metric.result()) for name, metric in named}
 
 
 def _rows(features) -> int:

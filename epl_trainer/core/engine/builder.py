@@ -66,7 +66,6 @@ def build_engine(
     step_counter=None,
     checkpoint_marks=(),
     jit_compile: bool = False,
-    weighted_metrics: frozenset = frozenset(),
 ) -> Engine:
     """Creates the engine state and the program for this worker's lanes.
 
@@ -74,8 +73,10 @@ def build_engine(
       engine_plan: from `plan_engine` (the plan, the cut model, the lanes).
       config: the job's `Config` (each pass reads its own section).
       host_device: this worker's host CPU.
-      loss_fn: `(labels, y_pred, sample_weight=None) -> scalar`.
-      metrics: [(flat output index, Keras metric)].
+      loss_fn: the trainer's `CompiledLoss`: `.terms(labels, y_pred, sample_weight)`,
+        `.flat_labels(labels, y_pred)`, `.trackers` (Keras's mean per output loss).
+      metrics: the trainer's `CompiledMetrics`: (flat output index, Keras metric) pairs,
+        `.name(metric)`, `.weighted_ids` (the metrics given the data's sample weights).
       loss_tracker: the running mean of the loss.
       make_optimizer: `(device, variables, originals) -> built Keras optimizer`.
       clip_global_norm: the optimizer's `global_clipnorm`, applied over all stages.
@@ -83,7 +84,6 @@ def build_engine(
       checkpoint_marks: the user's `add_to_collection` marks.
       jit_compile: compile each stage's forward and backward with XLA (the trainer's
         `jit_compile`, as `Model.compile(jit_compile=True)`).
-      weighted_metrics: ids of the metrics given the data's sample weights.
     """
     staged, plan = engine_plan.staged, engine_plan.plan
     if config.amp.level:
@@ -171,7 +171,8 @@ def build_engine(
         step_counter=step_counter,
         embedding_tables=tables,
         data_shards=engine_plan.data_shards[0],
-        weighted_metrics=weighted_metrics,
+        weighted_metrics=metrics.weighted_ids,
+        output_loss_trackers=loss_fn.trackers,
     )
     if config.amp.level:
         finite.apply_amp(hooks, layout, config.amp)

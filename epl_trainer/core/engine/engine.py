@@ -90,7 +90,7 @@ def plan_engine(
       taskgraphs, node_taskgraph: the annotation (TaskGraph specs, and each compute
         node's TaskGraph index); None with `auto.auto_parallel`, which cuts the model.
       loss: the trainer's `CompiledLoss` (split outputs need a cross-entropy).
-      metrics: [(flat output index, metric)] (split outputs support accuracy only).
+      metrics: the trainer's `CompiledMetrics` (split outputs allow only accuracy).
       clip_global_norm: the optimizer's `global_clipnorm`.
       steps_per_execution: training steps per call of the compiled step.
       jit_compile: each stage's forward and backward compiled by XLA.
@@ -128,6 +128,10 @@ def plan_engine(
             model, node_taskgraph, plan.taskgraphs, plan.taskgraphs[0].device_count
         )
         num_outputs = len(tree.flatten(model.outputs))
+        if not loss.built:  # resolved from the outputs' shapes until the data's are known
+            loss.build_from_outputs(model.outputs)
+        if not metrics.built:
+            metrics.build(model.outputs, model.outputs)
         split_lib.sparse_outputs(loss.losses_for(num_outputs), split_layers)
         split_lib.check_split_metrics(metrics, split_layers)
     elif len(plan.taskgraphs) == 1:

@@ -36,6 +36,8 @@ from keras.src.backend import get_keras_mask
 from keras.src.losses.loss import apply_mask, squeeze_or_expand_to_same_rank
 
 PER_ROW, SUM, DATA = "per_row", "sum", "data"
+# Keras's error for a step with neither a compiled loss nor an `add_loss` loss.
+NO_LOSS_MESSAGE = "No loss to compute. Provide a `loss` argument in `compile()`."
 
 
 @dataclasses.dataclass
@@ -49,12 +51,15 @@ class LossTerm:
       kind: PER_ROW (elements: the same per row in every micro-batch), SUM, or DATA
         (unmasked elements or weight sums: known only from the data).
       elements: loss elements on this micro-batch (padding included).
+      unweighted: `total` before the output's loss weight (None: the same), what Keras
+        reports as the output's own loss (`<output>_loss`).
     """
 
     total: tf.Tensor
     divisor: tf.Tensor
     kind: str
     elements: tf.Tensor
+    unweighted: tf.Tensor | None = None
 
 
 def keras_loss_term(loss: keras.losses.Loss, y_true, y_pred, sample_weight, loss_weight=1.0):
@@ -97,22 +102,11 @@ def keras_loss_term(loss: keras.losses.Loss, y_true, y_pred, sample_weight, loss
         divisor, kind = tf.reduce_sum(tf.cast(mask, total.dtype)), DATA
     else:
         divisor, kind = tf.cast(tf.size(values), total.dtype), PER_ROW
+    unweighted = total
     if loss_weight != 1.0:
         total = total * loss_weight
-    return LossTerm(total, divisor, kind, tf.cast(tf.size(values), total.dtype))
-
-
-def compiled_loss_terms(compiled_loss, y_true, y_pred, sample_weight) -> list[LossTerm]:
-    """One `LossTerm` per model output of a `CompiledLoss` (its losses and loss weights)."""
-    flat_true, flat_pred = tree.flatten(y_true), tree.flatten(y_pred)
-    if len(flat_true) != len(flat_pred):
-        compiled_loss(y_true, y_pred)  # raises its error naming both structures
-    losses = compiled_loss.losses_for(len(flat_pred))
-    weights = compiled_loss.weights_for(len(flat_pred))
-    return [
-        keras_loss_term(loss, t, p, sample_weight, weight)
-        for loss, weight, t, p in zip(losses, weights, flat_true, flat_pred)
-    ]
+    elements = tf.cast(tf.size(values), total.dtype)
+    return LossTerm(total, divisor, kind, elements, unweighted)
 
 
 @dataclasses.dataclass
@@ -164,7 +158,7 @@ def micro_batch_objective(terms, padded_rows, rows: StepRows):
         # Elements per row, from this micro-batch's shape (the same in all of them).
         per_row = tf.cast(term.elements, tf.float32) / padded_rows
         parts.append(total * float(rows.lanes) / (per_row * rows.global_rows))
-    return tf.add_n(parts)
+    return tf.add_n(parts) if parts else tf.zeros([], tf.float32)
 
 
 def data_estimate(terms, padded_rows, rows: StepRows):
@@ -178,19 +172,31 @@ def data_estimate(terms, padded_rows, rows: StepRows):
 def micro_batch_report(terms, padded_rows, real_rows, rows: StepRows):
     """The micro-batch's loss as Keras would report it for the global batch, per real
     row: the loss tracker averages it weighted by `real_rows`, giving the step's loss."""
+    parts = [_term_report(t, t.total, padded_rows, real_rows, rows) for t in terms]
+    return tf.add_n(parts) if parts else tf.zeros([], tf.float32)
+
+
+def output_reports(terms, padded_rows, real_rows, rows: StepRows) -> list:
+    """Each term's own loss before its loss weight, reported as `micro_batch_report`
+    reports the total (Keras's `<output>_loss` logs)."""
+    return [
+        _term_report(t, t.total if t.unweighted is None else t.unweighted, padded_rows,
+                     real_rows, rows)
+        for t in terms
+    ]  # fmt: skip
+
+
+def _term_report(term, total, padded_rows, real_rows, rows: StepRows):
     padded_rows = tf.cast(padded_rows, tf.float32)
     real_rows = tf.cast(real_rows, tf.float32)
-    parts = []
-    for term in terms:
-        total = tf.cast(term.total, tf.float32)
-        if term.kind == SUM:  # the batch's loss is the sum over all its rows
-            parts.append(tf.math.divide_no_nan(total * rows.global_rows, real_rows))
-        elif term.kind == PER_ROW:
-            per_row = tf.cast(term.divisor, tf.float32) / padded_rows
-            parts.append(tf.math.divide_no_nan(total, per_row * real_rows))
-        else:  # the micro-batch's own weighted mean (exact per step: DataDivisor.report)
-            parts.append(tf.math.divide_no_nan(total, tf.cast(term.divisor, tf.float32)))
-    return tf.add_n(parts)
+    total = tf.cast(total, tf.float32)
+    if term.kind == SUM:  # the batch's loss is the sum over all its rows
+        return tf.math.divide_no_nan(total * rows.global_rows, real_rows)
+    if term.kind == PER_ROW:
+        per_row = tf.cast(term.divisor, tf.float32) / padded_rows
+        return tf.math.divide_no_nan(total, per_row * real_rows)
+    # the micro-batch's own weighted mean (exact per step: DataDivisor.report)
+    return tf.math.divide_no_nan(total, tf.cast(term.divisor, tf.float32))
 
 
 def pad_to_multiple(structures: tuple, sample_weight, multiple: int, minimum=0):

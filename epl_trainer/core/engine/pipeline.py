@@ -72,7 +72,9 @@ class MicroBatch:
     data_estimate: tf.Tensor | None = None
     runs: dict = dataclasses.field(default_factory=dict)  # stage -> _StageRun
     upstream: dict = dataclasses.field(default_factory=dict)  # key -> gradient of the loss
-    loss: tf.Tensor | None = None  # reported: the loss plus every stage's auxiliary losses
+    # Reported: [the loss plus every stage's auxiliary losses, the micro-batch's share of
+    # the step's rows, each output's own loss] (program.py's `_update_loss_trackers`).
+    loss: tf.Tensor | None = None
     y_pred: object = None
     earlier_aux: list = dataclasses.field(default_factory=list)  # aux losses of earlier stages
 
@@ -330,6 +332,8 @@ class LaneExecutor:
         """The micro-batch's share of the global batch's loss (differentiated), and its
         reported loss per real row (objective.py)."""
         terms = self.hooks.loss_fn.terms(mb.labels, mb.y_pred, mb.weights)
+        if not (terms or aux or mb.earlier_aux):
+            raise ValueError(objective_lib.NO_LOSS_MESSAGE)
         padded = tf.shape(tree.flatten(mb.labels)[0])[0]
         data = [term for term in terms if term.kind == objective_lib.DATA]
         if data and not self.rows.single:
@@ -349,14 +353,18 @@ class LaneExecutor:
             mb.data_estimate = objective_lib.data_estimate(terms, padded, self.rows)
             return objective_lib.micro_batch_objective(terms, padded, self.rows), None
         loss = objective_lib.micro_batch_objective(terms, padded, self.rows)
-        reported = objective_lib.micro_batch_report(
-            terms, padded, padded if mb.rows is None else mb.rows, self.rows
-        )
+        real = padded if mb.rows is None else mb.rows
+        reported = objective_lib.micro_batch_report(terms, padded, real, self.rows)
         # Every stage's auxiliary losses are part of the reported loss (earlier stages'
         # with tf.stop_gradient: they are differentiated where they were computed).
         extra = [tf.cast(a, tf.float32) for a in aux]
         extra += [tf.stop_gradient(tf.cast(a, tf.float32)) for a in mb.earlier_aux]
-        return loss, tf.add_n([reported, *extra]) if extra else reported
+        if extra:
+            reported = tf.add_n([reported, *extra])
+        # What the loss trackers report (program.py's `_update_loss_trackers`).
+        outputs = objective_lib.output_reports(terms, padded, real, self.rows)
+        share = tf.cast(real, tf.float32) / self.rows.global_rows
+        return loss, tf.stack([reported, share, *outputs])
 
     def _stage_values(self, k: int) -> list:
         if k not in self._read_values:

@@ -43,15 +43,20 @@ class Program:
       layout: where lanes, stages and variables live.
       hooks: the step's extension points, filled by the builder's passes before the
         first trace (hooks.py).
-      metrics: [(flat output index, Keras metric)].
+      metrics: the trainer's compiled metrics: iterating gives (flat output index, Keras
+        metric) pairs, `.name(metric)` the metric's key in the logs (Keras's names);
+        read while tracing.
       loss_tracker: the running mean of the loss.
+      output_loss_trackers: Keras's running mean per output loss (`<output>_loss`), in
+        the order of the loss's terms; empty for one loss. Read while tracing.
       num_micro_batch, pipeline_strategy: the plan's.
       sparse_gradients: keep Embedding gradients as IndexedSlices
         (`communication.sparse_as_dense=False`).
       embedding_tables: model-order indices of the Embedding tables.
       step_counter: the optimizer's `iterations`, advanced once per step.
       weighted_metrics: ids of the metrics that get the data's sample weights (Keras's
-        `weighted_metrics`); the others get only the mask of real rows.
+        `weighted_metrics`); the others get only the mask of real rows. Read while
+        tracing.
       data_shards: workers that read different batches (the global batch is this many
         worker batches: the loss's divisor counts all of them, objective.py).
     """
@@ -68,9 +73,11 @@ class Program:
         step_counter=None,
         embedding_tables: frozenset = frozenset(),
         data_shards: int = 1,
-        weighted_metrics: frozenset = frozenset(),
+        weighted_metrics=frozenset(),
+        output_loss_trackers=(),
     ):
         self.layout = layout
+        self.output_loss_trackers = output_loss_trackers
         self.data_shards = data_shards
         self.weighted_metrics = weighted_metrics
         self.hooks = hooks
@@ -348,8 +355,7 @@ class Program:
     def _metric_results(self) -> dict:
         """Running metric values, computed in the step so one call returns the logs."""
         with tf.device(self.layout.host):
-            metrics = [self.loss_tracker] + [m for _, m in self.metrics]
-            logs = {m.name: m.result() for m in metrics}
+            logs = {name: m.result() for name, m in self.named_metrics()}
             logs.update({name: value() for name, value in self.hooks.extra_logs.items()})
             return logs
 
@@ -391,11 +397,35 @@ class Program:
             with tf.control_dependencies([first]):
                 batch = tf.identity(tf.shape(first)[0] if rows is None else rows)
             if loss is not None:  # None: reported once for the step (a data divisor)
-                self.loss_tracker.update_state(loss, sample_weight=batch)
+                self._update_loss_trackers(loss, batch)
             self._update_output_metrics(labels, y_pred, mask, weights)
 
+    def named_metrics(self) -> list:
+        """[(log key, metric)] in Keras's order: the loss, the compiled metrics, each
+        output's loss."""
+        return [
+            (self.loss_tracker.name, self.loss_tracker),
+            *((self.metrics.name(m), m) for _, m in self.metrics),
+            *((t.name, t) for t in self.output_loss_trackers),
+        ]
+
+    def _update_loss_trackers(self, reported, batch) -> None:
+        """`reported`: [the loss, the micro-batch's share of the step's rows (over all
+        workers), each output's own loss] (pipeline.py's `_loss`).
+
+        The loss is averaged over rows; each output's loss over steps, each step's
+        counting once whatever its rows, as Keras's `CompileLoss` trackers average them
+        (their weight, the batch's static row count, is unknown in Keras's traced step).
+        """
+        self.loss_tracker.update_state(reported[0], sample_weight=batch)
+        for i, tracker in enumerate(self.output_loss_trackers):
+            tracker.update_state(reported[2 + i], sample_weight=reported[1])
+
     def _update_output_metrics(self, labels, y_pred, mask, weights=None) -> None:
-        flat_true, flat_pred = tree.flatten(labels), tree.flatten(y_pred)
+        if not len(self.metrics):
+            return
+        flat_true = self.hooks.loss_fn.flat_labels(labels, y_pred)
+        flat_pred = tree.flatten(y_pred)
         for index, metric in self.metrics:
             y_true, y = flat_true[index], flat_pred[index]
             weight = mask
@@ -483,11 +513,16 @@ class Program:
                     count = tf.reduce_sum(w)
                     weights = w if sw is None else sw
                     terms = hooks.loss_fn.terms(y, y_pred, weights)
-                    loss = objective.micro_batch_report(terms, tf.shape(w)[0], count, rows)
+                    if not (terms or aux):
+                        raise ValueError(objective.NO_LOSS_MESSAGE)
+                    padded = tf.shape(w)[0]
+                    loss = objective.micro_batch_report(terms, padded, count, rows)
                     if aux:
                         loss = loss + tf.add_n(aux)
+                    outputs = objective.output_reports(terms, padded, count, rows)
+                    share = count / rows.global_rows
                 with tf.device(layout.host):
-                    self.loss_tracker.update_state(loss, sample_weight=count)
+                    self._update_loss_trackers(tf.stack([loss, share, *outputs]), count)
                     weighted = None if sw is None else sw * objective.per_row(w, sw)
                     self._update_output_metrics(y, y_pred, w, weighted)
 

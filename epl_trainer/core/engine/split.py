@@ -462,9 +462,10 @@ class SplitLoss:
 
     def __init__(self, compiled_loss, runtime: SplitRuntime, num_outputs: int):
         self.runtime = runtime
-        self.losses = compiled_loss.losses_for(num_outputs)
-        self.weights = compiled_loss.weights_for(num_outputs)
-        self.sparse = sparse_outputs(self.losses, runtime.layers)
+        self.compiled_loss = compiled_loss
+        self.trackers = compiled_loss.trackers
+        self.flat_labels = compiled_loss.flat_labels
+        self.sparse = sparse_outputs(compiled_loss.losses_for(num_outputs), runtime.layers)
 
     def __call__(self, y_true, y_pred, sample_weight=None):
         """The micro-batch's loss (Keras's value on this lane's rows)."""
@@ -472,15 +473,17 @@ class SplitLoss:
         return tf.add_n([term.total / term.divisor for term in terms])
 
     def terms(self, y_true, y_pred, sample_weight=None) -> list[objective.LossTerm]:
-        """Each output's weighted loss sum and divisor (objective.py); a split output's
-        is the sharded cross-entropy's sum over this lane's rows."""
-        flat_true, flat_pred = tree.flatten(y_true), tree.flatten(y_pred)
+        """Each loss's weighted sum and divisor (objective.py); a split output's is the
+        sharded cross-entropy's sum over this lane's rows."""
+        flat_true, flat_pred = self.flat_labels(y_true, y_pred), tree.flatten(y_pred)
         lane_comm = self.runtime.active
         terms = []
-        for index, (loss, t, p) in enumerate(zip(self.losses, flat_true, flat_pred)):
-            weight = self.weights[index]
-            if index not in self.sparse:
-                terms.append(objective.keras_loss_term(loss, t, p, sample_weight, weight))
+        for entry in self.compiled_loss.entries:
+            index, weight = entry.index, entry.weight
+            t = tree.map_structure(lambda i: flat_true[i], index)
+            p = tree.map_structure(lambda i: flat_pred[i], index)
+            if not isinstance(index, int) or index not in self.sparse:
+                terms.append(objective.keras_loss_term(entry.loss, t, p, sample_weight, weight))
                 continue
             if sample_weight is not None and sample_weight.shape.rank != 1:
                 raise ValueError(
@@ -501,8 +504,10 @@ class SplitLoss:
                 )
                 mean = sharded_cross_entropy(p, labels, lane_comm, self.sparse[index], weights)
                 rows = tf.cast(tf.shape(t)[0], tf.float32)
-                total = mean * rows * weight
-                terms.append(objective.LossTerm(total, rows, objective.PER_ROW, rows))
+                total = mean * rows
+                terms.append(
+                    objective.LossTerm(total * weight, rows, objective.PER_ROW, rows, total)
+                )
         return terms
 
 
