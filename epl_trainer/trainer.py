@@ -14,9 +14,8 @@ import time
 
 import keras
 import tensorflow as tf
-from keras import tree
 
-from epl_trainer import compiled, deepspeed, optimizers, start_state
+from epl_trainer import compiled, deepspeed, model_setup, optimizers, start_state
 from epl_trainer import data as data_lib
 from epl_trainer import fit_inputs as fit_lib
 from epl_trainer import model_fn as model_fn_lib
@@ -107,7 +106,7 @@ class EPLTrainer(CheckpointMixin, TrainingDataMixin, InferenceMixin, ObjectivesM
         jit_compile=None,
         weighted_metrics=None,
     ):
-        _check_no_distribution_strategy(model)
+        model_setup.check_no_distribution_strategy(model)
         keras_scaler = optimizer
         if optimizer is None and isinstance(model, keras.Model):
             keras_scaler = getattr(model, "optimizer", None) if model.compiled else None
@@ -267,7 +266,7 @@ class EPLTrainer(CheckpointMixin, TrainingDataMixin, InferenceMixin, ObjectivesM
         if self._pending_model is not None:  # restore_checkpoint(features=...) before fit
             self._build_from_data(tf.data.Dataset.from_tensors(features), model_fn_lib.INFER)
         if not self.model.built:
-            _build_model(self.model, features)
+            model_setup.build_model(self.model, features)
         self._build_objectives()
         with tf.device(self.cluster.host_device):
             self.loss_tracker.reset_state()
@@ -568,38 +567,6 @@ class EPLTrainer(CheckpointMixin, TrainingDataMixin, InferenceMixin, ObjectivesM
         return where
 
     # ---- logs and checks ---------------------------------------------------------------
-
-
-def _check_no_distribution_strategy(model) -> None:
-    """EPLTrainer places the model's copies itself: inside a `tf.distribute` strategy's
-    scope (or on a model whose variables one mirrors) both would distribute it."""
-    strategy = tf.distribute.get_strategy() if tf.distribute.has_strategy() else None
-    if strategy is None and isinstance(model, keras.Model):
-        for variable in model.variables[:1]:
-            if isinstance(getattr(variable, "value", None), tf.distribute.DistributedValues):
-                strategy = "the model's variables"
-    if strategy is not None:
-        name = strategy if isinstance(strategy, str) else type(strategy).__name__
-        raise ValueError(
-            "EPLTrainer distributes the model itself and cannot run under a tf.distribute "
-            f"strategy. Received: {name}. Build and train the model outside "
-            "`strategy.scope()`, and give the devices with cluster.* keys."
-        )
-
-
-def _build_model(model, features) -> None:
-    """Builds an unbuilt (subclassed) model as Keras's first fit does: on symbolic inputs,
-    so a call that changes the model's state (a counter, a running statistic) does not
-    run. A model that cannot be traced symbolically is called on one row instead."""
-    symbolic = tree.map_structure(
-        lambda x: keras.KerasTensor(x.shape, dtype=x.dtype.name), features
-    )
-    try:
-        keras.src.backend.compute_output_spec(model, symbolic, training=False)
-    except Exception:  # the concrete call below raises the model's own error, if any
-        logger.debug("Symbolic build failed; building %s on one row.", model.name, exc_info=True)
-    if not model.built:
-        model(tree.map_structure(lambda x: x[:1], features))
 
 
 def _run_checked(step_fn, *args):
