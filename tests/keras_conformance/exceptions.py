@@ -34,6 +34,19 @@ SUBCLASSED_PIPELINE = (
     "a subclassed model has no layer graph to cut into pipeline stages: EPLTrainer says so "
     "by name (such a model trains data parallel)"
 )
+# Not built yet (issue #28 stays open for them).
+DICT_TO_LIST_INPUTS = (
+    "not built yet: a dict of arrays given to a model whose inputs are a list is not "
+    "matched to the inputs by name, as Keras does (EPLTrainer says the structures differ)"
+)
+GENERATOR_INPUTS = (
+    "not built yet: a Python generator as fit's x (Keras reads it as a data source; "
+    "EPLTrainer takes arrays, lists, dicts and tf.data Datasets)"
+)
+OPTIONAL_NONE_INPUTS = (
+    "not built yet: None given for one of Keras's optional model inputs (EPLTrainer "
+    "refuses it by position)"
+)
 MICRO_BATCH_CALLS = (
     "with 2 micro-batches per step each layer runs twice per step, so a layer that counts "
     "its own calls counts 2 per step"
@@ -72,6 +85,31 @@ EXCEPTIONS: dict[str, tuple[tuple[str, ...], list[str]]] = {
             "terminate_on_nan_test.py::TerminateOnNaNTest::test_raise_error_terminate_stops_on_later_batch",
             "terminate_on_nan_test.py::TerminateOnNaNTest::test_terminate_on_nan_graceful_stop",
             "terminate_on_nan_test.py::TerminateOnNaNTest::test_terminate_on_nan_raise_error_raises_error",
+            "functional_test.py::FunctionalTest::test_required_none_raises_in_fit",
+            "model_test.py::ModelTest::test_functional_dict_outputs_with_single_tensor",
+            "model_test.py::ModelTest::test_functional_optional_inputs_generator_optional_none",
+            "model_test.py::ModelTest::test_functional_optional_inputs_generator_optional_tensor",
+            "model_test.py::ModelTest::test_functional_optional_inputs_optional_none",
+            "model_test.py::ModelTest::test_functional_pickling_single_list_output_1",
+            "model_test.py::ModelTest::test_functional_pickling_single_list_output_2",
+            "model_test.py::ModelTest::test_functional_pickling_single_list_output_3",
+            "model_test.py::ModelTest::test_functional_pickling_single_list_output_4",
+            "model_test.py::ModelTest::test_functional_pickling_single_output_1",
+            "model_test.py::ModelTest::test_functional_pickling_single_output_2",
+            "model_test.py::ModelTest::test_functional_pickling_single_output_3",
+            "model_test.py::ModelTest::test_functional_pickling_single_output_4",
+            "model_test.py::ModelTest::test_functional_single_output_single_dict_output_1",
+            "model_test.py::ModelTest::test_functional_single_output_single_dict_output_2",
+            "model_test.py::ModelTest::test_functional_single_output_single_dict_output_3",
+            "model_test.py::ModelTest::test_functional_single_output_single_dict_output_4",
+            "model_test.py::ModelTest::test_functional_single_output_single_list_output_1",
+            "model_test.py::ModelTest::test_functional_single_output_single_list_output_2",
+            "model_test.py::ModelTest::test_functional_single_output_single_list_output_3",
+            "model_test.py::ModelTest::test_functional_single_output_single_list_output_4",
+            "model_test.py::ModelTest::test_functional_single_output_single_output_1",
+            "model_test.py::ModelTest::test_functional_single_output_single_output_2",
+            "model_test.py::ModelTest::test_functional_single_output_single_output_3",
+            "model_test.py::ModelTest::test_functional_single_output_single_output_4",
         ],
     ),
     MICRO_BATCH_CALLS: (
@@ -87,6 +125,21 @@ EXCEPTIONS: dict[str, tuple[tuple[str, ...], list[str]]] = {
         [
             "callback_test.py::CallbackTest::test_model_state_is_current_on_epoch_end",
         ],
+    ),
+    DICT_TO_LIST_INPUTS: (
+        (ALL,),
+        ["functional_test.py::FunctionalTest::test_dict_input_to_list_model"],
+    ),
+    GENERATOR_INPUTS: (
+        ("dp",),
+        [
+            "model_test.py::ModelTest::test_functional_optional_inputs_generator_optional_none",
+            "model_test.py::ModelTest::test_functional_optional_inputs_generator_optional_tensor",
+        ],
+    ),
+    OPTIONAL_NONE_INPUTS: (
+        ("dp",),
+        ["model_test.py::ModelTest::test_functional_optional_inputs_optional_none"],
     ),
 }  # fmt: skip
 
