@@ -12,6 +12,8 @@ import math
 
 import keras
 
+from epl_trainer.core.graph import partition
+
 
 def first_given(*values):
     """The first value that is not None (passed arguments, then model_fn, then compile)."""
@@ -96,6 +98,7 @@ def symbolic_batch(model, element_spec) -> tuple:
 
     element = keras.tree.map_structure(symbolic, element_spec)
     x, y, sample_weight = data_adapters.data_adapter_utils.unpack_x_y_sample_weight(element)
+    x = partition.with_absent_inputs(partition.optional_input_names(model), x)
     y_pred = keras.src.backend.compute_output_spec(model, x, training=False)
     return x, y, y_pred, sample_weight
 

@@ -9,6 +9,7 @@ import numpy as np
 import tensorflow as tf
 from keras import tree
 
+from epl_trainer import model_inputs
 from epl_trainer.core.engine import step_batch
 from epl_trainer.pipeline_models import Preprocessing
 
@@ -148,13 +149,7 @@ def _array_inputs(x, y, sample_weight):
         )
     if sample_weight is not None:
         sample_weight = per_sample_weights(sample_weight)
-    missing = [i for i, a in enumerate(tree.flatten(x)) if a is None]
-    if missing:
-        raise ValueError(
-            f"x holds None for input(s) at flat position(s) {missing}: every model input "
-            "needs an array (a required input is not optional, and EPLTrainer does not take "
-            "None for Keras's optional inputs yet)."
-        )
+    x = model_inputs.without_absent_inputs(x)
     arrays = tuple(a for a in (x, y, sample_weight) if a is not None)
     lengths = {len(a) for a in tree.flatten(arrays)}
     if len(lengths) != 1:
@@ -274,53 +269,6 @@ def features_only(dataset: tf.data.Dataset) -> tf.data.Dataset:
     if isinstance(spec, tuple) and len(spec) in (1, 2, 3):
         return dataset.map(lambda *element: element[0])
     return dataset
-
-
-def check_element_spec(element_spec, model, with_labels: bool) -> None:
-    """Checks a dataset's features against the model's inputs before anything is traced.
-
-    Compares the structure (dict keys, number of inputs), the rank and every known
-    non-batch dimension, so a mismatched dataset fails with one error that shows both
-    sides instead of a shape error deep inside a compiled step. Models whose inputs are
-    not known yet (subclassed, never called) are not checked.
-    """
-    features, _ = split_element(element_spec, with_labels)
-    try:
-        expected = model.input
-    except (AttributeError, ValueError):
-        return
-    wanted = tree.map_structure(lambda t: tuple(t.shape), expected)
-    given = tree.map_structure(lambda s: getattr(s, "shape", None), features)
-
-    def fail(why: str):
-        raise ValueError(
-            f"The dataset's features do not match the model's inputs: {why}. "
-            f"Model inputs: {wanted}; dataset features: {given}"
-        )
-
-    if isinstance(expected, Mapping):
-        if not isinstance(features, Mapping):
-            fail(f"the model takes a dict with keys {sorted(expected)}")
-        missing = sorted(set(expected) - set(features))
-        if missing:
-            fail(f"missing key(s) {missing}")
-        pairs = [(repr(key), expected[key], features[key]) for key in expected]
-    else:
-        inputs, specs = tree.flatten(expected), tree.flatten(features)
-        if len(inputs) != len(specs):
-            fail(f"the model has {len(inputs)} input(s), the dataset gives {len(specs)} tensor(s)")
-        pairs = [(str(i), kt, spec) for i, (kt, spec) in enumerate(zip(inputs, specs))]
-    for name, keras_tensor, spec in pairs:
-        shape = getattr(spec, "shape", None)
-        if shape is None or shape.rank is None:
-            continue
-        want = tuple(keras_tensor.shape)
-        dims_differ = any(
-            w is not None and g is not None and w != g
-            for w, g in zip(want[1:], shape.as_list()[1:])
-        )
-        if shape.rank != len(want) or dims_differ:
-            fail(f"input {name} expects shape {want}, the dataset gives {tuple(shape.as_list())}")
 
 
 class EpochBatches:

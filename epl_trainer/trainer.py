@@ -15,7 +15,7 @@ import time
 import keras
 import tensorflow as tf
 
-from epl_trainer import compiled, deepspeed, model_setup, optimizers, start_state
+from epl_trainer import compiled, deepspeed, model_inputs, model_setup, optimizers, start_state
 from epl_trainer import data as data_lib
 from epl_trainer import fit_inputs as fit_lib
 from epl_trainer import model_fn as model_fn_lib
@@ -345,6 +345,7 @@ class EPLTrainer(CheckpointMixin, TrainingDataMixin, InferenceMixin, ObjectivesM
         per worker. With `io.slicing=True` each worker reads only its share of the files
         (`epl_trainer.io`).
         """
+        x = model_inputs.python_source_dataset(x, shuffle)
         if validation_split and validation_data is None:
             (x, y, sample_weight), validation_data = fit_lib.train_validation_split(
                 x, y, sample_weight, validation_split
@@ -355,6 +356,8 @@ class EPLTrainer(CheckpointMixin, TrainingDataMixin, InferenceMixin, ObjectivesM
         if self._waits_for_data:
             probe = data_lib.spec_probe(x, y, parse_fn, file_format, sample_weight)
             self._build_from_data(probe, model_fn_lib.TRAIN)
+        if not files:
+            x = model_inputs.arrays_for_model(self.model, x)
         if self.deepspeed is not None:  # batch sizes, monitors and steps_per_print
             batch_size = self.deepspeed.fit_batch_size(x, batch_size, self.plan, len(self.lanes))
             extra = self.deepspeed.callbacks(
@@ -366,7 +369,7 @@ class EPLTrainer(CheckpointMixin, TrainingDataMixin, InferenceMixin, ObjectivesM
             dataset, passes = fit_lib.with_class_weight(dataset, None, None, class_weight)[0], None
         else:
             dataset, passes = self._fit_dataset(x, y, sample_weight, batch_size, shuffle)
-        data_lib.check_element_spec(dataset.element_spec, self.model, with_labels=True)
+        dataset = model_inputs.fitted_to_model(dataset, self.model, with_labels=True)
         self._build_objectives(dataset.element_spec)
         validation = None
         if validation_data is not None:

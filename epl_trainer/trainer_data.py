@@ -18,7 +18,7 @@ import tensorflow as tf
 from keras import tree
 
 from epl_trainer import data as data_lib
-from epl_trainer import fit_inputs, pipeline_models
+from epl_trainer import fit_inputs, model_inputs, pipeline_models
 from epl_trainer import io as io_lib
 from epl_trainer import model_fn as model_fn_lib
 
@@ -94,6 +94,7 @@ class TrainingDataMixin:
 
     def _validation_dataset(self, validation_data, batch_size, steps):
         """fit's validation batches, built once (Keras caches them too)."""
+        validation_data = model_inputs.python_source_dataset(validation_data)
         val_x, val_y, val_weight = fit_inputs.unpack_x_y_sample_weight(validation_data)
         # A dataset is already batched (as in Model.fit); batch_size is for arrays.
         batch_size = None if isinstance(val_x, tf.data.Dataset) else batch_size

@@ -14,7 +14,7 @@ import tensorflow as tf
 from keras import tree
 
 from epl_trainer import data as data_lib
-from epl_trainer import fit_inputs, pipeline_models
+from epl_trainer import fit_inputs, model_inputs, pipeline_models
 from epl_trainer import model_fn as model_fn_lib
 
 # Evaluation and prediction batches per call of the compiled loop when no callback needs
@@ -68,8 +68,10 @@ class InferenceMixin:
 
     def _evaluation_dataset(self, x, y, sample_weight, batch_size, mode):
         """This worker's evaluation batches (the model built from them first if needed)."""
+        x = model_inputs.python_source_dataset(x)
         if self._waits_for_data:
             self._build_from_data(data_lib.spec_probe(x, y, None, None, sample_weight), mode)
+        x = model_inputs.arrays_for_model(self.model, x)
         dataset = data_lib.as_dataset(
             x,
             y,
@@ -79,7 +81,7 @@ class InferenceMixin:
             worker_num=self.data_shards,
             preprocessing=pipeline_models.preprocessing(self.model),
         )
-        data_lib.check_element_spec(dataset.element_spec, self.model, with_labels=True)
+        dataset = model_inputs.fitted_to_model(dataset, self.model, with_labels=True)
         self._build_objectives(dataset.element_spec)
         return dataset
 
@@ -125,9 +127,11 @@ class InferenceMixin:
             implement them, on_predict_batch_begin/end for every batch, with the batch's
             outputs as `logs["outputs"]`.
         """
+        x = model_inputs.python_source_dataset(x)
         if self._waits_for_data:
             probe = data_lib.spec_probe(x, None, None, None)
             self._build_from_data(probe, model_fn_lib.INFER)
+        x = model_inputs.arrays_for_model(self.model, x)
         preprocessing = pipeline_models.preprocessing(self.model)
         if preprocessing is None and isinstance(x, tf.data.Dataset):
             x = data_lib.features_only(x)
@@ -137,7 +141,7 @@ class InferenceMixin:
             # features are predicted (a causal LM's preprocessor makes labels itself).
             dataset = data_lib.features_only(dataset)
         dataset = fit_inputs.at_most(dataset, steps)
-        data_lib.check_element_spec(dataset.element_spec, self.model, with_labels=False)
+        dataset = model_inputs.fitted_to_model(dataset, self.model, with_labels=False)
         callback_list = fit_inputs.callback_list(
             callbacks,
             self.model,

@@ -34,19 +34,6 @@ SUBCLASSED_PIPELINE = (
     "a subclassed model has no layer graph to cut into pipeline stages: EPLTrainer says so "
     "by name (such a model trains data parallel)"
 )
-# Not built yet (issue #28 stays open for them).
-DICT_TO_LIST_INPUTS = (
-    "not built yet: a dict of arrays given to a model whose inputs are a list is not "
-    "matched to the inputs by name, as Keras does (EPLTrainer says the structures differ)"
-)
-GENERATOR_INPUTS = (
-    "not built yet: a Python generator as fit's x (Keras reads it as a data source; "
-    "EPLTrainer takes arrays, lists, dicts and tf.data Datasets)"
-)
-OPTIONAL_NONE_INPUTS = (
-    "not built yet: None given for one of Keras's optional model inputs (EPLTrainer "
-    "refuses it by position)"
-)
 MICRO_BATCH_CALLS = (
     "with 2 micro-batches per step each layer runs twice per step, so a layer that counts "
     "its own calls counts 2 per step"
@@ -125,21 +112,6 @@ EXCEPTIONS: dict[str, tuple[tuple[str, ...], list[str]]] = {
         [
             "callback_test.py::CallbackTest::test_model_state_is_current_on_epoch_end",
         ],
-    ),
-    DICT_TO_LIST_INPUTS: (
-        (ALL,),
-        ["functional_test.py::FunctionalTest::test_dict_input_to_list_model"],
-    ),
-    GENERATOR_INPUTS: (
-        ("dp",),
-        [
-            "model_test.py::ModelTest::test_functional_optional_inputs_generator_optional_none",
-            "model_test.py::ModelTest::test_functional_optional_inputs_generator_optional_tensor",
-        ],
-    ),
-    OPTIONAL_NONE_INPUTS: (
-        ("dp",),
-        ["model_test.py::ModelTest::test_functional_optional_inputs_optional_none"],
     ),
 }  # fmt: skip
 

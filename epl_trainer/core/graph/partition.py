@@ -43,6 +43,7 @@ class StagedModel:
     input_keys: tuple[TensorKey, ...]  # model inputs, flattened in the model's input order
     output_keys: tuple[TensorKey, ...]  # model outputs, flattened
     whole_model: bool = False  # one stage that takes and returns the model's own structures
+    optional_inputs: tuple[str, ...] = ()  # a whole model's inputs the data may leave out
 
     def flatten_inputs(self, x) -> list:
         if self.whole_model:
@@ -82,7 +83,7 @@ class StagedModel:
     def stage_arguments(self, stage: Stage, values: Mapping):
         """The argument to call `stage.model` with, from the table of routed tensors."""
         if self.whole_model:
-            return values[stage.input_keys[0]]
+            return with_absent_inputs(self.optional_inputs, values[stage.input_keys[0]])
         return [values[k] for k in stage.input_keys]
 
     def stage_results(self, stage: Stage, outputs) -> dict:
@@ -101,7 +102,32 @@ def whole_model(model: keras.Model) -> StagedModel:
         (("outputs", 0, 0),),
         tuple(layer.name for layer in model.layers),
     )
-    return StagedModel(model, (stage,), stage.input_keys, stage.output_keys, whole_model=True)
+    return StagedModel(
+        model,
+        (stage,),
+        stage.input_keys,
+        stage.output_keys,
+        whole_model=True,
+        optional_inputs=optional_input_names(model),
+    )
+
+
+def with_absent_inputs(optional_inputs: Sequence[str], x):
+    """A features dict with None for the optional inputs the data left out (tf.data holds
+    no None): the model then sees them as Keras's `fit` passes them."""
+    if not optional_inputs or not isinstance(x, Mapping):
+        return x
+    return {**dict.fromkeys(optional_inputs), **x}
+
+
+def optional_input_names(model) -> tuple[str, ...]:
+    """The names of a dict-input model's optional inputs (`keras.Input(optional=True)`),
+    which may be None."""
+    inputs = getattr(model, "_inputs_struct", None)
+    if not isinstance(inputs, Mapping):
+        return ()
+    layers = {name: getattr(t, "_keras_history", (None,))[0] for name, t in inputs.items()}
+    return tuple(name for name, layer in layers.items() if getattr(layer, "optional", False))
 
 
 def tensor_key(tensor) -> TensorKey:
