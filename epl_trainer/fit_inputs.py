@@ -141,18 +141,28 @@ def with_class_weight(x, y, sample_weight, class_weight):
 # ---- epochs, validation, verbosity ---------------------------------------------------
 
 
-def epoch_range(epochs, initial_epoch, epochs_done: int, resumed: bool) -> range:
-    """The epochs `fit` runs, numbered as callbacks see them.
-
-    As Keras: epochs `initial_epoch .. epochs - 1` (a second `fit(epochs=2)` runs epochs
-    0 and 1 again). A run resumed from `checkpoint.dir` continues its epoch count up to
-    `epochs`, as one resumed by Keras's BackupAndRestore does.
-    """
+def check_epochs(epochs, initial_epoch) -> None:
+    """`epochs` and `initial_epoch` are ints >= 0 (checked before any callback runs)."""
     for name, value in (("epochs", epochs), ("initial_epoch", initial_epoch)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
             raise ValueError(f"{name} must be an int >= 0. Received: {name}={value!r}")
-    if resumed:
+
+
+def epoch_range(epochs: int, initial_epoch: int, epochs_done: int, start: str) -> range:
+    """The epochs `fit` runs, numbered as callbacks see them.
+
+    `start` says where the count comes from:
+    - "given": as Keras, epochs `initial_epoch .. epochs - 1` (a second `fit(epochs=2)`
+      runs epochs 0 and 1 again);
+    - "resumed" (from `checkpoint.dir`): the job's count continues up to `epochs`, as a
+      run resumed by Keras's BackupAndRestore does;
+    - "restored" (`restore_checkpoint(...)`, then fit): `epochs` more, numbered on from
+      the checkpoint's count.
+    """
+    if start == "resumed":
         return range(epochs_done, epochs)
+    if start == "restored":
+        return range(epochs_done, epochs_done + epochs)
     return range(initial_epoch, epochs)
 
 
@@ -221,15 +231,12 @@ def implements_batch_hooks(callback: keras.callbacks.Callback, mode: str) -> boo
 
 def may_set_weights(callbacks: keras.callbacks.CallbackList, hook: str) -> bool:
     """Whether a callback may set the model's weights in `hook` (e.g. "on_epoch_end"):
-    Keras's SwapEMAWeights, or a callback not of Keras's own that implements the hook.
-    Keras's other callbacks only read them there."""
+    one that sets weights (`_SETS_WEIGHTS`), or any other callback implementing the hook
+    that is not known to leave them alone."""
     for callback in callbacks.callbacks:
         if getattr(getattr(callback, hook), "_is_default", False):
             continue
-        if isinstance(callback, (keras.callbacks.SwapEMAWeights, keras.callbacks.LambdaCallback)):
-            return True  # LambdaCallback: the user's functions
-        keras_own = type(callback).__module__.startswith(("keras.", "epl_trainer."))
-        if not keras_own and not getattr(callback, "reads_logs_only", False):
+        if isinstance(callback, _SETS_WEIGHTS) or not _leaves_weights_alone(callback):
             return True
     return False
 
@@ -266,19 +273,33 @@ def flatten_logs_in_order(logs: dict, metric_names: Sequence[str]):
     return results[0] if len(results) == 1 else results
 
 
-# Callbacks whose batch hooks read only the logs and the optimizer, never the weights.
-_LOGS_ONLY_CALLBACKS = (
+# Keras's callbacks by what they do with the model's weights. The engine holds the
+# weights: it writes them to the Keras model only where a callback may read them, and
+# reloads them from it only where one may set them. A callback of its own that only reads
+# logs says so with `reads_logs_only = True` (as the DeepSpeed monitors do).
+_LOGS_ONLY = (
     keras.callbacks.ProgbarLogger,
     keras.callbacks.History,
     keras.callbacks.CSVLogger,
     keras.callbacks.TerminateOnNaN,
-    keras.callbacks.EarlyStopping,
     keras.callbacks.ReduceLROnPlateau,
     keras.callbacks.LearningRateScheduler,
     keras.callbacks.RemoteMonitor,
     keras.callbacks.TensorBoard,  # batch summaries of the logs; weights at epoch end
 )
+# Read them at epoch end (restore_best_weights), set them at train end, after the
+# engine's last write-back.
+_READS_AT_EPOCH_END = (keras.callbacks.EarlyStopping,)
+# Read them when they save (`save_freq`); BackupAndRestore sets them at train begin,
+# after which the engine always reloads them.
 _SAVERS = (keras.callbacks.ModelCheckpoint, keras.callbacks.BackupAndRestore)
+_SETS_WEIGHTS = (keras.callbacks.SwapEMAWeights, keras.callbacks.LambdaCallback)
+
+
+def _leaves_weights_alone(callback) -> bool:
+    """Known to set no weights after train begin (it may read them)."""
+    known = _LOGS_ONLY + _READS_AT_EPOCH_END + _SAVERS
+    return isinstance(callback, known) or getattr(callback, "reads_logs_only", False)
 
 
 def needs_fresh_weights_per_step(callback_list) -> bool:
@@ -290,9 +311,9 @@ def needs_fresh_weights_per_step(callback_list) -> bool:
             if callback.save_freq != "epoch":
                 return True
             continue
-        logs_only = isinstance(callback, _LOGS_ONLY_CALLBACKS) or getattr(
+        reads_no_weights = isinstance(callback, _LOGS_ONLY + _READS_AT_EPOCH_END) or getattr(
             callback, "reads_logs_only", False
         )
-        if not logs_only and implements_batch_hooks(callback, "train"):
+        if not reads_no_weights and implements_batch_hooks(callback, "train"):
             return True
     return False

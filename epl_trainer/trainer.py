@@ -382,8 +382,9 @@ class EPLTrainer(CheckpointMixin, TrainingDataMixin, InferenceMixin, ObjectivesM
         # counts from the job's first epoch (Keras's initial_epoch), so a restarted script
         # finishes the run it was doing instead of adding epochs.
         resumed = self._auto_resume(dataset)
-        restored, self._restored = self._restored and not resumed, False
-        fit_lib.epoch_range(epochs, initial_epoch, self.epochs_done, resumed)  # checks values
+        start = "resumed" if resumed else "restored" if self._restored else "given"
+        self._restored = False
+        fit_lib.check_epochs(epochs, initial_epoch)
         callback_list = fit_lib.callback_list(
             callbacks,
             self.model,
@@ -401,9 +402,7 @@ class EPLTrainer(CheckpointMixin, TrainingDataMixin, InferenceMixin, ObjectivesM
             # (Keras's BackupAndRestore loads its backup and sets model._initial_epoch).
             self._engine.load_from_model()
         initial_epoch = getattr(self.model, "_initial_epoch", None) or initial_epoch
-        epochs_run = fit_lib.epoch_range(epochs, initial_epoch, self.epochs_done, resumed)
-        if restored:  # restore_checkpoint(...) then fit: `epochs` more, numbered on
-            epochs_run = range(self.epochs_done, self.epochs_done + epochs)
+        epochs_run = fit_lib.epoch_range(epochs, initial_epoch, self.epochs_done, start)
         first_step, position = self._resume_position
         self._resume_position = (0, 0)
         # Workers that agree on the end of the data (end_of_data.py) all take each step.
