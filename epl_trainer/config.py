@@ -499,6 +499,17 @@ class Config:
         current = [(source, {key: self._values[key]}) for key, source in self._sources.items()]
         return self._from_layers([*current, ("dict", _flatten(overrides))])
 
+    def merge(self, other: Config) -> Config:
+        """Returns this config with every key `other` sets (any key not at its default
+        source) taken from `other`: a trainer's `config=` on top of `epl.init()`'s."""
+        current = [(source, {key: self._values[key]}) for key, source in self._sources.items()]
+        given = [
+            (source, {key: other._values[key]})
+            for key, source in other._sources.items()
+            if source != "default"
+        ]
+        return self._from_layers([*current, *given])
+
     def to_dict(self) -> dict[str, Any]:
         """Returns {dotted key: value} for every known key."""
         return dict(self._values)
