@@ -222,7 +222,7 @@ class EPLTrainer(CheckpointMixin, TrainingDataMixin, InferenceMixin, ObjectivesM
             )
         self.model.optimizer = self.optimizer  # what Keras callbacks read (LR, iterations)
         if ema.uses_ema(self.optimizer):
-            ema.check_supported(self.config.zero.level)
+            ema.check_supported(self.config.zero)
         self._start_state = start_state.StartState(self.cluster, self._lost_worker_check)
         self._start_state.take(self.model, self.optimizer)  # worker 0's values (start_state.py)
 

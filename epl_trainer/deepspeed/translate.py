@@ -7,7 +7,7 @@ turns it into a `DeepSpeedSetup` in these steps, each a small function:
    momentum cycling and `gradient_clipping` (clipped after the all-reduce, as DeepSpeed
    clips the averaged gradients);
 2. precision: `fp16` / `bf16` -> `amp.*`;
-3. memory: `zero_optimization` -> `zero.level` / `offload.level`;
+3. memory: `zero_optimization` -> `zero.stage` / `offload.level`;
    `activation_checkpointing` -> `gradient_checkpoint.type`;
 4. batch: `train_batch_size` & co., resolved once the data-parallel size is known
    (`DeepSpeedSetup.resolve_plan`) or, when they are "auto", from `fit`'s batch size;
@@ -334,7 +334,7 @@ def _precision(values: Mapping, base: Config) -> dict:
 
 
 def _memory(values: Mapping, base: Config) -> dict:
-    """zero_optimization -> zero.level / offload.level; activation_checkpointing -> recompute."""
+    """zero_optimization -> zero.stage / offload.level; activation_checkpointing -> recompute."""
     zero = values.get("zero_optimization") or {}
     check_keys(
         zero,
@@ -363,23 +363,23 @@ def _memory(values: Mapping, base: Config) -> dict:
         if "offload_optimizer" in zero
         else "none"
     )
-    out = {"zero.level": ("", "v0", "v1", "v2")[stage], "offload.level": ""}
+    out = {"zero.stage": stage, "offload.level": ""}
     if "cpu" in (device, param_device):
         if stage == 0:
             raise DeepSpeedConfigError(
                 "DeepSpeed config zero_optimization.offload_optimizer needs stage 1, 2 or 3 "
                 "(as in DeepSpeed). Received: stage=0"
             )
-        # ZeRO-Offload: the partitions stay (zero.level), their optimizer state and
+        # ZeRO-Offload: the partitions stay (zero.stage), their optimizer state and
         # update move to the worker's host (offload.level), which holds its lanes' shards.
         # Under stage 3 the shards are the parameters too: offload_optimizer and
         # offload_param both put parameters and optimizer state on the host.
         logger.info(
-            "ZeRO stage %d + offload %s cpu -> zero.level=%r, offload.level='v0' (each "
+            "ZeRO stage %d + offload %s cpu -> zero.stage=%d, offload.level='v0' (each "
             "replica's %s shard and its update on the worker's host).",
             stage,
             "/".join(k for k, d in (("optimizer", device), ("param", param_device)) if d == "cpu"),
-            out["zero.level"],
+            stage,
             "parameter and optimizer" if stage == 3 else "optimizer",
         )
         out["offload.level"] = "v0"
