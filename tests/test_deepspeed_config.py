@@ -571,3 +571,71 @@ def test_activation_checkpointing_recomputes_and_trains_like_without():
     plain.fit(x, y, batch_size=16, steps_per_epoch=2, verbose=0, shuffle=False)
     for a, b in zip(recomputed_model.get_weights(), plain_model.get_weights()):
         np.testing.assert_allclose(a, b, atol=1e-6)
+
+
+# ---- communication keys: sparse rows, the fp16 wire, where 1/N is applied ----------------------
+
+
+def test_communication_keys_translate_to_the_engines():
+    assert _translate({"sparse_gradients": True}).config.communication.sparse_as_dense is False
+    assert _translate({"sparse_gradients": False}).config.communication.sparse_as_dense is True
+    fp16 = _translate({"communication_data_type": "fp16"}).config.communication
+    assert fp16.fp16 and fp16.fp16_scale == 128
+    assert _translate({"communication_data_type": "fp32"}).config.communication.fp16 is False
+    predivided = _translate({"communication_data_type": "fp16", "gradient_predivide_factor": 4})
+    assert predivided.config.communication.fp16_scale == 32  # the wire carries g * 128 / 4
+    with pytest.raises(DeepSpeedConfigError, match=r"bf16.*float16 only.*communication\.fp16"):
+        _translate({"communication_data_type": "bf16"})
+    with pytest.raises(DeepSpeedConfigError, match="only without prescale_gradients"):
+        _translate({"prescale_gradients": True, "gradient_predivide_factor": 2.0})
+
+
+@pytest.mark.parametrize("sparse", [True, False])
+def test_sparse_gradients_train_like_plain_keras(sparse):
+    """Embedding rows gathered (true) or reduced as a dense table (false): the same
+    weights as one Keras model on the whole batch."""
+    from _models import keras_reference, parity_data, parity_model
+
+    x, y = parity_data(48)
+    model, reference = parity_model(), parity_model()
+    ds = DeepSpeedConfig(
+        {"train_batch_size": 16, "sparse_gradients": sparse, "optimizer": _SGD}, base=TWO_DEVICES
+    )
+    epl.EPLTrainer(model, LOSS, config=ds).fit(x, y, epochs=1, verbose=0, shuffle=False)
+    keras_reference(reference, x, y, keras.optimizers.SGD(0.1), 16, 3)
+    for a, b in zip(model.get_weights(), reference.get_weights()):
+        np.testing.assert_allclose(a, b, atol=2e-6)
+
+
+_SGD = {"type": "SGD", "params": {"lr": 0.1}}
+
+
+def _large_gradient_problem():
+    """A linear model whose kernel gradient is -400 per element on each replica: 400 x 128
+    (the wire's scale) fits float16, the sum of two members' (102,400) does not."""
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((4,))
+    model = keras.Model(
+        inputs, keras.layers.Dense(1, use_bias=False, kernel_initializer="zeros")(inputs)
+    )
+    x = np.full((8, 4), 200.0, "float32")
+    return model, x, np.ones((8, 1), "float32")
+
+
+def test_prescale_gradients_keeps_the_fp16_wire_from_overflowing():
+    """DeepSpeed divides by the data-parallel size before the sum with prescale_gradients:
+    on the float16 wire that is what keeps a sum of two large gradients finite."""
+    values = {"train_batch_size": 8, "communication_data_type": "fp16", "optimizer": _SGD}
+    with pytest.raises(epl.NonFiniteLossError):
+        model, x, y = _large_gradient_problem()
+        trainer = epl.EPLTrainer(model, "mse", config=DeepSpeedConfig(values, base=TWO_DEVICES))
+        trainer.fit(x, y, epochs=1, verbose=0)
+    model, x, y = _large_gradient_problem()
+    prescaled = DeepSpeedConfig({**values, "prescale_gradients": True}, base=TWO_DEVICES)
+    trainer = epl.EPLTrainer(model, "mse", config=prescaled)
+    trainer.fit(x, y, epochs=1, verbose=0)
+    assert trainer.config.communication.fp16_scale == 64  # 128 / 2 replicas
+    reference, _, _ = _large_gradient_problem()
+    reference.compile(keras.optimizers.SGD(0.1), "mse")
+    reference.fit(x, y, batch_size=8, epochs=1, verbose=0)
+    np.testing.assert_allclose(model.get_weights()[0], reference.get_weights()[0], rtol=1e-3)
