@@ -48,6 +48,14 @@ from epl_trainer.config_keys import (  # noqa: F401  (ConfigError, Kind, KeySpec
 ZERO_LEVELS = ("", "v0", "v1", "v2")  # zero.level, indexed by DeepSpeed's zero.stage
 # Keys that spell one setting twice: a source giving either replaces both of a lower one.
 _SPELLINGS = (("zero.stage", "zero.level"),)
+
+
+def spellings(key: str) -> tuple[str, ...]:
+    """Every key that sets the same setting as `key` (`zero.stage` and `zero.level`), or
+    `(key,)`."""
+    return next((names for names in _SPELLINGS if key in names), (key,))
+
+
 _SECTIONS: dict[str, type] = {}
 _KEYS: dict[str, KeySpec] = {}
 SECTIONS: Mapping[str, type] = types.MappingProxyType(_SECTIONS)
