@@ -45,6 +45,17 @@ from epl_trainer.config_keys import (  # noqa: F401  (ConfigError, Kind, KeySpec
     _str,
 )
 
+ZERO_LEVELS = ("", "v0", "v1", "v2")  # zero.level, indexed by DeepSpeed's zero.stage
+# Keys that spell one setting twice: a source giving either replaces both of a lower one.
+_SPELLINGS = (("zero.stage", "zero.level"),)
+
+
+def spellings(key: str) -> tuple[str, ...]:
+    """Every key that sets the same setting as `key` (`zero.stage` and `zero.level`), or
+    `(key,)`."""
+    return next((names for names in _SPELLINGS if key in names), (key,))
+
+
 _SECTIONS: dict[str, type] = {}
 _KEYS: dict[str, KeySpec] = {}
 SECTIONS: Mapping[str, type] = types.MappingProxyType(_SECTIONS)
@@ -117,13 +128,39 @@ class GradientCheckpointConfig(_Section):
 @_register("zero")
 @dataclasses.dataclass(frozen=True)
 class ZeroConfig(_Section):
-    """ZeRO sharding of data-parallel state."""
+    """ZeRO sharding of data-parallel state.
 
+    `stage` is DeepSpeed's numbering of the setting EPL calls `level` (stage 1 / 2 / 3 =
+    level v0 / v1 / v2): give either; both are filled, and two that disagree are
+    refused."""
+
+    stage: int | None = _optional_int(
+        None,
+        "ZeRO stage as DeepSpeed numbers it: 0 off, 1 shards optimizer states, 2 also "
+        "gradients, 3 also parameters (zero.level v0 / v1 / v2).",
+        minimum=0,
+        maximum=3,
+    )
     level: str = _enum(
         "",
-        "ZeRO level: v0 shards optimizer states, v1 also gradients, v2 also parameters.",
-        choices=("", "v0", "v1", "v2"),
+        "EPL's ZeRO level: v0 shards optimizer states, v1 also gradients, v2 also "
+        "parameters (DeepSpeed's zero.stage 1 / 2 / 3).",
+        choices=ZERO_LEVELS,
     )
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.stage is None:
+            if self.level:
+                object.__setattr__(self, "stage", ZERO_LEVELS.index(self.level))
+            return
+        if self.level and self.level != ZERO_LEVELS[self.stage]:
+            raise ConfigError(
+                f"zero.stage={self.stage} and zero.level={self.level!r} name different ZeRO "
+                "stages (zero.level 'v0' / 'v1' / 'v2' are DeepSpeed's zero.stage 1 / 2 / 3); "
+                "give one of them."
+            )
+        object.__setattr__(self, "level", ZERO_LEVELS[self.stage])
 
 
 @_register("offload")
@@ -429,15 +466,20 @@ class Config:
         values = {key: spec.default for key, spec in _KEYS.items()}
         sources = dict.fromkeys(_KEYS, "default")
         for source, layer in layers:  # Lowest precedence first.
+            for spellings in _SPELLINGS:
+                if any(key in layer for key in spellings):
+                    values.update((key, _KEYS[key].default) for key in spellings)
+                    sources.update(dict.fromkeys(spellings, "default"))
             values.update(layer)
             sources.update(dict.fromkeys(layer, source))
+        for section, cls in _SECTIONS.items():
+            keys = [key for key, spec in _KEYS.items() if spec.section == section]
+            built = cls(**{_KEYS[key].name: values[key] for key in keys})
+            object.__setattr__(self, section, built)
+            # What the section made of its keys (the other spelling of a setting filled).
+            values.update((key, getattr(built, _KEYS[key].name)) for key in keys)
         object.__setattr__(self, "_values", values)
         object.__setattr__(self, "_sources", sources)
-        for section, cls in _SECTIONS.items():
-            fields = {
-                spec.name: values[key] for key, spec in _KEYS.items() if spec.section == section
-            }
-            object.__setattr__(self, section, cls(**fields))
 
     @classmethod
     def _from_layers(cls, layers: _Layers) -> Config:
@@ -498,6 +540,17 @@ class Config:
         """Returns a new Config with validated `overrides` applied on top of this one."""
         current = [(source, {key: self._values[key]}) for key, source in self._sources.items()]
         return self._from_layers([*current, ("dict", _flatten(overrides))])
+
+    def merge(self, other: Config) -> Config:
+        """Returns this config with every key `other` sets (any key not at its default
+        source) taken from `other`: a trainer's `config=` on top of `epl.init()`'s."""
+        current = [(source, {key: self._values[key]}) for key, source in self._sources.items()]
+        given = [
+            (source, {key: other._values[key]})
+            for key, source in other._sources.items()
+            if source != "default"
+        ]
+        return self._from_layers([*current, *given])
 
     def to_dict(self) -> dict[str, Any]:
         """Returns {dotted key: value} for every known key."""

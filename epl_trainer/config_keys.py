@@ -50,6 +50,7 @@ class KeySpec:
     choices: tuple[str, ...] = ()
     minimum: float | None = None
     exclusive_minimum: bool = False
+    maximum: float | None = None
 
     @property
     def key(self) -> str:
@@ -118,7 +119,11 @@ def _coerce(spec: KeySpec, value: Any) -> Any:
 def _check_range(spec: KeySpec, value: Any, where: str) -> None:
     if isinstance(value, float) and not math.isfinite(value):
         raise ConfigError(f"{where} must be a finite number. Received: {value!r}")
-    if spec.minimum is None or not isinstance(value, (int, float)):
+    if not isinstance(value, (int, float)):
+        return
+    if spec.maximum is not None and value > spec.maximum:
+        raise ConfigError(f"{where} must be <= {spec.maximum}. Received: {value!r}")
+    if spec.minimum is None:
         return
     if spec.exclusive_minimum and value <= spec.minimum:
         raise ConfigError(f"{where} must be > {spec.minimum}. Received: {value!r}")

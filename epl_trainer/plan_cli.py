@@ -69,7 +69,7 @@ def build_parser() -> argparse.ArgumentParser:
     parallel.add_argument(
         "--zero",
         choices=("none", "v0", "v1", "v2"),
-        help="zero.level: v0 = P_os, v1 = P_os+g, v2 = P_os+g+p",
+        help="zero.level (DeepSpeed's zero.stage 1/2/3): v0 = P_os, v1 = P_os+g, v2 = P_os+g+p",
     )
     parallel.add_argument(
         "--amp",

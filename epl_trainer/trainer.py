@@ -74,8 +74,9 @@ class EPLTrainer(CheckpointMixin, TrainingDataMixin, InferenceMixin, ObjectivesM
       strategy: `epl.Strategy(...)`, or a bare `epl.replicate(n)` / `epl.split(n)`.
       stages: {layer-name regex: stage index}, a shortcut for `Strategy(stages=...)`.
       split: [layer-name regex], a shortcut for `Strategy(split=...)`.
-      config: an `epl.Config`, a dict of dotted keys or a JSON/YAML path; None uses the
-        config given to `epl.init()` (or the defaults). A DeepSpeed config (JSON path,
+      config: an `epl.Config`, a dict of dotted keys or a JSON/YAML path, whose keys go
+        over those given to `epl.init()` (the other keys keep init's values); None uses
+        init's config (or the defaults). A DeepSpeed config (JSON path,
         dict or `epl_trainer.deepspeed.DeepSpeedConfig`) is translated on top of
         `epl.init()`'s config, and its optimizer/scheduler replace `optimizer`.
       steps_per_execution: training steps run per call of the compiled step (a loop in
@@ -113,8 +114,11 @@ class EPLTrainer(CheckpointMixin, TrainingDataMixin, InferenceMixin, ObjectivesM
             optimizer = compiled.settings(model).get("optimizer")
         self._optimizer_given = optimizer is not None
         config, optimizer, self.deepspeed = deepspeed.trainer_setup(config, optimizer or "sgd")
-        self.config = Env.get().config if config is None else Config.load(config)
-        self.cluster = Env.get().cluster if config is None else build_cluster(self.config.cluster)
+        # The trainer's keys go over epl.init()'s (a DeepSpeed config is translated on top
+        # of them too): a config= naming one key keeps init's devices and checkpoint.dir.
+        env = Env.get()
+        self.config = env.config if config is None else env.config.merge(Config.load(config))
+        self.cluster = env.cluster if config is None else build_cluster(self.config.cluster)
         self.optimizer = compiled.unwrapped_optimizer(keras.optimizers.get(optimizer))
         if isinstance(model, keras.Model) and not self.config.amp.level:
             # Keras's mixed precision (a mixed dtype policy, a LossScaleOptimizer) becomes
@@ -218,7 +222,7 @@ class EPLTrainer(CheckpointMixin, TrainingDataMixin, InferenceMixin, ObjectivesM
             )
         self.model.optimizer = self.optimizer  # what Keras callbacks read (LR, iterations)
         if ema.uses_ema(self.optimizer):
-            ema.check_supported(self.config.zero.level)
+            ema.check_supported(self.config.zero)
         self._start_state = start_state.StartState(self.cluster, self._lost_worker_check)
         self._start_state.take(self.model, self.optimizer)  # worker 0's values (start_state.py)
 

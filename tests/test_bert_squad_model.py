@@ -1,8 +1,11 @@
 """BERT-SQuAD model: Google checkpoint loading, the recipes in configs/, the pipeline cut."""
 
+import collections
 import json
 import math
 import os
+import re
+import string
 import subprocess
 import sys
 from pathlib import Path
@@ -324,8 +327,14 @@ def test_main_runs_end_to_end_on_builtin_data(tmp_path, trainer):
     assert len(predictions) == 4 * builtin_data.QUESTIONS_PER_PARAGRAPH
     metrics = json.loads((tmp_path / "metrics.json").read_text())
     assert set(metrics["dev"]) == {"exact_match", "f1"}
-    # The final scores are the last epoch's (the dev set is not predicted again for them).
+    # The final scores are the last epoch's (the dev set is not predicted again for them),
+    # and they are the official scores of the predictions written, recomputed here from
+    # predictions.json and the dev file by a scorer that shares no code with the run's.
     assert metrics["dev"]["f1"] == metrics["history"]["dev_f1"][-1]
+    dev = json.loads((tmp_path / "data" / "dev.json").read_text())
+    official = _official_squad_v1_scores(dev, predictions)
+    assert metrics["dev"] == pytest.approx(official, abs=1e-9)
+    assert 0 < official["f1"] < 100  # neither nothing nor everything found: scoring matters
     losses = metrics["history"]["loss"]
     assert len(losses) == 2 and losses[1] < losses[0]  # the pipeline really trains
     assert metrics["trainer"] == trainer
@@ -336,3 +345,27 @@ def test_main_runs_end_to_end_on_builtin_data(tmp_path, trainer):
     assert set(seconds) == {"data", "training", "evaluation"} and min(seconds.values()) > 0
     assert sum(seconds.values()) <= metrics["wall_time_sec"]
     assert "ms/step with tracing), dev predictions" in result.stdout
+
+
+def _official_squad_v1_scores(dataset: dict, predictions: dict) -> dict:
+    """SQuAD v1.1's `evaluate-v1.1.py`, written out again (not model_zoo's evaluation.py):
+    the maximum over gold answers of exact match and token F1 of normalised answers,
+    averaged over every question, in percent."""
+
+    def normalize(text):
+        text = "".join(ch for ch in text.lower() if ch not in set(string.punctuation))
+        return " ".join(re.sub(r"\b(a|an|the)\b", " ", text).split())
+
+    def f1(prediction, truth):
+        p, t = normalize(prediction).split(), normalize(truth).split()
+        same = sum((collections.Counter(p) & collections.Counter(t)).values())
+        return 0.0 if same == 0 else 2 * same / (len(p) + len(t))
+
+    em = total_f1 = 0.0
+    questions = [qa for a in dataset["data"] for p in a["paragraphs"] for qa in p["qas"]]
+    for qa in questions:
+        if qa["id"] in predictions:
+            truths = [answer["text"] for answer in qa["answers"]]
+            em += max(float(normalize(predictions[qa["id"]]) == normalize(t)) for t in truths)
+            total_f1 += max(f1(predictions[qa["id"]], t) for t in truths)
+    return {"exact_match": 100 * em / len(questions), "f1": 100 * total_f1 / len(questions)}

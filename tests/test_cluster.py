@@ -144,3 +144,19 @@ def test_each_test_starts_from_the_default_config():
     otherwise be this one's base config (a DeepSpeed recipe translated on top of its 2
     devices took a batch twice as large, and ran one step where its test expected two)."""
     assert epl.Env.get().config.cluster.virtual_devices == 0
+
+
+def test_the_trainers_config_keys_go_over_inits(tmp_path):
+    """`config=` adds its keys to `epl.init`'s: it does not drop the devices and the
+    checkpoint directory init set (the trainer once trained on one device here)."""
+    from _models import LOSS, mlp
+
+    epl.init({"cluster.virtual_devices": 4, "checkpoint.dir": str(tmp_path)})
+    trainer = epl.EPLTrainer(mlp(), LOSS, "sgd", config={"pipeline.num_micro_batch": 2})
+    assert trainer.config.cluster.virtual_devices == 4
+    assert trainer.config.checkpoint.dir == str(tmp_path)
+    assert trainer.config.pipeline.num_micro_batch == 2
+    assert trainer.cluster.total_gpu_num == 4
+    again = epl.EPLTrainer(mlp(), LOSS, "sgd", config={"cluster.virtual_devices": 2})
+    assert again.config.cluster.virtual_devices == 2  # the trainer's key wins
+    assert again.config.checkpoint.dir == str(tmp_path)

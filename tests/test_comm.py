@@ -1,5 +1,6 @@
 """Collectives on logical CPU devices: results per member against numpy, and TF's ranks."""
 
+import itertools
 import os
 import subprocess
 import sys
@@ -432,3 +433,54 @@ def test_lane_reduce_max_and_sum():
     for maximum, total in step():
         np.testing.assert_array_equal(maximum.numpy(), [3.0, 0.0])
         np.testing.assert_array_equal(total.numpy(), [6.0, -6.0])
+
+
+def test_instance_key_ranges_of_one_group_are_disjoint():
+    """Counted, dynamic-length and process-local instance keys share a group when a split
+    replica is also the data-parallel group of a replicated Embedding (its sparse rows
+    gathered with a dynamic length): every key each allocator can hand out, over its whole
+    cycle, lies in its own range, and no two ranges meet."""
+    from epl_trainer.core.comm import keys
+
+    group = comm.group_key(["/device:CPU:0", "/device:CPU:1", "test-key-ranges"])
+    counted = [keys.next_instance_key(group) for _ in range(3)]
+    # the last key next_instance_key hands out (it refuses the next: test below)
+    counted_range = (counted[0], keys.INSTANCE_KEY_RANGES["counted"][1] - 1)
+    dynamic = []  # every block's first and last key, until the blocks wrap around
+    while True:
+        first = int(keys.length_keyed_instance(tf.constant(0), group))
+        if dynamic and first == dynamic[0][0]:
+            break
+        dynamic.append((first, first + keys.DYNAMIC_BLOCK - 1))
+    last = int(keys.length_keyed_instance(tf.constant(keys.DYNAMIC_BLOCK - 1), group))
+    assert last == dynamic[1][1]  # the largest length accepted ends its block
+    local = []  # the split lanes' reservations, until they wrap around
+    while True:
+        first = keys.reserve_local_instance_keys(keys.KEYS_PER_LANE_GROUP)
+        if local and first < local[-1][0]:
+            break
+        local.append((first, first + keys.KEYS_PER_LANE_GROUP - 1))
+    spans = {
+        "counted": counted_range,
+        "dynamic": (min(a for a, _ in dynamic), max(b for _, b in dynamic)),
+        "local": (min(a for a, _ in local), max(b for _, b in local)),
+    }
+    for name, (low, high) in spans.items():
+        declared_low, declared_end = keys.INSTANCE_KEY_RANGES[name]
+        assert declared_low <= low <= high < declared_end, (name, hex(low), hex(high))
+        assert high < 2**31  # an int32 key
+    ordered = sorted(spans.values())
+    assert all(a[1] < b[0] for a, b in itertools.pairwise(ordered)), {
+        k: (hex(a), hex(b)) for k, (a, b) in spans.items()
+    }
+
+
+def test_counted_instance_keys_refuse_to_leave_their_range():
+    from epl_trainer.core.comm import keys
+
+    group = comm.group_key(["/device:CPU:0", "test-counted-end"])
+    end = keys.INSTANCE_KEY_RANGES["counted"][1]
+    keys._instance_counters[group] = iter(range(end - 1, end + 1))
+    assert keys.next_instance_key(group) == end - 1
+    with pytest.raises(RuntimeError, match="instance keys"):
+        keys.next_instance_key(group)

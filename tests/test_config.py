@@ -28,6 +28,7 @@ EXPECTED_DEFAULTS = {
     "gradient_checkpoint.type": "",
     "gradient_checkpoint.end_taskgraph": -1,
     "gradient_checkpoint.check_gradients": False,
+    "zero.stage": None,
     "zero.level": "",
     "offload.level": "",
     "amp.level": "",
@@ -561,3 +562,34 @@ def test_random_env_strings_raise_only_config_error(key, text):
         assert spec.env_var in str(err)
         return
     assert parse_value(key, text) == config.to_dict()[key]
+
+
+# --- zero.stage (DeepSpeed's numbering) and zero.level (EPL's) name one setting.
+
+
+@pytest.mark.parametrize("stage, level", [(0, ""), (1, "v0"), (2, "v1"), (3, "v2")])
+def test_zero_stage_is_deepspeeds_numbering_of_zero_level(stage, level):
+    assert make({"zero.stage": stage}).zero.level == level
+    assert make({"zero.stage": stage}).to_dict()["zero.level"] == level
+    assert make({"zero.level": level}).zero.stage == (None if level == "" else stage)
+    assert make({"zero": {"stage": stage, "level": level}}).zero == make({"zero.stage": stage}).zero
+    assert make(EPL_ZERO_STAGE=str(stage)).zero.level == level
+
+
+def test_zero_stage_and_level_that_disagree_are_refused_naming_both():
+    with pytest.raises(ConfigError, match=r"zero.stage=3 and zero.level='v1'.*DeepSpeed"):
+        make({"zero.stage": 3, "zero.level": "v1"})
+    with pytest.raises(ConfigError, match=r"zero.stage=0 and zero.level='v2'"):
+        make({"zero": {"stage": 0, "level": "v2"}})
+    with pytest.raises(ConfigError, match=r"zero.stage.*<= 3"):
+        make({"zero.stage": 4})
+
+
+def test_a_later_source_of_either_zero_spelling_wins():
+    """Precedence applies to the setting, not to its spelling: a key given over a config
+    (replace, a trainer's config= over epl.init's, a dict over the environment) wins
+    whichever spelling the lower source used."""
+    assert make({"zero.level": "v1"}).replace({"zero.stage": 3}).zero.level == "v2"
+    assert make({"zero.stage": 3}).replace({"zero.level": "v0"}).zero.stage == 1
+    assert make({"zero.stage": 1}).merge(make({"zero.level": "v2"})).zero.stage == 3
+    assert make({"zero.stage": 2}, EPL_ZERO_LEVEL="v2").zero.level == "v1"

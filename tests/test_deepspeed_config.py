@@ -11,6 +11,7 @@ from _models import LOSS, mlp, mlp_data
 import epl_trainer as epl
 from epl_trainer import deepspeed, schedules
 from epl_trainer.deepspeed import DeepSpeedConfig, DeepSpeedConfigError, resolve_batch_sizes
+from epl_trainer.deepspeed.update_rules import FusedLamb
 
 DATA = Path(__file__).parent / "data"
 # The two example configs of shared/reference/deepspeed_config_quickstart.txt, verbatim.
@@ -212,8 +213,8 @@ def test_trainer_checks_a_datasets_batch_against_the_config(env_with_two_devices
         ),
         (
             {"type": "Lamb", "params": {"lr": 0.1, "betas": [0.85, 0.99]}},
-            keras.optimizers.Lamb,
-            {"beta_1": 0.85, "beta_2": 0.99, "epsilon": 1e-8},
+            FusedLamb,
+            {"beta_1": 0.85, "beta_2": 0.99, "epsilon": 1e-8, "min_coeff": 0.01, "max_coeff": 10},
         ),
         (
             {"type": "Lion", "params": {"lr": 0.1, "weight_decay": 0.1}},
@@ -241,9 +242,7 @@ def test_optimizer_types_map_to_keras(section, cls, attributes):
         ({"type": "OneBitAdam", "params": {"lr": 0.1}}, "OneBitAdam.*not supported"),
         ({"type": "RAdam", "params": {"lr": 0.1}}, "must be one of Adam, AdamW"),
         ({"type": "AdamW", "params": {"lr": 0.1, "beta": [0.9, 0.99]}}, "did you mean 'betas'"),
-        ({"type": "SGD", "params": {"lr": 0.1, "weight_decay": 0.1}}, "coupled"),
-        ({"type": "Adam", "params": {"adam_w_mode": False, "weight_decay": 0.1}}, "coupled"),
-        ({"type": "Lamb", "params": {"max_coeff": 5.0}}, "max_coeff"),
+        ({"type": "Lamb", "params": {"max_coeff": 0.001}}, "max_coeff.*>= min_coeff"),
         ({"type": "SGD", "params": {}}, "lr is required"),
     ],
 )
@@ -571,3 +570,170 @@ def test_activation_checkpointing_recomputes_and_trains_like_without():
     plain.fit(x, y, batch_size=16, steps_per_epoch=2, verbose=0, shuffle=False)
     for a, b in zip(recomputed_model.get_weights(), plain_model.get_weights()):
         np.testing.assert_allclose(a, b, atol=1e-6)
+
+
+# ---- communication keys: sparse rows, the fp16 wire, where 1/N is applied ----------------------
+
+
+def test_communication_keys_translate_to_the_engines():
+    assert _translate({"sparse_gradients": True}).config.communication.sparse_as_dense is False
+    assert _translate({"sparse_gradients": False}).config.communication.sparse_as_dense is True
+    fp16 = _translate({"communication_data_type": "fp16"}).config.communication
+    assert fp16.fp16 and fp16.fp16_scale == 128
+    assert _translate({"communication_data_type": "fp32"}).config.communication.fp16 is False
+    predivided = _translate({"communication_data_type": "fp16", "gradient_predivide_factor": 4})
+    assert predivided.config.communication.fp16_scale == 32  # the wire carries g * 128 / 4
+    with pytest.raises(DeepSpeedConfigError, match=r"bf16.*float16 only.*communication\.fp16"):
+        _translate({"communication_data_type": "bf16"})
+    with pytest.raises(DeepSpeedConfigError, match="only without prescale_gradients"):
+        _translate({"prescale_gradients": True, "gradient_predivide_factor": 2.0})
+
+
+@pytest.mark.parametrize("sparse", [True, False])
+def test_sparse_gradients_train_like_plain_keras(sparse):
+    """Embedding rows gathered (true) or reduced as a dense table (false): the same
+    weights as one Keras model on the whole batch."""
+    from _models import keras_reference, parity_data, parity_model
+
+    x, y = parity_data(48)
+    model, reference = parity_model(), parity_model()
+    ds = DeepSpeedConfig(
+        {"train_batch_size": 16, "sparse_gradients": sparse, "optimizer": _SGD}, base=TWO_DEVICES
+    )
+    epl.EPLTrainer(model, LOSS, config=ds).fit(x, y, epochs=1, verbose=0, shuffle=False)
+    keras_reference(reference, x, y, keras.optimizers.SGD(0.1), 16, 3)
+    for a, b in zip(model.get_weights(), reference.get_weights()):
+        np.testing.assert_allclose(a, b, atol=2e-6)
+
+
+_SGD = {"type": "SGD", "params": {"lr": 0.1}}
+
+
+def _large_gradient_problem():
+    """A linear model whose kernel gradient is -400 per element on each replica: 400 x 128
+    (the wire's scale) fits float16, the sum of two members' (102,400) does not."""
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((4,))
+    model = keras.Model(
+        inputs, keras.layers.Dense(1, use_bias=False, kernel_initializer="zeros")(inputs)
+    )
+    x = np.full((8, 4), 200.0, "float32")
+    return model, x, np.ones((8, 1), "float32")
+
+
+def test_prescale_gradients_keeps_the_fp16_wire_from_overflowing():
+    """DeepSpeed divides by the data-parallel size before the sum with prescale_gradients:
+    on the float16 wire that is what keeps a sum of two large gradients finite."""
+    values = {"train_batch_size": 8, "communication_data_type": "fp16", "optimizer": _SGD}
+    with pytest.raises(epl.NonFiniteLossError):
+        model, x, y = _large_gradient_problem()
+        trainer = epl.EPLTrainer(model, "mse", config=DeepSpeedConfig(values, base=TWO_DEVICES))
+        trainer.fit(x, y, epochs=1, verbose=0)
+    model, x, y = _large_gradient_problem()
+    prescaled = DeepSpeedConfig({**values, "prescale_gradients": True}, base=TWO_DEVICES)
+    trainer = epl.EPLTrainer(model, "mse", config=prescaled)
+    trainer.fit(x, y, epochs=1, verbose=0)
+    assert trainer.config.communication.fp16_scale == 64  # 128 / 2 replicas
+    reference, _, _ = _large_gradient_problem()
+    reference.compile(keras.optimizers.SGD(0.1), "mse")
+    reference.fit(x, y, batch_size=8, epochs=1, verbose=0)
+    np.testing.assert_allclose(model.get_weights()[0], reference.get_weights()[0], rtol=1e-3)
+
+
+# ---- PyTorch's coupled (L2) weight decay and DeepSpeed's FusedLamb -------------------------------
+
+
+def _with_l2(model, factor):
+    """`model` rebuilt with L2(factor) on every weight (the same initial values)."""
+    config = model.get_config()
+    for layer in config["layers"]:
+        if layer["class_name"] == "Dense":
+            layer["config"]["kernel_regularizer"] = keras.regularizers.L2(factor)
+            layer["config"]["bias_regularizer"] = keras.regularizers.L2(factor)
+    rebuilt = keras.Model.from_config(config)
+    rebuilt.set_weights(model.get_weights())
+    return rebuilt
+
+
+@pytest.mark.parametrize(
+    "section, keras_optimizer",
+    [
+        (
+            {"type": "SGD", "params": {"lr": 0.1, "momentum": 0.9}},
+            lambda: keras.optimizers.SGD(0.1, 0.9),
+        ),
+        (
+            {"type": "Adam", "params": {"lr": 0.01, "adam_w_mode": False}},
+            lambda: keras.optimizers.Adam(0.01, epsilon=1e-8),
+        ),
+        (
+            {"type": "Adagrad", "params": {"lr": 0.1}},
+            lambda: keras.optimizers.Adagrad(0.1, 0.0, 1e-10),
+        ),
+    ],
+    ids=["sgd", "adam_l2", "adagrad"],
+)
+def test_coupled_weight_decay_trains_like_keras_with_an_l2_loss(section, keras_optimizer):
+    """DeepSpeed (PyTorch) adds weight_decay * w to each gradient: the gradient of an
+    L2 loss of weight_decay / 2 * |w|^2, which a plain Keras model gets as regularizers."""
+    from _models import keras_reference
+
+    x, y = mlp_data(48)
+    decay = 0.1
+    model = mlp(seed=3)
+    reference = _with_l2(mlp(seed=3), decay / 2)
+    section = {**section, "params": {**section["params"], "weight_decay": decay}}
+    ds = DeepSpeedConfig({"train_batch_size": 16, "optimizer": section}, base=TWO_DEVICES)
+    epl.EPLTrainer(model, LOSS, config=ds).fit(x, y, epochs=1, verbose=0, shuffle=False)
+    keras_reference(reference, x, y, keras_optimizer(), 16, 3)
+    for a, b in zip(model.get_weights(), reference.get_weights()):
+        np.testing.assert_allclose(a, b, atol=1e-5)
+    undecayed = mlp(seed=3)
+    keras_reference(undecayed, x, y, keras_optimizer(), 16, 3)
+    assert (
+        max(np.abs(a - b).max() for a, b in zip(model.get_weights(), undecayed.get_weights()))
+        > 1e-3
+    )
+
+
+def _fused_lamb_reference(model, x, y, steps, lr, betas, eps, decay, min_coeff, max_coeff):
+    """DeepSpeed's FusedLamb in NumPy (csrc/lamb: update = m_hat / (sqrt(v_hat) + eps) +
+    decay * w; coefficient |w| / |update| (1 when either is 0), clamped to [min_coeff,
+    max_coeff]; w -= lr * coefficient * update), on gradients of the whole batch."""
+    import tensorflow as tf
+
+    weights = [w.copy() for w in model.get_weights()]
+    m = [np.zeros_like(w) for w in weights]
+    v = [np.zeros_like(w) for w in weights]
+    batch = len(x) // steps
+    for t in range(1, steps + 1):
+        model.set_weights(weights)
+        rows = slice((t - 1) * batch, t * batch)
+        with tf.GradientTape() as tape:
+            loss = LOSS(y[rows], model(x[rows]))
+        grads = [g.numpy() for g in tape.gradient(loss, model.trainable_weights)]
+        for i, (w, g) in enumerate(zip(weights, grads)):
+            m[i] = betas[0] * m[i] + (1 - betas[0]) * g
+            v[i] = betas[1] * v[i] + (1 - betas[1]) * g * g
+            m_hat, v_hat = m[i] / (1 - betas[0] ** t), v[i] / (1 - betas[1] ** t)
+            update = m_hat / (np.sqrt(v_hat) + eps) + decay * w
+            w_norm, u_norm = np.linalg.norm(w), np.linalg.norm(update)
+            coefficient = w_norm / u_norm if w_norm > 0 and u_norm > 0 else 1.0
+            coefficient = min(max(coefficient, min_coeff), max_coeff)
+            weights[i] = w - lr * coefficient * update
+    return weights
+
+
+def test_lamb_weight_decay_and_coefficient_clamp_follow_deepspeeds_fused_lamb():
+    x, y = mlp_data(48)
+    params = {"lr": 0.01, "betas": [0.9, 0.99], "eps": 1e-6, "weight_decay": 0.01}
+    params.update(min_coeff=0.05, max_coeff=0.5)  # clamps both ways on this model
+    model = mlp(seed=3)
+    ds = DeepSpeedConfig(
+        {"train_batch_size": 16, "optimizer": {"type": "Lamb", "params": params}},
+        base=TWO_DEVICES,
+    )
+    epl.EPLTrainer(model, LOSS, config=ds).fit(x, y, epochs=1, verbose=0, shuffle=False)
+    expected = _fused_lamb_reference(mlp(seed=3), x, y, 3, 0.01, (0.9, 0.99), 1e-6, 0.01, 0.05, 0.5)
+    for a, b in zip(model.get_weights(), expected):
+        np.testing.assert_allclose(a, b, atol=2e-6)

@@ -121,3 +121,24 @@ def test_a_fixed_loss_scale_skips_with_a_warning_when_told_to(amp, caplog):
     assert trainer.stats_history["nonfinite_steps"] == [1]
     assert "Non-finite loss at training step 3 (epoch 1, batch 2)" in caplog.text
     assert all(np.isfinite(w).all() for w in model.get_weights())
+
+
+@pytest.mark.parametrize("amp", [{}, FIXED_SCALE_AMP[0]], ids=["fp32", "bf16"])
+def test_steps_per_execution_stops_at_the_first_nonfinite_step_and_keeps_the_weights(amp):
+    """Several steps per call: the in-graph loop is left at the bad step, so the error
+    names it and the weights are those before it (not after the call's later steps)."""
+    model = mlp()
+    trainer = epl.EPLTrainer(
+        model,
+        LOSS,
+        keras.optimizers.Adam(0.01),
+        config={"cluster.virtual_devices": 2, **amp},
+        steps_per_execution=4,
+    )
+    with pytest.raises(NonFiniteLossError, match=r"at training step 3 \(epoch 1, batch 2\)"):
+        trainer.fit(_data(poisoned=True), verbose=0)
+    assert int(trainer.optimizer.iterations.numpy()) == BAD_BATCH + 1
+    trainer._engine.state.write_back()
+    reference = mlp()
+    _trainer(reference, **amp).fit(_data(poisoned=False).take(BAD_BATCH), verbose=0)
+    assert max_weight_difference(model, reference) == 0.0

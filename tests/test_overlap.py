@@ -39,9 +39,13 @@ def trace_step(config):
 
 
 def ancestors(op) -> set:
+    """Every op `op` waits for: through its data inputs and its control inputs (a
+    collective put behind the finite flag by `tf.control_dependencies` has no data edge
+    to it)."""
     seen, stack = set(), [op]
     while stack:
-        for parent in [t.op for t in stack.pop().inputs]:
+        current = stack.pop()
+        for parent in [t.op for t in current.inputs] + list(current.control_inputs):
             if parent not in seen:
                 seen.add(parent)
                 stack.append(parent)
@@ -107,3 +111,18 @@ def test_gradient_all_reduces_do_not_wait_for_the_finite_flag_or_earlier_layers(
     first_layer_grads = {g for g in gradient_ops(launched[-1]) if layer_of(g) == 0}
     assert first_layer_grads
     assert not ancestors(launched[0]) & first_layer_grads
+
+
+def test_ancestors_follow_control_dependencies():
+    """The check above would miss an all-reduce that waits for the flag through a
+    control dependency only, if `ancestors` followed data inputs alone."""
+
+    @tf.function
+    def step(x):
+        finite = tf.reduce_all(tf.math.is_finite(x))
+        with tf.control_dependencies([finite]):
+            return tf.identity(x * 2.0, name="after_flag")
+
+    graph = step.get_concrete_function(tf.TensorSpec([3])).graph
+    after = graph.get_operation_by_name("after_flag")
+    assert any(op.type == "IsFinite" for op in ancestors(after))

@@ -147,6 +147,10 @@ def test_shortcut_flag_contradicting_epl_set_is_an_error():
         _parsed_options(["--zero", "--epl_set=zero.level=v0"])
     same = _parsed_options(["--zero", "--epl_set=zero.level=v1"])
     assert same.config.zero.level == "v1"
+    # --zero is zero.level v1, DeepSpeed's zero.stage 2: the other spelling clashes too.
+    with pytest.raises(ValueError, match=r"zero\.level: flag gives 'v1', --epl_set gives 'v0'"):
+        _parsed_options(["--zero", "--epl_set=zero.stage=1"])
+    assert _parsed_options(["--zero", "--epl_set=zero.stage=2"]).config.zero.stage == 2
 
 
 # ------------------------------------------------------------------------------ models

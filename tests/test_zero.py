@@ -205,7 +205,8 @@ def test_v2_refuses_a_stage_group_spanning_workers_by_name():
         devices=("/job:worker/replica:0/task:0/device:CPU:0", "/job:worker/task:1/device:CPU:0"),
         local_devices=("/job:worker/replica:0/task:0/device:CPU:0",),
     )
-    with pytest.raises(ValueError, match=r"zero.level 'v2' .* stage 0's group .* Use zero.level"):
+    match = r"zero.stage 3 \(zero.level 'v2'\) .* stage 0's group .* Use zero.stage 2"
+    with pytest.raises(ValueError, match=match):
         check_local_groups(types.SimpleNamespace(stage_groups=(group,)))
 
 

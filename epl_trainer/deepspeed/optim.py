@@ -8,16 +8,17 @@ defaults. Known differences, all inherent to the Keras optimizers:
   (the "epsilon hat" of the Adam paper), PyTorch after; they differ by a factor
   sqrt(1 - beta_2**t) on epsilon only.
 - Lamb: DeepSpeed's FusedLamb clamps the trust ratio to [min_coeff, max_coeff] and puts
-  weight decay inside the trust ratio; Keras's Lamb does neither (so `weight_decay`,
-  `max_coeff` and `min_coeff` are refused rather than approximated).
+  weight decay inside the trust ratio; Keras's Lamb does neither, so Lamb becomes
+  `update_rules.FusedLamb` (Keras's Lamb with both).
 - Adagrad: Keras adds epsilon inside the square root, PyTorch outside.
 - SGD with momentum: Keras folds the learning rate into the velocity, PyTorch applies it
   after; identical while the learning rate is constant.
 
 PyTorch's coupled (L2) weight decay - `Adam` with `adam_w_mode: false`, `SGD`,
-`Adagrad` - has no Keras equivalent and is refused when non-zero; Keras's
-`weight_decay` is decoupled (AdamW-style: w -= lr * wd * w before the update), which is
-what DeepSpeed's AdamW, Lion and `Adam` (default `adam_w_mode: true`) do.
+`Adagrad` - adds wd * w to each gradient: the Keras class wrapped by
+`update_rules.with_l2`. Keras's own `weight_decay` is decoupled (AdamW-style: w -= lr *
+wd * w before the update), which is what DeepSpeed's AdamW, Lion and `Adam` (default
+`adam_w_mode: true`) do.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from typing import Any
 import keras
 
 from epl_trainer import optimizers, schedules
+from epl_trainer.deepspeed import update_rules
 from epl_trainer.deepspeed.keys import (
     DeepSpeedConfigError,
     as_bool,
@@ -155,7 +157,12 @@ def build_optimizer(
     return cls(**kwargs), lr
 
 
-_COUPLED = "PyTorch's coupled (L2) weight decay has no Keras optimizer; use AdamW"
+def _coupled(cls: type, weight_decay: float, kwargs: dict) -> type:
+    """`cls`, with PyTorch's coupled (L2) weight decay when it is not 0."""
+    if not weight_decay:
+        return cls
+    kwargs["l2_weight_decay"] = weight_decay
+    return update_rules.with_l2(cls)
 
 
 def _param(params: Mapping, key: str, convert, default):
@@ -168,29 +175,29 @@ def _adam_kwargs(kind: str, params: Mapping, weight_decay: float, kwargs: dict) 
     _param(params, "torch_adam", as_bool, False)  # picks DeepSpeed's kernel only
     kwargs["amsgrad"] = _param(params, "amsgrad", as_bool, False)
     if kind == "adam" and not _param(params, "adam_w_mode", as_bool, True):
-        if weight_decay:
-            raise unsupported("optimizer.params.weight_decay", weight_decay, _COUPLED)
-        return keras.optimizers.Adam
+        return _coupled(keras.optimizers.Adam, weight_decay, kwargs)
     return keras.optimizers.AdamW
 
 
 def _adagrad_kwargs(kind: str, params: Mapping, weight_decay: float, kwargs: dict) -> type:
-    if weight_decay:
-        raise unsupported("optimizer.params.weight_decay", weight_decay, _COUPLED)
     if _param(params, "lr_decay", as_float, 0.0):
         raise unsupported("optimizer.params.lr_decay", params["lr_decay"], "use a scheduler")
     kwargs["initial_accumulator_value"] = _param(params, "initial_accumulator_value", as_float, 0.0)
-    return keras.optimizers.Adagrad
+    return _coupled(keras.optimizers.Adagrad, weight_decay, kwargs)
 
 
 def _lamb_kwargs(kind: str, params: Mapping, weight_decay: float, kwargs: dict) -> type:
-    for key in ("weight_decay", "max_coeff", "min_coeff"):
-        if key in params:
-            why = "Keras's Lamb has no trust-ratio clamp or in-ratio weight decay"
-            raise unsupported(f"optimizer.params.{key}", params[key], why)
+    min_coeff = _param(params, "min_coeff", as_float, 0.01)
+    max_coeff = _param(params, "max_coeff", as_float, 10.0)
+    if not 0.0 <= min_coeff <= max_coeff:
+        raise DeepSpeedConfigError(
+            "DeepSpeed config optimizer.params.max_coeff must be >= min_coeff >= 0. "
+            f"Received: min_coeff={min_coeff}, max_coeff={max_coeff}"
+        )
     if not _param(params, "bias_correction", as_bool, True):
         raise unsupported("optimizer.params.bias_correction", False, "Keras Lamb always corrects")
-    return keras.optimizers.Lamb
+    kwargs.update(lamb_weight_decay=weight_decay, min_coeff=min_coeff, max_coeff=max_coeff)
+    return update_rules.FusedLamb
 
 
 def _lion_kwargs(kind: str, params: Mapping, weight_decay: float, kwargs: dict) -> type:
@@ -198,14 +205,12 @@ def _lion_kwargs(kind: str, params: Mapping, weight_decay: float, kwargs: dict) 
 
 
 def _sgd_kwargs(kind: str, params: Mapping, weight_decay: float, kwargs: dict) -> type:
-    if weight_decay:
-        raise unsupported("optimizer.params.weight_decay", weight_decay, _COUPLED)
     if _param(params, "dampening", as_float, 0.0):
         why = "Keras SGD has no dampening"
         raise unsupported("optimizer.params.dampening", params["dampening"], why)
     kwargs["momentum"] = as_float(params["momentum"], "optimizer.params.momentum", minimum=0.0)
     kwargs["nesterov"] = _param(params, "nesterov", as_bool, False)
-    return keras.optimizers.SGD
+    return _coupled(keras.optimizers.SGD, weight_decay, kwargs)
 
 
 # Per-type params -> Keras keyword arguments; each returns the Keras class to build.

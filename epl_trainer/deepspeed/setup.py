@@ -33,6 +33,8 @@ class DeepSpeedSetup:
       optimizer: the Keras optimizer (schedule, momentum cycling, global_clipnorm).
       requested: (train_batch_size, micro-batch, accumulation) as given; None = derive.
       batch: the resolved sizes, once known.
+      prescale_wire_scale: with DeepSpeed's prescale_gradients on the float16 wire, the
+        wire's scale, divided by the data-parallel size once that is known (translate.py).
     """
 
     config: Config
@@ -41,6 +43,7 @@ class DeepSpeedSetup:
     monitors: tuple[MonitorSpec, ...]
     steps_per_print: int
     fp16: bool
+    prescale_wire_scale: float | None = None
     batch: BatchSizes | None = None
     data_parallel_size: int | None = None
     _callbacks: list | None = dataclasses.field(default=None, repr=False)
@@ -61,6 +64,9 @@ class DeepSpeedSetup:
             )
             gas = self.batch.gradient_accumulation_steps
         gas = 1 if gas is None else gas  # Hugging Face's default gradient_accumulation_steps
+        if self.prescale_wire_scale is not None:
+            scale = self.prescale_wire_scale / data_parallel_size
+            config = config.replace({"communication.fp16_scale": scale})
         if gas != plan.num_micro_batch:
             config = config.replace({"pipeline.num_micro_batch": gas})
             plan = dataclasses.replace(plan, num_micro_batch=gas)

@@ -7,7 +7,7 @@ turns it into a `DeepSpeedSetup` in these steps, each a small function:
    momentum cycling and `gradient_clipping` (clipped after the all-reduce, as DeepSpeed
    clips the averaged gradients);
 2. precision: `fp16` / `bf16` -> `amp.*`;
-3. memory: `zero_optimization` -> `zero.level` / `offload.level`;
+3. memory: `zero_optimization` -> `zero.stage` / `offload.level`;
    `activation_checkpointing` -> `gradient_checkpoint.type`;
 4. batch: `train_batch_size` & co., resolved once the data-parallel size is known
    (`DeepSpeedSetup.resolve_plan`) or, when they are "auto", from `fit`'s batch size;
@@ -109,10 +109,6 @@ _TOP_DEFAULT_ONLY = {
     "wall_clock_breakdown": (False, "forward/backward/step run as one compiled step"),
     "memory_breakdown": (False, "use trainer.memory_report()"),
     "dump_state": (False, "use trainer.config.describe()"),
-    "prescale_gradients": (False, "gradients are averaged once, after the reduction"),
-    "gradient_predivide_factor": (1.0, "gradients are averaged once, after the reduction"),
-    "sparse_gradients": (False, "gradients are reduced as dense tensors"),
-    "communication_data_type": (None, "gradients are communicated in their own dtype"),
     "disable_allgather": (False, "ZeRO always all-gathers updated partitions"),
 }
 # Accepted with any value: they choose between DeepSpeed's own kernels only.
@@ -157,6 +153,10 @@ _TRANSLATED = {
     "steps_per_print",
     "tensorboard",
     "csv_monitor",
+    "sparse_gradients",
+    "communication_data_type",
+    "prescale_gradients",
+    "gradient_predivide_factor",
 }
 TOP_LEVEL_KEYS = frozenset(_TRANSLATED | set(_TOP_DEFAULT_ONLY) | _TOP_NO_EFFECT | _TOP_UNSUPPORTED)
 
@@ -257,6 +257,8 @@ class DeepSpeedConfig:
         overrides: dict[str, Any] = {}
         overrides.update(_precision(values, base))
         overrides.update(_memory(values, base))
+        communication, prescale = _communication(values, base)
+        overrides.update(communication)
         optimizer, clip = _optimizer(values, trainer_optimizer, self)
         overrides["communication.clip_after_allreduce"] = clip is not None
         fp16 = overrides["amp.level"] == "O1" and overrides["amp.dtype"] == "float16"
@@ -268,6 +270,7 @@ class DeepSpeedConfig:
             monitors=_monitors(values),
             steps_per_print=steps_per_print,
             fp16=fp16,
+            prescale_wire_scale=base.communication.fp16_scale if prescale else None,
         )
 
 
@@ -334,7 +337,7 @@ def _precision(values: Mapping, base: Config) -> dict:
 
 
 def _memory(values: Mapping, base: Config) -> dict:
-    """zero_optimization -> zero.level / offload.level; activation_checkpointing -> recompute."""
+    """zero_optimization -> zero.stage / offload.level; activation_checkpointing -> recompute."""
     zero = values.get("zero_optimization") or {}
     check_keys(
         zero,
@@ -363,28 +366,79 @@ def _memory(values: Mapping, base: Config) -> dict:
         if "offload_optimizer" in zero
         else "none"
     )
-    out = {"zero.level": ("", "v0", "v1", "v2")[stage], "offload.level": ""}
+    out = {"zero.stage": stage, "offload.level": ""}
     if "cpu" in (device, param_device):
         if stage == 0:
             raise DeepSpeedConfigError(
                 "DeepSpeed config zero_optimization.offload_optimizer needs stage 1, 2 or 3 "
                 "(as in DeepSpeed). Received: stage=0"
             )
-        # ZeRO-Offload: the partitions stay (zero.level), their optimizer state and
+        # ZeRO-Offload: the partitions stay (zero.stage), their optimizer state and
         # update move to the worker's host (offload.level), which holds its lanes' shards.
         # Under stage 3 the shards are the parameters too: offload_optimizer and
         # offload_param both put parameters and optimizer state on the host.
         logger.info(
-            "ZeRO stage %d + offload %s cpu -> zero.level=%r, offload.level='v0' (each "
+            "ZeRO stage %d + offload %s cpu -> zero.stage=%d, offload.level='v0' (each "
             "replica's %s shard and its update on the worker's host).",
             stage,
             "/".join(k for k, d in (("optimizer", device), ("param", param_device)) if d == "cpu"),
-            out["zero.level"],
+            stage,
             "parameter and optimizer" if stage == 3 else "optimizer",
         )
         out["offload.level"] = "v0"
     out.update(_checkpointing(values, base))
     return out
+
+
+def _communication(values: Mapping, base: Config) -> tuple[dict, bool]:
+    """sparse_gradients, communication_data_type, prescale_gradients and
+    gradient_predivide_factor -> communication.*; and whether the float16 wire's scale is
+    still to be divided by the data-parallel size (prescale_gradients, in resolve_plan).
+
+    DeepSpeed's prescale / predivide only choose where the mean's 1/N is applied (before
+    or around the sum): the result is the mean either way. On a float32 reduction that
+    changes nothing but rounding; on the float16 wire (`communication.fp16`, whose values
+    cross multiplied by `fp16_scale`) it is what keeps the sum from overflowing, so there
+    the factor divides the wire's scale.
+    """
+    out: dict[str, Any] = {}
+    if "sparse_gradients" in values:
+        # DeepSpeed's default (false) reduces Embedding gradients as dense tables; true
+        # gathers their rows, which is the engine's default (sparse_as_dense=False).
+        sparse = as_bool(values["sparse_gradients"], "sparse_gradients")
+        out["communication.sparse_as_dense"] = not sparse
+    wire = values.get("communication_data_type")
+    if wire is not None:
+        wire = as_str(wire, "communication_data_type", choices=("fp16", "bf16", "fp32"))
+        if wire == "bf16":
+            raise unsupported(
+                "communication_data_type",
+                wire,
+                "the reduced-precision gradient wire is float16 only (communication.fp16); "
+                "use 'fp16' or 'fp32'",
+            )
+        out["communication.fp16"] = wire == "fp16"
+    prescale = as_bool(values.get("prescale_gradients", False), "prescale_gradients")
+    predivide = as_float(
+        values.get("gradient_predivide_factor", 1.0), "gradient_predivide_factor", minimum=0.0
+    )
+    if predivide == 0.0:
+        raise DeepSpeedConfigError("DeepSpeed config gradient_predivide_factor must be > 0.")
+    if prescale and predivide != 1.0:
+        raise DeepSpeedConfigError(
+            "DeepSpeed applies gradient_predivide_factor only without prescale_gradients "
+            "(prescaling divides by the data-parallel size instead); give one of them. "
+            f"Received: prescale_gradients=True, gradient_predivide_factor={predivide}"
+        )
+    fp16_wire = out.get("communication.fp16", base.communication.fp16)
+    if fp16_wire and predivide != 1.0:
+        out["communication.fp16_scale"] = base.communication.fp16_scale / predivide
+    elif (prescale or predivide != 1.0) and not fp16_wire:
+        logger.info(
+            "prescale_gradients / gradient_predivide_factor: gradients are reduced in "
+            "float32, where the mean is the same wherever 1/N is applied."
+        )
+    return out, prescale and fp16_wire
 
 
 def _offload_device(zero: Mapping, key: str, known) -> str:

@@ -24,6 +24,7 @@ from pathlib import Path
 import keras
 
 import epl_trainer as epl
+from epl_trainer import config as config_lib
 from epl_trainer.core.engine.state import lanes_for_worker
 from epl_trainer.io import slice_files
 from model_zoo.resnet50 import data as data_lib
@@ -77,8 +78,10 @@ def apply_overrides(config: epl.Config, overrides: dict, explicit: dict) -> epl.
     Raises:
       ValueError: a shortcut flag and `--epl_set` give the same key different values.
     """
-    clashes = {k: (v, explicit[k]) for k, v in overrides.items() if k in explicit}
-    clashes = {k: pair for k, pair in clashes.items() if pair[0] != pair[1]}
+    # Compared as settings: --epl_set zero.stage=1 is zero.level 'v0' (config.spellings).
+    given = epl.Config(explicit, environ={}).to_dict()
+    named = {key for k in explicit for key in config_lib.spellings(k)}
+    clashes = {k: (v, given[k]) for k, v in overrides.items() if k in named and v != given[k]}
     if clashes:
         terms = ", ".join(
             f"{k}: flag gives {a!r}, --epl_set gives {b!r}" for k, (a, b) in clashes.items()

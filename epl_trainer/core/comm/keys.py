@@ -27,16 +27,36 @@ from collections.abc import Sequence
 import tensorflow as tf
 
 _GROUP_KEY_BASE = 0x2000_0000
-_INSTANCE_KEY_BASE = 0x1000_0000
+
+
+# Instance keys are int32 and scoped to their group; the three allocators below may serve
+# one group (a split replica that is also the data-parallel group of a replicated
+# Embedding: its split collectives take local keys, its sparse rows dynamic ones), so each
+# owns a range, laid end to end here and never overlapping:
+#   counted  [0x1000_0000, 0x4000_0000)  next_instance_key, agreed by every member
+#   dynamic  [0x4000_0000, 0x6000_0000)  length_keyed_instance, a block per gather
+#   local    [0x6000_0000, 0x7FFF_F000)  reserve_local_instance_keys, split lanes
+def _end_to_end(start: int, sizes: dict[str, int]) -> dict[str, tuple[int, int]]:
+    ranges = {}
+    for name, size in sizes.items():
+        ranges[name] = (start, start + size)
+        start += size
+    assert start < 2**31, "instance keys are int32"
+    return ranges
+
+
+INSTANCE_KEY_RANGES = _end_to_end(
+    0x1000_0000, {"counted": 0x3000_0000, "dynamic": 0x2000_0000, "local": 0x1FFF_F000}
+)
 _instance_counters: dict[int, itertools.count] = {}
 # Gathers of a dynamic length (an Embedding's gradient rows under a dynamic sequence
 # length) take their instance key from the length: TF resolves a collective instance's
 # shape once per key, so a key reused with another length fails ("Shape mismatch in the
 # collective instance"). Each such gather owns a block of keys, one per length; the
 # blocks are reused round-robin (only long-dead traces could still hold an old block).
-_DYNAMIC_KEY_BASE = 0x4000_0000
-_DYNAMIC_BLOCK = 1 << 20  # lengths (in units) per block
-_DYNAMIC_BLOCKS = (0x7FFF_FFFF - _DYNAMIC_KEY_BASE) // _DYNAMIC_BLOCK
+DYNAMIC_BLOCK = 1 << 20  # lengths (in units) per block
+_DYNAMIC_KEY_BASE, _dynamic_end = INSTANCE_KEY_RANGES["dynamic"]
+_DYNAMIC_BLOCKS = (_dynamic_end - _DYNAMIC_KEY_BASE) // DYNAMIC_BLOCK
 _dynamic_counters: dict[int, itertools.count] = {}
 _ordering_tokens: dict[tuple[str, int], tf.Variable] = {}
 
@@ -44,8 +64,14 @@ _ordering_tokens: dict[tuple[str, int], tf.Variable] = {}
 def next_instance_key(group: int) -> int:
     """A fresh instance key for the group with key `group`: every member builds the
     group's collectives in the same order, so the t-th one gets the same key everywhere."""
-    counter = _instance_counters.setdefault(group, itertools.count(_INSTANCE_KEY_BASE))
-    return next(counter)
+    start, end = INSTANCE_KEY_RANGES["counted"]
+    key = next(_instance_counters.setdefault(group, itertools.count(start)))
+    if key >= end:
+        raise RuntimeError(
+            f"Group {group} used up its {end - start} counted instance keys (one per "
+            "collective built); rebuild the job in a fresh process."
+        )
+    return key
 
 
 def length_keyed_instance(length: tf.Tensor, group: int, unit: int = 1) -> tf.Tensor:
@@ -56,10 +82,10 @@ def length_keyed_instance(length: tf.Tensor, group: int, unit: int = 1) -> tf.Te
     equal on every member, as the lengths of a gather are.
     """
     counter = _dynamic_counters.setdefault(group, itertools.count())
-    base = _DYNAMIC_KEY_BASE + (next(counter) % _DYNAMIC_BLOCKS) * _DYNAMIC_BLOCK
+    base = _DYNAMIC_KEY_BASE + (next(counter) % _DYNAMIC_BLOCKS) * DYNAMIC_BLOCK
     units = tf.cast(length, tf.int32) // unit
     check = tf.debugging.assert_less(
-        units, _DYNAMIC_BLOCK, message="A dynamic-length collective exceeds 2**20 units"
+        units, DYNAMIC_BLOCK, message="A dynamic-length collective exceeds 2**20 units"
     )
     with tf.control_dependencies([check]):
         return tf.constant(base, tf.int32) + units
@@ -116,7 +142,8 @@ def _rank_sort_key(device: str):
 
 
 KEYS_PER_LANE_GROUP = 1 << 12
-_LOCAL_KEY_BASE, _LOCAL_KEY_SPAN = 0x5000_0000, 0x2000_0000
+_LOCAL_KEY_BASE = INSTANCE_KEY_RANGES["local"][0]
+_LOCAL_KEY_SPAN = INSTANCE_KEY_RANGES["local"][1] - _LOCAL_KEY_BASE
 _local_key_offset = 0
 
 

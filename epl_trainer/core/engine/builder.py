@@ -174,10 +174,10 @@ def build_engine(
         weighted_metrics=metrics.weighted_ids,
         output_loss_trackers=loss_fn.trackers,
     )
+    skip = config.optimizer.nonfinite_loss == "skip"
     if config.amp.level:
-        finite.apply_amp(hooks, layout, config.amp)
+        finite.apply_amp(hooks, layout, config.amp, stop_on_nonfinite=not skip)
     else:
-        skip = config.optimizer.nonfinite_loss == "skip"
         finite.apply_nonfinite_guard(hooks, layout, skip_metrics=skip)
     return Engine(engine_plan, state, program)
 

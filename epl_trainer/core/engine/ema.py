@@ -20,13 +20,14 @@ def uses_ema(optimizer) -> bool:
     return bool(getattr(optimizer, "use_ema", False))
 
 
-def check_supported(zero_level: str) -> None:
-    """A clear error for `use_ema=True` where lanes update shards (ZeRO)."""
-    if zero_level:
+def check_supported(zero) -> None:
+    """A clear error for `use_ema=True` where lanes update shards (ZeRO); `zero`: the
+    config's zero section."""
+    if zero.level:
         raise ValueError(
             "The optimizer's use_ema=True is not supported with ZeRO: the moving averages "
-            "would be sharded with the optimizer state. Use zero.level='' with use_ema, "
-            f"or use_ema=False. Received: zero.level={zero_level!r}"
+            "would be sharded with the optimizer state. Use zero.stage=0 with use_ema, "
+            f"or use_ema=False. Received: zero.stage={zero.stage} (zero.level={zero.level!r})"
         )
 
 

@@ -92,12 +92,19 @@ def apply_nonfinite_guard(hooks: StepHooks, layout: StepLayout, skip_metrics: bo
 
         hooks.update_metrics = update_finite_metrics
     hooks.extra_logs["nonfinite_steps"] = count.value
+    if not skip_metrics:
+        hooks.stopping_steps = count.value
     hooks.update = GuardedUpdate(inner, update_if_finite)
 
 
-def apply_amp(hooks: StepHooks, layout: StepLayout, amp_config) -> None:
+def apply_amp(
+    hooks: StepHooks, layout: StepLayout, amp_config, stop_on_nonfinite: bool = True
+) -> None:
     """Loss scaling around the update (the model itself was switched to a mixed dtype
-    policy before the state was created, see `amp.apply_mixed_precision`)."""
+    policy before the state was created, see `amp.apply_mixed_precision`).
+
+    `stop_on_nonfinite`: a fixed scale's skipped step stops training
+    (`optimizer.nonfinite_loss="raise"`); a dynamic scaler's never does."""
     scaler = amp.make_loss_scaler(amp_config, layout.host)
     hooks.loss_scale = scaler.scale
     if hooks.gradient_sink is not None:  # gradients reduced per micro-batch: unscaled after
@@ -111,6 +118,8 @@ def apply_amp(hooks: StepHooks, layout: StepLayout, amp_config) -> None:
         # would skip every following step in silence. The trainer reads this count and
         # stops or warns as optimizer.nonfinite_loss says, as it does without AMP.
         hooks.extra_logs["nonfinite_steps"] = lambda: scaler.skipped_steps.value()
+        if stop_on_nonfinite:
+            hooks.stopping_steps = lambda: scaler.skipped_steps.value()
     inner = hooks.update
 
     def update_if_finite(lane_grads: list[list]) -> None:

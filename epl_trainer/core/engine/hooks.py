@@ -119,6 +119,10 @@ class StepHooks:
       batch_statistics: contexts around each lane's forward and backward of a (stage,
         micro-batch): `LocalBatchStatistics`, or synchronized BatchNorm's
         (sync_batch_norm.py).
+      stopping_steps: None, or a callable giving the count of steps that stop training
+        (non-finite steps the trainer raises on); a call of several steps
+        (`steps_per_execution`) leaves its loop once the count grows, so the weights
+        are those before that step and the trainer names it.
     """
 
     stage_calls: list
@@ -137,3 +141,4 @@ class StepHooks:
     fixed_batch_shape: bool = False
     lanes_in_lockstep: bool = False
     batch_statistics: LocalBatchStatistics = dataclasses.field(default_factory=LocalBatchStatistics)
+    stopping_steps: Callable | None = None

@@ -188,11 +188,15 @@ class Program:
 
     def _train_many_on_iterator(self, iterator, steps):
         """Up to `steps` training steps in one call (a loop in the graph, so the host is
-        visited once per `steps`); stops early when the data runs out. Returns the logs
+        visited once per `steps`); stops early when the data runs out, or after a step
+        that stops training (`hooks.stopping_steps`: a non-finite step, so no later step
+        of the call moves the weights the trainer's error promises). Returns the logs
         after the last step, with the number of steps run under STEPS_KEY."""
+        stopping = self.hooks.stopping_steps
         with tf.device(self.layout.host):
             batch = tf.constant(0, tf.int32)
             ran = tf.constant(0, tf.int32)
+            stopped_before = stopping() if stopping is not None else None
         for _ in tf.range(steps):
             element = iterator.get_next_as_optional()
             if not element.has_value():
@@ -200,6 +204,10 @@ class Program:
             logs = self._train_step(*unpack_element(element.get_value()))
             batch = logs[BATCH_SIZE_KEY]
             ran += 1
+            if stopping is not None:
+                with tf.device(self.layout.host):
+                    if stopping() > stopped_before:
+                        break
         with tf.device(self.layout.host):
             return {**self._metric_results(), BATCH_SIZE_KEY: batch, STEPS_KEY: ran}
 

@@ -103,10 +103,10 @@ def check_local_groups(layout) -> None:
     for k, group in enumerate(layout.stage_groups):
         if tuple(group.local_devices) != tuple(group.devices):
             raise ValueError(
-                f"zero.level 'v2' needs every replica of a stage on one worker (its gather "
-                f"reads the other members' pieces directly); stage {k}'s group "
+                "zero.stage 3 (zero.level 'v2') needs every replica of a stage on one worker "
+                f"(its gather reads the other members' pieces directly); stage {k}'s group "
                 f"{list(group.devices)} has only {list(group.local_devices)} here. Use "
-                "zero.level 'v1' when replicas span workers."
+                "zero.stage 2 (zero.level 'v1') when replicas span workers."
             )
 
 
