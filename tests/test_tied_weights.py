@@ -58,7 +58,12 @@ def tied_data(n=48, seed=5):
     return x, rng.integers(0, VOCABULARY, size=(n, LENGTH)).astype("int32")
 
 
-OPTIMIZERS = {"sgd": lambda: keras.optimizers.SGD(0.5), "adam": lambda: keras.optimizers.Adam(0.02)}
+OPTIMIZERS = {
+    "sgd": lambda: keras.optimizers.SGD(0.5),
+    "adam": lambda: keras.optimizers.Adam(0.02),
+    # The global norm counts the tied weight's gradient once, summed over its two uses.
+    "sgd_clipped": lambda: keras.optimizers.SGD(0.5, global_clipnorm=0.05),
+}
 
 
 def reference(layout, optimizer):
@@ -96,7 +101,13 @@ def stage_copies_agree(trainer):
             np.testing.assert_array_equal(copy.numpy(), state.trainable[li][i].numpy())
 
 
-CASES = [("manual", "sgd", 2), ("auto", "sgd", 2), ("auto", "adam", 2), ("manual", "adam", 4)]
+CASES = [
+    ("manual", "sgd", 2),
+    ("auto", "sgd", 2),
+    ("auto", "adam", 2),
+    ("auto", "sgd_clipped", 2),
+    ("manual", "adam", 4),  # 2 data-parallel replicas of the 2-stage pipeline
+]
 
 
 @pytest.mark.parametrize(("layout", "optimizer", "devices"), CASES)
