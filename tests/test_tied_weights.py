@@ -91,6 +91,25 @@ def train(layout, optimizer, devices=2, **config):
     return model, trainer
 
 
+# Passes that change how a stage runs or is updated, with a tied weight.
+PASSES = {
+    "recompute": {"gradient_checkpoint.type": "auto"},
+    "grouped_apply": {"optimizer.num_apply_group": 2},
+    "1f1b": {"pipeline.strategy": "PreferBackward", "pipeline.num_micro_batch": 4},
+}
+
+
+@pytest.mark.parametrize("name", sorted(PASSES))
+def test_tied_embedding_with_other_passes_matches_keras(name):
+    model, trainer = train("auto", "adam", 2, **PASSES[name])
+    if name == "recompute":
+        assert trainer._engine.recomputed, "a stage is recomputed"
+    difference = max_weight_difference(model, reference("auto", "adam"))
+    print(f"{name}: max weight difference {difference:.2e}")
+    assert difference < ATOL
+    stage_copies_agree(trainer)
+
+
 def stage_copies_agree(trainer):
     """Every stage copy equals its owner, in every lane."""
     state = trainer._engine.state
