@@ -106,9 +106,9 @@ def build_engine(
         host_device=host_device if offload else None,
         sharded={sv.index: sv for layer in split_layers for sv in layer.variables},
     )
-    check_tied_weights(state, config, split_layers, plan.worker_num)
     hosts = [host_of(devices[0].name) for devices in _devices_by_worker(plan)]
     layout = StepLayout.create(staged, state, engine_plan.lanes_in_job, host_device, hosts)
+    check_tied_weights(state, config, split_layers, layout.spans_workers)
     if layout.spans_workers:
         state.exchange = WeightExchange(
             state, engine_plan.lanes_in_job[0], hosts, plan.worker_index

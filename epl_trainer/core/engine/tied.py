@@ -8,13 +8,15 @@ in this process and the weight whole in every copy, so these are refused, by nam
   the lanes while the stage copies stay whole;
 * offload (`offload.level`): the host copy is one variable shared by every stage;
 * split layers: a split weight is sharded over the replica's lanes;
-* several workers: the copies of one lane would be updated on different processes.
+* a replica whose stages are on several workers: its copies would be summed and
+  updated on different processes (data parallelism between workers, each holding
+  whole replicas, is supported).
 """
 
 from __future__ import annotations
 
 
-def check_tied_weights(state, config, split_layers, worker_num: int) -> None:
+def check_tied_weights(state, config, split_layers, spans_workers: bool) -> None:
     """Raises ValueError if a tied weight meets a feature it is not combined with."""
     if not state.tied:
         return
@@ -29,8 +31,8 @@ def check_tied_weights(state, config, split_layers, worker_num: int) -> None:
         refused.append(f"offload.level={config.offload.level!r}")
     if split_layers:
         refused.append("split layers")
-    if worker_num > 1:
-        refused.append(f"{worker_num} workers")
+    if spans_workers:
+        refused.append("a replica's stages on several workers")
     if refused:
         raise ValueError(
             f"Weight(s) {names} are used by several pipeline stages (tied weights): each "
