@@ -87,6 +87,15 @@ def test_a_tied_weight_in_two_stages_per_worker_with_data_parallelism(tmp_path):
             np.testing.assert_allclose(weights[w][f"arr_{i}"], value, atol=1e-5)
 
 
+def test_a_tied_weight_in_a_replica_spanning_workers_is_refused_by_name(tmp_path):
+    """2 workers x 1 device: stage 0 on worker 0, stage 1 on worker 1; both use the
+    embedding, whose copies would be summed and updated on different processes."""
+    result = _launch(tmp_path, 2, 1, "--tied")
+    assert result.returncode != 0
+    assert "'embed/embeddings' (stages 0, 1)" in result.stderr, result.stderr[-3000:]
+    assert "not combined with a replica's stages on several workers" in result.stderr
+
+
 def test_split_classifier_per_worker_with_data_parallelism_between_workers(tmp_path):
     """replicate(2) + split(2) on each worker: two replicas, one per worker; each shard's
     gradient is reduced across the workers."""

@@ -125,20 +125,18 @@ class EngineState:
             self._share_on_host()
         # With offload the one host copy serves every stage (the builder refuses it).
         self.stage_copies = [
-            self._stage_copies(lane, lane_vars) if host_device is None else {}
-            for lane, lane_vars in zip(self.lanes, self.trainable)
+            self._stage_copies(lane) if host_device is None else {} for lane in self.lanes
         ]
 
-    def _stage_copies(self, lane: Lane, lane_vars) -> dict:
+    def _stage_copies(self, lane: Lane) -> dict:
         copies = {}
         for i, used in self.tied.items():
+            variable = self.model_trainable[i]  # the owner stage may be on another worker
             for stage in used[1:]:
                 if lane.is_local(stage):
                     with tf.device(lane.devices[stage]):
                         copies[(i, stage)] = keras.Variable(
-                            tf.identity(lane_vars[i].value),
-                            dtype=lane_vars[i].dtype,
-                            name=lane_vars[i].name,
+                            tf.identity(variable.value), dtype=variable.dtype, name=variable.name
                         )
         return copies
 
