@@ -312,7 +312,10 @@ def test_sequential_models_are_partitioned():
     assert_forward_matches(model, result, 2, x)
 
 
-def test_calls_of_a_shared_layer_stay_in_one_stage():
+def test_a_stage_never_reads_the_output_of_a_layer_it_calls_again():
+    """A shared layer may be called in two stages (its weights are tied: a copy per
+    stage), but no stage may start between its first call and the layer reading that
+    call's output when the layer is called again later (Keras cannot cut that stage)."""
     keras.utils.set_random_seed(0)
     inputs = keras.Input((8,))
     shared = keras.layers.Dense(8, activation="tanh", name="shared")
@@ -323,14 +326,14 @@ def test_calls_of_a_shared_layer_stay_in_one_stage():
     model = keras.Model(inputs, keras.layers.Dense(2, name="out")(x))
     nodes = compute_nodes(model)
     candidates = cut_candidates(nodes, nodes_cost(nodes))
-    assert candidates.positions == (5,)  # before "out": every other cut splits "shared"
-    assert candidates.excluded_shared == 4
-    result = auto_partition(model, 2)
-    assert result.cut_names == ("out",)
-    with pytest.raises(ValueError, match=r"Cannot cut 3 stages.*separate calls of a shared"):
-        auto_partition(model, 3)
+    assert candidates.positions == (2, 3, 4, 5)  # not before d0, which reads shared's output
+    assert candidates.excluded_shared == 1
+    result = auto_partition(model, 3)
+    assert result.num_stages == 3
+    with pytest.raises(ValueError, match=r"Cannot cut 6 stages.*a layer it calls again"):
+        auto_partition(model, 6)
     x = np.random.default_rng(3).normal(size=(2, 8)).astype("float32")
-    assert_forward_matches(model, result, 2, x)
+    assert_forward_matches(model, result, 3, x)
 
 
 class _TiedLogits(keras.layers.Layer):
@@ -344,9 +347,10 @@ class _TiedLogits(keras.layers.Layer):
         return keras.ops.matmul(x, keras.ops.transpose(self.embedding.embeddings))
 
 
-def test_users_of_a_shared_weight_stay_in_one_stage():
+def test_users_of_a_tied_weight_may_be_cut_apart():
     """A nested model embeds the tokens; a later layer reads the same embedding matrix
-    (GPT-2's tied embeddings in a KerasHub task): no cut may fall between them."""
+    (GPT-2's tied embeddings in a KerasHub task): cuts may fall between them (each stage
+    holds a copy). Before, every such cut was excluded."""
     keras.utils.set_random_seed(0)
     embedding = keras.layers.Embedding(20, 8, name="embed")
     inner_tokens = keras.Input((5,), dtype="int32")
@@ -359,11 +363,26 @@ def test_users_of_a_shared_weight_stay_in_one_stage():
     model = keras.Model(tokens, keras.layers.Dense(3, name="out")(x))
     nodes = compute_nodes(model)
     candidates = cut_candidates(nodes, nodes_cost(nodes))
-    assert candidates.positions == (4,)  # before "out": every other cut splits the weight
-    assert candidates.excluded_shared == 3
+    assert candidates.positions == (1, 2, 3, 4)
+    assert candidates.excluded_shared == 0
+    result = auto_partition(model, 3)
+    assert result.num_stages == 3
+    x = np.random.default_rng(3).integers(0, 20, size=(2, 5)).astype("int32")
+    assert_forward_matches(model, result, 3, x)
+
+
+def test_users_of_a_non_trainable_weight_stay_in_one_stage():
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((8,))
+    norm = keras.layers.BatchNormalization(name="bn")
+    x = norm(inputs)
+    for i, width in enumerate((12, 8)):
+        x = keras.layers.Dense(width, activation="tanh", name=f"d{i}")(x)
+    model = keras.Model(inputs, keras.layers.Dense(2, name="out")(norm(x)))
+    nodes = compute_nodes(model)
+    candidates = cut_candidates(nodes, nodes_cost(nodes))
+    assert candidates.positions == (4,)  # before "out" only
     assert auto_partition(model, 2).cut_names == ("out",)
-    with pytest.raises(ValueError, match=r"Cannot cut 3 stages.*users of a shared weight"):
-        auto_partition(model, 3)
 
 
 def test_subclassed_model_cannot_be_cut():

@@ -68,6 +68,34 @@ def test_two_stages_per_worker_with_data_parallelism_between_workers(tmp_path):
             np.testing.assert_allclose(weights[w][f"arr_{i}"], value, atol=1e-5)
 
 
+def test_a_tied_weight_in_two_stages_per_worker_with_data_parallelism(tmp_path):
+    """Each worker runs one 2-stage pipeline whose stages both use the embedding (tied
+    logits): the lane sums the stages' gradients, the workers all-reduce the owner's, the
+    copies follow. Both workers end at plain Keras `fit`'s weights on the global batch."""
+    result = _launch(tmp_path, 2, 2, "--tied", "--num_micro_batch", "2")
+    assert result.returncode == 0, result.stdout + result.stderr
+    weights = [np.load(tmp_path / "out" / f"weights_{w}.npz") for w in range(2)]
+    model = train_dp.make_tied_model()
+    model.compile(
+        optimizer=keras.optimizers.SGD(0.1),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+    )
+    x, y = train_dp.make_tied_data()
+    model.fit(x, y, batch_size=16, steps_per_epoch=3, shuffle=False, verbose=0)
+    for w in range(2):
+        for i, value in enumerate(model.get_weights()):
+            np.testing.assert_allclose(weights[w][f"arr_{i}"], value, atol=1e-5)
+
+
+def test_a_tied_weight_in_a_replica_spanning_workers_is_refused_by_name(tmp_path):
+    """2 workers x 1 device: stage 0 on worker 0, stage 1 on worker 1; both use the
+    embedding, whose copies would be summed and updated on different processes."""
+    result = _launch(tmp_path, 2, 1, "--tied")
+    assert result.returncode != 0
+    assert "'embed/embeddings' (stages 0, 1)" in result.stderr, result.stderr[-3000:]
+    assert "not combined with a replica's stages on several workers" in result.stderr
+
+
 def test_split_classifier_per_worker_with_data_parallelism_between_workers(tmp_path):
     """replicate(2) + split(2) on each worker: two replicas, one per worker; each shard's
     gradient is reduced across the workers."""

@@ -127,11 +127,38 @@ def test_shared_layer_called_twice_in_one_stage():
     assert id(shared.kernel) not in ids(staged.stages[0].model.trainable_variables)
 
 
-def test_shared_layer_across_stages_names_the_weight():
-    model = shared_model()
+def test_a_trainable_weight_used_by_two_stages_is_listed_by_both():
+    """Tied weights: a layer called in stage 0 and again in stage 1 (on an output of
+    another layer) gives both sub-models its kernel; the engine holds a copy per stage.
+    Before: "Weight 'shared/kernel' is used by stage 0 and stage 1" (PartitionError)."""
+    inputs = keras.Input((4,))
+    shared = keras.layers.Dense(4, activation="tanh", name="shared")
+    h = keras.layers.Dense(4, name="mid")(shared(inputs))
+    model = keras.Model(inputs, keras.layers.Dense(2, name="head")(shared(h)))
+    staged = partition_model(model, assign(model, {"shared": [0, 1], "mid": 0, "head": 1}), 2)
+    kernel = id(model.get_layer("shared").kernel)
+    for stage in staged.stages:
+        assert kernel in ids(stage.model.trainable_variables)
+    assert_forward_matches(staged, model, data(3, 4))
+
+
+def test_a_layer_whose_output_feeds_its_call_in_the_next_stage_is_refused():
+    model = shared_model()  # shared(shared(h)): stage 1 would read the first call's output
     mapping = assign(model, {"pre": 0, "shared": [0, 1], "head": 1})
     with pytest.raises(
-        PartitionError, match=r"Weight 'shared/kernel' is used by stage 0 and stage 1"
+        PartitionError, match=r"Layer 'shared' is called in stage 0 and again in stage 1"
+    ):
+        partition_model(model, mapping, 2)
+
+
+def test_a_non_trainable_weight_used_by_two_stages_names_the_weight():
+    inputs = keras.Input((4,))
+    norm = keras.layers.BatchNormalization(name="bn")
+    h = keras.layers.Dense(4, name="mid")(norm(inputs))
+    model = keras.Model(inputs, keras.layers.Dense(2, name="head")(norm(h)))
+    mapping = assign(model, {"bn": [0, 1], "mid": 0, "head": 1})
+    with pytest.raises(
+        PartitionError, match=r"Non-trainable weight 'bn/moving_mean' is used by stage 0 and"
     ):
         partition_model(model, mapping, 2)
 

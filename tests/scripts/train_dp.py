@@ -18,6 +18,7 @@ import numpy as np
 import epl_trainer as epl
 
 STAGES = {"dense_in": 0, "norm|logits": 1}
+TIED_STAGES = {"embed|block": 0, "norm|logits": 1}
 
 
 def make_data(n=96):
@@ -38,6 +39,31 @@ def make_model(classes=3):
     return keras.Model(inp, out)
 
 
+def make_tied_data(n=96):
+    rng = np.random.default_rng(0)
+    return rng.integers(0, 13, size=(n, 5)), rng.integers(0, 13, size=(n, 5))
+
+
+def make_tied_model():
+    """Tokens -> embedding -> Dense -> logits from the same embedding matrix (tied)."""
+    import keras
+
+    class TiedLogits(keras.layers.Layer):
+        def __init__(self, embedding, **kwargs):
+            super().__init__(**kwargs)
+            self.embedding = embedding
+
+        def call(self, x):
+            return keras.ops.matmul(x, keras.ops.transpose(self.embedding.embeddings))
+
+    keras.utils.set_random_seed(0)
+    tokens = keras.Input((5,), dtype="int32")
+    embed = keras.layers.Embedding(13, 8, name="embed")
+    h = keras.layers.Dense(8, activation="tanh", name="block")(embed(tokens))
+    h = keras.layers.LayerNormalization(name="norm")(h)
+    return keras.Model(tokens, TiedLogits(embed, name="logits")(h))
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("output_dir")
@@ -46,6 +72,9 @@ def main():
     parser.add_argument("--fail_worker", type=int, default=-1)
     parser.add_argument("--two_stages", action="store_true", help="dense_in | norm+logits")
     parser.add_argument("--num_micro_batch", type=int, default=1)
+    parser.add_argument(
+        "--tied", action="store_true", help="embed+block | norm+logits, the embedding tied"
+    )
     parser.add_argument("--split", action="store_true", help="split(n) logits, 4 classes")
     parser.add_argument(
         "--evaluate_first", action="store_true", help="evaluate before fit; worker 1 gets no data"
@@ -63,11 +92,12 @@ def main():
     import keras
 
     cluster = env.cluster
+    model = make_tied_model() if args.tied else make_model(classes=4 if args.split else 3)
     trainer = epl.EPLTrainer(
-        make_model(classes=4 if args.split else 3),
+        model,
         keras.losses.SparseCategoricalCrossentropy(from_logits=True),
         keras.optimizers.SGD(0.1),
-        stages=STAGES if args.two_stages else None,
+        stages=TIED_STAGES if args.tied else STAGES if args.two_stages else None,
         # One replica per worker: features replicate(n) and logits split(n) on its devices.
         strategy=(
             epl.Strategy(default=epl.replicate(len(cluster.local_devices)), split=["logits"])
@@ -75,7 +105,7 @@ def main():
             else None
         ),
     )
-    x, y = make_data()
+    x, y = make_tied_data() if args.tied else make_data()
     per_worker = args.global_batch // cluster.worker_num
     if args.evaluate_first:
         import tensorflow as tf

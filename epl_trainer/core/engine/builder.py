@@ -7,7 +7,8 @@ The passes run in this order, each a small function that fills slots of the step
    before any state exists, so the engine's variables stay float32 and `stateless_call`
    casts on use (amp.py);
 2. state placement: per-lane copies on the stage devices, or one shared copy on the host
-   (`offload.level="v0"`);
+   (`offload.level="v0"`); a stage copy of each tied weight (one several stages use),
+   whose layouts tied.py checks;
 3. split (split annotations): split layers run on each lane's shards, split outputs get
    the sharded loss, and the lane hooks reduce sharded gradients (split_lanes.py);
 4. gradient checkpointing (`gradient_checkpoint.type`): the checkpointed stages run as
@@ -47,6 +48,7 @@ from epl_trainer.core.engine.reduce import GradientReduction
 from epl_trainer.core.engine.split_lanes import apply_split
 from epl_trainer.core.engine.state import EngineState
 from epl_trainer.core.engine.sync_batch_norm import apply_sync_batch_norm
+from epl_trainer.core.engine.tied import check_tied_weights
 from epl_trainer.core.engine.update import ReplicatedUpdate
 from epl_trainer.core.engine.zero import ZeroUpdate
 from epl_trainer.core.engine.zero_layout import splits_variables
@@ -106,6 +108,7 @@ def build_engine(
     )
     hosts = [host_of(devices[0].name) for devices in _devices_by_worker(plan)]
     layout = StepLayout.create(staged, state, engine_plan.lanes_in_job, host_device, hosts)
+    check_tied_weights(state, config, split_layers, layout.spans_workers)
     if layout.spans_workers:
         state.exchange = WeightExchange(
             state, engine_plan.lanes_in_job[0], hosts, plan.worker_index

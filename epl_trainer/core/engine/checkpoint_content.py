@@ -338,6 +338,7 @@ class CheckpointContent:
                 continue
             for target in entry.targets:
                 target.variable.assign(target.place(values[key]))
+        self.state.sync_stage_copies()  # tied weights: one entry, every stage's copy
         self.state.write_back()
 
 

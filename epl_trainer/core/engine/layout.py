@@ -23,6 +23,9 @@ class StepLayout:
     lanes: this worker's lanes.
     stage_groups[k]: the collective group of stage k over every lane of the job.
     trainable_idx[k], non_trainable_idx[k]: model-order indices of stage k's variables.
+    read_idx[k]: the trainable indices stage k's sub-model reads, in its own variable
+      order: `trainable_idx[k]`, unless stage k reads a tied weight another stage owns
+      (state.py), whose copy it then reads (`stage_variables`).
     reduced_idx[k]: stage k's trainable indices reduced over `stage_groups[k]` (split
       layers' sharded variables are reduced over their shard group instead).
     host: this worker's host device.
@@ -40,6 +43,7 @@ class StepLayout:
     non_trainable_idx: tuple[list[int], ...]
     reduced_idx: tuple[list[int], ...]
     host: str
+    read_idx: tuple[list[int], ...] = ()
     stage_lanes: tuple[tuple[int, ...], ...] = ()
     hosts: tuple[str, ...] = ()
     spans_workers: bool = False  # some replica of the job has stages on several workers
@@ -67,6 +71,13 @@ class StepLayout:
             for k in range(num_stages)
         )
         trainable = tuple(state.stage_indices(k) for k in range(num_stages))
+        position = {id(v): i for i, v in enumerate(state.model_trainable)}
+        read = tuple(
+            [position[id(v)] for v in stage.model.trainable_variables]
+            if any(k in used[1:] for used in state.tied.values())
+            else trainable[k]
+            for k, stage in enumerate(staged.stages)
+        )
         return cls(
             staged=staged,
             state=state,
@@ -78,10 +89,15 @@ class StepLayout:
             ),
             reduced_idx=tuple([i for i in idx if i not in state.sharded] for idx in trainable),
             host=host,
+            read_idx=read,
             stage_lanes=stage_lanes,
             hosts=tuple(hosts) if hosts else (host,),
             spans_workers=any(lane.spans_workers for lane in lanes_in_job),
         )
+
+    def stage_variables(self, li: int, k: int) -> list:
+        """The variables local lane li's stage k reads, in `read_idx[k]` order."""
+        return self.state.stage_variables(li, k, self.read_idx[k])
 
     @property
     def num_stages(self) -> int:

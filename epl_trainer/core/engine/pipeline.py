@@ -86,7 +86,8 @@ class LaneExecutor:
       staged: the model cut into stages.
       devices: the lane's device per stage.
       variables: the lane's trainable variable copies (model order).
-      trainable_idx, non_trainable_idx: per stage, the model-order indices it owns.
+      trainable_idx, non_trainable_idx: per stage, the model-order indices it reads, in
+        its sub-model's variable order (layout.py's `read_idx`).
       order: (stage, Task) pairs in a dependency-respecting order (schedule.py).
       num_micro_batch: micro-batches per step (losses are scaled by its inverse).
       hooks: the step's `StepHooks`, read while tracing: `stage_calls[k]` (how stage k's
@@ -98,6 +99,9 @@ class LaneExecutor:
         here, their transfers are (boundaries.py).
       boundaries: the lane's cross-worker transfers, or None when all stages are local.
       position: the lane's position among this worker's lanes (for `gradient_sink`).
+      stage_variables: per stage, the variables it reads (`trainable_idx[k]` of
+        `variables`, but a stage's own copy of a tied weight, state.py); None: those of
+        `variables`. A tied weight's gradients from its stages add up in `grads`.
     """
 
     def __init__(
@@ -115,8 +119,12 @@ class LaneExecutor:
         lane=None,
         boundaries=None,
         position: int = 0,
+        stage_variables=None,
     ):
         self.staged = staged
+        self.stage_variables = stage_variables or [
+            [variables[i] for i in idx] for idx in trainable_idx
+        ]
         self.position = position
         self.lane = lane
         self.boundaries = boundaries
@@ -368,7 +376,7 @@ class LaneExecutor:
 
     def _stage_values(self, k: int) -> list:
         if k not in self._read_values:
-            self._read_values[k] = [self.variables[i].value for i in self.trainable_idx[k]]
+            self._read_values[k] = [v.value for v in self.stage_variables[k]]
         return self._read_values[k]
 
     def _backward(self, k: int, mb: MicroBatch, grads: list) -> list:

@@ -123,7 +123,7 @@ class Program:
                 layout.staged,
                 lane.devices,
                 layout.state.trainable[li],
-                layout.trainable_idx,
+                layout.read_idx,
                 layout.non_trainable_idx,
                 order,
                 num_micro_batch,
@@ -133,6 +133,7 @@ class Program:
                 lane=lane,
                 boundaries=self.boundaries[li],
                 position=li,
+                stage_variables=[layout.stage_variables(li, k) for k in range(layout.num_stages)],
             )
             for li, lane in enumerate(layout.lanes)
         ]
@@ -471,7 +472,7 @@ class Program:
                     boundaries.forward_receives(k, piece)
                 continue
             with tf.device(lane.devices[k]):
-                variables = [state.trainable[li][i].value for i in layout.trainable_idx[k]]
+                variables = [v.value for v in layout.stage_variables(li, k)]
                 non_trainable = [
                     state.non_trainable[li][i].value for i in layout.non_trainable_idx[k]
                 ]

@@ -11,6 +11,14 @@ Non-trainable state rule (documented in the README):
   all lanes after every step, so every copy stays identical;
 * random-seed state (Keras `SeedGenerator`) is per lane and offset by the lane's global
   index, so dropout draws a different mask on each lane; lane 0 keeps the model's seed.
+
+Tied weights (a trainable weight several stages use: tied input and output embeddings)
+are placed as Megatron-LM places its word embeddings: the first stage using the weight
+owns it (`trainable[l][i]`, reduced, clipped and updated there); every other stage using
+it holds its own copy on its device (`stage_copies[l][(i, k)]`). Stage k reads its copy;
+its gradient is added to the owner's in the lane (pipeline.py), so the gradient reduced,
+clipped and applied is the sum over both uses, as on one device; after the update, each
+copy is set to the owner's new value (`sync_stage_copies`), so they never diverge.
 """
 
 from __future__ import annotations
@@ -78,6 +86,8 @@ class EngineState:
       trainable[l][i]: lane l's copy of `model.trainable_variables[i]`.
       non_trainable[l][i]: lane l's copy of `model.non_trainable_variables[i]`.
       trainable_stage[i], non_trainable_stage[i]: the stage that owns variable i.
+      tied: {trainable index: the stages using it}, for the weights several stages use.
+      stage_copies[l][(i, k)]: lane l's copy of tied weight i for stage k (not its owner).
     """
 
     def __init__(
@@ -99,7 +109,9 @@ class EngineState:
         self._originals: dict[int, keras.Variable] = {}  # id(copy) -> the model's variable
         self.model_trainable = list(model.trainable_variables)
         self.model_non_trainable = list(model.non_trainable_variables)
-        self.trainable_stage = _stage_of_variables(staged, self.model_trainable)
+        stages = _stages_of_variables(staged, self.model_trainable)
+        self.trainable_stage = [used[0] for used in stages]
+        self.tied = {i: used for i, used in enumerate(stages) if len(used) > 1}
         self.non_trainable_stage = _stage_of_variables(staged, self.model_non_trainable)
         if host_device is None:
             self.trainable = [
@@ -111,6 +123,36 @@ class EngineState:
             ]
         else:
             self._share_on_host()
+        # With offload the one host copy serves every stage (the builder refuses it).
+        self.stage_copies = [
+            self._stage_copies(lane) if host_device is None else {} for lane in self.lanes
+        ]
+
+    def _stage_copies(self, lane: Lane) -> dict:
+        copies = {}
+        for i, used in self.tied.items():
+            variable = self.model_trainable[i]  # the owner stage may be on another worker
+            for stage in used[1:]:
+                if lane.is_local(stage):
+                    with tf.device(lane.devices[stage]):
+                        copies[(i, stage)] = keras.Variable(
+                            tf.identity(variable.value), dtype=variable.dtype, name=variable.name
+                        )
+        return copies
+
+    def stage_variables(self, li: int, stage: int, indices) -> list:
+        """Local lane li's variables that stage `stage` reads (its copies of tied ones)."""
+        copies = self.stage_copies[li]
+        return [copies.get((i, stage), self.trainable[li][i]) for i in indices]
+
+    def sync_stage_copies(self) -> None:
+        """Sets every stage copy of a tied weight to its owner's value (after an update,
+        a restore or `set_weights`); in a step, ordered after the update by TF's
+        automatic control dependencies on the variables."""
+        for li, copies in enumerate(self.stage_copies):
+            for (i, stage), copy in copies.items():
+                with tf.device(self.lanes[li].devices[stage]):
+                    copy.assign(self.trainable[li][i].value)
 
     def _share_on_host(self) -> None:
         """Offload: one copy on the host for all local lanes; compute devices read each
@@ -237,6 +279,7 @@ class EngineState:
             for target, source in zip(lane_vars, self.model_non_trainable):
                 if target is not None and not is_seed_state(source):
                     target.assign(source.value)
+        self.sync_stage_copies()
 
     def load_sharded_from_model(self) -> None:
         """Slices the Keras model's values of sharded variables into every lane."""
@@ -249,7 +292,8 @@ class EngineState:
         ZeRO v2's gathered stand-ins hold nothing)."""
         usage: dict[str, int] = {}
         seen: set[int] = set()
-        for lane_vars in self.trainable + self.non_trainable:
+        stage_copies = [list(copies.values()) for copies in self.stage_copies]
+        for lane_vars in self.trainable + self.non_trainable + stage_copies:
             for v in lane_vars:
                 if v is None or id(v) in seen or is_gathered(v):
                     continue
@@ -275,6 +319,17 @@ def seed_of_lane(model_seed_state, lane_index: int, sign: int = 1) -> np.ndarray
 
 def is_seed_state(variable) -> bool:
     return "seed_generator_state" in variable.path
+
+
+def _stages_of_variables(staged: StagedModel, variables) -> list[tuple[int, ...]]:
+    """Per variable, the stages whose sub-models use it (stage 0 if none does)."""
+    users: dict[int, list[int]] = {}
+    for stage in staged.stages:
+        for v in stage.model.variables:
+            stages = users.setdefault(id(v), [])
+            if stage.index not in stages:
+                stages.append(stage.index)
+    return [tuple(users.get(id(v), [0])) for v in variables]
 
 
 def _stage_of_variables(staged: StagedModel, variables) -> list[int]:

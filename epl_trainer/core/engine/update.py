@@ -147,8 +147,9 @@ class ReplicatedUpdate:
                                 previous = written(state.trainable[li][i] for i in group)
 
     def finish(self) -> None:
-        """Nothing follows the apply: every lane updated its own copy."""
-        return
+        """Every lane updated its own copy; the stage copies of tied weights (state.py)
+        then take their owner's new value (on a skipped step, the value they have)."""
+        self.layout.state.sync_stage_copies()
 
     def optimizers_device(self, li: int, stage: int) -> str:
         variables = self.optimizers[li][stage][0].variables if self.optimizers[li][stage] else []

@@ -99,7 +99,7 @@ class CutCandidates:
     positions: tuple[int, ...]
     runs: tuple[RepeatedRun, ...]  # the blocks the positions come from (empty: nodes)
     num_nodes: int
-    excluded_shared: int = 0  # positions dropped to keep a shared layer / weight's users together
+    excluded_shared: int = 0  # positions dropped by `_outside_shared_layers`
 
     @property
     def max_stages(self) -> int:
@@ -116,8 +116,8 @@ class CutCandidates:
             text = "; ".join(run.describe() for run in self.runs) + "; cuts only between blocks"
         if self.excluded_shared:
             text += (
-                f" ({self.excluded_shared} cut(s) excluded between calls of a shared layer "
-                "or users of a shared weight)"
+                f" ({self.excluded_shared} cut(s) excluded: a stage would read the output of "
+                "a layer it calls again, or split the users of a non-trainable weight)"
             )
         return text
 
@@ -330,9 +330,9 @@ def _too_many_stages(name: str, num_stages: int, candidates: CutCandidates) -> s
         hint = ""
     if candidates.excluded_shared:
         why += (
-            f", and {candidates.excluded_shared} cut point(s) would separate calls of a "
-            "shared layer or users of a shared weight (e.g. tied input and output "
-            "embeddings), which must live in one stage"
+            f", and {candidates.excluded_shared} cut point(s) would give a stage the output "
+            "of a layer it calls again, or split the users of a non-trainable weight "
+            "(BatchNorm statistics), which must live in one stage"
         )
     return (
         f"Cannot cut {num_stages} stages from model {name!r} with {what}: {why}, so at "
@@ -445,17 +445,41 @@ def cut_candidates(
 
 
 def _outside_shared_layers(nodes: Sequence) -> np.ndarray:
-    """allowed[p]: cutting before node p keeps every layer's calls, and every weight's
-    users, in one stage (a KerasHub causal LM's backbone embeds its tokens with the
-    weight its output layer reads again)."""
+    """allowed[p]: a stage may start at node p (see `partition._build_stage`).
+
+    A trainable weight may have users on both sides (tied input and output embeddings:
+    each stage holds a copy, state.py). Two things must stay in one stage:
+    * a non-trainable weight's users (BatchNorm statistics updated by two stages);
+    * a layer called at or after p whose output made before p is read at or after p:
+      `keras.Model` maps the layer producing a stage input to an InputLayer, so its call
+      inside that stage would be replaced too. Checked against all nodes after p, a
+      superset of the stage starting at p, so every stage of a cut passes.
+    """
     allowed = np.ones(len(nodes) + 1, dtype=bool)
     span: dict[int, list[int]] = {}
     for i, node in enumerate(nodes):
-        owners = [id(node.operation)] + [id(w) for w in getattr(node.operation, "weights", ())]
-        for owner in owners:
-            span.setdefault(owner, [i, i])[1] = i
+        for weight in getattr(node.operation, "non_trainable_weights", ()):
+            span.setdefault(id(weight), [i, i])[1] = i
     for first, last in span.values():
         allowed[first + 1 : last + 1] = False
+    producer: dict = {}  # tensor key -> (node position, id(layer))
+    for i, node in enumerate(nodes):
+        for tensor in node.output_tensors:
+            producer[tensor_key(tensor)] = (i, id(node.operation))
+    last_call: dict[int, int] = {}
+    for i, node in enumerate(nodes):
+        last_call[id(node.operation)] = i
+    for j, node in enumerate(nodes):
+        for tensor in node.input_tensors:
+            made = producer.get(tensor_key(tensor))
+            if made is None:
+                continue
+            i, layer = made
+            # Cuts in (i, j] make this tensor an input of a stage reading it; a call of
+            # its layer in (cut .. end] is in that stage or a later one.
+            again = last_call[layer]
+            if again > i:
+                allowed[i + 1 : min(j, again) + 1] = False
     return allowed
 
 

@@ -6,6 +6,11 @@ every tensor has a key, each stage reads its inputs from a table of keys filled 
 model inputs and earlier stages, so a skip connection from stage 0 to stage 2 needs no
 pass-through in stage 1. Sub-models are `keras.Model(inputs=<intermediate tensors>,
 outputs=...)` and share the original layer objects (and so their variables).
+
+A trainable weight may be used by several stages (tied input and output embeddings: the
+token embedding computes the logits again); each stage's sub-model then lists it, and
+the engine gives each of those stages its own copy (state.py). A non-trainable weight
+(BatchNorm statistics, updated by its forward) must stay in one stage.
 """
 
 from __future__ import annotations
@@ -180,8 +185,9 @@ def partition_model(
       num_stages: number of stages; every stage must receive at least one node.
 
     Raises:
-      PartitionError: a stage consumes a later stage's output, a stage is empty, or a
-        layer's weights would live in two stages.
+      PartitionError: a stage consumes a later stage's output, a stage is empty, a
+        stage reads the output of a layer it calls again, or a non-trainable weight
+        would be used by two stages.
     """
     graph = functional_graph(model)
     stage_of = node_stage if callable(node_stage) else node_stage.__getitem__
@@ -217,7 +223,7 @@ def partition_model(
         for tensor in node.input_tensors:
             consumer_stages.setdefault(tensor_key(tensor), set()).add(stage_of(node))
     # Before building sub-models: keras.Model fails cryptically on some shared layers.
-    _check_disjoint_weights(assigned)
+    _check_non_trainable_in_one_stage(assigned)
     stages = tuple(
         _build_stage(k, assigned[k], producer_stage, consumer_stages, output_keys)
         for k in range(num_stages)
@@ -253,9 +259,9 @@ def _build_stage(index, nodes, producer_stage, consumer_stages, model_output_key
         if id(operation) in stage_operations:
             raise PartitionError(
                 f"Layer {operation.name!r} is called in stage {producer_stage[key]} and again "
-                f"in stage {index}, which consumes the output of the first call. A layer "
-                "shared across stages must be in one stage. Assign all calls of that layer "
-                "to the same stage."
+                f"in stage {index}, which consumes the output of the first call: Keras "
+                "cannot cut such a stage. Assign both calls of that layer to the same "
+                "stage, or cut elsewhere."
             )
     input_tensors = [tensors[k] for k in inputs]
     # keras.Model re-creates the node of a model Input given here and points the Input
@@ -273,18 +279,20 @@ def _build_stage(index, nodes, producer_stage, consumer_stages, model_output_key
     return Stage(index, sub_model, tuple(inputs), tuple(outputs), names)
 
 
-def _check_disjoint_weights(assigned: Sequence[Sequence]) -> None:
-    """Every variable is used by the nodes of one stage only (`assigned[k]`: stage k's nodes)."""
+def _check_non_trainable_in_one_stage(assigned: Sequence[Sequence]) -> None:
+    """Every non-trainable variable is used by the nodes of one stage only
+    (`assigned[k]`: stage k's nodes). Trainable ones may be shared (tied weights)."""
     owner: dict[int, int] = {}
     for stage, nodes in enumerate(assigned):
         for node in nodes:
-            for variable in getattr(node.operation, "weights", ()):
+            for variable in getattr(node.operation, "non_trainable_weights", ()):
                 first = owner.setdefault(id(variable), stage)
                 if first != stage:
                     raise PartitionError(
-                        f"Weight {variable.path!r} is used by stage {first} and stage "
-                        f"{stage}: a layer shared across stages must be in one stage. "
-                        "Assign all calls of that layer to the same stage."
+                        f"Non-trainable weight {variable.path!r} is used by stage {first} "
+                        f"and stage {stage}: its updates (e.g. BatchNorm statistics) would "
+                        "differ between the stages. Assign all calls of that layer to the "
+                        "same stage."
                     )
 
 
