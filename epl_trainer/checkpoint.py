@@ -8,6 +8,9 @@ Layout of `directory` (any `tf.io.gfile` path: local, gs://, ...):
                             file sizes, and where training stood (epoch, input position)
   latest                    the name of the newest complete checkpoint (replaced atomically)
 
+A checkpoint's tag (DeepSpeed's word) is its folder name, `ckpt-<step>`; `tagged` also
+takes the step number.
+
 A save writes into a hidden temporary folder `.tmp-ckpt-<step>-<chief pid>` that every
 worker agrees on: each worker writes its shard there (`write_shard`); once every worker
 has written (the trainer's barrier), the chief checks every shard, writes the manifest
@@ -199,6 +202,29 @@ def latest(directory: str) -> str:
     if not gfile.isdir(path):
         raise CheckpointError(f"{pointer!r} names {name!r}, which does not exist in {directory!r}.")
     return path
+
+
+def tagged(directory: str, tag: str | int) -> str:
+    """Path of the checkpoint `tag` names in `directory`, as DeepSpeed's
+    `load_checkpoint(load_dir, tag)`: a folder name of the listing (`"ckpt-100"`) or the
+    step it is named after (`100` or `"100"`).
+
+    Raises CheckpointError listing the directory's tags when none is named `tag`.
+    """
+    if isinstance(tag, bool) or not isinstance(tag, (str, int)):
+        raise TypeError(
+            "A checkpoint tag is a folder name ('ckpt-<step>') or a step number. "
+            f"Received: tag={tag!r} of type {type(tag).__name__}"
+        )
+    text = str(tag).strip()
+    name = f"ckpt-{int(text)}" if text.isdigit() else text.rstrip("/")
+    found = [f"ckpt-{step}" for step in list_checkpoints(directory)]
+    if name not in found:
+        raise CheckpointError(
+            f"No checkpoint tagged {tag!r} in {directory!r}. Its checkpoints: {found} "
+            "(tag=<folder name> or its step number)."
+        )
+    return _join(directory, name)
 
 
 def read_manifest(path: str) -> dict:

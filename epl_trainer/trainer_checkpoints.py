@@ -136,8 +136,15 @@ class CheckpointMixin:
             else 0,
         }
 
-    def restore_checkpoint(self, directory: str, features=None) -> str:
-        """Restores the newest checkpoint in `directory` into every local lane.
+    def restore_checkpoint(
+        self, directory: str, features=None, tag: str | int | None = None
+    ) -> str:
+        """Restores a checkpoint of `directory` into every local lane; returns its path.
+
+        `tag` names the checkpoint as DeepSpeed's `load_checkpoint(load_dir, tag)` does:
+        its folder name (`"ckpt-100"`) or the step it is named after (`100`); None
+        restores the newest (`latest`). An unknown tag is a CheckpointError listing the
+        directory's tags; restoring only reads the directory.
 
         The checkpoint may come from any layout (device or worker count, stage cut, ZeRO
         level, split width...); each worker reads only the entries its layout needs.
@@ -145,6 +152,7 @@ class CheckpointMixin:
         for subclassed models, and for an Estimator-style model_fn, pass one batch of
         `features` to build it.
         """
+        path = ckpt.latest(directory) if tag is None else ckpt.tagged(directory, tag)
         if self._pending_model_fn is not None:
             if features is None:
                 raise ValueError(
@@ -160,7 +168,6 @@ class CheckpointMixin:
                     "`features` (one batch) to build it."
                 )
             self._ensure_engine(features)
-        path = ckpt.latest(directory)
         manifest = ckpt.read_manifest(path)
         content = CheckpointContent(self._engine, self.optimizer, self.cluster.is_chief)
         expected = content.expected()

@@ -65,6 +65,32 @@ def test_latest_points_to_the_newest_complete_checkpoint(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt-4", "ckpt-8", "latest"]
 
 
+def test_restore_by_tag_gives_the_named_older_checkpoint(tmp_path):
+    """DeepSpeed's load_checkpoint(dir, tag): the folder name or its step picks the
+    checkpoint; an unknown tag names the existing ones and changes nothing on disk."""
+    trainer = _trainer(mlp())
+    trainer.fit(_dataset(), epochs=1, verbose=0)
+    trainer.save_checkpoint(str(tmp_path))
+    at_step_4 = trainer.model.get_weights()
+    trainer.fit(_dataset(), epochs=1, verbose=0)
+    trainer.save_checkpoint(str(tmp_path))
+    for tag in ("ckpt-4", 4, "4"):
+        model = mlp(seed=5)
+        restored = _trainer(model)
+        assert restored.restore_checkpoint(str(tmp_path), tag=tag) == str(tmp_path / "ckpt-4")
+        assert int(restored.optimizer.iterations.numpy()) == 4
+        assert restored.epochs_done == 1
+        for a, b in zip(model.get_weights(), at_step_4):
+            np.testing.assert_array_equal(a, b)
+    listing = sorted(p.name for p in tmp_path.iterdir())
+    with pytest.raises(
+        CheckpointError, match=r"No checkpoint tagged 'ckpt-5'.*\['ckpt-4', 'ckpt-8'\]"
+    ):
+        _trainer(mlp()).restore_checkpoint(str(tmp_path), tag="ckpt-5")
+    assert sorted(p.name for p in tmp_path.iterdir()) == listing
+    assert (tmp_path / "latest").read_text() == "ckpt-8"
+
+
 def test_missing_checkpoint_is_a_clear_error(tmp_path):
     with pytest.raises(CheckpointError, match="No checkpoint in"):
         _trainer(mlp()).restore_checkpoint(str(tmp_path))
