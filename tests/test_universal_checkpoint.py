@@ -350,3 +350,14 @@ def test_adafactor_checkpoint_under_zero_v1_continues_like_the_uninterrupted_run
     assert max_weight_difference(uninterrupted, resumed) < 1e-6
     _assert_factored_entries(manifest)
     assert not any("@elements=" in key for key in manifest["entries"])
+
+
+def test_adafactor_checkpoint_of_a_split_variable_is_refused_naming_the_alternative(tmp_path):
+    """Each split shard factors its own columns (its row moment is not the whole
+    kernel's), so no join gives the whole variable's moments: refused, nothing written."""
+    x, y = split_data()
+    trainer = split_trainer(head_model(), 2, optimizer=keras.optimizers.Adafactor(0.01))
+    trainer.fit(x, y, batch_size=16, epochs=1, verbose=0, shuffle=False)
+    with pytest.raises(ValueError, match=r"Adafactor's factored moments of a split variable"):
+        trainer.save_checkpoint(str(tmp_path))
+    assert not ckpt.exists(str(tmp_path))
