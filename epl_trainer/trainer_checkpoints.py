@@ -52,12 +52,17 @@ class SaveAgreement:
 class CheckpointMixin:
     """The checkpoint methods of `EPLTrainer` (see trainer.py for the attributes)."""
 
-    def save_checkpoint(self, directory: str, keep_max: int | None = None) -> str | None:
+    def save_checkpoint(
+        self, directory: str, keep_max: int | None = None, tag: str | None = None
+    ) -> str | None:
         """Saves engine state (weights, optimizer slots, loss scale, step, input position).
 
         Every worker must call it (the trainer's periodic saves do): each writes the
         entries it owns; the chief publishes once all are in and returns the path (other
-        workers return None). The `keep_max` newest checkpoints are kept (all if None).
+        workers return None). The `keep_max` newest `ckpt-<step>` checkpoints are kept
+        (all if None). `tag` names the folder, as DeepSpeed's `save_checkpoint(save_dir,
+        tag)` (default `ckpt-<step>`; the chief's names it); `keep_max` never deletes a
+        tagged one, and `latest` points at it as at any other.
         """
         if self._engine is None:
             raise ValueError("Nothing to save yet: call fit() (or restore) first.")
@@ -65,6 +70,7 @@ class CheckpointMixin:
             raise ValueError(f"keep_max must be >= 1 or None. Received: keep_max={keep_max}")
         cluster = self.cluster
         step = int(self.optimizer.iterations.numpy())
+        ckpt.check_tag(tag, step)
         if cluster.is_chief:
             ckpt.prepare(directory)
         token = os.getpid()
@@ -112,7 +118,7 @@ class CheckpointMixin:
         required = [f"trainable/{i}" for i in range(len(self.model.trainable_variables))]
         required += [f"non_trainable/{i}" for i in range(len(self.model.non_trainable_variables))]
         return ckpt.publish(
-            directory, folder, step, cluster.worker_num, metadata, required, keep_max
+            directory, folder, step, cluster.worker_num, metadata, required, keep_max, tag
         )
 
     def _agree(self, pair: list[int]) -> list[list[int]]:
