@@ -8,6 +8,10 @@ Layout of `directory` (any `tf.io.gfile` path: local, gs://, ...):
                             file sizes, and where training stood (epoch, input position)
   latest                    the name of the newest complete checkpoint (replaced atomically)
 
+A checkpoint's tag (DeepSpeed's word) is its folder name: `ckpt-<step>`, or the tag a
+save was given (`publish(tag=...)`: kept by `keep_max`, which deletes only `ckpt-<step>`
+folders); `tagged` also takes the step number.
+
 A save writes into a hidden temporary folder `.tmp-ckpt-<step>-<chief pid>` that every
 worker agrees on: each worker writes its shard there (`write_shard`); once every worker
 has written (the trainer's barrier), the chief checks every shard, writes the manifest
@@ -37,7 +41,10 @@ MANIFEST = "manifest.json"
 _OLD_METADATA = "metadata.json"  # format 1: one layout's positional keys
 _LATEST = "latest"
 _NAME = re.compile(r"ckpt-(\d+)")
-_TEMP = re.compile(r"\.(tmp|old)-ckpt-\d+-(\d+)")
+# A tag a save may name its folder with (DeepSpeed's `save_checkpoint(save_dir, tag)`):
+# not hidden (temporaries are), not a number (it would read as a step), not `latest`.
+_TAG = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}")
+_TEMP = re.compile(r"\.(tmp-ckpt-\d+|old-.+)-(\d+)")  # .old-<tag>-<pid>: a re-save's
 gfile = tf.io.gfile
 
 # Fault injection for tests: called with the temporary folder once every shard and the
@@ -98,9 +105,11 @@ def publish(
     metadata: dict,
     required: Iterable[str] = (),
     keep_max: int | None = None,
+    tag: str | None = None,
 ) -> str:
     """The chief, once every worker wrote its shard: checks them, writes the manifest,
-    moves `folder` to `ckpt-<step>` and points `latest` at it. Returns its path.
+    moves `folder` to `tag` (default `ckpt-<step>`) and points `latest` at it. Returns
+    its path.
 
     Raises CheckpointError (nothing published) when a shard is missing or incomplete, an
     entry was written twice, or a `required` entry is in no shard.
@@ -136,7 +145,7 @@ def publish(
     _write_atomically(_join(folder, MANIFEST), json.dumps(manifest, indent=1))
     if before_publish is not None:
         before_publish(folder)
-    name = f"ckpt-{step}"
+    name = check_tag(tag, step)
     final = _join(directory, name)
     _move_into_place(directory, folder, final, name)
     _write_atomically(_join(directory, _LATEST), name)
@@ -167,6 +176,41 @@ def _move_into_place(directory: str, folder: str, final: str, name: str) -> None
     gfile.rmtree(folder)
 
 
+def check_tag(tag: str | None, step: int) -> str:
+    """The folder name of a save of `step` tagged `tag` (None: `ckpt-<step>`)."""
+    if tag is None:
+        return f"ckpt-{step}"
+    if not isinstance(tag, str) or not _TAG.fullmatch(tag) or tag == _LATEST or tag.isdigit():
+        raise ValueError(
+            "A checkpoint tag is a folder name of letters, digits, '_', '.' and '-' (not "
+            f"starting with '.' or '-', not a number, not {_LATEST!r}). Received: tag={tag!r}"
+        )
+    match = _NAME.fullmatch(tag)
+    if match and int(match.group(1)) != step:
+        raise ValueError(
+            f"Tag {tag!r} names step {match.group(1)}'s checkpoint; this save is of step "
+            f"{step}. Received: tag={tag!r}"
+        )
+    return tag
+
+
+def list_tags(directory: str) -> list[str]:
+    """The tags of `directory`'s checkpoints: `ckpt-<step>` oldest first, then the folders
+    a save was tagged with (those holding a manifest), by name."""
+    if not gfile.isdir(directory):
+        return []
+    names = sorted(n.rstrip("/") for n in gfile.listdir(directory))
+    other = [
+        n
+        for n in names
+        if not _NAME.fullmatch(n)
+        and _TAG.fullmatch(n)
+        and n != _LATEST
+        and gfile.exists(_join(directory, f"{n}/{MANIFEST}"))
+    ]
+    return [f"ckpt-{step}" for step in list_checkpoints(directory)] + other
+
+
 def list_checkpoints(directory: str) -> list[int]:
     """Steps of the `ckpt-<step>` folders in `directory`, oldest first."""
     if not gfile.isdir(directory):
@@ -190,15 +234,38 @@ def latest(directory: str) -> str:
             name = f.read().decode("utf-8").strip()
     except (tf.errors.OpError, UnicodeDecodeError) as e:
         raise CheckpointError(f"Checkpoint pointer {pointer!r} is unreadable: {e}") from e
-    if not _NAME.fullmatch(name):
+    if not _TAG.fullmatch(name) or name == _LATEST or name.isdigit():
         raise CheckpointError(
             f"Checkpoint pointer {pointer!r} is corrupted: it should name a 'ckpt-<step>' "
-            f"folder. Received: {name[:80]!r}"
+            f"or tagged folder. Received: {name[:80]!r}"
         )
     path = _join(directory, name)
     if not gfile.isdir(path):
         raise CheckpointError(f"{pointer!r} names {name!r}, which does not exist in {directory!r}.")
     return path
+
+
+def tagged(directory: str, tag: str | int) -> str:
+    """Path of the checkpoint `tag` names in `directory`, as DeepSpeed's
+    `load_checkpoint(load_dir, tag)`: a folder name of the listing (`"ckpt-100"`, or the
+    tag a save was given) or the step a `ckpt-<step>` folder is named after (`100`).
+
+    Raises CheckpointError listing the directory's tags when none is named `tag`.
+    """
+    if isinstance(tag, bool) or not isinstance(tag, (str, int)):
+        raise TypeError(
+            "A checkpoint tag is a folder name ('ckpt-<step>') or a step number. "
+            f"Received: tag={tag!r} of type {type(tag).__name__}"
+        )
+    text = str(tag).strip()
+    name = f"ckpt-{int(text)}" if text.isdigit() else text.rstrip("/")
+    found = list_tags(directory)
+    if name not in found:
+        raise CheckpointError(
+            f"No checkpoint tagged {tag!r} in {directory!r}. Its checkpoints: {found} "
+            "(tag=<folder name> or its step number)."
+        )
+    return _join(directory, name)
 
 
 def read_manifest(path: str) -> dict:

@@ -52,12 +52,17 @@ class SaveAgreement:
 class CheckpointMixin:
     """The checkpoint methods of `EPLTrainer` (see trainer.py for the attributes)."""
 
-    def save_checkpoint(self, directory: str, keep_max: int | None = None) -> str | None:
+    def save_checkpoint(
+        self, directory: str, keep_max: int | None = None, tag: str | None = None
+    ) -> str | None:
         """Saves engine state (weights, optimizer slots, loss scale, step, input position).
 
         Every worker must call it (the trainer's periodic saves do): each writes the
         entries it owns; the chief publishes once all are in and returns the path (other
-        workers return None). The `keep_max` newest checkpoints are kept (all if None).
+        workers return None). The `keep_max` newest `ckpt-<step>` checkpoints are kept
+        (all if None). `tag` names the folder, as DeepSpeed's `save_checkpoint(save_dir,
+        tag)` (default `ckpt-<step>`; the chief's names it); `keep_max` never deletes a
+        tagged one, and `latest` points at it as at any other.
         """
         if self._engine is None:
             raise ValueError("Nothing to save yet: call fit() (or restore) first.")
@@ -65,6 +70,7 @@ class CheckpointMixin:
             raise ValueError(f"keep_max must be >= 1 or None. Received: keep_max={keep_max}")
         cluster = self.cluster
         step = int(self.optimizer.iterations.numpy())
+        ckpt.check_tag(tag, step)
         if cluster.is_chief:
             ckpt.prepare(directory)
         token = os.getpid()
@@ -112,7 +118,7 @@ class CheckpointMixin:
         required = [f"trainable/{i}" for i in range(len(self.model.trainable_variables))]
         required += [f"non_trainable/{i}" for i in range(len(self.model.non_trainable_variables))]
         return ckpt.publish(
-            directory, folder, step, cluster.worker_num, metadata, required, keep_max
+            directory, folder, step, cluster.worker_num, metadata, required, keep_max, tag
         )
 
     def _agree(self, pair: list[int]) -> list[list[int]]:
@@ -136,8 +142,15 @@ class CheckpointMixin:
             else 0,
         }
 
-    def restore_checkpoint(self, directory: str, features=None) -> str:
-        """Restores the newest checkpoint in `directory` into every local lane.
+    def restore_checkpoint(
+        self, directory: str, features=None, tag: str | int | None = None
+    ) -> str:
+        """Restores a checkpoint of `directory` into every local lane; returns its path.
+
+        `tag` names the checkpoint as DeepSpeed's `load_checkpoint(load_dir, tag)` does:
+        its folder name (`"ckpt-100"`) or the step it is named after (`100`); None
+        restores the newest (`latest`). An unknown tag is a CheckpointError listing the
+        directory's tags; restoring only reads the directory.
 
         The checkpoint may come from any layout (device or worker count, stage cut, ZeRO
         level, split width...); each worker reads only the entries its layout needs.
@@ -145,6 +158,7 @@ class CheckpointMixin:
         for subclassed models, and for an Estimator-style model_fn, pass one batch of
         `features` to build it.
         """
+        path = ckpt.latest(directory) if tag is None else ckpt.tagged(directory, tag)
         if self._pending_model_fn is not None:
             if features is None:
                 raise ValueError(
@@ -160,7 +174,6 @@ class CheckpointMixin:
                     "`features` (one batch) to build it."
                 )
             self._ensure_engine(features)
-        path = ckpt.latest(directory)
         manifest = ckpt.read_manifest(path)
         content = CheckpointContent(self._engine, self.optimizer, self.cluster.is_chief)
         expected = content.expected()

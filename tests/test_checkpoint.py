@@ -65,6 +65,59 @@ def test_latest_points_to_the_newest_complete_checkpoint(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt-4", "ckpt-8", "latest"]
 
 
+def test_restore_by_tag_gives_the_named_older_checkpoint(tmp_path):
+    """DeepSpeed's load_checkpoint(dir, tag): the folder name or its step picks the
+    checkpoint; an unknown tag names the existing ones and changes nothing on disk."""
+    trainer = _trainer(mlp())
+    trainer.fit(_dataset(), epochs=1, verbose=0)
+    trainer.save_checkpoint(str(tmp_path))
+    at_step_4 = trainer.model.get_weights()
+    trainer.fit(_dataset(), epochs=1, verbose=0)
+    trainer.save_checkpoint(str(tmp_path))
+    for tag in ("ckpt-4", 4, "4"):
+        model = mlp(seed=5)
+        restored = _trainer(model)
+        assert restored.restore_checkpoint(str(tmp_path), tag=tag) == str(tmp_path / "ckpt-4")
+        assert int(restored.optimizer.iterations.numpy()) == 4
+        assert restored.epochs_done == 1
+        for a, b in zip(model.get_weights(), at_step_4):
+            np.testing.assert_array_equal(a, b)
+    listing = sorted(p.name for p in tmp_path.iterdir())
+    with pytest.raises(
+        CheckpointError, match=r"No checkpoint tagged 'ckpt-5'.*\['ckpt-4', 'ckpt-8'\]"
+    ):
+        _trainer(mlp()).restore_checkpoint(str(tmp_path), tag="ckpt-5")
+    assert sorted(p.name for p in tmp_path.iterdir()) == listing
+    assert (tmp_path / "latest").read_text() == "ckpt-8"
+
+
+def test_a_tagged_save_is_kept_by_keep_max_and_restored_by_its_tag(tmp_path):
+    """DeepSpeed's save_checkpoint(dir, tag): the tag names the folder; keep_max deletes
+    only `ckpt-<step>` folders; `latest` points at the newest save, tagged or not."""
+    trainer = _trainer(mlp())
+    trainer.fit(_dataset(), epochs=1, verbose=0)
+    for tag in ("latest", "12", "ckpt-3", ".hidden", "a/b"):
+        with pytest.raises(ValueError, match="tag"):
+            trainer.save_checkpoint(str(tmp_path), tag=tag)
+    assert not tmp_path.exists() or not any(tmp_path.iterdir())
+    assert trainer.save_checkpoint(str(tmp_path), tag="best") == str(tmp_path / "best")
+    assert (tmp_path / "latest").read_text() == "best"
+    at_step_4 = trainer.model.get_weights()
+    trainer.fit(_dataset(), epochs=1, verbose=0)
+    trainer.save_checkpoint(str(tmp_path), keep_max=1)
+    trainer.fit(_dataset(), epochs=1, verbose=0)
+    trainer.save_checkpoint(str(tmp_path), keep_max=1)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["best", "ckpt-12", "latest"]
+    model = mlp(seed=5)
+    restored = _trainer(model)
+    assert restored.restore_checkpoint(str(tmp_path), tag="best") == str(tmp_path / "best")
+    assert int(restored.optimizer.iterations.numpy()) == 4
+    for a, b in zip(model.get_weights(), at_step_4):
+        np.testing.assert_array_equal(a, b)
+    with pytest.raises(CheckpointError, match=r"Its checkpoints: \['ckpt-12', 'best'\]"):
+        restored.restore_checkpoint(str(tmp_path), tag="ckpt-8")
+
+
 def test_missing_checkpoint_is_a_clear_error(tmp_path):
     with pytest.raises(CheckpointError, match="No checkpoint in"):
         _trainer(mlp()).restore_checkpoint(str(tmp_path))

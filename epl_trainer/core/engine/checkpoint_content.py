@@ -21,7 +21,9 @@ Saving: each worker writes the entries it *owns* (`owner_lane`, `local_position`
 restoring: each worker reads the entries its own layout needs and assigns them to its
 copies, shards and slots (`CheckpointContent.targets`). Slots are found through the
 replica optimizers' record of `add_variable_from_reference` (slots.py), so this
-works for any Keras optimizer whose per-variable state is made that way.
+works for any Keras optimizer whose per-variable state is made that way, and for
+Adafactor's factored moments (`slot/<i>/velocity_row`, `slot/<i>/velocity_col`: shaped
+as the variable without its last / second last axis), which slots.py records by name.
 """
 
 from __future__ import annotations
@@ -183,11 +185,14 @@ class CheckpointContent:
             for slot, reference, name in slots_lib.slots_of(optimizer):
                 if id(reference) in self._piece_spans:  # held by this lane only
                     lane_position, i, start, stop = self._piece_spans[id(reference)]
+                    # ZeRO cuts only element-wise optimizers' variables (zero_layout.py).
+                    assert start is None or not slots_lib.is_factored(name), name
                     rows = "" if start is None else f"{PIECE_MARK}{start}:{stop}"
                     key = f"slot/{i}/{name}{rows}"
                     by_key[key] = [(self.state.lanes[lane_position].index, slot, i)]
                     continue
                 lane_position, i = self._copy_of[id(reference)]
+                self._check_factored_whole(optimizer, i, name)
                 stage = self.state.trainable_stage[i]
                 owner, _ = self._owner(i, stage, self.slot_owners.get(i))
                 lane = self.state.lanes[lane_position]
@@ -241,6 +246,20 @@ class CheckpointContent:
                 f"{[v.path for v in unrecorded][:5]}"
             )
 
+    def _check_factored_whole(self, optimizer, i: int, name: str) -> None:
+        """A factored slot (Adafactor's row / column moment) is saved as the whole
+        variable's; a split shard's is its own part's (its row moment averages only the
+        shard's columns), which no join turns into the whole variable's."""
+        if slots_lib.is_factored(name) and i in self.state.sharded:
+            raise ValueError(
+                f"{type(optimizer).__name__}'s factored moments of a split variable "
+                f"({self.state.model_trainable[i].path}) cannot be checkpointed: each "
+                "split shard factors its own part, not the whole variable's. Checkpoint "
+                f"{type(optimizer).__name__} without `split` (data parallel, ZeRO, "
+                "pipelines), or use an element-wise optimizer (Adam, AdamW, Lion, ...) "
+                "with `split`."
+            )
+
     def _globals(self) -> list[tuple[str, tuple[str, object]]]:
         """Entries every worker holds identically: the chief writes them."""
         items = [("optimizer/iterations", ("training step", self.optimizer.iterations))]
@@ -290,10 +309,12 @@ class CheckpointContent:
                     place = _whole if start is None else _piece_placer(start, stop, slot.shape)
                 else:
                     _, i = self._copy_of[id(reference)]
+                    self._check_factored_whole(optimizer, i, name)
                     place = self._shard_placer(i, state.lanes[li])
                 model_variable = state.model_trainable[i]
                 path = f"{model_variable.path} ({name})"
-                add(f"slot/{i}/{name}", path, model_variable, slot.dtype, Target(slot, place))
+                shape = slots_lib.slot_shape(name, model_variable.shape)
+                add(f"slot/{i}/{name}", path, shape, slot.dtype, Target(slot, place))
         if applied:
             needed["optimizer/applied_steps"] = Expected("updates applied", [], "int64", applied)
         for key, (name, v) in self._globals():
