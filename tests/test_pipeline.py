@@ -249,3 +249,46 @@ def test_stages_from_epl_annotations_match_keras(use_default_strategy):
         epl.init()  # clear annotations and config for the other tests
     assert len(trainer.plan.taskgraphs) == 2
     assert _difference_from_keras(model) < ATOL
+
+
+def _two_heads(seed=4):
+    """Two output heads in another order than the last stage's sub-model takes them: the
+    model's variables follow its outputs (head_b first), the stage's its outputs sorted by
+    name (norm_a first). Each head has a frozen BatchNorm of its own width, so its
+    non-trainable statistics are read by the stage call too."""
+    keras.utils.set_random_seed(seed)
+    inputs = keras.Input((6,), name="x")
+    hidden = keras.layers.Dense(12, activation="tanh", name="trunk")(inputs)
+    head_b = keras.layers.Dense(3, name="head_b")
+    norm_b = keras.layers.BatchNormalization(name="norm_b")
+    head_a = keras.layers.Dense(2, name="head_a")
+    norm_a = keras.layers.BatchNormalization(name="norm_a")
+    for norm in (norm_a, norm_b):
+        norm.trainable = False
+    outputs = [norm_b(head_b(hidden)), norm_a(head_a(hidden))]
+    model = keras.Model(inputs, outputs)
+    for norm in (norm_a, norm_b):  # statistics that differ from the defaults
+        norm.moving_mean.assign(np.linspace(-0.5, 0.5, norm.moving_mean.shape[0]))
+        norm.moving_variance.assign(np.linspace(0.5, 2.0, norm.moving_variance.shape[0]))
+    return model
+
+
+def test_a_stage_whose_sub_model_orders_its_variables_otherwise_matches_keras():
+    """Before: the engine passed a stage its variables in the model's order, and the
+    stage's sub-model took them in its own ("Invalid variable value in StatelessScope")."""
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(16, 6)).astype("float32")
+    y = [rng.normal(size=(16, 3)).astype("float32"), rng.normal(size=(16, 2)).astype("float32")]
+    reference, model = _two_heads(), _two_heads()
+    reference.compile(keras.optimizers.SGD(0.1), ["mse", "mse"])
+    reference.fit(x, y, batch_size=8, shuffle=False, verbose=0)
+    stages = {"trunk": 0, "head_a|norm_a|head_b|norm_b": 1}
+    trainer = epl.EPLTrainer(
+        model, ["mse", "mse"], keras.optimizers.SGD(0.1), stages=stages,
+        config={"cluster.virtual_devices": 2, "pipeline.num_micro_batch": 2},
+    )  # fmt: skip
+    trainer.fit(x, y, batch_size=8, shuffle=False, verbose=0)
+    assert max_weight_difference(reference, model) < ATOL
+    np.testing.assert_allclose(
+        trainer.predict(x, verbose=0)[0], reference.predict(x, verbose=0)[0], atol=ATOL
+    )

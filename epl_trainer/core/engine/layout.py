@@ -22,10 +22,12 @@ class StepLayout:
     state: the engine-owned variables (per lane, per shard, or shared on the host).
     lanes: this worker's lanes.
     stage_groups[k]: the collective group of stage k over every lane of the job.
-    trainable_idx[k], non_trainable_idx[k]: model-order indices of stage k's variables.
+    trainable_idx[k]: model-order indices of the trainable variables stage k owns, in
+      the model's order.
     read_idx[k]: the trainable indices stage k's sub-model reads, in its own variable
-      order: `trainable_idx[k]`, unless stage k reads a tied weight another stage owns
-      (state.py), whose copy it then reads (`stage_variables`).
+      order (the same set as `trainable_idx[k]`, plus a tied weight another stage owns
+      (state.py), whose copy it then reads: `stage_variables`).
+    non_trainable_idx[k]: stage k's non-trainable indices, in its sub-model's order.
     reduced_idx[k]: stage k's trainable indices reduced over `stage_groups[k]` (split
       layers' sharded variables are reduced over their shard group instead).
     host: this worker's host device.
@@ -71,12 +73,17 @@ class StepLayout:
             for k in range(num_stages)
         )
         trainable = tuple(state.stage_indices(k) for k in range(num_stages))
-        position = {id(v): i for i, v in enumerate(state.model_trainable)}
+        non_trainable = tuple(state.stage_indices(k, trainable=False) for k in range(num_stages))
+        # A stage's sub-model takes its variables in its own order, which is not the
+        # model's where the model lists layers in another order than the stage's graph
+        # (two output heads: the model's order is its layers', the stage's its nodes').
         read = tuple(
-            [position[id(v)] for v in stage.model.trainable_variables]
-            if any(k in used[1:] for used in state.tied.values())
-            else trainable[k]
-            for k, stage in enumerate(staged.stages)
+            _in_sub_model_order(stage.model.trainable_variables, state.model_trainable, owned)
+            for stage, owned in zip(staged.stages, trainable)
+        )
+        non_trainable = tuple(
+            _in_sub_model_order(stage.model.non_trainable_variables, state.model_non_trainable, o)
+            for stage, o in zip(staged.stages, non_trainable)
         )
         return cls(
             staged=staged,
@@ -84,9 +91,7 @@ class StepLayout:
             lanes=lanes,
             stage_groups=groups,
             trainable_idx=trainable,
-            non_trainable_idx=tuple(
-                state.stage_indices(k, trainable=False) for k in range(num_stages)
-            ),
+            non_trainable_idx=non_trainable,
             reduced_idx=tuple([i for i in idx if i not in state.sharded] for idx in trainable),
             host=host,
             read_idx=read,
@@ -119,3 +124,12 @@ class StepLayout:
         devices = tuple(d for group in self.stage_groups for d in group.devices)
         local = tuple(d for group in self.stage_groups for d in group.local_devices)
         return comm.CollectiveGroup(devices, local)
+
+
+def _in_sub_model_order(stage_variables, model_variables, owned: list[int]) -> list[int]:
+    """The model-order indices of a stage's variables, in the order its sub-model takes
+    them; `owned` (model order) where the engine holds the stage's variables in another
+    form than the sub-model's (split layers)."""
+    position = {id(v): i for i, v in enumerate(model_variables)}
+    order = [position.get(id(v)) for v in stage_variables]
+    return owned if None in order else order
