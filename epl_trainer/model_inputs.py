@@ -52,9 +52,9 @@ def without_absent_inputs(x):
     missing = [i for i, a in enumerate(tree.flatten(x)) if a is None]
     if missing:
         raise ValueError(
-            f"x holds None for input(s) at flat position(s) {missing}: every model input "
-            "needs an array. Only a model's optional inputs (keras.Input(optional=True)) "
-            "may be None, given by name in a dict."
+            f"x holds None for input(s) at flat position(s) {missing}: such an input is "
+            "not optional. Only a model's optional inputs (keras.Input(optional=True)) may "
+            "be None, given by name in a dict."
         )
     return x
 
