@@ -94,8 +94,8 @@ def _soak():
 @pytest.mark.slow
 def test_two_worker_soak_keeps_threads_and_memory_flat_while_the_watchdog_probes(tmp_path):
     """The soak above runs one worker, where the watchdog has no peer and runs no thread.
-    Here two workers train 1,500 steps; every 500th batch is slower than the watchdog's
-    poll, so it probes the peer then (health RPCs over gRPC), as in a job whose input
+    Here two workers train 1,500 steps; every 700th batch is slower than two of the
+    watchdog's polls, so it probes the peer then (health RPCs over gRPC), as in a job whose input
     stalls. Threads and resident memory stay flat on both workers."""
     from _launch import SCRIPTS, run_launch
 

@@ -25,15 +25,19 @@ from epl_trainer import cluster as cluster_lib
 from epl_trainer.memory import process_rss_mib, process_threads
 
 SAMPLE_EVERY = 500
-TIMEOUT_SECONDS = 4  # communication.timeout_seconds: the watchdog polls every 1 s
-SLOW_SECONDS = 2.5  # a slow batch: past two polls (probed), well before the timeout
+# communication.timeout_seconds: the watchdog polls every 4 s (a quarter of it). A slow
+# batch outlasts two polls, so one poll surely finds it in flight and probes, and leaves
+# 7.5 s before the timeout: with 4 s and 2.5 s, a step in CI's loaded run (two suite
+# processes beside these two workers) once took 7 s and the watchdog rightly aborted it.
+TIMEOUT_SECONDS = 16
+SLOW_SECONDS = 8.5
 
 
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("output_dir")
     parser.add_argument("--steps", type=int, default=1500)
-    parser.add_argument("--slow_every", type=int, default=500)
+    parser.add_argument("--slow_every", type=int, default=700)
     args = parser.parse_args()
     import keras
     import tensorflow as tf
