@@ -560,10 +560,20 @@ class Config:
         """Returns a human-readable table of key, value, default and source."""
         rows = [("key", "value", "default", "source")]
         for key, spec in _KEYS.items():
-            rows.append((key, repr(self._values[key]), repr(spec.default), self._sources[key]))
+            rows.append((key, repr(self._values[key]), repr(spec.default), self._source_of(key)))
         widths = [max(len(cell) for cell in column) for column in zip(*rows, strict=True)]
         lines = ("  ".join(map(str.ljust, row, widths)).rstrip() for row in rows)
         return "\n".join(lines)
+
+    def _source_of(self, key: str) -> str:
+        """Where `key`'s value came from; a spelling filled in from another one that was
+        given (`zero.level` from `zero.stage`) names that one, not "default"."""
+        source = self._sources[key]
+        if source == "default":
+            for other in spellings(key):
+                if self._sources[other] != "default":
+                    return f"{self._sources[other]}(via:{other})"
+        return source
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, Config):

@@ -388,6 +388,18 @@ def test_json_file(tmp_path):
     assert "file" in _describe_row(config.describe(), "zero.level")
 
 
+def test_describe_names_the_spelling_that_filled_a_setting():
+    """zero.level filled in from a given zero.stage was labelled "default"."""
+    table = Config({"zero": {"stage": 2}}, environ={}).describe()
+    assert _describe_row(table, "zero.stage") == ["zero.stage", "2", "None", "dict"]
+    assert _describe_row(table, "zero.level") == [
+        "zero.level",
+        "'v1'",
+        "''",
+        "dict(via:zero.stage)",
+    ]
+
+
 @pytest.mark.parametrize("suffix", [".yaml", ".yml", ".YAML"])
 def test_yaml_file(tmp_path, suffix):
     path = tmp_path / f"epl{suffix}"
