@@ -284,3 +284,16 @@ def test_impossible_layouts_name_every_term():
         )
     with pytest.raises(epl.ConfigError, match=r"Did you mean 'pipeline\.num_micro_batch'"):
         _trainer(mlp(), 2, **{"pipeline.num_micro_batches": 2})
+
+
+def test_the_first_fit_in_a_process_traces_the_training_step_once(monkeypatch):
+    """The collectives' ordering-token variables are made when the engine is built: made
+    during the first trace (as they were, once per process and device), the step had to
+    be traced a second time (tf.function's rule for variables created while tracing)."""
+    from epl_trainer.core.comm import keys
+
+    monkeypatch.setattr(keys, "_ordering_tokens", {})  # as in a fresh process
+    x, y = mlp_data()
+    trainer = _trainer(mlp(), 2, **{"communication.num_communicators": 2})
+    trainer.fit(x, y, batch_size=16, epochs=1, verbose=0, shuffle=False)
+    assert trainer._engine.program.train_on_iterator.experimental_get_tracing_count() == 1

@@ -36,6 +36,7 @@ import logging
 
 import keras
 
+from epl_trainer.core import comm
 from epl_trainer.core.engine import amp, finite
 from epl_trainer.core.engine.engine import Engine, EnginePlan
 from epl_trainer.core.engine.exchange import WeightExchange, host_of
@@ -163,6 +164,7 @@ def build_engine(
             apply_device=host_device if offload else None,
             jit_compile=jit,
         )
+    _make_ordering_tokens(layout, config.communication.num_communicators)
     program = Program(
         layout,
         hooks,
@@ -183,6 +185,20 @@ def build_engine(
     else:
         finite.apply_nonfinite_guard(hooks, layout, skip_metrics=skip)
     return Engine(engine_plan, state, program)
+
+
+def _make_ordering_tokens(layout, num_chains: int) -> None:
+    """Creates the ordering-token variables the step's collectives use (comm.keys) on
+    this worker's devices, one per communicator chain, before the step is traced. A
+    tf.function that creates a variable in its first trace traces again to run: made
+    inside, they cost a second trace of the whole training step: a 2-layer MLP's first
+    fit (with validation) on 2 devices in a fresh process took 3.5 s, 2.6 s without."""
+    devices = {layout.host}
+    for group in layout.stage_groups:
+        devices.update(group.local_devices)
+    for device in sorted(devices):
+        for chain in range(num_chains):
+            comm.ordering_token(device, chain)
 
 
 def embedding_tables(model, trainable) -> frozenset:
