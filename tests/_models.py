@@ -6,6 +6,17 @@ import numpy as np
 LOSS = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
 
 
+class TiedLogits(keras.layers.Layer):
+    """Logits from another layer's embedding matrix (a weight tied across two layers)."""
+
+    def __init__(self, embedding, **kwargs):
+        super().__init__(**kwargs)
+        self.embedding = embedding
+
+    def call(self, x):
+        return keras.ops.matmul(x, keras.ops.transpose(self.embedding.embeddings))
+
+
 def adam_trainer(model, devices, optimizer=None, stages=None, **config):
     """An EPLTrainer on `devices` logical devices (Adam 0.01 unless `optimizer`), with the
     config keys given as keyword arguments (`**{"zero.level": "v1"}`)."""

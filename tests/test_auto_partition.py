@@ -11,6 +11,7 @@ import itertools
 import keras
 import numpy as np
 import pytest
+from _models import TiedLogits
 
 from epl_trainer.annotations.strategies import model_nodes
 from epl_trainer.core.graph.auto_partition import (
@@ -336,17 +337,6 @@ def test_a_stage_never_reads_the_output_of_a_layer_it_calls_again():
     assert_forward_matches(model, result, 3, x)
 
 
-class _TiedLogits(keras.layers.Layer):
-    """Logits from another layer's embedding matrix (tied input and output embeddings)."""
-
-    def __init__(self, embedding, **kwargs):
-        super().__init__(**kwargs)
-        self.embedding = embedding
-
-    def call(self, x):
-        return keras.ops.matmul(x, keras.ops.transpose(self.embedding.embeddings))
-
-
 def test_users_of_a_tied_weight_may_be_cut_apart():
     """A nested model embeds the tokens; a later layer reads the same embedding matrix
     (GPT-2's tied embeddings in a KerasHub task): cuts may fall between them (each stage
@@ -359,7 +349,7 @@ def test_users_of_a_tied_weight_may_be_cut_apart():
     x = backbone(tokens)
     for i, width in enumerate((12, 8)):  # different widths: no repeated blocks
         x = keras.layers.Dense(width, activation="tanh", name=f"d{i}")(x)
-    x = _TiedLogits(embedding, name="tied")(x)
+    x = TiedLogits(embedding, name="tied")(x)
     model = keras.Model(tokens, keras.layers.Dense(3, name="out")(x))
     nodes = compute_nodes(model)
     candidates = cut_candidates(nodes, nodes_cost(nodes))

@@ -16,7 +16,7 @@ two calls ("Cannot cut 2 stages ... users of a shared weight").
 import keras
 import numpy as np
 import pytest
-from _models import LOSS, keras_reference, max_weight_difference
+from _models import LOSS, TiedLogits, keras_reference, max_weight_difference
 
 import epl_trainer as epl
 
@@ -28,17 +28,6 @@ VOCABULARY, WIDTH, LENGTH = 13, 8, 5
 # weight through a second layer object; the automatic cut gets ReversibleEmbedding's two
 # calls of one layer.
 STAGES = {"embed|block_0": 0, "block_1|norm|logits": 1}
-
-
-class TiedLogits(keras.layers.Layer):
-    """Logits from another layer's embedding matrix."""
-
-    def __init__(self, embedding, **kwargs):
-        super().__init__(**kwargs)
-        self.embedding = embedding
-
-    def call(self, x):
-        return keras.ops.matmul(x, keras.ops.transpose(self.embedding.embeddings))
 
 
 def tied_model(reverse_call=True, seed=3):

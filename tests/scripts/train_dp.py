@@ -12,6 +12,7 @@ import sys
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir, os.pardir))
+sys.path.insert(1, os.path.join(os.path.dirname(__file__), os.pardir))  # tests/: _models
 
 import numpy as np
 
@@ -47,14 +48,7 @@ def make_tied_data(n=96):
 def make_tied_model():
     """Tokens -> embedding -> Dense -> logits from the same embedding matrix (tied)."""
     import keras
-
-    class TiedLogits(keras.layers.Layer):
-        def __init__(self, embedding, **kwargs):
-            super().__init__(**kwargs)
-            self.embedding = embedding
-
-        def call(self, x):
-            return keras.ops.matmul(x, keras.ops.transpose(self.embedding.embeddings))
+    from _models import TiedLogits  # tests/ (imported here: after epl.init configures TF)
 
     keras.utils.set_random_seed(0)
     tokens = keras.Input((5,), dtype="int32")
