@@ -9,7 +9,9 @@ of the installed wheel's test files: "dp" (`cluster.virtual_devices: 2`, data pa
 and "pipeline" (auto.auto_parallel, 2 stages, 2 micro-batches); `EPL_CONFORMANCE_LAYOUTS`
 picks others. The plain-Keras outcomes come from tests/keras_conformance/plain_baseline.json
 when it was recorded with the installed keras version (`python -m keras_conformance.runner
---record`), else from a plain run first; only the tests passing plain are run routed.
+--record`), else from a plain run first; only the tests passing plain that call `fit`,
+`evaluate` or `predict` there are run routed (one calling none of them runs the same code
+either way).
 
 The assertion: every test that passes on plain Keras passes routed, except those listed
 in `keras_conformance/exceptions.py` with their reason (the README lists them too); a
@@ -43,7 +45,7 @@ def test_keras_conformance(layout):
 
     assert report["baseline_passed"] > 0, "no Keras test passed on plain Keras"
     data = json.loads(path.read_text())
-    baseline = [n for n, r in data["plain"].items() if r["outcome"] == "passed"]
+    baseline = runner.routable(data["plain"])
     routed = data["routed"][layout]
     failing = {n for n in baseline if routed.get(n, {}).get("outcome") != "passed"}
     listed = exceptions.for_layout(layout, baseline)
@@ -53,7 +55,5 @@ def test_keras_conformance(layout):
         f"listed in keras_conformance/exceptions.py: "
         + "; ".join(f"{n}: {routed.get(n, {}).get('error', 'not run')}" for n in unexplained)
     )
-    fixed = sorted(
-        n for n in set(listed) - failing if listed[n] not in exceptions.SEED_DEPENDENT
-    )
+    fixed = sorted(n for n in set(listed) - failing if listed[n] not in exceptions.SEED_DEPENDENT)
     assert not fixed, f"{layout}: listed as exceptions but pass routed now: {fixed}"

@@ -18,7 +18,11 @@ _layout = os.environ.get("KC_LAYOUT", "plain")
 def pytest_configure(config):
     for marker in KERAS_MARKERS:
         config.addinivalue_line("markers", marker)
-    if _layout != "plain":
+    if _layout == "plain":
+        from keras_conformance import routing
+
+        routing.count_calls()
+    else:
         # Before TensorFlow initialises (the Keras test modules import it at collection).
         from epl_trainer.cluster import configure_tensorflow
 
@@ -54,10 +58,9 @@ def _first_line(report) -> str:
 
 
 def pytest_runtest_setup(item):
-    if _layout != "plain":
-        from keras_conformance import routing
+    from keras_conformance import routing
 
-        routing.stats.update(routed=0, keras=0, reasons=[])
+    routing.stats.update(routed=0, keras=0, reasons=[])
 
 
 def pytest_collectreport(report):
@@ -70,6 +73,7 @@ def pytest_collectreport(report):
 
 def pytest_runtest_logreport(report):
     entry = _results.setdefault(report.nodeid, {"outcome": "passed"})
+    entry["seconds"] = round(entry.get("seconds", 0.0) + report.duration, 3)
     if report.skipped and entry["outcome"] == "passed":
         entry["outcome"] = "skipped"
         if hasattr(report, "wasxfail"):
@@ -79,9 +83,12 @@ def pytest_runtest_logreport(report):
         entry["error"] = f"[{report.when}] {_first_line(report)}"
     if report.when == "call" and hasattr(report, "wasxfail") and report.passed:
         entry["outcome"] = "xpassed"
-    if report.when == "teardown" and _layout != "plain":
+    if report.when == "teardown":
         from keras_conformance import routing
 
+        if _layout == "plain":
+            entry["calls"] = routing.stats["keras"]
+            return
         entry["routed_calls"] = routing.stats["routed"]
         entry["keras_calls"] = routing.stats["keras"]
         entry["keras_reasons"] = sorted(set(routing.stats["reasons"]))

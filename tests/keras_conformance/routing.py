@@ -44,6 +44,24 @@ def _keras_own_steps(model, keras) -> str | None:
     return None
 
 
+def count_calls() -> None:
+    """The plain run's patch: counts `fit` / `evaluate` / `predict` calls (in
+    `stats["keras"]`) and changes nothing else. A test that makes none cannot be routed;
+    the routed runs skip it (runner.py)."""
+    import keras
+
+    def counted(original):
+        @functools.wraps(original)
+        def method(self, *args, **kwargs):
+            stats["keras"] += 1
+            return original(self, *args, **kwargs)
+
+        return method
+
+    for name in ROUTED_METHODS:
+        setattr(keras.Model, name, counted(getattr(keras.Model, name)))
+
+
 def install(layout: str) -> None:
     import keras
 
