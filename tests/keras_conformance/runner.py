@@ -98,9 +98,7 @@ def routable(plain: dict) -> list[str]:
     (92 of the 196 plain passes with keras 3.15: model construction, summaries, saving),
     so running it again per layout would prove nothing of ours. A record without call
     counts keeps every pass."""
-    return sorted(
-        n for n, r in plain.items() if r["outcome"] == "passed" and r.get("calls", 1) > 0
-    )
+    return sorted(n for n, r in plain.items() if r["outcome"] == "passed" and r.get("calls", 1) > 0)
 
 
 def compare(plain: dict, routed: dict[str, dict]) -> dict:
