@@ -95,7 +95,7 @@ def file_of(node_id: str) -> str:
 def routable(plain: dict) -> list[str]:
     """The tests to run routed: those passing on plain Keras that call `fit`, `evaluate`
     or `predict` there. One that calls none of them runs the same code routed or not
-    (92 of the 196 plain passes with keras 3.15: model construction, summaries, saving),
+    (92 of the 199 plain passes with keras 3.15.1: model construction, summaries, saving),
     so running it again per layout would prove nothing of ours. A record without call
     counts keeps every pass."""
     return sorted(n for n, r in plain.items() if r["outcome"] == "passed" and r.get("calls", 1) > 0)
