@@ -1,6 +1,7 @@
 """Optimizer update speed: Keras's ops vs the engine's XLA-compiled update vs the floor.
 
 Usage: python bench/optim.py [--params 25e6] [--repeats 7] [--optimizers adam adamw ...]
+       python bench/optim.py --sweep [--repeats 7]
 
 One process, one device. For each optimizer, one update of `--params` float32
 parameters (four tensors) is timed as:
@@ -12,6 +13,10 @@ parameters (four tensors) is timed as:
   machine's measured copy bandwidth (an XLA-compiled `y = x * a` over the same bytes).
 
 Median of `--repeats` interleaved rounds, after a warm-up that traces and compiles.
+
+`--sweep` is the measurement behind `optimizer.jit_compile: auto` (apply.py): Adam over
+updates of several sizes and variable counts, each as plain ops and compiled, with the
+first call's time (trace, and XLA's compile for the compiled one) and the steady step.
 """
 
 import argparse
@@ -27,7 +32,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from epl_trainer.core.engine.apply import OptimizerStep
+from epl_trainer.core.engine.apply import AUTO_MIN_ELEMENTS, OptimizerStep
 
 # (constructor, arrays read + written per update, in units of the parameter size)
 OPTIMIZERS = {
@@ -72,12 +77,53 @@ def copy_bandwidth(num_elements: int, repeats: int) -> float:
     return 2 * 4 * num_elements / seconds
 
 
+# (parameters, variables) of the sweep: small models' updates to BERT-sized ones.
+SWEEP = [(10**5, 8), (10**6, 8), (10**6, 64), (2 * 10**6, 16), (4 * 10**6, 64), (16 * 10**6, 64)]
+
+
+def first_and_steady(step, grads, repeats: int) -> tuple[float, float]:
+    """Seconds of the first call (trace + compile) and the median later one."""
+    update = tf.function(step)
+    first = timed(update, grads)
+    return first, statistics.median(timed(update, grads) for _ in range(repeats))
+
+
+def sweep(repeats: int) -> None:
+    print(f"Adam; 'auto' compiles updates of >= {AUTO_MIN_ELEMENTS:,} parameters")
+    print(f"{'params':>11} {'vars':>5} {'first plain s':>13} {'first XLA s':>11} "
+          f"{'plain ms':>9} {'XLA ms':>7} {'saved ms':>8} {'steps to repay':>14} "
+          f"{'auto':>5}")  # fmt: skip
+    for total, count in SWEEP:
+        shapes = [(total // count,)] * count
+        grads = [tf.ones(s) for s in shapes]
+        row = {}
+        for jit in (False, True):
+            variables = [keras.Variable(np.zeros(s, "float32")) for s in shapes]
+            optimizer = keras.optimizers.Adam(1e-3)
+            optimizer.build(variables)
+            step = OptimizerStep(optimizer, variables, variables[0].value.device, jit)
+            row[jit] = first_and_steady(step, grads, repeats)
+        saved = row[False][1] - row[True][1]
+        extra = row[True][0] - row[False][0]
+        repay = f"{extra / saved:14.0f}" if saved > 0 else f"{'never':>14}"
+        auto = total >= AUTO_MIN_ELEMENTS
+        print(
+            f"{total:>11,} {count:>5} {row[False][0]:13.2f} {row[True][0]:11.2f} "
+            f"{1e3 * row[False][1]:9.2f} {1e3 * row[True][1]:7.2f} {1e3 * saved:8.2f} "
+            f"{repay} {auto!s:>5}"
+        )
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--params", type=float, default=25e6)
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--optimizers", nargs="+", default=list(OPTIMIZERS))
+    parser.add_argument("--sweep", action="store_true", help="the table behind 'auto'")
     args = parser.parse_args()
+    if args.sweep:
+        sweep(args.repeats)
+        return
     total = int(args.params)
     shapes = [(total // 4,)] * 4
     rng = np.random.default_rng(0)

@@ -33,6 +33,7 @@ from epl_trainer.config_keys import (  # noqa: F401  (ConfigError, Kind, KeySpec
     KeySpec,
     Kind,
     _bool,
+    _bool_or_auto,
     _check,
     _enum,
     _int,
@@ -198,8 +199,10 @@ class OptimizerConfig(_Section):
         "(float32, or AMP with bfloat16 or a fixed loss scale): stop, or skip it.",
         choices=("error", "skip"),
     )
-    jit_compile: bool = _bool(
-        True, "Compile optimizer updates with XLA (plain ops where XLA cannot compile them)."
+    jit_compile: bool | str = _bool_or_auto(
+        "auto",
+        "Compile optimizer updates with XLA (plain ops where XLA cannot compile them); "
+        "'auto': updates of at least 1M parameters, where XLA's compile pays off.",
     )
 
 

@@ -28,6 +28,7 @@ class Kind(enum.Enum):
     OPTIONAL_INT = "int or None"
     NUMBER = "int or float"
     BOOL = "bool"
+    BOOL_OR_AUTO = "'auto' or a bool"
     STR = "str"
     ENUM = "one of the choices"
     LOSS_SCALE = "'dynamic' or a positive number"
@@ -107,6 +108,10 @@ def _coerce(spec: KeySpec, value: Any) -> Any:
         return _as_number(value)
     if kind == Kind.BOOL:
         return value if isinstance(value, bool) else _INVALID
+    if kind == Kind.BOOL_OR_AUTO:
+        if isinstance(value, str):
+            return "auto" if value.lower() == "auto" else _INVALID
+        return value if isinstance(value, bool) else _INVALID
     if kind in (Kind.STR, Kind.ENUM):
         return value if isinstance(value, str) else _INVALID
     if kind == Kind.LOSS_SCALE:
@@ -160,8 +165,11 @@ def _parse_text(spec: KeySpec, text: str, where: str) -> Any:
             return text
         if spec.kind == Kind.ENUM:
             return stripped
-        if spec.kind == Kind.BOOL and lowered in _TRUE_STRINGS + _FALSE_STRINGS:
+        is_bool = lowered in _TRUE_STRINGS + _FALSE_STRINGS
+        if spec.kind in (Kind.BOOL, Kind.BOOL_OR_AUTO) and is_bool:
             return lowered in _TRUE_STRINGS
+        if spec.kind == Kind.BOOL_OR_AUTO and lowered == "auto":
+            return "auto"
         if spec.kind == Kind.OPTIONAL_INT and lowered in _NONE_STRINGS:
             return None
         if spec.kind in (Kind.INT, Kind.OPTIONAL_INT):
@@ -178,6 +186,8 @@ def _parse_text(spec: KeySpec, text: str, where: str) -> Any:
     expected = spec.type_name
     if spec.kind == Kind.BOOL:
         expected = "bool (one of true/false/1/0/yes/no)"
+    elif spec.kind == Kind.BOOL_OR_AUTO:
+        expected = "'auto' or a bool (one of true/false/1/0/yes/no)"
     elif spec.kind == Kind.OPTIONAL_INT:
         expected = "int, or '' / 'none' for None"
     raise ConfigError(f"{where} expects {expected}. Received: {_short_repr(text)}")
@@ -194,6 +204,7 @@ _int = functools.partial(_key, kind=Kind.INT)
 _optional_int = functools.partial(_key, kind=Kind.OPTIONAL_INT)
 _positive_number = functools.partial(_key, kind=Kind.NUMBER, minimum=0, exclusive_minimum=True)
 _bool = functools.partial(_key, kind=Kind.BOOL)
+_bool_or_auto = functools.partial(_key, kind=Kind.BOOL_OR_AUTO)
 _str = functools.partial(_key, kind=Kind.STR)
 _enum = functools.partial(_key, kind=Kind.ENUM)
 _loss_scale = functools.partial(_key, kind=Kind.LOSS_SCALE, minimum=0, exclusive_minimum=True)

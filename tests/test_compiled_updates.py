@@ -15,7 +15,8 @@ import pytest
 import tensorflow as tf
 
 import epl_trainer as epl
-from epl_trainer.core.engine.apply import OptimizerStep
+from epl_trainer.core.engine import apply
+from epl_trainer.core.engine.apply import AUTO_MIN_ELEMENTS, OptimizerStep
 
 DEVICE = "/job:localhost/replica:0/task:0/device:CPU:1"
 RTOL = 1e-6
@@ -125,6 +126,44 @@ def test_an_optimizer_xla_cannot_compile_runs_as_plain_ops_with_a_warning(caplog
     np.testing.assert_allclose(variables[1].numpy(), before - 0.1, rtol=RTOL)  # clipped to 1
 
 
+def test_auto_compiles_only_updates_of_a_million_parameters_or_more():
+    """XLA's compile (0.2-2.5 s here) is repaid only by large arrays (bench/optim.py
+    --sweep): "auto" leaves a small model's update as plain ops."""
+    small = variables_on(DEVICE)
+    with tf.device(DEVICE):
+        large = [keras.Variable(tf.zeros([AUTO_MIN_ELEMENTS // 2])) for _ in range(2)]
+    for variables, compiled in ((small, False), (large, True), (large[:1], False)):
+        with tf.device(DEVICE):
+            optimizer = keras.optimizers.Adam(0.01)
+            optimizer.build(variables)
+        assert OptimizerStep(optimizer, variables, DEVICE, "auto").jit_compile == compiled
+
+
+def test_an_update_is_lowered_once_per_optimizer_config_and_shapes(monkeypatch):
+    """Every lane, and every later trainer of the same optimizer on the same model, has the
+    same update: it is lowered to HLO once per process. The name and the learning rate's
+    value do not count; another config or other shapes are lowered again."""
+    monkeypatch.setattr(apply, "_LOWERING_FAILURES", {})
+    lowered = []
+    real_lower = OptimizerStep._lower
+    monkeypatch.setattr(
+        OptimizerStep, "_lower", lambda step: lowered.append(step) or real_lower(step)
+    )
+
+    def step(variables, **adam):
+        with tf.device(DEVICE):  # its iteration counter too
+            optimizer = keras.optimizers.Adam(**adam)
+            optimizer.build(variables)
+        return OptimizerStep(optimizer, variables, DEVICE, jit_compile=True)
+
+    assert step(variables_on(DEVICE), learning_rate=0.01, name="a").jit_compile
+    assert step(variables_on(DEVICE), learning_rate=0.5, name="b").jit_compile
+    assert len(lowered) == 1
+    step(variables_on(DEVICE), amsgrad=True)
+    step(variables_on(DEVICE)[:2])
+    assert len(lowered) == 3
+
+
 def embedding_model():
     keras.utils.set_random_seed(3)
     tokens = keras.Input((5,), dtype="int32")
@@ -141,8 +180,15 @@ def embedding_model():
         {"cluster.virtual_devices": 2, "zero.level": "v1"},
         {"cluster.virtual_devices": 2, "offload.level": "v0"},
         {"cluster.virtual_devices": 2, "optimizer.num_apply_group": 2},
+        {"cluster.virtual_devices": 2, "zero.level": "v2", "pipeline.num_micro_batch": 2},
+        {
+            "cluster.virtual_devices": 2,
+            "auto.auto_parallel": True,
+            "pipeline.num_stages": 2,
+            "pipeline.num_micro_batch": 2,
+        },
     ],
-    ids=["data_parallel", "zero_v1", "offload", "grouped_apply"],
+    ids=["data_parallel", "zero_v1", "offload", "grouped_apply", "zero_v2", "auto_pipeline"],
 )
 def test_trainer_with_compiled_updates_ends_where_plain_updates_do(config):
     rng = np.random.default_rng(0)

@@ -41,7 +41,7 @@ EXPECTED_DEFAULTS = {
     "amp.min_loss_scale": 1,
     "optimizer.num_apply_group": 1,
     "optimizer.nonfinite_loss": "error",
-    "optimizer.jit_compile": True,
+    "optimizer.jit_compile": "auto",
     "cluster.device_place_prefer_intra_node": True,
     "cluster.run_visible_devices": "",
     "cluster.colocate_split_and_replicate": False,
@@ -260,6 +260,7 @@ def test_unknown_section_suggests_closest():
         ("pipeline.num_micro_batch", 2.0, r"expects int\. Received: 2\.0 \(type float\)"),
         ("pipeline.num_stages", "2", r"expects int or None\. Received: '2' \(type str\)"),
         ("amp.debug_log", 1, r"expects bool\. Received: 1 \(type int\)"),
+        ("optimizer.jit_compile", "on", r"expects 'auto' or a bool\. Received: 'on' \(type str\)"),
         ("amp.loss_scale", "128", r"expects 'dynamic' or a positive number\. Received: '128'"),
         ("communication.fp16_scale", None, r"expects int or float\. Received: None"),
         ("cluster.run_visible_devices", 0, r"expects str\. Received: 0 \(type int\)"),
@@ -276,6 +277,8 @@ def test_int_accepted_for_float_field_and_kept_as_given():
     assert make({"communication.fp16_scale": 0.5}).communication.fp16_scale == 0.5
     assert make({"amp.loss_scale": 2.5}).amp.loss_scale == 2.5
     assert make({"amp.loss_scale": "DYNAMIC"}).amp.loss_scale == "dynamic"
+    assert make({"optimizer.jit_compile": "Auto"}).optimizer.jit_compile == "auto"
+    assert make({"optimizer.jit_compile": False}).optimizer.jit_compile is False
 
 
 def test_amp_loss_scaling_keys():
@@ -508,6 +511,10 @@ def test_describe_lists_every_key_once():
 
 def test_parse_value():
     assert parse_value("pipeline.num_micro_batch", " 4 ") == 4
+    assert parse_value("optimizer.jit_compile", "AUTO") == "auto"
+    assert parse_value("optimizer.jit_compile", "false") is False
+    with pytest.raises(ConfigError, match=r"expects 'auto' or a bool \(one of true/false"):
+        parse_value("optimizer.jit_compile", "sometimes")
     assert parse_value("pipeline.num_stages", "") is None
     assert parse_value("amp.loss_scale", "dynamic") == "dynamic"
     assert parse_value("amp.loss_scale", "0.5") == 0.5

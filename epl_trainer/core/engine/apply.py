@@ -1,10 +1,19 @@
-"""Optimizer updates compiled with XLA (`optimizer.jit_compile`, on by default).
+"""Optimizer updates compiled with XLA (`optimizer.jit_compile`, "auto" by default).
 
 Keras 3 optimizers update each variable with a handful of separate ops (Adam: about ten
 per variable), each a full pass over memory. Compiled with XLA, those ops fuse into one
 loop per variable. Measured on this machine, for one update of 25M float32 parameters,
 Keras's Adam took 67-79 ms as separate ops and 21-24 ms compiled; TF's fused
 `ResourceApplyAdam` took 20.5 ms (bench/optim.py has the figures for each optimizer).
+
+XLA's compile costs 0.2-2.5 s per update on this CPU, and a compiled update gains only
+where the arrays are large. Adam on one device, first call and steady step as plain
+ops / compiled (`python bench/optim.py --sweep`): 100K parameters in 8 variables
+0.54 / 0.75 s, 2.31 / 2.18 ms (repaid after ~1,700 steps); 1M in 8 variables
+6.25 / 4.11 ms (168 steps); 1M in 64 variables 10.5 / 8.4 ms (682 steps); 16M in 64
+variables 92 / 31 ms (48 steps). So "auto" compiles an update of at least
+`AUTO_MIN_ELEMENTS` (1M) parameters; smaller ones (a small model's, or a ZeRO shard of
+one) run as plain ops, where a short run never repays the compile.
 
 `OptimizerStep` wraps one optimizer built on its variables (one per lane and stage,
 group, ZeRO shard or the offload host) and runs `optimizer.apply(grads, variables)`
@@ -14,10 +23,14 @@ as an XLA-compiled function where it compiles, else as plain ops:
   optimizers share the user's learning-rate variable (so LR callbacks reach every
   replica), which lives on the host. Here each optimizer gets its own copy of that
   variable, refreshed from the user's before every update, outside the compiled code.
-* Whether an optimizer compiles is found out once, when the engine is built: its update
-  is lowered to XLA's HLO for the gradient shapes it will see, without running anything.
+* Whether an optimizer compiles is found out when the engine is built: its update is
+  lowered to XLA's HLO for the gradient shapes it will see, without running anything.
   If lowering fails (a custom optimizer with ops XLA lacks), a warning names the
-  optimizer and the reason, and that update runs as plain ops.
+  optimizer and the reason, and that update runs as plain ops. The answer is kept for
+  the process, keyed by the optimizer's class and config and the variables' shapes,
+  dtypes and device type: every lane of a data-parallel layout, and every later trainer
+  of the same optimizer on the same model, would lower the same update again (for Adam
+  on a small model, two lanes: ~0.5 s each, a third of the first fit).
 """
 
 from __future__ import annotations
@@ -29,6 +42,13 @@ import tensorflow as tf
 
 logger = logging.getLogger(__name__)
 
+# `optimizer.jit_compile: auto` compiles updates of at least this many elements.
+AUTO_MIN_ELEMENTS = 1_000_000
+
+# Why an update does not lower to HLO ("" if it does), by `_lowering_key` (see the module
+# docstring).
+_LOWERING_FAILURES: dict[tuple, str] = {}
+
 
 class OptimizerStep:
     """`step(grads)` applies `grads` to `variables` with `optimizer` on `device`.
@@ -37,18 +57,33 @@ class OptimizerStep:
       optimizer: a Keras optimizer built on `variables`.
       variables: the variables it updates (engine copies or shards).
       device: where the variables (and the optimizer's slots) live.
-      jit_compile: compile the update with XLA (`optimizer.jit_compile`).
+      jit_compile: compile the update with XLA (`optimizer.jit_compile`): True, False,
+        or "auto" (True for at least `AUTO_MIN_ELEMENTS` parameters).
     """
 
-    def __init__(self, optimizer, variables, device: str, jit_compile: bool):
+    def __init__(self, optimizer, variables, device: str, jit_compile: bool | str):
         self.optimizer = optimizer
         self.variables = list(variables)
         self.device = device
         self._mirrors = []  # (local copy, source) of cross-device learning-rate variables
         self.jit_compile = False
+        if jit_compile == "auto":
+            jit_compile = update_elements(self.variables) >= AUTO_MIN_ELEMENTS
         if jit_compile:
             self._mirror_learning_rate()
-            self.jit_compile = self._compiles()
+            key = self._lowering_key()
+            failure = _LOWERING_FAILURES[key] if key in _LOWERING_FAILURES else self._lower()
+            if key is not None:
+                _LOWERING_FAILURES[key] = failure
+            if failure:
+                logger.warning(
+                    "optimizer.jit_compile: %s does not compile with XLA on %s; its update "
+                    "runs as plain TensorFlow ops. Reason: %s",
+                    type(self.optimizer).__name__,
+                    self.device,
+                    failure,
+                )
+            self.jit_compile = not failure
 
         def apply(grads):
             optimizer.apply(grads, self.variables)
@@ -76,10 +111,28 @@ class OptimizerStep:
         self.optimizer._learning_rate = local
         self._mirrors.append((local, rate))
 
-    def _compiles(self) -> bool:
-        """Lowers the update to HLO for dense gradients shaped like the variables. Nothing
-        runs and no state changes. (Keras's optimizers also compile with the
-        IndexedSlices of an Embedding's gradient: scatter ops are XLA ops.)"""
+    def _lowering_key(self) -> tuple | None:
+        """What decides whether this update lowers to HLO, or None if the optimizer has
+        no config to tell one instance from another (then it is probed every time)."""
+        try:
+            config = dict(self.optimizer.get_config())
+        except Exception:  # a custom optimizer without a usable get_config
+            return None
+        # Neither the name nor the learning rate's value changes the ops (a schedule's
+        # config does: it stays).
+        config.pop("name", None)
+        if isinstance(config.get("learning_rate"), (int, float)):
+            config["learning_rate"] = "a number"
+        config = repr(sorted(config.items()))
+        device_type = tf.DeviceSpec.from_string(self.device).device_type
+        shapes = tuple((tuple(v.shape), v.dtype) for v in self.variables)
+        return (type(self.optimizer), config, shapes, device_type)
+
+    def _lower(self) -> str:
+        """Lowers the update to HLO for dense gradients shaped like the variables; returns
+        why it failed, or "" if it lowered. Nothing runs and no state changes. (Keras's
+        optimizers also compile with the IndexedSlices of an Embedding's gradient:
+        scatter ops are XLA ops.)"""
         probe = tf.function(
             lambda grads: self.optimizer.apply(grads, self.variables),
             jit_compile=True,
@@ -90,15 +143,18 @@ class OptimizerStep:
                 grads = [tf.zeros(v.shape, v.dtype) for v in self.variables]
                 probe.experimental_get_compiler_ir(grads)(stage="hlo")
         except Exception as error:
-            logger.warning(
-                "optimizer.jit_compile: %s does not compile with XLA on %s; its update runs "
-                "as plain TensorFlow ops. Reason: %s",
-                type(self.optimizer).__name__,
-                self.device,
-                str(error).splitlines()[0][:300],
-            )
-            return False
-        return True
+            return str(error).splitlines()[0][:300] or type(error).__name__
+        return ""
+
+
+def update_elements(variables) -> int:
+    """Parameters an update covers (a variable of unknown size counts as large)."""
+    total = 0
+    for variable in variables:
+        if not tf.TensorShape(variable.shape).is_fully_defined():
+            return AUTO_MIN_ELEMENTS
+        total += tf.TensorShape(variable.shape).num_elements()
+    return total
 
 
 def _same_device(variable, device: str) -> bool:

@@ -53,7 +53,8 @@ class ReplicatedUpdate:
       num_apply_group: optimizer.num_apply_group.
       shared_variables: lanes share one variable copy (offload): apply once, on `apply_device`.
       apply_device: where shared variables live (the host).
-      jit_compile: compile each optimizer's update with XLA (`optimizer.jit_compile`).
+      jit_compile: compile each optimizer's update with XLA (`optimizer.jit_compile`:
+        True, False or "auto", apply.py).
     """
 
     def __init__(
@@ -64,7 +65,7 @@ class ReplicatedUpdate:
         num_apply_group: int = 1,
         shared_variables: bool = False,
         apply_device: str | None = None,
-        jit_compile: bool = False,
+        jit_compile: bool | str = False,
     ):
         self.layout = layout
         self.reduction = reduction

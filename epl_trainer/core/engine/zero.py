@@ -106,7 +106,8 @@ class ZeroUpdate:
       make_optimizer: `(device, variables) -> built Keras optimizer`; `split_variables`
         says whether it may get pieces (`zero_layout.splits_variables`).
       level: "v0", "v1" or "v2" (needs every stage group on this worker).
-      jit_compile: compile each shard's optimizer update with XLA (apply.py).
+      jit_compile: compile each shard's optimizer update with XLA (True, False or
+        "auto": by the shard's size, apply.py).
       measure_ranks: run `CollectiveGroup.measure_ranks()` on every stage group (one
         tiny eager gather each, at build time, on every worker in the same order).
         Default: only for GPU groups, whose ranks follow interconnect links.
@@ -126,7 +127,7 @@ class ZeroUpdate:
         reduction,
         make_optimizer,
         level: str = "v1",
-        jit_compile: bool = False,
+        jit_compile: bool | str = False,
         measure_ranks: bool | None = None,
         split_variables: bool = True,
         row_aligned: frozenset = frozenset(),
