@@ -225,6 +225,7 @@ class CollectiveGroup:
         """
         rank = {device: self.rank_of(device) for device in self.devices}
         by_rank = {rank[d]: (d, v) for d, v in zip(self.local_devices, values)}
+        length = values[0].shape[0]
         results = []
         for device in self.local_devices:
             r = rank[device]
@@ -232,16 +233,20 @@ class CollectiveGroup:
             for m in range(self.size):
                 source, flat = by_rank[m]
                 # Sliced where the buffer lives (only the block travels), once the running
-                # sum has taken the previous block.
+                # sum has taken the previous block. A static length slices by constants
+                # (one op; a ZeRO step has size**2 of these per bucket).
                 with tf.device(source), tf.control_dependencies([] if total is None else [total]):
-                    block = tf.shape(flat)[0] // self.size
-                    part = flat[r * block : (r + 1) * block]
+                    if length is not None:
+                        block = length // self.size
+                        part = tf.slice(flat, [r * block], [block])
+                    else:
+                        block = tf.shape(flat)[0] // self.size
+                        part = flat[r * block : (r + 1) * block]
                 with tf.device(device):
                     total = tf.identity(part) if total is None else total + part
             with tf.device(device):
                 if reduction == "mean":
                     total = total / tf.cast(self.size, total.dtype)
-                length = values[0].shape[0]
                 if length is not None:
                     total = tf.ensure_shape(total, [length // self.size])
                 results.append(total)
