@@ -432,7 +432,7 @@ class EPLTrainer(CheckpointMixin, TrainingDataMixin, InferenceMixin, ObjectivesM
         if self._engine is not None:
             if len(epochs_run) and ema.uses_ema(self.optimizer):
                 self._engine.finalize_ema()  # as Keras's fit: the weights := their averages
-            self._engine.write_back()
+            self._write_back()
         callback_list.on_train_end(logs)
         if self._engine is not None:
             self._engine.load_from_model()  # e.g. EarlyStopping(restore_best_weights=True)
@@ -446,7 +446,7 @@ class EPLTrainer(CheckpointMixin, TrainingDataMixin, InferenceMixin, ObjectivesM
         as they are."""
         sync = self._engine is not None and fit_lib.may_set_weights(callbacks, hook)
         if sync:
-            self._engine.write_back()
+            self._write_back()
             if ema.uses_ema(self.optimizer):
                 self._engine.ema_to_master(self.optimizer)
         getattr(callbacks, hook)(*args)
@@ -463,7 +463,7 @@ class EPLTrainer(CheckpointMixin, TrainingDataMixin, InferenceMixin, ObjectivesM
         callbacks see Keras's epoch index (from `initial_epoch`, each `fit`)."""
         self.epochs_done += 1
         self._step_in_epoch = 0
-        self._engine.write_back()
+        self._write_back()
         if self.config.checkpoint.dir:
             self._save_periodic()
 
@@ -498,7 +498,7 @@ class EPLTrainer(CheckpointMixin, TrainingDataMixin, InferenceMixin, ObjectivesM
             self.step_stats.update(stats)
             nonfinite_at = self._nonfinite_step(stats, index + ran - 1)
             if write_back_each_step:
-                self._engine.write_back()
+                self._write_back()
             chunk.update(last=index + ran - 1, end=int(self.optimizer.iterations.numpy()), ran=ran)
             # Keras's convention with steps_per_execution: one batch callback per call,
             # with the index of its last step.
@@ -549,6 +549,13 @@ class EPLTrainer(CheckpointMixin, TrainingDataMixin, InferenceMixin, ObjectivesM
         if print_table:
             print(report)
         return report
+
+    def _write_back(self) -> None:
+        """The Keras model gets the trained values. With a replica whose stages are on
+        several workers this exchanges them with the peers: a lost peer there is named
+        within communication.timeout_seconds, as in a step, instead of hanging."""
+        with self._lost_worker_check("writing the weights back to the Keras model"):
+            self._engine.write_back()
 
     @contextlib.contextmanager
     def _lost_worker_check(self, what: str = "a training step"):

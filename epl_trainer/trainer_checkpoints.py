@@ -180,7 +180,7 @@ class CheckpointMixin:
         unexpected = content.unexpected(manifest["entries"], expected)
         values = ckpt.read_entries(path, manifest, expected, unexpected)
         content.assign({k: np.asarray(v) for k, v in values.items()}, expected)
-        self._engine.write_back()  # the Keras model holds the restored state too
+        self._write_back()  # the Keras model holds the restored state too
         self.epochs_done = manifest.get("epochs_done", 0)
         self._step_in_epoch = manifest.get("step_in_epoch", 0)
         self._resume_position = (self._step_in_epoch, manifest.get("input_position", 0))

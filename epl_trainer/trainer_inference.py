@@ -157,14 +157,17 @@ class InferenceMixin:
         program = self._ensure_engine(features)
         size = _rows(features)
         callback_list.on_predict_batch_begin(0)
-        first = program.predict_step(features)
+        # A pipeline whose stages are on several workers sends activations between them.
+        with self._lost_worker_check("a prediction step"):
+            first = program.predict_step(features)
         flat = [[np.asarray(t)] for t in tree.flatten(first)]
         callback_list.on_predict_batch_end(0, {"outputs": tree.map_structure(np.asarray, first)})
 
         def run_call(iterator, count):
-            outputs, ran = program.predict_many_on_iterator(
-                iterator, count, size, tree.flatten(first)
-            )
+            with self._lost_worker_check("a prediction step"):
+                outputs, ran = program.predict_many_on_iterator(
+                    iterator, count, size, tree.flatten(first)
+                )
             outputs = [np.asarray(output) for output in outputs]
             for pieces, output in zip(flat, outputs):
                 pieces.append(output)

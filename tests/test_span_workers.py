@@ -166,11 +166,23 @@ def test_workers_started_by_hand_save_a_checkpoint_that_restores_into_one_device
         np.testing.assert_allclose(got, want, atol=1e-5)
 
 
-def test_kill_of_a_stage_worker_stops_the_other_with_the_named_error(tmp_path):
+@pytest.mark.parametrize(
+    "pause",
+    [
+        ("--pause_at_step", 2),
+        # After training: fit's write-back to the Keras model exchanges the stages'
+        # values, predict sends activations between the stages (unguarded before: the
+        # survivor hung or failed without naming the lost worker).
+        ("--pause_in", "epoch_end"),
+        ("--pause_in", "predict"),
+    ],
+    ids=["in_a_step", "before_the_write_back", "before_predict"],
+)
+def test_kill_of_a_stage_worker_stops_the_other_with_the_named_error(tmp_path, pause):
     timeout = 20
     ports, processes = start_workers_by_hand(
-        SCRIPT, tmp_path / "out", "--steps", 50, "--timeout", timeout,
-        "--pause_worker", 1, "--pause_at_step", 2,
+        SCRIPT, tmp_path / "out", "--steps", 50 if pause[0] == "--pause_at_step" else 3,
+        "--timeout", timeout, "--pause_worker", 1, *pause,
     )  # fmt: skip
     survivor, victim = processes
     try:

@@ -13,6 +13,8 @@ OUTPUT_DIR/result_<w>.json (losses, evaluate and predict results).
               each replica has a stage on each worker).
   --pause_worker W --pause_at_step N: worker W writes OUTPUT_DIR/paused_<W> (its pid)
               after step N and sleeps (a test kills it).
+  --pause_worker W --pause_in epoch_end|predict: the same at the end of the last epoch
+              (before fit's last write-back to the Keras model), or before predict.
 """
 
 import argparse
@@ -82,6 +84,7 @@ def main():
     parser.add_argument("--save_dir", default=None, help="save a checkpoint there after fit")
     parser.add_argument("--pause_worker", type=int, default=-1)
     parser.add_argument("--pause_at_step", type=int, default=-1)
+    parser.add_argument("--pause_in", choices=["step", "epoch_end", "predict"], default="step")
     args = parser.parse_args()
     config = {
         "pipeline.num_micro_batch": args.num_micro_batch,
@@ -109,12 +112,19 @@ def main():
     )
     print(trainer.plan.summary(), flush=True)
 
+    def pause_if(where: str) -> None:
+        if worker == args.pause_worker and args.pause_in == where:
+            with open(os.path.join(args.output_dir, f"paused_{worker}"), "w") as f:
+                f.write(str(os.getpid()))
+            time.sleep(3600)
+
     class PauseAfterStep(keras.callbacks.Callback):
         def on_train_batch_end(self, batch, logs=None):
-            if worker == args.pause_worker and batch + 1 == args.pause_at_step:
-                with open(os.path.join(args.output_dir, f"paused_{worker}"), "w") as f:
-                    f.write(str(os.getpid()))
-                time.sleep(3600)
+            if batch + 1 == args.pause_at_step:
+                pause_if("step")
+
+        def on_epoch_end(self, epoch, logs=None):
+            pause_if("epoch_end")
 
     os.makedirs(args.output_dir, exist_ok=True)
     x, y = make_data()
@@ -133,6 +143,7 @@ def main():
     evaluated = trainer.evaluate(
         x[:32], y[:32], batch_size=16 // trainer.data_shards, return_dict=True
     )
+    pause_if("predict")
     predicted = trainer.predict(x[:8], batch_size=8)
     np.savez(os.path.join(args.output_dir, f"weights_{worker}.npz"), *trainer.model.get_weights())
     with open(os.path.join(args.output_dir, f"result_{worker}.json"), "w") as f:
