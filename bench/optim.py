@@ -32,7 +32,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from epl_trainer.core.engine.apply import AUTO_MIN_ELEMENTS, OptimizerStep
+from epl_trainer.core.engine.apply import AUTO_MIN_ELEMENTS, OptimizerStep, auto_compiles
 
 # (constructor, arrays read + written per update, in units of the parameter size)
 OPTIMIZERS = {
@@ -99,6 +99,7 @@ def sweep(repeats: int) -> None:
         row = {}
         for jit in (False, True):
             variables = [keras.Variable(np.zeros(s, "float32")) for s in shapes]
+            auto = auto_compiles(variables)
             optimizer = keras.optimizers.Adam(1e-3)
             optimizer.build(variables)
             step = OptimizerStep(optimizer, variables, variables[0].value.device, jit)
@@ -106,7 +107,6 @@ def sweep(repeats: int) -> None:
         saved = row[False][1] - row[True][1]
         extra = row[True][0] - row[False][0]
         repay = f"{extra / saved:14.0f}" if saved > 0 else f"{'never':>14}"
-        auto = total >= AUTO_MIN_ELEMENTS
         print(
             f"{total:>11,} {count:>5} {row[False][0]:13.2f} {row[True][0]:11.2f} "
             f"{1e3 * row[False][1]:9.2f} {1e3 * row[True][1]:7.2f} {1e3 * saved:8.2f} "

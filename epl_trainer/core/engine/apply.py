@@ -58,7 +58,7 @@ class OptimizerStep:
       variables: the variables it updates (engine copies or shards).
       device: where the variables (and the optimizer's slots) live.
       jit_compile: compile the update with XLA (`optimizer.jit_compile`): True, False,
-        or "auto" (True for at least `AUTO_MIN_ELEMENTS` parameters).
+        or "auto" (`auto_compiles`).
     """
 
     def __init__(self, optimizer, variables, device: str, jit_compile: bool | str):
@@ -68,13 +68,10 @@ class OptimizerStep:
         self._mirrors = []  # (local copy, source) of cross-device learning-rate variables
         self.jit_compile = False
         if jit_compile == "auto":
-            jit_compile = update_elements(self.variables) >= AUTO_MIN_ELEMENTS
+            jit_compile = auto_compiles(self.variables)
         if jit_compile:
             self._mirror_learning_rate()
-            key = self._lowering_key()
-            failure = _LOWERING_FAILURES[key] if key in _LOWERING_FAILURES else self._lower()
-            if key is not None:
-                _LOWERING_FAILURES[key] = failure
+            failure = self._lowering_failure()
             if failure:
                 logger.warning(
                     "optimizer.jit_compile: %s does not compile with XLA on %s; its update "
@@ -110,6 +107,15 @@ class OptimizerStep:
             local = keras.Variable(value, dtype=rate.dtype, trainable=False, name="lr")
         self.optimizer._learning_rate = local
         self._mirrors.append((local, rate))
+
+    def _lowering_failure(self) -> str:
+        """Why the update does not lower to HLO ("" if it does), lowered once per key."""
+        key = self._lowering_key()
+        if key is None:
+            return self._lower()
+        if key not in _LOWERING_FAILURES:
+            _LOWERING_FAILURES[key] = self._lower()
+        return _LOWERING_FAILURES[key]
 
     def _lowering_key(self) -> tuple | None:
         """What decides whether this update lowers to HLO, or None if the optimizer has
@@ -147,14 +153,17 @@ class OptimizerStep:
         return ""
 
 
-def update_elements(variables) -> int:
-    """Parameters an update covers (a variable of unknown size counts as large)."""
+def auto_compiles(variables) -> bool:
+    """`optimizer.jit_compile: auto`: whether the update of `variables` is compiled (it
+    covers at least `AUTO_MIN_ELEMENTS` parameters; a variable of unknown size counts as
+    large)."""
     total = 0
     for variable in variables:
-        if not tf.TensorShape(variable.shape).is_fully_defined():
-            return AUTO_MIN_ELEMENTS
-        total += tf.TensorShape(variable.shape).num_elements()
-    return total
+        shape = tf.TensorShape(variable.shape)
+        if not shape.is_fully_defined():
+            return True
+        total += shape.num_elements()
+    return total >= AUTO_MIN_ELEMENTS
 
 
 def _same_device(variable, device: str) -> bool:
