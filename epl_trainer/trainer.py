@@ -202,7 +202,9 @@ class EPLTrainer(CheckpointMixin, TrainingDataMixin, InferenceMixin, ObjectivesM
             loss_weights=first(loss_weights, spec.loss_weights, given.get("loss_weights")),
             weighted_metrics=first(weighted_metrics, given.get("weighted_metrics")),
         )
-        annotation = _annotate(model, self.config, strategy, stages, split)
+        annotation = strategies.resolve_trainer_annotation(
+            model, self.config.auto.auto_parallel, strategy, stages, split
+        )
         self.engine_plan = engine.plan_engine(
             model,
             self.config,
@@ -579,8 +581,6 @@ class EPLTrainer(CheckpointMixin, TrainingDataMixin, InferenceMixin, ObjectivesM
             return None
         return where
 
-    # ---- logs and checks ---------------------------------------------------------------
-
 
 def _run_checked(step_fn, *args):
     """Runs a step; AMP's in-graph minimum-scale assertion becomes the error it stands for."""
@@ -590,22 +590,6 @@ def _run_checked(step_fn, *args):
         if (error := engine.min_scale_error(e)) is not None:
             raise error from None
         raise
-
-
-def _annotate(model, config: Config, strategy, stages, split):
-    """The model's annotation (TaskGraph specs and node -> TaskGraph), or None when
-    `auto.auto_parallel` lets the engine cut the model itself."""
-    if not config.auto.auto_parallel:
-        return strategies.resolve_annotation(model, strategy=strategy, stages=stages, split=split)
-    given = {"strategy": strategy, "stages": stages, "split": split}
-    given = {k: v for k, v in given.items() if v is not None}
-    scoped = strategies.resolve_annotation(model).source == "scopes"
-    if given or scoped:
-        raise ValueError(
-            "auto.auto_parallel=True cuts the model itself; do not also annotate it. Received: "
-            + (", ".join(f"{k}={v!r}" for k, v in given.items()) or "replicate/split scopes")
-        )
-    return None
 
 
 def _checked_steps_per_execution(value, worker_num: int) -> int:

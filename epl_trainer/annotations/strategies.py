@@ -274,6 +274,23 @@ def model_nodes(model) -> list:
     return nodes
 
 
+def resolve_trainer_annotation(model, auto_parallel: bool, strategy, stages, split):
+    """The trainer's annotation: `resolve_annotation`'s, or None when
+    `auto.auto_parallel` lets the engine cut the model itself (which then refuses an
+    annotation given as well, rather than silently ignoring it)."""
+    if not auto_parallel:
+        return resolve_annotation(model, strategy=strategy, stages=stages, split=split)
+    given = {"strategy": strategy, "stages": stages, "split": split}
+    given = {k: v for k, v in given.items() if v is not None}
+    scoped = resolve_annotation(model).source == "scopes"
+    if given or scoped:
+        raise ValueError(
+            "auto.auto_parallel=True cuts the model itself; do not also annotate it. Received: "
+            + (", ".join(f"{k}={v!r}" for k, v in given.items()) or "replicate/split scopes")
+        )
+    return None
+
+
 def resolve_annotation(model, strategy=None, stages=None, split=None) -> ModelAnnotation:
     """The TaskGraphs of `model` and the TaskGraph of each of its compute nodes.
 
