@@ -3,9 +3,11 @@
 Each worker feeds its own input pipeline. When one runs out first, its peers would wait
 in the step's collectives for a partner that never comes (until the watchdog aborts
 them). So in a multi-worker job every worker takes its next batch outside the compiled
-step, and one tiny all-gather of "have a batch" flags over the workers' host CPUs lets
-all of them end the epoch at the same step, as Keras' multi-worker training does, with
-a warning naming the workers that ran out. Single-worker jobs do not pay for this.
+step, and one tiny all-gather of each worker's batch rows (0: no batch) over the
+workers' host CPUs lets all of them end the epoch at the same step, as Keras'
+multi-worker training does, with a warning naming the workers that ran out. The same
+gather gives the global batch's rows, which the step's loss is normalised by: a worker's
+last batch may be shorter than its peers'. Single-worker jobs do not pay for this.
 """
 
 from __future__ import annotations
@@ -21,8 +23,8 @@ logger = logging.getLogger(__name__)
 
 
 class EndOfDataAgreement:
-    """`next_batch(iterator)` returns this worker's batch, or raises StopIteration on
-    every worker at the first step where any worker has none."""
+    """`next_batch(iterator)` returns this worker's batch and the global batch's rows, or
+    raises StopIteration on every worker at the first step where any worker has none."""
 
     def __init__(self, cluster: Cluster):
         self.cluster = cluster
@@ -34,20 +36,29 @@ class EndOfDataAgreement:
         # Made before tracing: a variable created inside the trace would trace it twice and
         # take a second instance key on this worker only (see trainer._synced_logs).
         comm.ordering_token(cluster.host_device)
-        self._gather = tf.function(self._gather_flags)
+        self._gather = tf.function(self._gather_rows)
 
-    def _gather_flags(self, has_batch):
+    def _gather_rows(self, optional):
         with tf.device(self.cluster.host_device):
-            flag = tf.reshape(tf.cast(has_batch, tf.int32), [1])
-        return self._group.all_gather([flag])[0]
+            rows = tf.cond(
+                optional.has_value(), lambda: _rows(optional.get_value()), lambda: tf.constant(0)
+            )
+            rows = tf.reshape(rows, [1])
+        return self._group.all_gather([rows])[0]
 
-    def next_batch(self, iterator, step: int):
+    def next_batch(self, iterator, step: int, shard_of_worker):
+        """(this worker's batch, the global batch's rows).
+
+        Args:
+          shard_of_worker: the input shard each worker reads; workers of one shard (the
+            stages of a replica spanning them) read the same batch, counted once.
+        """
         optional = iterator.get_next_as_optional()
-        flags = self._gather(optional.has_value())
+        gathered = self._gather(optional).numpy()
         # Gathered in collective rank order: map ranks back to worker indices.
         ranks = [self._group.rank_of(device) for device in self._group.devices]
-        have = {w: bool(flags.numpy()[ranks[w]]) for w in range(self.cluster.worker_num)}
-        out_of_data = sorted(w for w, has in have.items() if not has)
+        rows = [int(gathered[ranks[w]]) for w in range(self.cluster.worker_num)]
+        out_of_data = [w for w, count in enumerate(rows) if count == 0]
         if out_of_data and len(out_of_data) < self.cluster.worker_num:
             logger.warning(
                 "Worker(s) %s ran out of data at step %d of this epoch while others still "
@@ -59,4 +70,13 @@ class EndOfDataAgreement:
             )
         if out_of_data:
             raise StopIteration
-        return optional.get_value()
+        by_shard = dict(zip(shard_of_worker, rows))
+        return optional.get_value(), sum(by_shard.values())
+
+
+def _rows(element) -> tf.Tensor:
+    """A batch's rows (int32): the first dimension of its first tensor."""
+    first = tf.nest.flatten(element)[0]
+    if isinstance(first, tf.RaggedTensor):
+        return tf.cast(first.nrows(), tf.int32)
+    return tf.shape(first)[0]

@@ -480,8 +480,10 @@ class EPLTrainer(CheckpointMixin, TrainingDataMixin, InferenceMixin, ObjectivesM
             start = time.perf_counter()
             with self._lost_worker_check():
                 if self._end_of_data is not None:  # StopIteration on every worker once any ran out
-                    element = self._end_of_data.next_batch(iterator, index)
-                    results = _run_checked(program.train_on_element, element)
+                    shards = self.engine_plan.data_shards[1]
+                    element, rows = self._end_of_data.next_batch(iterator, index, shards)
+                    spec = batches.dataset.element_spec
+                    results = _run_checked(program.train_on_element, element, spec, rows)
                 elif self.steps_per_execution == 1:
                     results = _run_checked(program.train_on_iterator, iterator)
                 else:

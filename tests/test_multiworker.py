@@ -134,3 +134,30 @@ def test_a_worker_that_runs_out_first_ends_the_epoch_everywhere(tmp_path):
         weights = np.load(tmp_path / "out" / f"weights_{w}.npz")
         for i, value in enumerate(expected):
             np.testing.assert_allclose(weights[f"arr_{i}"], value, atol=1e-5)
+
+
+def test_a_worker_whose_last_batch_is_shorter_trains_with_its_peer(tmp_path):
+    """1001 samples sharded over 2 workers, then batched by 167: worker 0's three batches
+    are full, worker 1's last one has 166 rows. Its step no longer retraces alone (which
+    gave its collectives other keys than its peer's, and the job hung until the watchdog
+    ended it): the job ends cleanly with Keras's weights on the concatenated batches (two
+    devices per worker: worker 0's 167 rows are also filled up to split in two)."""
+    result = _launch(tmp_path, 2, 2, "--short_last")
+    assert result.returncode == 0, result.stdout + result.stderr
+    logs = "".join(p.read_text() for p in (tmp_path / "logs").rglob("worker_*.log"))
+    assert logs.count("steps=3") == 2, logs
+    x, y = train_dp.make_data(train_dp.SHORT_LAST_SAMPLES)
+    shards = [np.arange(w, len(x), 2) for w in range(2)]  # Dataset.shard(2, w)
+    batch = train_dp.SHORT_LAST_BATCH
+    model = train_dp.make_model()
+    model.compile(
+        optimizer=keras.optimizers.SGD(0.1),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+    )
+    for step in range(3):  # Keras on global batch i = worker 0's batch i ++ worker 1's
+        rows = np.concatenate([shard[step * batch :][:batch] for shard in shards])
+        model.train_on_batch(x[rows], y[rows])
+    for w in range(2):
+        weights = np.load(tmp_path / "out" / f"weights_{w}.npz")
+        for i, value in enumerate(model.get_weights()):
+            np.testing.assert_allclose(weights[f"arr_{i}"], value, atol=1e-5)

@@ -20,6 +20,7 @@ import epl_trainer as epl
 
 STAGES = {"dense_in": 0, "norm|logits": 1}
 TIED_STAGES = {"embed|block": 0, "norm|logits": 1}
+SHORT_LAST_SAMPLES, SHORT_LAST_BATCH = 1001, 167  # --short_last: 501 and 500 per worker
 
 
 def make_data(n=96):
@@ -76,11 +77,19 @@ def main():
     parser.add_argument(
         "--uneven", action="store_true", help="one pass; worker 1 has 2 batches, worker 0 has 4"
     )
+    parser.add_argument(
+        "--short_last",
+        action="store_true",
+        help="1001 samples sharded, then batched by 167: worker 0 has 3 full batches, "
+        "worker 1's last one is a row short (500 samples)",
+    )
     args = parser.parse_args()
     env = epl.init(
         {
             "pipeline.num_micro_batch": args.num_micro_batch,
             "cluster.colocate_split_and_replicate": args.split,
+            # A step that hangs fails within a minute (the test's bound), not 600 s.
+            **({"communication.timeout_seconds": 60} if args.short_last else {}),
         }
     )
     import keras
@@ -126,6 +135,13 @@ def main():
             (np.stack(rows[:batches]), np.stack(labels[:batches]))
         )
         history = trainer.fit(data, epochs=1, verbose=0)
+        print(f"worker {cluster.worker_index} steps={int(trainer.optimizer.iterations)}")
+    elif args.short_last:
+        import tensorflow as tf
+
+        x, y = make_data(SHORT_LAST_SAMPLES)
+        data = tf.data.Dataset.from_tensor_slices((x, y)).shard(2, cluster.worker_index)
+        history = trainer.fit(data.batch(SHORT_LAST_BATCH), epochs=1, verbose=0)
         print(f"worker {cluster.worker_index} steps={int(trainer.optimizer.iterations)}")
     else:
         history = trainer.fit(

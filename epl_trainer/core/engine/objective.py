@@ -120,15 +120,21 @@ class StepRows:
         worker batches).
       single: the step is one micro-batch on one lane of one worker: a data-dependent
         divisor is then known where the loss is computed.
+      agreed_rows: the global batch's rows when the workers agreed on them before the
+        step (float32 scalar; their batches may differ: an uneven last batch), or None:
+        every shard's batch has `real_rows`.
     """
 
     real_rows: tf.Tensor
     lanes: int
     data_shards: int
     single: bool = False
+    agreed_rows: tf.Tensor | None = None
 
     @property
     def global_rows(self) -> tf.Tensor:
+        if self.agreed_rows is not None:
+            return self.agreed_rows
         return self.real_rows * float(self.data_shards)
 
 

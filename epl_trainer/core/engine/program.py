@@ -32,7 +32,13 @@ from epl_trainer.core.engine.layout import StepLayout
 from epl_trainer.core.engine.pipeline import LaneExecutor, run_to_end
 from epl_trainer.core.engine.reduce import scaled
 from epl_trainer.core.engine.state import EngineState
-from epl_trainer.core.engine.step_batch import StepBatch, pad_batch, split_batch, unpack_element
+from epl_trainer.core.engine.step_batch import (
+    StepBatch,
+    open_batch_spec,
+    pad_batch,
+    split_batch,
+    unpack_element,
+)
 from epl_trainer.core.plan.schedule import FORWARD, execution_order, make_schedule
 
 
@@ -141,8 +147,9 @@ class Program:
         # round trip per step; it matters for small, fast steps.
         self.train_on_iterator = tf.function(self._train_on_iterator, reduce_retracing=True)
         # Multi-worker jobs take the batch outside the step, to agree on the end of data
-        # first (end_of_data.py).
-        self.train_on_element = tf.function(self._train_on_element, reduce_retracing=True)
+        # first (end_of_data.py); traced for the data's spec (`train_on_element`).
+        self._train_element = tf.function(self._train_on_element, reduce_retracing=True)
+        self._element_specs_traced = []
         # steps_per_execution > 1: several steps per call, as a loop in the graph.
         self._train_many = tf.function(self._train_many_on_iterator, reduce_retracing=True)
         self.eval_step = tf.function(self._eval_step, reduce_retracing=True)
@@ -178,8 +185,27 @@ class Program:
     def _train_on_iterator(self, iterator):
         return self._train_step(*unpack_element(next(iterator)))
 
-    def _train_on_element(self, element):
-        return self._train_step(*unpack_element(element))
+    def train_on_element(self, element, element_spec, global_rows: int):
+        """One training step on a batch taken outside the step (multi-worker jobs).
+
+        Traced once for `element_spec` (the dataset's) with the batch dimension open, as
+        `train_on_iterator` is by its iterator's spec: a worker whose batch is shorter than
+        its peers' (an uneven last batch) then runs the trace they run, whose collectives
+        have the instance keys theirs have. Traced by the batch's own shape, it retraced
+        alone, took new keys, and its peers waited for it until the watchdog ended the job.
+
+        Args:
+          global_rows: rows of the global batch (every input shard's batch), which the
+            workers agreed on with the end of data; the loss is normalised by it.
+        """
+        spec = open_batch_spec(element_spec)
+        if spec not in self._element_specs_traced:
+            self._train_element.get_concrete_function(spec, tf.TensorSpec([], tf.float32))
+            self._element_specs_traced.append(spec)
+        return self._train_element(element, tf.constant(global_rows, tf.float32))
+
+    def _train_on_element(self, element, global_rows):
+        return self._train_step(*unpack_element(element), global_rows=global_rows)
 
     def train_many_on_iterator(self, iterator, steps: int):
         """`_train_many_on_iterator` compiled once for every step count: the count goes in
@@ -216,7 +242,11 @@ class Program:
     # autograph does not convert them, nor the engine and Keras code they call; only the
     # loops over several steps or batches below are converted.
     @tf.autograph.experimental.do_not_convert
-    def _train_step(self, features, labels, sample_weight=None):
+    def _train_step(self, features, labels, sample_weight=None, global_rows=None):
+        """Args:
+        global_rows: rows of the global batch, or None: this worker's rows times the
+          input shards (the same batch size on every shard).
+        """
         layout, hooks = self.layout, self.hooks
         num_lanes, num_micro = len(layout.lanes), self.num_micro_batch
         with tf.device(layout.host):
@@ -228,6 +258,7 @@ class Program:
                 lanes=num_lanes * self.data_shards,
                 data_shards=self.data_shards,
                 single=num_lanes * num_micro * self.data_shards == 1,
+                agreed_rows=global_rows,
             )
         lane_grads, lane_non_trainable = [], []
         hooks.lanes.begin_trace()

@@ -23,6 +23,22 @@ def unpack_element(element):
     return element if len(element) == 3 else (*element, None)
 
 
+def open_batch_spec(element_spec):
+    """`element_spec` (a dataset's) with the batch dimension of every tensor left open, as
+    a dataset batched without drop_remainder has it: one trace serves every batch size."""
+
+    def open_batch(spec):
+        if isinstance(spec, tf.TensorSpec) and spec.shape.rank:
+            return tf.TensorSpec([None, *spec.shape[1:]], spec.dtype, spec.name)
+        if isinstance(spec, tf.RaggedTensorSpec) and spec.shape.rank:
+            return tf.RaggedTensorSpec(
+                [None, *spec.shape[1:]], spec.dtype, spec.ragged_rank, spec.row_splits_dtype
+            )
+        return spec
+
+    return tf.nest.map_structure(open_batch, element_spec)
+
+
 class StepBatch:
     """One step's batch cut into lanes x micro-batches, padded to split evenly.
 
