@@ -17,7 +17,7 @@ import logging
 import tensorflow as tf
 
 from epl_trainer.cluster import Cluster
-from epl_trainer.core import comm
+from epl_trainer.core.comm.hosts import host_group, rows_by_worker
 
 logger = logging.getLogger(__name__)
 
@@ -28,14 +28,7 @@ class EndOfDataAgreement:
 
     def __init__(self, cluster: Cluster):
         self.cluster = cluster
-        hosts = tuple(
-            devices[0].rsplit("/device:", 1)[0] + "/device:CPU:0"
-            for devices in cluster.devices_by_worker
-        )
-        self._group = comm.CollectiveGroup(hosts, (cluster.host_device,))
-        # Made before tracing: a variable created inside the trace would trace it twice and
-        # take a second instance key on this worker only (see trainer._synced_logs).
-        comm.ordering_token(cluster.host_device)
+        self._group = host_group(cluster.devices_by_worker, cluster.host_device)
         self._gather = tf.function(self._gather_rows)
 
     def _gather_rows(self, optional):
@@ -54,10 +47,7 @@ class EndOfDataAgreement:
             stages of a replica spanning them) read the same batch, counted once.
         """
         optional = iterator.get_next_as_optional()
-        gathered = self._gather(optional).numpy()
-        # Gathered in collective rank order: map ranks back to worker indices.
-        ranks = [self._group.rank_of(device) for device in self._group.devices]
-        rows = [int(gathered[ranks[w]]) for w in range(self.cluster.worker_num)]
+        rows = [int(r) for r in rows_by_worker(self._group, self._gather(optional)).ravel()]
         out_of_data = [w for w, count in enumerate(rows) if count == 0]
         if out_of_data and len(out_of_data) < self.cluster.worker_num:
             logger.warning(

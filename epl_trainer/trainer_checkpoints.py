@@ -12,41 +12,56 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 
 import numpy as np
 import tensorflow as tf
 
 from epl_trainer import checkpoint as ckpt
 from epl_trainer import model_fn as model_fn_lib
-from epl_trainer.core import comm
+from epl_trainer.core.comm.hosts import host_group, rows_by_worker
 from epl_trainer.core.engine.checkpoint_content import CheckpointContent
 
 logger = logging.getLogger(__name__)
 
+# How long a worker waits for the checkpoint the chief chose to become readable (its
+# storage may show it later: object stores are eventually consistent).
+RESUME_VISIBILITY_SECONDS = 30.0
 
-class SaveAgreement:
-    """One tiny all-gather over the workers' host CPUs: `gather([a, b])` returns every
-    worker's pair, by worker index. Saves use it twice: to agree on the step and the
-    temporary folder (the chief's pid) before writing, and as the barrier after it."""
+
+class HostAgreement:
+    """One tiny all-gather over the workers' host CPUs: `gather(values)` returns every
+    worker's int64 vector (the same length on every worker), by worker index. Saves use
+    it to agree on the step and the temporary folder before writing, and as the barrier
+    after it; a resume to agree on the checkpoint; fit on the shuffling seed."""
 
     def __init__(self, cluster):
         self.cluster = cluster
-        hosts = tuple(
-            devices[0].rsplit("/device:", 1)[0] + "/device:CPU:0"
-            for devices in cluster.devices_by_worker
-        )
-        self._group = comm.CollectiveGroup(hosts, (cluster.host_device,))
-        comm.ordering_token(cluster.host_device)  # before tracing (see end_of_data.py)
-        self._gather = tf.function(self._gather_pairs)
+        self._group = host_group(cluster.devices_by_worker, cluster.host_device)
+        self._gather = tf.function(self._gather_values)
 
-    def _gather_pairs(self, pair):
+    def _gather_values(self, values):
         with tf.device(self.cluster.host_device):
-            return self._group.all_gather([tf.identity(pair)])[0]
+            return self._group.all_gather([tf.identity(values)])[0]
 
-    def gather(self, pair: list[int]) -> list[list[int]]:
-        gathered = self._gather(tf.constant(pair, tf.int64)).numpy().reshape(-1, 2)
-        ranks = [self._group.rank_of(device) for device in self._group.devices]
-        return [[int(x) for x in gathered[ranks[w]]] for w in range(self.cluster.worker_num)]
+    def gather(self, values: list[int]) -> list[list[int]]:
+        gathered = self._gather(tf.constant(values, tf.int64)).numpy()
+        return rows_by_worker(self._group, gathered).tolist()
+
+
+# A resume's checkpoint name travels as int64s: [status, length, its UTF-8 bytes...].
+_NAME_SLOTS = 2 + 128  # checkpoint tags are at most 128 characters (checkpoint._TAG)
+_NO_CHECKPOINT, _NAMED, _UNREADABLE = 0, 1, 2
+
+
+def _encode_choice(status: int, name: str = "") -> list[int]:
+    data = list(name.encode("utf-8"))
+    return [status, len(data), *data] + [0] * (_NAME_SLOTS - 2 - len(data))
+
+
+def _decode_choice(row: list[int]) -> tuple[int, str]:
+    status, length = row[0], row[1]
+    return status, bytes(row[2 : 2 + length]).decode("utf-8")
 
 
 class CheckpointMixin:
@@ -121,11 +136,48 @@ class CheckpointMixin:
             directory, folder, step, cluster.worker_num, metadata, required, keep_max, tag
         )
 
-    def _agree(self, pair: list[int]) -> list[list[int]]:
-        if getattr(self, "_save_agreement", None) is None:
-            self._save_agreement = SaveAgreement(self.cluster)
-        with self._lost_worker_check("a checkpoint save"):
-            return self._save_agreement.gather(pair)
+    def _agree(self, values: list[int], what: str = "a checkpoint save") -> list[list[int]]:
+        """Every worker's `values` (int64s), by worker index (`HostAgreement`)."""
+        if getattr(self, "_host_agreement", None) is None:
+            self._host_agreement = HostAgreement(self.cluster)
+        with self._lost_worker_check(what):
+            return self._host_agreement.gather(values)
+
+    def _agreed_latest(self, directory: str) -> str | None:
+        """The checkpoint a multi-worker job restores: the one the chief's `latest` names
+        (None: the chief sees no checkpoint), once every worker has confirmed it can read
+        it. Each worker reading `latest` on its own could resume another step on storage
+        that is eventually consistent (object stores), where a worker may still see the
+        previous pointer. A worker that cannot read the chosen checkpoint within
+        `RESUME_VISIBILITY_SECONDS` fails the restore on every worker, by name.
+        """
+        is_chief = self.cluster.is_chief
+        choice, failure = _encode_choice(_NO_CHECKPOINT), None
+        if is_chief and ckpt.exists(directory):
+            try:
+                choice = _encode_choice(_NAMED, os.path.basename(ckpt.latest(directory)))
+            except ckpt.CheckpointError as error:
+                choice, failure = _encode_choice(_UNREADABLE), error
+        status, name = _decode_choice(self._agree(choice, "agreeing on the checkpoint")[0])
+        if failure is not None:
+            raise failure
+        if status == _UNREADABLE:
+            raise ckpt.CheckpointError(
+                f"The chief (worker 0) could not read the newest checkpoint of {directory!r} "
+                "(its log has the reason); no worker restores."
+            )
+        if status == _NO_CHECKPOINT:
+            return None
+        problem = _wait_until_readable(directory, name, RESUME_VISIBILITY_SECONDS)
+        confirmed = self._agree([int(problem is None)], "confirming the checkpoint")
+        unable = [w for w, (ok,) in enumerate(confirmed) if not ok]
+        if unable:
+            raise ckpt.CheckpointError(
+                f"Worker(s) {unable} cannot read checkpoint {name!r} of {directory!r}, the "
+                "newest one the chief sees; no worker restores"
+                + (f". This worker: {problem}" if problem else " (their logs have the reason).")
+            )
+        return name
 
     def _layout_record(self) -> dict:
         """The layout that wrote a checkpoint (informative: any layout can restore it)."""
@@ -158,6 +210,12 @@ class CheckpointMixin:
         for subclassed models, and for an Estimator-style model_fn, pass one batch of
         `features` to build it.
         """
+        if tag is None and self.cluster.worker_num > 1:
+            tag = self._agreed_latest(directory)  # the chief's newest, confirmed by all
+            if tag is None:
+                raise ckpt.CheckpointError(
+                    f"No checkpoint in {directory!r}: the chief (worker 0) sees no 'latest'."
+                )
         path = ckpt.latest(directory) if tag is None else ckpt.tagged(directory, tag)
         if self._pending_model_fn is not None:
             if features is None:
@@ -194,10 +252,18 @@ class CheckpointMixin:
         training from scratch and overwriting the folder's history.
         """
         directory = self.config.checkpoint.dir
-        if not directory or self._engine is not None or not ckpt.exists(directory):
+        if not directory or self._engine is not None:
+            return False
+        if self.cluster.worker_num > 1:
+            tag = self._agreed_latest(directory)  # whether to resume is the chief's view too
+            if tag is None:
+                return False
+        elif ckpt.exists(directory):
+            tag = None
+        else:
             return False
         self._ensure_engine_for(dataset)
-        path = self.restore_checkpoint(directory)
+        path = self.restore_checkpoint(directory, tag=tag)
         logger.info(
             "Resumed from %s: epoch %d, step %d of it.", path, self.epochs_done, self._step_in_epoch
         )
@@ -205,3 +271,18 @@ class CheckpointMixin:
 
     def _save_periodic(self) -> None:
         self.save_checkpoint(self.config.checkpoint.dir, keep_max=self.config.checkpoint.keep_max)
+
+
+def _wait_until_readable(directory: str, name: str, seconds: float) -> str | None:
+    """None once checkpoint `name` of `directory` and its manifest can be read, else
+    (after `seconds`) why not."""
+    deadline = time.monotonic() + seconds
+    while True:
+        try:
+            ckpt.read_manifest(ckpt.tagged(directory, name))
+            return None
+        except ckpt.CheckpointError as error:
+            if time.monotonic() >= deadline:
+                logger.error("Cannot read checkpoint %r of %r: %s", name, directory, error)
+                return str(error)
+        time.sleep(min(1.0, max(0.0, deadline - time.monotonic())))

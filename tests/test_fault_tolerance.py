@@ -243,3 +243,30 @@ def test_resume_after_kill_sees_every_sample_once_and_ends_with_identical_weight
     assert len(seen) == STEPS
     for got, want in zip(_weights(tmp_path), _weights(uninterrupted)):
         np.testing.assert_array_equal(got, want)
+
+
+def test_workers_resume_the_checkpoint_the_chief_chose_once_all_can_read_it(
+    tmp_path, uninterrupted
+):
+    """Workers no longer read `latest` each on their own. Killed at step 5 (checkpoints
+    at 2 and 4), the job restarts twice with worker 1 seeing the folder as an eventually
+    consistent store might: on restart 1 it cannot read any checkpoint, and every worker
+    fails the restore naming it (before: worker 1 failed alone while worker 0 resumed);
+    on restart 2 its `latest` still names step 2, yet both resume step 4, the chief's
+    choice (before: worker 1 resumed step 2 and trained out of step with worker 0)."""
+    job = _launch(tmp_path, "--kill_at_step", "5", "--resume_faults", max_restarts=2)
+    out, err = job.communicate(timeout=500)
+    assert job.returncode == 0, out + err
+    assert "restart 2/2" in err, err
+    for worker in range(2):
+        (path,) = (tmp_path / "logs").rglob(f"worker_{worker}.restart_1.log")
+        log = path.read_text()
+        assert "Worker(s) [1] cannot read checkpoint 'ckpt-4'" in log, log
+    # The first batch after the resume is each worker's half of global batch 4.
+    assert _samples(tmp_path, 0, attempt=2)[0] == [32, 33, 34, 35]
+    assert _samples(tmp_path, 1, attempt=2)[0] == [36, 37, 38, 39]
+    for got, other, want in zip(
+        _weights(tmp_path, 0), _weights(tmp_path, 1), _weights(uninterrupted)
+    ):
+        np.testing.assert_array_equal(got, other)
+        np.testing.assert_allclose(got, want, atol=1e-5)

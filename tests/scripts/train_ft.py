@@ -19,6 +19,10 @@ Fault injection, on the first attempt only (EPL_RESTART_ATTEMPT unset or 0):
   --kill_at_step N                     every worker SIGKILLs itself after step N
   --kill_in_save N                     worker 0 SIGKILLs itself while saving step N's
                                        checkpoint, between writing and publishing
+Storage faults on restarts (--resume_faults), as an eventually consistent object store
+shows them to worker 1:
+  restart 1                            no checkpoint of the folder is readable to it
+  restart 2                            its `latest` still names the previous checkpoint
 """
 
 import argparse
@@ -84,6 +88,28 @@ def make_dataset(worker_index, worker_num):
     return tf.data.Dataset.range(NUM_SAMPLES).batch(GLOBAL_BATCH, drop_remainder=True).map(lookup)
 
 
+def _stale_storage(attempt):
+    """Worker 1's view of the checkpoint folder on restart `attempt` (--resume_faults)."""
+    from epl_trainer import checkpoint, trainer_checkpoints
+
+    if attempt == 1:
+
+        def unreadable(path):
+            raise checkpoint.CheckpointError(f"{path!r}: not visible to this worker yet")
+
+        checkpoint.read_manifest = unreadable
+        trainer_checkpoints.RESUME_VISIBILITY_SECONDS = 1.0
+    if attempt == 2:
+        newest = checkpoint.latest
+
+        def previous(directory):
+            steps = checkpoint.list_checkpoints(directory)
+            path = newest(directory)
+            return os.path.join(directory, f"ckpt-{steps[-2]}") if len(steps) > 1 else path
+
+        checkpoint.latest = previous
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("output_dir")
@@ -97,6 +123,7 @@ def main():
     parser.add_argument("--kill_at_step", type=int, default=-1)
     parser.add_argument("--kill_in_save", type=int, default=-1)
     parser.add_argument("--zero", default="", help="zero.level (optimizer state sharded)")
+    parser.add_argument("--resume_faults", action="store_true", help="see the docstring")
     args = parser.parse_args()
     attempt = int(os.environ.get("EPL_RESTART_ATTEMPT", "0"))
     first_attempt = attempt == 0
@@ -116,6 +143,8 @@ def main():
 
     cluster = env.cluster
     worker = cluster.worker_index
+    if args.resume_faults and worker == 1:
+        _stale_storage(attempt)
     record = os.path.join(args.output_dir, f"samples_{worker}_attempt{attempt}.txt")
     trainer = epl.EPLTrainer(
         make_model(record),
