@@ -145,6 +145,12 @@ def test_a_worker_whose_last_batch_is_shorter_trains_with_its_peer(tmp_path):
     result = _launch(tmp_path, 2, 2, "--short_last")
     assert result.returncode == 0, result.stdout + result.stderr
     logs = "".join(p.read_text() for p in (tmp_path / "logs").rglob("worker_*.log"))
+    check_short_last_batches(tmp_path / "out", logs)
+
+
+def check_short_last_batches(out, logs):
+    """A `--short_last` job trained 3 steps on both workers, as Keras (SGD) on global batch
+    i = worker 0's batch i ++ worker 1's (also used by test_hosts.py)."""
     assert logs.count("steps=3") == 2, logs
     x, y = train_dp.make_data(train_dp.SHORT_LAST_SAMPLES)
     shards = [np.arange(w, len(x), 2) for w in range(2)]  # Dataset.shard(2, w)
@@ -154,10 +160,10 @@ def test_a_worker_whose_last_batch_is_shorter_trains_with_its_peer(tmp_path):
         optimizer=keras.optimizers.SGD(0.1),
         loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
     )
-    for step in range(3):  # Keras on global batch i = worker 0's batch i ++ worker 1's
+    for step in range(3):
         rows = np.concatenate([shard[step * batch :][:batch] for shard in shards])
         model.train_on_batch(x[rows], y[rows])
     for w in range(2):
-        weights = np.load(tmp_path / "out" / f"weights_{w}.npz")
+        weights = np.load(out / f"weights_{w}.npz")
         for i, value in enumerate(model.get_weights()):
             np.testing.assert_allclose(weights[f"arr_{i}"], value, atol=1e-5)

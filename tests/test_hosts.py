@@ -1,0 +1,140 @@
+"""Workers on hosts with their own network addresses (Linux network namespaces on a
+bridge, tests/_hosts.py): training across them, link faults, a slow link, a restart.
+
+Every worker runs in its own namespace and reaches its peer only by the address its
+TF_CONFIG names, as on separate machines; faults are real: a cable unplugged (the
+host's veth link set down), a host that stops answering (its process frozen with
+SIGSTOP), a link slowed by a delaying relay (this kernel has no netem).
+"""
+
+import os
+import signal
+import time
+
+import numpy as np
+import pytest
+from _hosts import NetworkHosts, port, start_relay, start_workers, unavailable_reason
+from _launch import SCRIPTS
+from test_fault_tolerance import _samples, _weights, uninterrupted  # noqa: F401 (fixture)
+from test_multiworker import check_short_last_batches
+from test_span_workers import _check_workers, _keras_reference
+
+UNAVAILABLE = unavailable_reason()
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.timeout(400),
+    pytest.mark.skipif(UNAVAILABLE is not None, reason=f"no test hosts: {UNAVAILABLE}"),
+]
+
+TIMEOUT = 20  # communication.timeout_seconds of the fault tests
+SPAN = os.path.join(SCRIPTS, "train_span.py")
+DP = os.path.join(SCRIPTS, "train_dp.py")
+FT = os.path.join(SCRIPTS, "train_ft.py")
+
+
+@pytest.fixture
+def hosts():
+    with NetworkHosts(3) as made:  # two workers and, for the slow link, a relay
+        yield made
+
+
+def _finish(processes, timeout=240) -> list[str]:
+    """Each process's output once it exits (all are killed if one overruns)."""
+    try:
+        return [p.communicate(timeout=timeout)[0] for p in processes]
+    finally:
+        _stop(processes)
+
+
+def _stop(processes) -> None:
+    """Kills what still runs (frozen ones too) and waits for it: a namespace goes away
+    only with its last process."""
+    for p in processes:
+        if p.poll() is None:
+            p.kill()
+        p.communicate()
+
+
+def _wait_for(path, process, seconds=120):
+    deadline = time.monotonic() + seconds
+    while not (path.exists() and path.read_text()):
+        assert process.poll() is None, f"exited with {process.returncode} before {path}"
+        assert time.monotonic() < deadline, f"{path} never appeared"
+        time.sleep(0.1)
+    return path.read_text()
+
+
+def test_data_parallel_on_two_hosts_with_a_shorter_last_batch_equals_keras(tmp_path, hosts):
+    """2 hosts x 2 devices, data parallel; host 1's last batch is a row short."""
+    workers = start_workers(hosts, DP, tmp_path / "out", "--short_last", devices_per_worker=2)
+    outputs = _finish(workers)
+    assert [w.returncode for w in workers] == [0, 0], "\n".join(outputs)
+    check_short_last_batches(tmp_path / "out", "".join(outputs))
+
+
+def test_pipeline_stages_on_two_hosts_over_a_slowed_link_equal_keras(tmp_path, hosts):
+    """Stage 0 on host 0, stage 1 on host 1 (SGD, GPipe-style 2 micro-batches); TF_CONFIG
+    names a relay on host 2 for both workers, so every connection between them crosses
+    it with 20 ms added each way. The run completes and equals single-device Keras."""
+    relay = start_relay(hosts, 2, delay_ms=20, workers=2)
+    try:
+        via_relay = [hosts.addresses[2]] * 2
+        workers = start_workers(hosts, SPAN, tmp_path / "out", cluster=via_relay)
+        started = time.monotonic()
+        outputs = _finish(workers)
+        print(f"pipeline over the slowed link: {time.monotonic() - started:.1f} s")
+    finally:
+        relay.kill()
+    relayed = relay.communicate()[0]
+    assert [w.returncode for w in workers] == [0, 0], "\n".join(outputs)
+    for w in range(2):  # both workers' traffic went through the slow link
+        assert f"connection to {hosts.addresses[w]}:{port(w)}" in relayed, relayed
+    _check_workers(tmp_path / "out", 2, _keras_reference())
+
+
+@pytest.mark.parametrize("fault", ["link_cut", "frozen"])
+def test_an_unreachable_host_is_named_within_the_watchdog_bound(tmp_path, hosts, fault):
+    """Worker 1 (stage 1) pauses after step 2 while worker 0 waits in step 3's
+    collectives; then its cable is unplugged, or its process frozen (SIGSTOP). Worker 0
+    stops with a WorkerLostError naming worker 1 by address as unreachable (a merely
+    paused peer still answers and would be reported as stuck, after the timeout)."""
+    args = ["--steps", 50, "--timeout", TIMEOUT, "--pause_worker", 1, "--pause_at_step", 2]
+    workers = start_workers(hosts, SPAN, tmp_path / "out", *args)
+    survivor, victim = workers
+    try:
+        pid = int(_wait_for(tmp_path / "out" / "paused_1", victim))
+        if fault == "link_cut":
+            hosts.cut(1)
+        else:
+            os.kill(pid, signal.SIGSTOP)
+        faulted = time.monotonic()
+        output = survivor.communicate(timeout=TIMEOUT + 60)[0]
+        elapsed = time.monotonic() - faulted
+    finally:
+        _stop(workers)
+    print(f"{fault}: worker 0 stopped {elapsed:.1f} s after the fault")
+    assert survivor.returncode == 1, output
+    assert "WorkerLostError" in output, output
+    named = f"worker 1 ({hosts.addresses[1]}:{port(1)}, /job:worker/replica:0/task:1)"
+    assert f"peer worker(s) are unreachable: {named}" in output, output
+    assert elapsed < TIMEOUT + 30, elapsed
+
+
+def test_a_job_on_two_hosts_killed_and_restarted_resumes_exactly(tmp_path, hosts, uninterrupted):  # noqa: F811
+    """Both workers SIGKILL themselves after step 5 (checkpoints every 2 steps, in a folder
+    both hosts see); started again, they resume step 4 on their own halves of the global
+    batch and end with the uninterrupted run's weights."""
+    common = [tmp_path, "--timeout", TIMEOUT, "--kill_at_step", 5]
+    killed = start_workers(hosts, FT, *common, EPL_RESTART_ATTEMPT="0")
+    outputs = _finish(killed)
+    assert [w.returncode for w in killed] == [-signal.SIGKILL] * 2, "\n".join(outputs)
+    resumed = start_workers(hosts, FT, *common, EPL_RESTART_ATTEMPT="1")
+    outputs = _finish(resumed)
+    assert [w.returncode for w in resumed] == [0, 0], "\n".join(outputs)
+    assert _samples(tmp_path, 0, attempt=1)[0] == [32, 33, 34, 35]
+    assert _samples(tmp_path, 1, attempt=1)[0] == [36, 37, 38, 39]
+    for got, other, want in zip(
+        _weights(tmp_path, 0), _weights(tmp_path, 1), _weights(uninterrupted)
+    ):
+        np.testing.assert_array_equal(got, other)
+        np.testing.assert_allclose(got, want, atol=1e-5)
