@@ -48,20 +48,42 @@ class EndOfDataAgreement:
         """
         optional = iterator.get_next_as_optional()
         rows = [int(r) for r in rows_by_worker(self._group, self._gather(optional)).ravel()]
-        out_of_data = [w for w, count in enumerate(rows) if count == 0]
-        if out_of_data and len(out_of_data) < self.cluster.worker_num:
-            logger.warning(
-                "Worker(s) %s ran out of data at step %d of this epoch while others still "
-                "had batches; every worker ends the epoch here (the remaining batches of "
-                "the others are not used). Give every worker the same number of batches "
-                "(e.g. drop_remainder, or steps_per_epoch).",
-                out_of_data,
-                step,
-            )
-        if out_of_data:
+        if warn_if_out_of_data(rows, step):
             raise StopIteration
         by_shard = dict(zip(shard_of_worker, rows))
         return optional.get_value(), sum(by_shard.values())
+
+    def agree_in_graph(self, shard_of_worker):
+        """The agreement as graph ops, for a loop of steps compiled into one call
+        (steps_per_execution > 1): `agree(optional)` returns (whether every worker has a
+        batch, the global batch's rows as float32, each worker's rows [worker_num])."""
+        ranks = [self._group.rank_of(device) for device in self._group.devices]
+        first_of_shard = [shard_of_worker.index(shard) for shard in sorted(set(shard_of_worker))]
+
+        def agree(optional):
+            with tf.device(self.cluster.host_device):
+                by_worker = tf.gather(self._gather_rows(optional), ranks)
+                total = tf.reduce_sum(tf.gather(by_worker, first_of_shard))
+                return tf.reduce_min(by_worker) > 0, tf.cast(total, tf.float32), by_worker
+
+        agree.workers = self.cluster.worker_num
+        return agree
+
+
+def warn_if_out_of_data(rows, step: int) -> bool:
+    """Whether any worker ran out of data (rows[w] == 0) at `step`; warns when some still
+    had batches."""
+    out_of_data = [w for w, count in enumerate(rows) if count == 0]
+    if out_of_data and len(out_of_data) < len(rows):
+        logger.warning(
+            "Worker(s) %s ran out of data at step %d of this epoch while others still "
+            "had batches; every worker ends the epoch here (the remaining batches of "
+            "the others are not used). Give every worker the same number of batches "
+            "(e.g. drop_remainder, or steps_per_epoch).",
+            out_of_data,
+            step,
+        )
+    return bool(out_of_data)
 
 
 def _rows(element) -> tf.Tensor:

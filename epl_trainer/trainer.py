@@ -24,7 +24,7 @@ from epl_trainer.cluster import build_cluster, detect_lost_workers
 from epl_trainer.config import Config
 from epl_trainer.core import engine
 from epl_trainer.core.engine import ema
-from epl_trainer.end_of_data import EndOfDataAgreement
+from epl_trainer.end_of_data import EndOfDataAgreement, warn_if_out_of_data
 from epl_trainer.env import Env
 from epl_trainer.memory import build_report
 from epl_trainer.metric_sync import MetricSync
@@ -81,7 +81,8 @@ class EPLTrainer(CheckpointMixin, TrainingDataMixin, InferenceMixin, ObjectivesM
         `epl.init()`'s config, and its optimizer/scheduler replace `optimizer`.
       steps_per_execution: training steps run per call of the compiled step (a loop in
         the graph), as `Model.compile(steps_per_execution=...)`: batch callbacks then run
-        once per call. Default: the compiled model's, else 1. Single-worker jobs only.
+        once per call. Default: the compiled model's, else 1. With several workers they
+        agree on the end of the data before each step inside the loop.
       jit_compile: compile each stage's forward and backward with XLA, as
         `Model.compile(jit_compile=True)`. Default: True if the model was compiled with
         `jit_compile=True`, else False. (Optimizer updates are compiled separately, by
@@ -129,9 +130,7 @@ class EPLTrainer(CheckpointMixin, TrainingDataMixin, InferenceMixin, ObjectivesM
         self.params = params
         if steps_per_execution is None and isinstance(model, keras.Model):
             steps_per_execution = compiled.settings(model).get("steps_per_execution")
-        self.steps_per_execution = _checked_steps_per_execution(
-            steps_per_execution, self.cluster.worker_num
-        )
+        self.steps_per_execution = _checked_steps_per_execution(steps_per_execution)
         if jit_compile is None and isinstance(model, keras.Model):
             jit_compile = compiled.settings(model).get("jit_compile") is True
         self.jit_compile = bool(jit_compile)
@@ -471,6 +470,9 @@ class EPLTrainer(CheckpointMixin, TrainingDataMixin, InferenceMixin, ObjectivesM
 
     def _run_epoch(self, batches, callback_list, write_back_each_step, first_step=0) -> dict:
         program = self._ensure_engine_for(batches.dataset)
+        if self._end_of_data is not None and program.program.agree_on_batches is None:
+            shards = self.engine_plan.data_shards[1]
+            program.program.agree_on_batches = self._end_of_data.agree_in_graph(shards)
         self._reset_metrics()
         log_names = {name for name, _ in self._named_metrics()}
         chunk = {"last": -1, "end": 0, "ran": 0}  # the last call's step indices and iterations
@@ -479,16 +481,20 @@ class EPLTrainer(CheckpointMixin, TrainingDataMixin, InferenceMixin, ObjectivesM
             callback_list.on_train_batch_begin(index)
             start = time.perf_counter()
             with self._lost_worker_check():
-                if self._end_of_data is not None:  # StopIteration on every worker once any ran out
+                if self._end_of_data is not None and self.steps_per_execution == 1:
+                    # StopIteration on every worker once any ran out
                     shards = self.engine_plan.data_shards[1]
                     element, rows = self._end_of_data.next_batch(iterator, index, shards)
                     spec = batches.dataset.element_spec
                     results = _run_checked(program.train_on_element, element, spec, rows)
                 elif self.steps_per_execution == 1:
                     results = _run_checked(program.train_on_iterator, iterator)
-                else:
+                else:  # several workers agree on the end of the data inside the loop
                     results = _run_checked(program.train_many_on_iterator, iterator, count)
             ran = int(results.pop(engine.STEPS_KEY, 1))
+            rows = results.pop(engine.ROWS_BY_WORKER_KEY, None)
+            if rows is not None and ran < count:
+                warn_if_out_of_data([int(r) for r in rows], index + ran)
             if ran == 0:
                 return 0, False
             batch = int(results.pop(engine.BATCH_SIZE_KEY))
@@ -594,17 +600,9 @@ def _run_checked(step_fn, *args):
         raise
 
 
-def _checked_steps_per_execution(value, worker_num: int) -> int:
+def _checked_steps_per_execution(value) -> int:
     if value is None:
         return 1
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"steps_per_execution must be an int >= 1. Received: {value!r}")
-    if value > 1 and worker_num > 1:
-        # Workers agree on the end of the data before every step (end_of_data.py); a loop
-        # of steps inside the graph cannot stop on one worker and not on the others.
-        raise ValueError(
-            "steps_per_execution > 1 runs on one worker for now; with several workers use "
-            f"steps_per_execution=1. Received: steps_per_execution={value}, "
-            f"worker_num={worker_num}"
-        )
     return value

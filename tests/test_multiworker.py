@@ -121,10 +121,13 @@ def test_evaluate_where_one_worker_has_no_data_then_train(tmp_path):
         np.testing.assert_array_equal(weights[0][key], weights[1][key])
 
 
-def test_a_worker_that_runs_out_first_ends_the_epoch_everywhere(tmp_path):
+@pytest.mark.parametrize("steps_per_execution", [1, 3])
+def test_a_worker_that_runs_out_first_ends_the_epoch_everywhere(tmp_path, steps_per_execution):
     """Worker 1 has 2 batches, worker 0 has 4: both stop after 2 steps (a warning names
-    worker 1) instead of worker 0 waiting in a collective for a partner that never comes."""
-    result = _launch(tmp_path, 2, 1, "--uneven")
+    worker 1) instead of worker 0 waiting in a collective for a partner that never comes.
+    With 3 steps per call the workers agree inside the compiled loop: the call ends
+    after its second step everywhere."""
+    result = _launch(tmp_path, 2, 1, "--uneven", "--steps_per_execution", steps_per_execution)
     assert result.returncode == 0, result.stdout + result.stderr
     logs = "".join(p.read_text() for p in (tmp_path / "logs").rglob("worker_*.log"))
     assert logs.count("steps=2") == 2, logs
@@ -141,8 +144,10 @@ def test_a_worker_whose_last_batch_is_shorter_trains_with_its_peer(tmp_path):
     are full, worker 1's last one has 166 rows. Its step no longer retraces alone (which
     gave its collectives other keys than its peer's, and the job hung until the watchdog
     ended it): the job ends cleanly with Keras's weights on the concatenated batches (two
-    devices per worker: worker 0's 167 rows are also filled up to split in two)."""
-    result = _launch(tmp_path, 2, 2, "--short_last")
+    devices per worker: worker 0's 167 rows are also filled up to split in two). Two steps
+    per call: the batches are taken and agreed on inside the compiled loop (one step per
+    call, where each is agreed on before the call: test_hosts.py)."""
+    result = _launch(tmp_path, 2, 2, "--short_last", "--steps_per_execution", 2)
     assert result.returncode == 0, result.stdout + result.stderr
     logs = "".join(p.read_text() for p in (tmp_path / "logs").rglob("worker_*.log"))
     check_short_last_batches(tmp_path / "out", logs)

@@ -106,12 +106,10 @@ def test_periodic_checkpoints_are_written_after_the_call_that_reaches_them(tmp_p
     assert saved == ["ckpt-6"], saved
 
 
-def test_bad_values_are_refused_with_the_alternative():
+def test_bad_values_are_refused():
     with pytest.raises(ValueError, match="steps_per_execution must be an int >= 1"):
-        _checked_steps_per_execution(0, worker_num=1)
-    with pytest.raises(ValueError, match="with several workers use steps_per_execution=1"):
-        _checked_steps_per_execution(8, worker_num=2)
-    assert _checked_steps_per_execution(None, worker_num=2) == 1
+        _checked_steps_per_execution(0)
+    assert _checked_steps_per_execution(None) == 1
 
 
 def test_evaluation_and_prediction_over_many_calls_equal_keras():

@@ -83,6 +83,7 @@ def main():
         help="1001 samples sharded, then batched by 167: worker 0 has 3 full batches, "
         "worker 1's last one is a row short (500 samples)",
     )
+    parser.add_argument("--steps_per_execution", type=int, default=1)
     args = parser.parse_args()
     env = epl.init(
         {
@@ -101,6 +102,7 @@ def main():
         keras.losses.SparseCategoricalCrossentropy(from_logits=True),
         keras.optimizers.SGD(0.1),
         stages=TIED_STAGES if args.tied else STAGES if args.two_stages else None,
+        steps_per_execution=args.steps_per_execution,
         # One replica per worker: features replicate(n) and logits split(n) on its devices.
         strategy=(
             epl.Strategy(default=epl.replicate(len(cluster.local_devices)), split=["logits"])

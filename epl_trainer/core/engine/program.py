@@ -152,6 +152,8 @@ class Program:
         self._element_specs_traced = []
         # steps_per_execution > 1: several steps per call, as a loop in the graph.
         self._train_many = tf.function(self._train_many_on_iterator, reduce_retracing=True)
+        # Multi-worker jobs: `EndOfDataAgreement.agree_in_graph`, set before the first call.
+        self.agree_on_batches = None
         self.eval_step = tf.function(self._eval_step, reduce_retracing=True)
         self.eval_many_on_iterator = tf.function(self._eval_many_on_iterator, reduce_retracing=True)
         self.predict_step = tf.function(self._predict_step, reduce_retracing=True)
@@ -219,16 +221,23 @@ class Program:
         that stops training (`hooks.stopping_steps`: a non-finite step, so no later step
         of the call moves the weights the trainer's error promises). Returns the logs
         after the last step, with the number of steps run under STEPS_KEY."""
-        stopping = self.hooks.stopping_steps
+        stopping, agree = self.hooks.stopping_steps, self.agree_on_batches
         with tf.device(self.layout.host):
             batch = tf.constant(0, tf.int32)
             ran = tf.constant(0, tf.int32)
             stopped_before = stopping() if stopping is not None else None
+            rows_by_worker = tf.zeros([0 if agree is None else agree.workers], tf.int32)
         for _ in tf.range(steps):
             element = iterator.get_next_as_optional()
-            if not element.has_value():
-                break
-            logs = self._train_step(*unpack_element(element.get_value()))
+            global_rows = None
+            if agree is None:
+                if not element.has_value():
+                    break
+            else:  # several workers: every one stops at the first step where any has no batch
+                everyone, global_rows, rows_by_worker = agree(element)
+                if not everyone:
+                    break
+            logs = self._train_step(*unpack_element(element.get_value()), global_rows=global_rows)
             batch = logs[BATCH_SIZE_KEY]
             ran += 1
             if stopping is not None:
@@ -236,7 +245,10 @@ class Program:
                     if stopping() > stopped_before:
                         break
         with tf.device(self.layout.host):
-            return {**self._metric_results(), BATCH_SIZE_KEY: batch, STEPS_KEY: ran}
+            results = {**self._metric_results(), BATCH_SIZE_KEY: batch, STEPS_KEY: ran}
+            if agree is not None:
+                results[ROWS_BY_WORKER_KEY] = rows_by_worker
+            return results
 
     # The steps are plain graph building (explicit tf.cond / tf.while where needed), so
     # autograph does not convert them, nor the engine and Keras code they call; only the
@@ -632,3 +644,5 @@ class Program:
 
 BATCH_SIZE_KEY = "_batch_size"
 STEPS_KEY = "_steps"  # steps run by one call of train_many_on_iterator
+# ... and, in a multi-worker job, each worker's rows at its last agreement (0: no batch)
+ROWS_BY_WORKER_KEY = "_rows_by_worker"
