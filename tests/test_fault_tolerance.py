@@ -163,14 +163,12 @@ def _killed_once_and_restarted(tmp_path, *args):
     return faulty
 
 
-def test_max_restarts_finishes_the_job_with_the_uninterrupted_weights(tmp_path):
-    _killed_once_and_restarted(tmp_path)
-
-
 def test_zero_across_workers_restarts_from_sharded_checkpoints_with_identical_weights(tmp_path):
-    """ZeRO v1 over 2 workers: each worker writes the optimizer slots it owns into its own
+    """epl-launch --max_restarts finishes the job with the uninterrupted weights, with
+    ZeRO v1 over 2 workers: each worker writes the optimizer slots it owns into its own
     shard; killed once and restarted, the job ends with the uninterrupted weights, and its
-    checkpoint also restores into one device."""
+    checkpoint also restores into one device. (The same without ZeRO was a test of its
+    own; the resume tests below restart unsharded jobs.)"""
     faulty = _killed_once_and_restarted(tmp_path, "--zero", "v1")
 
     ckpt_dir = faulty / "ckpt"
