@@ -7,6 +7,7 @@ host's veth link set down), a host that stops answering (its process frozen with
 SIGSTOP), a link slowed by a delaying relay (this kernel has no netem).
 """
 
+import json
 import os
 import signal
 import time
@@ -17,6 +18,7 @@ from _hosts import NetworkHosts, port, start_relay, start_workers, unavailable_r
 from _launch import SCRIPTS
 from test_fault_tolerance import _samples, _weights, uninterrupted  # noqa: F401 (fixture)
 from test_multiworker import check_short_last_batches
+from test_soak import RSS_SLACK_MIB, RSS_WARMUP_MIB, THREAD_SLACK
 from test_span_workers import _check_workers, _keras_reference
 
 UNAVAILABLE = unavailable_reason()
@@ -30,6 +32,7 @@ TIMEOUT = 20  # communication.timeout_seconds of the fault tests
 SPAN = os.path.join(SCRIPTS, "train_span.py")
 DP = os.path.join(SCRIPTS, "train_dp.py")
 FT = os.path.join(SCRIPTS, "train_ft.py")
+SOAK = os.path.join(SCRIPTS, "soak_workers.py")
 
 
 @pytest.fixture
@@ -138,3 +141,26 @@ def test_a_job_on_two_hosts_killed_and_restarted_resumes_exactly(tmp_path, hosts
     ):
         np.testing.assert_array_equal(got, other)
         np.testing.assert_allclose(got, want, atol=1e-5)
+
+
+def test_a_pipeline_over_two_hosts_soaks_with_threads_and_memory_flat(tmp_path):
+    """Stage 0 on host 0, stage 1 on host 1, 3,000 steps (after 200 of warm-up); every
+    1,400th batch is slower than two of the watchdog's polls, so it probes its peer over
+    the network then, as in a job whose input stalls. Threads and resident memory stay
+    flat on both hosts (test_soak.py's bounds)."""
+    with NetworkHosts(2) as hosts:
+        args = ["--steps", 3000, "--slow_every", 1400, "--pipeline"]
+        workers = start_workers(hosts, SOAK, tmp_path / "out", *args)
+        outputs = _finish(workers, timeout=600)
+    assert [w.returncode for w in workers] == [0, 0], "\n".join(o[-3000:] for o in outputs)
+    for worker in (0, 1):
+        result = json.loads((tmp_path / "out" / f"soak_{worker}.json").read_text())
+        print(worker, result)
+        assert result["watchdog_running"] and result["probes"] >= 2, result
+        threads, rss = result["baseline"]
+        first = result["samples"][0][2]
+        assert len(result["samples"]) == 6 and first - rss < RSS_WARMUP_MIB, result
+        for step, count, resident in result["samples"]:
+            assert count <= threads + THREAD_SLACK, f"worker {worker}: {count} threads at {step}"
+            assert resident - first < RSS_SLACK_MIB, f"worker {worker}: RSS grew at {step}"
+        assert result["loss"] < 1.0

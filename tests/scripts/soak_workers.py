@@ -1,6 +1,7 @@
-"""Worker script: a data-parallel soak over two workers, where the watchdog is at work.
+"""Worker script: a soak over two workers, where the watchdog is at work.
 
-Usage: soak_workers.py OUTPUT_DIR [--steps N] [--slow_every K]
+Usage: soak_workers.py OUTPUT_DIR [--steps N] [--slow_every K] [--pipeline]
+Data parallel, or with --pipeline two stages, one per worker (both read the same data).
 Every K-th batch takes longer than the watchdog's poll (a slow input), so the watchdog
 probes every peer's collective service during those steps, as it does in a real job
 whose input or checkpoint stalls. Worker w writes OUTPUT_DIR/soak_<w>.json: the
@@ -38,6 +39,7 @@ def main():
     parser.add_argument("output_dir")
     parser.add_argument("--steps", type=int, default=1500)
     parser.add_argument("--slow_every", type=int, default=700)
+    parser.add_argument("--pipeline", action="store_true", help="stage 0 | stage 1")
     args = parser.parse_args()
     import keras
     import tensorflow as tf
@@ -53,8 +55,8 @@ def main():
     env = epl.init()
     keras.utils.set_random_seed(0)
     inputs = keras.Input((8,))
-    hidden = keras.layers.Dense(16, activation="relu")(inputs)
-    model = keras.Model(inputs, keras.layers.Dense(4)(hidden))
+    hidden = keras.layers.Dense(16, activation="relu", name="hidden")(inputs)
+    model = keras.Model(inputs, keras.layers.Dense(4, name="logits")(hidden))
     x = np.random.default_rng(0).normal(size=(256, 8)).astype("float32")
     y = (x[:, :4].argmax(axis=1)).astype("int32")
 
@@ -74,6 +76,7 @@ def main():
         model,
         loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
         optimizer=keras.optimizers.Adam(1e-3),
+        stages={"hidden": 0, "logits": 1} if args.pipeline else None,
     )
     trainer.fit(dataset, epochs=1, steps_per_epoch=200, verbose=0)  # warm up (compiles)
     # A short timeout from now on, so that the watchdog polls often; set after the
