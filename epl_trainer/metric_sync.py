@@ -12,6 +12,7 @@ import tensorflow as tf
 
 from epl_trainer.cluster import Cluster
 from epl_trainer.core import comm
+from epl_trainer.core.comm.hosts import host_group
 from epl_trainer.fit_inputs import log_value
 
 
@@ -36,17 +37,10 @@ class MetricSync:
 
     def _build(self, variables):
         host = self.cluster.host_device
-        hosts = tuple(
-            devices[0].rsplit("/device:", 1)[0] + "/device:CPU:0"
-            for devices in self.cluster.devices_by_worker
-        )
-        group = comm.CollectiveGroup(hosts, (host,))
+        # host_group creates the ordering token now, before the trace (a worker that got
+        # no evaluation data and built no program must not trace twice, see hosts.py).
+        group = host_group(self.cluster.devices_by_worker, host)
         buckets = comm.plan_buckets([1] * len(variables), [v.dtype for v in variables], 1)
-        # Create the ordering token now: a variable created inside the trace makes
-        # tf.function trace twice, and the second trace would take another instance key
-        # on this worker only (e.g. one that got no evaluation data and built no
-        # program), so the workers' keys would no longer meet.
-        comm.ordering_token(host)
 
         @tf.function
         def reduce_all():
