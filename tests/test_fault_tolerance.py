@@ -260,11 +260,14 @@ def test_workers_resume_the_checkpoint_the_chief_chose_once_all_can_read_it(
         (path,) = (tmp_path / "logs").rglob(f"worker_{worker}.restart_1.log")
         log = path.read_text()
         assert "Worker(s) [1] cannot read checkpoint 'ckpt-4'" in log, log
-    # The first batch after the resume is each worker's half of global batch 4.
-    assert _samples(tmp_path, 0, attempt=2)[0] == [32, 33, 34, 35]
-    assert _samples(tmp_path, 1, attempt=2)[0] == [36, 37, 38, 39]
-    for got, other, want in zip(
-        _weights(tmp_path, 0), _weights(tmp_path, 1), _weights(uninterrupted)
-    ):
+    check_resumed_at_step_4(tmp_path, uninterrupted, attempt=2)
+
+
+def check_resumed_at_step_4(out, uninterrupted, attempt):
+    """Both workers of a 2-worker job resumed at step 4 in `attempt` (each took its half of
+    global batch 4 first) and ended equal, with the uninterrupted run's weights."""
+    assert _samples(out, 0, attempt=attempt)[0] == [32, 33, 34, 35]
+    assert _samples(out, 1, attempt=attempt)[0] == [36, 37, 38, 39]
+    for got, other, want in zip(_weights(out, 0), _weights(out, 1), _weights(uninterrupted)):
         np.testing.assert_array_equal(got, other)
         np.testing.assert_allclose(got, want, atol=1e-5)

@@ -12,11 +12,10 @@ import os
 import signal
 import time
 
-import numpy as np
 import pytest
 from _hosts import NetworkHosts, port, start_relay, start_workers, unavailable_reason
 from _launch import SCRIPTS
-from test_fault_tolerance import _samples, _weights, uninterrupted  # noqa: F401 (fixture)
+from test_fault_tolerance import check_resumed_at_step_4, uninterrupted  # noqa: F401 (fixture)
 from test_multiworker import check_short_last_batches
 from test_soak import RSS_SLACK_MIB, RSS_WARMUP_MIB, THREAD_SLACK
 from test_span_workers import _check_workers, _keras_reference
@@ -134,13 +133,7 @@ def test_a_job_on_two_hosts_killed_and_restarted_resumes_exactly(tmp_path, hosts
     resumed = start_workers(hosts, FT, *common, EPL_RESTART_ATTEMPT="1")
     outputs = _finish(resumed)
     assert [w.returncode for w in resumed] == [0, 0], "\n".join(outputs)
-    assert _samples(tmp_path, 0, attempt=1)[0] == [32, 33, 34, 35]
-    assert _samples(tmp_path, 1, attempt=1)[0] == [36, 37, 38, 39]
-    for got, other, want in zip(
-        _weights(tmp_path, 0), _weights(tmp_path, 1), _weights(uninterrupted)
-    ):
-        np.testing.assert_array_equal(got, other)
-        np.testing.assert_allclose(got, want, atol=1e-5)
+    check_resumed_at_step_4(tmp_path, uninterrupted, attempt=1)
 
 
 def test_a_pipeline_over_two_hosts_soaks_with_threads_and_memory_flat(tmp_path):
