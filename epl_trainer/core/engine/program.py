@@ -30,6 +30,7 @@ from epl_trainer.core.engine.boundaries import Boundaries, LaneBoundaries
 from epl_trainer.core.engine.hooks import StepHooks
 from epl_trainer.core.engine.layout import StepLayout
 from epl_trainer.core.engine.pipeline import LaneExecutor, run_to_end
+from epl_trainer.core.engine.program_loops import InferenceLoops
 from epl_trainer.core.engine.reduce import scaled
 from epl_trainer.core.engine.state import EngineState
 from epl_trainer.core.engine.step_batch import (
@@ -42,7 +43,7 @@ from epl_trainer.core.engine.step_batch import (
 from epl_trainer.core.plan.schedule import FORWARD, execution_order, make_schedule
 
 
-class Program:
+class Program(InferenceLoops):
     """Builds and owns the train / evaluate / predict steps for one plan.
 
     Args:
@@ -578,24 +579,6 @@ class Program:
                     weighted = None if sw is None else sw * objective.per_row(w, sw)
                     self._update_output_metrics(y, y_pred, w, weighted)
 
-    def _eval_many_on_iterator(self, iterator, steps: int, batch_size: int):
-        """Up to `steps` evaluation batches in one call (a loop in the graph); returns how
-        many there were (fewer at the end of the data).
-
-        Every batch is padded (and masked) to at least `batch_size` rows, the size of the
-        full batches: a shorter last batch then has the same shape inside the loop, as
-        the collectives of split layers require (TF fixes a collective's shape by key).
-        """
-        with tf.device(self.layout.host):
-            ran = tf.constant(0, tf.int32)
-        for _ in tf.range(steps):
-            element = iterator.get_next_as_optional()
-            if not element.has_value():
-                break
-            self._eval_step(*unpack_element(element.get_value()), pad_to=batch_size)
-            ran += 1
-        return ran
-
     @tf.autograph.experimental.do_not_convert
     def _predict_step(self, features, pad_to: int = 0):
         layout, hooks = self.layout, self.hooks
@@ -611,35 +594,6 @@ class Program:
                 outputs.append(self._forward(li, f, share_outputs=True)[0])
         with tf.device(layout.host):
             return hooks.lanes.join_predictions(outputs, batch)
-
-    def _predict_many_on_iterator(self, iterator, steps: int, batch_size: int, like):
-        """Up to `steps` prediction batches in one call (a loop in the graph): the flat
-        outputs of all of them concatenated, and how many batches there were.
-
-        Args:
-          like: the flat outputs of one batch (their dtypes and trailing shapes).
-          batch_size: rows of a full batch; shorter ones are padded to it, as in
-            `_eval_many_on_iterator`.
-        """
-        with tf.device(self.layout.host):
-            ran = tf.constant(0, tf.int32)
-            arrays = [
-                tf.TensorArray(
-                    t.dtype, size=0, dynamic_size=True, infer_shape=False,
-                    element_shape=tf.TensorShape([None, *t.shape[1:]]),
-                )
-                for t in like
-            ]  # fmt: skip
-        for _ in tf.range(steps):
-            element = iterator.get_next_as_optional()
-            if not element.has_value():
-                break
-            outputs = tree.flatten(self._predict_step(element.get_value(), pad_to=batch_size))
-            with tf.device(self.layout.host):
-                arrays = [a.write(ran, o) for a, o in zip(arrays, outputs)]
-                ran += 1
-        with tf.device(self.layout.host):
-            return [a.concat() for a in arrays], ran
 
 
 BATCH_SIZE_KEY = "_batch_size"
