@@ -53,21 +53,28 @@ class EndOfDataAgreement:
         by_shard = dict(zip(shard_of_worker, rows))
         return optional.get_value(), sum(by_shard.values())
 
-    def agree_in_graph(self, shard_of_worker):
+    def in_graph(self, shard_of_worker) -> InGraphAgreement:
         """The agreement as graph ops, for a loop of steps compiled into one call
-        (steps_per_execution > 1): `agree(optional)` returns (whether every worker has a
-        batch, the global batch's rows as float32, each worker's rows [worker_num])."""
-        ranks = [self._group.rank_of(device) for device in self._group.devices]
-        first_of_shard = [shard_of_worker.index(shard) for shard in sorted(set(shard_of_worker))]
+        (steps_per_execution > 1)."""
+        return InGraphAgreement(self, shard_of_worker)
 
-        def agree(optional):
-            with tf.device(self.cluster.host_device):
-                by_worker = tf.gather(self._gather_rows(optional), ranks)
-                total = tf.reduce_sum(tf.gather(by_worker, first_of_shard))
-                return tf.reduce_min(by_worker) > 0, tf.cast(total, tf.float32), by_worker
 
-        agree.workers = self.cluster.worker_num
-        return agree
+class InGraphAgreement:
+    """`agreement(optional)` in a compiled loop, before each step: (whether every worker
+    has a batch, the global batch's rows as float32, each worker's rows [workers])."""
+
+    def __init__(self, agreement: EndOfDataAgreement, shard_of_worker):
+        group = agreement._group
+        self._agreement = agreement
+        self._ranks = [group.rank_of(device) for device in group.devices]
+        self._first_of_shard = [shard_of_worker.index(s) for s in sorted(set(shard_of_worker))]
+        self.workers = agreement.cluster.worker_num
+
+    def __call__(self, optional):
+        with tf.device(self._agreement.cluster.host_device):
+            by_worker = tf.gather(self._agreement._gather_rows(optional), self._ranks)
+            total = tf.reduce_sum(tf.gather(by_worker, self._first_of_shard))
+            return tf.reduce_min(by_worker) > 0, tf.cast(total, tf.float32), by_worker
 
 
 def warn_if_out_of_data(rows, step: int) -> bool:

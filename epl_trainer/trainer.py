@@ -288,6 +288,9 @@ class EPLTrainer(CheckpointMixin, TrainingDataMixin, InferenceMixin, ObjectivesM
             step_counter=self.optimizer.iterations,
             checkpoint_marks=checkpoints.get_collection(),
             jit_compile=self.jit_compile,
+            agree_on_batches=None
+            if self._end_of_data is None
+            else self._end_of_data.in_graph(self.engine_plan.data_shards[1]),
         )
         if self.config.gradient_checkpoint.check_gradients:
             self._engine.check_recompute_gradients(features)
@@ -470,9 +473,6 @@ class EPLTrainer(CheckpointMixin, TrainingDataMixin, InferenceMixin, ObjectivesM
 
     def _run_epoch(self, batches, callback_list, write_back_each_step, first_step=0) -> dict:
         program = self._ensure_engine_for(batches.dataset)
-        if self._end_of_data is not None and program.program.agree_on_batches is None:
-            shards = self.engine_plan.data_shards[1]
-            program.program.agree_on_batches = self._end_of_data.agree_in_graph(shards)
         self._reset_metrics()
         log_names = {name for name, _ in self._named_metrics()}
         chunk = {"last": -1, "end": 0, "ran": 0}  # the last call's step indices and iterations

@@ -69,6 +69,7 @@ def build_engine(
     step_counter=None,
     checkpoint_marks=(),
     jit_compile: bool = False,
+    agree_on_batches=None,
 ) -> Engine:
     """Creates the engine state and the program for this worker's lanes.
 
@@ -87,6 +88,8 @@ def build_engine(
       checkpoint_marks: the user's `add_to_collection` marks.
       jit_compile: compile each stage's forward and backward with XLA (the trainer's
         `jit_compile`, as `Model.compile(jit_compile=True)`).
+      agree_on_batches: several workers: the end-of-data agreement in graph ops, which a
+        loop of steps runs before each step (`Program`).
     """
     staged, plan = engine_plan.staged, engine_plan.plan
     if config.amp.level:
@@ -178,6 +181,7 @@ def build_engine(
         data_shards=engine_plan.data_shards[0],
         weighted_metrics=metrics.weighted_ids,
         output_loss_trackers=loss_fn.trackers,
+        agree_on_batches=agree_on_batches,
     )
     skip = config.optimizer.nonfinite_loss == "skip"
     if config.amp.level:

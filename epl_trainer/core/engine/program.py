@@ -66,6 +66,8 @@ class Program(InferenceLoops):
         tracing.
       data_shards: workers that read different batches (the global batch is this many
         worker batches: the loss's divisor counts all of them, objective.py).
+      agree_on_batches: None, or (several workers) the end-of-data agreement as graph
+        ops (`EndOfDataAgreement.in_graph`), run before each step of a loop of steps.
     """
 
     def __init__(
@@ -82,8 +84,10 @@ class Program(InferenceLoops):
         data_shards: int = 1,
         weighted_metrics=frozenset(),
         output_loss_trackers=(),
+        agree_on_batches=None,
     ):
         self.layout = layout
+        self.agree_on_batches = agree_on_batches
         self.output_loss_trackers = output_loss_trackers
         self.data_shards = data_shards
         self.weighted_metrics = weighted_metrics
@@ -153,8 +157,6 @@ class Program(InferenceLoops):
         self._element_specs_traced = []
         # steps_per_execution > 1: several steps per call, as a loop in the graph.
         self._train_many = tf.function(self._train_many_on_iterator, reduce_retracing=True)
-        # Multi-worker jobs: `EndOfDataAgreement.agree_in_graph`, set before the first call.
-        self.agree_on_batches = None
         self.eval_step = tf.function(self._eval_step, reduce_retracing=True)
         self.eval_many_on_iterator = tf.function(self._eval_many_on_iterator, reduce_retracing=True)
         self.predict_step = tf.function(self._predict_step, reduce_retracing=True)
