@@ -272,6 +272,16 @@ class IoConfig(_Section):
     slicing: bool = _bool(False, "Shard the input files across workers automatically.")
     unbalanced_io_slicing: bool = _bool(False, "Let some workers get one extra file.")
     drop_last_files: bool = _bool(False, "Split files evenly and drop the leftovers.")
+    global_batches: bool = _bool(False, "fit's data are global batches; each worker takes rows.")
+
+
+@_register("elastic")
+@dataclasses.dataclass(frozen=True)
+class ElasticConfig(_Section):
+    """A job whose worker count changes between restarts (set by `epl-launch --min_workers`)."""
+
+    max_workers: int = _int(0, "Workers the job is sized for (0 = not elastic).", minimum=0)
+    resize_file: str = _str("", "Its appearance stops fit at the next checkpoint (exit 75).")
 
 
 @_register("auto")

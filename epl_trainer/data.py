@@ -28,6 +28,7 @@ def as_dataset(
     worker_num: int = 1,
     drop_remainder: bool = False,
     preprocessing: Preprocessing | None = None,
+    deal_rows: bool = False,
 ) -> tf.data.Dataset:
     """A dataset of per-worker batches: `(x, y)`, `(x, y, sample_weight)` or `x` alone.
 
@@ -35,7 +36,9 @@ def as_dataset(
     (`(x, y)` or `(x, y, sample_weight)`; see `standardize_dataset`). Numpy arrays (or
     dicts/lists of them) are batched in order, and dealt round-robin across workers:
     global batch t is the concatenation of every worker's batch t, so `batch_size` is per
-    worker. `ReshuffledArrays` deals them the same way in a new order every pass.
+    worker. With `deal_rows` (io.global_batches) `batch_size` is the global batch, and
+    each worker takes its rows of every batch (`rows_of_shard`). `ReshuffledArrays` deals
+    them the same way in a new order every pass.
 
     With `preprocessing` (a KerasHub task's, `pipeline_models.py`) the inputs are raw
     samples: this worker's batches of them are mapped through it.
@@ -49,8 +52,12 @@ def as_dataset(
     batch_size = _checked_batch_size(batch_size)
     dataset = tf.data.Dataset.from_tensor_slices(arrays)
     dataset = dataset.batch(batch_size, drop_remainder=drop_remainder)
-    usable = _usable_batches(total, batch_size, worker_num, drop_remainder)
-    dataset = _preprocessed(_deal(dataset, usable, worker_index, worker_num), preprocessing)
+    if deal_rows:
+        dataset = rows_of_shard(dataset, worker_index, worker_num)
+    else:
+        usable = _usable_batches(total, batch_size, worker_num, drop_remainder)
+        dataset = _deal(dataset, usable, worker_index, worker_num)
+    dataset = _preprocessed(dataset, preprocessing)
     return standardize_dataset(dataset).prefetch(tf.data.AUTOTUNE)
 
 
@@ -82,6 +89,7 @@ class ReshuffledArrays:
         worker_num: int = 1,
         drop_remainder: bool = False,
         preprocessing: Preprocessing | None = None,
+        deal_rows: bool = False,
     ):
         if preprocessing is not None:
             x, y = preprocessing.raw_arrays(x), preprocessing.raw_arrays(y)
@@ -92,7 +100,9 @@ class ReshuffledArrays:
         self.batch_size = _checked_batch_size(batch_size)
         self.seed, self.mode = seed, mode
         self.drop_remainder, self.worker = drop_remainder, (worker_index, worker_num)
-        self._usable = _usable_batches(self.total, self.batch_size, worker_num, drop_remainder)
+        self.deal_rows = deal_rows
+        if not deal_rows:
+            self._usable = _usable_batches(self.total, self.batch_size, worker_num, drop_remainder)
 
     def order(self, pass_index: int) -> np.ndarray:
         """The sample order of pass `pass_index`."""
@@ -107,7 +117,10 @@ class ReshuffledArrays:
         """Pass `pass_index`'s per-worker batches."""
         indices = tf.data.Dataset.from_tensor_slices(self.order(pass_index))
         indices = indices.batch(self.batch_size, drop_remainder=self.drop_remainder)
-        indices = _deal(indices, self._usable, *self.worker)
+        if self.deal_rows:
+            indices = rows_of_shard(indices, *self.worker)
+        else:
+            indices = _deal(indices, self._usable, *self.worker)
         tensors = self._tensors
 
         def gather(rows):
@@ -215,6 +228,28 @@ def _deal(dataset: tf.data.Dataset, usable: int | None, worker_index: int, worke
     if usable is None:
         return dataset
     return dataset.take(usable).shard(worker_num, worker_index)
+
+
+def rows_of_shard(dataset: tf.data.Dataset, shard: int, shards: int) -> tf.data.Dataset:
+    """Input shard `shard`'s rows of each global batch of `dataset` (io.global_batches).
+
+    Contiguous slices whose sizes differ by at most one row (the first `rows % shards`
+    shards take one more), so every row of every batch, a short last one too, is dealt
+    once whatever the number of shards: the global batch does not depend on how many
+    workers share it, which is what lets an elastic job change its worker count.
+    """
+    if shards == 1:
+        return dataset
+
+    def take(*parts):
+        element = parts[0] if len(parts) == 1 else parts
+        rows = tf.shape(tree.flatten(element)[0], out_type=tf.int64)[0]
+        base, extra = rows // shards, rows % shards
+        start = shard * base + tf.minimum(tf.constant(shard, tf.int64), extra)
+        size = base + tf.cast(shard < extra, tf.int64)
+        return tree.map_structure(lambda t: t[start : start + size], element)
+
+    return dataset.map(take)
 
 
 def unpack_element(element, with_labels: bool = True):

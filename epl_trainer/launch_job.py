@@ -26,6 +26,7 @@ EXIT_TIMEOUT = 124
 GRACE_SECONDS = 5.0
 POLL_SECONDS = 0.1
 TAIL_LINES = 20
+RESIZE_EXIT_CODE = 75  # a worker stopped at a checkpoint to resize the job (elastic.py)
 
 
 def exit_code(returncode: int) -> int:
@@ -139,6 +140,12 @@ class Job:
         self.grace_seconds = grace_seconds
         self.workers: list[_Worker] = []
         self._stop_signal: int | None = None
+        # The first worker to fail: (index, Popen returncode; negative = killed by signal).
+        self.failure: tuple[int, int] | None = None
+        # The workers were asked to stop at a checkpoint to resize (launch_elastic.py):
+        # their exit code 75 is then expected, not a failure.
+        self.resizing = False
+        self.on_poll = None  # called with the job at every poll of wait()
 
     def log_path(self, index: int) -> Path:
         suffix = f".restart_{self.attempt}" if self.attempt else ""
@@ -199,8 +206,15 @@ class Job:
                 say(f"received {_signal_name(self._stop_signal)}; stopping all workers")
                 self.stop()
                 return 128 + self._stop_signal
+            if self.on_poll is not None:
+                self.on_poll(self)
             failed = self._first_failure()
             if failed is not None:
+                self.failure = (failed.index, failed.process.returncode)
+                if self.resizing and failed.process.returncode == RESIZE_EXIT_CODE:
+                    say(f"worker {failed.index} stopped at a checkpoint to resize the job")
+                    self.stop()
+                    return RESIZE_EXIT_CODE
                 self._report_failure(failed)
                 return exit_code(failed.process.returncode)
             if all(worker.process.poll() == 0 for worker in self.workers):

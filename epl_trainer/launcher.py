@@ -3,7 +3,9 @@
 Usage::
 
     epl-launch --num_workers N --gpu_per_worker G [--cpu_devices_per_worker K]
-               [--log_dir DIR] [--timeout SECONDS] [--max_restarts R] SCRIPT [ARGS...]
+               [--log_dir DIR] [--timeout SECONDS] [--max_restarts R] [--min_workers K]
+               SCRIPT [ARGS...]
+    epl-launch --join RUN_DIR     # one more worker for a running elastic job
 
     # for example
     epl-launch --num_workers 2 --gpu_per_worker 1 train.py --epochs 3
@@ -43,6 +45,10 @@ Supervision and exit codes:
   ports, every worker), up to R times; a script that sets ``checkpoint.dir`` resumes from
   its newest checkpoint. Logs of restart k are ``worker_<i>.restart_<k>.log``. The exit
   code is the last attempt's;
+* ``--min_workers K`` (default ``N``): elastic. A worker killed by a signal is lost: the
+  job restarts on the survivors from its newest checkpoint while at least K remain, and
+  ``epl-launch --join RUN_DIR`` grows it back at its next checkpoint (see
+  ``launch_elastic.py``; this does not count against ``--max_restarts``);
 * ``--timeout SECONDS`` stops everything and exits with 124 once exceeded (over all
   attempts; a timed-out job is not restarted);
 * SIGINT / SIGTERM to the launcher stop all workers and exit with 130 / 143;
@@ -69,6 +75,7 @@ import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
+from epl_trainer.launch_elastic import ElasticSize, request_join
 from epl_trainer.launch_job import PROG, Job, say
 
 HOST = "127.0.0.1"
@@ -156,6 +163,16 @@ _FLAGS: tuple[tuple[str, dict], ...] = (
             default=None,
             metavar="SECONDS",
             help="stop everything and exit 124 after this long (default: none)",
+        ),
+    ),
+    (
+        "--min_workers",
+        dict(
+            type=_int_at_least(1, "min_workers"),
+            default=None,
+            metavar="K",
+            help="elastic: go on with as few as K workers when one is lost, grow back "
+            "when one joins (epl-launch --join RUN_DIR); default: N, not elastic",
         ),
     ),
     (
@@ -372,6 +389,9 @@ def _restore_signal_handlers(previous: Mapping[int, object]) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """The ``epl-launch`` entry point; returns the exit code (see the module docstring)."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["--join"]:
+        return _join(argv[1:])
     try:
         args = parse_args(argv)
     except SystemExit as exc:  # argparse has printed usage or help already
@@ -379,35 +399,73 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         command = build_command(args.script, args.script_args)
         num_gpus = detect_gpus()
+        min_workers = _checked_min_workers(args)
         make_envs = _env_factory(args, num_gpus)
-        envs = make_envs(0)  # checks the request before anything starts
+        envs = make_envs(0, args.num_workers)  # checks the request before anything starts
     except LaunchError as exc:
         print(f"{PROG}: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
     run_dir = make_run_dir(args.log_dir)
+    sizing = ElasticSize(args.num_workers, min_workers, run_dir)
     deadline = None if args.timeout is None else time.monotonic() + args.timeout
-    attempt = 0
+    attempt = restarts = 0
+    what = "starting"
     while True:
+        envs = [{**env, **sizing.worker_env(attempt)} for env in envs]
         job = Job(command, envs, run_dir, attempt=attempt)
-        what = "starting" if attempt == 0 else f"restart {attempt}/{args.max_restarts}: starting"
-        say(f"{what} {args.num_workers} worker(s); logs in {run_dir}")
+        job.on_poll = sizing.poll
+        say(f"{what} {len(envs)} worker(s); logs in {run_dir}")
         code = _run_job(job, args.timeout, deadline)
-        if code == 0 or attempt >= args.max_restarts or job.stop_requested or job.timed_out:
+        if code == 0 or job.stop_requested or job.timed_out:
             return code
+        size = sizing.next_size(job, code)
+        if size is None:
+            if restarts >= args.max_restarts:
+                return code
+            restarts += 1
+            size = len(envs)
+            what = f"restart {restarts}/{args.max_restarts}: starting"
+        else:
+            what = f"elastic attempt {attempt + 1}: starting"
         attempt += 1
-        envs = make_envs(attempt)  # fresh ports: the old ones may still be held
+        envs = make_envs(attempt, size)  # fresh ports: the old ones may still be held
+
+
+def _join(argv: Sequence[str]) -> int:
+    """``epl-launch --join RUN_DIR``: one more worker for the elastic job of RUN_DIR."""
+    if len(argv) != 1:
+        print(f"{PROG}: error: usage: {PROG} --join RUN_DIR", file=sys.stderr)
+        return EXIT_USAGE
+    try:
+        request = request_join(argv[0])
+    except FileNotFoundError as exc:
+        print(f"{PROG}: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    say(f"join requested ({request}); the job grows at its next checkpoint")
+    return 0
+
+
+def _checked_min_workers(args: argparse.Namespace) -> int:
+    if args.min_workers is None:
+        return args.num_workers
+    if args.min_workers > args.num_workers:
+        raise LaunchError(
+            "min_workers cannot exceed num_workers. Received: "
+            f"min_workers={args.min_workers}, num_workers={args.num_workers}"
+        )
+    return args.min_workers
 
 
 def _env_factory(args: argparse.Namespace, num_gpus: int):
-    """Returns attempt -> every worker's environment, on newly chosen ports."""
+    """Returns (attempt, workers) -> every worker's environment, on newly chosen ports."""
 
-    def make(attempt: int) -> list[dict[str, str]]:
-        ports = free_ports(args.num_workers)
+    def make(attempt: int, num_workers: int) -> list[dict[str, str]]:
+        ports = free_ports(num_workers)
         envs = [
             worker_env(
                 index, ports, args.gpu_per_worker, args.cpu_devices_per_worker, num_gpus, os.environ
             )
-            for index in range(args.num_workers)
+            for index in range(num_workers)
         ]
         for env in envs:
             env["EPL_RESTART_ATTEMPT"] = str(attempt)

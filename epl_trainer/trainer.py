@@ -15,7 +15,15 @@ import time
 import keras
 import tensorflow as tf
 
-from epl_trainer import compiled, deepspeed, model_inputs, model_setup, optimizers, start_state
+from epl_trainer import (
+    compiled,
+    deepspeed,
+    elastic,
+    model_inputs,
+    model_setup,
+    optimizers,
+    start_state,
+)
 from epl_trainer import data as data_lib
 from epl_trainer import fit_inputs as fit_lib
 from epl_trainer import model_fn as model_fn_lib
@@ -120,6 +128,7 @@ class EPLTrainer(CheckpointMixin, TrainingDataMixin, InferenceMixin, ObjectivesM
         env = Env.get()
         self.config = env.config if config is None else env.config.merge(Config.load(config))
         self.cluster = env.cluster if config is None else build_cluster(self.config.cluster)
+        self.config = elastic.sized_config(self.config, self.cluster.worker_num)
         self.optimizer = compiled.unwrapped_optimizer(keras.optimizers.get(optimizer))
         if isinstance(model, keras.Model) and not self.config.amp.level:
             # Keras's mixed precision (a mixed dtype policy, a LossScaleOptimizer) becomes

@@ -18,6 +18,7 @@ import numpy as np
 import tensorflow as tf
 
 from epl_trainer import checkpoint as ckpt
+from epl_trainer import elastic
 from epl_trainer import model_fn as model_fn_lib
 from epl_trainer.core.comm.hosts import host_group, rows_by_worker
 from epl_trainer.core.engine.checkpoint_content import CheckpointContent
@@ -271,6 +272,8 @@ class CheckpointMixin:
 
     def _save_periodic(self) -> None:
         self.save_checkpoint(self.config.checkpoint.dir, keep_max=self.config.checkpoint.keep_max)
+        step = int(self.optimizer.iterations.numpy())
+        elastic.stop_if_resize_requested(self.config, self.cluster.worker_num, self._agree, step)
 
 
 def _wait_until_readable(directory: str, name: str, seconds: float) -> str | None:

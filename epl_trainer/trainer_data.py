@@ -2,7 +2,9 @@
 
 `fit`'s data with Keras's meaning (`fit_inputs.py` holds the argument rules): numpy
 inputs dealt to the workers in batches, in order or reshuffled every pass (`shuffle`),
-with per-sample weights; Datasets used as given; files read and sliced by `io.py`; a
+with per-sample weights; Datasets used as given; with io.global_batches, every worker's
+rows of each global batch instead (the job's batch then outlives a change in its worker
+count: elastic.py); files read and sliced by `io.py`; a
 KerasHub task's batches mapped through its preprocessor (`pipeline_models.py`). A
 model that can be planned only once it has seen data (an Estimator-style model_fn, an
 unbuilt Sequential) is built here from the data's element spec.
@@ -59,6 +61,8 @@ class TrainingDataMixin:
                     "io.slicing slices files given as fit(files, parse_fn=...); a "
                     "tf.data.Dataset is used as given (shard it with epl.io.slice_files)."
                 )
+            if self.config.io.global_batches:
+                x = data_lib.rows_of_shard(x, self.data_shard, self.data_shards)
             dataset = data_lib.as_dataset(
                 x, y, batch_size, sample_weight=sample_weight, preprocessing=preprocessing
             )
@@ -66,13 +70,16 @@ class TrainingDataMixin:
         if shuffle not in (True, False, "batch"):
             raise ValueError(f'shuffle must be True, False or "batch". Received: {shuffle!r}')
         # A short last batch trains as Keras does (the engine fills it up with weight-0
-        # rows). With several input shards it would give one worker a batch of another
-        # shape than its peers', whose collectives would then not match: dropped there.
+        # rows). Dealt whole batches to several input shards, it would leave one shard
+        # without a batch while its peers have one: dropped there. Dealt in rows
+        # (io.global_batches), it is shared as any other.
+        rows = self.config.io.global_batches
         deal = dict(
             worker_index=self.data_shard,
             worker_num=self.data_shards,
-            drop_remainder=self.data_shards > 1,
+            drop_remainder=self.data_shards > 1 and not rows,
             preprocessing=preprocessing,
+            deal_rows=rows,
         )
         if not shuffle:
             return data_lib.as_dataset(x, y, batch_size, sample_weight=sample_weight, **deal), None

@@ -63,6 +63,9 @@ EXPECTED_DEFAULTS = {
     "io.slicing": False,
     "io.unbalanced_io_slicing": False,
     "io.drop_last_files": False,
+    "io.global_batches": False,
+    "elastic.max_workers": 0,
+    "elastic.resize_file": "",
     "auto.auto_parallel": False,
 }
 
@@ -78,6 +81,7 @@ SECTION_CLASSES = {
     "batch_norm": "BatchNormConfig",
     "checkpoint": "CheckpointConfig",
     "io": "IoConfig",
+    "elastic": "ElasticConfig",
     "auto": "AutoConfig",
 }
 

@@ -324,20 +324,26 @@ class CheckpointContent:
 
     def unexpected(self, saved_keys, expected: dict[str, Expected]) -> list[str]:
         """Saved entries this layout would have to hold but has no place for: a bigger
-        model, or slots of another optimizer for the variables this worker updates."""
+        model, or slots of another optimizer for the variables this worker updates.
+        Variables of stages on other workers are not this worker's to hold."""
         updated = {
             str(self._index_of(v))
             for _, _, variables in self.update.local_optimizers()
             for v in variables
+        }
+        in_model = {
+            "trainable": len(self.state.model_trainable),
+            "non_trainable": len(self.state.model_non_trainable),
         }
         extra = []
         for key in saved_keys:
             kind, _, rest = key.partition("/")
             if key in expected or key.split(PIECE_MARK)[0] in expected:
                 continue
-            if kind in ("trainable", "non_trainable") or (
-                kind == "slot" and rest.split("/")[0] in updated
-            ):
+            if kind in in_model:
+                if not rest.isdigit() or int(rest) >= in_model[kind]:
+                    extra.append(key)
+            elif kind == "slot" and rest.split("/")[0] in updated:
                 extra.append(key)
         return extra
 
