@@ -21,6 +21,8 @@ What each worker ``i`` (of ``N``) gets in its environment:
   "worker", "index": i}}``, with ``N`` distinct free ports chosen by the launcher.
 * ``EPL_WORKER_INDEX=i``, ``EPL_NUM_WORKERS=N``, ``PYTHONUNBUFFERED=1``, and
   ``EPL_RESTART_ATTEMPT`` (0, then 1, 2, ... for each restart of the job).
+* With ``--min_workers``: ``EPL_ELASTIC_MAX_WORKERS`` and ``EPL_ELASTIC_RESIZE_FILE``
+  (``elastic.*`` config keys; ``N`` is then the attempt's worker count).
 * Devices. On a machine with GPUs (counted with ``nvidia-smi -L``),
   ``CUDA_VISIBLE_DEVICES`` lists GPUs ``i*G .. i*G+G-1``; asking for more GPUs than the
   machine has is an error. On a machine without GPUs, ``CUDA_VISIBLE_DEVICES=""`` and
