@@ -22,14 +22,25 @@ def _trainer(model, **config):
     )
 
 
-def _data(poisoned: bool, drop_bad: bool = False):
+def _data(poisoned: bool, drop_bad: bool = False, nan_loss: bool = False):
+    """48 samples in batches of 8; `poisoned`: batch BAD_BATCH holds a NaN input.
+
+    A NaN input gives NaN gradients on every CPU, but not always a NaN loss: where
+    oneDNN is on, the compiled step fuses MatMul + BiasAdd + Relu and that kernel's ReLU
+    maps NaN to 0. `nan_loss` poisons the batch through a sample weight instead, which
+    makes the loss itself NaN everywhere (what Keras's TerminateOnNaN looks at)."""
     x, y = mlp_data(48)
-    if poisoned:
+    weights = np.ones(len(x), "float32")
+    if poisoned and nan_loss:
+        weights[BAD_BATCH * BATCH + 3] = np.nan
+    elif poisoned:
         x = x.copy()
         x[BAD_BATCH * BATCH + 3, 1] = np.nan
     if drop_bad:
         keep = np.r_[0 : BAD_BATCH * BATCH, (BAD_BATCH + 1) * BATCH : len(x)]
         x, y = x[keep], y[keep]
+    if nan_loss:
+        return tf.data.Dataset.from_tensor_slices((x, y, weights)).batch(BATCH)
     return tf.data.Dataset.from_tensor_slices((x, y)).batch(BATCH)
 
 
@@ -54,7 +65,10 @@ def test_terminate_on_nan_stops_training_as_in_keras_and_the_step_is_not_applied
     before the bad step (Keras would have applied it)."""
     model = mlp()
     history = _trainer(model).fit(
-        _data(poisoned=True), epochs=3, verbose=0, callbacks=[keras.callbacks.TerminateOnNaN()]
+        _data(poisoned=True, nan_loss=True),
+        epochs=3,
+        verbose=0,
+        callbacks=[keras.callbacks.TerminateOnNaN()],
     )
     assert len(history.history["loss"]) == 1 and np.isnan(history.history["loss"][0])
     reference = mlp()
@@ -66,11 +80,11 @@ def test_callbacks_see_the_nan_batch_before_the_error_and_terminate_on_nan_may_r
     seen = []
     record = keras.callbacks.LambdaCallback(on_train_batch_end=lambda b, logs: seen.append(logs))
     with pytest.raises(NonFiniteLossError):
-        _trainer(mlp()).fit(_data(poisoned=True), verbose=0, callbacks=[record])
+        _trainer(mlp()).fit(_data(poisoned=True, nan_loss=True), verbose=0, callbacks=[record])
     assert len(seen) == BAD_BATCH + 1 and np.isnan(seen[-1]["loss"])
     with pytest.raises(RuntimeError, match="NaN or Inf loss encountered"):
         _trainer(mlp()).fit(
-            _data(poisoned=True),
+            _data(poisoned=True, nan_loss=True),
             verbose=0,
             callbacks=[keras.callbacks.TerminateOnNaN(raise_error=True)],
         )
