@@ -219,6 +219,13 @@ def configure_tensorflow(
     _CONFIGURED_CPU_DEVICES = num_cpu_devices
 
 
+def available_cores() -> int:
+    """The CPU cores this process may run on: its affinity where the OS keeps one (Linux:
+    a container's or taskset's limit), else every core (macOS has no affinity call)."""
+    affinity = getattr(os, "sched_getaffinity", None)
+    return len(affinity(0)) if affinity is not None else (os.cpu_count() or 1)
+
+
 def default_intra_op_threads(num_cpu_devices: int, cores: int) -> int | None:
     """Threads per op when `cluster.intra_op_threads` is 0: with several simulated CPU
     devices, each gets its share of the cores; with one, TensorFlow's default (None).
@@ -279,7 +286,7 @@ def build_cluster(cluster_config, environ: Mapping[str, str] | None = None) -> C
     spec = parse_tf_config(environ)
     num_cpu = max(1, cluster_config.virtual_devices)
     intra_op_threads = cluster_config.intra_op_threads or default_intra_op_threads(
-        num_cpu, len(os.sched_getaffinity(0))
+        num_cpu, available_cores()
     )
     configure_tensorflow(
         num_cpu,

@@ -21,6 +21,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
 
+import psutil
+
 PROG = "epl-launch"
 EXIT_TIMEOUT = 124
 GRACE_SECONDS = 5.0
@@ -85,23 +87,18 @@ def _group_alive(pgid: int) -> bool:
 
     A grandchild orphaned by its worker waits as a zombie until init reaps it, which can
     take a second or never happen (a launcher running as PID 1 in a container), so
-    zombies are skipped where ``/proc`` shows them.
+    zombies are skipped (psutil reads each process's state on any Unix).
     """
     try:
         os.killpg(pgid, 0)
     except (ProcessLookupError, PermissionError):
         return False
-    proc = Path("/proc")
-    if not proc.is_dir():
-        return True  # no /proc (macOS): zombies count as members
-    for stat_file in proc.glob("[0-9]*/stat"):
+    for process in psutil.process_iter(["status"]):
         try:
-            # Fields after the parenthesised command: state, ppid, pgrp, ...
-            state, _ppid, pgrp = stat_file.read_text().rsplit(")", 1)[1].split()[:3]
-        except (OSError, IndexError, ValueError):
+            if os.getpgid(process.pid) == pgid and process.info["status"] != psutil.STATUS_ZOMBIE:
+                return True
+        except (ProcessLookupError, PermissionError):
             continue  # the process exited while we looked
-        if int(pgrp) == pgid and state != "Z":
-            return True
     return False
 
 

@@ -13,6 +13,8 @@ from __future__ import annotations
 import dataclasses
 import os
 
+import psutil
+
 from epl_trainer.core.engine.state import variable_bytes
 from epl_trainer.core.engine.zero_params import is_gathered
 from epl_trainer.core.graph.cost import format_bytes
@@ -135,14 +137,10 @@ def _unavailable(device: str, error: Exception) -> AllocatorStatsUnavailable:
 
 
 def process_threads() -> int:
-    """Threads of this process, TensorFlow's native ones included (Linux /proc)."""
-    return len(os.listdir("/proc/self/task"))
+    """Threads of this process, TensorFlow's native ones included (psutil: any OS)."""
+    return psutil.Process().num_threads()
 
 
 def process_rss_mib() -> float:
-    """Resident memory of this process in MiB (Linux /proc)."""
-    with open("/proc/self/status") as status:
-        for line in status:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    raise OSError("/proc/self/status has no VmRSS line")
+    """Resident memory of this process in MiB (psutil: any OS)."""
+    return psutil.Process().memory_info().rss / 2**20

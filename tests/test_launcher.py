@@ -15,6 +15,7 @@ import textwrap
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 
 from epl_trainer import launcher
@@ -60,9 +61,9 @@ def wait_until_gone(pid: int, timeout: float = 5.0) -> bool:
         except ProcessLookupError:
             return True
         try:
-            if Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] == "Z":
+            if psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
                 return True
-        except OSError:
+        except psutil.NoSuchProcess:
             return True
         time.sleep(0.05)
     return False
