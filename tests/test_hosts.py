@@ -12,9 +12,11 @@ import os
 import signal
 import time
 
+import numpy as np
 import pytest
 from _hosts import NetworkHosts, port, start_relay, start_workers, unavailable_reason
 from _launch import SCRIPTS
+from test_elastic import BATCH, STEPS, _report, _run_alone, _steps_trained, _weights
 from test_fault_tolerance import check_resumed_at_step_4, uninterrupted  # noqa: F401 (fixture)
 from test_multiworker import check_short_last_batches
 from test_soak import RSS_SLACK_MIB, RSS_WARMUP_MIB, THREAD_SLACK
@@ -32,6 +34,7 @@ SPAN = os.path.join(SCRIPTS, "train_span.py")
 DP = os.path.join(SCRIPTS, "train_dp.py")
 FT = os.path.join(SCRIPTS, "train_ft.py")
 SOAK = os.path.join(SCRIPTS, "soak_workers.py")
+ELASTIC = os.path.join(SCRIPTS, "train_elastic.py")
 
 
 @pytest.fixture
@@ -134,6 +137,40 @@ def test_a_job_on_two_hosts_killed_and_restarted_resumes_exactly(tmp_path, hosts
     outputs = _finish(resumed)
     assert [w.returncode for w in resumed] == [0, 0], "\n".join(outputs)
     check_resumed_at_step_4(tmp_path, uninterrupted, attempt=1)
+
+
+def test_a_scheduler_restarts_an_elastic_job_on_the_surviving_host(tmp_path, hosts):
+    """Elastic training without epl-launch, as a scheduler that restarts pods with a new
+    TF_CONFIG runs it: 2 workers on 2 hosts with EPL_ELASTIC_MAX_WORKERS=2 and global
+    batches; worker 1 SIGKILLs itself after step 5, worker 0 stops with the error naming
+    it; started again alone on host 0 (TF_CONFIG of one worker), it resumes step 4 with 2
+    micro-batches and ends with the weights of one process on the same global batches."""
+    expected = _run_alone(tmp_path / "alone")
+    out = tmp_path / "elastic"
+    out.mkdir()
+    sized = dict(EPL_ELASTIC_MAX_WORKERS="2")
+    kill = ["--kill_worker", 1, "--kill_at_step", 5]
+    lost = start_workers(hosts, ELASTIC, out, *kill, EPL_RESTART_ATTEMPT="0", **sized)
+    outputs = _finish(lost)
+    assert lost[1].returncode == -signal.SIGKILL, outputs[1]
+    named = f"worker 1 ({hosts.addresses[1]}:{port(1)}"
+    assert lost[0].returncode != 0 and named in outputs[0], outputs[0]
+    survivor = start_workers(
+        hosts, ELASTIC, out, cluster=hosts.addresses[:1], EPL_RESTART_ATTEMPT="1", **sized
+    )
+    outputs = _finish(survivor)
+    assert survivor[0].returncode == 0, outputs[0]
+    reports = [_report(out, attempt) for attempt in range(2)]
+    assert [(r["workers"], r["step"], r["micro_batches"]) for r in reports] == [
+        (2, 0, 1),
+        (1, 4, 2),
+    ]
+    by_step = _steps_trained(out, reports)
+    assert {s: sorted(ids) for s, ids in by_step.items()} == {
+        s: list(range(s * BATCH, (s + 1) * BATCH)) for s in range(STEPS)
+    }
+    for got, want in zip(_weights(out), expected, strict=True):
+        np.testing.assert_allclose(got, want, atol=1e-5)
 
 
 def test_a_pipeline_over_two_hosts_soaks_with_threads_and_memory_flat(tmp_path):
