@@ -4,7 +4,7 @@ A collective waits for every member of its group; a worker killed with `kill -9`
 joins, so its peers would wait forever. TF's collective ops take a `timeout_seconds`,
 but each launch with a timeout leaves a timer thread alive for the whole timeout: at
 600 s a 2-device data-parallel step left ~20 threads and a few minutes of training
-reached ~30,000 threads and aborted the process (DESIGN.md). So collectives run without
+reached ~30,000 threads and aborted the process (docs/architecture.md). So collectives run without
 a timeout, and this watchdog bounds them instead, as MultiWorkerMirroredStrategy's
 health-check thread does:
 

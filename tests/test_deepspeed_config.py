@@ -14,7 +14,7 @@ from epl_trainer.deepspeed import DeepSpeedConfig, DeepSpeedConfigError, resolve
 from epl_trainer.deepspeed.update_rules import FusedLamb
 
 DATA = Path(__file__).parent / "data"
-# The two example configs of shared/reference/deepspeed_config_quickstart.txt, verbatim.
+# The two example configs of DeepSpeed's quick-start documentation, verbatim.
 STAGE2 = DATA / "ds_quickstart_stage2.json"
 STAGE3 = DATA / "ds_quickstart_stage3.json"
 TWO_DEVICES = epl.Config({"cluster.virtual_devices": 2})

@@ -3,7 +3,7 @@
 Usage: estimate_peak.py MODEL DEVICES MICRO_BATCH_SIZE [CONFIG_JSON]
 MODEL is "transformer" or "mlp" (`build_model`, shared with tests/test_estimate.py).
 Prints one JSON line {"peak", "resident", "params", "batch"}. As bench/memory.py and
-DESIGN.md section 6 measure: a fresh process, one step to trace and build, then
+docs/architecture.md ("Peak memory") measure: a fresh process, one step to trace and build, then
 the allocator's peak (`epl_trainer.memory.allocator_memory`) over the next steps after a
 reset (on CPU the logical devices share one allocator: the whole process's tensors).
 """

@@ -2,7 +2,7 @@
 and the rank order TensorFlow gives a group's members.
 
 Two details make the V2 ops usable inside one `tf.function` (both measured, see
-DESIGN.md):
+docs/architecture.md):
 
 * Every collective on a device takes that device's **ordering token** (the handle of a
   small resource variable). Ops sharing a resource run in program order, so every

@@ -7,7 +7,7 @@ sender's and the receiver's device), its keys counted per group (keys.py), order
 each device by its ordering token, like every other collective of the engine.
 
 TensorFlow's `CollectiveBcastSendV2/RecvV2` take no ordering token, and V2 collectives
-without one deadlock inside a `tf.function` (DESIGN.md); so a transfer is a
+without one deadlock inside a `tf.function` (docs/architecture.md); so a transfer is a
 `CollectiveGatherV2` of two equal-shaped members, the receiver contributing zeros and
 keeping the sender's half. That moves the tensor's bytes once in each direction (the
 zeros travel back): the price of ordering, paid only across workers.
