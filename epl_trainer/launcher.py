@@ -4,7 +4,7 @@ Usage::
 
     epl-launch --num_workers N --gpu_per_worker G [--cpu_devices_per_worker K]
                [--log_dir DIR] [--timeout SECONDS] [--max_restarts R] [--min_workers K]
-               SCRIPT [ARGS...]
+               SCRIPT [ARGS...]            # or -m MODULE [ARGS...]
     epl-launch --join RUN_DIR     # one more worker for a running elastic job
 
     # for example
@@ -12,8 +12,9 @@ Usage::
     python -m epl_trainer.launcher --num_workers 2 --gpu_per_worker 2 run.sh
 
 ``SCRIPT`` is a ``.py`` file (run with the launcher's own Python interpreter) or a
-``.sh`` file (run with ``bash``). Everything after ``SCRIPT`` is passed to it untouched,
-even arguments that look like launcher flags. Nothing goes through a shell.
+``.sh`` file (run with ``bash``); ``-m MODULE`` in its place runs ``python -m MODULE``.
+Everything after ``SCRIPT`` is passed to it untouched, even arguments that look like
+launcher flags. Nothing goes through a shell.
 
 What each worker ``i`` (of ``N``) gets in its environment:
 
@@ -24,11 +25,12 @@ What each worker ``i`` (of ``N``) gets in its environment:
 * With ``--min_workers``: ``EPL_ELASTIC_MAX_WORKERS`` and ``EPL_ELASTIC_RESIZE_FILE``
   (``elastic.*`` config keys; ``N`` is then the attempt's worker count).
 * Devices. On a machine with GPUs (counted with ``nvidia-smi -L``),
-  ``CUDA_VISIBLE_DEVICES`` lists GPUs ``i*G .. i*G+G-1``; asking for more GPUs than the
-  machine has is an error. On a machine without GPUs, ``CUDA_VISIBLE_DEVICES=""`` and
-  ``EPL_CLUSTER_VIRTUAL_DEVICES=K`` (``--cpu_devices_per_worker``, default ``G``), which
-  the config system reads to create ``K`` logical CPU devices per worker, so a GPU
-  recipe runs unchanged on a laptop.
+  ``CUDA_VISIBLE_DEVICES`` lists GPUs ``i*G .. i*G+G-1`` of those the launcher may use:
+  the ones its own ``CUDA_VISIBLE_DEVICES`` names (a scheduler's allocation), else all;
+  asking for more GPUs than that is an error. On a machine without GPUs,
+  ``CUDA_VISIBLE_DEVICES=""`` and ``EPL_CLUSTER_VIRTUAL_DEVICES=K``
+  (``--cpu_devices_per_worker``, default ``G``), which the config system reads to create
+  ``K`` logical CPU devices per worker, so a GPU recipe runs unchanged on a laptop.
 
 Logs: every run gets ``<log_dir>/run_<YYYYmmdd-HHMMSS>_<pid>/`` (``--log_dir`` defaults
 to ``./epl_logs``) holding ``worker_<i>.log`` with that worker's stdout and stderr.
@@ -200,7 +202,7 @@ def split_script_args(argv: Sequence[str]) -> tuple[list[str], list[str]]:
     index = 0
     while index < len(argv):
         token = argv[index]
-        if token == "--":  # explicit end of launcher flags; SCRIPT follows
+        if token in ("--", "-m"):  # end of launcher flags; SCRIPT (or -m MODULE) follows
             return argv[: index + 2], argv[index + 2 :]
         if not token.startswith("-") or token == "-":
             return argv[: index + 1], argv[index + 1 :]
@@ -222,22 +224,36 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     )
     for flag, kwargs in _FLAGS:
         parser.add_argument(flag, **kwargs)
-    parser.add_argument("script", metavar="SCRIPT", help="a .py or .sh file")
+    parser.add_argument("script", metavar="SCRIPT", nargs="?", help="a .py or .sh file")
     parser.add_argument(
         "script_args", nargs="*", default=[], metavar="ARGS", help="passed to SCRIPT untouched"
     )
     launcher_argv, script_args = split_script_args(sys.argv[1:] if argv is None else argv)
+    module = None
+    if launcher_argv[-2:-1] == ["-m"]:  # -m MODULE, as `python -m`
+        module, launcher_argv = launcher_argv[-1], launcher_argv[:-2]
     args = parser.parse_args(launcher_argv)
+    if (args.script is None) == (module is None):
+        parser.error("give one SCRIPT or -m MODULE")
+    args.module = module
     args.script_args = script_args
     return args
 
 
-def build_command(script: str, args: Sequence[str]) -> list[str]:
-    """The argv that runs ``script`` with ``args`` (no shell involved).
+def build_command(script: str | None, args: Sequence[str], module: str | None = None) -> list[str]:
+    """The argv that runs ``script`` (or ``python -m module``) with ``args`` (no shell).
 
     Raises:
-        LaunchError: the script does not exist or is neither ``.py`` nor ``.sh``.
+        LaunchError: the script does not exist or is neither ``.py`` nor ``.sh``; the
+            module is not a dotted module name.
     """
+    if module is not None:
+        if not all(part.isidentifier() for part in module.split(".")):
+            raise LaunchError(
+                "-m takes a module name such as pkg.train (a file is given without -m). "
+                f"Received: module={module!r}"
+            )
+        return [sys.executable, "-m", module, *args]
     path = Path(script)
     if not path.is_file():
         raise LaunchError(f"Script not found. Received: script={script!r}")
@@ -291,6 +307,18 @@ def detect_gpus() -> int:
     return sum(1 for line in result.stdout.splitlines() if line.startswith("GPU "))
 
 
+def visible_gpus(num_gpus: int, base_env: Mapping[str, str]) -> list[str]:
+    """The GPUs the workers share out: those of an inherited ``CUDA_VISIBLE_DEVICES``
+    (indices or UUIDs, as a scheduler such as Slurm sets it; empty: none), else all
+    ``num_gpus`` of the machine."""
+    if num_gpus < 1:
+        return []
+    inherited = base_env.get("CUDA_VISIBLE_DEVICES")
+    if inherited is None:
+        return [str(g) for g in range(num_gpus)]
+    return [gpu.strip() for gpu in inherited.split(",") if gpu.strip()]
+
+
 def worker_env(
     index: int,
     ports: Sequence[int],
@@ -340,15 +368,18 @@ def worker_env(
             "task": {"type": "worker", "index": index},
         }
     )
-    if num_gpus > 0:
+    gpus = visible_gpus(num_gpus, env)
+    if gpus:
         needed = num_workers * gpu_per_worker
-        if needed > num_gpus:
+        if needed > len(gpus):
+            inherited = env.get("CUDA_VISIBLE_DEVICES")
+            where = "" if inherited is None else f" (CUDA_VISIBLE_DEVICES={inherited!r})"
             raise LaunchError(
                 f"Not enough GPUs: num_workers({num_workers}) * "
-                f"gpu_per_worker({gpu_per_worker}) = {needed} > available_gpus({num_gpus})"
+                f"gpu_per_worker({gpu_per_worker}) = {needed} > available_gpus({len(gpus)})" + where
             )
         first = index * gpu_per_worker
-        env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in range(first, first + gpu_per_worker))
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(gpus[first : first + gpu_per_worker])
         # A value inherited from the caller would make a GPU worker fake CPU devices.
         env.pop(VIRTUAL_DEVICES_ENV, None)
     else:
@@ -399,7 +430,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except SystemExit as exc:  # argparse has printed usage or help already
         return exc.code if isinstance(exc.code, int) else EXIT_USAGE
     try:
-        command = build_command(args.script, args.script_args)
+        command = build_command(args.script, args.script_args, args.module)
         num_gpus = detect_gpus()
         min_workers = _checked_min_workers(args)
         make_envs = _env_factory(args, num_gpus)

@@ -270,6 +270,37 @@ def test_gpu_machine_gets_gpu_slices(tmp_path, monkeypatch):
 
 
 @pytest.mark.timeout(60)
+def test_workers_share_out_the_gpus_of_an_inherited_cuda_visible_devices():
+    """A scheduler (Slurm, a container runtime) gives the launcher some GPUs by
+    CUDA_VISIBLE_DEVICES; the workers get slices of those, not of the machine's."""
+    base = {"CUDA_VISIBLE_DEVICES": "4,5,GPU-uuid-a,7"}
+    envs = [launcher.worker_env(i, [1, 2], 2, num_gpus=8, base_env=base) for i in range(2)]
+    assert [env["CUDA_VISIBLE_DEVICES"] for env in envs] == ["4,5", "GPU-uuid-a,7"]
+    with pytest.raises(ValueError, match=r"available_gpus\(2\) \(CUDA_VISIBLE_DEVICES='4,5'\)"):
+        launcher.worker_env(0, [1, 2], 2, num_gpus=8, base_env={"CUDA_VISIBLE_DEVICES": "4,5"})
+    hidden = launcher.worker_env(0, [1], 2, num_gpus=8, base_env={"CUDA_VISIBLE_DEVICES": ""})
+    assert (hidden["CUDA_VISIBLE_DEVICES"], hidden["EPL_CLUSTER_VIRTUAL_DEVICES"]) == ("", "2")
+
+
+@pytest.mark.timeout(60)
+def test_a_module_runs_as_python_m_with_its_args(tmp_path, monkeypatch):
+    package = tmp_path / "pkg"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "report.py").write_text(textwrap.dedent(REPORT_PY))
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    argv = ["--num_workers", "2", "--gpu_per_worker", "1", "--log_dir", str(tmp_path / "logs")]
+    assert launcher.main([*argv, "-m", "pkg.report", "--epochs", "3", "-m", "x"]) == 0
+    assert "argv=['--epochs', '3', '-m', 'x']" in worker_log(tmp_path, 1)
+    assert launcher.build_command(None, ["a"], "pkg.report") == [
+        sys.executable, "-m", "pkg.report", "a"
+    ]  # fmt: skip
+    with pytest.raises(launcher.LaunchError, match=r"module='pkg/report\.py'"):
+        launcher.build_command(None, [], "pkg/report.py")
+    assert launcher.main([*argv]) == launcher.EXIT_USAGE  # neither SCRIPT nor -m
+
+
+@pytest.mark.timeout(60)
 def test_shell_script_receives_args(tmp_path):
     script = write_script(
         tmp_path,
