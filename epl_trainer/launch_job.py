@@ -226,10 +226,12 @@ class Job:
             time.sleep(POLL_SECONDS)
 
     def _first_failure(self) -> _Worker | None:
-        for worker in self.workers:
-            if worker.process.poll() not in (None, 0):
-                return worker
-        return None
+        """The failed worker that caused the failure: one killed by a signal before one
+        that exited with an error (its peers fail because they lost it: the elastic
+        launcher must see the kill, not a survivor's WorkerLostError)."""
+        failed = [w for w in self.workers if w.process.poll() not in (None, 0)]
+        killed = [w for w in failed if w.process.returncode < 0]
+        return (killed or failed or [None])[0]
 
     def _report_failure(self, worker: _Worker) -> None:
         returncode = worker.process.returncode

@@ -24,7 +24,7 @@ from epl_trainer import data as data_lib
 from epl_trainer import elastic, launcher
 from epl_trainer.config import Config
 from epl_trainer.launch_elastic import ElasticSize, request_join
-from epl_trainer.launch_job import Job
+from epl_trainer.launch_job import Job, _Worker
 
 SCRIPT = os.path.join(SCRIPTS, "train_elastic.py")
 sys.path.insert(0, SCRIPTS)
@@ -88,6 +88,24 @@ def _ended_job(tmp_path, returncode, attempt=0, resizing=False):
     job = Job(["true"], [{}], tmp_path, attempt=attempt)
     job.failure, job.resizing = (2, returncode), resizing
     return job
+
+
+def test_a_killed_worker_is_the_failure_even_when_a_peer_failed_first(tmp_path):
+    """Its peers exit with an error once they notice the lost peer; if the launcher polls
+    after that, the kill must still be what it sees (else it would not shrink)."""
+
+    class Ended:
+        def __init__(self, returncode):
+            self.returncode = returncode
+
+        def poll(self):
+            return self.returncode
+
+    job = Job(["true"], [{}] * 3, tmp_path)
+    job.workers = [_Worker(i, Ended(code), tmp_path) for i, code in enumerate([1, None, -9])]
+    assert job._first_failure().index == 2
+    job.workers[2].process.returncode = None
+    assert job._first_failure().index == 0
 
 
 def test_the_launcher_shrinks_on_a_lost_worker_down_to_min_workers_only(tmp_path, capfd):
