@@ -104,9 +104,9 @@ class CheckpointMixin:
         failure = None
         try:
             entries = content.entries_to_write()
-            ckpt.write_shard(
-                folder, cluster.worker_index, [(e.key, e.name, e.read()) for e in entries]
-            )
+            with self._engine.state.gathered_reads():  # every worker, in the same order
+                values = [(e.key, e.name, e.read()) for e in entries]
+            ckpt.write_shard(folder, cluster.worker_index, values)
         except Exception as error:  # the peers must still meet this worker at the barrier
             failure = error
         if cluster.worker_num > 1:

@@ -197,6 +197,9 @@ def _steps_trained(out, reports) -> dict[int, list[int]]:
     "mode",
     [
         pytest.param([], id="data_parallel"),
+        # Every parameter held only as pieces spread over the workers, all-gathered to be
+        # read (zero_gather.py): 3, then 2, then 3 owners of each piece.
+        pytest.param(["--zero", "v2", "--momentum", "0.9"], id="data_parallel_zero_v2"),
         # One automatic stage per worker: the lost worker's stage is re-planned onto the
         # survivors (3 stages, then 2, then 3), with ZeRO v1 over momentum slots.
         pytest.param(["--pipeline", "--zero", "v1", "--momentum", "0.9"], id="pipeline_zero_v1"),

@@ -140,15 +140,18 @@ def test_a_worker_that_runs_out_first_ends_the_epoch_everywhere(tmp_path, steps_
             np.testing.assert_allclose(weights[f"arr_{i}"], value, atol=1e-5)
 
 
-def test_a_worker_whose_last_batch_is_shorter_trains_with_its_peer(tmp_path):
+@pytest.mark.parametrize("zero", ["", "v2"])
+def test_a_worker_whose_last_batch_is_shorter_trains_with_its_peer(tmp_path, zero):
     """1001 samples sharded over 2 workers, then batched by 167: worker 0's three batches
     are full, worker 1's last one has 166 rows. Its step no longer retraces alone (which
     gave its collectives other keys than its peer's, and the job hung until the watchdog
     ended it): the job ends cleanly with Keras's weights on the concatenated batches (two
     devices per worker: worker 0's 167 rows are also filled up to split in two). Two steps
     per call: the batches are taken and agreed on inside the compiled loop (one step per
-    call, where each is agreed on before the call: test_hosts.py)."""
-    result = _launch(tmp_path, 2, 2, "--short_last", "--steps_per_execution", 2)
+    call, where each is agreed on before the call: test_hosts.py). With ZeRO v2 the
+    parameters, sharded over both workers, are all-gathered inside the compiled loop."""
+    args = ["--short_last", "--steps_per_execution", 2, *(["--zero", zero] if zero else [])]
+    result = _launch(tmp_path, 2, 2, *args)
     assert result.returncode == 0, result.stdout + result.stderr
     logs = "".join(p.read_text() for p in (tmp_path / "logs").rglob("worker_*.log"))
     check_short_last_batches(tmp_path / "out", logs)

@@ -205,3 +205,14 @@ def test_kill_of_a_stage_worker_stops_the_other_with_the_named_error(tmp_path, p
     assert "WorkerLostError" in output, output
     assert f"worker 1 (127.0.0.1:{ports[1]}, /job:worker/replica:0/task:1)" in output, output
     assert elapsed < timeout + 30
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adam"])
+def test_zero_v2_with_stage_groups_across_workers_equals_keras(tmp_path, optimizer):
+    """2 workers x 2 devices, 2 stages: replica w on worker w, so each stage's group has
+    a member on each worker. ZeRO v2 holds each parameter only as pieces spread over both
+    workers: every read (each lane's forward, evaluate, predict, the write-back, the
+    checkpoint) is an all-gather across them. Equal to Keras (before: refused)."""
+    result = _launch(tmp_path, 2, 2, "--zero", "v2", "--optimizer", optimizer)
+    assert result.returncode == 0, result.stdout + result.stderr
+    _check_workers(tmp_path / "out", 2, _keras_reference(optimizer), data_shards=2)

@@ -196,18 +196,13 @@ def test_lockstep_hands_every_lane_the_reduce_scatter_of_its_micro_batch():
         assert received[li] == [None, [f"rs1 lane {li}"], None, [f"rs2 lane {li}"]]
 
 
-def test_v2_refuses_a_stage_group_spanning_workers_by_name():
-    import types
+def test_v2_across_workers_refuses_gradient_checkpointing_on_those_stages_by_name():
+    from epl_trainer.core.engine.zero_gather import check_no_recompute
 
-    from epl_trainer.core.engine.zero_params import check_local_groups
-
-    group = types.SimpleNamespace(
-        devices=("/job:worker/replica:0/task:0/device:CPU:0", "/job:worker/task:1/device:CPU:0"),
-        local_devices=("/job:worker/replica:0/task:0/device:CPU:0",),
-    )
-    match = r"zero.stage 3 \(zero.level 'v2'\) .* stage 0's group .* Use zero.stage 2"
+    check_no_recompute([0], [1])  # the recomputed stage's group is on one worker
+    match = r"zero.stage 3\) with gradient checkpointing .* stage\(s\) \[1\] .* zero.level 'v1'"
     with pytest.raises(ValueError, match=match):
-        check_local_groups(types.SimpleNamespace(stage_groups=(group,)))
+        check_no_recompute([0, 1], [1, 2])
 
 
 def test_gathered_parameter_joins_and_splits_its_pieces():

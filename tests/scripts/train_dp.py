@@ -84,9 +84,11 @@ def main():
         "worker 1's last one is a row short (500 samples)",
     )
     parser.add_argument("--steps_per_execution", type=int, default=1)
+    parser.add_argument("--zero", default="", help="zero.level")
     args = parser.parse_args()
     env = epl.init(
         {
+            "zero.level": args.zero,
             "pipeline.num_micro_batch": args.num_micro_batch,
             "cluster.colocate_split_and_replicate": args.split,
             # A step that hangs fails within a minute (the test's bound), not 600 s.

@@ -88,9 +88,11 @@ def main():
     report = {"started": STARTED, "workers": env.cluster.worker_num}
 
     def write_report():
-        if worker == 0:
-            with open(os.path.join(args.output_dir, f"attempt{attempt}.json"), "w") as f:
+        if worker == 0:  # replaced whole, so a reader never sees it half written
+            path = os.path.join(args.output_dir, f"attempt{attempt}.json")
+            with open(path + ".tmp", "w") as f:
                 json.dump(report, f)
+            os.replace(path + ".tmp", path)
 
     class Events(keras.callbacks.Callback):
         def on_train_begin(self, logs=None):

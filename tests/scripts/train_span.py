@@ -5,7 +5,7 @@ Usage:
   train_span.py OUTPUT_DIR [--stages 2|4] [--num_micro_batch M] [--optimizer sgd|adam]
                 [--schedule PreferBackward|PreferForward] [--straddle] [--steps N]
                 [--recompute] [--clipnorm C] [--pause_worker W --pause_at_step N]
-                [--save_dir DIR] [--zero v0|v1]
+                [--save_dir DIR] [--zero v0|v1|v2]
 Worker w writes OUTPUT_DIR/weights_<w>.npz (its Keras model's weights after fit) and
 OUTPUT_DIR/result_<w>.json (losses, evaluate and predict results).
   --straddle: cluster.device_place_prefer_intra_node=False, so the replicas' stages
@@ -78,7 +78,7 @@ def main():
     parser.add_argument("--straddle", action="store_true")
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--recompute", action="store_true")
-    parser.add_argument("--zero", default="", help="zero.level (v0, v1)")
+    parser.add_argument("--zero", default="", help="zero.level (v0, v1, v2)")
     parser.add_argument("--clipnorm", type=float, default=None)
     parser.add_argument("--timeout", type=float, default=60.0)
     parser.add_argument("--save_dir", default=None, help="save a checkpoint there after fit")

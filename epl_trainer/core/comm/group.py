@@ -281,27 +281,36 @@ class CollectiveGroup:
             with tf.device(self.local_devices[0]):
                 instance_key = length_keyed_instance(tf.size(values[0]), self.key, length_unit)
         instance_key = next_instance_key(self.key) if instance_key is None else instance_key
-        results = []
-        for device, value in zip(self.local_devices, values):
-            with tf.device(device):
-                # CollectiveGatherV2 has no bfloat16 kernel; a gather only copies bits, so
-                # bfloat16 travels bit-cast as float16 (same width) and is cast back.
-                wire = value if value.dtype != tf.bfloat16 else tf.bitcast(value, tf.float16)
-                gathered = tf.raw_ops.CollectiveGatherV2(
-                    input=wire,
-                    group_size=self.size,
-                    group_key=self.key,
-                    instance_key=instance_key,
-                    ordering_token=[ordering_token(device, chain)],
-                    communication_hint="auto",
-                )
-                if value.dtype == tf.bfloat16:
-                    gathered = tf.bitcast(gathered, tf.bfloat16)
-                length = value.shape[0]
-                if length is not None:
-                    gathered = tf.ensure_shape(gathered, [length * self.size])
-                results.append(gathered)
-        return results
+        return [
+            self.all_gather_member(value, member, instance_key, chain)
+            for member, value in enumerate(values)
+        ]
+
+    def all_gather_member(
+        self, value: tf.Tensor, member: int, instance_key: int, chain: int = 0
+    ) -> tf.Tensor:
+        """Local member `member`'s half of an all-gather whose other local members issue
+        theirs elsewhere in the same function with the same `instance_key` (ZeRO v2 across
+        workers: each lane gathers its stage's parameters where its forward reads them)."""
+        device = self.local_devices[member]
+        with tf.device(device):
+            # CollectiveGatherV2 has no bfloat16 kernel; a gather only copies bits, so
+            # bfloat16 travels bit-cast as float16 (same width) and is cast back.
+            wire = value if value.dtype != tf.bfloat16 else tf.bitcast(value, tf.float16)
+            gathered = tf.raw_ops.CollectiveGatherV2(
+                input=wire,
+                group_size=self.size,
+                group_key=self.key,
+                instance_key=instance_key,
+                ordering_token=[ordering_token(device, chain)],
+                communication_hint="auto",
+            )
+            if value.dtype == tf.bfloat16:
+                gathered = tf.bitcast(gathered, tf.bfloat16)
+            length = value.shape[0]
+            if length is not None:
+                gathered = tf.ensure_shape(gathered, [length * self.size])
+            return gathered
 
     def _check_flat(self, name: str, values: Sequence[tf.Tensor], divisible: bool) -> None:
         if len(values) != len(self.local_devices):

@@ -52,6 +52,7 @@ from epl_trainer.core.engine.sync_batch_norm import apply_sync_batch_norm
 from epl_trainer.core.engine.tied import check_tied_weights
 from epl_trainer.core.engine.update import ReplicatedUpdate
 from epl_trainer.core.engine.zero import ZeroUpdate
+from epl_trainer.core.engine.zero_gather import check_no_recompute
 from epl_trainer.core.engine.zero_layout import splits_variables
 
 logger = logging.getLogger(__name__)
@@ -157,6 +158,7 @@ def build_engine(
             # Checkpointed stages gather per segment, again in backward (an XLA-compiled
             # stage takes values: it gathers once per step, as the other stages do).
             hooks.gather_per_segment = set(hooks.recomputed)
+            check_no_recompute(hooks.update.spanning_stages, hooks.gather_per_segment)
     else:
         hooks.update = ReplicatedUpdate(
             layout,

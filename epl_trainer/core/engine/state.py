@@ -23,6 +23,7 @@ copy is set to the owner's new value (`sync_stage_copies`), so they never diverg
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from collections.abc import Mapping, Sequence
 
@@ -30,6 +31,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from epl_trainer.core.engine import zero_gather
 from epl_trainer.core.engine.zero_params import is_gathered
 from epl_trainer.core.graph.partition import StagedModel
 from epl_trainer.core.plan.ir import Plan
@@ -103,6 +105,7 @@ class EngineState:
         # Set by the builder when replicas span workers (exchange.py): completes the
         # Keras model with the stages this worker does not hold.
         self.exchange = None
+        self.stage_gathers = []  # ZeRO v2 stages across workers (zero_gather.StageGather)
         # Split layers (split.py): trainable index -> ShardedVariable. Lane l holds slice
         # `lane.index % num_shards` (its rank in the replica).
         self.sharded = dict(sharded or {})
@@ -205,16 +208,20 @@ class EngineState:
         `original`, so the user's optimizer settings for it apply (`original_of`)."""
         self._originals[id(copy)] = original
 
-    def hold_in_pieces(self, views: Mapping[int, object]) -> None:
+    def hold_in_pieces(self, views: Mapping[int, object], stage_gathers=()) -> None:
         """ZeRO v2 (zero_params.py): trainable variable i is held only as pieces; every
-        local lane's copy is replaced by `views[i]`, which gathers them when read."""
-        for lane_vars in self.trainable:
+        local lane's copy is replaced by `views[i]`, which gathers them when read (for a
+        stage group across workers, `views[i][lane]`, read by `stage_gathers`)."""
+        self.stage_gathers = list(stage_gathers)
+        for li, lane_vars in enumerate(self.trainable):
             for i, view in views.items():
-                if lane_vars[i] is not None and lane_vars[i] is not view:
-                    self._originals.pop(id(lane_vars[i]), None)
-                    lane_vars[i] = view
-        for i, view in views.items():
-            self._originals[id(view)] = self.model_trainable[i]
+                if isinstance(view, dict):  # a stage group across workers: one per lane
+                    view = view.get(li)
+                if view is None or lane_vars[i] is None or lane_vars[i] is view:
+                    continue
+                self._originals.pop(id(lane_vars[i]), None)
+                lane_vars[i] = view
+                self._originals[id(view)] = self.model_trainable[i]
 
     def original_of(self, copy: keras.Variable) -> keras.Variable:
         """The user's model variable that an engine-owned copy (or shard) stands for."""
@@ -253,13 +260,24 @@ class EngineState:
         with tf.device(self.model_trainable[index].value.device):
             return tf.concat(shards, axis=spec.axis)
 
+    @contextlib.contextmanager
+    def gathered_reads(self):
+        """Eager reads of ZeRO v2 parameters whose stage group spans workers: every stage
+        gathered once, on every worker in the same order (each must enter this block at
+        the same point: the write-back, a checkpoint save)."""
+        with zero_gather.eager_reads():
+            for reads in self.stage_gathers:
+                reads.prefetch()
+            yield
+
     def write_back(self) -> None:
         """Copies the first local lane's values (sharded ones joined) into the user's
         Keras model; with replicas spanning workers, then the other workers' stages."""
-        for i, target in enumerate(self.model_trainable):
-            value = self.full_value(i)
-            if value is not None:
-                target.assign(value)
+        with self.gathered_reads():
+            for i, target in enumerate(self.model_trainable):
+                value = self.full_value(i)
+                if value is not None:
+                    target.assign(value)
         for i, target in enumerate(self.model_non_trainable):
             source = self.local_copy(i, trainable=False)
             if source is not None and not is_seed_state(target):

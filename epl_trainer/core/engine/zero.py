@@ -12,7 +12,8 @@ optimizer state of every member (pieces and slots) is total/N within one row.
 Optimizers that are not element-wise (LAMB, per-variable `clipnorm`) get whole
 variables instead (balance is then bounded by the largest one). Under v2 the pieces are
 the only copy of the parameters: the lanes read them through `GatheredParameter`s
-(zero_params.py), and steps 0 and 4 below do not exist.
+(zero_params.py), or, for a stage group spanning workers, through their own all-gathers
+(`MemberParameter`s, zero_gather.py), and steps 0 and 4 below do not exist.
 
 One step, in this order:
 
@@ -40,8 +41,9 @@ from epl_trainer.core.engine.amp import unscale_gradients
 from epl_trainer.core.engine.apply import OptimizerStep
 from epl_trainer.core.engine.reduce import scaled, sum_over_lane
 from epl_trainer.core.engine.update import balanced_groups, written
+from epl_trainer.core.engine.zero_gather import MemberParameter, StageGather
 from epl_trainer.core.engine.zero_layout import make_layouts, shard_bytes
-from epl_trainer.core.engine.zero_params import GatheredParameter, check_local_groups
+from epl_trainer.core.engine.zero_params import GatheredParameter
 
 LEVELS = ("v0", "v1", "v2")
 SHARDS_GRADIENTS = ("v1", "v2")
@@ -105,7 +107,7 @@ class ZeroUpdate:
       reduction: the gradient reduction and clipping settings (reduce.py).
       make_optimizer: `(device, variables) -> built Keras optimizer`; `split_variables`
         says whether it may get pieces (`zero_layout.splits_variables`).
-      level: "v0", "v1" or "v2" (needs every stage group on this worker).
+      level: "v0", "v1" or "v2".
       jit_compile: compile each shard's optimizer update with XLA (True, False or
         "auto": by the shard's size, apply.py).
       measure_ranks: run `CollectiveGroup.measure_ranks()` on every stage group (one
@@ -141,8 +143,12 @@ class ZeroUpdate:
         self.level = level
         self.apply_device = apply_device
         state = layout.state
-        if level == "v2":
-            check_local_groups(layout)
+        # v2 stages whose group has members on other workers read by all-gathers.
+        self.spanning_stages = [
+            k
+            for k, group in enumerate(layout.stage_groups)
+            if level == "v2" and tuple(group.local_devices) != tuple(group.devices)
+        ]
         # v1 and v2 shard each micro-batch's gradients (clipping before the reduction needs
         # each lane's whole gradient, so then they accumulate first).
         self.micro_batch_grads = (
@@ -231,18 +237,46 @@ class ZeroUpdate:
         ]
         self.reduced_agree = False  # each lane holds the reduced gradients of its shard
         if level == "v2":
-            state.hold_in_pieces(self._gathered_parameters())
+            state.hold_in_pieces(self._gathered_parameters(), self.stage_gathers)
 
-    def _gathered_parameters(self) -> dict[int, GatheredParameter]:
-        """v2: {trainable index: its stand-in over the pieces of every member}."""
+    def _gathered_parameters(self) -> dict:
+        """v2: {trainable index: its stand-in over the pieces of every member}; for a
+        stage whose group spans workers, {trainable index: {lane: its MemberParameter}}."""
         state, views = self.layout.state, {}
+        self.stage_gathers = []
         for k in range(self.layout.num_stages):
+            if k in self.spanning_stages:
+                views.update(self._member_parameters(k))
+                continue
             found: dict[int, list] = {}
             for pieces, variables in zip(self.pieces[k], self.piece_variables[k]):
                 for (_, piece), variable in zip(pieces, variables):
                     found.setdefault(piece.index, []).append((piece, variable))
             for i, pairs in found.items():
                 views[i] = GatheredParameter(state.model_trainable[i], pairs)
+        return views
+
+    def _member_parameters(self, k: int) -> dict[int, dict]:
+        reads = StageGather(
+            self.layout.stage_groups[k],
+            self.layouts[k],
+            self.shards[k],
+            self.pieces[k],
+            self.piece_variables[k],
+            self.reduction.num_communicators,
+        )
+        self.stage_gathers.append(reads)
+        state, views = self.layout.state, {}
+        for m, li in enumerate(self.layout.stage_lanes[k]):
+            own: dict[int, list] = {}
+            for (_, piece), variable in zip(self.pieces[k][m], self.piece_variables[k][m]):
+                own.setdefault(piece.index, []).append((piece, variable))
+            for layout in self.layouts[k]:
+                for i in layout.indices:
+                    original = state.model_trainable[i]
+                    views.setdefault(i, {})[li] = MemberParameter(
+                        original, i, reads, m, own.get(i, [])
+                    )
         return views
 
     def _apply_device(self, k: int, li: int) -> str:

@@ -16,8 +16,8 @@ only while they are used:
 * for evaluation, checkpoints, `write_back` and `set_weights`, when read or assigned.
 
 The gather reads the pieces of every member directly (TF copies them to the reading
-device), so every member of a stage group must be on this worker; v2 refuses a group
-spanning workers (`check_local_groups`). The gradients are v1's: each micro-batch's
+device) when the stage group is on this worker; a group spanning workers reads by
+all-gathers instead (zero_gather.py). The gradients are v1's: each micro-batch's
 full gradients of the gathered values are reduce-scattered into the owners' pieces.
 """
 
@@ -26,6 +26,8 @@ from __future__ import annotations
 import math
 
 import tensorflow as tf
+
+from epl_trainer.core.engine.zero_gather import MemberParameter
 
 
 class GatheredParameter:
@@ -91,23 +93,8 @@ class GatheredParameter:
 
 
 def is_gathered(variable) -> bool:
-    return isinstance(variable, GatheredParameter)
-
-
-def check_local_groups(layout) -> None:
-    """v2 gathers by reading every member's pieces: each stage group must be local.
-
-    Raises:
-      ValueError: naming the stage whose group has members on other workers.
-    """
-    for k, group in enumerate(layout.stage_groups):
-        if tuple(group.local_devices) != tuple(group.devices):
-            raise ValueError(
-                "zero.stage 3 (zero.level 'v2') needs every replica of a stage on one worker "
-                f"(its gather reads the other members' pieces directly); stage {k}'s group "
-                f"{list(group.devices)} has only {list(group.local_devices)} here. Use "
-                "zero.stage 2 (zero.level 'v1') when replicas span workers."
-            )
+    """A v2 stand-in: one over local pieces, or a lane's over a group across workers."""
+    return isinstance(variable, (GatheredParameter, MemberParameter))
 
 
 class SegmentGathers:
