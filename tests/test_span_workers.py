@@ -207,12 +207,15 @@ def test_kill_of_a_stage_worker_stops_the_other_with_the_named_error(tmp_path, p
     assert elapsed < timeout + 30
 
 
-@pytest.mark.parametrize("optimizer", ["sgd", "adam"])
-def test_zero_v2_with_stage_groups_across_workers_equals_keras(tmp_path, optimizer):
+@pytest.mark.parametrize(
+    ("optimizer", "extra"), [("sgd", []), ("adam", []), ("adam", ["--offload"])]
+)
+def test_zero_v2_with_stage_groups_across_workers_equals_keras(tmp_path, optimizer, extra):
     """2 workers x 2 devices, 2 stages: replica w on worker w, so each stage's group has
     a member on each worker. ZeRO v2 holds each parameter only as pieces spread over both
     workers: every read (each lane's forward, evaluate, predict, the write-back, the
-    checkpoint) is an all-gather across them. Equal to Keras (before: refused)."""
-    result = _launch(tmp_path, 2, 2, "--zero", "v2", "--optimizer", optimizer)
+    checkpoint) is an all-gather across them. Equal to Keras (before: refused). With
+    offload, the pieces and their optimizer state live on each worker's host."""
+    result = _launch(tmp_path, 2, 2, "--zero", "v2", "--optimizer", optimizer, *extra)
     assert result.returncode == 0, result.stdout + result.stderr
     _check_workers(tmp_path / "out", 2, _keras_reference(optimizer), data_shards=2)

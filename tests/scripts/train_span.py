@@ -85,6 +85,7 @@ def main():
     parser.add_argument("--pause_worker", type=int, default=-1)
     parser.add_argument("--pause_at_step", type=int, default=-1)
     parser.add_argument("--pause_in", choices=["step", "epoch_end", "predict"], default="step")
+    parser.add_argument("--offload", action="store_true", help="offload.level v0")
     args = parser.parse_args()
     config = {
         "pipeline.num_micro_batch": args.num_micro_batch,
@@ -98,6 +99,8 @@ def main():
         config["zero.level"] = args.zero
     if args.recompute:
         config["gradient_checkpoint.type"] = "auto"
+    if args.offload:
+        config["offload.level"] = "v0"
     env = epl.init(config)
     import keras
 
