@@ -1,6 +1,6 @@
 """Worker script: a soak over two workers, where the watchdog is at work.
 
-Usage: soak_workers.py OUTPUT_DIR [--steps N] [--slow_every K] [--pipeline]
+Usage: soak_workers.py OUTPUT_DIR [--steps N] [--slow_every K] [--pipeline] [--zero LEVEL]
 Data parallel, or with --pipeline two stages, one per worker (both read the same data).
 Every K-th batch takes longer than the watchdog's poll (a slow input), so the watchdog
 probes every peer's collective service during those steps, as it does in a real job
@@ -40,6 +40,7 @@ def main():
     parser.add_argument("--steps", type=int, default=1500)
     parser.add_argument("--slow_every", type=int, default=700)
     parser.add_argument("--pipeline", action="store_true", help="stage 0 | stage 1")
+    parser.add_argument("--zero", default="", help="zero.level")
     args = parser.parse_args()
     import keras
     import tensorflow as tf
@@ -52,7 +53,7 @@ def main():
         return probe(self, *a, **k)
 
     cluster_lib.Cluster.unreachable_workers = counted_probe
-    env = epl.init()
+    env = epl.init({"zero.level": args.zero})
     keras.utils.set_random_seed(0)
     inputs = keras.Input((8,))
     hidden = keras.layers.Dense(16, activation="relu", name="hidden")(inputs)
