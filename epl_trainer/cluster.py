@@ -22,6 +22,8 @@ from collections.abc import Iterator, Mapping
 
 import tensorflow as tf
 
+from epl_trainer import slurm
+
 logger = logging.getLogger(__name__)
 
 _CONFIGURED_CPU_DEVICES: int | None = None
@@ -282,7 +284,10 @@ def _start_collective_runtime(spec: WorkerSpec) -> None:
 
 
 def build_cluster(cluster_config, environ: Mapping[str, str] | None = None) -> Cluster:
-    """Builds the Cluster for this process from the `cluster` config section and TF_CONFIG."""
+    """Builds the Cluster for this process from the `cluster` config section and TF_CONFIG
+    (which a Slurm job step without one gets from its allocation: slurm.py)."""
+    if environ is None and not os.environ.get("TF_CONFIG") and slurm.in_job_step():
+        os.environ["TF_CONFIG"] = slurm.tf_config_of_step()
     spec = parse_tf_config(environ)
     num_cpu = max(1, cluster_config.virtual_devices)
     intra_op_threads = cluster_config.intra_op_threads or default_intra_op_threads(
