@@ -1,10 +1,12 @@
 """Elastic training, the trainer's side: a job restarted on another number of workers
-keeps its global batch, and stops at a checkpoint when asked to change size.
+keeps its global batch, and stops at a checkpoint when asked to change size. Pure
+Python (the launcher imports RESIZE_EXIT_CODE from here).
 
 `epl-launch --min_workers K` (launch_elastic.py) restarts a job that lost a worker on
-the survivors, and on more workers again once one comes back. Any scheduler that
-restarts the job with a new TF_CONFIG gets the same by setting the keys the launcher
-sets (as `EPL_ELASTIC_MAX_WORKERS`, `EPL_ELASTIC_RESIZE_FILE`, `EPL_IO_GLOBAL_BATCHES`):
+the survivors, and on more workers again once one comes back; it sets the two
+`elastic.*` keys below (as `EPL_ELASTIC_MAX_WORKERS`, `EPL_ELASTIC_RESIZE_FILE`), and
+the script sets `io.global_batches`. Any scheduler that restarts the job with a new
+TF_CONFIG gets the same by setting those keys:
 
 - `io.global_batches`: fit's data yields global batches, the same on every worker, and
   each input shard trains on its rows of each (`data.rows_of_shard`). The batch a step

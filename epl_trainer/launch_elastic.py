@@ -27,7 +27,8 @@ import os
 import time
 from pathlib import Path
 
-from epl_trainer.launch_job import RESIZE_EXIT_CODE, Job, say
+from epl_trainer.elastic import RESIZE_EXIT_CODE
+from epl_trainer.launch_job import Job, say
 
 JOIN_FOLDER = "join"
 
@@ -57,7 +58,6 @@ class ElasticSize:
         self.size = max_workers
         self.run_dir = Path(run_dir)
         self._joined = 0  # join requests taken while the job runs, not yet in `size`
-        self._resize_asked = False
         if self.enabled:
             (self.run_dir / JOIN_FOLDER).mkdir(exist_ok=True)
 
@@ -92,9 +92,9 @@ class ElasticSize:
                 f"a worker asked to join: the job stops at its next checkpoint and restarts "
                 f"on {self.size + self._joined} worker(s)"
             )
-        if self._joined and not self._resize_asked:
+        if self._joined and not job.resizing:
             self.resize_file(job.attempt).write_text("")
-            self._resize_asked = job.resizing = True
+            job.resizing = True
 
     def next_size(self, job: Job, code: int) -> int | None:
         """The worker count to restart with after `job` ended with `code` (not 0), or None
@@ -114,5 +114,5 @@ class ElasticSize:
             if lost:
                 say(f"fewer than --min_workers {self.min_workers} would remain; not shrinking")
             return None
-        self.size, self._joined, self._resize_asked = min(size, self.max_workers), 0, False
-        return self.size
+        self.size, self._joined = size, 0
+        return size

@@ -23,12 +23,13 @@ from typing import IO
 
 import psutil
 
+from epl_trainer.elastic import RESIZE_EXIT_CODE
+
 PROG = "epl-launch"
 EXIT_TIMEOUT = 124
 GRACE_SECONDS = 5.0
 POLL_SECONDS = 0.1
 TAIL_LINES = 20
-RESIZE_EXIT_CODE = 75  # a worker stopped at a checkpoint to resize the job (elastic.py)
 
 
 def exit_code(returncode: int) -> int:

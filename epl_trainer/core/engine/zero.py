@@ -149,6 +149,7 @@ class ZeroUpdate:
             for k, group in enumerate(layout.stage_groups)
             if level == "v2" and tuple(group.local_devices) != tuple(group.devices)
         ]
+        self.stage_gathers = []  # their reads (zero_gather.StageGather), one per stage
         # v1 and v2 shard each micro-batch's gradients (clipping before the reduction needs
         # each lane's whole gradient, so then they accumulate first).
         self.micro_batch_grads = (
@@ -243,7 +244,6 @@ class ZeroUpdate:
         """v2: {trainable index: its stand-in over the pieces of every member}; for a
         stage whose group spans workers, {trainable index: {lane: its MemberParameter}}."""
         state, views = self.layout.state, {}
-        self.stage_gathers = []
         for k in range(self.layout.num_stages):
             if k in self.spanning_stages:
                 views.update(self._member_parameters(k))

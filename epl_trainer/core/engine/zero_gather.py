@@ -109,15 +109,13 @@ class StageGather:
             return _EAGER_CACHE[id(self)]
         if self._eager is None:
             members = range(len(self.shards))
-            self._eager = tf.function(lambda: [self._gather_all(m) for m in members])
+            self._eager = tf.function(
+                lambda: [self._gather(tf.compat.v1.get_default_graph(), m, 0) for m in members]
+            )
         values = self._eager()
         if _EAGER_CACHE is not None:
             _EAGER_CACHE[id(self)] = values
         return values
-
-    def _gather_all(self, member: int) -> dict:
-        graph = tf.compat.v1.get_default_graph()
-        return self._gather(graph, member, 0)
 
 
 class MemberParameter:
