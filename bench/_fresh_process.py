@@ -15,7 +15,7 @@ def timed_peak(run, steps: int) -> dict:
     optimizer state), their difference ("step_peak": activations and temporaries) and
     milliseconds per step. Call it after one untimed step, so tracing is not measured.
     """
-    from epl_trainer.memory import allocator_memory, reset_peak_memory
+    from epl_trainer.training.memory import allocator_memory, reset_peak_memory
 
     resident = allocator_memory()["current"]
     reset_peak_memory()

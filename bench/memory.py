@@ -120,7 +120,7 @@ def measure_zero(level, checkpointing, steps):
     """Child process: one ZeRO level on ZERO_DEVICES logical devices."""
     sys.path.insert(0, ROOT)
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-    from epl_trainer.cluster import configure_tensorflow
+    from epl_trainer.runtime.cluster import configure_tensorflow
 
     configure_tensorflow(ZERO_DEVICES)
     import keras
@@ -197,7 +197,7 @@ def measure(kind, overrides, steps):
     """Runs in the child process; returns a dict of measurements."""
     sys.path.insert(0, ROOT)
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-    from epl_trainer.cluster import configure_tensorflow
+    from epl_trainer.runtime.cluster import configure_tensorflow
 
     configure_tensorflow(1)
     import keras

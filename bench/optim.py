@@ -7,7 +7,7 @@ One process, one device. For each optimizer, one update of `--params` float32
 parameters (four tensors) is timed as:
 
 * keras: `optimizer.apply` inside a `tf.function`, as Keras runs it without jit_compile;
-* ours: `OptimizerStep` with `optimizer.jit_compile` (core/engine/apply.py);
+* ours: `OptimizerStep` with `optimizer.jit_compile` (core/engine/update/apply.py);
 * floor: the bytes the update must move (every array it reads and writes once: Adam
   reads parameter, gradient and two slots and writes three arrays) divided by the
   machine's measured copy bandwidth (an XLA-compiled `y = x * a` over the same bytes).
@@ -32,7 +32,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from epl_trainer.core.engine.apply import AUTO_MIN_ELEMENTS, OptimizerStep, auto_compiles
+from epl_trainer.core.engine.update.apply import AUTO_MIN_ELEMENTS, OptimizerStep, auto_compiles
 
 # (constructor, arrays read + written per update, in units of the parameter size)
 OPTIMIZERS = {

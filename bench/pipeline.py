@@ -18,7 +18,7 @@ import time
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir))
 
-from epl_trainer.cluster import configure_tensorflow
+from epl_trainer.runtime.cluster import configure_tensorflow
 
 ARGS = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 ARGS.add_argument("--stages", type=int, default=2)

@@ -295,7 +295,7 @@ def measure_single(args, core: int, tmp: str) -> dict:
 
 
 def measure_pipeline(args, schedule: str, num_micro_batch: int, cores: list, tmp: str) -> list:
-    from epl_trainer.launcher import free_ports  # no TensorFlow in this process
+    from epl_trainer.runtime.launcher import free_ports  # no TensorFlow in this process
 
     ports = free_ports(STAGES)
     workers = [f"127.0.0.1:{port}" for port in ports]

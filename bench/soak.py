@@ -8,7 +8,7 @@ Usage: python bench/soak.py [--steps 50000] [--batch 16] [--devices 2] [--config
 One process. A small model trains `--steps` steps with EPLTrainer on `--devices`
 logical CPU devices (data parallel), then the same number with plain Keras `fit`.
 Threads (from /proc/self/task) and RSS are read after a 200-step warm-up and at the
-end. Before the collective watchdog (epl_trainer/watchdog.py), every collective left a
+end. Before the collective watchdog (epl_trainer/runtime/watchdog.py), every collective left a
 timer thread alive for 600 s and a run like this one aborted at ~30,000 threads.
 """
 
@@ -31,7 +31,7 @@ def main():
     args = parser.parse_args()
     extra = json.loads(args.config)
 
-    from epl_trainer.cluster import configure_tensorflow
+    from epl_trainer.runtime.cluster import configure_tensorflow
 
     configure_tensorflow(args.devices)
     import keras
@@ -39,8 +39,8 @@ def main():
     import tensorflow as tf
 
     import epl_trainer as epl
-    from epl_trainer.memory import process_rss_mib as rss_mib
-    from epl_trainer.memory import process_threads as threads
+    from epl_trainer.training.memory import process_rss_mib as rss_mib
+    from epl_trainer.training.memory import process_threads as threads
 
     loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
 

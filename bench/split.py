@@ -47,7 +47,7 @@ def measure(name, classes, steps):
     """Runs in the child process; returns a dict of measurements."""
     sys.path.insert(0, ROOT)
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-    from epl_trainer.cluster import configure_tensorflow
+    from epl_trainer.runtime.cluster import configure_tensorflow
 
     configure_tensorflow(DEVICES)
     import keras

@@ -31,7 +31,7 @@ def main():
     parser.add_argument("--micro_batches", type=int, nargs="+", default=[1, 2, 4, 8])
     args = parser.parse_args()
 
-    from epl_trainer.cluster import configure_tensorflow
+    from epl_trainer.runtime.cluster import configure_tensorflow
 
     configure_tensorflow(max(args.stages))
     import keras

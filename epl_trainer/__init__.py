@@ -6,29 +6,33 @@ module) start without loading TensorFlow.
 
 import importlib
 
+from epl_trainer import _moved
+
+_moved.install()  # old import paths (`epl_trainer.trainer`, ...) keep working
+
 __version__ = "0.1.0"
 
 _EXPORTS = {
-    "Config": "epl_trainer.config",
-    "ConfigError": "epl_trainer.config",
-    "init": "epl_trainer.env",
-    "Env": "epl_trainer.env",
+    "Config": "epl_trainer.config.sections",
+    "ConfigError": "epl_trainer.config.sections",
+    "init": "epl_trainer.runtime.env",
+    "Env": "epl_trainer.runtime.env",
     "replicate": "epl_trainer.annotations.strategies",
     "split": "epl_trainer.annotations.strategies",
     "set_default_strategy": "epl_trainer.annotations.strategies",
     "Strategy": "epl_trainer.annotations.strategies",
-    "EPLTrainer": "epl_trainer.trainer",
+    "EPLTrainer": "epl_trainer.training.trainer",
     "DeepSpeedConfig": "epl_trainer.deepspeed",
-    "ModelSpec": "epl_trainer.model_fn",
-    "plot_schedule": "epl_trainer.plot",
+    "ModelSpec": "epl_trainer.training.model_fn",
+    "plot_schedule": "epl_trainer.training.plot",
     "add_to_collection": "epl_trainer.annotations.checkpoints",
     "get_collection": "epl_trainer.annotations.checkpoints",
     # Errors a user may want to catch.
-    "ClusterError": "epl_trainer.cluster",
-    "WorkerLostError": "epl_trainer.cluster",
-    "CheckpointError": "epl_trainer.checkpoint",
-    "NonFiniteLossError": "epl_trainer.trainer",
-    "MinLossScaleError": "epl_trainer.core.engine.amp",
+    "ClusterError": "epl_trainer.runtime.cluster",
+    "WorkerLostError": "epl_trainer.runtime.cluster",
+    "CheckpointError": "epl_trainer.training.checkpoint",
+    "NonFiniteLossError": "epl_trainer.training.trainer",
+    "MinLossScaleError": "epl_trainer.core.engine.precision.amp",
     "PlanError": "epl_trainer.core.plan.ir",
     "SplitError": "epl_trainer.core.plan.ir",
     "DeepSpeedConfigError": "epl_trainer.deepspeed.keys",

@@ -117,7 +117,7 @@ def start_workers(
 
     Returns the Popen of each worker in worker order.
     """
-    from epl_trainer import launcher
+    from epl_trainer.runtime import launcher
 
     cluster = cluster or hosts.addresses[:2]
     workers = []

@@ -1,4 +1,4 @@
-"""Jobs started the way a user starts them: `python -m epl_trainer.launcher` (epl-launch)
+"""Jobs started the way a user starts them: `python -m epl_trainer.runtime.launcher` (epl-launch)
 with a worker script of tests/scripts, or one worker process at a time by hand.
 
 Shared by the multi-process tests (test_multiworker.py, test_span_workers.py,
@@ -31,7 +31,7 @@ def launch_command(
     command = [
         sys.executable,
         "-m",
-        "epl_trainer.launcher",
+        "epl_trainer.runtime.launcher",
         "--num_workers",
         str(num_workers),
         "--gpu_per_worker",
@@ -58,7 +58,7 @@ def start_workers_by_hand(script, *script_args, num_workers=2, base_env=None):
     its TF_CONFIG (no launcher), running `script *script_args`, output piped as text.
 
     Returns (ports, the Popen of each worker in worker order)."""
-    from epl_trainer import launcher
+    from epl_trainer.runtime import launcher
 
     ports = launcher.free_ports(num_workers)
     workers = [

@@ -8,7 +8,7 @@ import os
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
-from epl_trainer.cluster import configure_tensorflow
+from epl_trainer.runtime.cluster import configure_tensorflow
 
 NUM_TEST_DEVICES = 8
 configure_tensorflow(NUM_TEST_DEVICES)
@@ -17,7 +17,7 @@ configure_tensorflow(NUM_TEST_DEVICES)
 import pytest  # noqa: E402
 
 from epl_trainer.annotations.strategies import reset_annotations  # noqa: E402
-from epl_trainer.env import Env  # noqa: E402
+from epl_trainer.runtime.env import Env  # noqa: E402
 
 
 @pytest.fixture(autouse=True)

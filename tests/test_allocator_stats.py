@@ -1,4 +1,4 @@
-"""Peak-memory statistics on every CPU (epl_trainer.memory.allocator_memory).
+"""Peak-memory statistics on every CPU (epl_trainer.training.memory.allocator_memory).
 
 TensorFlow's default CPU allocator keeps no statistics; it uses its BFC allocator, which
 does, only where oneDNN is on (by default only on some CPUs). `configure_tensorflow`
@@ -17,10 +17,12 @@ ROOT = os.path.join(os.path.dirname(__file__), os.pardir)
 
 _MEASURE = """
 import json
-from epl_trainer.cluster import configure_tensorflow
+from epl_trainer.runtime.cluster import configure_tensorflow
 configure_tensorflow(2)
 import tensorflow as tf
-from epl_trainer.memory import AllocatorStatsUnavailable, allocator_memory, reset_peak_memory
+from epl_trainer.training.memory import (
+    AllocatorStatsUnavailable, allocator_memory, reset_peak_memory,
+)
 try:
     reset_peak_memory()
     before = allocator_memory()

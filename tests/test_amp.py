@@ -1,12 +1,12 @@
-"""Tests for epl_trainer.core.engine.amp: mixed-precision policies and loss scaling."""
+"""Tests for epl_trainer.core.engine.precision.amp: mixed-precision policies and loss scaling."""
 
 import keras
 import numpy as np
 import pytest
 import tensorflow as tf
 
-from epl_trainer.config import AmpConfig
-from epl_trainer.core.engine import amp
+from epl_trainer.config.sections import AmpConfig
+from epl_trainer.core.engine.precision import amp
 
 HOST = "/CPU:0"
 LOW = {"float16": tf.float16, "bfloat16": tf.bfloat16}

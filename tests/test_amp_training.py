@@ -11,7 +11,7 @@ import pytest
 from _models import LOSS, mlp, mlp_data
 
 import epl_trainer as epl
-from epl_trainer.core.engine.amp import MinLossScaleError
+from epl_trainer.core.engine.precision.amp import MinLossScaleError
 
 TOLERANCE = {"bfloat16": 2e-2, "float16": 5e-3}
 

@@ -23,8 +23,8 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "epl_trainer"
 
 LAYERS = [  # (module prefix, layer); the longest matching prefix wins
-    ("epl_trainer.config", 0),
-    ("epl_trainer.config_keys", 0),
+    ("epl_trainer.config.sections", 0),
+    ("epl_trainer.config.keys", 0),
     ("epl_trainer.core.plan", 1),
     ("epl_trainer.core.comm", 1),
     ("epl_trainer.core.graph", 2),
@@ -142,11 +142,11 @@ def test_core_plan_imports_no_tensorflow_even_indirectly():
 
 def test_the_checks_see_a_violation():
     """The graph reader itself: a relative and a `from package import module` import."""
-    assert "epl_trainer.core.engine.amp" in GRAPH["epl_trainer.core.engine.builder"][0]
+    assert "epl_trainer.core.engine.precision.amp" in GRAPH["epl_trainer.core.engine.builder"][0]
     assert "epl_trainer.core.comm.group" in GRAPH["epl_trainer.core.comm.fusion"][0]
     assert "tensorflow" in GRAPH["epl_trainer.core.comm.group"][1]
     assert layer_of("epl_trainer.core.engine.state") == 3
-    assert layer_of("epl_trainer.trainer") == 4
+    assert layer_of("epl_trainer.training.trainer") == 4
 
 
 def test_files_stay_small():

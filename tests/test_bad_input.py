@@ -21,10 +21,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import epl_trainer as epl
-from epl_trainer import launcher
-from epl_trainer.checkpoint import CheckpointError
-from epl_trainer.cluster import ClusterError, parse_tf_config
-from epl_trainer.config import KNOWN_KEYS, SECTIONS, Config, ConfigError
+from epl_trainer.config.sections import KNOWN_KEYS, SECTIONS, Config, ConfigError
+from epl_trainer.runtime import launcher
+from epl_trainer.runtime.cluster import ClusterError, parse_tf_config
+from epl_trainer.training.checkpoint import CheckpointError
 
 
 class CliExit(Exception):

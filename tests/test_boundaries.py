@@ -10,8 +10,8 @@ import tensorflow as tf
 
 from epl_trainer.core import comm
 from epl_trainer.core.comm import keys
-from epl_trainer.core.engine.boundaries import Boundaries, Route
 from epl_trainer.core.engine.engine import data_shards
+from epl_trainer.core.engine.pipeline.boundaries import Boundaries, Route
 from epl_trainer.core.engine.state import Lane
 from epl_trainer.core.graph.partition import partition_model, tensor_key
 from epl_trainer.core.plan.ir import PlanError

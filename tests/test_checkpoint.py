@@ -10,7 +10,7 @@ import tensorflow as tf
 from _models import LOSS, max_weight_difference, mlp, mlp_data
 
 import epl_trainer as epl
-from epl_trainer.checkpoint import CheckpointError
+from epl_trainer.training.checkpoint import CheckpointError
 
 
 def _trainer(model, devices=2):

@@ -9,7 +9,7 @@ import pytest
 from _launch import ROOT
 
 import epl_trainer as epl
-from epl_trainer.cluster import (
+from epl_trainer.runtime.cluster import (
     ClusterError,
     build_cluster,
     configure_tensorflow,
@@ -128,7 +128,7 @@ def test_init_sets_the_thread_pools(config, expected):
 
 
 def test_thread_keys_set_after_tensorflow_started_are_reported(caplog):
-    with caplog.at_level("WARNING", logger="epl_trainer.cluster"):
+    with caplog.at_level("WARNING", logger="epl_trainer.runtime.cluster"):
         epl.init({"cluster.intra_op_threads": 3})
     epl.init()
     assert "cluster.intra_op_threads=3 is not applied" in caplog.text

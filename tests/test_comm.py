@@ -101,7 +101,7 @@ def test_rank_of_on_twelve_devices_orders_cpu_10_after_cpu_9():
     script = textwrap.dedent(
         """
         import numpy as np
-        from epl_trainer.cluster import configure_tensorflow
+        from epl_trainer.runtime.cluster import configure_tensorflow
         configure_tensorflow(12)
         import tensorflow as tf
         from epl_trainer.core import comm
@@ -269,7 +269,7 @@ def test_reduce_scatter_and_all_gather_across_two_workers(tmp_path):
     """2 worker processes x 2 devices on 127.0.0.1: ranks follow task order, then device."""
     script = tmp_path / "collectives.py"
     script.write_text(MULTIWORKER_SCRIPT)
-    command = [sys.executable, "-m", "epl_trainer.launcher", "--num_workers", "2"]
+    command = [sys.executable, "-m", "epl_trainer.runtime.launcher", "--num_workers", "2"]
     command += ["--gpu_per_worker", "2", "--log_dir", str(tmp_path / "logs"), str(script)]
     env = {k: v for k, v in os.environ.items() if not k.startswith("EPL_")}
     env["PYTHONPATH"] = os.pathsep.join([ROOT, env.get("PYTHONPATH", "")])

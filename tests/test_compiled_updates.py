@@ -1,4 +1,4 @@
-"""XLA-compiled optimizer updates (`optimizer.jit_compile`, core/engine/apply.py).
+"""XLA-compiled optimizer updates (`optimizer.jit_compile`, core/engine/update/apply.py).
 
 An `OptimizerStep` must give exactly the update of Keras's own `optimizer.apply` (1e-6
 relative) for every optimizer family the engine runs, with per-variable clipping, weight
@@ -15,8 +15,8 @@ import pytest
 import tensorflow as tf
 
 import epl_trainer as epl
-from epl_trainer.core.engine import apply
-from epl_trainer.core.engine.apply import AUTO_MIN_ELEMENTS, OptimizerStep
+from epl_trainer.core.engine.update import apply
+from epl_trainer.core.engine.update.apply import AUTO_MIN_ELEMENTS, OptimizerStep
 
 DEVICE = "/job:localhost/replica:0/task:0/device:CPU:1"
 RTOL = 1e-6

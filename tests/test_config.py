@@ -1,4 +1,4 @@
-"""Tests for epl_trainer.config (pure Python, no TensorFlow)."""
+"""Tests for epl_trainer.config.sections (pure Python, no TensorFlow)."""
 
 import dataclasses
 import json
@@ -8,7 +8,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from epl_trainer.config import (
+from epl_trainer.config.sections import (
     KNOWN_KEYS,
     SECTIONS,
     AmpConfig,

@@ -9,9 +9,10 @@ import pytest
 from _models import LOSS, mlp, mlp_data
 
 import epl_trainer as epl
-from epl_trainer import deepspeed, schedules
+from epl_trainer import deepspeed
 from epl_trainer.deepspeed import DeepSpeedConfig, DeepSpeedConfigError, resolve_batch_sizes
 from epl_trainer.deepspeed.update_rules import FusedLamb
+from epl_trainer.training import schedules
 
 DATA = Path(__file__).parent / "data"
 # The two example configs of DeepSpeed's quick-start documentation, verbatim.
@@ -536,7 +537,7 @@ def test_deepspeed_config_and_native_config_train_to_identical_weights(case):
 def test_deepspeed_config_flag():
     from absl import flags
 
-    from epl_trainer import flags as epl_flags
+    from epl_trainer.config import flags as epl_flags
 
     flag_values = flags.FlagValues()
     epl_flags.define_flags(flag_values)

@@ -20,11 +20,12 @@ import pytest
 import tensorflow as tf
 from _launch import SCRIPTS, clean_env
 
-from epl_trainer import data as data_lib
-from epl_trainer import elastic, launcher
-from epl_trainer.config import Config
-from epl_trainer.launch_elastic import ElasticSize, request_join
-from epl_trainer.launch_job import Job, _Worker
+from epl_trainer.config.sections import Config
+from epl_trainer.runtime import launcher
+from epl_trainer.runtime.launch_elastic import ElasticSize, request_join
+from epl_trainer.runtime.launch_job import Job, _Worker
+from epl_trainer.training import data as data_lib
+from epl_trainer.training import elastic
 
 SCRIPT = os.path.join(SCRIPTS, "train_elastic.py")
 sys.path.insert(0, SCRIPTS)
@@ -210,7 +211,7 @@ def test_a_lost_worker_shrinks_the_job_and_a_join_grows_it_with_identical_weight
     out = tmp_path / "elastic"
     out.mkdir()
     command = [
-        sys.executable, "-m", "epl_trainer.launcher", "--num_workers", "3",
+        sys.executable, "-m", "epl_trainer.runtime.launcher", "--num_workers", "3",
         "--gpu_per_worker", "1", "--min_workers", "2", "--log_dir", str(tmp_path / "logs"),
         SCRIPT, str(out), "--kill_worker", "2", "--kill_at_step", "5", "--step_seconds", "0.4",
         *mode,

@@ -12,8 +12,8 @@ import tensorflow as tf
 from _models import LOSS, max_weight_difference, mlp, mlp_data
 
 import epl_trainer as epl
-from epl_trainer import data as data_lib
-from epl_trainer import fit_inputs
+from epl_trainer.training import data as data_lib
+from epl_trainer.training import fit_inputs
 
 ATOL = 1e-5
 CLASS_WEIGHT = {0: 1.0, 1: 2.5, 2: 0.5}

@@ -1,12 +1,12 @@
-"""Tests for epl_trainer.flags (absl flags -> Config, no TensorFlow)."""
+"""Tests for epl_trainer.config.flags (absl flags -> Config, no TensorFlow)."""
 
 import json
 
 import pytest
 from absl import flags
 
-from epl_trainer import flags as epl_flags
-from epl_trainer.config import Config, ConfigError
+from epl_trainer.config import flags as epl_flags
+from epl_trainer.config.sections import Config, ConfigError
 
 
 def parsed_flags(argv):

@@ -8,7 +8,7 @@ import pytest
 import tensorflow as tf
 
 import epl_trainer as epl
-from epl_trainer import io as io_lib
+from epl_trainer.training import io as io_lib
 
 
 def _names(indices):
@@ -260,7 +260,7 @@ def test_two_workers_each_read_only_their_files(tmp_path):
     command = [
         sys.executable,
         "-m",
-        "epl_trainer.launcher",
+        "epl_trainer.runtime.launcher",
         "--num_workers",
         "2",
         "--gpu_per_worker",

@@ -6,7 +6,7 @@ under 2-device data parallelism and an automatic 2-stage pipeline, must end wher
 and predict results.
 
 KerasHub's `PipelineModel` maps `preprocess_samples` over the batches of whatever
-fit / evaluate / predict get; `epl_trainer/pipeline_models.py` does the same. Before it,
+fit / evaluate / predict get; `epl_trainer/training/pipeline_models.py` does the same. Before it,
 raw strings reached the model unpreprocessed: "The dataset's features do not match the
 model's inputs: the model takes a dict with keys ['padding_mask', 'segment_ids',
 'token_ids']", and a causal LM's per-token sample weights (the preprocessor's padding

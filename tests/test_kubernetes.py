@@ -17,7 +17,7 @@ import pytest
 import yaml
 from _launch import ROOT, clean_env
 
-from epl_trainer import launcher
+from epl_trainer.runtime import launcher
 
 MANIFEST = os.path.join(ROOT, "examples", "kubernetes", "tfjob.yaml")
 

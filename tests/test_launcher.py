@@ -1,4 +1,4 @@
-"""Tests for ``epl_trainer.launcher``.
+"""Tests for ``epl_trainer.runtime.launcher``.
 
 No TensorFlow here: the workers are tiny Python / bash scripts written to ``tmp_path``,
 run by the real launcher as real processes on 127.0.0.1.
@@ -18,7 +18,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from epl_trainer import launcher
+from epl_trainer.runtime import launcher
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -173,7 +173,7 @@ def test_detect_gpus_counts_nvidia_smi_lines(tmp_path, monkeypatch):
 def test_launcher_does_not_import_tensorflow():
     """The launcher (and launch_job.py, which it imports) starts without TensorFlow."""
     code = (
-        "import sys, epl_trainer.launcher; "
+        "import sys, epl_trainer.runtime.launcher; "
         "print(sorted(m for m in ('tensorflow', 'keras') if m in sys.modules))"
     )
     result = subprocess.run(
@@ -379,7 +379,7 @@ def test_sigterm_to_launcher_stops_workers(tmp_path):
     }
     argv = ["--num_workers", "2", "--gpu_per_worker", "1", "--log_dir", str(tmp_path / "logs")]
     proc = subprocess.Popen(
-        [sys.executable, "-m", "epl_trainer.launcher", *argv, str(script)],
+        [sys.executable, "-m", "epl_trainer.runtime.launcher", *argv, str(script)],
         env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
     try:

@@ -1,4 +1,4 @@
-"""Inputs as Keras matches them to a model (`epl_trainer/model_inputs.py`): a dict given
+"""Inputs as Keras matches them to a model (`epl_trainer/training/model_inputs.py`): a dict given
 to a list-input model, Python generators and `keras.utils.PyDataset`s, None for an
 optional input. Expected values come from plain Keras on the same model, data and seed;
 the trainer runs data parallel on 2 devices with SGD."""

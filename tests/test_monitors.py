@@ -10,8 +10,8 @@ import tensorflow as tf
 from _models import LOSS, mlp, mlp_data
 
 import epl_trainer as epl
-from epl_trainer import monitors, schedules
 from epl_trainer.deepspeed import DeepSpeedConfig
+from epl_trainer.training import monitors, schedules
 
 TWO_DEVICES = epl.Config({"cluster.virtual_devices": 2})
 TAGS = [monitors.TRAIN_LOSS, monitors.LEARNING_RATE, monitors.LOSS_SCALE]
@@ -99,7 +99,7 @@ def test_trainer_writes_deepspeed_events_per_step(tmp_path, caplog):
         mlp(), LOSS, config=DeepSpeedConfig(_ds_values(tmp_path), base=TWO_DEVICES)
     )
     running = _RunningLoss()
-    with caplog.at_level(logging.INFO, logger="epl_trainer.monitors"):
+    with caplog.at_level(logging.INFO, logger="epl_trainer.training.monitors"):
         trainer.fit(
             x, y, epochs=1, steps_per_epoch=5, callbacks=[running], verbose=0, shuffle=False
         )
@@ -191,7 +191,7 @@ def test_two_workers_monitor_from_worker_zero_and_match_one_process(tmp_path):
     command = [
         sys.executable,
         "-m",
-        "epl_trainer.launcher",
+        "epl_trainer.runtime.launcher",
         "--num_workers",
         "2",
         "--gpu_per_worker",

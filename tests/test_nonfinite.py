@@ -7,7 +7,7 @@ import tensorflow as tf
 from _models import LOSS, max_weight_difference, mlp, mlp_data
 
 import epl_trainer as epl
-from epl_trainer.trainer import NonFiniteLossError
+from epl_trainer.training.trainer import NonFiniteLossError
 
 BATCH = 8
 BAD_BATCH = 2  # 0-based index of the batch holding a NaN

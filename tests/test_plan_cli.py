@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from epl_trainer import plan_cli
+from epl_trainer.runtime import plan_cli
 
 ROOT = os.path.join(os.path.dirname(__file__), os.pardir)
 
@@ -134,4 +134,4 @@ def test_needs_no_tensorflow_and_is_a_console_script():
     assert "data-parallel degree 512" in result.stdout
     with open(os.path.join(ROOT, "pyproject.toml")) as f:
         scripts = f.read().split("[project.scripts]", 1)[1].split("\n[", 1)[0]
-    assert 'epl-plan = "epl_trainer.plan_cli:main"' in scripts
+    assert 'epl-plan = "epl_trainer.runtime.plan_cli:main"' in scripts

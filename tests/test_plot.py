@@ -16,7 +16,7 @@ from epl_trainer.core.plan.schedule import (
     one_f_one_b_schedule,
     timeline,
 )
-from epl_trainer.plot import _COLORS, _schedule_figure, plot_schedule
+from epl_trainer.training.plot import _COLORS, _schedule_figure, plot_schedule
 
 
 def pipeline_plan(num_stages: int, num_micro_batch: int):

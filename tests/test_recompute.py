@@ -25,7 +25,7 @@ from epl_trainer.core.engine import gradient_check
 from epl_trainer.core.engine import recompute as rc
 from epl_trainer.core.graph import segments
 from epl_trainer.core.graph.partition import compute_nodes, partition_model, whole_model
-from epl_trainer.memory import allocator_memory, reset_peak_memory
+from epl_trainer.training.memory import allocator_memory, reset_peak_memory
 
 ATOL = 1e-6
 
@@ -597,7 +597,7 @@ def _step_ms(kind: str, rounds: int = 15) -> dict:
 
 
 if __name__ == "__main__":
-    from epl_trainer.cluster import configure_tensorflow
+    from epl_trainer.runtime.cluster import configure_tensorflow
 
     configure_tensorflow()  # the allocator keeps peak statistics on any CPU
     kind, what = sys.argv[1], sys.argv[2]

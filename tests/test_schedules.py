@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from _models import LOSS, mlp, mlp_data
 
-from epl_trainer import schedules
+from epl_trainer.training import schedules
 
 
 def _values(schedule, steps):

@@ -1,4 +1,4 @@
-"""Slurm job steps: TF_CONFIG from the allocation (epl_trainer/slurm.py).
+"""Slurm job steps: TF_CONFIG from the allocation (epl_trainer/runtime/slurm.py).
 
 The environment is what `srun` sets for each task; the workers are real processes on
 this machine, started the way `srun --ntasks 2` starts them.
@@ -15,7 +15,7 @@ import pytest
 from _launch import SCRIPTS, clean_env
 from test_multiworker import _single_process_weights
 
-from epl_trainer import launcher, slurm
+from epl_trainer.runtime import launcher, slurm
 
 STEP = {
     "SLURM_PROCID": "1",

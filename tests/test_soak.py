@@ -1,7 +1,7 @@
 """Soak: thousands of data-parallel steps leave threads and resident memory flat.
 
 A per-collective timer thread once made every run longer than a few minutes abort at
-~30,000 threads (see epl_trainer/watchdog.py); short tests never saw it. The soak over
+~30,000 threads (see epl_trainer/runtime/watchdog.py); short tests never saw it. The soak over
 two workers, whose watchdog probes its peer, runs on two hosts (test_hosts.py).
 """
 
@@ -15,7 +15,7 @@ import pytest
 import tensorflow as tf
 
 import epl_trainer as epl
-from epl_trainer.memory import process_rss_mib, process_threads
+from epl_trainer.training.memory import process_rss_mib, process_threads
 
 STEPS = 5000
 # Resident memory may still grow by allocator caching and TF's per-function caches, once:

@@ -18,7 +18,7 @@ import pytest
 from _launch import SCRIPTS, clean_env, run_launch, start_workers_by_hand
 
 import epl_trainer as epl
-from epl_trainer import launcher
+from epl_trainer.runtime import launcher
 
 SCRIPT = os.path.join(SCRIPTS, "train_span.py")
 sys.path.insert(0, SCRIPTS)

@@ -17,7 +17,7 @@ import pytest
 from _launch import SCRIPTS, run_launch
 
 import epl_trainer as epl
-from epl_trainer import start_state
+from epl_trainer.training import start_state
 
 SCRIPT = os.path.join(SCRIPTS, "train_start_equal.py")
 sys.path.insert(0, SCRIPTS)

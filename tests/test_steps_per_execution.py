@@ -8,7 +8,7 @@ import pytest
 import tensorflow as tf
 
 import epl_trainer as epl
-from epl_trainer.trainer import EVAL_STEPS_PER_CALL, _checked_steps_per_execution
+from epl_trainer.training.trainer import EVAL_STEPS_PER_CALL, _checked_steps_per_execution
 
 LOSS = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
 

@@ -20,8 +20,8 @@ from _models import adam_trainer, max_weight_difference, mlp, mlp_data
 from test_split import data as split_data
 from test_split import head_model, split_trainer
 
-from epl_trainer import checkpoint as ckpt
-from epl_trainer.checkpoint import CheckpointError
+from epl_trainer.training import checkpoint as ckpt
+from epl_trainer.training.checkpoint import CheckpointError
 
 ATOL = 1e-5
 STAGES = {"dense_in": 0, "logits": 1}

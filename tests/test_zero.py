@@ -16,7 +16,7 @@ from _models import (
 )
 
 from epl_trainer.core.engine.state import variable_bytes
-from epl_trainer.core.engine.zero_params import is_gathered
+from epl_trainer.core.engine.zero.params import is_gathered
 
 ATOL = 1e-5
 PARITY_STAGES = {"conv|embed|pool_.*|concat": 0, "hidden|norm|logits": 1}
@@ -197,7 +197,7 @@ def test_lockstep_hands_every_lane_the_reduce_scatter_of_its_micro_batch():
 
 
 def test_v2_across_workers_refuses_gradient_checkpointing_on_those_stages_by_name():
-    from epl_trainer.core.engine.zero_gather import check_no_recompute
+    from epl_trainer.core.engine.zero.gather import check_no_recompute
 
     check_no_recompute([0], [1])  # the recomputed stage's group is on one worker
     match = r"zero.stage 3\) with gradient checkpointing .* stage\(s\) \[1\] .* zero.level 'v1'"
@@ -208,8 +208,8 @@ def test_v2_across_workers_refuses_gradient_checkpointing_on_those_stages_by_nam
 def test_gathered_parameter_joins_and_splits_its_pieces():
     import tensorflow as tf
 
-    from epl_trainer.core.engine.zero_layout import Piece
-    from epl_trainer.core.engine.zero_params import GatheredParameter
+    from epl_trainer.core.engine.zero.layout import Piece
+    from epl_trainer.core.engine.zero.params import GatheredParameter
 
     original = keras.Variable(np.arange(12, dtype="float32").reshape(3, 4), name="w")
     pieces = [
@@ -232,7 +232,7 @@ def test_v2_per_segment_gathers_are_not_kept_for_backward(monkeypatch):
     the traced step: no op under a backward name scope consumes a forward gather, and
     every forward gather has a gather in a backward scope. (Measured, bench/memory.py
     --only zero: 47.1 MiB per device gathering once per step, 41.4 per segment.)"""
-    from epl_trainer.core.engine import zero_params
+    from epl_trainer.core.engine.zero import params as zero_params
 
     made = {"gather": [], "regather": []}
     for name in made:

@@ -10,9 +10,10 @@ import pytest
 import tensorflow as tf
 
 from epl_trainer.core import comm
-from epl_trainer.core.engine import zero, zero_exchange
-from epl_trainer.core.engine import zero_layout as zl
 from epl_trainer.core.engine.state import Lane
+from epl_trainer.core.engine.zero import exchange as zero_exchange
+from epl_trainer.core.engine.zero import layout as zl
+from epl_trainer.core.engine.zero import update as zero
 
 DEVICES = [f"/job:localhost/replica:0/task:0/device:CPU:{i}" for i in range(8)]
 # Lanes listed in an order that is not TF's rank order, so lane index != shard.

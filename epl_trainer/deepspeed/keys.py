@@ -14,7 +14,7 @@ import numbers
 from collections.abc import Mapping
 from typing import Any
 
-from epl_trainer.config import ConfigError
+from epl_trainer.config.sections import ConfigError
 
 AUTO = "auto"
 

@@ -29,7 +29,6 @@ from typing import Any
 
 import keras
 
-from epl_trainer import optimizers, schedules
 from epl_trainer.deepspeed import update_rules
 from epl_trainer.deepspeed.keys import (
     DeepSpeedConfigError,
@@ -41,6 +40,7 @@ from epl_trainer.deepspeed.keys import (
     is_auto,
     unsupported,
 )
+from epl_trainer.training import optimizers, schedules
 
 logger = logging.getLogger(__name__)
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from epl_trainer.config import Config
+from epl_trainer.config.sections import Config
 from epl_trainer.deepspeed.batch import GAS, MICRO, TRAIN, BatchSizes, resolve_batch_sizes
 from epl_trainer.deepspeed.keys import DeepSpeedConfigError
 
@@ -117,7 +117,7 @@ class DeepSpeedSetup:
 
         Built once per trainer, so later `fit` calls continue the same files.
         """
-        from epl_trainer import monitors
+        from epl_trainer.training import monitors
 
         if not is_chief:
             return []

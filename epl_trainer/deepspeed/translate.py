@@ -27,7 +27,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from epl_trainer.config import SECTIONS, Config
+from epl_trainer.config.sections import SECTIONS, Config
 from epl_trainer.deepspeed import optim
 from epl_trainer.deepspeed.batch import GAS, MICRO, TRAIN
 from epl_trainer.deepspeed.keys import (
@@ -532,7 +532,7 @@ def trainer_setup(config: Any, optimizer: Any):
         return config, optimizer, None
     import keras
 
-    from epl_trainer.env import Env
+    from epl_trainer.runtime.env import Env
 
     setup = DeepSpeedConfig.load(config).translate(
         keras.optimizers.get(optimizer), base=Env.get().config

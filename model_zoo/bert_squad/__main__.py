@@ -35,7 +35,7 @@ import tensorflow as tf
 from absl import app, flags
 
 import epl_trainer as epl
-import epl_trainer.flags as epl_flags  # defines --epl_config and --epl_set
+import epl_trainer.config.flags as epl_flags  # defines --epl_config and --epl_set
 from model_zoo.bert_squad import builtin_data, evaluation, squad
 from model_zoo.bert_squad.checkpoint import load_google_checkpoint
 from model_zoo.bert_squad.modeling import PRESETS, BertConfig, build_squad_model

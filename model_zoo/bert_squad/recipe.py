@@ -7,7 +7,7 @@ import os
 
 import keras
 
-from epl_trainer.schedules import WarmupDecayLR
+from epl_trainer.training.schedules import WarmupDecayLR
 
 # Without --epl_config the run is configs/bert_squad_pipeline.json (a test keeps these
 # equal). They are environment defaults, the config's lowest-precedence source, so

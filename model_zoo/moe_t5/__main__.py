@@ -39,8 +39,8 @@ import tensorflow as tf
 from absl import app, flags
 
 import epl_trainer as epl
-import epl_trainer.flags as epl_flags  # defines --epl_config and --epl_set
-from epl_trainer import data as data_lib
+import epl_trainer.config.flags as epl_flags  # defines --epl_config and --epl_set
+from epl_trainer.training import data as data_lib
 from model_zoo.moe_t5 import data
 from model_zoo.moe_t5 import model as moe_t5
 

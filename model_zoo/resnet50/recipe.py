@@ -24,9 +24,9 @@ from pathlib import Path
 import keras
 
 import epl_trainer as epl
-from epl_trainer import config as config_lib
+from epl_trainer.config import sections as config_lib
 from epl_trainer.core.engine.state import lanes_for_worker
-from epl_trainer.io import slice_files
+from epl_trainer.training.io import slice_files
 from model_zoo.resnet50 import data as data_lib
 from model_zoo.resnet50 import model as model_lib
 

@@ -2,7 +2,7 @@
 WordPiece vocabulary built from the training text when none is given.
 
 Nothing here is tokenised: the task's preprocessor turns the raw strings into token ids
-inside `fit` (epl_trainer/pipeline_models.py), as Keras does.
+inside `fit` (epl_trainer/training/pipeline_models.py), as Keras does.
 """
 
 from __future__ import annotations

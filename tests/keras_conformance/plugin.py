@@ -24,7 +24,7 @@ def pytest_configure(config):
         routing.count_calls()
     else:
         # Before TensorFlow initialises (the Keras test modules import it at collection).
-        from epl_trainer.cluster import configure_tensorflow
+        from epl_trainer.runtime.cluster import configure_tensorflow
 
         configure_tensorflow(2)
         from keras_conformance import routing

@@ -4,7 +4,7 @@ Usage: estimate_peak.py MODEL DEVICES MICRO_BATCH_SIZE [CONFIG_JSON]
 MODEL is "transformer" or "mlp" (`build_model`, shared with tests/test_estimate.py).
 Prints one JSON line {"peak", "resident", "params", "batch"}. As bench/memory.py and
 docs/architecture.md ("Peak memory") measure: a fresh process, one step to trace and build, then
-the allocator's peak (`epl_trainer.memory.allocator_memory`) over the next steps after a
+the allocator's peak (`epl_trainer.training.memory.allocator_memory`) over the next steps after a
 reset (on CPU the logical devices share one allocator: the whole process's tensors).
 """
 
@@ -15,7 +15,7 @@ import sys
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir, os.pardir))
 
-from epl_trainer.cluster import configure_tensorflow
+from epl_trainer.runtime.cluster import configure_tensorflow
 
 # The transformer as `epl-plan --model transformer` describes it with these sizes.
 TRANSFORMER = {"layers": 4, "hidden": 128, "heads": 4, "ffn": 512, "vocab": 1000, "seq_len": 64}
@@ -58,7 +58,7 @@ def main():
     import tensorflow as tf
 
     import epl_trainer as epl
-    from epl_trainer.memory import allocator_memory, reset_peak_memory
+    from epl_trainer.training.memory import allocator_memory, reset_peak_memory
 
     model = build_model(kind)
     trainer = epl.EPLTrainer(

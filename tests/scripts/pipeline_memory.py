@@ -15,7 +15,7 @@ import sys
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir, os.pardir))
 
-from epl_trainer.cluster import configure_tensorflow
+from epl_trainer.runtime.cluster import configure_tensorflow
 
 
 def build_model(stages, seq=32, width=256, hidden=1024):
@@ -46,7 +46,7 @@ def main():
     import tensorflow as tf
 
     import epl_trainer as epl
-    from epl_trainer.memory import allocator_memory, reset_peak_memory
+    from epl_trainer.training.memory import allocator_memory, reset_peak_memory
 
     stages = {
         f"stage{s}_up|stage{s}_down" + ("|pool|head" if s == args.stages - 1 else ""): s

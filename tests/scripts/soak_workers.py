@@ -22,8 +22,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir, os.pardir)
 import numpy as np
 
 import epl_trainer as epl
-from epl_trainer import cluster as cluster_lib
-from epl_trainer.memory import process_rss_mib, process_threads
+from epl_trainer.runtime import cluster as cluster_lib
+from epl_trainer.training.memory import process_rss_mib, process_threads
 
 SAMPLE_EVERY = 500
 # communication.timeout_seconds: the watchdog polls every 4 s (a quarter of it). A slow

@@ -90,7 +90,7 @@ def make_dataset(worker_index, worker_num):
 
 def _stale_storage(attempt):
     """Worker 1's view of the checkpoint folder on restart `attempt` (--resume_faults)."""
-    from epl_trainer import checkpoint, trainer_checkpoints
+    from epl_trainer.training import checkpoint, trainer_checkpoints
 
     if attempt == 1:
 
@@ -139,7 +139,7 @@ def main():
     )
     import keras
 
-    from epl_trainer import checkpoint
+    from epl_trainer.training import checkpoint
 
     cluster = env.cluster
     worker = cluster.worker_index

@@ -98,7 +98,7 @@ def main():
     parser.add_argument("--steps", type=int, default=3)
     args = parser.parse_args()
     logging.basicConfig(format="%(name)s %(levelname)s: %(message)s")
-    logging.getLogger("epl_trainer.start_state").setLevel(logging.INFO)  # its checksum
+    logging.getLogger("epl_trainer.training.start_state").setLevel(logging.INFO)  # its checksum
     config = {"zero.level": "v1"} if args.mode == "zero1" else {}
     cluster = epl.init(config).cluster
     worker = cluster.worker_index

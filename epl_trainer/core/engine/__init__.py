@@ -11,9 +11,9 @@ it drives the resulting `Engine`. Inside:
 * `split`, `split_lanes`, `recompute`, `gradient_check`, `amp`, `finite`: the passes.
 """
 
-from epl_trainer.core.engine.amp import MinLossScaleError, min_scale_error
 from epl_trainer.core.engine.builder import build_engine
 from epl_trainer.core.engine.engine import Engine, EnginePlan, plan_engine
+from epl_trainer.core.engine.precision.amp import MinLossScaleError, min_scale_error
 from epl_trainer.core.engine.program import BATCH_SIZE_KEY, ROWS_BY_WORKER_KEY, STEPS_KEY
 
 __all__ = [

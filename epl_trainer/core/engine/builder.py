@@ -37,23 +37,23 @@ import logging
 import keras
 
 from epl_trainer.core import comm
-from epl_trainer.core.engine import amp, finite
 from epl_trainer.core.engine.engine import Engine, EnginePlan
-from epl_trainer.core.engine.exchange import WeightExchange, host_of
 from epl_trainer.core.engine.hooks import StepHooks
 from epl_trainer.core.engine.layout import StepLayout
-from epl_trainer.core.engine.pipeline import compiled_stage_call, stateless_stage_call
+from epl_trainer.core.engine.pipeline.exchange import WeightExchange, host_of
+from epl_trainer.core.engine.pipeline.executor import compiled_stage_call, stateless_stage_call
+from epl_trainer.core.engine.precision import amp, finite
 from epl_trainer.core.engine.program import Program
 from epl_trainer.core.engine.recompute import apply_recompute
-from epl_trainer.core.engine.reduce import GradientReduction
-from epl_trainer.core.engine.split_lanes import apply_split
+from epl_trainer.core.engine.split.lanes import apply_split
 from epl_trainer.core.engine.state import EngineState
 from epl_trainer.core.engine.sync_batch_norm import apply_sync_batch_norm
 from epl_trainer.core.engine.tied import check_tied_weights
-from epl_trainer.core.engine.update import ReplicatedUpdate
-from epl_trainer.core.engine.zero import ZeroUpdate
-from epl_trainer.core.engine.zero_gather import check_no_recompute
-from epl_trainer.core.engine.zero_layout import splits_variables
+from epl_trainer.core.engine.update.reduce import GradientReduction
+from epl_trainer.core.engine.update.update import ReplicatedUpdate
+from epl_trainer.core.engine.zero.gather import check_no_recompute
+from epl_trainer.core.engine.zero.layout import splits_variables
+from epl_trainer.core.engine.zero.update import ZeroUpdate
 
 logger = logging.getLogger(__name__)
 

@@ -35,8 +35,8 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from epl_trainer.core.engine import slots as slots_lib
 from epl_trainer.core.engine.state import Lane, is_seed_state, seed_of_lane
+from epl_trainer.core.engine.update import slots as slots_lib
 
 
 @dataclasses.dataclass

@@ -22,9 +22,9 @@ import keras
 from keras import tree
 
 from epl_trainer.core.engine import ema
-from epl_trainer.core.engine import split as split_lib
 from epl_trainer.core.engine.gradient_check import check_stage_gradients
 from epl_trainer.core.engine.program import Program
+from epl_trainer.core.engine.split import layers as split_lib
 from epl_trainer.core.engine.state import EngineState, Lane, lanes_for_worker
 from epl_trainer.core.engine.sync_batch_norm import check_sync_batch_norm
 from epl_trainer.core.graph.auto_partition import auto_partition

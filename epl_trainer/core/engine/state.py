@@ -31,8 +31,8 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from epl_trainer.core.engine import zero_gather
-from epl_trainer.core.engine.zero_params import is_gathered
+from epl_trainer.core.engine.zero import gather as zero_gather
+from epl_trainer.core.engine.zero.params import is_gathered
 from epl_trainer.core.graph.partition import StagedModel
 from epl_trainer.core.plan.ir import Plan
 

@@ -4,7 +4,7 @@ Checked once, before anything is built: `check_config` on the config alone (when
 trainer is created), `check_plan` on the plan it makes. Each refusal names the
 settings involved and what to do instead. Rules that depend on the model itself (a
 split Dense that is not an output, a loss that is not a cross-entropy) stay with the
-code that inspects the model (`core/engine/split.py`).
+code that inspects the model (`core/engine/split/layers.py`).
 
 Plain Python: the config is read through its sections' attributes, so this module, like
 the rest of `core/plan`, imports no TensorFlow.

@@ -1,0 +1,558 @@
+"""One lane's micro-batches through its stages, in pipeline-schedule order.
+
+A lane is one device per stage (see state.py). Each (stage, micro-batch) forward is a
+stateless call of the stage's sub-model recorded by its own tape; each backward is that
+tape's `gradient()` called under the stage's device, with the gradients of the stage's
+outputs routed back by tensor key. The schedule (schedule.py: GPipe or 1F1B) is data;
+here it becomes control dependencies: every task of a stage waits for the previous task
+of the same stage, so the runtime follows the schedule and frees a micro-batch's
+activations as soon as its backward has run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+
+import tensorflow as tf
+from keras import tree
+
+from epl_trainer.core.engine import objective as objective_lib
+from epl_trainer.core.engine.zero.params import SegmentGathers
+from epl_trainer.core.graph.partition import StagedModel
+from epl_trainer.core.plan.schedule import FORWARD, Task
+
+
+@dataclasses.dataclass
+class _StageRun:
+    """What the forward of one (stage, micro-batch) leaves for its backward."""
+
+    tape: tf.GradientTape
+    variables: list  # the values the forward read, the gradient's sources
+    input_keys: list
+    inputs: list
+    outputs: dict
+    objective: tf.Tensor | None  # loss (last stage) or auxiliary losses, already scaled
+    # ZeRO v2 gathered per segment: each source's position among the stage's variables
+    # (a variable two segments use has two sources); None: `variables` is in stage order.
+    positions: list | None = None
+
+
+class MicroBatchInput(typing.NamedTuple):
+    """One micro-batch of the step's batch (program.py's `StepBatch`).
+
+    Attributes:
+      weights: per-row loss weights (the data's sample weights, 0 on rows added to fill
+        the batch), or None: all 1.
+      mask: 1 on real rows, 0 on added ones, or None: all real.
+      rows: real rows (int32), or None: all.
+    """
+
+    features: typing.Any
+    labels: typing.Any
+    weights: tf.Tensor | None
+    mask: tf.Tensor | None
+    rows: tf.Tensor | None
+
+
+@dataclasses.dataclass
+class MicroBatch:
+    """The tensors of one micro-batch while it moves through the stages."""
+
+    values: dict  # tensor key -> tensor: model inputs and stage outputs
+    labels: object
+    index: int | None  # position among the lane's micro-batches (None: a loop's step)
+    weights: tf.Tensor | None = None  # as MicroBatchInput's
+    mask: tf.Tensor | None = None
+    rows: tf.Tensor | None = None
+    # A loss divisor known only from the data (objective.py): [divisor, weighted loss
+    # sum] of this micro-batch, and the global divisor its objective assumed. Its loss is
+    # then reported once per step (program.py), not per micro-batch (`loss` is None).
+    data_share: tf.Tensor | None = None
+    data_estimate: tf.Tensor | None = None
+    runs: dict = dataclasses.field(default_factory=dict)  # stage -> _StageRun
+    upstream: dict = dataclasses.field(default_factory=dict)  # key -> gradient of the loss
+    # Reported: [the loss plus every stage's auxiliary losses, the micro-batch's share of
+    # the step's rows, each output's own loss] (program.py's `_update_loss_trackers`).
+    loss: tf.Tensor | None = None
+    y_pred: object = None
+    earlier_aux: list = dataclasses.field(default_factory=list)  # aux losses of earlier stages
+
+
+class LaneExecutor:
+    """Builds one lane's forward and backward ops for a training step.
+
+    Args:
+      staged: the model cut into stages.
+      devices: the lane's device per stage.
+      variables: the lane's trainable variable copies (model order).
+      trainable_idx, non_trainable_idx: per stage, the model-order indices it reads, in
+        its sub-model's variable order (layout.py's `read_idx`).
+      order: (stage, Task) pairs in a dependency-respecting order (schedule.py).
+      num_micro_batch: micro-batches per step (losses are scaled by its inverse).
+      hooks: the step's `StepHooks`, read while tracing: `stage_calls[k]` (how stage k's
+        forward runs), `loss_fn`, `output_cast` and `loss_scale` (AMP).
+      sparse_gradients: keep Embedding gradients as IndexedSlices.
+      embedding_tables: model-order indices of Embedding tables (their gradients are
+        the IndexedSlices `run_in_loop` carries as rows).
+      lane: this worker's view of the lane; stages on other workers are not computed
+        here, their transfers are (boundaries.py).
+      boundaries: the lane's cross-worker transfers, or None when all stages are local.
+      position: the lane's position among this worker's lanes (for `gradient_sink`).
+      stage_variables: per stage, the variables it reads (`trainable_idx[k]` of
+        `variables`, but a stage's own copy of a tied weight, state.py); None: those of
+        `variables`. A tied weight's gradients from its stages add up in `grads`.
+    """
+
+    def __init__(
+        self,
+        staged: StagedModel,
+        devices,
+        variables,
+        trainable_idx,
+        non_trainable_idx,
+        order: list[tuple[int, Task]],
+        num_micro_batch: int,
+        hooks,
+        sparse_gradients: bool = False,
+        embedding_tables: frozenset = frozenset(),
+        lane=None,
+        boundaries=None,
+        position: int = 0,
+        stage_variables=None,
+    ):
+        self.staged = staged
+        self.stage_variables = stage_variables or [
+            [variables[i] for i in idx] for idx in trainable_idx
+        ]
+        self.position = position
+        self.lane = lane
+        self.boundaries = boundaries
+        self.devices = devices
+        self.variables = variables
+        self.trainable_idx = trainable_idx
+        self.non_trainable_idx = non_trainable_idx
+        self.order = order
+        self.num_micro_batch = num_micro_batch
+        self.hooks = hooks
+        self.sparse_gradients = sparse_gradients
+        self.embedding_tables = embedding_tables
+        self.num_stages = len(staged.stages)
+
+    def run(self, parts: list, non_trainable: list, rows, task_scope=None):
+        """Emits every task of the schedule for this lane.
+
+        Args:
+          parts: the lane's `MicroBatchInput`s.
+          rows: the step's `objective.StepRows` (what the loss is divided by).
+
+        Returns:
+          (gradients summed over micro-batches, one per trainable variable on its stage
+          device; the updated non-trainable values; the micro-batches, for metrics).
+        """
+        return run_to_end(self.steps(parts, non_trainable, rows, task_scope))
+
+    def _micro_batch(self, part: MicroBatchInput, index: int | None) -> MicroBatch:
+        values = dict(zip(self.staged.input_keys, self.staged.flatten_inputs(part.features)))
+        return MicroBatch(values, part.labels, index, part.weights, part.mask, part.rows)
+
+    def steps(self, parts: list, non_trainable: list, rows, task_scope=None):
+        """`run` one task at a time: a generator that yields (stage, task) after emitting
+        each task of the schedule and returns what `run` returns. The program can then
+        walk all lanes in lockstep and `send` back tensors the stage's next task must
+        wait for (ZeRO v1: the reduce-scatter of the micro-batch's gradients)."""
+        self.rows = rows
+        micro_batches = [self._micro_batch(part, j) for j, part in enumerate(parts)]
+        non_trainable = list(non_trainable)
+        # Per stage, its variables' values, read once per step and shared by its
+        # micro-batches (ZeRO v2: the gather of the stage's parameters).
+        self._read_values: dict[int, list] = {}
+        grads: list = [None] * len(self.variables)
+        previous: list = [None] * self.num_stages  # per stage: tensors ending its last task
+        for stage, task in self.order:
+            mb = micro_batches[task.micro_batch]
+            after = [] if previous[stage] is None else previous[stage]
+            name = f"{task_scope or 'lane'}_stage{stage}_{task.kind}{task.micro_batch}"
+            if self.lane is not None and not self.lane.is_local(stage):
+                # Another worker computes this task; build this side of its transfers.
+                with tf.name_scope(name + "_remote"):
+                    if task.kind == FORWARD:
+                        self.boundaries.forward_receives(stage, mb.values)
+                    else:
+                        self.boundaries.gradient_receives(stage, mb.values, mb.upstream)
+                yield stage, task
+                continue
+            with tf.name_scope(name), tf.control_dependencies(after):
+                if task.kind == FORWARD:
+                    previous[stage] = self._forward(stage, mb, non_trainable)
+                else:
+                    previous[stage] = self._backward(stage, mb, grads)
+            wait_for = yield stage, task
+            if wait_for:
+                previous[stage] = list(previous[stage]) + list(wait_for)
+        return grads, non_trainable, micro_batches
+
+    def run_in_loop(self, parts: list, non_trainable: list, rows, task_scope=None):
+        """`run` for a lane of one stage, its micro-batches as a loop in the graph.
+
+        One stage's schedule is F0 B0 F1 B1 ...: each iteration runs one micro-batch's
+        forward and backward and adds its gradients to the running sums (loop variables),
+        so the traced step holds the micro-batch twice whatever the micro-batch count
+        (12-layer BERT, bench/trace.py: 21,111 ops at 2 and at 8 micro-batches; unrolled,
+        each added its own copy, ~5,900 ops and 3.5 s of tracing). The last micro-batch runs after
+        the loop, as the unrolled step runs it, so the gradient reductions that follow
+        can start while its backward still computes the earlier layers. An Embedding's
+        sparse gradient is carried as rows in TensorArrays: the step gets the same
+        IndexedSlices as unrolled (Keras's global norm counts repeated rows separately,
+        so merging them would change the clipping). The losses and metrics of the
+        looped micro-batches are updated inside the loop, by `hooks.update_metrics`.
+
+        Returns:
+          (gradients summed over micro-batches, the updated non-trainable values, the
+          last micro-batch, whose loss and metrics the caller updates; its
+          `data_share` then covers every micro-batch of the lane).
+        """
+        self.rows = rows
+        stacked = tf.nest.map_structure(lambda *xs: None if xs[0] is None else tf.stack(xs), *parts)
+        self._read_values = {}
+        owned = self.trainable_idx[0]
+        sparse = [i for i in owned if self.sparse_gradients and i in self.embedding_tables]
+        dense = [i for i in owned if i not in sparse]
+        with tf.device(self.devices[0]):
+            values = dict(zip(owned, self._stage_values(0)))  # read once, outside the loop
+            sums = [tf.zeros(values[i].shape, values[i].dtype) for i in dense]
+            rows = [_RowArrays.empty(values[i]) for i in sparse]
+        carried = [i for i, v in enumerate(non_trainable) if v is not None]
+        name = f"{task_scope or 'lane'}_stage0"
+
+        def micro_batch(step, state: list, grads: list) -> MicroBatch:
+            part = tf.nest.map_structure(lambda x: None if x is None else x[step], stacked)
+            mb = self._micro_batch(part, None)
+            with tf.name_scope(name + "_F"):
+                self._forward(0, mb, state)
+            with tf.name_scope(name + "_B"):
+                self._backward(0, mb, grads)
+            return mb
+
+        def body(step, sums, row_arrays, carried_values, data_share):
+            state = list(non_trainable)
+            for index, value in zip(carried, carried_values):
+                state[index] = value
+            grads: list = [None] * len(self.variables)
+            mb = micro_batch(step, state, grads)
+            self.hooks.update_metrics(mb.labels, mb.y_pred, mb.loss, mb.mask, mb.rows, mb.weights)
+            with tf.device(self.devices[0]):
+                sums = [total + tf.convert_to_tensor(grads[i]) for total, i in zip(sums, dense)]
+                row_arrays = [r.write(step, grads[i]) for r, i in zip(row_arrays, sparse)]
+                if mb.data_share is not None:
+                    data_share += mb.data_share
+            return step + 1, sums, row_arrays, [state[index] for index in carried], data_share
+
+        last = self.num_micro_batch - 1
+        with tf.device(self.devices[0]):
+            no_share = tf.zeros([2])
+        _, sums, row_arrays, carried_values, looped_share = tf.while_loop(
+            lambda step, *_: step < last,
+            body,
+            (tf.constant(0), sums, rows, [non_trainable[index] for index in carried], no_share),
+            parallel_iterations=1,  # one micro-batch's activations alive at a time
+        )
+        rows = row_arrays
+        grads: list = [None] * len(self.variables)
+        for i, total in zip(dense, sums):
+            grads[i] = total
+        with tf.device(self.devices[0]):
+            for i, r in zip(sparse, rows):
+                grads[i] = r.slices(values[i].shape)
+        non_trainable = list(non_trainable)
+        for index, value in zip(carried, carried_values):
+            non_trainable[index] = value
+        mb = micro_batch(tf.constant(last), non_trainable, grads)  # accumulates into grads
+        if mb.data_share is not None:
+            with tf.device(self.devices[0]):
+                mb.data_share = looped_share + mb.data_share
+        return grads, non_trainable, mb
+
+    def _forward(self, k: int, mb: MicroBatch, non_trainable: list) -> list:
+        staged, stage = self.staged, self.staged.stages[k]
+        last = k == self.num_stages - 1
+        with tf.device(self.devices[k]):
+            tape = tf.GradientTape(watch_accessed_variables=False)
+            with tape:
+                input_keys = list(stage.input_keys) if k > 0 else []
+                if last:  # the loss needs model outputs made by earlier stages too
+                    input_keys += [
+                        key
+                        for key in staged.output_keys
+                        if key in mb.values and key not in input_keys
+                    ]
+                inputs = [mb.values[key] for key in input_keys]
+                tape.watch([x for x in inputs if x.dtype.is_floating])
+                if k in self.hooks.gather_per_segment:  # ZeRO v2 + checkpointing
+                    gathers = SegmentGathers(
+                        [self.variables[i] for i in self.trainable_idx[k]], tape.watch
+                    )
+                    variables = gathers
+                else:
+                    variables = self._stage_values(k)
+                    tape.watch(variables)
+                nt_idx = self.non_trainable_idx[k]
+                statistics = self.hooks.batch_statistics
+                with statistics.forward(self.position, k, mb.index, mb.mask):
+                    outputs, new_nt, aux = self.hooks.stage_calls[k](
+                        variables,
+                        [non_trainable[i] for i in nt_idx],
+                        staged.stage_arguments(stage, mb.values),
+                        True,
+                    )
+                results = staged.stage_results(stage, outputs)
+                aux = self.hooks.output_cast(list(aux))
+                objective = tf.add_n(aux) if aux else None
+                if objective is not None:
+                    if not last:
+                        mb.earlier_aux.append(objective)
+                    # Auxiliary losses count once per batch, as in Keras: their mean over
+                    # the micro-batches (and, by the reduction, the lanes).
+                    objective = tf.cast(objective, tf.float32) * (1.0 / self.num_micro_batch)
+                if last:
+                    table = {**mb.values, **results}
+                    mb.y_pred = self.hooks.output_cast(
+                        staged.pack_outputs([table[key] for key in staged.output_keys])
+                    )
+                    loss, mb.loss = self._loss(mb, aux)
+                    objective = loss if objective is None else loss + objective
+                if objective is not None and self.hooks.loss_scale is not None:
+                    objective = objective * self.hooks.loss_scale()  # AMP: fp16 grads survive
+        for i, value in zip(nt_idx, new_nt):
+            non_trainable[i] = value
+        mb.values.update(results)
+        if self.boundaries is not None:
+            self.boundaries.forward_sends(k, mb.values)
+        positions = None
+        if isinstance(variables, SegmentGathers):
+            positions = [p for p, _ in variables.sources]
+            variables = [v for _, v in variables.sources]
+        mb.runs[k] = _StageRun(tape, variables, input_keys, inputs, results, objective, positions)
+        markers = list(_flat_tensors(results)) + ([objective] if objective is not None else [])
+        return markers
+
+    def _loss(self, mb: MicroBatch, aux: list):
+        """The micro-batch's share of the global batch's loss (differentiated), and its
+        reported loss per real row (objective.py)."""
+        terms = self.hooks.loss_fn.terms(mb.labels, mb.y_pred, mb.weights)
+        if not (terms or aux or mb.earlier_aux):
+            raise ValueError(objective_lib.NO_LOSS_MESSAGE)
+        padded = tf.shape(tree.flatten(mb.labels)[0])[0]
+        data = [term for term in terms if term.kind == objective_lib.DATA]
+        if data and not self.rows.single:
+            if len(terms) > 1 or aux or mb.earlier_aux:
+                raise ValueError(
+                    "A loss divided by the data (a mask on the predictions, or reduction="
+                    "'mean_with_sample_weight') is exact over micro-batches and replicas "
+                    "only as the model's one loss, without auxiliary losses (add_loss, "
+                    "regularizers): its divisor is known after every forward, and the "
+                    "gradients are corrected by one factor. Train one micro-batch on one "
+                    "device, or weight the rows by sample_weight instead of a mask. "
+                    f"Received: {len(terms)} output losses, "
+                    f"{len(aux) + len(mb.earlier_aux)} auxiliary losses"
+                )
+            mb.data_share = tf.stack([tf.cast(data[0].divisor, tf.float32),
+                                      tf.cast(data[0].total, tf.float32)])  # fmt: skip
+            mb.data_estimate = objective_lib.data_estimate(terms, padded, self.rows)
+            return objective_lib.micro_batch_objective(terms, padded, self.rows), None
+        loss = objective_lib.micro_batch_objective(terms, padded, self.rows)
+        real = padded if mb.rows is None else mb.rows
+        reported = objective_lib.micro_batch_report(terms, padded, real, self.rows)
+        # Every stage's auxiliary losses are part of the reported loss (earlier stages'
+        # with tf.stop_gradient: they are differentiated where they were computed).
+        extra = [tf.cast(a, tf.float32) for a in aux]
+        extra += [tf.stop_gradient(tf.cast(a, tf.float32)) for a in mb.earlier_aux]
+        if extra:
+            reported = tf.add_n([reported, *extra])
+        # What the loss trackers report (program.py's `_update_loss_trackers`).
+        outputs = objective_lib.output_reports(terms, padded, real, self.rows)
+        share = tf.cast(real, tf.float32) / self.rows.global_rows
+        return loss, tf.stack([reported, share, *outputs])
+
+    def _stage_values(self, k: int) -> list:
+        if k not in self._read_values:
+            self._read_values[k] = [v.value for v in self.stage_variables[k]]
+        return self._read_values[k]
+
+    def _backward(self, k: int, mb: MicroBatch, grads: list) -> list:
+        run = mb.runs.pop(k)  # drop the tape's Python references once used
+        with tf.device(self.devices[k]):
+            targets, output_gradients = [], []
+            for key, value in run.outputs.items():
+                if key in mb.upstream:
+                    targets.append(value)
+                    output_gradients.append(mb.upstream.pop(key))
+            if run.objective is not None:
+                targets.append(run.objective)
+                output_gradients.append(tf.ones_like(run.objective))
+            float_inputs = [
+                (key, x) for key, x in zip(run.input_keys, run.inputs) if x.dtype.is_floating
+            ]
+            with self.hooks.batch_statistics.backward(self.position, k, mb.index, mb.mask):
+                computed = run.tape.gradient(
+                    targets,
+                    run.variables + [x for _, x in float_inputs],
+                    output_gradients=output_gradients,
+                    unconnected_gradients=tf.UnconnectedGradients.ZERO,
+                )
+            keep_slices = self.sparse_gradients
+            computed = [
+                g
+                if keep_slices and position < len(run.variables) and _is_slices(g)
+                else tf.convert_to_tensor(g)
+                for position, g in enumerate(computed)
+            ]
+            computed = [
+                _with_variable_shape(g, run.variables[position].shape)
+                if position < len(run.variables)
+                else g
+                for position, g in enumerate(computed)
+            ]
+            sink, handed = self.hooks.gradient_sink, {}
+            variable_grads = computed[: len(run.variables)]
+            if run.positions is not None:
+                variable_grads = self._by_position(k, run.positions, variable_grads)
+            for i, g in zip(self.trainable_idx[k], variable_grads):
+                if sink is not None and i in sink.covered and not _is_slices(g):
+                    handed[i] = g  # reduced per micro-batch (ZeRO v1), never accumulated
+                else:
+                    grads[i] = g if grads[i] is None else accumulate(grads[i], g)
+            if handed:
+                sink.add(self.position, k, handed)
+            for (key, _), g in zip(float_inputs, computed[len(run.variables) :]):
+                mb.upstream[key] = g if key not in mb.upstream else mb.upstream[key] + g
+        if self.boundaries is not None:
+            self.boundaries.gradient_sends(k, mb.values, mb.upstream)
+        return computed
+
+    def _by_position(self, k: int, positions: list, gradients: list) -> list:
+        """Per-source gradients -> one per stage variable: summed where several segments
+        read the variable, zeros where none did."""
+        by_position: list = [None] * len(self.trainable_idx[k])
+        for p, g in zip(positions, gradients):
+            by_position[p] = g if by_position[p] is None else accumulate(by_position[p], g)
+        for p, g in enumerate(by_position):
+            if g is None:
+                variable = self.variables[self.trainable_idx[k][p]]
+                by_position[p] = tf.zeros(variable.shape, variable.dtype)
+        return by_position
+
+
+class _RowArrays(typing.NamedTuple):
+    """An Embedding gradient's rows over a loop's iterations: values and indices, one
+    TensorArray element per micro-batch (a named tuple: a loop variable TF can nest)."""
+
+    values: tf.TensorArray
+    indices: tf.TensorArray
+
+    @staticmethod
+    def empty(table) -> _RowArrays:
+        def array(dtype, shape):
+            return tf.TensorArray(dtype, size=0, dynamic_size=True, infer_shape=False,
+                                  element_shape=tf.TensorShape(shape))  # fmt: skip
+
+        return _RowArrays(array(table.dtype, [None, *table.shape[1:]]), array(tf.int64, [None]))
+
+    def write(self, step, gradient) -> _RowArrays:
+        if not _is_slices(gradient):  # e.g. made dense by a cast: every row of it
+            gradient = _dense_as_slices(gradient)
+        return _RowArrays(
+            self.values.write(step, gradient.values),
+            self.indices.write(step, tf.cast(gradient.indices, tf.int64)),
+        )
+
+    def slices(self, shape) -> tf.IndexedSlices:
+        return tf.IndexedSlices(
+            self.values.concat(), self.indices.concat(), tf.constant(shape.as_list(), tf.int64)
+        )
+
+
+def _dense_as_slices(gradient) -> tf.IndexedSlices:
+    rows = tf.range(tf.shape(gradient, out_type=tf.int64)[0])
+    return tf.IndexedSlices(gradient, rows, tf.shape(gradient, out_type=tf.int64))
+
+
+def run_to_end(steps):
+    """Drives a `LaneExecutor.steps` generator to its end; returns its result."""
+    while True:
+        try:
+            next(steps)
+        except StopIteration as done:
+            return done.value
+
+
+def _is_slices(gradient) -> bool:
+    return isinstance(gradient, tf.IndexedSlices)
+
+
+def _with_variable_shape(gradient, shape):
+    """A dense gradient with its variable's static shape.
+
+    Some backward ops (attention over a dynamic sequence length, reshapes of dynamic
+    shapes) lose the static shape of a weight's gradient; the reductions that follow
+    size fused buckets from static shapes.
+    """
+    if _is_slices(gradient) or gradient.shape.is_fully_defined():
+        return gradient
+    return tf.reshape(gradient, shape)
+
+
+def accumulate(total, gradient):
+    """Sum of two gradients; two IndexedSlices stay slices (their rows concatenated)."""
+    if _is_slices(total) and _is_slices(gradient):
+        return tf.IndexedSlices(
+            tf.concat([total.values, gradient.values], axis=0),
+            # The rows a micro-batch loop carries are int64 (`_RowArrays`).
+            tf.concat([total.indices, tf.cast(gradient.indices, total.indices.dtype)], axis=0),
+            total.dense_shape,
+        )
+    return tf.convert_to_tensor(total) + tf.convert_to_tensor(gradient)
+
+
+def stateless_stage_call(model):
+    """The default way to run a stage: `(variables, non_trainable, args, training) ->
+    (outputs, new non-trainable values, auxiliary losses)`."""
+
+    def call(variables, non_trainable, args, training):
+        return model.stateless_call(
+            variables, non_trainable, args, **training_kwargs(model, training), return_losses=True
+        )
+
+    return call
+
+
+def compiled_stage_call(call):
+    """`call` (a stage call, as above) with its forward compiled by XLA, once for
+    training and once for inference. The tape differentiates the compiled function, and
+    TensorFlow compiles its backward as well, as `Model.compile(jit_compile=True)` does."""
+    compiled = {
+        training: tf.function(
+            lambda variables, non_trainable, args, training=training: call(
+                variables, non_trainable, args, training
+            ),
+            jit_compile=True,
+            autograph=False,
+        )
+        for training in (True, False)
+    }
+
+    def run(variables, non_trainable, args, training):
+        return compiled[bool(training)](variables, non_trainable, args)
+
+    return run
+
+
+def training_kwargs(model, training: bool) -> dict:
+    # `stateless_call` forwards `training` unconditionally; a subclassed `call` may not
+    # accept it (Keras's own `__call__` drops it in that case, so do we).
+    return {"training": training} if getattr(model, "_call_has_training_arg", True) else {}
+
+
+def _flat_tensors(results: dict):
+    for value in results.values():
+        yield from tf.nest.flatten(value)

@@ -1,0 +1,1 @@
+"""Tensor split (`epl.split`): layers whose weights are sharded over the lanes of a replica."""

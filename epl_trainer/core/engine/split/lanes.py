@@ -1,0 +1,129 @@
+"""The split pass: plugs split layers (split.py) into the step through its hooks.
+
+Split layers run on each lane's shards (`split_stage_call`), split outputs get the
+sharded loss (`SplitLoss`), and `SplitLanes` takes the lane hooks' slots: the current
+lane while a lane is traced, the reduction of sharded gradients over the lanes that hold
+the same shard, their share of the global norm, accuracy from a distributed argmax, and
+predictions joined from the lanes' class slices.
+"""
+
+from __future__ import annotations
+
+import tensorflow as tf
+from keras import tree
+
+from epl_trainer.core import comm
+from epl_trainer.core.engine.hooks import ReplicatedLanes, StepHooks
+from epl_trainer.core.engine.layout import StepLayout
+from epl_trainer.core.engine.pipeline.executor import training_kwargs
+from epl_trainer.core.engine.split import layers as split
+
+
+class SplitLanes(ReplicatedLanes):
+    """Lane hooks of a program with split layers.
+
+    Args:
+      runtime: the split layers and each local lane's collectives.
+      layout: the step layout.
+      communication: the `communication` config section.
+    """
+
+    def __init__(self, runtime: split.SplitRuntime, layout: StepLayout, communication):
+        self.runtime = runtime
+        self.layout = layout
+        self.method = communication.gradients_reduce_method
+        self.max_splits = communication.max_splits
+        self.wire_fp16_scale = communication.fp16_scale if communication.fp16 else None
+
+    def lane(self, li: int):
+        return self.runtime.lane(li)
+
+    def begin_trace(self) -> None:
+        self.runtime.begin_trace()
+
+    def reduce_sharded(self, lane_grads: list[list], reduced: list[list]) -> None:
+        """Sharded gradients: summed over the lanes holding the same shard (one per
+        replica), divided by the job's lane count for "mean" (see split.py)."""
+        layout, runtime = self.layout, self.runtime
+        sharded = sorted(layout.state.sharded)
+        everyone = layout.everyone
+        scale = 1.0 / everyone.size
+        for rank in range(runtime.width):
+            members = [li for li in range(len(layout.lanes)) if runtime.shard_rank(li) == rank]
+            job_devices = tuple(
+                d for position, d in enumerate(everyone.devices) if position % runtime.width == rank
+            )
+            group = comm.CollectiveGroup(
+                job_devices, tuple(layout.lanes[li].devices[0] for li in members)
+            )
+            per_member = [[lane_grads[li][i] for i in sharded] for li in members]
+            buckets = comm.plan_buckets(
+                [_num_bytes(g) for g in per_member[0]],
+                [g.dtype for g in per_member[0]],
+                self.max_splits,
+            )
+            results = comm.fused_all_reduce(
+                group, per_member, buckets, "sum", wire_fp16_scale=self.wire_fp16_scale
+            )
+            for li, grads in zip(members, results):
+                for i, g in zip(sharded, grads):
+                    with tf.device(layout.lanes[li].devices[0]):
+                        mean = self.method == "mean"
+                        reduced[li][i] = g * tf.cast(scale, g.dtype) if mean else g
+
+    def shard_norm_squares(self, li: int, grads: list) -> list:
+        sharded = sorted(self.layout.state.sharded)
+        if not sharded:
+            return []
+        with self.lane(li), tf.device(self.layout.lanes[li].devices[0]):
+            squares = tf.add_n([tf.reduce_sum(tf.square(grads[i])) for i in sharded])
+            return [self.runtime.active.reduce(squares, "sum")]
+
+    def update_output_metric(self, index: int, metric, y_true, y_pred, sample_weight) -> bool:
+        if index not in self.runtime.dense_outputs():
+            return False
+        split.update_split_accuracy(metric, y_true, y_pred, self.runtime.active, sample_weight)
+        return True
+
+    def join_predictions(self, lane_outputs: list, batch):
+        """Rows of every lane, in lane order; a split output's class slices are joined
+        per replica (each lane holds its classes for all of the replica's rows)."""
+        width = self.runtime.width
+        split_outputs = self.runtime.dense_outputs()
+        flat = [tree.flatten(o) for o in lane_outputs]
+        joined = []
+        for index in range(len(flat[0])):
+            pieces = [f[index] for f in flat]
+            if index in split_outputs:
+                replicas = [
+                    tf.concat(pieces[r : r + width], axis=1) for r in range(0, len(pieces), width)
+                ]
+                value = tf.concat(replicas, axis=0)
+                if split_outputs[index].softmax:
+                    value = tf.nn.softmax(value)
+            else:
+                value = tf.concat(pieces, axis=0)
+            joined.append(value[:batch])
+        return tree.pack_sequence_as(lane_outputs[0], joined)
+
+
+def apply_split(
+    hooks: StepHooks, layout: StepLayout, split_layers, lanes_in_job, width: int, communication
+) -> None:
+    """Split layers run on the lane's shards; split outputs get the sharded loss."""
+    runtime = split.SplitRuntime(split_layers, layout.lanes, lanes_in_job, width)
+    hooks.lanes = SplitLanes(runtime, layout, communication)
+    # A split layer's collectives get their instance keys while tracing (split.py), one
+    # per traced call: a loop over micro-batches would reuse them on every iteration.
+    hooks.micro_batch_loop = False
+    hooks.fixed_batch_shape = True  # the lanes gather rows: one shape per collective key
+    num_outputs = len(tree.flatten(layout.staged.model.outputs))
+    hooks.loss_fn = split.SplitLoss(hooks.loss_fn, runtime, num_outputs)
+    for k, stage in enumerate(layout.staged.stages):
+        call = split.split_stage_call(stage.model, runtime, training_kwargs)
+        hooks.stage_calls[k] = call
+        hooks.eval_stage_calls[k] = call
+
+
+def _num_bytes(tensor) -> int:
+    return int(tensor.shape.num_elements()) * tensor.dtype.size

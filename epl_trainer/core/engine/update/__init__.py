@@ -1,0 +1,1 @@
+"""The update half of a step: gradient reduction, clipping, the optimizer apply and its slots."""

@@ -1,0 +1,413 @@
+"""epl-plan: the Plan and per-device memory / traffic of a job, for clusters you do not have.
+
+    epl-plan --model bert --size large --num_workers 64 --gpu_per_worker 8 \\
+        --num_stages 4 --num_micro_batch 8 --micro_batch_size 4 --zero v1 --amp O1 --gc
+    epl-plan --params 7.5e9 --num_workers 8 --gpu_per_worker 8 --amp master --zero v0
+
+Nothing is built or run and TensorFlow is never imported: the model comes from its sizes
+(`core/plan/analytic.py`), the cluster is a list of virtual device names planned by the same
+planner the trainer uses, and the numbers are `core/plan/estimate.py`'s arithmetic. Stages
+are cut by `estimate.partition_stages`, as `auto.auto_parallel` cuts them. Settings not
+given as flags come from `--epl_config` / `--epl_set` / `EPL_*` (the trainer's config
+keys), then from the defaults.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import itertools
+import json
+import math
+import os
+import sys
+
+from epl_trainer.config.sections import Config, ConfigError
+from epl_trainer.core.plan import analytic, estimate, planner
+from epl_trainer.core.plan.ir import PIPELINE_STRATEGIES, PlanError, StrategySpec, format_count
+
+MODELS = ("transformer", "bert", "resnet50")
+_TRANSFORMER_SIZES = ("layers", "hidden", "heads", "vocab", "seq_len")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="epl-plan",
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="Byte counts use decimal units (GB = 1e9 bytes), as the ZeRO paper does.",
+    )
+    model = parser.add_argument_group("model (one of --model or --params)")
+    model.add_argument("--model", choices=MODELS, help="a zoo model or a described transformer")
+    model.add_argument(
+        "--params", type=float, help="only a parameter count: model states, no activations"
+    )
+    model.add_argument("--size", help=f"BERT size: {list(analytic.BERT_SIZES)} (default base)")
+    for name in (*_TRANSFORMER_SIZES, "ffn"):
+        model.add_argument(f"--{name}", type=int, help=f"transformer {name}")
+    model.add_argument("--max_position", type=int, help="position embeddings (default seq_len)")
+    model.add_argument("--head", choices=analytic.HEADS, help="transformer head (default lm)")
+    model.add_argument("--activation", choices=("gelu", "gelu_tanh", "relu"), help="(default gelu)")
+    model.add_argument("--num_classes", type=int, help="pool head / ResNet classes")
+    model.add_argument("--image_size", type=int, help="ResNet input size (default 224)")
+
+    cluster = parser.add_argument_group("virtual cluster")
+    cluster.add_argument("--num_workers", type=int, default=1)
+    cluster.add_argument("--gpu_per_worker", type=int, default=1)
+    cluster.add_argument("--device_type", default="GPU", help="device names' type (display)")
+    cluster.add_argument("--device_memory", help="bytes per device, e.g. 32GB or 80GiB")
+
+    parallel = parser.add_argument_group(
+        "parallelism (default: --epl_config / --epl_set / EPL_* config keys)"
+    )
+    parallel.add_argument("--num_stages", type=int, help="pipeline.num_stages (default 1)")
+    parallel.add_argument("--num_micro_batch", type=int, help="pipeline.num_micro_batch")
+    parallel.add_argument("--micro_batch_size", type=int, default=1, help="samples per micro-batch")
+    parallel.add_argument(
+        "--pipeline_strategy", choices=PIPELINE_STRATEGIES, help="pipeline.strategy"
+    )
+    parallel.add_argument(
+        "--zero",
+        choices=("none", "v0", "v1", "v2"),
+        help="zero.level (DeepSpeed's zero.stage 1/2/3): v0 = P_os, v1 = P_os+g, v2 = P_os+g+p",
+    )
+    parallel.add_argument(
+        "--amp",
+        nargs="?",
+        const="O1",
+        choices=("none", "O1", "master"),
+        help="O1 (amp.level: float32 weights cast on use, 16-bit activations) or master "
+        "(the ZeRO paper's / DeepSpeed's 16-bit weights and gradients + float32 master copy)",
+    )
+    parallel.add_argument(
+        "--gc",
+        action=argparse.BooleanOptionalAction,
+        help="gradient checkpointing (gradient_checkpoint.type)",
+    )
+    parallel.add_argument("--optimizer", default="adam", choices=tuple(estimate.OPTIMIZER_SLOTS))
+    parallel.add_argument("--epl_config", help="a JSON/YAML config file of the trainer")
+    parallel.add_argument("--epl_set", action="append", default=[], help="KEY=VALUE, repeatable")
+    parser.add_argument("--json", action="store_true", help="print the numbers as JSON")
+    return parser
+
+
+# Which model flags each model takes (the others would be silently ignored: refused).
+_MODEL_FLAGS = {
+    "params": set(),
+    "bert": {"size", "seq_len", "vocab"},
+    "resnet50": {"image_size", "num_classes"},
+    "transformer": {*_TRANSFORMER_SIZES, "ffn", "max_position", "head", "activation"}
+    | {"num_classes"},
+}
+
+
+def model_from_args(args, parser) -> estimate.ModelCost:
+    """The `ModelCost` the flags describe."""
+    if (args.model is None) == (args.params is None):
+        parser.error("give exactly one of --model or --params")
+    kind = args.model or "params"
+    given = {flag for flags in _MODEL_FLAGS.values() for flag in flags}
+    given = {flag for flag in given if getattr(args, flag) is not None}
+    unused = sorted(given - _MODEL_FLAGS[kind])
+    if unused:
+        what = f"--model {kind}" if args.model else "--params"
+        parser.error(f"{what} does not take {' '.join('--' + f for f in unused)}")
+    if kind == "params":
+        return analytic.params_only(args.params)
+    if kind == "bert":
+        return analytic.bert(args.size or "base", seq_len=args.seq_len, vocab=args.vocab or 30522)
+    if kind == "resnet50":
+        return analytic.resnet50(args.image_size or 224, args.num_classes or 1000)
+    missing = [f"--{n}" for n in _TRANSFORMER_SIZES if getattr(args, n) is None]
+    if missing:
+        parser.error(f"--model transformer needs {' '.join(missing)}")
+    return analytic.transformer(
+        args.layers,
+        args.hidden,
+        args.heads,
+        args.vocab,
+        args.seq_len,
+        args.ffn,
+        max_position=args.max_position,
+        head=args.head or "lm",
+        num_classes=args.num_classes or 2,
+        activation=args.activation or "gelu",
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class PlanRequest:
+    """How to lay the model out: what `build_plan` needs besides the cluster."""
+
+    num_stages: int = 1
+    num_micro_batch: int = 1  # pipeline.num_micro_batch
+    pipeline_strategy: str = "PreferBackward"  # pipeline.strategy
+    prefer_intra_node: bool = True  # cluster.device_place_prefer_intra_node
+
+
+def options_from_args(args) -> tuple[estimate.TrainOptions, PlanRequest]:
+    """(options, request): flags first, then the config."""
+    from epl_trainer.config.flags import parse_assignments  # absl only, no TensorFlow
+
+    overrides = parse_assignments(args.epl_set)
+    config = (
+        Config.from_file(os.path.expanduser(args.epl_config), overrides)
+        if args.epl_config
+        else Config(overrides)
+    )
+
+    def pick(flag, default):
+        return default if flag is None else flag
+
+    amp = pick(args.amp, config.amp.level)
+    options = estimate.TrainOptions(
+        micro_batch_size=args.micro_batch_size,
+        zero=pick(args.zero, config.zero.level).replace("none", ""),
+        amp=amp.replace("none", ""),
+        gc=pick(args.gc, bool(config.gradient_checkpoint.type)),
+        optimizer=args.optimizer,
+    )
+    request = PlanRequest(
+        num_stages=pick(args.num_stages, config.pipeline.num_stages or 1),
+        num_micro_batch=pick(args.num_micro_batch, config.pipeline.num_micro_batch),
+        pipeline_strategy=pick(args.pipeline_strategy, config.pipeline.strategy),
+        prefer_intra_node=config.cluster.device_place_prefer_intra_node,
+    )
+    return options, request
+
+
+def plan_and_estimate(
+    model: estimate.ModelCost,
+    options: estimate.TrainOptions,
+    request: PlanRequest,
+    num_workers: int,
+    gpu_per_worker: int,
+    *,
+    device_type: str = "GPU",
+) -> estimate.Estimate:
+    """Cuts `model` into `request.num_stages`, plans it on a virtual cluster and estimates
+    it."""
+    num_stages = request.num_stages
+    if isinstance(num_stages, bool) or not isinstance(num_stages, int) or num_stages < 1:
+        raise ValueError(f"num_stages must be an int >= 1. Received: num_stages={num_stages!r}")
+    cuts = estimate.partition_stages(model, num_stages)
+    bounds = (0, *cuts, len(model.nodes))
+    stage_flops = [sum(n.flops for n in model.nodes[a:b]) for a, b in itertools.pairwise(bounds)]
+    where = ", ".join(f"stage {k + 1} at {model.nodes[c].name}" for k, c in enumerate(cuts))
+    plan = planner.build_plan(
+        [StrategySpec("replicate", 1, f"stage_{k}") for k in range(num_stages)],
+        estimate.virtual_cluster(num_workers, gpu_per_worker, device_type),
+        0,
+        num_micro_batch=request.num_micro_batch,
+        prefer_intra_node=request.prefer_intra_node,
+        pipeline_strategy=request.pipeline_strategy,
+        stage_costs=stage_flops if num_stages > 1 else None,
+        cut_description=f"forward FLOPs balanced; {where}" if cuts else None,
+    )
+    return estimate.estimate(model, plan, options, cuts=cuts)
+
+
+def zero_comparison(result: estimate.Estimate) -> list[tuple[str, float]]:
+    """Model-state bytes per device of the largest stage at every ZeRO level."""
+    stage = max(result.stages, key=lambda s: s.params)
+    names = {
+        "": "none (replicated)",
+        "v0": "v0 (P_os)",
+        "v1": "v1 (P_os+g)",
+        "v2": "v2 (P_os+g+p)",
+    }
+    rows = []
+    for level in estimate.ZERO_LEVELS:
+        states = estimate.model_state_bytes(
+            stage.params, stage.devices, level, result.options.amp, result.options.optimizer
+        )
+        rows.append((names[level], sum(states)))
+    return rows
+
+
+def render(result: estimate.Estimate, device_memory: int | None = None) -> str:
+    """The human-readable report: model, Plan, memory, activations, bubble, traffic."""
+    model, options = result.model, result.options
+    flops = f"{format_count(model.flops)} forward FLOPs per sample" if model.flops else ""
+    lines = [
+        f"Model: {model.name}: {model.description}",
+        f"  {model.params:,} parameters" + (f", {flops}" if flops else ""),
+        "",
+        result.plan.summary(),
+        "",
+        f"Training: micro-batch {options.micro_batch_size} x {result.plan.num_micro_batch} "
+        f"micro-batch(es) x data-parallel {result.data_parallel} = global batch "
+        f"{result.global_batch}; zero={options.zero or 'none'}, amp={options.amp or 'none'}, "
+        f"gc={'on' if options.gc else 'off'}, optimizer={options.optimizer}",
+        "",
+    ]
+    lines += _memory_section(result, device_memory)
+    lines += _activation_section(result)
+    num_stages, m = len(result.stages), result.plan.num_micro_batch
+    lines += [
+        "",
+        f"Pipeline bubble: (S-1)/(M+S-1) = ({num_stages}-1)/({m}+{num_stages}-1) = "
+        f"{result.bubble:.3f}",
+        "",
+    ]
+    lines += _traffic_section(result)
+    return "\n".join(lines)
+
+
+def _memory_section(result: estimate.Estimate, device_memory: int | None) -> list[str]:
+    header = ["stage", "devices", "params", "parameters", "gradients", "optimizer"]
+    header += ["model states", "activations", "peak"]
+    rows = []
+    for s in result.stages:
+        acts = f"{fmt(s.activations[s.selected])} x {s.inflight}" + (
+            f" + {fmt(s.recompute)}" if s.recompute else ""
+        )
+        acts = acts if result.model.has_activations else "unknown"
+        sizes = (s.parameters, s.gradients, s.optimizer, s.model_states)
+        cells = [str(s.index), str(s.devices), format_count(s.params), *map(fmt, sizes)]
+        rows.append([*cells, acts, fmt(s.peak)])
+    if device_memory:
+        header.append(f"of {fmt(device_memory)}")
+        for row, s in zip(rows, result.stages):
+            too_big = " (too big)" if s.peak > device_memory else ""
+            row.append(f"{s.peak / device_memory:.0%}{too_big}")
+    lines = ["Per device (every device of a stage holds the same):", *_table(header, rows)]
+    if device_memory:
+        worst = max(result.stages, key=lambda s: s.peak)
+        verdict = "fits" if worst.peak <= device_memory else "does NOT fit"
+        lines.append(
+            f"  largest peak {fmt(worst.peak)} (stage {worst.index}) {verdict} in "
+            f"{fmt(device_memory)} per device"
+        )
+    lines += [
+        "  activations = bytes per micro-batch x micro-batches kept alive"
+        " (+ one recomputed segment with gc);",
+        "  peak = parameters + optimizer + the full stage gradients (accumulated before the"
+        " reduction) + activations + collective buffers + backward workspace",
+    ]
+    return lines
+
+
+def _activation_section(result: estimate.Estimate) -> list[str]:
+    variants = ("fp32", "gc", "amp", "amp+gc")
+    rows = [
+        [str(s.index)]
+        + [fmt(s.activations[v]) + (" *" if v == s.selected else "") for v in variants]
+        for s in result.stages
+    ]
+    lines = ["", "Activations per micro-batch and device (* = these options):"]
+    lines += _table(["stage", "fp32", "gc", "amp (16-bit)", "amp + gc"], rows)
+    if not result.model.has_activations:
+        lines.append("  (the model is known only by its parameter count: activations unknown)")
+    return lines
+
+
+def _traffic_section(result: estimate.Estimate) -> list[str]:
+    collective = {
+        "": "all-reduce",
+        "v0": "all-reduce + all-gather",
+        "v1": "reduce-scatter + all-gather",
+    }[result.options.zero]
+    rows = [
+        [str(s.index), fmt(s.comm_data_parallel), fmt(s.comm_pipeline), fmt(s.comm)]
+        for s in result.stages
+    ]
+    lines = ["Communication per step, bytes each device sends (ring collectives):"]
+    lines += _table(["stage", f"data-parallel ({collective})", "pipeline (p2p)", "total"], rows)
+    largest = max(result.stages, key=lambda s: s.params)
+    lines += [
+        "",
+        "ZeRO levels, model states per device (stage with most parameters, "
+        f"N = {largest.devices}):",
+    ]
+    lines += _table(
+        ["zero.level", "model states"], [[n, fmt(b)] for n, b in zero_comparison(result)]
+    )
+    return lines
+
+
+def _table(header, rows) -> list[str]:
+    widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
+    out = ["  " + "  ".join(h.ljust(w) for h, w in zip(header, widths)).rstrip()]
+    out.append("  " + "  ".join("-" * w for w in widths))
+    out += ["  " + "  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
+    return out
+
+
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "kb": 1e3,
+    "mb": 1e6,
+    "gb": 1e9,
+    "tb": 1e12,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+}
+
+
+def parse_bytes(text: str) -> int:
+    """'32GB' (1e9 bytes per GB, as the ZeRO paper and GPU vendors count), '80GiB',
+    '1.5e10' -> bytes."""
+    value = str(text).strip().lower().replace(" ", "")
+    number = value.rstrip("kmgtib")
+    unit = value[len(number) :]
+    try:
+        count = float(number) * _UNITS[unit]
+    except (ValueError, KeyError):
+        raise ValueError(
+            f"Cannot read a byte count from {text!r}; write e.g. 32GB, 80GiB or 3.2e10."
+        ) from None
+    if not math.isfinite(count) or count <= 0:
+        raise ValueError(f"A byte count must be positive and finite. Received: {text!r}")
+    return int(count)
+
+
+def fmt(count: float) -> str:
+    """Bytes with decimal units (GB = 1e9, the ZeRO paper's unit): '31.4 GB'."""
+    for scale, unit in ((1e12, "TB"), (1e9, "GB"), (1e6, "MB"), (1e3, "kB")):
+        if abs(count) >= scale:
+            return (
+                f"{count / scale:.3g} {unit}"
+                if count / scale < 100
+                else f"{count / scale:.0f} {unit}"
+            )
+    return f"{count:.0f} B"
+
+
+def main(argv=None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        model = model_from_args(args, parser)
+        options, request = options_from_args(args)
+        device_memory = parse_bytes(args.device_memory) if args.device_memory else None
+        result = plan_and_estimate(
+            model,
+            options,
+            request,
+            args.num_workers,
+            args.gpu_per_worker,
+            device_type=args.device_type,
+        )
+    except (ValueError, PlanError, ConfigError) as error:
+        parser.error(str(error))
+    if args.json:
+        data = result.to_dict()
+        data["zero_levels"] = dict(zero_comparison(result))
+        data["device_memory"] = device_memory
+        text = json.dumps(data, indent=1)
+    else:
+        text = render(result, device_memory)
+    try:
+        print(text)
+    except BrokenPipeError:  # `epl-plan ... | head`: the reader left; exit quietly
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

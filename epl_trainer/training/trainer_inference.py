@@ -1,0 +1,215 @@
+"""EPLTrainer's `evaluate` and `predict`, with Keras's arguments, callbacks and logs.
+
+Batches run in the compiled loops of the engine (`eval_many_on_iterator`,
+`predict_many_on_iterator`), many per call: one host round trip per
+`EVAL_STEPS_PER_CALL` batches. A callback that implements the test or predict batch
+hooks gets them for every batch (`steps_per_execution` batches per call), as in Keras;
+the progress bar alone is updated once per call.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import tensorflow as tf
+from keras import tree
+
+from epl_trainer.training import data as data_lib
+from epl_trainer.training import fit_inputs, model_inputs, pipeline_models
+from epl_trainer.training import model_fn as model_fn_lib
+
+# Evaluation and prediction batches per call of the compiled loop when no callback needs
+# each batch: one host round trip per this many batches.
+EVAL_STEPS_PER_CALL = 64
+
+
+class InferenceMixin:
+    """The evaluation and prediction methods of `EPLTrainer` (see trainer.py for the
+    attributes)."""
+
+    def evaluate(
+        self,
+        x=None,
+        y=None,
+        batch_size=None,
+        verbose="auto",
+        sample_weight=None,
+        steps=None,
+        callbacks=None,
+        return_dict=False,
+    ):
+        """The loss and metrics over the data (every worker's share), as `Model.evaluate`.
+
+        Args:
+          x, y: numpy inputs and labels, or a `tf.data.Dataset` of `(x, y)` or
+            `(x, y, sample_weight)` batches as `x` (then y=None).
+          batch_size: per-worker batch size for numpy inputs (default 32).
+          verbose: 0 (silent), 1 or "auto" (progress bar), 2.
+          sample_weight: numpy weights, one per sample (numpy inputs).
+          steps: evaluate at most this many batches.
+          callbacks: Keras callbacks; they get on_test_begin/end and, when they implement
+            them, on_test_batch_begin/end for every batch, with Keras's logs.
+          return_dict: False (the default, as Keras) returns Keras's list
+            [loss, *metrics], or the loss alone when there are no metrics; True returns
+            {"loss": ..., metric: ...}.
+        """
+        dataset = self._evaluation_dataset(x, y, sample_weight, batch_size, model_fn_lib.EVAL)
+        dataset = fit_inputs.at_most(dataset, steps)
+        verbose = fit_inputs.verbosity(verbose)
+        callback_list = fit_inputs.callback_list(
+            callbacks, self.model, verbose, steps=fit_inputs.num_batches(dataset)
+        )
+        logs = self._evaluate_dataset(dataset, callback_list)
+        if return_dict:
+            return logs
+        # Keras's order (`_flatten_metrics_in_order`): the metrics' own names, so a
+        # prefixed name (several outputs) is placed by sorting, as in Keras.
+        names = [metric.name for _, metric in self._named_metrics()]
+        return fit_inputs.flatten_logs_in_order(logs, names)
+
+    def _evaluation_dataset(self, x, y, sample_weight, batch_size, mode):
+        """This worker's evaluation batches (the model built from them first if needed)."""
+        x = model_inputs.python_source_dataset(x)
+        if self._waits_for_data:
+            self._build_from_data(data_lib.spec_probe(x, y, None, None, sample_weight), mode)
+        x = model_inputs.arrays_for_model(self.model, x)
+        dataset = data_lib.as_dataset(
+            x,
+            y,
+            batch_size,
+            sample_weight=sample_weight,
+            worker_index=self.data_shard,
+            worker_num=self.data_shards,
+            preprocessing=pipeline_models.preprocessing(self.model),
+        )
+        dataset = model_inputs.fitted_to_model(dataset, self.model, with_labels=True)
+        self._build_objectives(dataset.element_spec)
+        return dataset
+
+    def _evaluate_dataset(self, dataset, callbacks) -> dict:
+        """Evaluates `dataset` with `callbacks` (evaluate's own, or fit's for validation)."""
+        self.model.stop_evaluating = False
+        first = next(iter(dataset.take(1)), None)  # builds the engine (and the model)
+        program = None
+        if first is not None:
+            features = data_lib.unpack_element(first)[0]
+            program = self._ensure_engine(features)
+            size = _rows(features)
+        self._reset_metrics()
+        self._run_hook(callbacks, "on_test_begin")
+        batches = 0
+        if program is not None:
+
+            def run_call(iterator, count):
+                with self._lost_worker_check("an evaluation step"):
+                    ran = int(program.eval_many_on_iterator(iterator, count, size))
+                return ran, self._local_logs()
+
+            batches = self._run_in_calls(dataset, iter(dataset), 0, callbacks, "test", run_call)
+        with self._lost_worker_check("the evaluation's metric sync"):
+            logs = self._logs()
+        if batches == 0 and self.cluster.worker_num == 1:
+            # Keras's Mean reports 0 for no samples: a silent, wrong "perfect" loss.
+            raise ValueError("evaluate received no data. Check the dataset, batch_size and steps.")
+        self._run_hook(callbacks, "on_test_end", logs)
+        return logs
+
+    def predict(self, x, batch_size=None, verbose="auto", steps=None, callbacks=None):
+        """Model outputs for `x` (numpy, structured like the model's outputs), as
+        `Model.predict`: every worker predicts all of `x`.
+
+        Args:
+          x: numpy inputs, or a `tf.data.Dataset` of batches (of `x`, or of `(x, y)` /
+            `(x, y, sample_weight)`, whose labels and weights are ignored).
+          batch_size: batch size for numpy inputs (default 32).
+          verbose: 0 (silent), 1 or "auto" (progress bar), 2.
+          steps: predict at most this many batches.
+          callbacks: Keras callbacks; they get on_predict_begin/end and, when they
+            implement them, on_predict_batch_begin/end for every batch, with the batch's
+            outputs as `logs["outputs"]`.
+        """
+        x = model_inputs.python_source_dataset(x)
+        if self._waits_for_data:
+            probe = data_lib.spec_probe(x, None, None, None)
+            self._build_from_data(probe, model_fn_lib.INFER)
+        x = model_inputs.arrays_for_model(self.model, x)
+        preprocessing = pipeline_models.preprocessing(self.model)
+        if preprocessing is None and isinstance(x, tf.data.Dataset):
+            x = data_lib.features_only(x)
+        dataset = data_lib.as_dataset(x, None, batch_size, preprocessing=preprocessing)
+        if preprocessing is not None:
+            # As Keras: a batch (with its labels, if any) is preprocessed first, then its
+            # features are predicted (a causal LM's preprocessor makes labels itself).
+            dataset = data_lib.features_only(dataset)
+        dataset = fit_inputs.at_most(dataset, steps)
+        dataset = model_inputs.fitted_to_model(dataset, self.model, with_labels=False)
+        callback_list = fit_inputs.callback_list(
+            callbacks,
+            self.model,
+            fit_inputs.verbosity(verbose),
+            steps=fit_inputs.num_batches(dataset),
+        )
+        self.model.stop_predicting = False
+        callback_list.on_predict_begin()
+        iterator = iter(dataset)
+        features = next(iterator, None)  # builds the engine (and the model)
+        if features is None:
+            raise ValueError("predict received no data.")
+        program = self._ensure_engine(features)
+        size = _rows(features)
+        callback_list.on_predict_batch_begin(0)
+        # A pipeline whose stages are on several workers sends activations between them.
+        with self._lost_worker_check("a prediction step"):
+            first = program.predict_step(features)
+        flat = [[np.asarray(t)] for t in tree.flatten(first)]
+        callback_list.on_predict_batch_end(0, {"outputs": tree.map_structure(np.asarray, first)})
+
+        def run_call(iterator, count):
+            with self._lost_worker_check("a prediction step"):
+                outputs, ran = program.predict_many_on_iterator(
+                    iterator, count, size, tree.flatten(first)
+                )
+            outputs = [np.asarray(output) for output in outputs]
+            for pieces, output in zip(flat, outputs):
+                pieces.append(output)
+            return int(ran), {"outputs": tree.pack_sequence_as(first, outputs)}
+
+        if not self.model.stop_predicting:
+            self._run_in_calls(dataset, iterator, 1, callback_list, "predict", run_call)
+        callback_list.on_predict_end()
+        return tree.pack_sequence_as(first, [np.concatenate(pieces) for pieces in flat])
+
+    def _run_in_calls(self, dataset, iterator, begin: int, callbacks, mode: str, run_call) -> int:
+        """Runs the batches left in `iterator` through `run_call(iterator, count) ->
+        (batches run, batch logs)`, with the batch callbacks around each call; returns
+        the index of the next batch (the batches seen).
+
+        Batch indices count from `begin`. With a known number of batches no call is
+        begun past the end; otherwise, as Keras, the last `on_*_batch_begin` is the one
+        that found the data used up.
+        """
+        per_call = EVAL_STEPS_PER_CALL
+        if fit_inputs.has_batch_hooks(callbacks, mode):
+            per_call = self.steps_per_execution
+        known = fit_inputs.num_batches(dataset)
+        stop_flag = "stop_evaluating" if mode == "test" else "stop_predicting"
+        batch_begin = getattr(callbacks, f"on_{mode}_batch_begin")
+        batch_end = getattr(callbacks, f"on_{mode}_batch_end")
+        while known is None or begin < known:
+            batch_begin(begin)
+            ran, logs = run_call(iterator, per_call)
+            if ran == 0:
+                break
+            batch_end(begin + ran - 1, logs)
+            begin += ran
+            if ran < per_call or getattr(self.model, stop_flag, False):
+                break
+        return begin
+
+    def _local_logs(self) -> dict:
+        """This worker's loss and metrics so far (a batch callback's logs)."""
+        named = self._named_metrics()
+        return {name: fit_inputs.log_value(metric.result()) for name, metric in named}
+
+
+def _rows(features) -> int:
+    return int(tf.shape(tree.flatten(features)[0])[0])
