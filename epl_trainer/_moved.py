@@ -14,12 +14,12 @@ import importlib.util
 import sys
 
 _TRAINING = (
-    "checkpoint compiled data elastic end_of_data fit_inputs io losses memory metric_sync "
+    "checkpoint compiled data end_of_data fit_inputs io losses memory metric_sync "
     "metrics model_fn model_inputs model_setup monitors optimizers pipeline_models plot "
     "schedules start_state trainer trainer_checkpoints trainer_data trainer_inference "
     "trainer_objectives"
 )
-_RUNTIME = "cluster env launch_elastic launch_job launcher plan_cli slurm watchdog"
+_RUNTIME = "cluster elastic env launch_elastic launch_job launcher plan_cli slurm watchdog"
 # core/engine's modules that became part of a parallelism's folder. (`split`, `pipeline`
 # and `update` are the folders' own names now, so those three old paths cannot alias.)
 _ENGINE = {

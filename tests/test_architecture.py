@@ -3,15 +3,21 @@ and `core/plan` stays free of TensorFlow (epl-plan and the launcher need none).
 
 Layers, lowest first (docs/architecture.md):
 
-0. `config`, `config_keys`: the typed config, pure Python;
+0. `config.sections`, `config.keys`: the typed config, pure Python;
 1. `core.plan` (Plan, planner, schedules, estimates, combination rules; no TensorFlow)
    and `core.comm` (TF's collectives);
 2. `core.graph`: cutting and costing the Keras graph;
 3. `core.engine` (state, steps, passes) and `annotations` (the user's scopes and marks);
-4. everything else in `epl_trainer` (trainer, cluster, launcher, deepspeed, ...).
+4. `runtime`: the cluster, `epl.init`, the launcher, the watchdog (`plan_cli`, epl-plan,
+   reads flags and DeepSpeed configs: layer 5);
+5. `training` (the Keras-facing trainer), `deepspeed`, `layers`, `config.flags`, the
+   package's lobby.
 
 A module may import its own layer or lower ones. `core` never imports `annotations`:
-the trainer hands the engine plain data.
+the trainer hands the engine plain data. The engine's parallelism folders (`zero/`,
+`pipeline/`, `split/`, `precision/`, `update/`) are reached from outside only through
+the surface their `__init__` lists (`core/engine/surface.py`), and the pipeline executor
+reaches the other parallelisms only through the step's hooks.
 """
 
 import ast
@@ -30,8 +36,14 @@ LAYERS = [  # (module prefix, layer); the longest matching prefix wins
     ("epl_trainer.core.graph", 2),
     ("epl_trainer.core.engine", 3),
     ("epl_trainer.annotations", 3),
-    ("epl_trainer", 4),
+    ("epl_trainer.runtime", 4),
+    ("epl_trainer.runtime.plan_cli", 5),  # epl-plan reads flags and DeepSpeed configs
+    ("epl_trainer", 5),
 ]
+ENGINE = "epl_trainer.core.engine"
+PARALLELISMS = tuple(
+    f"{ENGINE}.{name}" for name in ("zero", "pipeline", "split", "precision", "update")
+)
 TENSORFLOW = ("tensorflow", "keras")
 
 
@@ -45,8 +57,25 @@ def module_name(path: pathlib.Path) -> str:
 MODULES = {module_name(p): p for p in PACKAGE.rglob("*.py")}
 
 
+def surface_of(package: str) -> dict[str, str]:
+    """A parallelism folder's surface, read from its `lazy_surface(__name__, {...})`:
+    exported name -> the folder's module that defines it."""
+    tree = ast.parse(MODULES[package].read_text())
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and getattr(node.func, "id", "") == "lazy_surface":
+            table = ast.literal_eval(node.args[1])
+            return {name: f"{package}.{module}" for name, module in table.items()}
+    return {}
+
+
+SURFACES = {package: surface_of(package) for package in PARALLELISMS}
+
+
 def imports_of(name: str) -> tuple[set[str], set[str]]:
-    """(epl_trainer modules `name` imports, other top-level packages it imports)."""
+    """(epl_trainer modules `name` imports, other top-level packages it imports).
+
+    A name imported from a parallelism folder's surface counts as an import of the
+    module that defines it (the folder's `__init__` loads it on first use)."""
     path = MODULES[name]
     tree = ast.parse(path.read_text(), str(path))
     package = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
@@ -70,7 +99,7 @@ def imports_of(name: str) -> tuple[set[str], set[str]]:
             for alias in node.names:
                 # `from package import module` imports the module, not the package.
                 full = f"{base}.{alias.name}"
-                add(full if full in MODULES else base)
+                add(full if full in MODULES else SURFACES.get(base, {}).get(alias.name, base))
     ours.discard(name)
     return {m for m in ours if m in MODULES and m != "epl_trainer"}, others
 
@@ -146,10 +175,68 @@ def test_the_checks_see_a_violation():
     assert "epl_trainer.core.comm.group" in GRAPH["epl_trainer.core.comm.fusion"][0]
     assert "tensorflow" in GRAPH["epl_trainer.core.comm.group"][1]
     assert layer_of("epl_trainer.core.engine.state") == 3
-    assert layer_of("epl_trainer.training.trainer") == 4
+    assert layer_of("epl_trainer.training.trainer") == 5
+    assert layer_of("epl_trainer.runtime.cluster") == 4
 
 
 def test_files_stay_small():
     """Files of one job each, around 600 lines at most (docs/architecture.md)."""
     sizes = {name: len(path.read_text().splitlines()) for name, path in MODULES.items()}
     assert {name: n for name, n in sizes.items() if n > 620} == {}
+
+
+def direct_imports(name: str) -> set[str]:
+    """The epl_trainer modules `name` names in its import statements, as written."""
+    tree = ast.parse(MODULES[name].read_text())
+    named = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            named |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            named |= {f"{node.module}.{alias.name}" for alias in node.names} | {node.module}
+    return {m for m in named if m in MODULES}
+
+
+def folder_of(name: str) -> str | None:
+    return next((p for p in PARALLELISMS if name == p or name.startswith(p + ".")), None)
+
+
+def test_a_parallelism_is_reached_only_through_its_surface():
+    """No module imports another folder's modules directly, only the names its
+    `__init__` exports (tests may reach inside; the package may not)."""
+    reaching_in = [
+        f"{name} imports {target}"
+        for name in MODULES
+        for target in sorted(direct_imports(name))
+        if folder_of(target)
+        and target != folder_of(target)
+        and folder_of(name) != folder_of(target)
+    ]
+    assert reaching_in == []
+
+
+def test_surfaces_name_what_their_modules_define():
+    for package, surface in SURFACES.items():
+        assert surface, f"{package} lists no surface"
+        for exported, module in surface.items():
+            tree = ast.parse(MODULES[module].read_text())
+            defined = {
+                getattr(node, "name", None) or target.id
+                for node in tree.body
+                for target in ([node] if not isinstance(node, ast.Assign) else node.targets)
+                if isinstance(node, (ast.FunctionDef, ast.ClassDef, ast.Assign))
+                and isinstance(target, (ast.FunctionDef, ast.ClassDef, ast.Name))
+            }
+            assert exported in defined, f"{package} exports {exported!r}, not defined in {module}"
+
+
+def test_the_pipeline_executor_reaches_other_parallelisms_only_through_hooks():
+    pipeline = f"{ENGINE}.pipeline"
+    wrong = [
+        f"{name} imports {target}"
+        for name, (ours, _) in GRAPH.items()
+        if folder_of(name) == pipeline
+        for target in sorted(ours)
+        if folder_of(target) not in (None, pipeline)
+    ]
+    assert wrong == []

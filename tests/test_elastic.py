@@ -21,11 +21,10 @@ import tensorflow as tf
 from _launch import SCRIPTS, clean_env
 
 from epl_trainer.config.sections import Config
-from epl_trainer.runtime import launcher
+from epl_trainer.runtime import elastic, launcher
 from epl_trainer.runtime.launch_elastic import ElasticSize, request_join
 from epl_trainer.runtime.launch_job import Job, _Worker
 from epl_trainer.training import data as data_lib
-from epl_trainer.training import elastic
 
 SCRIPT = os.path.join(SCRIPTS, "train_elastic.py")
 sys.path.insert(0, SCRIPTS)

@@ -27,8 +27,8 @@ import os
 import time
 from pathlib import Path
 
+from epl_trainer.runtime.elastic import RESIZE_EXIT_CODE
 from epl_trainer.runtime.launch_job import Job, say
-from epl_trainer.training.elastic import RESIZE_EXIT_CODE
 
 JOIN_FOLDER = "join"
 

@@ -23,7 +23,7 @@ from typing import IO
 
 import psutil
 
-from epl_trainer.training.elastic import RESIZE_EXIT_CODE
+from epl_trainer.runtime.elastic import RESIZE_EXIT_CODE
 
 PROG = "epl-launch"
 EXIT_TIMEOUT = 124

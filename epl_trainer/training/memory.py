@@ -16,7 +16,7 @@ import os
 import psutil
 
 from epl_trainer.core.engine.state import variable_bytes
-from epl_trainer.core.engine.zero.params import is_gathered
+from epl_trainer.core.engine.zero import is_gathered
 from epl_trainer.core.graph.cost import format_bytes
 
 

@@ -19,7 +19,7 @@ from collections.abc import Sequence
 
 import keras
 
-from epl_trainer.core.engine.update import slots
+from epl_trainer.core.engine.update import recording_class
 
 
 def rebuild(optimizer: keras.optimizers.Optimizer, **overrides) -> keras.optimizers.Optimizer:
@@ -48,9 +48,7 @@ def replica(
     user's optimizer decides, on the original, whether weight decay applies, and the copy
     excludes exactly those copies.
     """
-    rebuilt = slots.recording_class(type(optimizer)).from_config(
-        {**optimizer.get_config(), **overrides}
-    )
+    rebuilt = recording_class(type(optimizer)).from_config({**optimizer.get_config(), **overrides})
     excluded = [v for v, o in zip(variables, originals) if not optimizer._use_weight_decay(o)]
     rebuilt.exclude_from_weight_decay(var_list=excluded)
     return rebuilt

@@ -20,12 +20,12 @@ from epl_trainer.annotations import checkpoints, strategies
 from epl_trainer.config.sections import Config
 from epl_trainer.core import engine
 from epl_trainer.core.engine import ema
+from epl_trainer.runtime import elastic
 from epl_trainer.runtime.cluster import build_cluster, detect_lost_workers
 from epl_trainer.runtime.env import Env
 from epl_trainer.runtime.watchdog import watchdog_for
 from epl_trainer.training import (
     compiled,
-    elastic,
     model_inputs,
     model_setup,
     optimizers,

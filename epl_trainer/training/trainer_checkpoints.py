@@ -19,8 +19,8 @@ import tensorflow as tf
 
 from epl_trainer.core.comm.hosts import host_group, rows_by_worker
 from epl_trainer.core.engine.checkpoint_content import CheckpointContent
+from epl_trainer.runtime import elastic
 from epl_trainer.training import checkpoint as ckpt
-from epl_trainer.training import elastic
 from epl_trainer.training import model_fn as model_fn_lib
 
 logger = logging.getLogger(__name__)

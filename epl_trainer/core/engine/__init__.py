@@ -13,7 +13,7 @@ it drives the resulting `Engine`. Inside:
 
 from epl_trainer.core.engine.builder import build_engine
 from epl_trainer.core.engine.engine import Engine, EnginePlan, plan_engine
-from epl_trainer.core.engine.precision.amp import MinLossScaleError, min_scale_error
+from epl_trainer.core.engine.precision import MinLossScaleError, min_scale_error
 from epl_trainer.core.engine.program import BATCH_SIZE_KEY, ROWS_BY_WORKER_KEY, STEPS_KEY
 
 __all__ = [

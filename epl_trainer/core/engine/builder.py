@@ -40,20 +40,30 @@ from epl_trainer.core import comm
 from epl_trainer.core.engine.engine import Engine, EnginePlan
 from epl_trainer.core.engine.hooks import StepHooks
 from epl_trainer.core.engine.layout import StepLayout
-from epl_trainer.core.engine.pipeline.exchange import WeightExchange, host_of
-from epl_trainer.core.engine.pipeline.executor import compiled_stage_call, stateless_stage_call
-from epl_trainer.core.engine.precision import amp, finite
+from epl_trainer.core.engine.pipeline import (
+    WeightExchange,
+    compiled_stage_call,
+    host_of,
+    stateless_stage_call,
+)
+from epl_trainer.core.engine.precision import (
+    apply_amp,
+    apply_mixed_precision,
+    apply_nonfinite_guard,
+)
 from epl_trainer.core.engine.program import Program
 from epl_trainer.core.engine.recompute import apply_recompute
-from epl_trainer.core.engine.split.lanes import apply_split
+from epl_trainer.core.engine.split import apply_split
 from epl_trainer.core.engine.state import EngineState
 from epl_trainer.core.engine.sync_batch_norm import apply_sync_batch_norm
 from epl_trainer.core.engine.tied import check_tied_weights
-from epl_trainer.core.engine.update.reduce import GradientReduction
-from epl_trainer.core.engine.update.update import ReplicatedUpdate
-from epl_trainer.core.engine.zero.gather import check_no_recompute
-from epl_trainer.core.engine.zero.layout import splits_variables
-from epl_trainer.core.engine.zero.update import ZeroUpdate
+from epl_trainer.core.engine.update import GradientReduction, ReplicatedUpdate
+from epl_trainer.core.engine.zero import (
+    SegmentGathers,
+    ZeroUpdate,
+    check_no_recompute,
+    splits_variables,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -94,7 +104,7 @@ def build_engine(
     """
     staged, plan = engine_plan.staged, engine_plan.plan
     if config.amp.level:
-        changed = amp.apply_mixed_precision(staged.model, config.amp.dtype)
+        changed = apply_mixed_precision(staged.model, config.amp.dtype)
         if config.amp.debug_log:
             logger.info(
                 "AMP %s: %d layers compute in %s: %s",
@@ -157,7 +167,7 @@ def build_engine(
         if config.zero.level == "v2" and not jit_compile:
             # Checkpointed stages gather per segment, again in backward (an XLA-compiled
             # stage takes values: it gathers once per step, as the other stages do).
-            hooks.gather_per_segment = set(hooks.recomputed)
+            hooks.gather_per_segment = dict.fromkeys(hooks.recomputed, SegmentGathers)
             check_no_recompute(hooks.update.spanning_stages, hooks.gather_per_segment)
     else:
         hooks.update = ReplicatedUpdate(
@@ -187,9 +197,9 @@ def build_engine(
     )
     skip = config.optimizer.nonfinite_loss == "skip"
     if config.amp.level:
-        finite.apply_amp(hooks, layout, config.amp, stop_on_nonfinite=not skip)
+        apply_amp(hooks, layout, config.amp, stop_on_nonfinite=not skip)
     else:
-        finite.apply_nonfinite_guard(hooks, layout, skip_metrics=skip)
+        apply_nonfinite_guard(hooks, layout, skip_metrics=skip)
     return Engine(engine_plan, state, program)
 
 

@@ -36,7 +36,7 @@ import numpy as np
 import tensorflow as tf
 
 from epl_trainer.core.engine.state import Lane, is_seed_state, seed_of_lane
-from epl_trainer.core.engine.update import slots as slots_lib
+from epl_trainer.core.engine.update import is_factored, slot_shape, slots_of, unrecorded_state
 
 
 @dataclasses.dataclass
@@ -182,11 +182,11 @@ class CheckpointContent:
             if applied and lane.index == applied[0] and lane.is_local(applied[1]):
                 applied_read = optimizer.iterations if applied_read is None else applied_read
             self._check_slots_recorded(optimizer)
-            for slot, reference, name in slots_lib.slots_of(optimizer):
+            for slot, reference, name in slots_of(optimizer):
                 if id(reference) in self._piece_spans:  # held by this lane only
                     lane_position, i, start, stop = self._piece_spans[id(reference)]
                     # ZeRO cuts only element-wise optimizers' variables (zero_layout.py).
-                    assert start is None or not slots_lib.is_factored(name), name
+                    assert start is None or not is_factored(name), name
                     rows = "" if start is None else f"{PIECE_MARK}{start}:{stop}"
                     key = f"slot/{i}/{name}{rows}"
                     by_key[key] = [(self.state.lanes[lane_position].index, slot, i)]
@@ -237,7 +237,7 @@ class CheckpointContent:
         )
 
     def _check_slots_recorded(self, optimizer) -> None:
-        unrecorded = slots_lib.unrecorded_state(optimizer)
+        unrecorded = unrecorded_state(optimizer)
         if unrecorded:
             raise ValueError(
                 f"{type(optimizer).__name__} keeps state that is not made per variable with "
@@ -250,7 +250,7 @@ class CheckpointContent:
         """A factored slot (Adafactor's row / column moment) is saved as the whole
         variable's; a split shard's is its own part's (its row moment averages only the
         shard's columns), which no join turns into the whole variable's."""
-        if slots_lib.is_factored(name) and i in self.state.sharded:
+        if is_factored(name) and i in self.state.sharded:
             raise ValueError(
                 f"{type(optimizer).__name__}'s factored moments of a split variable "
                 f"({self.state.model_trainable[i].path}) cannot be checkpointed: each "
@@ -303,7 +303,7 @@ class CheckpointContent:
         for li, optimizer, _ in self.update.local_optimizers():
             self._check_slots_recorded(optimizer)
             applied.append(Target(optimizer.iterations, _whole))
-            for slot, reference, name in slots_lib.slots_of(optimizer):
+            for slot, reference, name in slots_of(optimizer):
                 if id(reference) in self._piece_spans:
                     _, i, start, stop = self._piece_spans[id(reference)]
                     place = _whole if start is None else _piece_placer(start, stop, slot.shape)
@@ -313,7 +313,7 @@ class CheckpointContent:
                     place = self._shard_placer(i, state.lanes[li])
                 model_variable = state.model_trainable[i]
                 path = f"{model_variable.path} ({name})"
-                shape = slots_lib.slot_shape(name, model_variable.shape)
+                shape = slot_shape(name, model_variable.shape)
                 add(f"slot/{i}/{name}", path, shape, slot.dtype, Target(slot, place))
         if applied:
             needed["optimizer/applied_steps"] = Expected("updates applied", [], "int64", applied)

@@ -24,7 +24,7 @@ from keras import tree
 from epl_trainer.core.engine import ema
 from epl_trainer.core.engine.gradient_check import check_stage_gradients
 from epl_trainer.core.engine.program import Program
-from epl_trainer.core.engine.split import layers as split_lib
+from epl_trainer.core.engine.split import check_split_metrics, find_split_layers, sparse_outputs
 from epl_trainer.core.engine.state import EngineState, Lane, lanes_for_worker
 from epl_trainer.core.engine.sync_batch_norm import check_sync_batch_norm
 from epl_trainer.core.graph.auto_partition import auto_partition
@@ -124,7 +124,7 @@ def plan_engine(
         # Colocated TaskGraphs share every device of a lane: one stage, whose split
         # layers run on the lane's shards (split.py).
         staged = whole_model(model)
-        split_layers = split_lib.find_split_layers(
+        split_layers = find_split_layers(
             model, node_taskgraph, plan.taskgraphs, plan.taskgraphs[0].device_count
         )
         num_outputs = len(tree.flatten(model.outputs))
@@ -132,8 +132,8 @@ def plan_engine(
             loss.build_from_outputs(model.outputs)
         if not metrics.built:
             metrics.build(model.outputs, model.outputs)
-        split_lib.sparse_outputs(loss.losses_for(num_outputs), split_layers)
-        split_lib.check_split_metrics(metrics, split_layers)
+        sparse_outputs(loss.losses_for(num_outputs), split_layers)
+        check_split_metrics(metrics, split_layers)
     elif len(plan.taskgraphs) == 1:
         staged = whole_model(model)
     else:

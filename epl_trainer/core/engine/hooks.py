@@ -104,9 +104,11 @@ class StepHooks:
         the gradient check.
       gradient_sink: None, or where the lane executors hand each micro-batch's dense
         gradients instead of accumulating them (ZeRO v1: `zero.MicroBatchGradients`).
-      gather_per_segment: stages whose forward gets its parameters as
-        `zero_params.SegmentGathers` instead of values (ZeRO v2 with gradient
-        checkpointing: gathered segment by segment, again in backward).
+      gather_per_segment: stage -> a factory `(parameters, watch) -> gathers` for the
+        stages whose forward gets its parameters as gathers instead of values (ZeRO v2
+        with gradient checkpointing: `zero.SegmentGathers`, gathered segment by segment,
+        again in backward). The gathers' `sources` are the (position, value) pairs the
+        tape watched, whose gradients the lane reduces.
       micro_batch_loop: whether a lane of one stage may run its micro-batches as a loop
         in the graph (program.py); False when a pass emits collectives per micro-batch
         inside the forward (split layers).
@@ -136,7 +138,7 @@ class StepHooks:
     extra_logs: dict = dataclasses.field(default_factory=dict)
     recomputed: dict = dataclasses.field(default_factory=dict)
     gradient_sink: object = None
-    gather_per_segment: set = dataclasses.field(default_factory=set)
+    gather_per_segment: dict = dataclasses.field(default_factory=dict)
     micro_batch_loop: bool = True
     fixed_batch_shape: bool = False
     lanes_in_lockstep: bool = False

@@ -28,8 +28,7 @@ from epl_trainer.core import comm
 from epl_trainer.core.engine import objective
 from epl_trainer.core.engine.hooks import StepHooks
 from epl_trainer.core.engine.layout import StepLayout
-from epl_trainer.core.engine.pipeline.boundaries import Boundaries, LaneBoundaries
-from epl_trainer.core.engine.pipeline.executor import LaneExecutor, run_to_end
+from epl_trainer.core.engine.pipeline import Boundaries, LaneBoundaries, LaneExecutor, run_to_end
 from epl_trainer.core.engine.program_loops import InferenceLoops
 from epl_trainer.core.engine.state import EngineState
 from epl_trainer.core.engine.step_batch import (
@@ -39,7 +38,7 @@ from epl_trainer.core.engine.step_batch import (
     split_batch,
     unpack_element,
 )
-from epl_trainer.core.engine.update.reduce import scaled
+from epl_trainer.core.engine.update import scaled
 from epl_trainer.core.plan.schedule import FORWARD, execution_order, make_schedule
 
 

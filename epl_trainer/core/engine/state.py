@@ -31,8 +31,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from epl_trainer.core.engine.zero import gather as zero_gather
-from epl_trainer.core.engine.zero.params import is_gathered
+from epl_trainer.core.engine.zero import eager_reads, is_gathered
 from epl_trainer.core.graph.partition import StagedModel
 from epl_trainer.core.plan.ir import Plan
 
@@ -105,7 +104,7 @@ class EngineState:
         # Set by the builder when replicas span workers (exchange.py): completes the
         # Keras model with the stages this worker does not hold.
         self.exchange = None
-        self.stage_gathers = []  # ZeRO v2 stages across workers (zero_gather.StageGather)
+        self.stage_gathers = []  # ZeRO v2 stages across workers (StageGather)
         # Split layers (split.py): trainable index -> ShardedVariable. Lane l holds slice
         # `lane.index % num_shards` (its rank in the replica).
         self.sharded = dict(sharded or {})
@@ -265,7 +264,7 @@ class EngineState:
         """Eager reads of ZeRO v2 parameters whose stage group spans workers: every stage
         gathered once, on every worker in the same order (each must enter this block at
         the same point: the write-back, a checkpoint save)."""
-        with zero_gather.eager_reads():
+        with eager_reads():
             for reads in self.stage_gathers:
                 reads.prefetch()
             yield

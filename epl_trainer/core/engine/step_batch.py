@@ -8,7 +8,7 @@ import tensorflow as tf
 from keras import tree
 
 from epl_trainer.core.engine import objective
-from epl_trainer.core.engine.pipeline.executor import MicroBatchInput
+from epl_trainer.core.engine.pipeline import MicroBatchInput
 
 
 def unpack_element(element):

@@ -18,7 +18,6 @@ import tensorflow as tf
 from keras import tree
 
 from epl_trainer.core.engine import objective as objective_lib
-from epl_trainer.core.engine.zero.params import SegmentGathers
 from epl_trainer.core.graph.partition import StagedModel
 from epl_trainer.core.plan.schedule import FORWARD, Task
 
@@ -288,8 +287,9 @@ class LaneExecutor:
                     ]
                 inputs = [mb.values[key] for key in input_keys]
                 tape.watch([x for x in inputs if x.dtype.is_floating])
+                gathers = None
                 if k in self.hooks.gather_per_segment:  # ZeRO v2 + checkpointing
-                    gathers = SegmentGathers(
+                    gathers = self.hooks.gather_per_segment[k](
                         [self.variables[i] for i in self.trainable_idx[k]], tape.watch
                     )
                     variables = gathers
@@ -329,9 +329,9 @@ class LaneExecutor:
         if self.boundaries is not None:
             self.boundaries.forward_sends(k, mb.values)
         positions = None
-        if isinstance(variables, SegmentGathers):
-            positions = [p for p, _ in variables.sources]
-            variables = [v for _, v in variables.sources]
+        if gathers is not None:
+            positions = [p for p, _ in gathers.sources]
+            variables = [v for _, v in gathers.sources]
         mb.runs[k] = _StageRun(tape, variables, input_keys, inputs, results, objective, positions)
         markers = list(_flat_tensors(results)) + ([objective] if objective is not None else [])
         return markers

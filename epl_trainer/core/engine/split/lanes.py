@@ -15,7 +15,7 @@ from keras import tree
 from epl_trainer.core import comm
 from epl_trainer.core.engine.hooks import ReplicatedLanes, StepHooks
 from epl_trainer.core.engine.layout import StepLayout
-from epl_trainer.core.engine.pipeline.executor import training_kwargs
+from epl_trainer.core.engine.pipeline import training_kwargs
 from epl_trainer.core.engine.split import layers as split
 
 

@@ -1,1 +1,23 @@
-"""The update half of a step: gradient reduction, clipping, the optimizer apply and its slots."""
+"""The update half of a step: gradient reduction and clipping (`reduce`), the replicated
+update (`update`), the optimizer apply, XLA-compiled where it pays (`apply`), and which
+variable each optimizer slot belongs to (`slots`)."""
+
+from epl_trainer.core.engine.surface import lazy_surface
+
+__getattr__, __dir__, __all__ = lazy_surface(
+    __name__,
+    {
+        "GradientReduction": "reduce",
+        "scaled": "reduce",
+        "sum_over_lane": "reduce",
+        "ReplicatedUpdate": "update",
+        "balanced_groups": "update",
+        "written": "update",
+        "OptimizerStep": "apply",
+        "is_factored": "slots",
+        "slot_shape": "slots",
+        "slots_of": "slots",
+        "unrecorded_state": "slots",
+        "recording_class": "slots",
+    },
+)

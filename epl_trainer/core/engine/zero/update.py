@@ -36,10 +36,14 @@ import keras
 import tensorflow as tf
 
 from epl_trainer.core import comm
-from epl_trainer.core.engine.precision.amp import unscale_gradients
-from epl_trainer.core.engine.update.apply import OptimizerStep
-from epl_trainer.core.engine.update.reduce import scaled, sum_over_lane
-from epl_trainer.core.engine.update.update import balanced_groups, written
+from epl_trainer.core.engine.precision import unscale_gradients
+from epl_trainer.core.engine.update import (
+    OptimizerStep,
+    balanced_groups,
+    scaled,
+    sum_over_lane,
+    written,
+)
 from epl_trainer.core.engine.zero import exchange
 from epl_trainer.core.engine.zero.gather import MemberParameter, StageGather
 from epl_trainer.core.engine.zero.layout import make_layouts, shard_bytes
