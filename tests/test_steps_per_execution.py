@@ -154,7 +154,7 @@ def test_pipelined_evaluation_and_prediction_equal_keras():
 
 
 def test_split_layers_with_several_steps_per_call_are_refused():
-    with pytest.raises(epl.SplitError, match="use steps_per_execution=1"):
+    with pytest.raises(epl.SplitError, match="Use steps_per_execution=1"):
         epl.EPLTrainer(
             model(),
             LOSS,

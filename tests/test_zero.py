@@ -197,12 +197,12 @@ def test_lockstep_hands_every_lane_the_reduce_scatter_of_its_micro_batch():
 
 
 def test_v2_across_workers_refuses_gradient_checkpointing_on_those_stages_by_name():
-    from epl_trainer.core.engine.zero.gather import check_no_recompute
+    from epl_trainer.core.plan.rules import check_zero_v2_recompute
 
-    check_no_recompute([0], [1])  # the recomputed stage's group is on one worker
-    match = r"zero.stage 3\) with gradient checkpointing .* stage\(s\) \[1\] .* zero.level 'v1'"
+    check_zero_v2_recompute([0], [1])  # the recomputed stage's group is on one worker
+    match = r"zero.stage 3\) with gradient checkpointing .* zero.level 'v1'.* stage\(s\) \[1\]"
     with pytest.raises(ValueError, match=match):
-        check_no_recompute([0, 1], [1, 2])
+        check_zero_v2_recompute([0, 1], [1, 2])
 
 
 def test_gathered_parameter_joins_and_splits_its_pieces():

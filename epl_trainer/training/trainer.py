@@ -20,6 +20,7 @@ from epl_trainer.annotations import checkpoints, strategies
 from epl_trainer.config.sections import Config
 from epl_trainer.core import engine
 from epl_trainer.core.engine import ema
+from epl_trainer.core.plan import rules
 from epl_trainer.runtime import elastic
 from epl_trainer.runtime.cluster import build_cluster, detect_lost_workers
 from epl_trainer.runtime.env import Env
@@ -232,7 +233,7 @@ class EPLTrainer(CheckpointMixin, TrainingDataMixin, InferenceMixin, ObjectivesM
             )
         self.model.optimizer = self.optimizer  # what Keras callbacks read (LR, iterations)
         if ema.uses_ema(self.optimizer):
-            ema.check_supported(self.config.zero)
+            rules.check_ema(self.config.zero)
         self._start_state = start_state.StartState(self.cluster, self._lost_worker_check)
         self._start_state.take(self.model, self.optimizer)  # worker 0's values (start_state.py)
 

@@ -37,13 +37,13 @@ import logging
 import keras
 
 from epl_trainer.core import comm
+from epl_trainer.core.comm.hosts import host_group, host_of
 from epl_trainer.core.engine.engine import Engine, EnginePlan
 from epl_trainer.core.engine.hooks import StepHooks
 from epl_trainer.core.engine.layout import StepLayout
 from epl_trainer.core.engine.pipeline import (
     WeightExchange,
     compiled_stage_call,
-    host_of,
     stateless_stage_call,
 )
 from epl_trainer.core.engine.precision import (
@@ -61,9 +61,9 @@ from epl_trainer.core.engine.update import GradientReduction, ReplicatedUpdate
 from epl_trainer.core.engine.zero import (
     SegmentGathers,
     ZeroUpdate,
-    check_no_recompute,
     splits_variables,
 )
+from epl_trainer.core.plan import rules
 
 logger = logging.getLogger(__name__)
 
@@ -121,13 +121,14 @@ def build_engine(
         host_device=host_device if offload else None,
         sharded={sv.index: sv for layer in split_layers for sv in layer.variables},
     )
-    hosts = [host_of(devices[0].name) for devices in _devices_by_worker(plan)]
+    devices_by_worker = [[d.name for d in devices] for devices in _devices_by_worker(plan)]
+    hosts = [host_of(devices[0]) for devices in devices_by_worker]
     layout = StepLayout.create(staged, state, engine_plan.lanes_in_job, host_device, hosts)
     check_tied_weights(state, config, split_layers, layout.spans_workers)
     if layout.spans_workers:
-        state.exchange = WeightExchange(
-            state, engine_plan.lanes_in_job[0], hosts, plan.worker_index
-        )
+        group = host_group(devices_by_worker, hosts[plan.worker_index])
+        first_lane = engine_plan.lanes_in_job[0]
+        state.exchange = WeightExchange(state, first_lane, group, plan.worker_index)
     calls = [stateless_stage_call(stage.model) for stage in staged.stages]
     hooks = StepHooks(stage_calls=calls, eval_stage_calls=list(calls), loss_fn=loss_fn)
     if split_layers:
@@ -168,7 +169,7 @@ def build_engine(
             # Checkpointed stages gather per segment, again in backward (an XLA-compiled
             # stage takes values: it gathers once per step, as the other stages do).
             hooks.gather_per_segment = dict.fromkeys(hooks.recomputed, SegmentGathers)
-            check_no_recompute(hooks.update.spanning_stages, hooks.gather_per_segment)
+            rules.check_zero_v2_recompute(hooks.update.spanning_stages, hooks.gather_per_segment)
     else:
         hooks.update = ReplicatedUpdate(
             layout,

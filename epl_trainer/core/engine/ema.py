@@ -10,7 +10,7 @@ averages there before such a callback runs and takes them back after it
 
 Where lanes hold shards of the optimizer state (ZeRO), the averages are sharded too and
 the lanes' full weights are gathered from the shards after each update; averaging them
-is not built: `check_supported` refuses the combination by name.
+is not built: `rules.check_ema` refuses the combination by name.
 """
 
 from __future__ import annotations
@@ -18,17 +18,6 @@ from __future__ import annotations
 
 def uses_ema(optimizer) -> bool:
     return bool(getattr(optimizer, "use_ema", False))
-
-
-def check_supported(zero) -> None:
-    """A clear error for `use_ema=True` where lanes update shards (ZeRO); `zero`: the
-    config's zero section."""
-    if zero.level:
-        raise ValueError(
-            "The optimizer's use_ema=True is not supported with ZeRO: the moving averages "
-            "would be sharded with the optimizer state. Use zero.stage=0 with use_ema, "
-            f"or use_ema=False. Received: zero.stage={zero.stage} (zero.level={zero.level!r})"
-        )
 
 
 def _averages(update, state) -> dict[int, list]:

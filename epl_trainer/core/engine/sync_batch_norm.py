@@ -40,6 +40,7 @@ import tensorflow as tf
 from epl_trainer.core import comm
 from epl_trainer.core.engine.hooks import LocalBatchStatistics, StepHooks
 from epl_trainer.core.engine.layout import StepLayout
+from epl_trainer.core.plan import rules
 
 
 def synchronized_layers(model, synchronize_all: bool) -> list:
@@ -67,17 +68,7 @@ def check_sync_batch_norm(model, synchronize_all: bool, jit_compile: bool, split
         return
     how = "batch_norm.synchronized=True" if synchronize_all else (
         f"BatchNormalization(synchronized=True) layers {[la.name for la in layers]}")  # fmt: skip
-    if jit_compile:
-        raise ValueError(
-            "Synchronized BatchNorm reduces its batch statistics over the replicas inside "
-            "each stage's forward, which jit_compile=True compiles whole with XLA; use "
-            f"jit_compile=False or unsynchronized BatchNorm. Received: {how}, jit_compile=True"
-        )
-    if split:
-        raise ValueError(
-            "Synchronized BatchNorm cannot be combined with split layers (epl.split) yet; "
-            f"remove the split annotation or the synchronization. Received: {how}"
-        )
+    rules.check_sync_batch_norm(how, jit_compile, split)
 
 
 def apply_sync_batch_norm(hooks: StepHooks, layout: StepLayout, synchronize_all: bool) -> None:

@@ -15,29 +15,16 @@ in this process and the weight whole in every copy, so these are refused, by nam
 
 from __future__ import annotations
 
+from epl_trainer.core.plan import rules
+
 
 def check_tied_weights(state, config, split_layers, spans_workers: bool) -> None:
-    """Raises ValueError if a tied weight meets a feature it is not combined with."""
+    """Raises ValueError if a tied weight meets a feature it is not combined with
+    (`rules.REFUSALS["tied_weights"]`)."""
     if not state.tied:
         return
     names = ", ".join(
         f"{state.model_trainable[i].path!r} (stages {', '.join(map(str, used))})"
         for i, used in state.tied.items()
     )
-    refused = []
-    if config.zero.level:
-        refused.append(f"zero.level={config.zero.level!r}")
-    if config.offload.level:
-        refused.append(f"offload.level={config.offload.level!r}")
-    if split_layers:
-        refused.append("split layers")
-    if spans_workers:
-        refused.append("a replica's stages on several workers")
-    if refused:
-        raise ValueError(
-            f"Weight(s) {names} are used by several pipeline stages (tied weights): each "
-            "of those stages holds a copy, summed and updated together in one process, "
-            f"which is not combined with {' and '.join(refused)} yet. Cut the model so "
-            "one stage uses the weight (a manual stage map or pipeline.num_stages=1 with "
-            "data parallelism), or train without those options."
-        )
+    rules.check_tied_weights(names, config, bool(split_layers), spans_workers)

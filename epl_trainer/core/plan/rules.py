@@ -1,10 +1,14 @@
 """Which settings combine: the one home of every such rule.
 
-Checked once, before anything is built: `check_config` on the config alone (when the
-trainer is created), `check_plan` on the plan it makes. Each refusal names the
-settings involved and what to do instead. Rules that depend on the model itself (a
-split Dense that is not an output, a loss that is not a cross-entropy) stay with the
-code that inspects the model (`core/engine/split/layers.py`).
+Each combination the engine refuses is a `Refusal` in `REFUSALS`: the features involved
+(`FEATURES`), why they do not combine, and what to do instead. The checks below raise
+them, once, before anything is built: `check_config` on the config alone (when the
+trainer is created), `check_plan` on the plan it makes, and the checks the engine calls
+with what only it can see (tied weights, synchronized BatchNorm layers, ZeRO v2 stage
+groups across workers). The features x modes table of the docs
+(`tools/features_table.py`) is generated from `REFUSALS`. Rules about one setting on one
+model (a split Dense that is not an output, a loss that is not a cross-entropy) stay with
+the code that inspects the model (`core/engine/split/layers.py`).
 
 Plain Python: the config is read through its sections' attributes, so this module, like
 the rest of `core/plan`, imports no TensorFlow.
@@ -12,7 +16,146 @@ the rest of `core/plan`, imports no TensorFlow.
 
 from __future__ import annotations
 
+import dataclasses
+
 from epl_trainer.core.plan.ir import Plan, PlanError, SplitError
+
+# The features and modes a refusal may name, and how the docs' table calls them.
+FEATURES = {
+    "one_device": "one device",
+    "data_parallel": "data parallel",
+    "pipeline": "pipeline",
+    "split": "tensor split",
+    "multi_worker": "multi-worker",
+    "stages_across_workers": "stages across workers",
+    "zero_v0": "ZeRO v0",
+    "zero_v1": "ZeRO v1",
+    "zero_v2": "ZeRO v2",
+    "offload": "CPU offload",
+    "amp": "AMP",
+    "gradient_checkpoint": "gradient checkpointing",
+    "checkpoint": "checkpoint and resume",
+    "jit_compile": "jit_compile (XLA)",
+    "steps_per_execution": "steps_per_execution",
+    "sync_batch_norm": "synchronized BatchNorm",
+    "ema": "optimizer EMA",
+    "tied_weights": "tied weights across stages",
+    "apply_groups": "optimizer.num_apply_group",
+    "clip_global_norm": "global_clipnorm before the reduction",
+}
+ZERO = ("zero_v0", "zero_v1", "zero_v2")
+
+
+@dataclasses.dataclass(frozen=True)
+class Refusal:
+    """Settings that do not combine.
+
+    Attributes:
+      when: groups of `FEATURES`; the refusal applies when one feature of every group
+        is on (`(("split",), ("offload", "gradient_checkpoint"))`: split with either).
+      why: why they do not combine.
+      instead: what to do instead.
+      error: the exception raised.
+    """
+
+    when: tuple[tuple[str, ...], ...]
+    why: str
+    instead: str
+    error: type = ValueError
+
+    def __post_init__(self):
+        unknown = {f for group in self.when for f in group} - set(FEATURES)
+        if unknown:
+            raise ValueError(f"Refusal names unknown features {sorted(unknown)}")
+
+    def raise_for(self, received: str):
+        raise self.error(f"{self.why} {self.instead} Received: {received}")
+
+
+REFUSALS = {
+    "jit_gradient_checkpoint": Refusal(
+        (("jit_compile",), ("gradient_checkpoint",)),
+        "jit_compile=True compiles each stage whole, and XLA plans its memory itself: "
+        "gradient checkpointing's recomputed segments would not stay separate.",
+        "Use one of them.",
+    ),
+    "stages_across_workers_split": Refusal(
+        (("stages_across_workers",), ("split",)),
+        "A model replica spanning workers cannot also split its micro-batch or layers over "
+        "several devices per stage; only pipeline stages (one device each) can live on "
+        "different workers.",
+        "Use fewer devices per replica, or cluster.device_place_prefer_intra_node=True.",
+        PlanError,
+    ),
+    "stages_across_workers_host_update": Refusal(
+        (("stages_across_workers",), ("offload", "apply_groups")),
+        "Stages on different workers cannot be combined with offload.level or "
+        "optimizer.num_apply_group yet (ZeRO and gradient checkpointing are fine).",
+        "Keep each replica in one worker (cluster.device_place_prefer_intra_node=True, fewer "
+        "devices per replica) or remove those settings.",
+        PlanError,
+    ),
+    "split_offload_recompute": Refusal(
+        (("split",), ("offload", "gradient_checkpoint")),
+        "split layers cannot be combined with offload.level or gradient_checkpoint.type yet.",
+        "Remove those settings or the split annotation.",
+        SplitError,
+    ),
+    "split_jit": Refusal(
+        (("split",), ("jit_compile",)),
+        "split layers exchange rows with collectives inside the stage, which XLA cannot "
+        "compile on every device.",
+        "Use jit_compile=False.",
+        SplitError,
+    ),
+    "split_steps_per_execution": Refusal(
+        # A split layer's collectives fix their shapes by key; a loop of steps in the graph
+        # would run them with the shorter last batch of the data under the same keys.
+        (("split",), ("steps_per_execution",)),
+        "split layers run one training step per call for now.",
+        "Use steps_per_execution=1.",
+        SplitError,
+    ),
+    "split_clip_before_reduction": Refusal(
+        (("split",), ("clip_global_norm",)),
+        "global_clipnorm with split layers needs communication.clip_after_allreduce=True: a "
+        "lane's local gradient holds only its shard, so the norm is taken after the reduction.",
+        "Set communication.clip_after_allreduce=True.",
+        SplitError,
+    ),
+    "sync_batch_norm_jit": Refusal(
+        (("sync_batch_norm",), ("jit_compile",)),
+        "Synchronized BatchNorm reduces its batch statistics over the replicas inside each "
+        "stage's forward, which jit_compile=True compiles whole with XLA.",
+        "Use jit_compile=False or unsynchronized BatchNorm.",
+    ),
+    "sync_batch_norm_split": Refusal(
+        (("sync_batch_norm",), ("split",)),
+        "Synchronized BatchNorm cannot be combined with split layers (epl.split) yet.",
+        "Remove the split annotation or the synchronization.",
+    ),
+    "ema_zero": Refusal(
+        (("ema",), ZERO),
+        "The optimizer's use_ema=True is not supported with ZeRO: the moving averages would "
+        "be sharded with the optimizer state.",
+        "Use zero.stage=0 with use_ema, or use_ema=False.",
+    ),
+    "tied_weights": Refusal(
+        (("tied_weights",), (*ZERO, "offload", "split", "stages_across_workers")),
+        "Each pipeline stage using a tied weight holds a copy, summed and updated together in "
+        "one process, which is not combined with ZeRO, offload, split layers or a replica's "
+        "stages on several workers yet.",
+        "Cut the model so one stage uses the weight (a manual stage map or "
+        "pipeline.num_stages=1 with data parallelism), or train without those options.",
+    ),
+    "zero_v2_recompute_across_workers": Refusal(
+        (("zero_v2",), ("gradient_checkpoint",), ("stages_across_workers", "multi_worker")),
+        "ZeRO v2 (zero.stage 3) with gradient checkpointing needs the stage groups of the "
+        "recomputed stages on one worker: a segment's parameters are re-gathered inside its "
+        "backward, which the cross-worker read does not do.",
+        "Use zero.level 'v1' there, or turn gradient checkpointing off.",
+    ),
+}
 
 
 def check_config(config) -> None:
@@ -47,11 +190,8 @@ def check_plan(
       jit_compile: each stage's forward and backward compiled by XLA.
     """
     if jit_compile and config.gradient_checkpoint.type:
-        raise ValueError(
-            "jit_compile=True compiles each stage whole, and XLA plans its memory itself: "
-            "gradient checkpointing's recomputed segments would not stay separate. Use "
-            "one of them. Received: jit_compile=True, gradient_checkpoint.type="
-            f"{config.gradient_checkpoint.type!r}"
+        REFUSALS["jit_gradient_checkpoint"].raise_for(
+            f"jit_compile=True, gradient_checkpoint.type={config.gradient_checkpoint.type!r}"
         )
     counts = {tg.device_count for tg in plan.taskgraphs}
     if len(counts) != 1:
@@ -65,29 +205,21 @@ def check_plan(
         if len(workers) == 1:
             continue
         # A replica spanning workers: its stages pass tensors across (boundaries.py).
+        where = f"model replica {replica} spans workers {sorted(workers)}"
         if split or any(tg.device_count > 1 for tg in plan.taskgraphs):
-            raise PlanError(
-                f"Model replica {replica} spans workers {sorted(workers)} and splits its "
-                "micro-batch or layers over several devices per stage; only pipeline stages "
-                "(one device each) can live on different workers. Use fewer devices per "
-                "replica, or cluster.device_place_prefer_intra_node=True."
+            REFUSALS["stages_across_workers_split"].raise_for(
+                f"{where}, TaskGraphs "
+                + ", ".join(
+                    f"{tg.name} ({tg.kind}, {tg.device_count} devices)" for tg in plan.taskgraphs
+                )
             )
-        combined = {
-            "offload.level": config.offload.level,
-            "optimizer.num_apply_group": config.optimizer.num_apply_group
-            if config.optimizer.num_apply_group > 1
-            else None,
-        }
-        combined = {k: v for k, v in combined.items() if v}
+        combined = _settings_on(
+            config,
+            "offload.level",
+            ("optimizer.num_apply_group", config.optimizer.num_apply_group > 1),
+        )
         if combined:
-            raise PlanError(
-                f"Model replica {replica} spans workers {sorted(workers)}; stages on "
-                "different workers cannot be combined with "
-                + ", ".join(f"{k}={v!r}" for k, v in combined.items())
-                + " yet (ZeRO and gradient checkpointing are fine). Keep each replica in one "
-                "worker (cluster.device_place_prefer_intra_node=True, fewer devices per replica) "
-                "or remove those settings."
-            )
+            REFUSALS["stages_across_workers_host_update"].raise_for(f"{where}, {combined}")
     if not split:
         return
     if not plan.colocate_split_and_replicate:
@@ -96,32 +228,64 @@ def check_plan(
             "split layers then share the devices of the replicated ones, EPL's documented "
             "recipe); split on separate devices is not supported."
         )
-    combined = {
-        "offload.level": config.offload.level,
-        "gradient_checkpoint.type": config.gradient_checkpoint.type,
-    }
-    combined = {k: v for k, v in combined.items() if v}
+    combined = _settings_on(config, "offload.level", "gradient_checkpoint.type")
     if combined:
-        raise SplitError(
-            "split layers cannot be combined with "
-            + ", ".join(f"{k}={v!r}" for k, v in combined.items())
-            + " yet; remove those settings or the split annotation."
-        )
+        REFUSALS["split_offload_recompute"].raise_for(f"split TaskGraphs {split}, {combined}")
     if jit_compile:
-        raise SplitError(
-            "split layers exchange rows with collectives inside the stage, which XLA cannot "
-            "compile on every device; use jit_compile=False. Received: jit_compile=True"
-        )
+        REFUSALS["split_jit"].raise_for("jit_compile=True")
     if steps_per_execution > 1:
-        # A split layer's collectives fix their shapes by key; a loop of steps in the graph
-        # would run them with the shorter last batch of the data under the same keys.
-        raise SplitError(
-            "split layers run one training step per call for now; use "
-            f"steps_per_execution=1. Received: steps_per_execution={steps_per_execution}"
+        REFUSALS["split_steps_per_execution"].raise_for(
+            f"steps_per_execution={steps_per_execution}"
         )
     if clip_global_norm is not None and not config.communication.clip_after_allreduce:
-        raise SplitError(
-            "global_clipnorm with split layers needs communication.clip_after_allreduce=True: "
-            "a lane's local gradient holds only its shard, so the norm is taken after the "
-            f"reduction. Received: global_clipnorm={clip_global_norm}"
+        REFUSALS["split_clip_before_reduction"].raise_for(f"global_clipnorm={clip_global_norm}")
+
+
+def check_sync_batch_norm(synchronized: str, jit_compile: bool, split: bool) -> None:
+    """Synchronized BatchNorm reduces inside the forward; `synchronized` names what asks
+    for it (the config key or the layers)."""
+    if jit_compile:
+        REFUSALS["sync_batch_norm_jit"].raise_for(f"{synchronized}, jit_compile=True")
+    if split:
+        REFUSALS["sync_batch_norm_split"].raise_for(f"{synchronized} with split layers")
+
+
+def check_ema(zero) -> None:
+    """`use_ema=True` where lanes update shards; `zero`: the config's zero section."""
+    if zero.level:
+        REFUSALS["ema_zero"].raise_for(
+            f"use_ema=True, zero.stage={zero.stage} (zero.level={zero.level!r})"
         )
+
+
+def check_tied_weights(tied: str, config, split: bool, spans_workers: bool) -> None:
+    """`tied` names the weights several pipeline stages use (and those stages)."""
+    refused = [
+        *([f"zero.level={config.zero.level!r}"] if config.zero.level else []),
+        *([f"offload.level={config.offload.level!r}"] if config.offload.level else []),
+        *(["split layers"] if split else []),
+        *(["a replica's stages on several workers"] if spans_workers else []),
+    ]
+    if refused:
+        REFUSALS["tied_weights"].raise_for(f"tied weight(s) {tied} with {' and '.join(refused)}")
+
+
+def check_zero_v2_recompute(spanning_stages, recomputed_stages) -> None:
+    """ZeRO v2 stages whose group spans workers cannot also be recomputed."""
+    both = sorted(set(spanning_stages) & set(recomputed_stages))
+    if both:
+        REFUSALS["zero_v2_recompute_across_workers"].raise_for(
+            f"recomputed stage(s) {both} have replicas on other workers"
+        )
+
+
+def _settings_on(config, *keys) -> str:
+    """`key=value` of the given settings that are on; a key may be `(name, is_on)`."""
+    on = []
+    for key in keys:
+        name, is_on = key if isinstance(key, tuple) else (key, None)
+        section, field = name.split(".")
+        value = getattr(getattr(config, section), field)
+        if is_on if is_on is not None else bool(value):
+            on.append(f"{name}={value!r}")
+    return ", ".join(on)

@@ -16,6 +16,5 @@ __getattr__, __dir__, __all__ = lazy_surface(
         "Boundaries": "boundaries",
         "LaneBoundaries": "boundaries",
         "WeightExchange": "exchange",
-        "host_of": "exchange",
     },
 )

@@ -16,23 +16,18 @@ from epl_trainer.core import comm
 from epl_trainer.core.engine.state import EngineState, Lane, is_seed_state
 
 
-def host_of(device: str) -> str:
-    """The host CPU of the worker that holds `device`."""
-    return device.rsplit("/device:", 1)[0] + "/device:CPU:0"
-
-
 class WeightExchange:
     """Completes the Keras model on every worker from the stages' owners.
 
     Args:
       state: this worker's engine state.
       first_lane: the job's lane 0 (its `workers` say who owns each stage).
-      hosts: every worker's host CPU, in worker order.
+      group: the workers' host group (`comm.hosts.host_group`).
       worker: this worker.
     """
 
-    def __init__(self, state: EngineState, first_lane: Lane, hosts, worker: int):
-        host = hosts[worker]
+    def __init__(self, state: EngineState, first_lane: Lane, group, worker: int):
+        (host,) = group.local_devices
         variables, owned = [], []
         for v, stage in zip(state.model_trainable, state.trainable_stage):
             variables.append(v)
@@ -41,10 +36,8 @@ class WeightExchange:
             if not is_seed_state(v):
                 variables.append(v)
                 owned.append(first_lane.workers[stage] == worker)
-        group = comm.CollectiveGroup(tuple(hosts), (host,))
         sizes = [int(v.value.shape.num_elements()) for v in variables]
         buckets = comm.plan_buckets(sizes, [v.dtype for v in variables], 1)
-        comm.ordering_token(host)  # created now: a variable made in a trace retraces
 
         @tf.function(autograph=False)
         def exchange():

@@ -10,7 +10,6 @@ __getattr__, __dir__, __all__ = lazy_surface(
     {
         "ZeroUpdate": "update",
         "splits_variables": "layout",
-        "check_no_recompute": "gather",
         "StageGather": "gather",
         "eager_reads": "gather",
         "is_gathered": "params",

@@ -18,7 +18,7 @@ one read share its instance keys, so the halves meet.
   the same points. Inside `eager_reads()` each stage is gathered once for all of them.
 
 Gradient checkpointing re-gathers per segment inside the backward
-(`zero_params.SegmentGathers`); across workers that is refused (`check_no_recompute`).
+(`zero_params.SegmentGathers`); across workers that is refused (`rules.check_zero_v2_recompute`).
 """
 
 from __future__ import annotations
@@ -143,7 +143,7 @@ class MemberParameter:
         if after is not None:
             raise ValueError(
                 f"{self.path!r}: ZeRO v2 across workers does not re-gather per segment "
-                "(gradient checkpointing); see zero_gather.check_no_recompute."
+                "(gradient checkpointing); rules.check_zero_v2_recompute refuses it."
             )
         return self.value
 
@@ -157,15 +157,3 @@ class MemberParameter:
 
     def __repr__(self) -> str:
         return f"<MemberParameter {self.path} shape={self.shape} member={self.member}>"
-
-
-def check_no_recompute(spanning_stages, recomputed) -> None:
-    """Gradient checkpointing re-gathers a segment's parameters inside its backward, which
-    the cross-worker read does not do: refused by name."""
-    both = sorted(set(spanning_stages) & set(recomputed))
-    if both:
-        raise ValueError(
-            f"ZeRO v2 (zero.stage 3) with gradient checkpointing needs the stage groups of "
-            f"the recomputed stages on one worker; stage(s) {both} have replicas on other "
-            "workers. Use zero.level 'v1' there, or turn gradient checkpointing off."
-        )
