@@ -67,6 +67,13 @@ EXPECTED_DEFAULTS = {
     "elastic.max_workers": 0,
     "elastic.resize_file": "",
     "auto.auto_parallel": False,
+    "profiler.flops": False,
+    "profiler.profile_step": 1,
+    "profiler.module_depth": -1,
+    "profiler.top_modules": 1,
+    "profiler.detailed": True,
+    "profiler.output_file": "",
+    "profiler.peak_tflops": 0,
 }
 
 SECTION_CLASSES = {
@@ -83,6 +90,7 @@ SECTION_CLASSES = {
     "io": "IoConfig",
     "elastic": "ElasticConfig",
     "auto": "AutoConfig",
+    "profiler": "ProfilerConfig",
 }
 
 

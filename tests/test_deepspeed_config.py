@@ -421,8 +421,56 @@ def test_native_keys_in_a_deepspeed_config_point_to_the_base_config():
 
 
 def test_disabled_unsupported_features_are_accepted():
-    setup = _translate({"wandb": {"enabled": False}, "flops_profiler": {"enabled": False}})
+    setup = _translate({"wandb": {"enabled": False}, "comet": {"enabled": False}})
     assert setup.monitors == ()
+
+
+def test_flops_profiler_maps_onto_the_profiler_section():
+    section = {
+        "enabled": True,
+        "recompute_fwd_factor": 0.0,
+        "profile_step": 3,
+        "module_depth": 2,
+        "top_modules": 4,
+        "detailed": False,
+        "output_file": "profile.txt",
+    }
+    profiler = _translate({"flops_profiler": section}).config.profiler
+    assert (profiler.flops, profiler.profile_step, profiler.module_depth) == (True, 3, 2)
+    assert (profiler.top_modules, profiler.detailed, profiler.output_file) == (
+        4,
+        False,
+        "profile.txt",
+    )
+    # DeepSpeed's defaults, and output_file null = stdout.
+    defaults = _translate({"flops_profiler": {"enabled": True, "output_file": None}})
+    assert defaults.config.profiler == epl.Config({"profiler.flops": True}).profiler
+    # Off, absent (DeepSpeed's default) or "auto" (the base config's setting).
+    on = epl.Config({"cluster.virtual_devices": 2, "profiler.flops": True})
+    assert not _translate({"flops_profiler": {"enabled": False}}, base=on).config.profiler.flops
+    assert not _translate({}, base=on).config.profiler.flops
+    assert _translate({"flops_profiler": {"enabled": "auto"}}, base=on).config.profiler.flops
+    # The base config's peak (not a DeepSpeed key) stays.
+    peak = epl.Config({"profiler.peak_tflops": 312})
+    setup = _translate({"flops_profiler": {"enabled": True}}, base=peak)
+    assert setup.config.profiler.peak_tflops == 312
+
+
+@pytest.mark.parametrize(
+    "section, match",
+    [
+        (
+            {"enabled": True, "recompute_fwd_factor": 0.5},
+            r"flops_profiler.recompute_fwd_factor=0.5 is not supported.*model's FLOPs",
+        ),
+        ({"enabled": True, "top_modules": 0}, "flops_profiler.top_modules must be >= 1"),
+        ({"enabled": True, "detailed": "yes"}, "flops_profiler.detailed must be true or false"),
+        ({"enabled": True, "output": "x"}, "'output'"),
+    ],
+)
+def test_flops_profiler_refuses_what_cannot_apply_by_name(section, match):
+    with pytest.raises(DeepSpeedConfigError, match=match):
+        _translate({"flops_profiler": section})
 
 
 def test_gradient_clipping_auto_comes_from_the_trainer_optimizer():

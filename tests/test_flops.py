@@ -380,3 +380,142 @@ def test_mfu_is_flops_over_time_over_peak_and_never_above_one():
     assert peak.model_flops_utilization(1e9, 1.0, fake, workers=2) == pytest.approx(0.5)
     with pytest.raises(peak.UtilizationError, match=r"MFU 150.0% is above 100%.*peak=0.001"):
         peak.model_flops_utilization(1.5e9, 1.0, fake)
+
+
+# ---------------------------------------------------------------- TFLOP/s and MFU in the logs
+def _drive(profiler, calls):
+    """Runs the callback's hooks for calls of (rows, steps, seconds), as the trainer does."""
+    stats, logs = profiler.stats, []
+    profiler.on_train_begin()
+    profiler.on_epoch_begin(0)
+    for rows, steps, seconds in calls:
+        stats.update(samples_per_sec=rows / seconds, call_steps=steps, call_seconds=seconds)
+        profiler.on_train_batch_begin(0)
+        logs.append({})
+        profiler.on_train_batch_end(0, logs[-1])
+    epoch = {}
+    profiler.on_epoch_end(0, epoch)
+    return logs, epoch
+
+
+def test_mfu_is_the_counted_flops_over_the_measured_time_over_the_peak(tmp_path):
+    from epl_trainer.training import monitors
+
+    model = dense_stack()
+    traced = []
+
+    def count_step(rows):
+        traced.append(rows)
+        return train_step_flops(model, tf.TensorSpec((rows, 4)), tf.TensorSpec((rows, 3)))
+
+    per_step = 1360 // 5 * 25  # the Dense stack's 272 FLOPs per row, 25 rows a step
+    writer = monitors.CsvWriter(str(tmp_path), "mfu")
+    profiler = monitors.FlopsProfiler(
+        count_step, peak.Peak(1e5, "config", "fake"), stats={}, profile_step=-1, writers=[writer]
+    )
+    profiler.set_model(model)
+    logs, epoch = _drive(profiler, [(50, 2, 2.0), (50, 2, 0.5), (50, 2, 0.25)])
+
+    assert traced == [25]  # one trace per batch size
+    # The first call (the trace) counts while it is the only one, then is left out.
+    expected = [2 * per_step / 2.0, 2 * per_step / 0.5, 4 * per_step / 0.75]
+    assert [entry["tflops"] * 1e12 for entry in logs] == pytest.approx(expected)
+    assert [entry["mfu"] for entry in logs] == pytest.approx([r / 1e5 for r in expected])
+    assert epoch == logs[-1]
+    assert all(0 < entry["mfu"] <= 1 for entry in logs)
+    rows = (tmp_path / "mfu" / "Train_Samples_mfu.csv").read_text().split()
+    assert rows[0] == "step,mfu" and [r.split(",")[0] for r in rows[1:]] == ["50", "100", "150"]
+
+
+def test_an_mfu_above_one_warns_with_every_term_and_is_not_logged():
+    from epl_trainer.training import monitors
+
+    model = dense_stack()
+    count = train_step_flops(model, tf.TensorSpec((25, 4)), tf.TensorSpec((25, 3)))
+    profiler = monitors.FlopsProfiler(
+        lambda rows: count, peak.Peak(1e3, "cached", "fake"), stats={}, profile_step=-1
+    )
+    profiler.set_model(model)
+    with pytest.warns(RuntimeWarning, match=r"MFU .* above 100%.*peak=1e-09 TFLOP/s \(cached"):
+        logs, epoch = _drive(profiler, [(25, 1, 1.0), (25, 1, 1.0)])
+    assert [sorted(entry) for entry in logs] == [["tflops"], ["tflops"]]
+    assert "mfu" not in epoch
+
+
+def _trainer(tmp_path, peak_tflops, **config):
+    from _models import LOSS, mlp
+
+    values = {
+        "cluster.virtual_devices": 2,
+        "profiler.flops": True,
+        "profiler.peak_tflops": peak_tflops,
+        "profiler.output_file": str(tmp_path / "profile.txt"),
+        **config,
+    }
+    return epl.EPLTrainer(mlp(), LOSS, config=values, stages={"dense_in": 0, "logits": 1})
+
+
+def test_the_trainer_logs_tflops_and_mfu_and_prints_the_profile(tmp_path):
+    from _models import mlp_data
+
+    x, y = mlp_data(n=128)
+    trainer = _trainer(tmp_path, 0.001, **{"pipeline.num_micro_batch": 2})
+    history = trainer.fit(x, y, batch_size=32, epochs=2, verbose=0, shuffle=False)
+
+    tflops, mfu = history.history["tflops"], history.history["mfu"]
+    assert len(tflops) == len(mfu) == 2
+    for achieved, utilization in zip(tflops, mfu):
+        assert 0 < utilization <= 1
+        assert utilization == pytest.approx(achieved / 0.001)
+    # The mlp (6 -> 16 -> 3): 288 forward + 384 backward FLOPs a row, 32 rows a step.
+    profile = (tmp_path / "profile.txt").read_text()
+    assert "EPL FLOPs profile" in profile
+    lines = profile.splitlines()
+    total = next(line for line in lines if "FLOPs per step" in line)
+    assert total.split()[-1] == "21.5k"  # 672 * 32
+    assert any(line.split() == ["global", "batch", "(rows)", "32"] for line in lines)
+    # The pipeline's stages: dense_in (2 * 192 * 32) and logits (3 * 96 * 32).
+    assert any(line.split() == ["0", "12.3k", "57.1%"] for line in lines)
+    assert any(line.split() == ["1", "9.22k", "42.9%"] for line in lines)
+    assert trainer.step_stats["call_steps"] == 1
+
+
+def test_the_trainer_without_the_key_adds_no_profiler(tmp_path):
+    from _models import mlp_data
+
+    x, y = mlp_data(n=64)
+    trainer = _trainer(tmp_path, 0.001, **{"profiler.flops": False})
+    history = trainer.fit(x, y, batch_size=32, epochs=1, verbose=0)
+    assert "mfu" not in history.history and not (tmp_path / "profile.txt").exists()
+
+
+def test_deepspeed_flops_profiler_writes_tflops_and_mfu_beside_the_monitors(tmp_path):
+    from _models import LOSS, mlp, mlp_data
+
+    from epl_trainer.deepspeed import DeepSpeedConfig
+
+    values = {
+        "train_batch_size": 32,
+        "train_micro_batch_size_per_gpu": 16,
+        "optimizer": {"type": "SGD", "params": {"lr": 0.05}},
+        "csv_monitor": {"enabled": True, "output_path": str(tmp_path), "job_name": "csv"},
+        "flops_profiler": {
+            "enabled": True,
+            "profile_step": 2,
+            "output_file": str(tmp_path / "profile.txt"),
+        },
+    }
+    base = epl.Config({"cluster.virtual_devices": 2, "profiler.peak_tflops": 0.001})
+    trainer = epl.EPLTrainer(mlp(), LOSS, config=DeepSpeedConfig(values, base=base))
+    x, y = mlp_data(n=160)
+    trainer.fit(x, y, epochs=1, steps_per_epoch=4, verbose=0, shuffle=False)
+
+    directory = tmp_path / "csv"
+    rows = (directory / "Train_Samples_mfu.csv").read_text().split()
+    assert rows[0] == "step,mfu"
+    assert [r.split(",")[0] for r in rows[1:]] == ["32", "64", "96", "128"]
+    assert all(0 < float(r.split(",")[1]) <= 1 for r in rows[1:])
+    assert (directory / "Train_Samples_tflops.csv").exists()
+    lines = (tmp_path / "profile.txt").read_text().splitlines()
+    assert any(line.split() == ["profile", "step", "2"] for line in lines)
+    assert any(line.split() == ["global", "batch", "(rows)", "32"] for line in lines)

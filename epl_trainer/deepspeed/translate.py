@@ -11,7 +11,8 @@ turns it into a `DeepSpeedSetup` in these steps, each a small function:
    `activation_checkpointing` -> `gradient_checkpoint.type`;
 4. batch: `train_batch_size` & co., resolved once the data-parallel size is known
    (`DeepSpeedSetup.resolve_plan`) or, when they are "auto", from `fit`'s batch size;
-5. monitors: `tensorboard`, `csv_monitor`, `steps_per_print` -> Keras callbacks.
+5. monitors: `tensorboard`, `csv_monitor`, `steps_per_print` -> Keras callbacks;
+   `flops_profiler` -> `profiler.*` (the FLOPs profile, TFLOP/s and MFU in the logs).
 
 The DeepSpeed config decides everything it has a key for (a section it lacks means
 DeepSpeed's default, e.g. no fp16); the other native keys (cluster, pipeline strategy,
@@ -105,6 +106,15 @@ _CHECKPOINTING_KEYS = {
     "profile",
 }
 _MONITOR_KEYS = {"enabled", "output_path", "job_name"}
+_FLOPS_PROFILER_KEYS = {
+    "enabled",
+    "recompute_fwd_factor",
+    "profile_step",
+    "module_depth",
+    "top_modules",
+    "detailed",
+    "output_file",
+}
 _TOP_DEFAULT_ONLY = {
     "wall_clock_breakdown": (False, "forward/backward/step run as one compiled step"),
     "memory_breakdown": (False, "use trainer.memory_report()"),
@@ -117,7 +127,6 @@ _TOP_NO_EFFECT = {"zero_allow_untested_optimizer", "zero_force_ds_cpu_optimizer"
 _TOP_UNSUPPORTED = {
     "wandb",
     "comet",
-    "flops_profiler",
     "amp",
     "autotuning",
     "compression_training",
@@ -153,6 +162,7 @@ _TRANSLATED = {
     "steps_per_print",
     "tensorboard",
     "csv_monitor",
+    "flops_profiler",
     "sparse_gradients",
     "communication_data_type",
     "prescale_gradients",
@@ -259,6 +269,7 @@ class DeepSpeedConfig:
         overrides.update(_memory(values, base))
         communication, prescale = _communication(values, base)
         overrides.update(communication)
+        overrides.update(_flops_profiler(values, base))
         optimizer, clip = _optimizer(values, trainer_optimizer, self)
         overrides["communication.clip_after_allreduce"] = clip is not None
         fp16 = overrides["amp.level"] == "O1" and overrides["amp.dtype"] == "float16"
@@ -519,6 +530,32 @@ def _monitors(values: Mapping) -> tuple[MonitorSpec, ...]:
             job_name = as_str(section.get("job_name", "DeepSpeedJobName"), f"{kind}.job_name")
             specs.append(MonitorSpec(kind, output_path, job_name))
     return tuple(specs)
+
+
+def _flops_profiler(values: Mapping, base: Config) -> dict:
+    """flops_profiler -> profiler.* ("enabled": "auto" follows the base config)."""
+    section = values.get("flops_profiler") or {}
+    check_keys(section, _FLOPS_PROFILER_KEYS, "'flops_profiler'")
+    if not _enabled(section, "flops_profiler", base.profiler.flops):
+        return {"profiler.flops": False}
+    where = "flops_profiler"
+    why = "MFU here counts the model's FLOPs; a recomputed forward adds time, not model FLOPs"
+    require_value(section, "recompute_fwd_factor", (0,), where, why)
+    output_file = section.get("output_file") or ""  # DeepSpeed's null: stdout
+    return {
+        "profiler.flops": True,
+        "profiler.profile_step": as_int(
+            section.get("profile_step", 1), f"{where}.profile_step", minimum=-1
+        ),
+        "profiler.module_depth": as_int(
+            section.get("module_depth", -1), f"{where}.module_depth", minimum=-1
+        ),
+        "profiler.top_modules": as_int(
+            section.get("top_modules", 1), f"{where}.top_modules", minimum=1
+        ),
+        "profiler.detailed": as_bool(section.get("detailed", True), f"{where}.detailed"),
+        "profiler.output_file": as_str(output_file, f"{where}.output_file"),
+    }
 
 
 def trainer_setup(config: Any, optimizer: Any):

@@ -14,6 +14,11 @@ them to writers with DeepSpeed's file layout:
   to, as DeepSpeed's `csv_monitor` does.
 
 Only worker 0 should get these callbacks (the trainer adds them there only).
+
+`FlopsProfiler` (config `profiler.flops`, DeepSpeed's `flops_profiler`) adds the achieved
+`tflops` and `mfu` to Keras's logs (so the progress bar, History and Keras's TensorBoard
+callback show them), writes them as `Train/Samples/tflops` and `Train/Samples/mfu` to the
+DeepSpeed monitors' writers, and prints DeepSpeed's profile table at one step.
 """
 
 from __future__ import annotations
@@ -21,15 +26,24 @@ from __future__ import annotations
 import csv
 import logging
 import os
+import re
+import time
+import warnings
 
 import keras
 import numpy as np
+import tensorflow as tf
+
+from epl_trainer.core.graph.flops_profile import format_profile, train_step_flops
+from epl_trainer.core.graph.peak import UtilizationError, matmul_peak, model_flops_utilization
 
 logger = logging.getLogger(__name__)
 
 TRAIN_LOSS = "Train/Samples/train_loss"
 LEARNING_RATE = "Train/Samples/lr"
 LOSS_SCALE = "Train/Samples/loss_scale"
+TFLOPS = "Train/Samples/tflops"
+MFU = "Train/Samples/mfu"
 
 
 def log_dir(output_path: str, job_name: str) -> str:
@@ -211,3 +225,195 @@ class StepsPerPrint(keras.callbacks.Callback):
         logger.info(
             "step=%d, skipped=%d, lr=[%s], loss=%s", self._steps, skipped, lr, logs.get("loss")
         )
+
+
+class FlopsProfiler(keras.callbacks.Callback):
+    """Achieved TFLOP/s and MFU in the logs (`tflops`, `mfu`) and, at one step, DeepSpeed's
+    flops profiler table (per op type, layer and pipeline stage).
+
+    The FLOPs are model FLOPs: those of one plain Keras training step on the job's global
+    batch (`core/graph/flops_profile.py`), whatever the parallel layout adds (a recomputed
+    forward costs time, not model FLOPs). MFU = FLOPs / time / (peak x workers), the peak
+    being one worker's machine's. A batch's and an epoch's logs carry the epoch's values so
+    far, without the first call of each `fit` (it traces the step) unless it is the only
+    one. An MFU above 1 is never logged: the count or the peak is wrong, and a warning
+    (once per callback) gives every term.
+
+    Args:
+      count_step: global rows of a step -> the `FlopCount` of one step on that batch.
+      peak: the peak of one worker's machine (`core/graph/peak.matmul_peak`).
+      stats: the trainer's `step_stats` (`samples_per_sec`, `call_steps`, `call_seconds`
+        of the last call); None (Keras's fit): the callback times each batch callback
+        itself and counts `batch_size` rows per optimizer step.
+      batch_size: rows per step without `stats`.
+      workers: the machines the job runs on.
+      profile_step: the step whose table is printed, numbered as DeepSpeed's global steps
+        (the steps done before it: 1 is the second); -1: none.
+      module_depth, top_modules, detailed: the table's layers (`format_profile`).
+      output_file: the table's file (overwritten, as DeepSpeed does); None: stdout.
+      stage_of: top-level layer -> pipeline stage, for the table.
+      writers: monitor writers (`TensorBoardWriter`, `CsvWriter`) that get
+        `Train/Samples/tflops` and `Train/Samples/mfu` after every call.
+    """
+
+    reads_logs_only = True
+
+    def __init__(
+        self,
+        count_step,
+        peak,
+        *,
+        stats=None,
+        batch_size: int | None = None,
+        workers: int = 1,
+        profile_step: int = 1,
+        module_depth: int = -1,
+        top_modules: int = 1,
+        detailed: bool = True,
+        output_file: str | None = None,
+        stage_of=None,
+        writers=(),
+    ):
+        super().__init__()
+        if stats is None and not batch_size:
+            raise ValueError(
+                "FlopsProfiler needs the trainer's step_stats or Keras's batch_size. "
+                f"Received: stats=None, batch_size={batch_size!r}"
+            )
+        self.count_step, self.peak, self.stats = count_step, peak, stats
+        self.batch_size, self.workers = batch_size, workers
+        self.profile_step, self.output_file = profile_step, output_file
+        self.table = dict(
+            module_depth=module_depth, top_modules=top_modules, detailed=detailed, stage_of=stage_of
+        )
+        self.writers = list(writers)
+        self._counts: dict = {}
+        self._warned = False
+        self._samples = 0
+
+    def step_count(self, rows: int):
+        """The `FlopCount` of one step on `rows` global rows (traced once per size)."""
+        if rows not in self._counts:
+            self._counts[rows] = self.count_step(rows)
+        return self._counts[rows]
+
+    def on_train_begin(self, logs=None):
+        self._steps = int(keras.ops.convert_to_numpy(self.model.optimizer.iterations))
+        self._first_call = True
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self._epoch = (0, 0.0)  # FLOPs and seconds of the calls counted
+        self._first = None  # the fit's first call, used while it is the only one
+
+    def on_train_batch_begin(self, batch, logs=None):
+        self._start = time.perf_counter()
+
+    def on_train_batch_end(self, batch, logs=None):
+        steps, rows, seconds = self._call()
+        step = self._steps
+        self._steps += steps
+        if steps <= 0:
+            return
+        count = self.step_count(rows // steps)
+        flops = count.flops * steps
+        if self._first_call:
+            self._first_call, self._first = False, (flops, seconds)
+        else:
+            self._epoch = (self._epoch[0] + flops, self._epoch[1] + seconds)
+        if step <= self.profile_step < self._steps:
+            self._print_profile(count, rows // steps, seconds / steps, self.profile_step)
+        values = self._values()
+        if logs is not None:
+            logs.update(values)
+        self._samples += rows
+        tags = {"tflops": TFLOPS, "mfu": MFU}
+        events = [(tags[key], value, self._samples) for key, value in values.items()]
+        for writer in self.writers:
+            writer.write_events(events)
+
+    def on_epoch_end(self, epoch, logs=None):
+        if logs is not None and (self._epoch[1] or self._first):
+            logs.update(self._values())
+
+    def _call(self) -> tuple[int, int, float]:
+        """(steps, global rows, seconds) of the call that just ended."""
+        if self.stats is not None:
+            seconds = float(self.stats["call_seconds"])
+            rows = round(float(self.stats["samples_per_sec"]) * seconds)
+            return int(self.stats["call_steps"]), rows, seconds
+        seconds = time.perf_counter() - self._start
+        steps = int(keras.ops.convert_to_numpy(self.model.optimizer.iterations)) - self._steps
+        return steps, steps * self.batch_size, seconds
+
+    def _values(self) -> dict:
+        flops, seconds = self._epoch if self._epoch[1] else self._first
+        values = {"tflops": flops / seconds / 1e12}
+        try:
+            values["mfu"] = model_flops_utilization(flops, seconds, self.peak, self.workers)
+        except UtilizationError as error:
+            if not self._warned:  # every later call would say the same
+                self._warned = True
+                logger.error("%s", error)
+                warnings.warn(str(error), RuntimeWarning, stacklevel=2)
+        return values
+
+    def _print_profile(self, count, rows: int, seconds: float, step: int) -> None:
+        try:
+            mfu = model_flops_utilization(count.flops, seconds, self.peak, self.workers)
+            mfu_text = f"{mfu:.1%}"
+        except UtilizationError:
+            mfu_text = "above 100%: the FLOP count or the peak is wrong"
+        summary = [
+            ("profile step", str(step)),
+            ("global batch (rows)", str(rows)),
+            ("workers", str(self.workers)),
+            ("step time", f"{seconds * 1e3:.2f} ms"),
+            ("achieved", f"{count.flops / seconds / 1e12:.4g} TFLOP/s"),
+            ("peak per worker", self.peak.describe()),
+            ("MFU", mfu_text),
+        ]
+        text = format_profile(count, summary=summary, **self.table)
+        if not self.output_file:
+            print(text)
+            return
+        with open(self.output_file, "w", encoding="utf-8") as f:
+            f.write(text + "\n")
+
+
+def with_flops_profiler(trainer, callbacks, dataset) -> list:
+    """`callbacks` led by a `FlopsProfiler` of `trainer` when its config sets
+    `profiler.flops` (first, so Keras's TensorBoard and History record its logs), unless
+    they hold one. `dataset`: fit's batches (their specs give the traced step's)."""
+    callbacks = list(callbacks or [])
+    section = trainer.config.profiler
+    if not section.flops or any(isinstance(c, FlopsProfiler) for c in callbacks):
+        return callbacks
+    element = dataset.element_spec
+    element = (*element, None, None)[:3] if isinstance(element, tuple) else (element, None, None)
+
+    def count_step(rows: int):
+        def spec(s):
+            return None if s is None else tf.TensorSpec((rows, *s.shape[1:]), s.dtype)
+
+        x, y, weights = (tf.nest.map_structure(spec, part) for part in element)
+        loss = trainer.loss if trainer.loss.entries else (lambda *_: tf.zeros(()))  # add_loss only
+        optimizer = trainer.optimizer
+        return train_step_flops(trainer.model, x, y, weights, loss=loss, optimizer=optimizer)
+
+    stages = trainer.staged.stages
+    profiler = FlopsProfiler(
+        count_step,
+        matmul_peak(section.peak_tflops or None),
+        stats=trainer.step_stats,
+        workers=trainer.cluster.worker_num,
+        profile_step=section.profile_step if trainer.cluster.is_chief else -1,
+        module_depth=section.module_depth,
+        top_modules=section.top_modules,
+        detailed=section.detailed,
+        output_file=section.output_file or None,
+        stage_of={re.escape(name): s.index for s in stages for name in s.layer_names}
+        if len(stages) > 1
+        else None,
+        writers=[w for c in callbacks if isinstance(c, DeepSpeedMonitor) for w in c.writers],
+    )
+    return [profiler, *callbacks]

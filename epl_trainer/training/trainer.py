@@ -35,6 +35,7 @@ from epl_trainer.training import (
 from epl_trainer.training import data as data_lib
 from epl_trainer.training import fit_inputs as fit_lib
 from epl_trainer.training import model_fn as model_fn_lib
+from epl_trainer.training import monitors as monitors_lib
 from epl_trainer.training.end_of_data import EndOfDataAgreement, warn_if_out_of_data
 from epl_trainer.training.memory import build_report
 from epl_trainer.training.metric_sync import MetricSync
@@ -404,7 +405,7 @@ class EPLTrainer(CheckpointMixin, TrainingDataMixin, InferenceMixin, ObjectivesM
         self._restored = False
         fit_lib.check_epochs(epochs, initial_epoch)
         callback_list = fit_lib.callback_list(
-            callbacks,
+            monitors_lib.with_flops_profiler(self, callbacks, dataset),
             self.model,
             verbose,
             epochs=epochs,
@@ -514,6 +515,7 @@ class EPLTrainer(CheckpointMixin, TrainingDataMixin, InferenceMixin, ObjectivesM
             stats = {k: fit_lib.log_value(v) for k, v in results.items() if k not in log_names}
             elapsed = time.perf_counter() - start
             stats["samples_per_sec"] = ran * batch * self.data_shards / max(elapsed, 1e-9)
+            stats.update(call_steps=ran, call_seconds=max(elapsed, 1e-9))  # FlopsProfiler's
             self.step_stats.clear()
             self.step_stats.update(stats)
             nonfinite_at = self._nonfinite_step(stats, index + ran - 1)

@@ -57,9 +57,9 @@ def trace_train_step(model, x, y=None, sample_weight=None, *, loss=None, optimiz
             if loss is None:
                 total = model.compute_loss(x=x, y=y, y_pred=y_pred, sample_weight=sample_weight)
             else:
-                total = loss(y, y_pred, sample_weight)
+                total = tf.cast(loss(y, y_pred, sample_weight), tf.float32)
                 if model.losses:
-                    total = total + tf.add_n([tf.cast(t, total.dtype) for t in model.losses])
+                    total += tf.add_n([tf.cast(t, tf.float32) for t in model.losses])
         variables = model.trainable_variables
         grads = tape.gradient(total, variables)
         if clone is not None:
@@ -132,7 +132,8 @@ def format_profile(
         rows.append(("loops counted once (trip count unknown)", ", ".join(count.unknown_loops)))
     if count.unresolved:
         rows.append(("ops without static shapes (not counted)", str(len(count.unresolved))))
-    lines += _table(("", ""), rows, header=False)
+    width = max(len(label) for label, _ in rows)
+    lines += [f"  {label.ljust(width)}  {value}" for label, value in rows]
     lines += ["", "FLOPs per op type:"]
     lines += _table(
         ("op type", "FLOPs", "share"),
@@ -187,16 +188,13 @@ def _with_share(part: float, total: float) -> str:
     return f"{format_count(part)} ({_share(part, total)})"
 
 
-def _table(columns, rows, header: bool = True) -> list[str]:
-    """Rows under a header (or none); the first column left-aligned, the others right."""
-    cells = [tuple(str(c) for c in row) for row in ([columns] if header else []) + list(rows)]
-    if not cells:
-        return []
-    widths = [max(len(row[i]) for row in cells) for i in range(len(cells[0]))]
+def _table(columns, rows) -> list[str]:
+    """Rows under a header; the first column left-aligned, the others right."""
+    cells = [tuple(str(c) for c in row) for row in [columns, *rows]]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(columns))]
     out = []
-    for i, (first, *rest) in enumerate(cells):
+    for first, *rest in cells:
         padded = [first.ljust(widths[0]), *(c.rjust(w) for c, w in zip(rest, widths[1:]))]
         out.append(("  " + "  ".join(padded)).rstrip())
-        if header and i == 0:
-            out.append("  " + "  ".join("-" * w for w in widths))
+    out.insert(1, "  " + "  ".join("-" * w for w in widths))
     return out
