@@ -519,3 +519,35 @@ def test_deepspeed_flops_profiler_writes_tflops_and_mfu_beside_the_monitors(tmp_
     lines = (tmp_path / "profile.txt").read_text().splitlines()
     assert any(line.split() == ["profile", "step", "2"] for line in lines)
     assert any(line.split() == ["global", "batch", "(rows)", "32"] for line in lines)
+
+
+def test_epl_plan_predicts_the_traced_flops_of_a_bert_step():
+    """epl-plan's analytic transformer (no TensorFlow) against the traced zoo BERT at a
+    width where its elementwise terms (softmax, norms: not in the traced count) are small."""
+    from epl_trainer.runtime import plan_cli
+
+    layers, hidden, heads, ffn, vocab, seq, batch = 2, 256, 4, 1024, 100, 32, 4
+    config = BertConfig(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        intermediate_size=ffn,
+        max_position_embeddings=seq,
+    )
+    model = build_squad_model(config, seq)
+    model.compile(optimizer="adam", loss={"start_logits": SPARSE, "end_logits": SPARSE})
+    features = {k: tf.TensorSpec((batch, seq), tf.int32) for k in model.input}
+    labels = {k: tf.TensorSpec((batch,), tf.int32) for k in ("start_logits", "end_logits")}
+    traced = train_step_flops(model, features, labels).flops
+
+    sizes = dict(layers=layers, hidden=hidden, heads=heads, ffn=ffn, vocab=vocab, seq_len=seq)
+    args = [f"--{k}={v}" for k, v in sizes.items()]
+    args = ["--model", "transformer", "--head", "span", "--micro_batch_size", str(batch), *args]
+    parsed = plan_cli.build_parser().parse_args(args)
+    options, request = plan_cli.options_from_args(parsed)
+    analytic = plan_cli.model_from_args(parsed, None)
+    result = plan_cli.plan_and_estimate(analytic, options, request, 1, 1)
+    predicted, _ = plan_cli.step_flops(result)
+    assert within(traced, predicted)
+    assert traced != predicted  # two independent counts (the analytic one adds softmax etc.)

@@ -135,3 +135,24 @@ def test_needs_no_tensorflow_and_is_a_console_script():
     with open(os.path.join(ROOT, "pyproject.toml")) as f:
         scripts = f.read().split("[project.scripts]", 1)[1].split("\n[", 1)[0]
     assert 'epl-plan = "epl_trainer.runtime.plan_cli:main"' in scripts
+
+
+def test_predicted_flops_per_step(capsys):
+    args = ["--model", "bert", "--size", "base", "--seq_len", "128", "--num_workers", "2"]
+    args += ["--gpu_per_worker", "4", "--micro_batch_size", "8"]
+    data = _json(capsys, *args)
+    forward = plan_cli.model_from_args(plan_cli.build_parser().parse_args(args), None).flops
+    assert data["model_flops_per_step"] == data["device_flops_per_step"] == 3 * forward * 64
+    with_gc = _json(capsys, *args, "--gc")
+    assert with_gc["device_flops_per_step"] == 4 * forward * 64  # the recomputed forward
+
+    assert plan_cli.main([*args, "--epl_set", "profiler.peak_tflops=100"]) == 0
+    text = capsys.readouterr().out
+    assert "FLOPs per step: 3 x 22.4G forward per sample x global batch 64 = 4.3T" in text
+    # 4.298T / (100 TFLOP/s x 2 workers) = 21.49 ms.
+    assert "fastest step at the peak (100 TFLOP/s x 2 worker(s)): 21.49 ms" in text
+    assert plan_cli.main([*args, "--peak_tflops", "200", "--gc"]) == 0
+    text = capsys.readouterr().out
+    assert "(200 TFLOP/s x 2 worker(s)): 14.3" in text and "MFU 75%" in text
+    assert plan_cli.main(["--params", "1e9"]) == 0
+    assert "FLOPs per step" not in capsys.readouterr().out  # no FLOPs without a model

@@ -87,6 +87,11 @@ def build_parser() -> argparse.ArgumentParser:
     parallel.add_argument("--optimizer", default="adam", choices=tuple(estimate.OPTIMIZER_SLOTS))
     parallel.add_argument("--epl_config", help="a JSON/YAML config file of the trainer")
     parallel.add_argument("--epl_set", action="append", default=[], help="KEY=VALUE, repeatable")
+    parallel.add_argument(
+        "--peak_tflops",
+        type=float,
+        help="one worker's peak TFLOP/s, for the step time at 100%% MFU (profiler.peak_tflops)",
+    )
     parser.add_argument("--json", action="store_true", help="print the numbers as JSON")
     return parser
 
@@ -143,6 +148,7 @@ class PlanRequest:
     num_micro_batch: int = 1  # pipeline.num_micro_batch
     pipeline_strategy: str = "PreferBackward"  # pipeline.strategy
     prefer_intra_node: bool = True  # cluster.device_place_prefer_intra_node
+    peak_tflops: float = 0.0  # profiler.peak_tflops: one worker's peak; 0 = not known
 
 
 def options_from_args(args) -> tuple[estimate.TrainOptions, PlanRequest]:
@@ -172,6 +178,7 @@ def options_from_args(args) -> tuple[estimate.TrainOptions, PlanRequest]:
         num_micro_batch=pick(args.num_micro_batch, config.pipeline.num_micro_batch),
         pipeline_strategy=pick(args.pipeline_strategy, config.pipeline.strategy),
         prefer_intra_node=config.cluster.device_place_prefer_intra_node,
+        peak_tflops=pick(args.peak_tflops, config.profiler.peak_tflops),
     )
     return options, request
 
@@ -225,8 +232,40 @@ def zero_comparison(result: estimate.Estimate) -> list[tuple[str, float]]:
     return rows
 
 
-def render(result: estimate.Estimate, device_memory: int | None = None) -> str:
-    """The human-readable report: model, Plan, memory, activations, bubble, traffic."""
+def step_flops(result: estimate.Estimate) -> tuple[float, float]:
+    """(model FLOPs of one training step, FLOPs the devices run): 3 x the forward FLOPs per
+    sample (the backward costs 2 forwards: gradients of the inputs and of the weights) x
+    the global batch; with gradient checkpointing the devices run the forward once more.
+    The model FLOPs are what the trainer's `mfu` divides (training/monitors.py)."""
+    forward = result.model.flops * result.global_batch
+    return 3 * forward, (4 if result.options.gc else 3) * forward
+
+
+def _flops_section(result: estimate.Estimate, peak_tflops: float) -> list[str]:
+    if not result.model.flops:
+        return []
+    model, hardware = step_flops(result)
+    lines = [
+        f"FLOPs per step: 3 x {format_count(result.model.flops)} forward per sample x global "
+        f"batch {result.global_batch} = {format_count(model)} (model FLOPs: MFU's numerator)"
+        + (f"; {format_count(hardware)} with gc's recomputed forward" if hardware > model else "")
+    ]
+    if peak_tflops:
+        placed = result.plan.placement
+        workers = len({d.worker for row in placed for devices in row for d in devices})
+        seconds = hardware / (peak_tflops * 1e12 * workers)
+        lines.append(
+            f"  fastest step at the peak ({peak_tflops:g} TFLOP/s x {workers} worker(s)): "
+            f"{seconds * 1e3:.4g} ms"
+            + (" (MFU 75%: a recomputed forward is not model FLOPs)" if hardware > model else "")
+        )
+    return [*lines, ""]
+
+
+def render(
+    result: estimate.Estimate, device_memory: int | None = None, peak_tflops: float = 0.0
+) -> str:
+    """The human-readable report: model, Plan, FLOPs, memory, activations, bubble, traffic."""
     model, options = result.model, result.options
     flops = f"{format_count(model.flops)} forward FLOPs per sample" if model.flops else ""
     lines = [
@@ -241,6 +280,7 @@ def render(result: estimate.Estimate, device_memory: int | None = None) -> str:
         f"gc={'on' if options.gc else 'off'}, optimizer={options.optimizer}",
         "",
     ]
+    lines += _flops_section(result, peak_tflops)
     lines += _memory_section(result, device_memory)
     lines += _activation_section(result)
     num_stages, m = len(result.stages), result.plan.num_micro_batch
@@ -398,9 +438,10 @@ def main(argv=None) -> int:
         data = result.to_dict()
         data["zero_levels"] = dict(zero_comparison(result))
         data["device_memory"] = device_memory
+        data["model_flops_per_step"], data["device_flops_per_step"] = step_flops(result)
         text = json.dumps(data, indent=1)
     else:
-        text = render(result, device_memory)
+        text = render(result, device_memory, request.peak_tflops)
     try:
         print(text)
     except BrokenPipeError:  # `epl-plan ... | head`: the reader left; exit quietly
