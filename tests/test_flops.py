@@ -442,7 +442,7 @@ def test_an_mfu_above_one_warns_with_every_term_and_is_not_logged():
     assert "mfu" not in epoch
 
 
-def _trainer(tmp_path, peak_tflops, **config):
+def _trainer(tmp_path, peak_tflops, steps_per_execution=1, **config):
     from _models import LOSS, mlp
 
     values = {
@@ -452,14 +452,21 @@ def _trainer(tmp_path, peak_tflops, **config):
         "profiler.output_file": str(tmp_path / "profile.txt"),
         **config,
     }
-    return epl.EPLTrainer(mlp(), LOSS, config=values, stages={"dense_in": 0, "logits": 1})
+    return epl.EPLTrainer(
+        mlp(),
+        LOSS,
+        config=values,
+        stages={"dense_in": 0, "logits": 1},
+        steps_per_execution=steps_per_execution,
+    )
 
 
-def test_the_trainer_logs_tflops_and_mfu_and_prints_the_profile(tmp_path):
+@pytest.mark.parametrize("steps_per_execution", [1, 2])
+def test_the_trainer_logs_tflops_and_mfu_and_prints_the_profile(tmp_path, steps_per_execution):
     from _models import mlp_data
 
     x, y = mlp_data(n=128)
-    trainer = _trainer(tmp_path, 0.001, **{"pipeline.num_micro_batch": 2})
+    trainer = _trainer(tmp_path, 0.001, steps_per_execution, **{"pipeline.num_micro_batch": 2})
     history = trainer.fit(x, y, batch_size=32, epochs=2, verbose=0, shuffle=False)
 
     tflops, mfu = history.history["tflops"], history.history["mfu"]
@@ -477,7 +484,7 @@ def test_the_trainer_logs_tflops_and_mfu_and_prints_the_profile(tmp_path):
     # The pipeline's stages: dense_in (2 * 192 * 32) and logits (3 * 96 * 32).
     assert any(line.split() == ["0", "12.3k", "57.1%"] for line in lines)
     assert any(line.split() == ["1", "9.22k", "42.9%"] for line in lines)
-    assert trainer.step_stats["call_steps"] == 1
+    assert trainer.step_stats["call_steps"] == steps_per_execution
 
 
 def test_the_trainer_without_the_key_adds_no_profiler(tmp_path):

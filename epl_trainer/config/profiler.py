@@ -25,5 +25,8 @@ class ProfilerConfig(_Section):
     detailed: bool = _bool(True, "The profile lists every layer at module_depth.")
     output_file: str = _str("", "File the profile is written to ('' = stdout).")
     peak_tflops: int | float = _key(
-        0, "Peak TFLOP/s of one worker (0: measure the matmul peak).", kind=Kind.NUMBER, minimum=0
+        0,
+        "Peak TFLOP/s of one worker, all its devices (0: measure the CPU's float32 matmuls).",
+        kind=Kind.NUMBER,
+        minimum=0,
     )
