@@ -1,6 +1,6 @@
 """MFU of the zoo's jobs: EPLTrainer (each recipe's config) against plain Keras `fit`.
 
-Usage: python bench/mfu.py [--steps 10] [--jobs bert_squad resnet50 moe_t5]
+Usage: python bench/mfu.py [--steps 10] [--jobs bert_squad resnet50 moe_t5 text_classifier]
                            [--markdown FILE]
 
 Each (job, trainer) runs in a fresh process, one at a time (the machine's cores are
@@ -32,6 +32,7 @@ JOBS = {  # job -> (recipe config, global batch)
     "bert_squad": ("bert_squad_pipeline.json", 32),
     "resnet50": ("resnet50_dp.json", 32),
     "moe_t5": ("moe_t5_split.json", 64),
+    "text_classifier": ("text_classifier_zero1.json", 32),
 }
 
 
@@ -84,7 +85,41 @@ def _moe_t5(epl, keras, np, for_epl, batch):
     return model, x, tokens, moe_t5.SequenceCrossEntropy(), keras.optimizers.Adam(2e-3)
 
 
-BUILDERS = {"bert_squad": _bert_squad, "resnet50": _resnet50, "moe_t5": _moe_t5}
+def _text_classifier(epl, keras, np, for_epl, batch):
+    """The recipe's KerasHub BertTextClassifier (compiled with KerasHub's loss), on raw
+    strings that its preprocessor tokenises in the data pipeline."""
+    import tempfile
+
+    from model_zoo.text_classifier import data, recipe
+
+    options = recipe.Options(config=epl.Config(), dropout=0.0)
+    texts, labels = data.builtin_split(4 * batch, seed=1)
+    vocabulary = data.build_vocabulary(texts, os.path.join(tempfile.mkdtemp(), "vocab.txt"))
+    task = recipe.build_task(options, vocabulary, int(np.max(labels)) + 1)
+    return task, np.asarray(texts), np.asarray(labels, "int32"), None, None
+
+
+BUILDERS = {
+    "bert_squad": _bert_squad,
+    "resnet50": _resnet50,
+    "moe_t5": _moe_t5,
+    "text_classifier": _text_classifier,
+}
+
+
+def _step_specs(model, dataset, rows):
+    """(features, labels) specs of a step of `rows` rows, as the model sees them: a
+    KerasHub task's features are its preprocessor's outputs, not the raw strings."""
+    import tensorflow as tf
+
+    features, labels = dataset.element_spec
+    preprocessor = getattr(model, "preprocessor", None)
+    if preprocessor is not None:
+        sample = next(iter(dataset.take(1)))[0]
+        features = tf.nest.map_structure(tf.TensorSpec.from_tensor, preprocessor(sample))
+    return tf.nest.map_structure(
+        lambda s: tf.TensorSpec((rows, *s.shape[1:]), s.dtype), (features, labels)
+    )
 
 
 def child(job: str, trainer: str, steps: int) -> dict:
@@ -107,28 +142,20 @@ def child(job: str, trainer: str, steps: int) -> dict:
     keras.utils.set_random_seed(0)
     model, x, y, loss, optimizer = BUILDERS[job](epl, keras, np, trainer == "epl", batch)
     dataset = tf.data.Dataset.from_tensor_slices((x, y)).repeat().batch(batch, drop_remainder=True)
-    if trainer == "epl":
-        runner = epl.EPLTrainer(model, loss, optimizer=optimizer)
-        history = runner.fit(dataset, epochs=2, steps_per_epoch=steps, verbose=0)
-    else:
+    if loss is not None:  # the same compiled loss for EPLTrainer (no loss=) and Keras
         model.compile(optimizer=optimizer, loss=loss)
 
-        def count_step(rows):
-            specs = tf.nest.map_structure(
-                lambda s: tf.TensorSpec((rows, *s.shape[1:]), s.dtype), dataset.element_spec
-            )
-            return train_step_flops(model, *specs)
+    def count_step(rows):
+        return train_step_flops(model, *_step_specs(model, dataset, rows))
 
+    if trainer == "epl":
+        history = epl.EPLTrainer(model).fit(dataset, epochs=2, steps_per_epoch=steps, verbose=0)
+    else:
         callback = FlopsProfiler(count_step, matmul_peak(), batch_size=batch, profile_step=-1)
         history = model.fit(
             dataset, epochs=2, steps_per_epoch=steps, verbose=0, callbacks=[callback], shuffle=False
         )
-    if trainer == "epl":  # the same model FLOPs as the Keras row: Keras's compiled loss
-        model.compile(optimizer=keras.optimizers.Adam(), loss=loss)
-    element = tf.nest.map_structure(
-        lambda s: tf.TensorSpec((batch, *s.shape[1:]), s.dtype), dataset.element_spec
-    )
-    flops = train_step_flops(model, *element).flops
+    flops = count_step(batch).flops
     tflops, mfu = history.history["tflops"][-1], history.history["mfu"][-1]
     return {
         "job": job,
