@@ -94,7 +94,7 @@ def test_a_tied_weight_in_a_replica_spanning_workers_is_refused_by_name(tmp_path
     result = _launch(tmp_path, 2, 1, "--tied")
     assert result.returncode != 0
     assert "'embed/embeddings' (stages 0, 1)" in result.stderr, result.stderr[-3000:]
-    assert "not combined with a replica's stages on several workers" in result.stderr
+    assert "(stages 0, 1) with a replica's stages on several workers" in result.stderr
 
 
 def test_split_classifier_per_worker_with_data_parallelism_between_workers(tmp_path):
