@@ -53,6 +53,11 @@ Supervision and exit codes:
   job restarts on the survivors from its newest checkpoint while at least K remain, and
   ``epl-launch --join RUN_DIR`` grows it back at its next checkpoint (see
   ``launch_elastic.py``; this does not count against ``--max_restarts``);
+* under ``srun`` over several nodes (one launcher per node, ``srun --ntasks-per-node=1``),
+  each launcher starts its node's N workers and TF_CONFIG names every node's, on ports
+  ``EPL_SLURM_PORT_BASE`` (default 8888) + i (``slurm.NodeAllocation``); restarts and
+  elastic resizing are per launcher, so they are refused there (Slurm's requeue restarts
+  the whole step);
 * ``--timeout SECONDS`` stops everything and exits with 124 once exceeded (over all
   attempts; a timed-out job is not restarted);
 * SIGINT / SIGTERM to the launcher stop all workers and exit with 130 / 143;
@@ -79,6 +84,7 @@ import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
+from epl_trainer.runtime import slurm
 from epl_trainer.runtime.launch_elastic import ElasticSize, request_join
 from epl_trainer.runtime.launch_job import PROG, Job, say
 
@@ -433,7 +439,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         command = build_command(args.script, args.script_args, args.module)
         num_gpus = detect_gpus()
         min_workers = _checked_min_workers(args)
-        make_envs = _env_factory(args, num_gpus)
+        allocation = _checked_allocation(args)
+        make_envs = _env_factory(args, num_gpus, allocation)
         envs = make_envs(0, args.num_workers)  # checks the request before anything starts
     except LaunchError as exc:
         print(f"{PROG}: error: {exc}", file=sys.stderr)
@@ -489,8 +496,33 @@ def _checked_min_workers(args: argparse.Namespace) -> int:
     return args.min_workers
 
 
-def _env_factory(args: argparse.Namespace, num_gpus: int):
-    """Returns (attempt, workers) -> every worker's environment, on newly chosen ports."""
+def _checked_allocation(args: argparse.Namespace) -> slurm.NodeAllocation | None:
+    """This node's place in a Slurm step over several nodes, or None (a local launch)."""
+    try:
+        allocation = slurm.node_allocation(os.environ)
+    except ValueError as exc:
+        raise LaunchError(str(exc)) from None
+    if allocation is None:
+        return None
+    if args.max_restarts or args.min_workers is not None:
+        raise LaunchError(
+            "Under srun over several nodes, each node's epl-launch would restart or resize "
+            "only its own workers; use Slurm's --requeue to restart the step. Received: "
+            f"max_restarts={args.max_restarts}, min_workers={args.min_workers}, "
+            f"nodes={list(allocation.hosts)}"
+        )
+    say(
+        f"Slurm step: node {allocation.node_index} of {list(allocation.hosts)}, "
+        f"{args.num_workers} worker(s) per node on ports {allocation.port_base}+"
+    )
+    return allocation
+
+
+def _env_factory(
+    args: argparse.Namespace, num_gpus: int, allocation: slurm.NodeAllocation | None = None
+):
+    """Returns (attempt, workers) -> every worker's environment, on newly chosen ports
+    (under a Slurm step over several nodes: this node's workers of the whole cluster)."""
 
     def make(attempt: int, num_workers: int) -> list[dict[str, str]]:
         ports = free_ports(num_workers)
@@ -500,8 +532,10 @@ def _env_factory(args: argparse.Namespace, num_gpus: int):
             )
             for index in range(num_workers)
         ]
-        for env in envs:
+        for index, env in enumerate(envs):
             env["EPL_RESTART_ATTEMPT"] = str(attempt)
+            if allocation is not None:
+                allocation.place(env, index, num_workers)
         return envs
 
     return make

@@ -10,6 +10,13 @@ other scheduler:
 
     srun --nodes 2 --ntasks-per-node 4 python train.py     # 8 workers
 
+`epl-launch` reads the allocation too, when `srun` starts one launcher per node
+(`NodeAllocation`): each starts its node's workers, and their TF_CONFIG names every
+node's (the nodes from `scontrol show hostnames`, Slurm's own expansion of the node
+list), so the launcher's supervision, logs and devices work across nodes:
+
+    srun --nodes 2 --ntasks-per-node 1 epl-launch --num_workers 4 --gpu_per_worker 1 train.py
+
 The resolver counts each node's GPUs with `nvidia-smi` and gives every task its share
 (`CUDA_VISIBLE_DEVICES`); on nodes without GPUs (or without `nvidia-smi`) the tasks
 are placed without GPUs, and each worker's devices come from `cluster.virtual_devices`
@@ -18,9 +25,12 @@ as in any CPU job.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
+import shutil
+import subprocess
 
 logger = logging.getLogger(__name__)
 
@@ -67,3 +77,85 @@ def tf_config_of_step() -> str:
     return json.dumps(
         {"cluster": {task_type: workers}, "task": {"type": task_type, "index": task_index}}
     )
+
+
+@dataclasses.dataclass(frozen=True)
+class NodeAllocation:
+    """The nodes of an `srun` step running one `epl-launch` per node.
+
+    Attributes:
+      hosts: the step's nodes, in Slurm's order.
+      node_index: this node's position among them (`SLURM_NODEID`).
+      port_base: worker i of every node listens on `port_base + i`.
+    """
+
+    hosts: tuple[str, ...]
+    node_index: int
+    port_base: int
+
+    def place(self, env: dict, local_index: int, per_node: int) -> None:
+        """Makes the env of this node's worker `local_index` (of `per_node`) one worker
+        of the whole allocation: its TF_CONFIG, index and worker count."""
+        workers = [f"{host}:{self.port_base + i}" for host in self.hosts for i in range(per_node)]
+        index = self.node_index * per_node + local_index
+        env["TF_CONFIG"] = json.dumps(
+            {"cluster": {"worker": workers}, "task": {"type": "worker", "index": index}}
+        )
+        env["EPL_WORKER_INDEX"] = str(index)
+        env["EPL_NUM_WORKERS"] = str(len(workers))
+
+
+def node_allocation(environ) -> NodeAllocation | None:
+    """This node's place when `epl-launch` runs as a task of an `srun` step over several
+    nodes; None outside one (a local launch, also in an `salloc` shell).
+
+    Raises:
+      ValueError: the step runs several launchers per node, the node list cannot be
+        expanded, or the port base is not a number.
+    """
+    try:
+        nodes = int(environ["SLURM_STEP_NUM_NODES"])
+        tasks = int(environ["SLURM_STEP_NUM_TASKS"])
+        node_index = int(environ["SLURM_NODEID"])
+        nodelist = environ["SLURM_STEP_NODELIST"]
+    except (KeyError, ValueError):
+        return None
+    if nodes < 2:
+        return None
+    if tasks != nodes:
+        raise ValueError(
+            "epl-launch starts a node's workers itself: run it once per node (srun "
+            "--ntasks-per-node=1), or run the script under srun without epl-launch. "
+            f"Received: SLURM_STEP_NUM_TASKS={tasks}, SLURM_STEP_NUM_NODES={nodes}"
+        )
+    hosts = tuple(expand_nodelist(nodelist))
+    if len(hosts) != nodes or not 0 <= node_index < nodes:
+        raise ValueError(
+            f"The step's node list {nodelist!r} expands to {list(hosts)}, which does not "
+            f"hold node {node_index} of SLURM_STEP_NUM_NODES={nodes}."
+        )
+    raw_port = environ.get(PORT_BASE_ENV, str(DEFAULT_PORT_BASE))
+    if not raw_port.isdigit():
+        raise ValueError(f"{PORT_BASE_ENV} must be a port number. Received: {raw_port!r}")
+    return NodeAllocation(hosts, node_index, int(raw_port))
+
+
+def expand_nodelist(nodelist: str) -> list[str]:
+    """Slurm's node list (`node[1-3],gpu07`) as host names, expanded by Slurm's own
+    `scontrol show hostnames`."""
+    scontrol = shutil.which("scontrol")
+    if scontrol is None:
+        raise ValueError(
+            f"Expanding the Slurm node list {nodelist!r} needs `scontrol` (Slurm's client "
+            "tools) on PATH."
+        )
+    result = subprocess.run(
+        [scontrol, "show", "hostnames", nodelist],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    if result.returncode != 0:
+        raise ValueError(f"scontrol show hostnames {nodelist!r} failed: {result.stderr.strip()}")
+    return result.stdout.split()
