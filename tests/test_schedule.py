@@ -10,6 +10,7 @@ import pytest
 from epl_trainer.core.plan.schedule import (
     BACKWARD,
     FORWARD,
+    WEIGHT,
     ScheduleError,
     Task,
     bubble_fraction,
@@ -18,8 +19,11 @@ from epl_trainer.core.plan.schedule import (
     make_schedule,
     one_f_one_b_schedule,
     peak_in_flight,
+    simulated_bubble,
     timeline,
     validate,
+    work_costs,
+    zero_bubble_h1_schedule,
 )
 
 SIZES = list(itertools.product(range(1, 6), range(1, 10)))  # (S, M)
@@ -306,3 +310,102 @@ def test_peak_in_flight_by_hand():
     assert peak_in_flight(one_f_one_b_schedule(4, 8)) == [4, 3, 2, 1]
     assert peak_in_flight(one_f_one_b_schedule(4, 2)) == [2, 2, 2, 1]
     assert peak_in_flight(gpipe_schedule(4, 8)) == [8, 8, 8, 8]
+
+
+# ------------------------------------------------------------------- ZB-H1
+@pytest.mark.parametrize(
+    ("num_stages", "num_micro_batch", "expected"),
+    [
+        (1, 3, ["F0 B0 W0 F1 B1 W1 F2 B2 W2"]),
+        (2, 4, ["F0 F1 B0 W0 F2 B1 W1 F3 B2 W2 B3 W3", "F0 B0 F1 B1 W0 F2 B2 W1 F3 B3 W2 W3"]),
+        (
+            4,
+            8,
+            [
+                # Forwards and Bs as 1F1B; stage s keeps s Ws pending, run in the cool-down.
+                "F0 F1 F2 F3 B0 W0 F4 B1 W1 F5 B2 W2 F6 B3 W3 F7 B4 W4 B5 W5 B6 W6 B7 W7",
+                "F0 F1 F2 B0 F3 B1 W0 F4 B2 W1 F5 B3 W2 F6 B4 W3 F7 B5 W4 B6 W5 B7 W6 W7",
+                "F0 F1 B0 F2 B1 F3 B2 W0 F4 B3 W1 F5 B4 W2 F6 B5 W3 F7 B6 W4 B7 W5 W6 W7",
+                "F0 B0 F1 B1 F2 B2 F3 B3 W0 F4 B4 W1 F5 B5 W2 F6 B6 W3 F7 B7 W4 W5 W6 W7",
+            ],
+        ),
+    ],
+)
+def test_zero_bubble_h1_orders(num_stages, num_micro_batch, expected):
+    assert render(zero_bubble_h1_schedule(num_stages, num_micro_batch)) == expected
+    assert make_schedule("ZeroBubbleH1", num_stages, num_micro_batch) == (
+        zero_bubble_h1_schedule(num_stages, num_micro_batch)
+    )
+
+
+@pytest.mark.parametrize(("num_stages", "num_micro_batch"), SIZES)
+def test_zero_bubble_h1_keeps_one_f_one_b_order_of_forwards_and_backwards(
+    num_stages, num_micro_batch
+):
+    zb = zero_bubble_h1_schedule(num_stages, num_micro_batch)
+    validate(zb)
+    without_weights = tuple(tuple(t for t in tasks if t.kind != WEIGHT) for tasks in zb)
+    assert without_weights == one_f_one_b_schedule(num_stages, num_micro_batch)
+    for tasks in zb:  # Ws ascending: gradients accumulate in 1F1B's order
+        assert [t.micro_batch for t in tasks if t.kind == WEIGHT] == list(range(num_micro_batch))
+
+
+@pytest.mark.parametrize(("num_stages", "num_micro_batch"), SIZES)
+def test_zero_bubble_h1_bubble_is_a_third_of_one_f_one_b(num_stages, num_micro_batch):
+    zb = zero_bubble_h1_schedule(num_stages, num_micro_batch)
+    one_f_one_b = one_f_one_b_schedule(num_stages, num_micro_batch)
+    costs = work_costs(zb)
+    assert costs == {FORWARD: 1, BACKWARD: 1, WEIGHT: 1}
+    starts = timeline(zb, costs)
+    makespan = max(step + costs[task.kind] for _, step, task in starts)
+    # 1F1B's unsplit backward costs B + W: the same work, (S-1)(F+B+W) idle per stage.
+    assert simulated_bubble(one_f_one_b) == pytest.approx(
+        bubble_fraction(num_stages, num_micro_batch)
+    )
+    if num_micro_batch >= num_stages:
+        # Idle S - 1 units per stage (the paper: (S-1)(T_F + T_B - T_W)).
+        assert makespan == 3 * num_micro_batch + num_stages - 1
+        idle = simulated_bubble(zb)
+        assert idle == pytest.approx(bubble_fraction(num_stages, num_micro_batch, "ZeroBubbleH1"))
+        assert idle * num_stages * makespan / (num_stages * 3 * num_micro_batch) == pytest.approx(
+            (num_stages - 1) / (3 * num_micro_batch)  # bubble over work, the paper's form
+        )
+    assert simulated_bubble(zb) <= simulated_bubble(one_f_one_b)
+
+
+def test_zero_bubble_h1_bubble_by_hand():
+    assert simulated_bubble(zero_bubble_h1_schedule(2, 8)) == pytest.approx(1 / 25)
+    assert simulated_bubble(one_f_one_b_schedule(2, 8)) == pytest.approx(1 / 9)
+    assert bubble_fraction(4, 8, "ZeroBubbleH1") == pytest.approx(3 / 27)
+    assert bubble_fraction(16, 8, "ZeroBubbleH1") == pytest.approx(15 / 39)
+    with pytest.raises(ScheduleError, match="strategy='Nope'"):
+        bubble_fraction(2, 2, "Nope")
+
+
+@pytest.mark.parametrize(("num_stages", "num_micro_batch"), SIZES)
+def test_zero_bubble_h1_in_flight(num_stages, num_micro_batch):
+    # Counted until W: every stage as many as 1F1B's stage 0.
+    assert (
+        peak_in_flight(zero_bubble_h1_schedule(num_stages, num_micro_batch))
+        == [min(num_stages, num_micro_batch)] * num_stages
+    )
+
+
+def test_validate_split_backward():
+    validate(parse("F0 B0 W0", "F0 B0 W0"))
+    with pytest.raises(ScheduleError, match="runs W0 at position 1 before B0"):
+        validate(parse("F0 W0 B0", "F0 B0 W0"))
+    with pytest.raises(ScheduleError, match="Stage 1 never runs W1"):
+        validate(parse("F0 F1 B0 B1 W0 W1", "F0 B0 W0 F1 B1"))
+    with pytest.raises(ScheduleError, match="kind='X'"):
+        Task("X", 0)
+
+
+def test_weight_gradients_wait_for_nothing_across_stages():
+    # Stage 0's W0 may run before stage 1 has done anything but F0 and B0.
+    steps = {
+        (stage, str(task)): step for stage, step, task in timeline(parse("F0 B0 W0", "F0 B0 W0"))
+    }
+    assert steps == {
+        (0, "F0"): 0, (1, "F0"): 1, (1, "B0"): 2, (1, "W0"): 3, (0, "B0"): 3, (0, "W0"): 4,
+    }  # fmt: skip

@@ -36,7 +36,7 @@ boundaries (`ModelCost.checkpoint_positions`) are kept, and one segment at a tim
 recomputed in backward. A stage keeps `inflight` micro-batches alive: all M with GPipe
 (PreferForward), min(S - s, M) for stage s with 1F1B (PreferBackward), read from the
 schedule itself (`core/plan/schedule.py`). The bubble is GPipe's (S - 1) / (M + S - 1), the
-same for both schedules.
+same for both schedules; ZB-H1's (S - 1) / (3M + S - 1), whose stages keep min(S, M).
 
 Peak per device = parameters + optimizer state + the stage's full gradients (ZeRO v1
 no longer accumulates them, but each micro-batch's gradients exist in full until their
@@ -280,7 +280,8 @@ class Estimate:
 
     @property
     def bubble(self) -> float:
-        return bubble_fraction(len(self.stages), self.plan.num_micro_batch)
+        plan = self.plan
+        return bubble_fraction(len(self.stages), plan.num_micro_batch, plan.pipeline_strategy)
 
     @property
     def global_batch(self) -> int:

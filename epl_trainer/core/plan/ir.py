@@ -16,7 +16,7 @@ import re
 from dataclasses import dataclass
 
 KINDS = ("replicate", "split")
-PIPELINE_STRATEGIES = ("PreferBackward", "PreferForward")  # EPL's pipeline.strategy values
+PIPELINE_STRATEGIES = ("PreferBackward", "PreferForward", "ZeroBubbleH1")  # pipeline.strategy
 
 _DEVICE_SUFFIX = re.compile(r"(?:^|/)device:([A-Za-z_]+):(\d+)$")
 _SUMMARY_MAX_REPLICAS = 8  # wider tables stop being readable; the rest is elided

@@ -10,9 +10,14 @@ Dependencies between stages (the only ones a pipeline has):
 * `F(s, m)` needs `F(s-1, m)`: a stage's input is the previous stage's output.
 * `B(s, m)` needs `B(s+1, m)`: a stage's output gradient is the next stage's input
   gradient; and `F(s, m)` on the same stage, whose activations it differentiates.
+* `W(s, m)`, in a schedule that splits the backward (zero bubble), needs only `B(s, m)`
+  on the same stage: B then computes the gradient of the stage's inputs (what the
+  previous stage waits for), W the gradient of its weights (what nobody waits for).
 
-Time is simulated in unit steps (a forward and a backward each take one step), which is
-enough to order ops deterministically, count bubbles and draw the schedule.
+Time is simulated in unit steps (by default every task takes one step), which is enough
+to order ops deterministically and draw the schedule. Bubbles are counted with
+`work_costs`: a forward, an input gradient and a weight gradient each one unit, so an
+unsplit backward (both gradients) two.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ __all__ = [
     "BACKWARD",
     "FORWARD",
     "STRATEGIES",
+    "WEIGHT",
     "Schedule",
     "ScheduleError",
     "Task",
@@ -33,13 +39,20 @@ __all__ = [
     "make_schedule",
     "one_f_one_b_schedule",
     "peak_in_flight",
+    "simulated_bubble",
+    "splits_backward",
     "timeline",
     "validate",
+    "work_costs",
+    "zero_bubble_h1_schedule",
 ]
 
 FORWARD = "F"
 BACKWARD = "B"
-STRATEGIES = ("PreferForward", "PreferBackward")  # config key pipeline.strategy
+WEIGHT = "W"  # the weight-gradient half of a split backward
+KINDS = (FORWARD, BACKWARD, WEIGHT)
+# config key pipeline.strategy
+STRATEGIES = ("PreferForward", "PreferBackward", "ZeroBubbleH1")
 
 
 class ScheduleError(ValueError):
@@ -48,15 +61,15 @@ class ScheduleError(ValueError):
 
 @dataclass(frozen=True, order=True)
 class Task:
-    """One forward or backward of one micro-batch on one stage."""
+    """One forward, backward or weight gradient of one micro-batch on one stage."""
 
-    kind: str  # FORWARD or BACKWARD
+    kind: str  # FORWARD, BACKWARD or WEIGHT
     micro_batch: int
 
     def __post_init__(self):
-        if self.kind not in (FORWARD, BACKWARD):
+        if self.kind not in KINDS:
             raise ScheduleError(
-                f"Task kind must be {FORWARD!r} or {BACKWARD!r}. Received: kind={self.kind!r}"
+                f"Task kind must be one of {list(KINDS)}. Received: kind={self.kind!r}"
             )
         if not _is_int(self.micro_batch) or self.micro_batch < 0:
             raise ScheduleError(
@@ -107,7 +120,45 @@ def one_f_one_b_schedule(num_stages: int, num_micro_batch: int) -> Schedule:
     return tuple(schedule)
 
 
-_BUILDERS = {"PreferForward": gpipe_schedule, "PreferBackward": one_f_one_b_schedule}
+def zero_bubble_h1_schedule(num_stages: int, num_micro_batch: int) -> Schedule:
+    """ "ZeroBubbleH1": ZB-H1 of Qi et al., "Zero Bubble Pipeline Parallelism" (2023).
+
+    Each backward is split into B (the gradient of the stage's inputs, on the critical
+    path) and W (the gradient of its weights, which no other stage waits for). Forwards
+    and Bs follow 1F1B; stage `s` lets `s` micro-batches wait for their W (W runs once
+    `s + 1` Bs are pending), so the later stages, which wait least in warm-up, do their
+    Ws in the cool-down, where 1F1B leaves them idle. Every stage then keeps at most
+    `min(S, M)` micro-batches between F and W, stage 0 as many as in 1F1B. With equal
+    costs of F, B and W and `M >= S` the idle time is `S - 1` units per stage instead of
+    1F1B's `3 (S - 1)`: a bubble of `(S-1)/(3M)` of the work (`bubble_fraction`).
+    Ws run in ascending micro-batch order, so gradients accumulate in 1F1B's order.
+    """
+    _check_sizes(num_stages, num_micro_batch)
+    return tuple(_zero_bubble_h1_stage(s, num_stages, num_micro_batch) for s in range(num_stages))
+
+
+def _zero_bubble_h1_stage(stage: int, num_stages: int, num_micro_batch: int) -> tuple:
+    warmup = min(num_stages - 1 - stage, num_micro_batch)
+    tasks = [Task(FORWARD, m) for m in range(warmup)]
+    weights = 0
+    forwards = iter(range(warmup, num_micro_batch))
+    for backward in range(num_micro_batch):
+        forward = next(forwards, None)
+        if forward is not None:
+            tasks.append(Task(FORWARD, forward))
+        tasks.append(Task(BACKWARD, backward))
+        if backward + 1 - weights > stage:  # more than `stage` Ws pending: run the oldest
+            tasks.append(Task(WEIGHT, weights))
+            weights += 1
+    tasks += [Task(WEIGHT, m) for m in range(weights, num_micro_batch)]
+    return tuple(tasks)
+
+
+_BUILDERS = {
+    "PreferForward": gpipe_schedule,
+    "PreferBackward": one_f_one_b_schedule,
+    "ZeroBubbleH1": zero_bubble_h1_schedule,
+}
 
 
 def make_schedule(strategy: str, num_stages: int, num_micro_batch: int) -> Schedule:
@@ -126,7 +177,9 @@ def validate(schedule: Schedule) -> None:
     """Checks that `schedule` is complete and can execute.
 
     Every stage must run the forward and the backward of every micro-batch exactly once,
-    the forward first; the cross-stage dependencies (module doc) must admit an order.
+    the forward first; a schedule that splits the backward runs W after B, on every
+    stage and for every micro-batch; the cross-stage dependencies (module doc) must admit
+    an order.
 
     Raises:
       ScheduleError: naming the stage and task at fault, or every blocked stage on a
@@ -146,6 +199,7 @@ def _check_structure(schedule: Schedule) -> int:
     num_micro_batch = 1 + max((t.micro_batch for tasks in schedule for t in tasks), default=-1)
     if num_micro_batch == 0:
         raise ScheduleError("The schedule has no tasks.")
+    kinds = (FORWARD, BACKWARD, WEIGHT) if splits_backward(schedule) else (FORWARD, BACKWARD)
     for stage, tasks in enumerate(schedule):
         seen: set[Task] = set()
         for position, task in enumerate(tasks):
@@ -153,13 +207,15 @@ def _check_structure(schedule: Schedule) -> int:
                 raise ScheduleError(
                     f"Stage {stage} runs {task} twice (again at position {position})."
                 )
-            if task.kind == BACKWARD and Task(FORWARD, task.micro_batch) not in seen:
+            before = {BACKWARD: FORWARD, WEIGHT: BACKWARD}.get(task.kind)
+            if before is not None and Task(before, task.micro_batch) not in seen:
                 raise ScheduleError(
-                    f"Stage {stage} runs {task} at position {position} before F{task.micro_batch}."
+                    f"Stage {stage} runs {task} at position {position} "
+                    f"before {before}{task.micro_batch}."
                 )
             seen.add(task)
         for m in range(num_micro_batch):
-            for kind in (FORWARD, BACKWARD):
+            for kind in kinds:
                 if Task(kind, m) not in seen:
                     raise ScheduleError(
                         f"Stage {stage} never runs {kind}{m} "
@@ -172,37 +228,42 @@ def _dependency(num_stages: int, stage: int, task: Task) -> tuple[int, Task] | N
     """The cross-stage task `task` on `stage` waits for (same-stage order is implicit)."""
     if task.kind == FORWARD:
         return (stage - 1, task) if stage > 0 else None
+    if task.kind == WEIGHT:
+        return None
     return (stage + 1, task) if stage < num_stages - 1 else None
 
 
-def _simulate(schedule: Schedule) -> dict[tuple[int, Task], int]:
-    """Unit-time run: `{(stage, task): time step}`.
+def _simulate(schedule: Schedule, costs: dict | None = None) -> dict[tuple[int, Task], int]:
+    """A run in whole time steps: `{(stage, task): the step it starts}`.
 
-    Each step, every stage runs its next task if that task's dependency finished in an
-    earlier step; a step where no stage can move while tasks remain is a deadlock.
+    Every stage starts its next task as soon as the stage is free and the task's
+    dependency has finished; with `costs` None every task takes one step. A point where
+    no stage can start its next task while tasks remain is a deadlock.
     """
     _check_structure(schedule)
     num_stages = len(schedule)
+    started: dict[tuple[int, Task], int] = {}
     finished: dict[tuple[int, Task], int] = {}
     position = [0] * num_stages
+    free_at = [0] * num_stages
     remaining = sum(len(tasks) for tasks in schedule)
-    step = 0
     while remaining:
-        ran = []
+        moved = False
         for stage, tasks in enumerate(schedule):
-            if position[stage] == len(tasks):
-                continue
-            dependency = _dependency(num_stages, stage, tasks[position[stage]])
-            if dependency is None or dependency in finished:
-                ran.append((stage, tasks[position[stage]]))
-        if not ran:
-            raise ScheduleError(_deadlock_message(schedule, position, step))
-        for stage, task in ran:
-            finished[(stage, task)] = step
-            position[stage] += 1
-        remaining -= len(ran)
-        step += 1
-    return finished
+            while position[stage] < len(tasks):
+                task = tasks[position[stage]]
+                dependency = _dependency(num_stages, stage, task)
+                if dependency is not None and dependency not in finished:
+                    break
+                start = max(free_at[stage], 0 if dependency is None else finished[dependency])
+                started[(stage, task)] = start
+                free_at[stage] = finished[(stage, task)] = start + (costs or {}).get(task.kind, 1)
+                position[stage] += 1
+                remaining -= 1
+                moved = True
+        if not moved:
+            raise ScheduleError(_deadlock_message(schedule, position, max(free_at)))
+    return started
 
 
 def _deadlock_message(schedule: Schedule, position: list[int], step: int) -> str:
@@ -230,34 +291,75 @@ def execution_order(schedule: Schedule) -> list[tuple[int, Task]]:
     return sorted(times, key=lambda key: (times[key], key[0]))
 
 
-def timeline(schedule: Schedule) -> list[tuple[int, int, Task]]:
-    """`(stage, time step, task)` for every task, sorted by stage then time.
+def timeline(schedule: Schedule, costs: dict | None = None) -> list[tuple[int, int, Task]]:
+    """`(stage, start time step, task)` for every task, sorted by stage then time.
 
-    Unit costs: a forward and a backward each take one step. Used for plotting and
-    bubble counting; the makespan is `1 + max(time step)`.
+    `costs`: time steps per task kind (`work_costs`); None: every task takes one step
+    (what the plot draws; the makespan is then `1 + max(time step)`).
     """
-    times = _simulate(schedule)
+    times = _simulate(schedule, costs)
     return sorted((stage, step, task) for (stage, task), step in times.items())
 
 
-def bubble_fraction(num_stages: int, num_micro_batch: int) -> float:
-    """GPipe's idle fraction `(S-1) / (M+S-1)` of a pipeline with equal stage costs."""
+def splits_backward(schedule: Schedule) -> bool:
+    """Whether the schedule runs each backward as B (input gradient) and W (weights)."""
+    return any(task.kind == WEIGHT for tasks in schedule for task in tasks)
+
+
+def work_costs(schedule: Schedule) -> dict:
+    """Time steps per task kind with equal costs of a forward, an input gradient and a
+    weight gradient (the zero-bubble paper's unit): an unsplit backward is both."""
+    if splits_backward(schedule):
+        return {FORWARD: 1, BACKWARD: 1, WEIGHT: 1}
+    return {FORWARD: 1, BACKWARD: 2}
+
+
+def simulated_bubble(schedule: Schedule) -> float:
+    """The idle share of the stages' time when `schedule` runs with `work_costs`:
+    1 - work / (stages x makespan)."""
+    costs = work_costs(schedule)
+    starts = _simulate(schedule, costs)
+    makespan = max(step + costs[task.kind] for (_, task), step in starts.items())
+    work = sum(costs[task.kind] for (_, task) in starts)
+    return 1 - work / (len(schedule) * makespan)
+
+
+def bubble_fraction(
+    num_stages: int, num_micro_batch: int, strategy: str = "PreferBackward"
+) -> float:
+    """The idle share of a pipeline's time with equal stage costs, by formula.
+
+    GPipe and 1F1B: `(S-1) / (M+S-1)`. ZB-H1: `(S-1) / (3M+S-1)` (idle `S - 1` units of
+    `3M` units of work per stage: the paper's bubble `(S-1)/(3M)` of the work), exact with
+    equal F, B and W costs for `M >= S`; with fewer micro-batches than stages the
+    warm-up cannot fill and `simulated_bubble` of the schedule is the one to trust.
+    """
     _check_sizes(num_stages, num_micro_batch)
-    return (num_stages - 1) / (num_micro_batch + num_stages - 1)
+    if strategy not in _BUILDERS:
+        raise ScheduleError(
+            f"Unknown pipeline strategy. Expected one of {list(STRATEGIES)}. "
+            f"Received: strategy={strategy!r}"
+        )
+    work = 3 * num_micro_batch if strategy == "ZeroBubbleH1" else num_micro_batch
+    return (num_stages - 1) / (work + num_stages - 1)
 
 
 def peak_in_flight(schedule: Schedule) -> list[int]:
-    """Per stage, the most micro-batches whose forward ran but backward has not.
+    """Per stage, the most micro-batches whose forward ran but whose backward has not
+    finished (the W of a split backward; B otherwise).
 
     That is the number of activation sets the stage keeps alive: `M` for GPipe,
-    `min(S - s, M)` for 1F1B.
+    `min(S - s, M)` for 1F1B, `min(S, M)` on every stage for ZB-H1 (whose micro-batches
+    waiting for W keep only what the weight gradients read: the inputs of the stage's
+    layers and the gradients of their outputs).
     """
     _check_structure(schedule)
+    last = WEIGHT if splits_backward(schedule) else BACKWARD
     peaks = []
     for tasks in schedule:
         alive = peak = 0
         for task in tasks:
-            alive += 1 if task.kind == FORWARD else -1
+            alive += {FORWARD: 1, last: -1}.get(task.kind, 0)
             peak = max(peak, alive)
         peaks.append(peak)
     return peaks
