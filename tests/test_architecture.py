@@ -3,7 +3,7 @@ and `core/plan` stays free of TensorFlow (epl-plan and the launcher need none).
 
 Layers, lowest first (docs/architecture.md):
 
-0. `config.sections`, `config.keys`: the typed config, pure Python;
+0. `config.sections`, `config.keys`, `config.profiler`: the typed config, pure Python;
 1. `core.plan` (Plan, planner, schedules, estimates, combination rules; no TensorFlow)
    and `core.comm` (TF's collectives);
 2. `core.graph`: cutting and costing the Keras graph;
@@ -31,6 +31,7 @@ PACKAGE = ROOT / "epl_trainer"
 LAYERS = [  # (module prefix, layer); the longest matching prefix wins
     ("epl_trainer.config.sections", 0),
     ("epl_trainer.config.keys", 0),
+    ("epl_trainer.config.profiler", 0),
     ("epl_trainer.core.plan", 1),
     ("epl_trainer.core.comm", 1),
     ("epl_trainer.core.graph", 2),
