@@ -39,6 +39,7 @@ def _fit(amp_dtype=None, steps=20, devices=2, **config):
 
 @pytest.mark.onednn
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.combines("amp+data_parallel")
 def test_amp_trains_close_to_float32(dtype):
     reference_trainer, reference, _ = _fit(None)
     trainer, model, _ = _fit(dtype)
@@ -54,7 +55,16 @@ def test_amp_trains_close_to_float32(dtype):
     assert model.get_layer("dense_in").compute_dtype == dtype
 
 
-@pytest.mark.parametrize("zero", ["", "v1", "v2"], ids=["replicated", "zero_v1", "zero_v2"])
+@pytest.mark.parametrize(
+    "zero",
+    [
+        "",
+        pytest.param("v1", marks=pytest.mark.combines("amp+zero_v1+data_parallel")),
+        pytest.param("v2", marks=pytest.mark.combines("amp+zero_v2+data_parallel")),
+    ],
+    ids=["replicated", "zero_v1", "zero_v2"],
+)
+@pytest.mark.combines("amp+data_parallel")
 def test_amp_with_gradient_accumulation_and_dynamic_scaling(zero):
     """ZeRO v1 and v2 reduce-scatter each micro-batch's scaled gradients and unscale the
     shard (v2's float32 parameters are gathered and cast on use, as the lanes' are)."""

@@ -24,6 +24,7 @@ def _dataset():
     return tf.data.Dataset.from_tensor_slices((x, y)).batch(16)
 
 
+@pytest.mark.combines("checkpoint+data_parallel")
 def test_restore_into_a_fresh_trainer_continues_identically(tmp_path):
     uninterrupted = mlp()
     _trainer(uninterrupted).fit(_dataset(), epochs=4, verbose=0)
@@ -154,6 +155,7 @@ def test_checkpoint_of_a_different_model_is_rejected(tmp_path):
         _trainer(mlp(width=32)).restore_checkpoint(str(tmp_path))
 
 
+@pytest.mark.combines("checkpoint+amp+one_device")
 def test_amp_loss_scale_state_is_restored(tmp_path):
     config = {
         "cluster.virtual_devices": 1,
@@ -194,6 +196,7 @@ class _Interrupt(Exception):
     pass
 
 
+@pytest.mark.combines("checkpoint+data_parallel")
 def test_fit_with_checkpoint_dir_resumes_mid_epoch_like_an_uninterrupted_run(tmp_path):
     config = {"checkpoint.dir": str(tmp_path), "checkpoint.save_steps": 3}
     uninterrupted = mlp()

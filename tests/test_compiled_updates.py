@@ -224,6 +224,7 @@ def _flat(items):
 # ---- each stage's forward and backward compiled with XLA (the trainer's jit_compile)
 
 
+@pytest.mark.combines("jit_compile+pipeline")
 def test_stages_compiled_with_xla_train_like_plain_ones():
     rng = np.random.default_rng(1)
     x = rng.integers(0, 20, size=(64, 5)).astype("int32")

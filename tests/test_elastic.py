@@ -196,13 +196,22 @@ def _steps_trained(out, reports) -> dict[int, list[int]]:
 @pytest.mark.parametrize(
     "mode",
     [
-        pytest.param([], id="data_parallel"),
+        pytest.param([], id="data_parallel", marks=pytest.mark.combines("checkpoint+multi_worker")),
         # Every parameter held only as pieces spread over the workers, all-gathered to be
         # read (zero_gather.py): 3, then 2, then 3 owners of each piece.
-        pytest.param(["--zero", "v2", "--momentum", "0.9"], id="data_parallel_zero_v2"),
+        pytest.param(
+            ["--zero", "v2", "--momentum", "0.9"],
+            id="data_parallel_zero_v2",
+            marks=pytest.mark.combines("checkpoint+zero_v2+multi_worker"),
+        ),
         # One automatic stage per worker: the lost worker's stage is re-planned onto the
         # survivors (3 stages, then 2, then 3), with ZeRO v1 over momentum slots.
-        pytest.param(["--pipeline", "--zero", "v1", "--momentum", "0.9"], id="pipeline_zero_v1"),
+        # (ZeRO v1 over one replica's stages: a group of one lane each, not claimed.)
+        pytest.param(
+            ["--pipeline", "--zero", "v1", "--momentum", "0.9"],
+            id="pipeline_zero_v1",
+            marks=pytest.mark.combines("checkpoint+pipeline+stages_across_workers"),
+        ),
     ],
 )
 def test_a_lost_worker_shrinks_the_job_and_a_join_grows_it_with_identical_weights(tmp_path, mode):

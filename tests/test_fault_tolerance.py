@@ -163,6 +163,7 @@ def _killed_once_and_restarted(tmp_path, *args):
     return faulty
 
 
+@pytest.mark.combines("checkpoint+zero_v1+multi_worker", "checkpoint+one_device")
 def test_zero_across_workers_restarts_from_sharded_checkpoints_with_identical_weights(tmp_path):
     """epl-launch --max_restarts finishes the job with the uninterrupted weights, with
     ZeRO v1 over 2 workers: each worker writes the optimizer slots it owns into its own
@@ -243,6 +244,7 @@ def test_resume_after_kill_sees_every_sample_once_and_ends_with_identical_weight
         np.testing.assert_array_equal(got, want)
 
 
+@pytest.mark.combines("checkpoint+multi_worker")
 def test_workers_resume_the_checkpoint_the_chief_chose_once_all_can_read_it(
     tmp_path, uninterrupted
 ):

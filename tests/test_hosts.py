@@ -125,6 +125,7 @@ def test_an_unreachable_host_is_named_within_the_watchdog_bound(tmp_path, hosts,
     assert elapsed < TIMEOUT + 30, elapsed
 
 
+@pytest.mark.combines("checkpoint+multi_worker")
 def test_a_job_on_two_hosts_killed_and_restarted_resumes_exactly(tmp_path, hosts, uninterrupted):  # noqa: F811
     """Both workers SIGKILL themselves after step 5 (checkpoints every 2 steps, in a folder
     both hosts see); started again, they resume step 4 on their own halves of the global
@@ -139,6 +140,7 @@ def test_a_job_on_two_hosts_killed_and_restarted_resumes_exactly(tmp_path, hosts
     check_resumed_at_step_4(tmp_path, uninterrupted, attempt=1)
 
 
+@pytest.mark.combines("checkpoint+multi_worker")
 def test_a_scheduler_restarts_an_elastic_job_on_the_surviving_host(tmp_path, hosts):
     """Elastic training without epl-launch, as a scheduler that restarts pods with a new
     TF_CONFIG runs it: 2 workers on 2 hosts with EPL_ELASTIC_MAX_WORKERS=2 and global

@@ -40,6 +40,7 @@ def _data(n=32, scale=1.0):
 
 
 @pytest.mark.parametrize("name", ["mixed_float16", "mixed_bfloat16"])
+@pytest.mark.combines("amp+data_parallel")
 def test_keras_mixed_precision_becomes_the_engines_amp(policy, name):
     policy(name)
     reference, model = _model(), _model()

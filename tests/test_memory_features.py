@@ -50,6 +50,7 @@ def test_grouped_apply_chains_groups_with_control_dependencies():
     assert waits and second_names
 
 
+@pytest.mark.combines("offload+data_parallel")
 def test_offload_matches_keras_and_keeps_parameters_on_the_host():
     x, y = mlp_data()
     reference = mlp()
@@ -85,6 +86,7 @@ def test_memory_report_of_plain_data_parallelism_counts_every_replica():
     assert "parameters" in str(report)
 
 
+@pytest.mark.combines("checkpoint+zero_v1+data_parallel")
 def test_zero_checkpoint_restores_every_shard(tmp_path):
     x, y = mlp_data()
     uninterrupted = mlp()

@@ -73,9 +73,19 @@ def test_the_traced_step_does_not_grow_with_micro_batches():
         (1, {}),
         (2, {}),  # data parallel: each lane loops, the sparse rows are gathered after
         (2, {"communication.sparse_as_dense": True}),
-        (2, {"amp.level": "O1", "amp.dtype": "bfloat16"}),
-        (1, {"gradient_checkpoint.type": "auto"}),
-        (2, {"zero.level": "v0"}),  # sharded optimizer states take the summed gradients
+        pytest.param(
+            2,
+            {"amp.level": "O1", "amp.dtype": "bfloat16"},
+            marks=pytest.mark.combines("amp+data_parallel"),
+        ),
+        pytest.param(
+            1,
+            {"gradient_checkpoint.type": "auto"},
+            marks=pytest.mark.combines("gradient_checkpoint+one_device"),
+        ),
+        pytest.param(  # sharded optimizer states take the summed gradients
+            2, {"zero.level": "v0"}, marks=pytest.mark.combines("zero_v0+data_parallel")
+        ),
     ],
 )
 def test_the_loop_trains_as_the_unrolled_step(devices, config):

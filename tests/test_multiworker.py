@@ -69,6 +69,7 @@ def test_two_stages_per_worker_with_data_parallelism_between_workers(tmp_path):
             np.testing.assert_allclose(weights[w][f"arr_{i}"], value, atol=1e-5)
 
 
+@pytest.mark.combines("tied_weights+pipeline+multi_worker")
 def test_a_tied_weight_in_two_stages_per_worker_with_data_parallelism(tmp_path):
     """Each worker runs one 2-stage pipeline whose stages both use the embedding (tied
     logits): the lane sums the stages' gradients, the workers all-reduce the owner's, the
@@ -122,7 +123,10 @@ def test_evaluate_where_one_worker_has_no_data_then_train(tmp_path):
         np.testing.assert_array_equal(weights[0][key], weights[1][key])
 
 
-@pytest.mark.parametrize("steps_per_execution", [1, 3])
+@pytest.mark.parametrize(
+    "steps_per_execution",
+    [1, pytest.param(3, marks=pytest.mark.combines("steps_per_execution+multi_worker"))],
+)
 def test_a_worker_that_runs_out_first_ends_the_epoch_everywhere(tmp_path, steps_per_execution):
     """Worker 1 has 2 batches, worker 0 has 4: both stop after 2 steps (a warning names
     worker 1) instead of worker 0 waiting in a collective for a partner that never comes.
@@ -140,7 +144,11 @@ def test_a_worker_that_runs_out_first_ends_the_epoch_everywhere(tmp_path, steps_
             np.testing.assert_allclose(weights[f"arr_{i}"], value, atol=1e-5)
 
 
-@pytest.mark.parametrize("zero", ["", "v2"])
+@pytest.mark.parametrize(
+    "zero",
+    ["", pytest.param("v2", marks=pytest.mark.combines("zero_v2+multi_worker+data_parallel"))],
+)
+@pytest.mark.combines("steps_per_execution+multi_worker+data_parallel")
 def test_a_worker_whose_last_batch_is_shorter_trains_with_its_peer(tmp_path, zero):
     """1001 samples sharded over 2 workers, then batched by 167: worker 0's three batches
     are full, worker 1's last one has 166 rows. Its step no longer retraces alone (which

@@ -29,8 +29,16 @@ def _adamw(model, form):
     [
         ("var_names", {"cluster.virtual_devices": 2}),
         ("var_list", {"cluster.virtual_devices": 2}),
-        ("var_list", {"cluster.virtual_devices": 2, "zero.level": "v1"}),
-        ("var_names", {"cluster.virtual_devices": 1, "offload.level": "v0"}),
+        pytest.param(
+            "var_list",
+            {"cluster.virtual_devices": 2, "zero.level": "v1"},
+            marks=pytest.mark.combines("zero_v1+data_parallel"),
+        ),
+        pytest.param(
+            "var_names",
+            {"cluster.virtual_devices": 1, "offload.level": "v0"},
+            marks=pytest.mark.combines("offload+one_device"),
+        ),
     ],
 )
 def test_adamw_exclusions_reach_every_engine_optimizer(form, config):

@@ -473,6 +473,7 @@ def test_check_stage_gradients_runs_each_recomputed_stage():
 
 
 # ------------------------------------------------------------------ the engine
+@pytest.mark.combines("gradient_checkpoint+pipeline")
 def test_engine_trains_to_the_same_weights_with_recompute():
     """Two stages x two micro-batches through the real engine, plain vs
     gradient_checkpoint.type="auto" (with the one-off gradient check), Dropout in both
@@ -606,6 +607,7 @@ if __name__ == "__main__":
 
 
 @pytest.mark.parametrize("from_logits", [True, False])
+@pytest.mark.combines("gradient_checkpoint+one_device")
 def test_recomputed_softmax_classifier_keeps_its_logits_for_the_loss(from_logits):
     """A softmax output carries its logits (`_keras_logits`), from which Keras computes the
     crossentropy. The recompute op dropped them, and the loss applied a second softmax:

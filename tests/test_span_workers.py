@@ -80,6 +80,7 @@ def test_two_stages_on_two_workers_equal_single_device_keras(tmp_path):
     _check_workers(tmp_path / "out", 2, _keras_reference("adam"))
 
 
+@pytest.mark.combines("gradient_checkpoint+pipeline+stages_across_workers")
 def test_one_four_stage_replica_over_two_workers_of_two_devices(tmp_path):
     """Stages 0-1 on worker 0, 2-3 on worker 1, each with gradient checkpointing."""
     result = _launch(
@@ -100,6 +101,7 @@ def test_one_four_stage_replica_over_two_workers_of_two_devices(tmp_path):
     _check_workers(tmp_path / "out", 2, _keras_reference("adam"))
 
 
+@pytest.mark.combines("zero_v1+pipeline+stages_across_workers+data_parallel")
 def test_two_replicas_whose_stages_straddle_the_workers(tmp_path):
     """2 workers x 2 devices, --straddle: replica r = (stage 0 on w0:CPU:r, stage 1 on
     w1:CPU:r): data parallelism between replicas that each span both workers, with ZeRO
@@ -112,6 +114,7 @@ def test_two_replicas_whose_stages_straddle_the_workers(tmp_path):
     _check_workers(tmp_path / "out", 2, _keras_reference("adam", clipnorm=0.05))
 
 
+@pytest.mark.combines("checkpoint+pipeline+stages_across_workers", "checkpoint+one_device")
 def test_workers_started_by_hand_save_a_checkpoint_that_restores_into_one_device(tmp_path):
     """No epl-launch: each process gets only TF_CONFIG, as a Kubernetes training operator
     (TFJob) sets it. SGD, GPipe, 2 stages on the 2 workers; after 3 steps each worker
@@ -208,8 +211,16 @@ def test_kill_of_a_stage_worker_stops_the_other_with_the_named_error(tmp_path, p
 
 
 @pytest.mark.parametrize(
-    ("optimizer", "extra"), [("sgd", []), ("adam", []), ("adam", ["--offload"])]
+    ("optimizer", "extra"),
+    [
+        ("sgd", []),
+        ("adam", []),
+        pytest.param(
+            "adam", ["--offload"], marks=pytest.mark.combines("offload+pipeline+multi_worker")
+        ),
+    ],
 )
+@pytest.mark.combines("zero_v2+pipeline+multi_worker")
 def test_zero_v2_with_stage_groups_across_workers_equals_keras(tmp_path, optimizer, extra):
     """2 workers x 2 devices, 2 stages: replica w on worker w, so each stage's group has
     a member on each worker. ZeRO v2 holds each parameter only as pieces spread over both

@@ -210,6 +210,7 @@ def test_adam_and_clipping_after_allreduce_match_keras():
     assert max_weight_difference(reference, model) < ATOL
 
 
+@pytest.mark.combines("checkpoint+split")
 def test_checkpoint_restores_every_shard_and_its_slots(tmp_path):
     x, y = data()
     model = head_model()
@@ -272,7 +273,14 @@ def test_split_without_colocation_is_refused():
         )
 
 
-@pytest.mark.parametrize("level", ["v0", "v1", "v2"])
+@pytest.mark.parametrize(
+    "level",
+    [
+        pytest.param("v0", marks=pytest.mark.combines("zero_v0+split+data_parallel")),
+        pytest.param("v1", marks=pytest.mark.combines("zero_v1+split+data_parallel")),
+        pytest.param("v2", marks=pytest.mark.combines("zero_v2+split+data_parallel")),
+    ],
+)
 def test_split_with_zero_shards_the_replicated_part(level):
     """8 devices, 2 replicas of width 4, a split head: ZeRO partitions the replicated
     `features` layer over the 8 lanes; each lane updates its own head shard after the
@@ -317,6 +325,7 @@ def test_metrics_other_than_accuracy_on_a_split_output_are_refused():
     assert "sparse_top_k_categorical_accuracy" in message
 
 
+@pytest.mark.combines("amp+split")
 def test_split_head_under_bf16_amp_trains_close_to_float32():
     x, y = data()
     fp32 = head_model()

@@ -50,7 +50,15 @@ def _keras_reference(mode, initial_weights):
 
 @pytest.mark.slow
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("mode", ["dp", "zero1", "span", "subclassed"])
+@pytest.mark.parametrize(
+    "mode",
+    [
+        "dp",
+        pytest.param("zero1", marks=pytest.mark.combines("zero_v1+multi_worker")),
+        "span",
+        "subclassed",
+    ],
+)
 def test_workers_start_from_worker_0_and_train_like_one_process(tmp_path, mode):
     result = run_launch(SCRIPT, tmp_path, 2, 1, "--mode", mode, "--steps", STEPS, timeout=200)
     assert result.returncode == 0, result.stdout + result.stderr

@@ -61,6 +61,7 @@ def train(steps_per_execution, steps_per_epoch=None, epochs=2, rows=96, **config
 
 
 @pytest.mark.parametrize("steps_per_epoch", [None, 6, 4])
+@pytest.mark.combines("steps_per_execution+data_parallel")
 def test_several_steps_per_call_train_exactly_like_one(steps_per_epoch):
     one, _, history_one, log_one = train(1, steps_per_epoch)
     four, trainer, history_four, log_four = train(4, steps_per_epoch)
@@ -83,6 +84,7 @@ def test_several_steps_per_call_train_exactly_like_one(steps_per_epoch):
     assert trainer._engine.program._train_many.experimental_get_tracing_count() == 1
 
 
+@pytest.mark.combines("steps_per_execution+one_device")
 def test_steps_per_execution_comes_from_compile_and_matches_keras():
     x, y = data()
     reference = model()
@@ -164,6 +166,7 @@ def test_split_layers_with_several_steps_per_call_are_refused():
         )
 
 
+@pytest.mark.combines("steps_per_execution+pipeline")
 def test_several_steps_per_call_of_a_pipeline_train_exactly_like_one():
     x, y = data()
     weights = []

@@ -59,6 +59,7 @@ SYNC = {"cluster.virtual_devices": 2, "batch_norm.synchronized": True}
 
 
 @pytest.mark.parametrize("optimizer", sorted(OPTIMIZERS))
+@pytest.mark.combines("sync_batch_norm+data_parallel")
 def test_two_replicas_equal_keras_on_one_device(optimizer):
     """Synchronized: equal to one-device Keras. The default normalises over each
     replica's rows, and differs (so the option is what changes the step)."""
@@ -87,10 +88,22 @@ def test_layer_argument_synchronizes_that_layer():
 @pytest.mark.parametrize(
     "layout",
     [
-        {"zero.level": "v1"},  # lanes emitted in lockstep
-        {"zero.level": "v2"},
-        {"gradient_checkpoint.type": "auto"},  # the recomputed forward reuses the statistics
-        {"offload.level": "v0"},
+        pytest.param(  # lanes emitted in lockstep
+            {"zero.level": "v1"},
+            marks=pytest.mark.combines("sync_batch_norm+zero_v1+data_parallel"),
+        ),
+        pytest.param(
+            {"zero.level": "v2"},
+            marks=pytest.mark.combines("sync_batch_norm+zero_v2+data_parallel"),
+        ),
+        pytest.param(  # the recomputed forward reuses the statistics
+            {"gradient_checkpoint.type": "auto"},
+            marks=pytest.mark.combines("sync_batch_norm+gradient_checkpoint+data_parallel"),
+        ),
+        pytest.param(
+            {"offload.level": "v0"},
+            marks=pytest.mark.combines("sync_batch_norm+offload+data_parallel"),
+        ),
     ],
     ids=lambda layout: "-".join(f"{v}" for v in layout.values()),
 )
@@ -115,6 +128,7 @@ def test_rows_filling_an_odd_batch_do_not_count():
     assert _moving_difference(reference, model) < ATOL
 
 
+@pytest.mark.combines("sync_batch_norm+steps_per_execution+data_parallel")
 def test_steps_per_execution():
     x, y = _data()
     reference, model = _bn_model(), _bn_model()
@@ -154,6 +168,7 @@ def test_micro_batches_normalise_each_micro_batch_across_replicas():
     assert _moving_difference(reference, model) < ATOL
 
 
+@pytest.mark.combines("sync_batch_norm+pipeline+data_parallel")
 def test_pipeline_normalises_over_the_replicas_of_each_stage():
     """BatchNorms in both stages of 2 pipelines (4 devices), 2 micro-batches: each
     stage's layer normalises micro-batch j over its stage's 2 replicas."""
@@ -168,7 +183,24 @@ def test_pipeline_normalises_over_the_replicas_of_each_stage():
 
 @pytest.mark.slow
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("layout", ["data_parallel", "pipelines", "straddle"])
+@pytest.mark.parametrize(
+    "layout",
+    [
+        pytest.param(
+            "data_parallel",
+            marks=pytest.mark.combines("sync_batch_norm+multi_worker+data_parallel"),
+        ),
+        pytest.param(
+            "pipelines", marks=pytest.mark.combines("sync_batch_norm+pipeline+multi_worker")
+        ),
+        pytest.param(
+            "straddle",
+            marks=pytest.mark.combines(
+                "sync_batch_norm+pipeline+stages_across_workers+data_parallel"
+            ),
+        ),
+    ],
+)
 def test_two_workers_of_two_devices_equal_keras_on_one_device(tmp_path, layout):
     """2 worker processes x 2 devices (epl-launch; layouts in tests/scripts/train_sync_bn.py).
     data_parallel: 4 replicas, statistics summed over the lanes of both workers.
@@ -190,6 +222,7 @@ def test_two_workers_of_two_devices_equal_keras_on_one_device(tmp_path, layout):
             np.testing.assert_allclose(saved[f"arr_{i}"], value, atol=ATOL)
 
 
+@pytest.mark.combines("sync_batch_norm+amp+data_parallel")
 def test_mixed_precision_keeps_float32_statistics():
     """AMP (float16 layers, a fixed loss scale): BatchNorm computes its statistics in
     float32 and they are summed over the replicas in float32; measured 6.6e-4 from

@@ -90,7 +90,16 @@ PASSES = {
 }
 
 
-@pytest.mark.parametrize("name", sorted(PASSES))
+@pytest.mark.parametrize(
+    "name",
+    [
+        pytest.param(name, marks=pytest.mark.combines("tied_weights+gradient_checkpoint+pipeline"))
+        if name == "recompute"
+        else name
+        for name in sorted(PASSES)
+    ],
+)
+@pytest.mark.combines("tied_weights+pipeline")
 def test_tied_embedding_with_other_passes_matches_keras(name):
     model, trainer = train("auto", "adam", 2, **PASSES[name])
     if name == "recompute":
@@ -116,11 +125,14 @@ CASES = [
     ("auto", "sgd", 2),
     ("auto", "adam", 2),
     ("auto", "sgd_clipped", 2),
-    ("manual", "adam", 4),  # 2 data-parallel replicas of the 2-stage pipeline
+    pytest.param(  # 2 data-parallel replicas of the 2-stage pipeline
+        "manual", "adam", 4, marks=pytest.mark.combines("tied_weights+pipeline+data_parallel")
+    ),
 ]
 
 
 @pytest.mark.parametrize(("layout", "optimizer", "devices"), CASES)
+@pytest.mark.combines("tied_weights+pipeline")
 def test_tied_embedding_in_two_stages_matches_keras(layout, optimizer, devices):
     model, trainer = train(layout, optimizer, devices)
     assert trainer.plan.num_taskgraphs == 2
@@ -141,6 +153,7 @@ def test_the_tied_weight_moves_in_the_reference():
     assert float(np.abs(trained - initial).max()) > 1e-2
 
 
+@pytest.mark.combines("checkpoint+tied_weights+pipeline")
 def test_checkpoint_round_trip_under_the_pipeline(tmp_path):
     """Saved once (its owner's copy), restored into both stages' copies of a fresh
     trainer: training on from there ends where an uninterrupted run ends."""

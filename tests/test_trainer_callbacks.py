@@ -206,6 +206,7 @@ def _ema_sgd():
     return keras.optimizers.SGD(0.1, use_ema=True, ema_momentum=0.9)
 
 
+@pytest.mark.combines("ema+data_parallel")
 def test_use_ema_and_swap_ema_weights_match_keras():
     """Keras's fit ends with the weights replaced by the optimizer's moving averages, and
     SwapEMAWeights validates on the averages: the same here, from the lanes' averages."""

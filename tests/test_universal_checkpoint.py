@@ -49,6 +49,7 @@ def _resharded_run(tmp_path, make_first, make_second, make_model=mlp, data=mlp_d
     return uninterrupted, resumed_model, manifest
 
 
+@pytest.mark.combines("checkpoint+zero_v1+data_parallel", "checkpoint+pipeline")
 def test_zero_v1_on_4_devices_restores_into_a_2_stage_pipeline_on_2(tmp_path):
     uninterrupted, resumed, manifest = _resharded_run(
         tmp_path,
@@ -77,6 +78,7 @@ def test_zero_v1_on_4_devices_restores_into_a_2_stage_pipeline_on_2(tmp_path):
     assert all(entries[k]["name"].startswith("dense_in/kernel (velocity") for k in velocity)
 
 
+@pytest.mark.combines("checkpoint+pipeline", "checkpoint+one_device")
 def test_2_stage_pipeline_restores_into_1_device(tmp_path):
     uninterrupted, resumed, _ = _resharded_run(
         tmp_path,
@@ -86,6 +88,7 @@ def test_2_stage_pipeline_restores_into_1_device(tmp_path):
     assert max_weight_difference(uninterrupted, resumed) < ATOL
 
 
+@pytest.mark.combines("checkpoint+one_device", "checkpoint+zero_v0+pipeline+data_parallel")
 def test_1_device_restores_into_zero_v0_over_a_2_stage_pipeline_on_4(tmp_path):
     uninterrupted, resumed, _ = _resharded_run(
         tmp_path,
@@ -95,6 +98,7 @@ def test_1_device_restores_into_zero_v0_over_a_2_stage_pipeline_on_4(tmp_path):
     assert max_weight_difference(uninterrupted, resumed) < ATOL
 
 
+@pytest.mark.combines("checkpoint+zero_v2+pipeline+data_parallel", "checkpoint+one_device")
 def test_zero_v2_over_a_2_stage_pipeline_restores_into_1_device(tmp_path):
     """v2 holds the parameters only as pieces: they are saved gathered, as every layout's."""
     uninterrupted, resumed, manifest = _resharded_run(
@@ -106,6 +110,7 @@ def test_zero_v2_over_a_2_stage_pipeline_restores_into_1_device(tmp_path):
     assert manifest["layout"]["zero_level"] == "v2"
 
 
+@pytest.mark.combines("checkpoint+one_device", "checkpoint+zero_v2+data_parallel")
 def test_1_device_restores_into_zero_v2_on_4(tmp_path):
     uninterrupted, resumed, _ = _resharded_run(
         tmp_path,
@@ -115,6 +120,7 @@ def test_1_device_restores_into_zero_v2_on_4(tmp_path):
     assert max_weight_difference(uninterrupted, resumed) < ATOL
 
 
+@pytest.mark.combines("checkpoint+split")
 def test_split_width_4_restores_into_width_2(tmp_path):
     def data():
         return split_data()
@@ -144,6 +150,7 @@ def test_grouped_apply_restores_into_plain_apply(tmp_path):
     assert max_weight_difference(uninterrupted, resumed) < ATOL
 
 
+@pytest.mark.combines("checkpoint+offload+data_parallel", "checkpoint+zero_v1+data_parallel")
 def test_offload_restores_into_zero_v1(tmp_path):
     uninterrupted, resumed, _ = _resharded_run(
         tmp_path,
@@ -165,6 +172,7 @@ OPTIMIZERS = {
 
 
 @pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+@pytest.mark.combines("checkpoint+zero_v1+data_parallel")
 def test_every_optimizers_slots_move_from_zero_shards_to_groups(tmp_path, name):
     uninterrupted, resumed, manifest = _resharded_run(
         tmp_path,
@@ -339,6 +347,7 @@ def test_adafactor_checkpoint_continues_like_the_uninterrupted_run_on_2_devices(
     _assert_factored_entries(manifest)
 
 
+@pytest.mark.combines("checkpoint+zero_v1+data_parallel")
 def test_adafactor_checkpoint_under_zero_v1_continues_like_the_uninterrupted_run(tmp_path):
     """ZeRO gives Adafactor's variables whole to one replica (its update is not
     element-wise): the owner writes their factored moments and restores them."""

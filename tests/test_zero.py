@@ -22,13 +22,33 @@ ATOL = 1e-5
 PARITY_STAGES = {"conv|embed|pool_.*|concat": 0, "hidden|norm|logits": 1}
 
 
+# What each case runs together (the README's features x modes table): 4 replicas, or 2
+# replicas of 2 stages; offload where it is on.
+COMBINES = {
+    ("v0", "data_parallel"): pytest.mark.combines("zero_v0+data_parallel"),
+    ("v1", "data_parallel"): pytest.mark.combines("zero_v1+data_parallel"),
+    ("v2", "data_parallel"): pytest.mark.combines("zero_v2+data_parallel"),
+    ("v0", "2_stages"): pytest.mark.combines("zero_v0+pipeline+data_parallel"),
+    ("v1", "2_stages"): pytest.mark.combines("zero_v1+pipeline+data_parallel"),
+    ("v2", "2_stages"): pytest.mark.combines("zero_v2+pipeline+data_parallel"),
+    ("offload", "data_parallel"): pytest.mark.combines("offload+data_parallel"),
+    ("offload", "2_stages"): pytest.mark.combines("offload+pipeline+data_parallel"),
+}
+
 # level x {data parallel, 2 stages} with 2 micro-batches, with and without offload; and
 # data parallel with one micro-batch (no accumulation). Trimmed for the suite's time, as
 # they repeated the same paths: offload with one micro-batch; a pipeline of one micro-batch;
 # offload over 2 stages for v0 and v1 (v2's, where the host holds the only copy of the
 # parameters, stays).
 PARITY_CASES = [
-    pytest.param(level, micro, stages, offload, id=f"{level}-{micro}-{where}-{name}")
+    pytest.param(
+        level,
+        micro,
+        stages,
+        offload,
+        id=f"{level}-{micro}-{where}-{name}",
+        marks=[COMBINES[level, where], *([COMBINES["offload", where]] if offload else [])],
+    )
     for level in ("v0", "v1", "v2")
     for micro in (1, 2)
     for where, stages in (("data_parallel", None), ("2_stages", PARITY_STAGES))
@@ -77,11 +97,20 @@ def test_zero_matches_keras(level, num_micro_batch, stages, offload):
         {"optimizer.num_apply_group": 3},
         {"communication.fp16": True, "communication.max_splits": 3},
         {"communication.clip_after_allreduce": False},
-        {"gradient_checkpoint.type": "auto"},
+        pytest.param(
+            {"gradient_checkpoint.type": "auto"},
+            marks=pytest.mark.combines("gradient_checkpoint+data_parallel"),
+        ),
     ],
     ids=["grouped_apply", "fp16_wire_buckets", "clip_before_reduction", "recompute"],
 )
-@pytest.mark.parametrize("level", ["v1", "v2"])
+@pytest.mark.parametrize(
+    "level",
+    [
+        pytest.param("v1", marks=pytest.mark.combines("zero_v1+data_parallel")),
+        pytest.param("v2", marks=pytest.mark.combines("zero_v2+data_parallel")),
+    ],
+)
 def test_zero_combines_with(level, config):
     """Grouped apply (groups of pieces, chained), gradients on the float16 wire in several
     buckets, global-norm clipping before the reduction (EPL's default: gradients then
