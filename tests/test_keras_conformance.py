@@ -14,8 +14,8 @@ when it was recorded with the installed keras version (`python -m keras_conforma
 either way).
 
 The assertion: every test that passes on plain Keras passes routed, except those listed
-in `keras_conformance/exceptions.py` with their reason (the README lists them too); a
-listed test that now passes must leave the list (unless its outcome depends on the
+in `keras_conformance/exceptions.py` with their reason (docs/reference/keras-conformance.md
+too); a listed test that now passes must leave the list (unless its outcome depends on the
 random initial weights, `exceptions.SEED_DEPENDENT`). The table of routed / plain passes per
 file and the failures grouped by their first error line are printed (run with `-s`).
 """
