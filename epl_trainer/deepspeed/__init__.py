@@ -1,7 +1,7 @@
 """DeepSpeed-style JSON configs for EPLTrainer.
 
 `EPLTrainer(model, ..., config="ds_config.json")` recognises a DeepSpeed config and
-translates it (see `translate.py` for the steps and `README.md` for the key table)::
+translates it (see `translate.py` for the steps and docs/guides/deepspeed.md for the key table)::
 
     from epl_trainer import deepspeed
 

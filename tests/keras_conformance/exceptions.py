@@ -1,7 +1,7 @@
 """Keras tests that pass on plain Keras but not routed through EPLTrainer, with the reason.
 
-`EXCEPTIONS[reason] = (layouts, node ids)`; layouts "*" means every layout. The README's
-"Keras's own tests" section lists the same reasons. A test listed here that passes routed
+`EXCEPTIONS[reason] = (layouts, node ids)`; layouts "*" means every layout.
+docs/reference/keras-conformance.md lists the same reasons. A test listed here that passes routed
 must be taken off (test_keras_conformance.py checks both ways).
 """
 

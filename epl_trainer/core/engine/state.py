@@ -6,7 +6,7 @@ replica: with `replicate(n)` a replica has n lanes that split its micro-batch (E
 semantics), so every lane holds a full copy of each stage's variables on that stage's
 device. Gradients of a stage are reduced over the lane copies of the whole job.
 
-Non-trainable state rule (documented in the README):
+Non-trainable state rule (documented in docs/reference/semantics.md):
 * floating-point non-trainable variables (BatchNorm moving statistics) are averaged over
   all lanes after every step, so every copy stays identical;
 * random-seed state (Keras `SeedGenerator`) is per lane and offset by the lane's global
