@@ -183,9 +183,9 @@ MODE_RUNS = [
         ),
     ),
     pytest.param(
-        "saw_zero_v2",
+        "saw_zero_v2_amp",
         marks=pytest.mark.combines(
-            "zero_v2+steps_per_execution+pipeline+stages_across_workers+data_parallel"
+            "zero_v2+amp+steps_per_execution+pipeline+stages_across_workers+data_parallel"
         ),
     ),
     pytest.param(

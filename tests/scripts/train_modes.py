@@ -36,8 +36,8 @@ RUNS = {
         steps_per_execution=2,
     ),
     "mw_jit_ema": dict(layout="multi_worker", jit_compile=True, ema=True, steps_per_execution=2),
-    "saw_zero_v2": dict(
-        layout="stages_across_workers", config={"zero.level": "v2"}, steps_per_execution=2
+    "saw_zero_v2_amp": dict(
+        layout="stages_across_workers", config={"zero.level": "v2", **AMP}, steps_per_execution=2
     ),
     "saw_zero_v0_jit": dict(
         layout="stages_across_workers",

@@ -102,12 +102,24 @@ class Boundaries:
                 for key, x in input_values.items()
             }
             for stage in self.staged.stages:
-                outputs = stage.model.compute_output_spec(
-                    self.staged.stage_arguments(stage, values)
-                )
+                outputs = _output_spec(stage.model, self.staged.stage_arguments(stage, values))
                 values.update(self.staged.stage_results(stage, outputs))
             self._specs[signature] = values
         return self._specs[signature]
+
+
+def _output_spec(model, arguments):
+    """The stage model's outputs, each with the dtype its layer computes in.
+
+    A functional model's `compute_output_spec` gives every output the model's own compute
+    dtype: float32 under AMP, where a mixed layer's output is float16, so a receiver would
+    build a float32 half for a float16 tensor. Running the graph op by op gives each
+    layer's own spec.
+    """
+    run = getattr(model, "_run_through_graph", None)
+    if run is None:  # not a functional model: its own spec is its outputs'
+        return model.compute_output_spec(arguments)
+    return run(model._standardize_inputs(arguments), operation_fn=lambda op: op.compute_output_spec)
 
 
 class LaneBoundaries:
