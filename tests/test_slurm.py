@@ -84,9 +84,13 @@ def test_two_tasks_of_a_job_step_train_as_two_workers(tmp_path):
     outputs = [task.communicate(timeout=200)[0] for task in tasks]
     assert [task.returncode for task in tasks] == [0, 0], "\n".join(outputs)
     assert "worker 0/2 devices=1" in outputs[0], outputs[0]
+    _assert_single_process_weights(tmp_path, workers=2)
+
+
+def _assert_single_process_weights(out, workers: int) -> None:
     expected = _single_process_weights()
-    for rank in range(2):
-        weights = np.load(tmp_path / f"weights_{rank}.npz")
+    for rank in range(workers):
+        weights = np.load(out / f"weights_{rank}.npz")
         for i, value in enumerate(expected):
             np.testing.assert_allclose(weights[f"arr_{i}"], value, atol=1e-5)
 
@@ -195,8 +199,4 @@ def test_epl_launch_under_srun_on_two_hosts_trains_as_one_job(tmp_path):
                     p.communicate()
     assert [p.returncode for p in launchers] == [0, 0], "\n".join(outputs)
     assert "Slurm step: node 1 of ['10.77.0.1', '10.77.0.2']" in outputs[1], outputs[1]
-    expected = _single_process_weights()
-    for rank in range(2):
-        weights = np.load(tmp_path / f"weights_{rank}.npz")
-        for i, value in enumerate(expected):
-            np.testing.assert_allclose(weights[f"arr_{i}"], value, atol=1e-5)
+    _assert_single_process_weights(tmp_path, workers=2)
