@@ -334,7 +334,8 @@ def test_enums_are_case_insensitive_and_normalised(key, value, canonical):
 def test_bad_enum_lists_allowed_values():
     with pytest.raises(
         ConfigError,
-        match=r"'pipeline.strategy' must be one of \['PreferBackward', 'PreferForward'\] "
+        match=r"'pipeline.strategy' must be one of "
+        r"\['PreferBackward', 'PreferForward', 'ZeroBubbleH1'\] "
         r".*Received: 'Interleaved'",
     ):
         make({"pipeline.strategy": "Interleaved"})

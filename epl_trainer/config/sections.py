@@ -107,8 +107,9 @@ class PipelineConfig(_Section):
     num_stages: int | None = _optional_int(None, "Stage count for automatic pipelines.", minimum=1)
     strategy: str = _enum(
         "PreferBackward",
-        "Schedule: backward first (like PipeDream) or forward first (like GPipe).",
-        choices=("PreferBackward", "PreferForward"),
+        "Schedule: backward first (like PipeDream), forward first (like GPipe), or ZB-H1 "
+        "(zero bubble: backward split into input and weight gradients).",
+        choices=("PreferBackward", "PreferForward", "ZeroBubbleH1"),
     )
 
 

@@ -3,7 +3,8 @@
 A lane is one device per stage (see state.py). Each (stage, micro-batch) forward is a
 stateless call of the stage's sub-model recorded by its own tape; each backward is that
 tape's `gradient()` called under the stage's device, with the gradients of the stage's
-outputs routed back by tensor key. The schedule (schedule.py: GPipe or 1F1B) is data;
+outputs routed back by tensor key; a zero-bubble schedule's W runs the part of that call
+only the weight gradients need (split_backward.py). The schedule (schedule.py) is data;
 here it becomes control dependencies: every task of a stage waits for the previous task
 of the same stage, so the runtime follows the schedule and frees a micro-batch's
 activations as soon as its backward has run.
@@ -18,8 +19,9 @@ import tensorflow as tf
 from keras import tree
 
 from epl_trainer.core.engine import objective as objective_lib
+from epl_trainer.core.engine.pipeline.split_backward import release, split_gradient
 from epl_trainer.core.graph.partition import StagedModel
-from epl_trainer.core.plan.schedule import FORWARD, Task
+from epl_trainer.core.plan.schedule import BACKWARD, FORWARD, WEIGHT, Task
 
 
 @dataclasses.dataclass
@@ -70,6 +72,8 @@ class MicroBatch:
     data_share: tf.Tensor | None = None
     data_estimate: tf.Tensor | None = None
     runs: dict = dataclasses.field(default_factory=dict)  # stage -> _StageRun
+    # A split backward's W: stage -> (its _StageRun, split_backward.PendingWeights)
+    pending_weights: dict = dataclasses.field(default_factory=dict)
     upstream: dict = dataclasses.field(default_factory=dict)  # key -> gradient of the loss
     # Reported: [the loss plus every stage's auxiliary losses, the micro-batch's share of
     # the step's rows, each output's own loss] (program.py's `_update_loss_trackers`).
@@ -137,6 +141,7 @@ class LaneExecutor:
         self.sparse_gradients = sparse_gradients
         self.embedding_tables = embedding_tables
         self.num_stages = len(staged.stages)
+        self.splits_backward = any(task.kind == WEIGHT for _, task in order)
 
     def run(self, parts: list, non_trainable: list, rows, task_scope=None):
         """Emits every task of the schedule for this lane.
@@ -177,15 +182,20 @@ class LaneExecutor:
                 with tf.name_scope(name + "_remote"):
                     if task.kind == FORWARD:
                         self.boundaries.forward_receives(stage, mb.values)
-                    else:
+                    elif task.kind == BACKWARD:  # a W sends nothing
                         self.boundaries.gradient_receives(stage, mb.values, mb.upstream)
                 yield stage, task
                 continue
             with tf.name_scope(name), tf.control_dependencies(after):
                 if task.kind == FORWARD:
                     previous[stage] = self._forward(stage, mb, non_trainable)
+                elif task.kind == WEIGHT:
+                    previous[stage] = self._weights(stage, mb, grads, after)
                 else:
-                    previous[stage] = self._backward(stage, mb, grads)
+                    # B of stage 0 in a split backward computes nothing (no input
+                    # gradient): the stage's next task then waits for the one before it.
+                    markers = self._backward(stage, mb, grads, self.splits_backward)
+                    previous[stage] = markers or after
             wait_for = yield stage, task
             if wait_for:
                 previous[stage] = list(previous[stage]) + list(wait_for)
@@ -379,7 +389,11 @@ class LaneExecutor:
             self._read_values[k] = [v.value for v in self.stage_variables[k]]
         return self._read_values[k]
 
-    def _backward(self, k: int, mb: MicroBatch, grads: list) -> list:
+    def _backward(self, k: int, mb: MicroBatch, grads: list, split: bool = False) -> list:
+        """The backward of (stage k, micro-batch): the inputs' gradients go upstream; the
+        weights' are accumulated here, or (`split`: B of a zero-bubble schedule) left
+        for `_weights` with the ops only they need held back. Returns the tensors the
+        stage's next task waits for."""
         run = mb.runs.pop(k)  # drop the tape's Python references once used
         with tf.device(self.devices[k]):
             targets, output_gradients = [], []
@@ -393,41 +407,56 @@ class LaneExecutor:
             float_inputs = [
                 (key, x) for key, x in zip(run.input_keys, run.inputs) if x.dtype.is_floating
             ]
-            with self.hooks.batch_statistics.backward(self.position, k, mb.index, mb.mask):
-                computed = run.tape.gradient(
+
+            def compute():
+                return run.tape.gradient(
                     targets,
                     run.variables + [x for _, x in float_inputs],
                     output_gradients=output_gradients,
                     unconnected_gradients=tf.UnconnectedGradients.ZERO,
                 )
-            keep_slices = self.sparse_gradients
-            computed = [
-                g
-                if keep_slices and position < len(run.variables) and _is_slices(g)
-                else tf.convert_to_tensor(g)
-                for position, g in enumerate(computed)
-            ]
-            computed = [
-                _with_variable_shape(g, run.variables[position].shape)
-                if position < len(run.variables)
-                else g
-                for position, g in enumerate(computed)
-            ]
-            sink, handed = self.hooks.gradient_sink, {}
-            variable_grads = computed[: len(run.variables)]
-            if run.positions is not None:
-                variable_grads = self._by_position(k, run.positions, variable_grads)
-            for i, g in zip(self.trainable_idx[k], variable_grads):
-                if sink is not None and i in sink.covered and not _is_slices(g):
-                    handed[i] = g  # reduced per micro-batch (ZeRO v1), never accumulated
-                else:
-                    grads[i] = g if grads[i] is None else accumulate(grads[i], g)
-            if handed:
-                sink.add(self.position, k, handed)
-            for (key, _), g in zip(float_inputs, computed[len(run.variables) :]):
+
+            with self.hooks.batch_statistics.backward(self.position, k, mb.index, mb.mask):
+                input_grads, pending = split_gradient(compute, len(run.variables), split)
+            input_grads = [tf.convert_to_tensor(g) for g in input_grads]
+            for (key, _), g in zip(float_inputs, input_grads):
                 mb.upstream[key] = g if key not in mb.upstream else mb.upstream[key] + g
         if self.boundaries is not None:
             self.boundaries.gradient_sends(k, mb.values, mb.upstream)
+        if split:
+            mb.pending_weights[k] = (run, pending)
+            return input_grads
+        with tf.device(self.devices[k]):
+            return self._weight_gradients(k, mb, run, pending.gradients, grads) + input_grads
+
+    def _weights(self, k: int, mb: MicroBatch, grads: list, after: list) -> list:
+        """W of a split backward: the held-back ops run after the stage's previous task."""
+        run, pending = mb.pending_weights.pop(k)
+        release(pending, after)
+        with tf.device(self.devices[k]):
+            return self._weight_gradients(k, mb, run, pending.gradients, grads)
+
+    def _weight_gradients(self, k: int, mb: MicroBatch, run, computed: list, grads: list):
+        """Accumulates one (stage, micro-batch)'s weight gradients into `grads`, or hands
+        them to the gradient sink (ZeRO v1); returns them."""
+        keep_slices = self.sparse_gradients
+        computed = [
+            _with_variable_shape(
+                g if keep_slices and _is_slices(g) else tf.convert_to_tensor(g), v.shape
+            )
+            for g, v in zip(computed, run.variables)
+        ]
+        sink, handed = self.hooks.gradient_sink, {}
+        variable_grads = computed
+        if run.positions is not None:
+            variable_grads = self._by_position(k, run.positions, variable_grads)
+        for i, g in zip(self.trainable_idx[k], variable_grads):
+            if sink is not None and i in sink.covered and not _is_slices(g):
+                handed[i] = g  # reduced per micro-batch (ZeRO v1), never accumulated
+            else:
+                grads[i] = g if grads[i] is None else accumulate(grads[i], g)
+        if handed:
+            sink.add(self.position, k, handed)
         return computed
 
     def _by_position(self, k: int, positions: list, gradients: list) -> list:

@@ -1,0 +1,179 @@
+"""ZB-H1 ("ZeroBubbleH1"): the backward split into B (input gradients) and W (weight
+gradients) trains to 1F1B's weights, alone and with every mode that combines with
+pipelines; the step holds W's ops back to W's place in the schedule and builds the
+backward once.
+
+Tolerance 1e-6: the weights after 3 steps; the schedules accumulate in the same order,
+so only fused kernels' rounding may differ (observed <= ~1e-7).
+"""
+
+import itertools
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+from _models import LOSS
+
+import epl_trainer as epl
+from epl_trainer.core.plan import schedule as schedule_lib
+
+ATOL = 1e-6
+STAGE_MAPS = {
+    2: {"block_0|block_1": 0, "block_2|skip_add|norm|head": 1},
+    3: {"block_0": 0, "block_1|block_2": 1, "skip_add|norm|head": 2},
+}
+
+
+def skip_model(seed=3):
+    """Dense layers with a skip connection that crosses a stage (3 stages)."""
+    keras.utils.set_random_seed(seed)
+    inputs = keras.Input((8,), name="x")
+    h0 = keras.layers.Dense(16, activation="tanh", name="block_0")(inputs)
+    h1 = keras.layers.Dense(16, activation="relu", name="block_1")(h0)
+    h2 = keras.layers.Dense(16, activation="tanh", name="block_2")(h1)
+    joined = keras.layers.Add(name="skip_add")([h2, h0])
+    h3 = keras.layers.LayerNormalization(name="norm")(joined)
+    return keras.Model(inputs, keras.layers.Dense(3, name="head")(h3))
+
+
+def _data(batch):
+    rng = np.random.default_rng(7)
+    n = 3 * batch
+    return rng.normal(size=(n, 8)).astype("float32"), rng.integers(0, 3, n).astype("int32")
+
+
+def _trainer(strategy, stages, devices, num_micro_batch, optimizer="sgd", **config):
+    model = skip_model()
+    make = {"sgd": lambda: keras.optimizers.SGD(0.1), "adam": lambda: keras.optimizers.Adam(0.01)}
+    jit = config.pop("jit_compile", None)
+    trainer = epl.EPLTrainer(
+        model,
+        LOSS,
+        make[optimizer](),
+        stages=STAGE_MAPS[stages],
+        jit_compile=jit,
+        config={
+            "cluster.virtual_devices": devices,
+            "pipeline.num_micro_batch": num_micro_batch,
+            "pipeline.strategy": strategy,
+            **config,
+        },
+    )
+    return trainer, model
+
+
+def _weights_after_fit(strategy, stages, devices, num_micro_batch, batch, **kwargs):
+    trainer, model = _trainer(strategy, stages, devices, num_micro_batch, **kwargs)
+    x, y = _data(batch)
+    trainer.fit(x, y, batch_size=batch, steps_per_epoch=3, verbose=0, shuffle=False)
+    return model.get_weights(), trainer
+
+
+def _assert_as_one_f_one_b(stages, devices, num_micro_batch, batch, **kwargs):
+    reference, _ = _weights_after_fit(
+        "PreferBackward", stages, devices, num_micro_batch, batch, **kwargs
+    )
+    weights, trainer = _weights_after_fit(
+        "ZeroBubbleH1", stages, devices, num_micro_batch, batch, **kwargs
+    )
+    assert trainer._engine.program.schedule == schedule_lib.zero_bubble_h1_schedule(
+        stages, num_micro_batch
+    )
+    initial = skip_model().get_weights()
+    assert max(float(np.abs(a - b).max()) for a, b in zip(weights, initial)) > 1e-3  # trained
+    difference = max(float(np.abs(a - b).max()) for a, b in zip(weights, reference))
+    assert difference < ATOL, difference
+    return trainer
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adam"])
+@pytest.mark.parametrize(
+    ("stages", "num_micro_batch", "batch"),
+    [(2, 4, 16), (3, 5, 15), (2, 1, 16)],  # 5 micro-batches on 3 stages; one micro-batch
+)
+def test_zero_bubble_h1_trains_as_one_f_one_b(stages, num_micro_batch, batch, optimizer):
+    _assert_as_one_f_one_b(stages, stages, num_micro_batch, batch, optimizer=optimizer)
+
+
+@pytest.mark.parametrize(
+    "level",
+    [
+        pytest.param("v1", marks=pytest.mark.combines("zero_v1+pipeline+data_parallel")),
+        pytest.param("v2", marks=pytest.mark.combines("zero_v2+pipeline+data_parallel")),
+    ],
+)
+def test_zero_bubble_h1_with_zero(level):
+    # 2 replicas of 2 stages; v1 reduce-scatters each micro-batch's gradients at its W.
+    _assert_as_one_f_one_b(2, 4, 4, 16, optimizer="adam", **{"zero.level": level})
+
+
+@pytest.mark.combines("amp+pipeline")
+def test_zero_bubble_h1_with_amp():
+    _assert_as_one_f_one_b(2, 2, 4, 16, **{"amp.level": "O1", "amp.dtype": "bfloat16"})
+
+
+@pytest.mark.combines("gradient_checkpoint+pipeline")
+def test_zero_bubble_h1_with_gradient_checkpointing():
+    trainer = _assert_as_one_f_one_b(3, 3, 5, 15, **{"gradient_checkpoint.type": "auto"})
+    assert trainer._engine.program.recomputed  # the stages did run as recomputed segments
+
+
+@pytest.mark.combines("jit_compile+pipeline")
+def test_zero_bubble_h1_with_xla_stages():
+    # A compiled stage's backward is one op: it runs whole at B (nothing to hold back).
+    _assert_as_one_f_one_b(2, 2, 4, 16, jit_compile=True)
+
+
+# ----------------------------------------------------------------- the built step
+def _graph(trainer, batch):
+    x, y = _data(batch)
+    dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(batch)
+    trainer.fit(dataset, steps_per_epoch=1, verbose=0)
+    return trainer._engine.program.train_on_iterator.get_concrete_function(iter(dataset)).graph
+
+
+def _of_task(op_name: str, stage: int, task) -> bool:
+    scope = f"lane0_stage{stage}_{task}/"
+    forward = f"gradient_tape/lane0_stage{stage}_F{task.micro_batch}/"
+    return op_name.startswith(scope) or (task.kind != schedule_lib.FORWARD and forward in op_name)
+
+
+def test_weight_gradients_wait_for_their_place_in_the_schedule():
+    trainer, _ = _trainer("ZeroBubbleH1", 2, 2, 4)
+    graph = _graph(trainer, 16)
+    gates = [op for op in graph.get_operations() if "weight_gradients_after_previous" in op.name]
+    # One gate per W of a stage that has weight-only ops (stage 0 has no input gradient,
+    # so its whole backward waits for W; stage 1 holds back x^T dy and the bias sums).
+    assert len(gates) == 2 * 4
+    by_name = {op.name: op for op in graph.get_operations()}
+    for stage, tasks in enumerate(trainer._engine.program.schedule):
+        for position, (before, task) in enumerate(itertools.pairwise(tasks)):
+            if task.kind != schedule_lib.WEIGHT:
+                continue
+            if stage == 0 and before.kind == schedule_lib.BACKWARD:
+                before = tasks[position - 1]  # stage 0's B computes nothing to wait for
+            (gate,) = [g for g in gates if g.name.startswith(f"lane0_stage{stage}_{task}/")]
+            held = [op for op in by_name.values() if gate in op.control_inputs]
+            assert held, (stage, task)
+            # The gate waits for the stage's previous task, whatever it is (F, B or W);
+            # gradient ops are named after the forward they differentiate.
+            names = [c.name for c in gate.control_inputs]
+            assert names and all(_of_task(name, stage, before) for name in names), names
+            if stage == 1:  # x^T dy and the bias sums read only B's activation gradients
+                assert {"MatMul", "BiasAddGrad"} <= {op.type for op in held}
+
+
+def test_the_backward_is_built_once():
+    """The split adds one gate per W and computes nothing twice: the same MatMuls as 1F1B
+    (two `tape.gradient` calls per (stage, micro-batch) would add the activation
+    gradients' MatMuls again)."""
+    counts = {}
+    for strategy in ("PreferBackward", "ZeroBubbleH1"):
+        trainer, _ = _trainer(strategy, 2, 2, 4)
+        graph = _graph(trainer, 16)
+        ops = graph.get_operations()
+        counts[strategy] = (len(ops), sum(op.type == "MatMul" for op in ops))
+    (ops_1f1b, matmuls_1f1b), (ops_zb, matmuls_zb) = counts.values()
+    assert matmuls_zb == matmuls_1f1b
+    assert ops_1f1b <= ops_zb <= ops_1f1b + 2 * 4  # + one gate per W
