@@ -19,9 +19,11 @@ holds a link to configs/ (the pages' commands are written for the repository roo
 the repository on PYTHONPATH and no EPL_* or TF_CONFIG variables.
 """
 
+import contextlib
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -133,20 +135,30 @@ def test_page_runs(page, tmp_path):
     steps_file = tmp_path / "steps.json"
     steps_file.write_text(json.dumps([name(page), session(page)]))
     start = time.perf_counter()
-    result = subprocess.run(
+    # A session of its own: on a timeout the whole group goes, the workers a page's
+    # bash block started included (a worker waiting for a peer in epl.init ignores SIGTERM).
+    process = subprocess.Popen(
         [sys.executable, "-c", DRIVER, str(steps_file)],
         cwd=tmp_path,
         env=page_env(),
-        capture_output=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
         text=True,
-        timeout=PAGE_TIMEOUT_SECONDS,
+        start_new_session=True,
     )
+    try:
+        stdout, stderr = process.communicate(timeout=PAGE_TIMEOUT_SECONDS)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        stdout, stderr = process.communicate()
+        pytest.fail(f"{name(page)} ran over {PAGE_TIMEOUT_SECONDS} s:\n{stdout[-6000:]}")
+    finally:
+        with contextlib.suppress(ProcessLookupError):  # what a block left running
+            os.killpg(process.pid, signal.SIGKILL)
     seconds = time.perf_counter() - start
     ran = sum(s["kind"] != "file" for s in session(page))
     print(f"{name(page)}: {ran} blocks in {seconds:.1f} s")
-    assert result.returncode == 0, (
-        f"{name(page)} failed:\n{result.stdout[-6000:]}\n{result.stderr[-6000:]}"
-    )
+    assert process.returncode == 0, f"{name(page)} failed:\n{stdout[-6000:]}\n{stderr[-6000:]}"
 
 
 def test_every_block_is_run_or_shown():
