@@ -1,7 +1,7 @@
 """Pipeline speed with one process per stage, each on its own core, against one core.
 
 Usage: python bench/pipeline_procs.py [--steps 10] [--warmup 3] [--batch 2048] [--width 1024]
-                                      [--micro_batches 1,2,4,8] [--schedules 1F1B,GPipe]
+                                      [--micro_batches 4,8] [--schedules 1F1B,ZB-H1,GPipe]
                                       [--quick]
 
 Two stages, each in its own worker process (TF_CONFIG on 127.0.0.1, one logical device
@@ -26,6 +26,16 @@ Every process times its steps with `time.perf_counter` at each batch end (after 
 that traces the step) and `time.process_time` (CPU seconds of all its threads): "busy" is
 a worker's CPU time over the wall time of the timed steps; with equal stages and free
 transfers it would be m/(m+S-1).
+
+The schedule table: each worker also times every task of its stage in the graph
+(`pipeline.TaskClock`: a `tf.timestamp` at the task's start, once the stage's previous
+task and its inputs are there, and at its end). Per timed step, the measured bubble is
+1 - (the tasks' time summed over both stages) / (2 x (last end - first start)), next to
+the formula with equal F, B, W costs (`schedule.bubble_fraction`); the table gives its
+mean over the timed steps. Peak memory per stage: the allocator's peak over the timed
+steps (`tf.config.experimental.get_memory_info`, reset after the warm-up; each process
+holds one stage), and that peak above the memory held at the reset (weights, optimizer
+state), which is what the schedule changes: activations and gradients.
 """
 
 import argparse
@@ -42,7 +52,8 @@ sys.path.insert(0, REPO)
 
 STAGES = 2
 LAYERS_PER_STAGE = 4
-SCHEDULES = {"1F1B": "PreferBackward", "GPipe": "PreferForward"}  # pipeline.strategy
+# pipeline.strategy
+SCHEDULES = {"1F1B": "PreferBackward", "GPipe": "PreferForward", "ZB-H1": "ZeroBubbleH1"}
 PROCESS_TIMEOUT = 600  # seconds for one child process (start, trace, warm-up and steps)
 
 
@@ -52,9 +63,11 @@ def parse_args():
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps first (tracing)")
     parser.add_argument("--batch", type=int, default=2048, help="global batch")
     parser.add_argument("--width", type=int, default=1024)
-    parser.add_argument("--micro_batches", default="1,2,4,8")
+    parser.add_argument("--micro_batches", default="4,8")
     parser.add_argument(
-        "--schedules", default="1F1B,GPipe", help="pipeline.strategy: 1F1B, GPipe or both"
+        "--schedules",
+        default="1F1B,ZB-H1",
+        help="pipeline.strategy: a comma-separated subset of 1F1B, ZB-H1, GPipe",
     )
     parser.add_argument("--inter_op", type=int, default=2, help="inter-op threads per process")
     parser.add_argument(
@@ -136,18 +149,29 @@ def make_dataset(args):
     return dataset.cache().repeat().prefetch(1)
 
 
-def timed_fit(fit, args) -> dict:
-    """Runs `fit(callbacks, steps)` over warm-up + timed steps; times the timed ones."""
+def timed_fit(fit, args, task_clock=None) -> dict:
+    """Runs `fit(callbacks, steps)` over warm-up + timed steps; times the timed ones.
+    With `task_clock` (a worker), also each timed step's task times and the peak memory."""
     import keras
+    import tensorflow as tf
 
-    wall, cpu = [], []
+    wall, cpu, tasks, memory = [], [], [], {}
 
     class StepClock(keras.callbacks.Callback):
         def on_train_batch_end(self, batch, logs=None):
             wall.append(time.perf_counter())
             cpu.append(time.process_time())
+            if task_clock is None:
+                return
+            if batch >= args.warmup:
+                tasks.append([(s, str(t), a, b) for s, t, a, b in task_clock.read()])
+            if batch == args.warmup - 1:  # the warm-up traced and built everything
+                memory["held"] = tf.config.experimental.get_memory_info("CPU:0")["current"]
+                tf.config.experimental.reset_memory_stats("CPU:0")
 
     fit([StepClock()], args.warmup + args.steps)
+    if task_clock is not None:
+        memory["peak"] = tf.config.experimental.get_memory_info("CPU:0")["peak"]
     first, last = args.warmup - 1, args.warmup + args.steps - 1
     seconds = wall[last] - wall[first]
     return {
@@ -155,6 +179,8 @@ def timed_fit(fit, args) -> dict:
         "step_ms": 1e3 * seconds / args.steps,
         "busy": (cpu[last] - cpu[first]) / seconds,
         "cpu_ms_per_step": 1e3 * (cpu[last] - cpu[first]) / args.steps,
+        "tasks": tasks,
+        **memory,
     }
 
 
@@ -174,6 +200,7 @@ def run_worker(args) -> None:
     import keras
 
     import epl_trainer as epl
+    from epl_trainer.core.engine.pipeline import TaskClock
 
     (num_micro_batch,), (schedule,) = args.micro_batches, args.schedules
     env = epl.init(
@@ -186,11 +213,14 @@ def run_worker(args) -> None:
         stages={f"s{s}_.*": s for s in range(STAGES)},
     )
     dataset = make_dataset(args)  # data_shards is 1: both workers read the global batch
+    # The clock goes into the step's hooks after the engine is built, before its first trace.
+    clock = TaskClock()
+    trainer._ensure_engine_for(dataset).program.hooks.task_clock = clock
 
     def fit(callbacks, steps):
         trainer.fit(dataset, epochs=1, steps_per_epoch=steps, callbacks=callbacks, verbose=0)
 
-    result = timed_fit(fit, args)
+    result = timed_fit(fit, args, clock)
     result.update(
         thread_settings(),
         worker=env.cluster.worker_index,
@@ -401,6 +431,49 @@ def print_tables(args, single: dict, pipelines: dict) -> None:
     print_table(header, widths, rows)
 
 
+def measured_bubble(workers: list) -> float:
+    """The mean over timed steps of 1 - busy / (stages x span), from both workers' tasks."""
+    bubbles = []
+    for step in zip(*(w["tasks"] for w in workers)):
+        tasks = [task for worker_tasks in step for task in worker_tasks]
+        busy = sum(end - start for _, _, start, end in tasks)
+        span = max(end for *_, end in tasks) - min(start for _, _, start, _ in tasks)
+        bubbles.append(1 - busy / (STAGES * span))
+    return sum(bubbles) / len(bubbles)
+
+
+def print_schedule_table(pipelines: dict) -> None:
+    from epl_trainer.core.plan.schedule import bubble_fraction
+
+    print(
+        "\nThe schedules. bubble: measured from the executed tasks' timestamps (mean of the "
+        "timed steps) and by formula (equal F, B, W costs); throughput against 1F1B at the "
+        "same m; peak: each stage's allocator peak over the timed steps (MB), and above the "
+        "memory held after the warm-up (weights, optimizer state)."
+    )
+    header = ("schedule", "m", "bubble", "formula", "samples/s", "vs 1F1B",
+              "peak s0", "peak s1", "above held s0", "above held s1")  # fmt: skip
+    widths = (8, 3, 7, 7, 9, 7, 8, 8, 13, 13)
+    rows = []
+    mb = 1 / 2**20
+    for (schedule, m), workers in pipelines.items():
+        base = pipelines.get(("1F1B", m))
+        rate = workers[0]["samples_per_sec"]
+        versus = f"{rate / base[0]['samples_per_sec']:.3f}x" if base else "-"
+        cells = (
+            schedule,
+            str(m),
+            f"{measured_bubble(workers):.3f}",
+            f"{bubble_fraction(STAGES, m, SCHEDULES[schedule]):.3f}",
+            f"{rate:.1f}",
+            versus,
+            *(f"{w['peak'] * mb:.1f}" for w in workers),
+            *(f"{(w['peak'] - w['held']) * mb:.1f}" for w in workers),
+        )
+        rows.append(cells)
+    print_table(header, widths, rows)
+
+
 def orchestrate(args) -> None:
     cores = sorted(os.sched_getaffinity(0))
     if len(cores) < STAGES:
@@ -425,6 +498,7 @@ def orchestrate(args) -> None:
     first = next(iter(pipelines.values()))
     print(f"\nPlan (worker 0, {next(iter(pipelines))}):\n{first[0]['plan']}")
     print_tables(args, single, pipelines)
+    print_schedule_table(pipelines)
     print(f"\ntotal {time.perf_counter() - started:.0f} s")
 
 

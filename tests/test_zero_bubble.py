@@ -177,3 +177,29 @@ def test_the_backward_is_built_once():
     (ops_1f1b, matmuls_1f1b), (ops_zb, matmuls_zb) = counts.values()
     assert matmuls_zb == matmuls_1f1b
     assert ops_1f1b <= ops_zb <= ops_1f1b + 2 * 4  # + one gate per W
+
+
+def test_task_clock_times_the_executed_schedule():
+    from epl_trainer.core.engine.pipeline import TaskClock
+
+    trainer, _ = _trainer("ZeroBubbleH1", 2, 2, 4)
+    x, y = _data(16)
+    dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(16)
+    clock = TaskClock()
+    trainer._ensure_engine_for(dataset).program.hooks.task_clock = clock  # before tracing
+    trainer.fit(dataset, steps_per_epoch=2, verbose=0)
+    times = clock.read()
+    schedule = trainer._engine.program.schedule
+    assert sorted((s, t) for s, t, _, _ in times) == sorted(
+        (s, t) for s, tasks in enumerate(schedule) for t in tasks
+    )
+    ends = {(s, t): end for s, t, _, end in times}
+    for stage, task, start, end in times:
+        assert start <= end
+        if task.kind == schedule_lib.BACKWARD and stage == 0:  # waits for stage 1's B
+            assert start >= ends[(1, task)]
+        if task.kind == schedule_lib.FORWARD and stage == 1:
+            assert start >= ends[(0, task)]
+    for stage, tasks in enumerate(schedule):
+        starts = [next(a for s, t, a, _ in times if (s, t) == (stage, task)) for task in tasks]
+        assert starts == sorted(starts)  # each stage ran its tasks in schedule order

@@ -125,6 +125,9 @@ class StepHooks:
         (non-finite steps the trainer raises on); a call of several steps
         (`steps_per_execution`) leaves its loop once the count grows, so the weights
         are those before that step and the trainer names it.
+      task_clock: None, or a `pipeline.TaskClock` that times each local task of the
+        training step (the executed schedule: bench/pipeline_procs.py); set before the
+        first trace.
     """
 
     stage_calls: list
@@ -144,3 +147,4 @@ class StepHooks:
     lanes_in_lockstep: bool = False
     batch_statistics: LocalBatchStatistics = dataclasses.field(default_factory=LocalBatchStatistics)
     stopping_steps: Callable | None = None
+    task_clock: object = None

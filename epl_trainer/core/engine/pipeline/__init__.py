@@ -16,5 +16,6 @@ __getattr__, __dir__, __all__ = lazy_surface(
         "Boundaries": "boundaries",
         "LaneBoundaries": "boundaries",
         "WeightExchange": "exchange",
+        "TaskClock": "task_clock",
     },
 )

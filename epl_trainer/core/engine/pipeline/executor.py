@@ -173,6 +173,9 @@ class LaneExecutor:
         self._read_values: dict[int, list] = {}
         grads: list = [None] * len(self.variables)
         previous: list = [None] * self.num_stages  # per stage: tensors ending its last task
+        clock = self.hooks.task_clock
+        if clock is not None:
+            clock.begin(self.position)
         for stage, task in self.order:
             mb = micro_batches[task.micro_batch]
             after = [] if previous[stage] is None else previous[stage]
@@ -187,6 +190,8 @@ class LaneExecutor:
                 yield stage, task
                 continue
             with tf.name_scope(name), tf.control_dependencies(after):
+                if clock is not None:
+                    clock.start(self._task_inputs(stage, task, mb))
                 if task.kind == FORWARD:
                     previous[stage] = self._forward(stage, mb, non_trainable)
                 elif task.kind == WEIGHT:
@@ -196,10 +201,22 @@ class LaneExecutor:
                     # gradient): the stage's next task then waits for the one before it.
                     markers = self._backward(stage, mb, grads, self.splits_backward)
                     previous[stage] = markers or after
+                if clock is not None:
+                    clock.end(self.position, stage, task, previous[stage])
             wait_for = yield stage, task
             if wait_for:
                 previous[stage] = list(previous[stage]) + list(wait_for)
+        if clock is not None:
+            clock.finish(self.position)
         return grads, non_trainable, micro_batches
+
+    def _task_inputs(self, k: int, task: Task, mb: MicroBatch) -> list:
+        """What a task reads from other stages (F: activations; B: output gradients)."""
+        if task.kind == FORWARD:
+            return [mb.values[key] for key in self.staged.stages[k].input_keys if k > 0]
+        if task.kind == BACKWARD:
+            return [mb.upstream[key] for key in mb.runs[k].outputs if key in mb.upstream]
+        return []
 
     def run_in_loop(self, parts: list, non_trainable: list, rows, task_scope=None):
         """`run` for a lane of one stage, its micro-batches as a loop in the graph.
