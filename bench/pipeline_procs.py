@@ -71,6 +71,13 @@ def parse_args():
     )
     parser.add_argument("--inter_op", type=int, default=2, help="inter-op threads per process")
     parser.add_argument(
+        "--task_clock",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="time each task in the graph (the measured bubble); --no-task_clock measures "
+        "the throughput without those timestamps",
+    )
+    parser.add_argument(
         "--quick",
         action="store_true",
         help="tiny sizes to check that it runs (numbers mean nothing)",
@@ -149,28 +156,26 @@ def make_dataset(args):
     return dataset.cache().repeat().prefetch(1)
 
 
-def timed_fit(fit, args, task_clock=None) -> dict:
+def timed_fit(fit, args, task_clock=None, memory=False) -> dict:
     """Runs `fit(callbacks, steps)` over warm-up + timed steps; times the timed ones.
-    With `task_clock` (a worker), also each timed step's task times and the peak memory."""
+    With `task_clock`, also each timed step's task times; with `memory`, the peak memory."""
     import keras
     import tensorflow as tf
 
-    wall, cpu, tasks, memory = [], [], [], {}
+    wall, cpu, tasks, measure_memory, memory = [], [], [], memory, {}
 
     class StepClock(keras.callbacks.Callback):
         def on_train_batch_end(self, batch, logs=None):
             wall.append(time.perf_counter())
             cpu.append(time.process_time())
-            if task_clock is None:
-                return
-            if batch >= args.warmup:
+            if batch >= args.warmup and task_clock is not None:
                 tasks.append([(s, str(t), a, b) for s, t, a, b in task_clock.read()])
-            if batch == args.warmup - 1:  # the warm-up traced and built everything
+            if measure_memory and batch == args.warmup - 1:  # the warm-up traced and built
                 memory["held"] = tf.config.experimental.get_memory_info("CPU:0")["current"]
                 tf.config.experimental.reset_memory_stats("CPU:0")
 
     fit([StepClock()], args.warmup + args.steps)
-    if task_clock is not None:
+    if memory:
         memory["peak"] = tf.config.experimental.get_memory_info("CPU:0")["peak"]
     first, last = args.warmup - 1, args.warmup + args.steps - 1
     seconds = wall[last] - wall[first]
@@ -214,13 +219,13 @@ def run_worker(args) -> None:
     )
     dataset = make_dataset(args)  # data_shards is 1: both workers read the global batch
     # The clock goes into the step's hooks after the engine is built, before its first trace.
-    clock = TaskClock()
+    clock = TaskClock() if args.task_clock else None
     trainer._ensure_engine_for(dataset).program.hooks.task_clock = clock
 
     def fit(callbacks, steps):
         trainer.fit(dataset, epochs=1, steps_per_epoch=steps, callbacks=callbacks, verbose=0)
 
-    result = timed_fit(fit, args, clock)
+    result = timed_fit(fit, args, clock, memory=True)
     result.update(
         thread_settings(),
         worker=env.cluster.worker_index,
@@ -277,6 +282,7 @@ def child_command(args, role: str, core: int, out: str, micro_batches, schedules
         f"--batch={args.batch}",
         f"--width={args.width}",
         f"--inter_op={args.inter_op}",
+        "--task_clock" if args.task_clock else "--no-task_clock",
         "--micro_batches=" + ",".join(str(m) for m in micro_batches),
         "--schedules=" + ",".join(schedules),
     ]
@@ -432,14 +438,15 @@ def print_tables(args, single: dict, pipelines: dict) -> None:
 
 
 def measured_bubble(workers: list) -> float:
-    """The mean over timed steps of 1 - busy / (stages x span), from both workers' tasks."""
+    """The mean over timed steps of 1 - busy / (stages x span), from both workers' tasks
+    (NaN without --task_clock)."""
     bubbles = []
     for step in zip(*(w["tasks"] for w in workers)):
         tasks = [task for worker_tasks in step for task in worker_tasks]
         busy = sum(end - start for _, _, start, end in tasks)
         span = max(end for *_, end in tasks) - min(start for _, _, start, _ in tasks)
         bubbles.append(1 - busy / (STAGES * span))
-    return sum(bubbles) / len(bubbles)
+    return sum(bubbles) / len(bubbles) if bubbles else float("nan")
 
 
 def print_schedule_table(pipelines: dict) -> None:

@@ -194,12 +194,14 @@ def test_task_clock_times_the_executed_schedule():
         (s, t) for s, tasks in enumerate(schedule) for t in tasks
     )
     ends = {(s, t): end for s, t, _, end in times}
+    slack = 1e-3  # a start and the end it waits for read the clock once the same tensors
+    # exist, in either order
     for stage, task, start, end in times:
         assert start <= end
         if task.kind == schedule_lib.BACKWARD and stage == 0:  # waits for stage 1's B
-            assert start >= ends[(1, task)]
+            assert start >= ends[(1, task)] - slack
         if task.kind == schedule_lib.FORWARD and stage == 1:
-            assert start >= ends[(0, task)]
+            assert start >= ends[(0, task)] - slack
     for stage, tasks in enumerate(schedule):
         starts = [next(a for s, t, a, _ in times if (s, t) == (stage, task)) for task in tasks]
         assert starts == sorted(starts)  # each stage ran its tasks in schedule order

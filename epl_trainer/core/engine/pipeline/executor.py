@@ -191,7 +191,7 @@ class LaneExecutor:
                 continue
             with tf.name_scope(name), tf.control_dependencies(after):
                 if clock is not None:
-                    clock.start(self._task_inputs(stage, task, mb))
+                    clock.start(self.position, stage, [*after, *self._task_inputs(stage, task, mb)])
                 if task.kind == FORWARD:
                     previous[stage] = self._forward(stage, mb, non_trainable)
                 elif task.kind == WEIGHT:
