@@ -263,7 +263,10 @@ def _flops_section(result: estimate.Estimate, peak_tflops: float) -> list[str]:
 
 
 def render(
-    result: estimate.Estimate, device_memory: int | None = None, peak_tflops: float = 0.0
+    result: estimate.Estimate,
+    device_memory: int | None = None,
+    peak_tflops: float = 0.0,
+    schedules: list[dict] = (),
 ) -> str:
     """The human-readable report: model, Plan, FLOPs, memory, activations, bubble, traffic."""
     model, options = result.model, result.options
@@ -284,14 +287,63 @@ def render(
     lines += _memory_section(result, device_memory)
     lines += _activation_section(result)
     num_stages, m = len(result.stages), result.plan.num_micro_batch
+    work = ("3M", f"3x{m}") if result.plan.pipeline_strategy == "ZeroBubbleH1" else ("M", m)
     lines += [
         "",
-        f"Pipeline bubble: (S-1)/(M+S-1) = ({num_stages}-1)/({m}+{num_stages}-1) = "
-        f"{result.bubble:.3f}",
+        f"Pipeline bubble: (S-1)/({work[0]}+S-1) = ({num_stages}-1)/({work[1]}+{num_stages}-1)"
+        f" = {result.bubble:.3f}",
         "",
     ]
+    lines += _schedule_section(schedules)
     lines += _traffic_section(result)
     return "\n".join(lines)
+
+
+SCHEDULE_STAGES = (4, 8, 16)  # the stage counts epl-plan compares the schedules at
+
+
+def schedule_comparison(model, options, request: PlanRequest) -> list[dict]:
+    """Each pipeline schedule at 4, 8 and 16 stages, one device per stage, with the
+    request's micro-batches and options: its bubble (equal F, B, W costs), the
+    micro-batches stage 0 and the last stage keep alive, and the largest peak per device."""
+    rows = []
+    for num_stages, strategy in itertools.product(SCHEDULE_STAGES, PIPELINE_STRATEGIES):
+        wanted = dataclasses.replace(request, num_stages=num_stages, pipeline_strategy=strategy)
+        try:
+            result = plan_and_estimate(model, options, wanted, 1, num_stages)
+        except (ValueError, PlanError) as error:  # e.g. fewer layers than stages
+            rows.append({"stages": num_stages, "strategy": strategy, "error": str(error)})
+            continue
+        worst = max(result.stages, key=lambda s: s.peak)
+        rows.append({
+            "stages": num_stages,
+            "strategy": strategy,
+            "bubble": result.bubble,
+            "in_flight": [result.stages[0].inflight, result.stages[-1].inflight],
+            "largest_peak": worst.peak,
+            "largest_peak_stage": worst.index,
+        })  # fmt: skip
+    return rows
+
+
+def _schedule_section(schedules: list[dict]) -> list[str]:
+    if not schedules:
+        return []
+    rows = []
+    for row in schedules:
+        if "error" in row:
+            rows.append([str(row["stages"]), row["strategy"], "-", "-", row["error"][:60]])
+            continue
+        first, last = row["in_flight"]
+        peak = f"{fmt(row['largest_peak'])} (stage {row['largest_peak_stage']})"
+        rows.append([str(row["stages"]), row["strategy"], f"{row['bubble']:.3f}",
+                     f"{first} / {last}", peak])  # fmt: skip
+    lines = [
+        "Schedules at 4, 8 and 16 stages (one device each; these micro-batches and options;"
+        " bubble with equal F, B, W costs; ZB-H1 keeps its micro-batches until W):"
+    ]
+    lines += _table(["stages", "strategy", "bubble", "in flight s0 / last", "largest peak"], rows)
+    return [*lines, ""]
 
 
 def _memory_section(result: estimate.Estimate, device_memory: int | None) -> list[str]:
@@ -432,6 +484,7 @@ def main(argv=None) -> int:
             args.gpu_per_worker,
             device_type=args.device_type,
         )
+        schedules = schedule_comparison(model, options, request)
     except (ValueError, PlanError, ConfigError) as error:
         parser.error(str(error))
     if args.json:
@@ -439,9 +492,10 @@ def main(argv=None) -> int:
         data["zero_levels"] = dict(zero_comparison(result))
         data["device_memory"] = device_memory
         data["model_flops_per_step"], data["device_flops_per_step"] = step_flops(result)
+        data["schedules"] = schedules
         text = json.dumps(data, indent=1)
     else:
-        text = render(result, device_memory, request.peak_tflops)
+        text = render(result, device_memory, request.peak_tflops, schedules)
     try:
         print(text)
     except BrokenPipeError:  # `epl-plan ... | head`: the reader left; exit quietly

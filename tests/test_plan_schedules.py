@@ -1,0 +1,57 @@
+"""epl-plan's schedule comparison: each pipeline.strategy's predicted bubble and memory at
+4, 8 and 16 stages, for a cluster one does not have. Pure Python, no TensorFlow."""
+
+import json
+
+import pytest
+
+from epl_trainer.core.plan.ir import PIPELINE_STRATEGIES
+from epl_trainer.runtime import plan_cli
+
+BERT = ["--model", "bert", "--size", "large", "--num_micro_batch", "8", "--micro_batch_size", "4"]
+
+
+def test_schedules_at_4_8_and_16_stages(capsys):
+    assert plan_cli.main([*BERT, "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)["schedules"]
+    assert [(r["stages"], r["strategy"]) for r in rows] == [
+        (s, strategy) for s in (4, 8, 16) for strategy in PIPELINE_STRATEGIES
+    ]
+    by = {(r["stages"], r["strategy"]): r for r in rows}
+    for stages in (4, 8, 16):
+        one_f_one_b, gpipe, zb = (
+            by[stages, name] for name in ("PreferBackward", "PreferForward", "ZeroBubbleH1")
+        )
+        assert one_f_one_b["bubble"] == pytest.approx((stages - 1) / (8 + stages - 1))
+        assert gpipe["bubble"] == one_f_one_b["bubble"]
+        assert zb["bubble"] == pytest.approx((stages - 1) / (3 * 8 + stages - 1))
+        # Activation sets alive on stage 0 / the last stage.
+        assert gpipe["in_flight"] == [8, 8]
+        assert one_f_one_b["in_flight"] == [min(stages, 8), 1]
+        assert zb["in_flight"] == [min(stages, 8), min(stages, 8)]
+        # Stage 0 keeps as many as with 1F1B: ZB-H1's largest peak is no larger than
+        # GPipe's, and the later stages' extra micro-batches never exceed stage 0's.
+        assert one_f_one_b["largest_peak"] <= zb["largest_peak"] <= gpipe["largest_peak"]
+
+
+def test_the_report_prints_the_comparison(capsys):
+    assert (
+        plan_cli.main(
+            [
+                *BERT,
+                "--num_stages",
+                "4",
+                "--gpu_per_worker",
+                "4",
+                "--pipeline_strategy",
+                "ZeroBubbleH1",
+            ]
+        )
+        == 0
+    )
+    text = capsys.readouterr().out
+    with capsys.disabled():
+        print("\n" + text[text.index("Pipeline bubble") :])
+    assert "Pipeline bubble: (S-1)/(3M+S-1) = (4-1)/(3x8+4-1) = 0.111" in text
+    assert "Schedules at 4, 8 and 16 stages" in text
+    assert "16      ZeroBubbleH1    0.385" in text
