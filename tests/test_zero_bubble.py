@@ -220,3 +220,23 @@ def test_zero_bubble_h1_with_stages_on_two_workers(tmp_path):
     result = _launch(tmp_path, 2, 2, *args, "--schedule", "ZeroBubbleH1")
     assert result.returncode == 0, result.stdout + result.stderr
     _check_workers(tmp_path / "out", 2, _keras_reference("adam"))
+
+
+def test_plot_draws_the_weight_gradients():
+    pytest.importorskip("matplotlib")
+    from epl_trainer.training.plot import _COLORS, _schedule_figure
+
+    zb = schedule_lib.zero_bubble_h1_schedule(4, 8)
+    figure = _schedule_figure(zb)
+    boxes = [p for p in figure.axes[0].patches if (p.get_gid() or "").startswith("task:")]
+    assert len(boxes) == 3 * 4 * 8
+    weights = [b for b in boxes if b.get_gid().split(":")[2].startswith("W")]
+    assert len(weights) == 4 * 8
+    to_hex = pytest.importorskip("matplotlib.colors").to_hex
+    assert {to_hex(b.get_facecolor()) for b in weights} == {_COLORS["W"].lower()}
+    title = figure.axes[0].get_title()
+    # Unit time per task: 3M + S - 1 = 27 steps, idle (S-1)/(3M+S-1) = 11.1%.
+    assert title == "ZeroBubbleH1 (ZB-H1): 4 stages x 8 micro-batches, 27 steps, bubble 11.1%"
+    (legend,) = figure.legends
+    labels = [text.get_text() for text in legend.get_texts()]
+    assert labels == ["forward", "backward", "weight gradient"]

@@ -14,17 +14,20 @@ from pathlib import Path
 from epl_trainer.core.plan.schedule import (
     BACKWARD,
     FORWARD,
+    WEIGHT,
     Schedule,
     gpipe_schedule,
     make_schedule,
     one_f_one_b_schedule,
+    splits_backward,
     timeline,
+    zero_bubble_h1_schedule,
 )
 
 __all__ = ["plot_schedule"]
 
-_COLORS = {FORWARD: "#4C72B0", BACKWARD: "#DD8452"}
-_LEGEND = {FORWARD: "forward", BACKWARD: "backward"}
+_COLORS = {FORWARD: "#4C72B0", BACKWARD: "#DD8452", WEIGHT: "#55A868"}
+_LEGEND = {FORWARD: "forward", BACKWARD: "backward", WEIGHT: "weight gradient"}
 _FORMATS = (".png", ".svg")
 _INCHES_PER_STEP = 0.42  # fits a label like "B12" at the box font size
 _INCHES_PER_STAGE = 0.55
@@ -44,7 +47,8 @@ def plot_schedule(
 ) -> Path:
     """Writes the pipeline schedule of a Plan (or a raw Schedule) as a Gantt chart.
 
-    One row per stage (stage 0 on top), one box per forward / backward at its unit time
+    One row per stage (stage 0 on top), one box per forward / backward (/ weight gradient
+    of a zero-bubble schedule) at its unit time
     step from `core.schedule.timeline`, labelled with its micro-batch ("F3", "B3").
 
     Args:
@@ -53,7 +57,7 @@ def plot_schedule(
         if it has none), or a `Schedule` tuple as `core.schedule` builds it.
       path: where to write; the suffix picks the format: ".png" or ".svg".
       title: replaces the default title (strategy, stages, micro-batches, bubble).
-      strategy: "PreferForward" or "PreferBackward". With a Plan it overrides the
+      strategy: "PreferForward", "PreferBackward" or "ZeroBubbleH1". With a Plan it overrides the
         plan's strategy; with a raw Schedule it only names the schedule in the title.
 
     Returns:
@@ -84,7 +88,7 @@ def _schedule_figure(plan_or_schedule, *, title=None, strategy=None):
     schedule, strategy, row_labels = _resolve(plan_or_schedule, strategy)
     entries = timeline(schedule)  # validates; raises ScheduleError (a ValueError)
     num_stages = len(schedule)
-    num_micro_batch = len(schedule[0]) // 2
+    num_micro_batch = sum(task.kind == FORWARD for task in schedule[0])
     makespan = 1 + max(step for _, step, _ in entries)
     # Measured from the simulation rather than GPipe's formula, so a hand-made schedule
     # shows its own idle time; for both built-in strategies the two agree.
@@ -107,13 +111,17 @@ def _schedule_figure(plan_or_schedule, *, title=None, strategy=None):
     tick_every = 1 if makespan <= 40 else 5
     axes.set_xticks(range(0, makespan + 1, tick_every))
     axes.tick_params(axis="x", labelsize=7)
-    axes.set_xlabel("time step (forward and backward each take one unit)")
+    axes.set_xlabel("time step (every task takes one unit)")
     axes.grid(axis="x", color="0.88", linewidth=0.6)
     axes.set_axisbelow(True)
     for side in ("top", "right"):
         axes.spines[side].set_visible(False)
     figure.legend(
-        handles=[Patch(facecolor=_COLORS[kind], label=_LEGEND[kind]) for kind in _COLORS],
+        handles=[
+            Patch(facecolor=_COLORS[kind], label=_LEGEND[kind])
+            for kind in _COLORS
+            if kind != WEIGHT or splits_backward(schedule)
+        ],
         loc="outside lower center",
         ncol=2,
         frameon=False,
@@ -184,9 +192,13 @@ def _resolve(plan_or_schedule, strategy) -> tuple[Schedule, str | None, list[str
 
 def _recognise(schedule: Schedule) -> str | None:
     """The built-in strategy that produces `schedule`, if any."""
-    num_stages, num_micro_batch = len(schedule), len(schedule[0]) // 2
+    num_stages = len(schedule)
+    num_micro_batch = sum(task.kind == FORWARD for task in schedule[0])
     if num_micro_batch < 1:
         return None
+    if splits_backward(schedule):
+        zero_bubble = zero_bubble_h1_schedule(num_stages, num_micro_batch)
+        return "ZeroBubbleH1" if schedule == zero_bubble else None
     if schedule == one_f_one_b_schedule(num_stages, num_micro_batch):
         return "PreferBackward"  # checked first: the two coincide for M == 1
     if schedule == gpipe_schedule(num_stages, num_micro_batch):
@@ -198,6 +210,7 @@ def _strategy_label(strategy: str | None) -> str:
     return {
         "PreferBackward": "PreferBackward (1F1B)",
         "PreferForward": "PreferForward (GPipe)",
+        "ZeroBubbleH1": "ZeroBubbleH1 (ZB-H1)",
         None: "Custom schedule",
     }.get(strategy, str(strategy))
 
