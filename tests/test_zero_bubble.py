@@ -125,6 +125,72 @@ def test_zero_bubble_h1_with_xla_stages():
     _assert_as_one_f_one_b(2, 2, 4, 16, jit_compile=True)
 
 
+@pytest.mark.combines("sync_batch_norm+pipeline+data_parallel")
+def test_zero_bubble_h1_with_synchronized_batch_norm():
+    # 2 replicas of 2 stages; stage 0's whole backward (the moments' all-reduce with it)
+    # runs at W, in every lane's same place.
+    def bn_model(seed=3):
+        keras.utils.set_random_seed(seed)
+        inputs = keras.Input((8,), name="x")
+        h = keras.layers.Dense(16, name="block_0")(inputs)
+        h = keras.layers.BatchNormalization(name="block_1")(h)
+        h = keras.layers.Dense(16, activation="tanh", name="block_2")(h)
+        h = keras.layers.BatchNormalization(name="norm")(h)
+        return keras.Model(inputs, keras.layers.Dense(3, name="head")(h))
+
+    x, y = _data(16)
+    weights = {}
+    for strategy in ("PreferBackward", "ZeroBubbleH1"):
+        model = bn_model()
+        trainer = epl.EPLTrainer(
+            model,
+            LOSS,
+            keras.optimizers.SGD(0.1),
+            stages={"block_0|block_1": 0, "block_2|norm|head": 1},
+            config={
+                "cluster.virtual_devices": 4,
+                "pipeline.num_micro_batch": 2,
+                "pipeline.strategy": strategy,
+                "batch_norm.synchronized": True,
+            },
+        )
+        trainer.fit(x, y, batch_size=16, steps_per_epoch=3, verbose=0, shuffle=False)
+        weights[strategy] = model.get_weights()  # moving statistics included
+    difference = max(float(np.abs(a - b).max()) for a, b in zip(*weights.values()))
+    assert difference < ATOL, difference
+
+
+@pytest.mark.parametrize("sparse", [True, False])
+def test_zero_bubble_h1_with_an_embedding(sparse):
+    # Stage 0's Embedding gradient (IndexedSlices unless sparse_as_dense) is computed at W.
+    x = np.random.default_rng(2).integers(0, 50, (48, 6)).astype("int32")
+    y = np.random.default_rng(3).integers(0, 3, 48).astype("int32")
+    weights = {}
+    for strategy in ("PreferBackward", "ZeroBubbleH1"):
+        keras.utils.set_random_seed(4)
+        inputs = keras.Input((6,), dtype="int32")
+        h = keras.layers.Embedding(50, 8, name="embed")(inputs)
+        h = keras.layers.GlobalAveragePooling1D(name="pool")(h)
+        h = keras.layers.Dense(16, activation="tanh", name="block")(h)
+        model = keras.Model(inputs, keras.layers.Dense(3, name="head")(h))
+        trainer = epl.EPLTrainer(
+            model,
+            LOSS,
+            keras.optimizers.Adam(0.01),
+            stages={"embed|pool": 0, "block|head": 1},
+            config={
+                "cluster.virtual_devices": 2,
+                "pipeline.num_micro_batch": 4,
+                "pipeline.strategy": strategy,
+                "communication.sparse_as_dense": not sparse,
+            },
+        )
+        trainer.fit(x, y, batch_size=16, steps_per_epoch=3, verbose=0, shuffle=False)
+        weights[strategy] = model.get_weights()
+    difference = max(float(np.abs(a - b).max()) for a, b in zip(*weights.values()))
+    assert difference < ATOL, difference
+
+
 # ----------------------------------------------------------------- the built step
 def _graph(trainer, batch):
     x, y = _data(batch)
