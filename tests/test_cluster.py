@@ -160,3 +160,33 @@ def test_the_trainers_config_keys_go_over_inits(tmp_path):
     again = epl.EPLTrainer(mlp(), LOSS, "sgd", config={"cluster.virtual_devices": 2})
     assert again.config.cluster.virtual_devices == 2  # the trainer's key wins
     assert again.config.checkpoint.dir == str(tmp_path)
+
+
+def test_a_worker_whose_peer_never_starts_stops_naming_it():
+    """Worker 0 of 2 started alone: TensorFlow would wait an hour for worker 1 (holding
+    the GIL, swallowing SIGTERM); after cluster.startup_timeout_seconds its watcher stops
+    it, naming worker 1."""
+    from _launch import clean_env
+
+    from epl_trainer.runtime import launcher
+
+    ports = launcher.free_ports(2)
+    tf_config = {
+        "cluster": {"worker": [f"127.0.0.1:{port}" for port in ports]},
+        "task": {"type": "worker", "index": 0},
+    }
+    env = clean_env(
+        TF_CONFIG=json.dumps(tf_config),
+        EPL_CLUSTER_STARTUP_TIMEOUT_SECONDS="4",
+        CUDA_VISIBLE_DEVICES="",
+    )
+    script = "import epl_trainer as epl; epl.init(); print('started')"
+    result = subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == -9, result.stderr[-2000:]  # killed by its watcher
+    assert "started" not in result.stdout
+    assert (
+        "worker 0 waited cluster.startup_timeout_seconds=4 for the job's workers to start; "
+        f"worker 1 (127.0.0.1:{ports[1]}) never listened"
+    ) in result.stderr

@@ -48,6 +48,7 @@ EXPECTED_DEFAULTS = {
     "cluster.virtual_devices": 0,
     "cluster.intra_op_threads": 0,
     "cluster.inter_op_threads": 0,
+    "cluster.startup_timeout_seconds": 900,
     "communication.num_communicators": 2,
     "communication.sparse_as_dense": False,
     "communication.max_splits": 5,

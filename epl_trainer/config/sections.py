@@ -224,6 +224,7 @@ class ClusterConfig(_Section):
     inter_op_threads: int = _int(
         0, "Ops run at once (0: TensorFlow's default, one per core).", minimum=0
     )
+    startup_timeout_seconds: int | float = _positive_number(900, "Wait for every worker at start.")
 
 
 @_register("communication")

@@ -22,7 +22,7 @@ from collections.abc import Iterator, Mapping
 
 import tensorflow as tf
 
-from epl_trainer.runtime import slurm
+from epl_trainer.runtime import slurm, startup_watch
 
 logger = logging.getLogger(__name__)
 
@@ -268,16 +268,21 @@ def _tensorflow_initialized() -> bool:
     return context.context()._context_handle is not None
 
 
-def _start_collective_runtime(spec: WorkerSpec) -> None:
+def _start_collective_runtime(spec: WorkerSpec, startup_timeout: float) -> None:
     """Starts this worker's gRPC server and TF's collective runtime (public API only).
 
     Constructing MultiWorkerMirroredStrategy from TF_CONFIG configures the collective
     executor for the whole job; we keep the object alive but never use it for training.
+    It waits for every worker to start, within `startup_timeout` seconds
+    (`startup_watch`).
     """
     global _COLLECTIVE_STRATEGY
     if _COLLECTIVE_STRATEGY is None:
         resolver = tf.distribute.cluster_resolver.TFConfigClusterResolver()
-        _COLLECTIVE_STRATEGY = tf.distribute.MultiWorkerMirroredStrategy(cluster_resolver=resolver)
+        with startup_watch.watching(spec.addresses, spec.worker_index, startup_timeout):
+            _COLLECTIVE_STRATEGY = tf.distribute.MultiWorkerMirroredStrategy(
+                cluster_resolver=resolver
+            )
         logger.info(
             "Collective runtime started: worker %d of %d", spec.worker_index, spec.worker_num
         )
@@ -301,7 +306,7 @@ def build_cluster(cluster_config, environ: Mapping[str, str] | None = None) -> C
     )
     _warn_unapplied_thread_keys(cluster_config)
     if spec.worker_num > 1:
-        _start_collective_runtime(spec)
+        _start_collective_runtime(spec, cluster_config.startup_timeout_seconds)
     gpus = tf.config.list_logical_devices("GPU")
     device_type = "GPU" if gpus else "CPU"
     count = len(gpus) if gpus else num_cpu
