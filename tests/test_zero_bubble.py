@@ -47,12 +47,14 @@ def _trainer(strategy, stages, devices, num_micro_batch, optimizer="sgd", **conf
     model = skip_model()
     make = {"sgd": lambda: keras.optimizers.SGD(0.1), "adam": lambda: keras.optimizers.Adam(0.01)}
     jit = config.pop("jit_compile", None)
+    steps_per_execution = config.pop("steps_per_execution", 1)
     trainer = epl.EPLTrainer(
         model,
         LOSS,
         make[optimizer](),
         stages=STAGE_MAPS[stages],
         jit_compile=jit,
+        steps_per_execution=steps_per_execution,
         config={
             "cluster.virtual_devices": devices,
             "pipeline.num_micro_batch": num_micro_batch,
@@ -183,6 +185,48 @@ def test_zero_bubble_h1_with_an_embedding(sparse):
                 "pipeline.num_micro_batch": 4,
                 "pipeline.strategy": strategy,
                 "communication.sparse_as_dense": not sparse,
+            },
+        )
+        trainer.fit(x, y, batch_size=16, steps_per_epoch=3, verbose=0, shuffle=False)
+        weights[strategy] = model.get_weights()
+    difference = max(float(np.abs(a - b).max()) for a, b in zip(*weights.values()))
+    assert difference < ATOL, difference
+
+
+@pytest.mark.parametrize(
+    "setting",
+    [
+        pytest.param(
+            {"offload.level": "v0"}, marks=pytest.mark.combines("offload+pipeline+data_parallel")
+        ),
+        pytest.param(
+            {"steps_per_execution": 3}, marks=pytest.mark.combines("steps_per_execution+pipeline")
+        ),
+    ],
+    ids=["offload", "steps_per_execution"],
+)
+def test_zero_bubble_h1_with(setting):
+    _assert_as_one_f_one_b(2, 4, 4, 16, optimizer="adam", **setting)
+
+
+@pytest.mark.combines("tied_weights+pipeline")
+def test_zero_bubble_h1_with_tied_weights():
+    # The embedding matrix is used on both stages: each stage's W adds its share.
+    from test_tied_weights import STAGES, tied_data, tied_model
+
+    x, y = tied_data()
+    weights = {}
+    for strategy in ("PreferBackward", "ZeroBubbleH1"):
+        model = tied_model(reverse_call=False)
+        trainer = epl.EPLTrainer(
+            model,
+            LOSS,
+            keras.optimizers.Adam(0.02),
+            stages=STAGES,
+            config={
+                "cluster.virtual_devices": 2,
+                "pipeline.num_micro_batch": 4,
+                "pipeline.strategy": strategy,
             },
         )
         trainer.fit(x, y, batch_size=16, steps_per_epoch=3, verbose=0, shuffle=False)
