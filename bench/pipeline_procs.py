@@ -2,7 +2,7 @@
 
 Usage: python bench/pipeline_procs.py [--steps 10] [--warmup 3] [--batch 2048] [--width 1024]
                                       [--micro_batches 4,8] [--schedules 1F1B,ZB-H1,GPipe]
-                                      [--quick]
+                                      [--repeat 3] [--no-task_clock] [--quick]
 
 Two stages, each in its own worker process (TF_CONFIG on 127.0.0.1, one logical device
 each, stage i on worker i), pinned to core i with `os.sched_setaffinity` before
@@ -71,6 +71,13 @@ def parse_args():
     )
     parser.add_argument("--inter_op", type=int, default=2, help="inter-op threads per process")
     parser.add_argument(
+        "--repeat",
+        type=int,
+        default=1,
+        help="rounds of the pipeline runs (each round runs every schedule and m once); the "
+        "schedule table gives the median and the range over the rounds",
+    )
+    parser.add_argument(
         "--task_clock",
         action=argparse.BooleanOptionalAction,
         default=True,
@@ -104,6 +111,8 @@ def parse_args():
                 "Every micro-batch count must divide the global batch. "
                 f"Received: batch={args.batch}, micro_batches={args.micro_batches}"
             )
+    if args.repeat < 1:
+        raise ValueError(f"--repeat must be >= 1. Received: repeat={args.repeat}")
     if args.steps < 1 or args.warmup < 1:
         raise ValueError(
             f"--steps and --warmup must be >= 1. Received: steps={args.steps}, warmup={args.warmup}"
@@ -449,36 +458,53 @@ def measured_bubble(workers: list) -> float:
     return sum(bubbles) / len(bubbles) if bubbles else float("nan")
 
 
-def print_schedule_table(pipelines: dict) -> None:
+def print_schedule_table(rounds: list[dict]) -> None:
     from epl_trainer.core.plan.schedule import bubble_fraction
 
     print(
         "\nThe schedules. bubble: measured from the executed tasks' timestamps (mean of the "
-        "timed steps) and by formula (equal F, B, W costs); throughput against 1F1B at the "
-        "same m; peak: each stage's allocator peak over the timed steps (MB), and above the "
-        "memory held after the warm-up (weights, optimizer state)."
+        "timed steps) and by formula (equal F, B, W costs); throughput, and against 1F1B at "
+        "the same m in the same round; peak: each stage's allocator peak over the timed "
+        "steps (MB), and above the memory held after the warm-up (weights, optimizer "
+        f"state). Medians over {len(rounds)} round(s), [min, max] where more than one."
     )
     header = ("schedule", "m", "bubble", "formula", "samples/s", "vs 1F1B",
               "peak s0", "peak s1", "above held s0", "above held s1")  # fmt: skip
-    widths = (8, 3, 7, 7, 9, 7, 8, 8, 13, 13)
+    widths = (8, 3, 7, 7, 9, 21, 8, 8, 13, 13)
     rows = []
-    mb = 1 / 2**20
-    for (schedule, m), workers in pipelines.items():
-        base = pipelines.get(("1F1B", m))
-        rate = workers[0]["samples_per_sec"]
-        versus = f"{rate / base[0]['samples_per_sec']:.3f}x" if base else "-"
+    for schedule, m in rounds[0]:
+        runs = [r[schedule, m] for r in rounds]
+        versus = "-"
+        if ("1F1B", m) in rounds[0]:
+            ratios = [
+                w[0]["samples_per_sec"] / r["1F1B", m][0]["samples_per_sec"]
+                for w, r in zip(runs, rounds)
+            ]
+            versus = _median_range(ratios, "{:.3f}x")
         cells = (
             schedule,
             str(m),
-            f"{measured_bubble(workers):.3f}",
+            _median_range([measured_bubble(w) for w in runs], "{:.3f}", spread=False),
             f"{bubble_fraction(STAGES, m, SCHEDULES[schedule]):.3f}",
-            f"{rate:.1f}",
+            _median_range([w[0]["samples_per_sec"] for w in runs], "{:.0f}", spread=False),
             versus,
-            *(f"{w['peak'] * mb:.1f}" for w in workers),
-            *(f"{(w['peak'] - w['held']) * mb:.1f}" for w in workers),
-        )
+            *(_median_range([w[k]["peak"] / 2**20 for w in runs], "{:.1f}", spread=False)
+              for k in range(STAGES)),
+            *(_median_range([(w[k]["peak"] - w[k]["held"]) / 2**20 for w in runs], "{:.1f}",
+                            spread=False) for k in range(STAGES)),
+        )  # fmt: skip
         rows.append(cells)
     print_table(header, widths, rows)
+
+
+def _median_range(values: list, form: str, spread: bool = True) -> str:
+    ordered = sorted(values)
+    middle = len(ordered) // 2
+    median = ordered[middle] if len(ordered) % 2 else (ordered[middle - 1] + ordered[middle]) / 2
+    text = form.format(median)
+    if spread and len(ordered) > 1:
+        text += f" [{form.format(ordered[0])}, {form.format(ordered[-1])}]"
+    return text
 
 
 def orchestrate(args) -> None:
@@ -492,20 +518,24 @@ def orchestrate(args) -> None:
     with tempfile.TemporaryDirectory(prefix="pipeline_procs_") as tmp:
         single = measure_single(args, cores[0], tmp)
         print(f"single process done ({time.perf_counter() - started:.0f} s)", flush=True)
-        pipelines = {}
-        for schedule in args.schedules:
-            for m in args.micro_batches:
-                pipelines[schedule, m] = measure_pipeline(args, schedule, m, cores, tmp)
-                elapsed = time.perf_counter() - started
-                print(f"pipeline {schedule} m={m} done ({elapsed:.0f} s)", flush=True)
-    for workers in pipelines.values():
+        rounds = []
+        for r in range(args.repeat):  # rounds, so slow spells of the machine hit all alike
+            pipelines = {}
+            for schedule in args.schedules:
+                for m in args.micro_batches:
+                    pipelines[schedule, m] = measure_pipeline(args, schedule, m, cores, tmp)
+                    elapsed = time.perf_counter() - started
+                    print(f"round {r}: {schedule} m={m} done ({elapsed:.0f} s)", flush=True)
+            rounds.append(pipelines)
+        pipelines = rounds[0]
+    for workers in (w for pipelines in rounds for w in pipelines.values()):
         for w in workers:  # what the table claims: one core, one thread, one input shard
             assert w["intra_op"] == 1 and len(w["affinity"]) == 1, w
             assert w["data_shards"] == 1, w
     first = next(iter(pipelines.values()))
     print(f"\nPlan (worker 0, {next(iter(pipelines))}):\n{first[0]['plan']}")
-    print_tables(args, single, pipelines)
-    print_schedule_table(pipelines)
+    print_tables(args, single, pipelines)  # the first round's
+    print_schedule_table(rounds)
     print(f"\ntotal {time.perf_counter() - started:.0f} s")
 
 
