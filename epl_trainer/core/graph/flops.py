@@ -255,7 +255,12 @@ class _Walker:
     def _phase(self, scopes: Sequence[str]) -> str:
         if any(scope in _BACKWARD_SCOPES for scope in scopes):
             return BACKWARD
-        if any(_SUFFIX.sub("", scope) in self.optimizer_scopes for scope in scopes):
+        # The graph makes a scope unique with a suffix ("adam" -> "adam_1"), and the
+        # optimizer's own name may carry one already ("adam_1", the second Adam made).
+        if any(
+            scope in self.optimizer_scopes or _SUFFIX.sub("", scope) in self.optimizer_scopes
+            for scope in scopes
+        ):
             return OPTIMIZER
         return FORWARD
 
