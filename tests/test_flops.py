@@ -15,6 +15,7 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
+from test_bert_squad_model import SMALL as SMALL_BERT
 
 import epl_trainer as epl
 from epl_trainer.core.graph import cost, peak
@@ -99,16 +100,7 @@ def test_a_loss_without_compile_and_an_uncompiled_model_refused():
 
 # ---------------------------------------------------------------- the zoo's models
 def test_bert_squad_forward_and_backward_within_2_percent_of_hand_count():
-    config = BertConfig(
-        vocab_size=30,
-        hidden_size=8,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        intermediate_size=16,
-        max_position_embeddings=16,
-        hidden_dropout_prob=0.0,
-        attention_probs_dropout_prob=0.0,
-    )  # test_bert_squad_model.SMALL
+    config = SMALL_BERT
     batch, seq, h, i, layers = 4, 16, 8, 16, 2
     model = build_squad_model(config, seq)
     model.compile(optimizer="adam", loss={"start_logits": SPARSE, "end_logits": SPARSE})
