@@ -7,8 +7,10 @@ module) start without loading TensorFlow.
 import importlib
 
 from epl_trainer import _moved
+from epl_trainer.runtime import onednn
 
 _moved.install()  # old import paths (`epl_trainer.trainer`, ...) keep working
+onednn.choose_default()  # before TensorFlow loads: it reads the variable once
 
 __version__ = "0.1.0"
 

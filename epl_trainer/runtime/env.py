@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import sys
 import threading
 
 from epl_trainer.annotations import checkpoints, strategies
 from epl_trainer.config.sections import Config
+from epl_trainer.core.graph.peak import onednn_enabled
+from epl_trainer.runtime import onednn
 from epl_trainer.runtime.cluster import Cluster, build_cluster
 
 
@@ -44,6 +47,9 @@ def init(config=None) -> Env:
     checkpoints marked with `add_to_collection`.
     """
     env = _make_env(Config.load(config))
+    message = onednn.notice(onednn_enabled())
+    if message:
+        print(message, file=sys.stderr)
     strategies.reset_annotations()
     checkpoints.clear_collections()
     with Env._lock:

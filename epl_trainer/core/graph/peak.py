@@ -79,7 +79,7 @@ def machine_key() -> dict:
         "cpu": _cpu_model(),
         "cores": _usable_cores(),
         "tensorflow": tf.__version__,
-        "onednn": _onednn_enabled(),
+        "onednn": onednn_enabled(),
     }
 
 
@@ -158,7 +158,7 @@ def _usable_cores() -> int:
     return os.cpu_count() or 1
 
 
-def _onednn_enabled() -> bool:
+def onednn_enabled() -> bool:
     """Whether this TensorFlow runs oneDNN kernels (as it decided at import)."""
     try:  # the flag TensorFlow itself reads; private, hence the fallback
         from tensorflow.python.util import _pywrap_util_port

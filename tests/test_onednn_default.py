@@ -1,0 +1,65 @@
+"""oneDNN's CPU kernels on unless the user chose (runtime/onednn.py): importing
+epl_trainer before TensorFlow sets TF_ENABLE_ONEDNN_OPTS=1 when it is unset, a user's
+value is kept, and epl.init() says which, or what to do when TensorFlow came first."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+from _launch import clean_env
+
+_SCRIPT = """
+import json, os, sys
+{before}
+import epl_trainer as epl
+import tensorflow as tf
+from tensorflow.python.util import _pywrap_util_port
+{after}
+epl.init(epl.Config({{"cluster.virtual_devices": 1}}))
+epl.init(epl.Config({{"cluster.virtual_devices": 1}}))  # says it once per process
+print(json.dumps({{"env": os.environ.get("TF_ENABLE_ONEDNN_OPTS"),
+                  "enabled": bool(_pywrap_util_port.IsMklEnabled())}}))
+"""
+
+
+def _run(env_value, before="", after=""):
+    env = clean_env()
+    env.pop("TF_ENABLE_ONEDNN_OPTS", None)
+    if env_value is not None:
+        env["TF_ENABLE_ONEDNN_OPTS"] = env_value
+    script = _SCRIPT.format(before=before, after=after)
+    result = subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    notices = [line for line in result.stderr.splitlines() if line.startswith("epl_trainer: ")]
+    return json.loads(result.stdout.strip().splitlines()[-1]), notices
+
+
+@pytest.mark.onednn
+def test_unset_becomes_on_and_init_says_so_once():
+    state, notices = _run(None)
+    assert state == {"env": "1", "enabled": True}
+    assert len(notices) == 1 and "TF_ENABLE_ONEDNN_OPTS was unset, so it is 1" in notices[0]
+
+
+@pytest.mark.onednn
+@pytest.mark.parametrize("value, enabled", [("0", False), ("1", True)])
+def test_a_users_choice_is_kept_silently(value, enabled):
+    state, notices = _run(value)
+    assert state == {"env": value, "enabled": enabled}
+    assert notices == []
+
+
+@pytest.mark.onednn
+def test_tensorflow_imported_first_without_onednn_gets_advice():
+    """TensorFlow loaded before epl_trainer, off (here forced with 0, then the variable
+    removed, as on a CPU whose default is off): the setting cannot change any more, so
+    init says how to get it."""
+    before = "os.environ['TF_ENABLE_ONEDNN_OPTS'] = '0'\nimport tensorflow"
+    after = "del os.environ['TF_ENABLE_ONEDNN_OPTS']"
+    state, notices = _run(None, before=before, after=after)
+    assert state == {"env": None, "enabled": False}
+    assert len(notices) == 1 and "imported before epl_trainer" in notices[0]
+    assert "set TF_ENABLE_ONEDNN_OPTS=1" in notices[0]
