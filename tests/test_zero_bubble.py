@@ -14,27 +14,12 @@ import numpy as np
 import pytest
 import tensorflow as tf
 from _models import LOSS
+from test_pipeline import STAGE_MAPS, skip_model
 
 import epl_trainer as epl
 from epl_trainer.core.plan import schedule as schedule_lib
 
 ATOL = 1e-6
-STAGE_MAPS = {
-    2: {"block_0|block_1": 0, "block_2|skip_add|norm|head": 1},
-    3: {"block_0": 0, "block_1|block_2": 1, "skip_add|norm|head": 2},
-}
-
-
-def skip_model(seed=3):
-    """Dense layers with a skip connection that crosses a stage (3 stages)."""
-    keras.utils.set_random_seed(seed)
-    inputs = keras.Input((8,), name="x")
-    h0 = keras.layers.Dense(16, activation="tanh", name="block_0")(inputs)
-    h1 = keras.layers.Dense(16, activation="relu", name="block_1")(h0)
-    h2 = keras.layers.Dense(16, activation="tanh", name="block_2")(h1)
-    joined = keras.layers.Add(name="skip_add")([h2, h0])
-    h3 = keras.layers.LayerNormalization(name="norm")(joined)
-    return keras.Model(inputs, keras.layers.Dense(3, name="head")(h3))
 
 
 def _data(batch):
@@ -127,6 +112,25 @@ def test_zero_bubble_h1_with_xla_stages():
     _assert_as_one_f_one_b(2, 2, 4, 16, jit_compile=True)
 
 
+def _assert_strategies_agree(make_model, stages, x, y, optimizer, **config):
+    """A model of its own trains to the same weights under 1F1B and ZB-H1 (3 steps of 16
+    rows; non-trainable state included)."""
+    weights = []
+    for strategy in ("PreferBackward", "ZeroBubbleH1"):
+        model = make_model()
+        trainer = epl.EPLTrainer(
+            model,
+            LOSS,
+            optimizer(),
+            stages=stages,
+            config={"pipeline.strategy": strategy, **config},
+        )
+        trainer.fit(x, y, batch_size=16, steps_per_epoch=3, verbose=0, shuffle=False)
+        weights.append(model.get_weights())
+    difference = max(float(np.abs(a - b).max()) for a, b in zip(*weights))
+    assert difference < ATOL, difference
+
+
 @pytest.mark.combines("sync_batch_norm+pipeline+data_parallel")
 def test_zero_bubble_h1_with_synchronized_batch_norm():
     # 2 replicas of 2 stages; stage 0's whole backward (the moments' all-reduce with it)
@@ -141,56 +145,45 @@ def test_zero_bubble_h1_with_synchronized_batch_norm():
         return keras.Model(inputs, keras.layers.Dense(3, name="head")(h))
 
     x, y = _data(16)
-    weights = {}
-    for strategy in ("PreferBackward", "ZeroBubbleH1"):
-        model = bn_model()
-        trainer = epl.EPLTrainer(
-            model,
-            LOSS,
-            keras.optimizers.SGD(0.1),
-            stages={"block_0|block_1": 0, "block_2|norm|head": 1},
-            config={
-                "cluster.virtual_devices": 4,
-                "pipeline.num_micro_batch": 2,
-                "pipeline.strategy": strategy,
-                "batch_norm.synchronized": True,
-            },
-        )
-        trainer.fit(x, y, batch_size=16, steps_per_epoch=3, verbose=0, shuffle=False)
-        weights[strategy] = model.get_weights()  # moving statistics included
-    difference = max(float(np.abs(a - b).max()) for a, b in zip(*weights.values()))
-    assert difference < ATOL, difference
+    _assert_strategies_agree(
+        bn_model,
+        {"block_0|block_1": 0, "block_2|norm|head": 1},
+        x,
+        y,
+        lambda: keras.optimizers.SGD(0.1),
+        **{
+            "cluster.virtual_devices": 4,
+            "pipeline.num_micro_batch": 2,
+            "batch_norm.synchronized": True,
+        },
+    )
 
 
 @pytest.mark.parametrize("sparse", [True, False])
 def test_zero_bubble_h1_with_an_embedding(sparse):
     # Stage 0's Embedding gradient (IndexedSlices unless sparse_as_dense) is computed at W.
-    x = np.random.default_rng(2).integers(0, 50, (48, 6)).astype("int32")
-    y = np.random.default_rng(3).integers(0, 3, 48).astype("int32")
-    weights = {}
-    for strategy in ("PreferBackward", "ZeroBubbleH1"):
+    def embedding_model():
         keras.utils.set_random_seed(4)
         inputs = keras.Input((6,), dtype="int32")
         h = keras.layers.Embedding(50, 8, name="embed")(inputs)
         h = keras.layers.GlobalAveragePooling1D(name="pool")(h)
         h = keras.layers.Dense(16, activation="tanh", name="block")(h)
-        model = keras.Model(inputs, keras.layers.Dense(3, name="head")(h))
-        trainer = epl.EPLTrainer(
-            model,
-            LOSS,
-            keras.optimizers.Adam(0.01),
-            stages={"embed|pool": 0, "block|head": 1},
-            config={
-                "cluster.virtual_devices": 2,
-                "pipeline.num_micro_batch": 4,
-                "pipeline.strategy": strategy,
-                "communication.sparse_as_dense": not sparse,
-            },
-        )
-        trainer.fit(x, y, batch_size=16, steps_per_epoch=3, verbose=0, shuffle=False)
-        weights[strategy] = model.get_weights()
-    difference = max(float(np.abs(a - b).max()) for a, b in zip(*weights.values()))
-    assert difference < ATOL, difference
+        return keras.Model(inputs, keras.layers.Dense(3, name="head")(h))
+
+    x = np.random.default_rng(2).integers(0, 50, (48, 6)).astype("int32")
+    y = np.random.default_rng(3).integers(0, 3, 48).astype("int32")
+    _assert_strategies_agree(
+        embedding_model,
+        {"embed|pool": 0, "block|head": 1},
+        x,
+        y,
+        lambda: keras.optimizers.Adam(0.01),
+        **{
+            "cluster.virtual_devices": 2,
+            "pipeline.num_micro_batch": 4,
+            "communication.sparse_as_dense": not sparse,
+        },
+    )
 
 
 @pytest.mark.parametrize(
