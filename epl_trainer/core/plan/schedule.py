@@ -14,6 +14,11 @@ Dependencies between stages (the only ones a pipeline has):
   on the same stage: B then computes the gradient of the stage's inputs (what the
   previous stage waits for), W the gradient of its weights (what nobody waits for).
 
+An interleaved schedule (Megatron's "virtual pipeline stages") runs several stages on one
+device: it is a `PlacedSchedule`, still one task tuple per stage, plus each device's order
+across its stages (`device_orders`), which the executor chains instead of each stage's.
+Every other schedule runs stage d on device d.
+
 Time is simulated in unit steps (by default every task takes one step), which is enough
 to order ops deterministically and draw the schedule. Bubbles are counted with
 `work_costs`: a forward, an input gradient and a weight gradient each one unit, so an
@@ -30,17 +35,22 @@ __all__ = [
     "FORWARD",
     "STRATEGIES",
     "WEIGHT",
+    "PlacedSchedule",
     "Schedule",
     "ScheduleError",
     "Task",
     "bubble_fraction",
+    "device_orders",
+    "device_peak_in_flight",
     "execution_order",
     "gpipe_schedule",
+    "interleaved_schedule",
     "make_schedule",
     "one_f_one_b_schedule",
     "peak_in_flight",
     "simulated_bubble",
     "splits_backward",
+    "stage_chains",
     "timeline",
     "validate",
     "work_costs",
@@ -52,7 +62,8 @@ BACKWARD = "B"
 WEIGHT = "W"  # the weight-gradient half of a split backward
 KINDS = (FORWARD, BACKWARD, WEIGHT)
 # config key pipeline.strategy
-STRATEGIES = ("PreferForward", "PreferBackward", "ZeroBubbleH1")
+STRATEGIES = ("PreferForward", "PreferBackward", "ZeroBubbleH1", "Interleaved1F1B")
+INTERLEAVED = "Interleaved1F1B"  # the one strategy whose devices run several stages
 
 
 class ScheduleError(ValueError):
@@ -82,6 +93,64 @@ class Task:
 
 
 Schedule = tuple[tuple[Task, ...], ...]
+
+
+class PlacedSchedule(tuple):
+    """A schedule whose devices each run several stages (interleaved 1F1B).
+
+    Still a tuple of per-stage task tuples (`schedule[stage]`, in the order the stage's
+    device runs them), so whatever reads a stage's tasks reads them unchanged. Adds:
+
+    Attributes:
+      device_orders: `device_orders[d]`, the (stage, Task) pairs device d runs, in order.
+      stage_device: `stage_device[s]`, the device running stage s.
+    """
+
+    device_orders: tuple[tuple[tuple[int, Task], ...], ...]
+    stage_device: tuple[int, ...]
+
+    def __new__(cls, device_orders, num_stages: int):
+        stages: list[list[Task]] = [[] for _ in range(num_stages)]
+        stage_device: list[int | None] = [None] * num_stages
+        for device, pairs in enumerate(device_orders):
+            for stage, task in pairs:
+                if not _is_int(stage) or not 0 <= stage < num_stages:
+                    raise ScheduleError(
+                        f"Device {device} runs a task of stage {stage!r}, outside the "
+                        f"{num_stages} stages."
+                    )
+                if stage_device[stage] not in (None, device):
+                    raise ScheduleError(
+                        f"Stage {stage} has tasks on devices {stage_device[stage]} and {device}."
+                    )
+                stage_device[stage] = device
+                stages[stage].append(task)
+        missing = [stage for stage, device in enumerate(stage_device) if device is None]
+        if missing:
+            raise ScheduleError(f"No device runs stage(s) {missing}.")
+        self = super().__new__(cls, tuple(tuple(tasks) for tasks in stages))
+        self.device_orders = tuple(tuple(pairs) for pairs in device_orders)
+        self.stage_device = tuple(stage_device)
+        return self
+
+    def __reduce__(self):
+        return (PlacedSchedule, (self.device_orders, len(self)))
+
+
+def stage_chains(schedule: Schedule) -> tuple[int, ...]:
+    """Per stage, the device whose order runs its tasks (stage d on d, unless placed):
+    the tasks of one device follow each other in the compiled step."""
+    if isinstance(schedule, PlacedSchedule):
+        return schedule.stage_device
+    return tuple(range(len(schedule)))
+
+
+def device_orders(schedule: Schedule) -> tuple[tuple[tuple[int, Task], ...], ...]:
+    """Per device, the (stage, Task) pairs it runs in order: a `PlacedSchedule`'s own,
+    otherwise stage d on device d."""
+    if isinstance(schedule, PlacedSchedule):
+        return schedule.device_orders
+    return tuple(tuple((stage, task) for task in tasks) for stage, tasks in enumerate(schedule))
 
 
 # ------------------------------------------------------------------- builders
@@ -154,6 +223,77 @@ def _zero_bubble_h1_stage(stage: int, num_stages: int, num_micro_batch: int) -> 
     return tuple(tasks)
 
 
+def interleaved_schedule(
+    num_stages: int, num_micro_batch: int, virtual_stages: int
+) -> PlacedSchedule:
+    """ "Interleaved1F1B": Megatron-LM's interleaved 1F1B (Narayanan et al. 2021, "Efficient
+    Large-Scale Language Model Training on GPU Clusters", section 2.2.2).
+
+    The `S` stages run on `p = S / v` devices (`v = virtual_stages`), device d hosting
+    stages d, d+p, d+2p, ... (its `v` chunks). Each device runs its chunks' forwards in
+    Megatron's order: groups of p micro-batches, each group through chunk 0, then chunk 1,
+    ..., (the last group takes the remaining `M mod p` micro-batches too, as Megatron-core's
+    schedule table does); its backwards in the same order with the chunks reversed.
+    Device d runs `min(2 (p-1-d) + (v-1) g, v M)` warm-up forwards (g = p, or the last
+    group's size when it is larger), then alternates one forward and one backward, then
+    drains the backwards. A chunk is 1/v of the device's
+    layers, so with equal stage costs and `M` a multiple of `p` the idle time is
+    `(p-1)/v` of a micro-batch's forward and backward per device: a bubble of
+    `(p-1)/(vM)` of the work (`bubble_fraction`), v times less than 1F1B on p devices;
+    for `M > p` device 0 keeps `p v + p - 1` chunk activations alive at most,
+    `p (1 + (p-1)/(p v))` micro-batches' worth of its layers against 1F1B's `p`
+    (`device_peak_in_flight`).
+    Each stage runs its backwards in ascending micro-batch order, so gradients
+    accumulate in 1F1B's order. Megatron needs `M` to be a multiple of `p`; any `M >= 1`
+    gives a valid, deadlock-free schedule here (checked by simulation for p <= 8, v <= 4,
+    M <= 24: tests/test_interleaved.py), with a smaller bubble than 1F1B's but, for `M`
+    not a multiple of `p`, `(v-1)(M mod p)` more chunk activations on every device.
+    """
+    _check_sizes(num_stages, num_micro_batch)
+    if not _is_int(virtual_stages) or virtual_stages < 1 or num_stages % virtual_stages:
+        raise ScheduleError(
+            "virtual_stages must be an integer >= 1 that divides the stages. "
+            f"Received: num_stages={num_stages}, virtual_stages={virtual_stages!r}"
+        )
+    devices = num_stages // virtual_stages
+    table, group = _megatron_table(num_micro_batch, devices, virtual_stages)
+    total = len(table)
+    orders = []
+    for device in range(devices):
+        # Megatron's 2 (p-1-d) + (v-1) p, with the largest group for p: the backward of a
+        # group's first micro-batch on the last chunk follows its forward there.
+        warmup = min(2 * (devices - 1 - device) + (virtual_stages - 1) * group, total)
+
+        def forward(k, device=device):
+            micro_batch, chunk = table[k]
+            return (chunk * devices + device, Task(FORWARD, micro_batch))
+
+        def backward(k, device=device):
+            micro_batch, chunk = table[k]
+            return ((virtual_stages - 1 - chunk) * devices + device, Task(BACKWARD, micro_batch))
+
+        order = [forward(k) for k in range(warmup)]
+        for k in range(total - warmup):
+            order += [forward(warmup + k), backward(k)]
+        order += [backward(k) for k in range(total - warmup, total)]
+        orders.append(order)
+    return PlacedSchedule(orders, num_stages)
+
+
+def _megatron_table(
+    num_micro_batch: int, devices: int, chunks: int
+) -> tuple[list[tuple[int, int]], int]:
+    """(The k-th forward of every device as (micro-batch, chunk), the largest group): the
+    micro-batches in groups of `devices`, the last group also taking the remainder, each
+    group through every chunk in turn."""
+    table, first, largest = [], 0, 0
+    while first < num_micro_batch:
+        last = first + devices if first + 2 * devices <= num_micro_batch else num_micro_batch
+        table += [(m, c) for c in range(chunks) for m in range(first, last)]
+        largest, first = max(largest, last - first), last
+    return table, max(largest, devices)
+
+
 _BUILDERS = {
     "PreferForward": gpipe_schedule,
     "PreferBackward": one_f_one_b_schedule,
@@ -161,15 +301,34 @@ _BUILDERS = {
 }
 
 
-def make_schedule(strategy: str, num_stages: int, num_micro_batch: int) -> Schedule:
-    """The schedule for config key `pipeline.strategy`."""
-    builder = _BUILDERS.get(strategy)
-    if builder is None:
+def make_schedule(
+    strategy: str, num_stages: int, num_micro_batch: int, virtual_stages: int = 1
+) -> Schedule:
+    """The schedule for config keys `pipeline.strategy` and `pipeline.virtual_stages`."""
+    _check_strategy(strategy, virtual_stages)
+    if strategy == INTERLEAVED:
+        return interleaved_schedule(num_stages, num_micro_batch, virtual_stages)
+    return _BUILDERS[strategy](num_stages, num_micro_batch)
+
+
+def _check_strategy(strategy: str, virtual_stages: int) -> None:
+    if strategy not in STRATEGIES:
         raise ScheduleError(
             f"Unknown pipeline strategy. Expected one of {list(STRATEGIES)}. "
             f"Received: strategy={strategy!r}"
         )
-    return builder(num_stages, num_micro_batch)
+    if strategy == INTERLEAVED and (not _is_int(virtual_stages) or virtual_stages < 2):
+        raise ScheduleError(
+            "Interleaved1F1B runs several stages per device: pipeline.virtual_stages must be "
+            "an integer >= 2 (with 1 it is PreferBackward). "
+            f"Received: virtual_stages={virtual_stages!r}"
+        )
+    if strategy != INTERLEAVED and virtual_stages != 1:
+        raise ScheduleError(
+            f"pipeline.virtual_stages > 1 (several stages per device) needs "
+            f"pipeline.strategy='{INTERLEAVED}'. Received: strategy={strategy!r}, "
+            f"virtual_stages={virtual_stages!r}"
+        )
 
 
 # ----------------------------------------------------------------- checking
@@ -236,29 +395,32 @@ def _dependency(num_stages: int, stage: int, task: Task) -> tuple[int, Task] | N
 def _simulate(schedule: Schedule, costs: dict | None = None) -> dict[tuple[int, Task], int]:
     """A run in whole time steps: `{(stage, task): the step it starts}`.
 
-    Every stage starts its next task as soon as the stage is free and the task's
-    dependency has finished; with `costs` None every task takes one step. A point where
-    no stage can start its next task while tasks remain is a deadlock.
+    Every device (stage d on device d unless the schedule is a `PlacedSchedule`) starts
+    its next task as soon as it is free and the task's dependency has finished; with
+    `costs` None every task takes one step. A point where no device can start its next
+    task while tasks remain is a deadlock.
     """
     _check_structure(schedule)
     num_stages = len(schedule)
+    orders = device_orders(schedule)
     started: dict[tuple[int, Task], int] = {}
     finished: dict[tuple[int, Task], int] = {}
-    position = [0] * num_stages
-    free_at = [0] * num_stages
-    remaining = sum(len(tasks) for tasks in schedule)
+    position = [0] * len(orders)
+    free_at = [0] * len(orders)
+    remaining = sum(len(pairs) for pairs in orders)
     while remaining:
         moved = False
-        for stage, tasks in enumerate(schedule):
-            while position[stage] < len(tasks):
-                task = tasks[position[stage]]
+        for device, pairs in enumerate(orders):
+            while position[device] < len(pairs):
+                stage, task = pairs[position[device]]
                 dependency = _dependency(num_stages, stage, task)
                 if dependency is not None and dependency not in finished:
                     break
-                start = max(free_at[stage], 0 if dependency is None else finished[dependency])
+                start = max(free_at[device], 0 if dependency is None else finished[dependency])
                 started[(stage, task)] = start
-                free_at[stage] = finished[(stage, task)] = start + (costs or {}).get(task.kind, 1)
-                position[stage] += 1
+                cost = (costs or {}).get(task.kind, 1)
+                free_at[device] = finished[(stage, task)] = start + cost
+                position[device] += 1
                 remaining -= 1
                 moved = True
         if not moved:
@@ -268,12 +430,14 @@ def _simulate(schedule: Schedule, costs: dict | None = None) -> dict[tuple[int, 
 
 def _deadlock_message(schedule: Schedule, position: list[int], step: int) -> str:
     num_stages = len(schedule)
+    placed = isinstance(schedule, PlacedSchedule)
     waits = []
-    for stage, tasks in enumerate(schedule):
-        if position[stage] < len(tasks):
-            task = tasks[position[stage]]
+    for device, pairs in enumerate(device_orders(schedule)):
+        if position[device] < len(pairs):
+            stage, task = pairs[position[device]]
             dep_stage, dep_task = _dependency(num_stages, stage, task)
-            waits.append(f"stage {stage} waits at {task} for {dep_task} on stage {dep_stage}")
+            where = f"device {device} (stage {stage})" if placed else f"stage {stage}"
+            waits.append(f"{where} waits at {task} for {dep_task} on stage {dep_stage}")
     return f"The schedule deadlocks at time step {step}: " + "; ".join(waits) + "."
 
 
@@ -315,17 +479,20 @@ def work_costs(schedule: Schedule) -> dict:
 
 
 def simulated_bubble(schedule: Schedule) -> float:
-    """The idle share of the stages' time when `schedule` runs with `work_costs`:
-    1 - work / (stages x makespan)."""
+    """The idle share of the devices' time when `schedule` runs with `work_costs`:
+    1 - work / (devices x makespan)."""
     costs = work_costs(schedule)
     starts = _simulate(schedule, costs)
     makespan = max(step + costs[task.kind] for (_, task), step in starts.items())
     work = sum(costs[task.kind] for (_, task) in starts)
-    return 1 - work / (len(schedule) * makespan)
+    return 1 - work / (len(device_orders(schedule)) * makespan)
 
 
 def bubble_fraction(
-    num_stages: int, num_micro_batch: int, strategy: str = "PreferBackward"
+    num_stages: int,
+    num_micro_batch: int,
+    strategy: str = "PreferBackward",
+    virtual_stages: int = 1,
 ) -> float:
     """The idle share of a pipeline's time with equal stage costs, by formula.
 
@@ -333,15 +500,19 @@ def bubble_fraction(
     `3M` units of work per stage: the paper's bubble `(S-1)/(3M)` of the work), exact with
     equal F, B and W costs for `M >= S`; with fewer micro-batches than stages the
     warm-up cannot fill and `simulated_bubble` of the schedule is the one to trust.
+    Interleaved 1F1B on `p = S/v` devices: `(p-1) / (vM+p-1)` (Megatron's `(p-1)/(vM)` of
+    the work), exact for `M` a multiple of `p`.
     """
     _check_sizes(num_stages, num_micro_batch)
-    if strategy not in _BUILDERS:
+    _check_strategy(strategy, virtual_stages)
+    if num_stages % virtual_stages:
         raise ScheduleError(
-            f"Unknown pipeline strategy. Expected one of {list(STRATEGIES)}. "
-            f"Received: strategy={strategy!r}"
+            "virtual_stages must divide the stages. "
+            f"Received: num_stages={num_stages}, virtual_stages={virtual_stages}"
         )
-    work = 3 * num_micro_batch if strategy == "ZeroBubbleH1" else num_micro_batch
-    return (num_stages - 1) / (work + num_stages - 1)
+    devices = num_stages // virtual_stages
+    work = num_micro_batch * (3 if strategy == "ZeroBubbleH1" else virtual_stages)
+    return (devices - 1) / (work + devices - 1)
 
 
 def peak_in_flight(schedule: Schedule) -> list[int]:
@@ -360,6 +531,28 @@ def peak_in_flight(schedule: Schedule) -> list[int]:
         alive = peak = 0
         for task in tasks:
             alive += {FORWARD: 1, last: -1}.get(task.kind, 0)
+            peak = max(peak, alive)
+        peaks.append(peak)
+    return peaks
+
+
+def device_peak_in_flight(schedule: Schedule, weights=None) -> list[float]:
+    """Per device, the most activation sets alive at once over its stages, each stage's
+    weighted by `weights[stage]` (e.g. its activation bytes per micro-batch; default 1).
+
+    For a schedule with one stage per device, `peak_in_flight` times the weights. For
+    interleaved 1F1B with weights 1/v (a chunk holds 1/v of the device's layers), device
+    0's is `p + (p-1)/v` micro-batches' worth for `M > p` a multiple of `p`: `1 + (p-1)/(p v)` times
+    1F1B's `p` (Korthikanti et al. 2022, "Reducing Activation Recomputation", section 4.2.3).
+    """
+    _check_structure(schedule)
+    weights = [1] * len(schedule) if weights is None else list(weights)
+    last = WEIGHT if splits_backward(schedule) else BACKWARD
+    peaks = []
+    for pairs in device_orders(schedule):
+        alive = peak = 0
+        for stage, task in pairs:
+            alive += {FORWARD: 1, last: -1}.get(task.kind, 0) * weights[stage]
             peak = max(peak, alive)
         peaks.append(peak)
     return peaks
