@@ -15,8 +15,10 @@ from epl_trainer.core.plan.schedule import (
     BACKWARD,
     FORWARD,
     WEIGHT,
+    PlacedSchedule,
     Schedule,
     gpipe_schedule,
+    interleaved_schedule,
     make_schedule,
     one_f_one_b_schedule,
     splits_backward,
@@ -47,7 +49,8 @@ def plot_schedule(
 ) -> Path:
     """Writes the pipeline schedule of a Plan (or a raw Schedule) as a Gantt chart.
 
-    One row per stage (stage 0 on top), one box per forward / backward (/ weight gradient
+    One row per stage (stage 0 on top; per device for an interleaved schedule, whose later
+    chunks' boxes are lighter), one box per forward / backward (/ weight gradient
     of a zero-bubble schedule) at its unit time
     step from `core.schedule.timeline`, labelled with its micro-batch ("F3", "B3").
 
@@ -57,7 +60,8 @@ def plot_schedule(
         if it has none), or a `Schedule` tuple as `core.schedule` builds it.
       path: where to write; the suffix picks the format: ".png" or ".svg".
       title: replaces the default title (strategy, stages, micro-batches, bubble).
-      strategy: "PreferForward", "PreferBackward" or "ZeroBubbleH1". With a Plan it overrides the
+      strategy: "PreferForward", "PreferBackward", "ZeroBubbleH1" or "Interleaved1F1B" (with
+        the plan's `virtual_stages`). With a Plan it overrides the
         plan's strategy; with a raw Schedule it only names the schedule in the title.
 
     Returns:
@@ -90,24 +94,25 @@ def _schedule_figure(plan_or_schedule, *, title=None, strategy=None):
     num_stages = len(schedule)
     num_micro_batch = sum(task.kind == FORWARD for task in schedule[0])
     makespan = 1 + max(step for _, step, _ in entries)
+    rows = len(row_labels)  # stages, or the devices of an interleaved schedule
     # Measured from the simulation rather than GPipe's formula, so a hand-made schedule
     # shows its own idle time; for both built-in strategies the two agree.
-    bubble = 1 - len(entries) / (num_stages * makespan)
+    bubble = 1 - len(entries) / (rows * makespan)
 
     label_width = max(len(label) for label in row_labels) * 0.075 + 0.4
     natural = _MARGIN_INCHES + label_width + _INCHES_PER_STEP * makespan
     width = min(_MAX_WIDTH_INCHES, max(_MIN_WIDTH_INCHES, natural))
-    height = 1.5 + _INCHES_PER_STAGE * num_stages
+    height = 1.5 + _INCHES_PER_STAGE * rows
     figure = Figure(figsize=(width, height), dpi=_DPI, layout="constrained")
     FigureCanvasAgg(figure)
     axes = figure.add_subplot()
 
     step_inches = (width - _MARGIN_INCHES - label_width) / makespan
-    _draw_tasks(axes, entries, step_inches)
+    _draw_tasks(axes, entries, step_inches, getattr(schedule, "stage_device", None))
 
     axes.set_xlim(0, makespan)
-    axes.set_ylim(num_stages - 0.5, -0.5)  # stage 0 on top
-    axes.set_yticks(range(num_stages), row_labels)
+    axes.set_ylim(rows - 0.5, -0.5)  # stage 0 on top
+    axes.set_yticks(range(rows), row_labels)
     tick_every = 1 if makespan <= 40 else 5
     axes.set_xticks(range(0, makespan + 1, tick_every))
     axes.tick_params(axis="x", labelsize=7)
@@ -127,6 +132,12 @@ def _schedule_figure(plan_or_schedule, *, title=None, strategy=None):
         frameon=False,
         fontsize=8,
     )
+    if title is None and rows != num_stages:
+        title = (
+            f"{_strategy_label(strategy)} (v={num_stages // rows}): "
+            f"{_plural(num_stages, 'stage')} on {_plural(rows, 'device')} x "
+            f"{_plural(num_micro_batch, 'micro-batch')}, {makespan} steps, bubble {bubble:.1%}"
+        )
     if title is None:
         title = (
             f"{_strategy_label(strategy)}: {_plural(num_stages, 'stage')} x "
@@ -136,18 +147,23 @@ def _schedule_figure(plan_or_schedule, *, title=None, strategy=None):
     return figure
 
 
-def _draw_tasks(axes, entries, step_inches: float) -> None:
-    """One box per (stage, step, task), labelled when a step is wide enough to read."""
+def _draw_tasks(axes, entries, step_inches: float, stage_device=None) -> None:
+    """One box per (stage, step, task), labelled when a step is wide enough to read; on
+    its device's row, lighter for later chunks, with `stage_device` (interleaved)."""
     from matplotlib.patches import Rectangle
 
     font_size = 8 if step_inches >= _INCHES_PER_STEP else 6
+    devices = 1 + max(stage_device) if stage_device else 0
     for stage, step, task in entries:
+        row = stage if stage_device is None else stage_device[stage]
+        chunk = stage // devices if devices else 0
         axes.add_patch(
             Rectangle(
-                (step, stage - 0.4),
+                (step, row - 0.4),
                 1,
                 0.8,
                 facecolor=_COLORS[task.kind],
+                alpha=1.0 if chunk % 2 == 0 else 0.55,
                 edgecolor="white",
                 linewidth=1.0,
                 gid=f"task:{stage}:{task}",
@@ -156,7 +172,7 @@ def _draw_tasks(axes, entries, step_inches: float) -> None:
         if step_inches >= _MIN_LABELLED_STEP_INCHES:
             axes.text(
                 step + 0.5,
-                stage,
+                row,
                 str(task),
                 ha="center",
                 va="center",
@@ -172,7 +188,13 @@ def _resolve(plan_or_schedule, strategy) -> tuple[Schedule, str | None, list[str
         plan = plan_or_schedule
         if strategy is None:
             strategy = getattr(plan, "pipeline_strategy", "PreferBackward")
-        schedule = make_schedule(strategy, len(plan.taskgraphs), plan.num_micro_batch)
+        virtual_stages = getattr(plan, "virtual_stages", 1)
+        schedule = make_schedule(
+            strategy, len(plan.taskgraphs), plan.num_micro_batch, virtual_stages
+        )
+        if isinstance(schedule, PlacedSchedule):  # one row per device
+            devices = [plan.placement[0][d][0].short_name for d in range(plan.pipeline_devices)]
+            return schedule, strategy, [f"device {d} ({name})" for d, name in enumerate(devices)]
         labels = []
         for index, taskgraph in enumerate(plan.taskgraphs):
             devices = plan.placement[0][index]
@@ -184,6 +206,14 @@ def _resolve(plan_or_schedule, strategy) -> tuple[Schedule, str | None, list[str
             "plot_schedule takes a Plan or a Schedule (tuple of per-stage Task tuples). "
             f"Received: {type(plan_or_schedule).__name__}"
         )
+    if isinstance(plan_or_schedule, PlacedSchedule):
+        schedule = plan_or_schedule
+        devices = len(schedule.device_orders)
+        if strategy is None and devices and len(schedule) % devices == 0:
+            forwards = sum(task.kind == FORWARD for task in schedule[0])
+            built = interleaved_schedule(len(schedule), forwards, len(schedule) // devices)
+            strategy = "Interleaved1F1B" if built.device_orders == schedule.device_orders else None
+        return schedule, strategy, [f"device {d}" for d in range(devices)]
     schedule = tuple(tuple(tasks) for tasks in plan_or_schedule)
     if strategy is None and schedule and schedule[0]:
         strategy = _recognise(schedule)
@@ -211,6 +241,7 @@ def _strategy_label(strategy: str | None) -> str:
         "PreferBackward": "PreferBackward (1F1B)",
         "PreferForward": "PreferForward (GPipe)",
         "ZeroBubbleH1": "ZeroBubbleH1 (ZB-H1)",
+        "Interleaved1F1B": "Interleaved1F1B",
         None: "Custom schedule",
     }.get(strategy, str(strategy))
 
