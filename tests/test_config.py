@@ -25,6 +25,7 @@ EXPECTED_DEFAULTS = {
     "pipeline.num_micro_batch": 1,
     "pipeline.num_stages": None,
     "pipeline.strategy": "PreferBackward",
+    "pipeline.virtual_stages": 1,
     "gradient_checkpoint.type": "",
     "gradient_checkpoint.end_taskgraph": -1,
     "gradient_checkpoint.check_gradients": False,
@@ -336,7 +337,7 @@ def test_bad_enum_lists_allowed_values():
     with pytest.raises(
         ConfigError,
         match=r"'pipeline.strategy' must be one of "
-        r"\['PreferBackward', 'PreferForward', 'ZeroBubbleH1'\] "
+        r"\['PreferBackward', 'PreferForward', 'ZeroBubbleH1', 'Interleaved1F1B'\] "
         r".*Received: 'Interleaved'",
     ):
         make({"pipeline.strategy": "Interleaved"})

@@ -112,18 +112,19 @@ def test_zero_bubble_h1_with_xla_stages():
     _assert_as_one_f_one_b(2, 2, 4, 16, jit_compile=True)
 
 
-def _assert_strategies_agree(make_model, stages, x, y, optimizer, **config):
-    """A model of its own trains to the same weights under 1F1B and ZB-H1 (3 steps of 16
-    rows; non-trainable state included)."""
+def _assert_strategies_agree(make_model, stages, x, y, optimizer, strategies=None, **config):
+    """A model of its own trains to the same weights under 1F1B and ZB-H1, or each of
+    `strategies` ({strategy: its own config keys}), in 3 steps of 16 rows (non-trainable
+    state included)."""
     weights = []
-    for strategy in ("PreferBackward", "ZeroBubbleH1"):
+    for strategy, own in (strategies or {"PreferBackward": {}, "ZeroBubbleH1": {}}).items():
         model = make_model()
         trainer = epl.EPLTrainer(
             model,
             LOSS,
             optimizer(),
             stages=stages,
-            config={"pipeline.strategy": strategy, **config},
+            config={"pipeline.strategy": strategy, **config, **own},
         )
         trainer.fit(x, y, batch_size=16, steps_per_epoch=3, verbose=0, shuffle=False)
         weights.append(model.get_weights())
@@ -131,19 +132,36 @@ def _assert_strategies_agree(make_model, stages, x, y, optimizer, **config):
     assert difference < ATOL, difference
 
 
+def bn_model(seed=3):
+    """Dense, BatchNorm, Dense, BatchNorm, Dense."""
+    keras.utils.set_random_seed(seed)
+    inputs = keras.Input((8,), name="x")
+    h = keras.layers.Dense(16, name="block_0")(inputs)
+    h = keras.layers.BatchNormalization(name="block_1")(h)
+    h = keras.layers.Dense(16, activation="tanh", name="block_2")(h)
+    h = keras.layers.BatchNormalization(name="norm")(h)
+    return keras.Model(inputs, keras.layers.Dense(3, name="head")(h))
+
+
+def embedding_model():
+    """Embedding, pooling, Dense, Dense over 6 token ids below 50."""
+    keras.utils.set_random_seed(4)
+    inputs = keras.Input((6,), dtype="int32")
+    h = keras.layers.Embedding(50, 8, name="embed")(inputs)
+    h = keras.layers.GlobalAveragePooling1D(name="pool")(h)
+    h = keras.layers.Dense(16, activation="tanh", name="block")(h)
+    return keras.Model(inputs, keras.layers.Dense(3, name="head")(h))
+
+
+def embedding_data():
+    x = np.random.default_rng(2).integers(0, 50, (48, 6)).astype("int32")
+    return x, np.random.default_rng(3).integers(0, 3, 48).astype("int32")
+
+
 @pytest.mark.combines("sync_batch_norm+pipeline+data_parallel")
 def test_zero_bubble_h1_with_synchronized_batch_norm():
     # 2 replicas of 2 stages; stage 0's whole backward (the moments' all-reduce with it)
     # runs at W, in every lane's same place.
-    def bn_model(seed=3):
-        keras.utils.set_random_seed(seed)
-        inputs = keras.Input((8,), name="x")
-        h = keras.layers.Dense(16, name="block_0")(inputs)
-        h = keras.layers.BatchNormalization(name="block_1")(h)
-        h = keras.layers.Dense(16, activation="tanh", name="block_2")(h)
-        h = keras.layers.BatchNormalization(name="norm")(h)
-        return keras.Model(inputs, keras.layers.Dense(3, name="head")(h))
-
     x, y = _data(16)
     _assert_strategies_agree(
         bn_model,
@@ -162,16 +180,7 @@ def test_zero_bubble_h1_with_synchronized_batch_norm():
 @pytest.mark.parametrize("sparse", [True, False])
 def test_zero_bubble_h1_with_an_embedding(sparse):
     # Stage 0's Embedding gradient (IndexedSlices unless sparse_as_dense) is computed at W.
-    def embedding_model():
-        keras.utils.set_random_seed(4)
-        inputs = keras.Input((6,), dtype="int32")
-        h = keras.layers.Embedding(50, 8, name="embed")(inputs)
-        h = keras.layers.GlobalAveragePooling1D(name="pool")(h)
-        h = keras.layers.Dense(16, activation="tanh", name="block")(h)
-        return keras.Model(inputs, keras.layers.Dense(3, name="head")(h))
-
-    x = np.random.default_rng(2).integers(0, 50, (48, 6)).astype("int32")
-    y = np.random.default_rng(3).integers(0, 3, 48).astype("int32")
+    x, y = embedding_data()
     _assert_strategies_agree(
         embedding_model,
         {"embed|pool": 0, "block|head": 1},

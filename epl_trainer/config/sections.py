@@ -107,9 +107,12 @@ class PipelineConfig(_Section):
     num_stages: int | None = _optional_int(None, "Stage count for automatic pipelines.", minimum=1)
     strategy: str = _enum(
         "PreferBackward",
-        "Schedule: backward first (like PipeDream), forward first (like GPipe), or ZB-H1 "
-        "(zero bubble: backward split into input and weight gradients).",
-        choices=("PreferBackward", "PreferForward", "ZeroBubbleH1"),
+        "Schedule: backward first (PipeDream), forward first (GPipe), ZB-H1 (backward split "
+        "into input and weight gradients) or interleaved 1F1B (pipeline.virtual_stages).",
+        choices=("PreferBackward", "PreferForward", "ZeroBubbleH1", "Interleaved1F1B"),
+    )
+    virtual_stages: int = _int(
+        1, "Stages per device (Interleaved1F1B): device d of p runs d, d+p, ...", minimum=1
     )
 
 

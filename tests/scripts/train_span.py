@@ -3,7 +3,8 @@
 Run under `epl-launch`, or by hand with TF_CONFIG set (what a cluster manager does).
 Usage:
   train_span.py OUTPUT_DIR [--stages 2|4] [--num_micro_batch M] [--optimizer sgd|adam]
-                [--schedule PreferBackward|PreferForward] [--straddle] [--steps N]
+                [--schedule PreferBackward|PreferForward|...] [--virtual_stages V]
+                [--straddle] [--steps N]
                 [--recompute] [--clipnorm C] [--pause_worker W --pause_at_step N]
                 [--save_dir DIR] [--zero v0|v1|v2]
 Worker w writes OUTPUT_DIR/weights_<w>.npz (its Keras model's weights after fit) and
@@ -75,6 +76,7 @@ def main():
     parser.add_argument("--num_micro_batch", type=int, default=2)
     parser.add_argument("--optimizer", default="sgd")
     parser.add_argument("--schedule", default="PreferBackward")
+    parser.add_argument("--virtual_stages", type=int, default=1, help="pipeline.virtual_stages")
     parser.add_argument("--straddle", action="store_true")
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--recompute", action="store_true")
@@ -90,6 +92,7 @@ def main():
     config = {
         "pipeline.num_micro_batch": args.num_micro_batch,
         "pipeline.strategy": args.schedule,
+        "pipeline.virtual_stages": args.virtual_stages,
         "cluster.device_place_prefer_intra_node": not args.straddle,
         "communication.timeout_seconds": args.timeout,
     }

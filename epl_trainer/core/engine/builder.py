@@ -188,6 +188,7 @@ def build_engine(
         loss_tracker,
         num_micro_batch=plan.num_micro_batch,
         pipeline_strategy=plan.pipeline_strategy,
+        virtual_stages=plan.virtual_stages,
         sparse_gradients=not config.communication.sparse_as_dense,
         step_counter=step_counter,
         embedding_tables=tables,

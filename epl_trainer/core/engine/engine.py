@@ -109,6 +109,7 @@ def plan_engine(
         colocate_split_and_replicate=config.cluster.colocate_split_and_replicate,
         prefer_intra_node=config.cluster.device_place_prefer_intra_node,
         pipeline_strategy=config.pipeline.strategy,
+        virtual_stages=config.pipeline.virtual_stages,
         stage_costs=auto.stage_costs if auto else None,
         cut_description=auto.cut_description if auto else None,
     )

@@ -118,11 +118,12 @@ class StepLayout:
     @property
     def everyone(self) -> comm.CollectiveGroup:
         """Every lane of the job (through its first stage's device); when replicas span
-        workers, every stage device of every lane, so each worker has a member."""
+        workers, every stage device of every lane, so each worker has a member (a device
+        hosting several stages, interleaved 1F1B, once)."""
         if not self.spans_workers:
             return self.stage_groups[0]
-        devices = tuple(d for group in self.stage_groups for d in group.devices)
-        local = tuple(d for group in self.stage_groups for d in group.local_devices)
+        devices = tuple(dict.fromkeys(d for group in self.stage_groups for d in group.devices))
+        local = tuple(dict.fromkeys(d for group in self.stage_groups for d in group.local_devices))
         return comm.CollectiveGroup(devices, local)
 
 

@@ -39,7 +39,7 @@ from epl_trainer.core.engine.step_batch import (
     unpack_element,
 )
 from epl_trainer.core.engine.update import scaled
-from epl_trainer.core.plan.schedule import FORWARD, execution_order, make_schedule
+from epl_trainer.core.plan.schedule import FORWARD, execution_order, make_schedule, stage_chains
 
 
 class Program(InferenceLoops):
@@ -55,7 +55,7 @@ class Program(InferenceLoops):
       loss_tracker: the running mean of the loss.
       output_loss_trackers: Keras's running mean per output loss (`<output>_loss`), in
         the order of the loss's terms; empty for one loss. Read while tracing.
-      num_micro_batch, pipeline_strategy: the plan's.
+      num_micro_batch, pipeline_strategy, virtual_stages: the plan's.
       sparse_gradients: keep Embedding gradients as IndexedSlices
         (`communication.sparse_as_dense=False`).
       embedding_tables: model-order indices of the Embedding tables.
@@ -84,6 +84,7 @@ class Program(InferenceLoops):
         weighted_metrics=frozenset(),
         output_loss_trackers=(),
         agree_on_batches=None,
+        virtual_stages: int = 1,
     ):
         self.layout = layout
         self.agree_on_batches = agree_on_batches
@@ -120,8 +121,11 @@ class Program(InferenceLoops):
             self._emit_lanes = self._emit_lanes_one_by_one
         else:
             self._emit_lanes = self._emit_lanes_in_lockstep
-        self.schedule = make_schedule(pipeline_strategy, layout.num_stages, num_micro_batch)
+        self.schedule = make_schedule(
+            pipeline_strategy, layout.num_stages, num_micro_batch, virtual_stages
+        )
         order = execution_order(self.schedule)
+        chains = stage_chains(self.schedule)
         # Lanes whose stages live on several workers pass tensors across (boundaries.py).
         boundaries = Boundaries(layout.staged)
         self.boundaries = [
@@ -144,6 +148,7 @@ class Program(InferenceLoops):
                 boundaries=self.boundaries[li],
                 position=li,
                 stage_variables=[layout.stage_variables(li, k) for k in range(layout.num_stages)],
+                chains=chains,
             )
             for li, lane in enumerate(layout.lanes)
         ]
@@ -323,9 +328,13 @@ class Program(InferenceLoops):
         # `everyone` has one member per local lane (its first stage), or, when lanes span
         # workers, one per local stage of each lane: the last stage's member contributes.
         last = layout.num_stages - 1
-        if layout.spans_workers:
-            roles = [(li, k == last) for k in range(layout.num_stages)
-                     for li in layout.stage_lanes[k]]  # fmt: skip
+        if layout.spans_workers:  # a device hosting several stages is one member
+            by_device: dict = {}
+            for k in range(layout.num_stages):
+                for li in layout.stage_lanes[k]:
+                    device = layout.lanes[li].devices[k]
+                    by_device[device] = (li, by_device.get(device, (li, False))[1] or k == last)
+            roles = [by_device[device] for device in everyone.local_devices]
         else:
             roles = [(li, True) for li in layout.stage_lanes[0]]
         members = []

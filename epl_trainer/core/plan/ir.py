@@ -16,7 +16,9 @@ import re
 from dataclasses import dataclass
 
 KINDS = ("replicate", "split")
-PIPELINE_STRATEGIES = ("PreferBackward", "PreferForward", "ZeroBubbleH1")  # pipeline.strategy
+# pipeline.strategy; the last runs several stages per device (pipeline.virtual_stages)
+PIPELINE_STRATEGIES = ("PreferBackward", "PreferForward", "ZeroBubbleH1", "Interleaved1F1B")
+INTERLEAVED = "Interleaved1F1B"
 
 _DEVICE_SUFFIX = re.compile(r"(?:^|/)device:([A-Za-z_]+):(\d+)$")
 _SUMMARY_MAX_REPLICAS = 8  # wider tables stop being readable; the rest is elided
@@ -92,7 +94,8 @@ class Plan:
     `placement[replica][taskgraph]` holds the `taskgraph.device_count` devices that
     TaskGraph uses in that replica. Without `colocate_split_and_replicate` the
     TaskGraphs of a replica use disjoint devices; with it they share the first devices
-    of the replica's block.
+    of the replica's block. With `virtual_stages` v > 1 (interleaved 1F1B) a replica's
+    T TaskGraphs share T / v device slots round-robin: TaskGraph k uses slot k mod (T / v).
     """
 
     taskgraphs: tuple[TaskGraph, ...]
@@ -108,6 +111,7 @@ class Plan:
     # partition) and a text saying where the model was cut; shown by summary().
     stage_costs: tuple[float, ...] | None = None
     cut_description: str | None = None
+    virtual_stages: int = 1  # pipeline.virtual_stages: stages per device of a lane
 
     def __post_init__(self):
         # Internal invariant: the planner builds consistent plans; a hand-made Plan
@@ -134,6 +138,7 @@ class Plan:
                 f"pipeline_strategy must be one of {PIPELINE_STRATEGIES}. "
                 f"Received: pipeline_strategy={self.pipeline_strategy!r}"
             )
+        check_virtual_stages(self.pipeline_strategy, self.virtual_stages, len(self.taskgraphs))
         if self.stage_costs is not None:
             object.__setattr__(self, "stage_costs", tuple(float(c) for c in self.stage_costs))
             if len(self.stage_costs) != len(self.taskgraphs):
@@ -146,6 +151,11 @@ class Plan:
     @property
     def num_taskgraphs(self) -> int:
         return len(self.taskgraphs)
+
+    @property
+    def pipeline_devices(self) -> int:
+        """Device slots of a replica's pipeline: the TaskGraphs divided by `virtual_stages`."""
+        return len(self.taskgraphs) // self.virtual_stages
 
     @property
     def total_devices(self) -> int:
@@ -240,6 +250,12 @@ class Plan:
                 "Split: the TaskGraphs share each lane's device; split layers are sharded "
                 "across the devices of a replica"
             )
+        elif self.virtual_stages > 1:
+            lines.append(
+                f"Pipeline: {self.num_taskgraphs} TaskGraphs on {self.pipeline_devices} device "
+                f"slot(s) ({self.virtual_stages} stages each, round-robin), strategy "
+                f"{self.pipeline_strategy}"
+            )
         elif self.num_taskgraphs > 1:
             lines.append(
                 f"Pipeline: {self.num_taskgraphs} TaskGraphs, strategy {self.pipeline_strategy}"
@@ -273,6 +289,7 @@ class Plan:
             "pipeline_strategy": self.pipeline_strategy,
             "stage_costs": None if self.stage_costs is None else list(self.stage_costs),
             "cut_description": self.cut_description,
+            "virtual_stages": self.virtual_stages,
         }
 
     @classmethod
@@ -294,6 +311,37 @@ class Plan:
             pipeline_strategy=data.get("pipeline_strategy", "PreferBackward"),
             stage_costs=data.get("stage_costs"),
             cut_description=data.get("cut_description"),
+            virtual_stages=data.get("virtual_stages", 1),
+        )
+
+
+def check_virtual_stages(strategy: str, virtual_stages, num_taskgraphs: int) -> None:
+    """`pipeline.virtual_stages` must fit the strategy and divide the stages.
+
+    Raises:
+      PlanError: naming the values.
+    """
+    if isinstance(virtual_stages, bool) or not isinstance(virtual_stages, int):
+        raise PlanError(
+            f"pipeline.virtual_stages must be an int >= 1. Received: {virtual_stages!r}"
+        )
+    if strategy == INTERLEAVED and virtual_stages < 2:
+        raise PlanError(
+            "pipeline.strategy='Interleaved1F1B' runs several stages per device: set "
+            "pipeline.virtual_stages >= 2 (stages per device), or use 'PreferBackward'. "
+            f"Received: pipeline.virtual_stages={virtual_stages}"
+        )
+    if strategy != INTERLEAVED and virtual_stages != 1:
+        raise PlanError(
+            "pipeline.virtual_stages > 1 (several stages per device) needs "
+            f"pipeline.strategy='{INTERLEAVED}'. Received: pipeline.strategy={strategy!r}, "
+            f"pipeline.virtual_stages={virtual_stages}"
+        )
+    if num_taskgraphs % virtual_stages:
+        raise PlanError(
+            f"pipeline.virtual_stages={virtual_stages} stages per device must divide the "
+            f"stages. Received: {num_taskgraphs} TaskGraphs (stages), "
+            f"pipeline.virtual_stages={virtual_stages}"
         )
 
 

@@ -21,7 +21,14 @@ from __future__ import annotations
 import numbers
 from collections.abc import Sequence
 
-from epl_trainer.core.plan.ir import KINDS, Device, Plan, PlanError, TaskGraph
+from epl_trainer.core.plan.ir import (
+    KINDS,
+    Device,
+    Plan,
+    PlanError,
+    TaskGraph,
+    check_virtual_stages,
+)
 
 __all__ = ["build_plan", "ordered_devices", "resolve_taskgraphs"]
 
@@ -37,6 +44,7 @@ def build_plan(
     pipeline_strategy: str = "PreferBackward",
     stage_costs: Sequence[float] | None = None,
     cut_description: str | None = None,
+    virtual_stages: int = 1,
 ) -> Plan:
     """Places every TaskGraph of every model replica on the job's devices.
 
@@ -55,6 +63,9 @@ def build_plan(
       stage_costs: optional cost of each TaskGraph (one per TaskGraph, e.g. the
         forward FLOPs per sample `auto_partition` balanced), shown by `summary()`.
       cut_description: optional text saying where the model was cut.
+      virtual_stages: `pipeline.virtual_stages` (interleaved 1F1B): a replica's T
+        TaskGraphs run on T / v device slots, TaskGraph k on slot k mod (T / v), so each
+        device hosts v stages that are not adjacent.
 
     Returns:
       The `Plan`.
@@ -68,13 +79,16 @@ def build_plan(
     total = worker_num * per_worker
     job = f"{total} = {_plural(worker_num, 'worker')} x {_plural(per_worker, 'device')}"
     resolved = resolve_taskgraphs(taskgraphs, total, colocate_split_and_replicate)
-    devices_per_replica = _devices_per_replica(resolved, job, total, colocate_split_and_replicate)
+    check_virtual_stages(pipeline_strategy, virtual_stages, len(resolved))
+    slots = _device_slots(resolved, virtual_stages)
+    devices_per_replica = _devices_per_replica(slots, job, total, colocate_split_and_replicate)
     num_replicas = total // devices_per_replica
     order = ordered_devices(cluster_devices, prefer_intra_node)
     placement = []
     for replica in range(num_replicas):
         block = order[replica * devices_per_replica : (replica + 1) * devices_per_replica]
-        placement.append(_place_replica(block, resolved, colocate_split_and_replicate))
+        placed = _place_replica(block, slots, colocate_split_and_replicate)
+        placement.append(tuple(placed[k % len(slots)] for k in range(len(resolved))))
     return Plan(
         taskgraphs=resolved,
         num_replicas=num_replicas,
@@ -87,7 +101,23 @@ def build_plan(
         pipeline_strategy=pipeline_strategy,
         stage_costs=None if stage_costs is None else tuple(stage_costs),
         cut_description=cut_description,
+        virtual_stages=virtual_stages,
     )
+
+
+def _device_slots(taskgraphs: tuple[TaskGraph, ...], virtual_stages: int) -> tuple[TaskGraph, ...]:
+    """The TaskGraphs that take devices of their own: all of them, or with
+    `virtual_stages` v > 1 the first T / v, whose devices the others share round-robin."""
+    slots = len(taskgraphs) // virtual_stages
+    for tg in taskgraphs[slots:]:
+        host = taskgraphs[tg.index % slots]
+        if tg.device_count != host.device_count:
+            raise PlanError(
+                f"With pipeline.virtual_stages={virtual_stages}, TaskGraph {tg.name!r} runs on "
+                f"the devices of {host.name!r}, so both need one device_count. Received: "
+                f"{host.name}={host.device_count}, {tg.name}={tg.device_count}"
+            )
+    return taskgraphs[:slots]
 
 
 def resolve_taskgraphs(

@@ -42,6 +42,7 @@ FEATURES = {
     "tied_weights": "tied weights across stages",
     "apply_groups": "optimizer.num_apply_group",
     "clip_global_norm": "global_clipnorm before the reduction",
+    "interleaved": "interleaved 1F1B (pipeline.virtual_stages)",
 }
 ZERO = ("zero_v0", "zero_v1", "zero_v2")
 
@@ -148,6 +149,15 @@ REFUSALS = {
         "Cut the model so one stage uses the weight (a manual stage map or "
         "pipeline.num_stages=1 with data parallelism), or train without those options.",
     ),
+    "interleaved_split": Refusal(
+        (("interleaved",), ("split",)),
+        "Interleaved 1F1B runs several pipeline stages per device; split TaskGraphs make the "
+        "replica one stage whose layers are sharded over its devices, so there is no "
+        "pipeline to interleave.",
+        "Use pipeline.strategy='PreferBackward' and pipeline.virtual_stages=1 with split "
+        "layers.",
+        SplitError,
+    ),
     "zero_v2_recompute_across_workers": Refusal(
         (("zero_v2",), ("gradient_checkpoint",), ("stages_across_workers", "multi_worker")),
         "ZeRO v2 (zero.stage 3) with gradient checkpointing needs the stage groups of the "
@@ -222,6 +232,11 @@ def check_plan(
             REFUSALS["stages_across_workers_host_update"].raise_for(f"{where}, {combined}")
     if not split:
         return
+    if plan.virtual_stages > 1:
+        REFUSALS["interleaved_split"].raise_for(
+            f"split TaskGraphs {split}, pipeline.strategy={plan.pipeline_strategy!r}, "
+            f"pipeline.virtual_stages={plan.virtual_stages}"
+        )
     if not plan.colocate_split_and_replicate:
         raise SplitError(
             f"split TaskGraphs {split} need cluster.colocate_split_and_replicate=True (the "

@@ -6,8 +6,9 @@ tape's `gradient()` called under the stage's device, with the gradients of the s
 outputs routed back by tensor key; a zero-bubble schedule's W runs the part of that call
 only the weight gradients need (split_backward.py). The schedule (schedule.py) is data;
 here it becomes control dependencies: every task of a stage waits for the previous task
-of the same stage, so the runtime follows the schedule and frees a micro-batch's
-activations as soon as its backward has run.
+of the same stage (of the same device, when a device runs several stages: interleaved
+1F1B), so the runtime follows the schedule and frees a micro-batch's activations as soon
+as its backward has run.
 """
 
 from __future__ import annotations
@@ -105,6 +106,8 @@ class LaneExecutor:
       stage_variables: per stage, the variables it reads (`trainable_idx[k]` of
         `variables`, but a stage's own copy of a tied weight, state.py); None: those of
         `variables`. A tied weight's gradients from its stages add up in `grads`.
+      chains: per stage, whose order its tasks follow (`schedule.stage_chains`: the
+        schedule's device of the stage); None: each stage its own.
     """
 
     def __init__(
@@ -123,8 +126,10 @@ class LaneExecutor:
         boundaries=None,
         position: int = 0,
         stage_variables=None,
+        chains=None,
     ):
         self.staged = staged
+        self.chains = tuple(chains) if chains is not None else tuple(range(len(staged.stages)))
         self.stage_variables = stage_variables or [
             [variables[i] for i in idx] for idx in trainable_idx
         ]
@@ -172,13 +177,14 @@ class LaneExecutor:
         # micro-batches (ZeRO v2: the gather of the stage's parameters).
         self._read_values: dict[int, list] = {}
         grads: list = [None] * len(self.variables)
-        previous: list = [None] * self.num_stages  # per stage: tensors ending its last task
+        previous: dict = {}  # per chain (a device of the schedule): tensors ending its last task
         clock = self.hooks.task_clock
         if clock is not None:
             clock.begin(self.position)
         for stage, task in self.order:
             mb = micro_batches[task.micro_batch]
-            after = [] if previous[stage] is None else previous[stage]
+            chain = self.chains[stage]
+            after = previous.get(chain, [])
             name = f"{task_scope or 'lane'}_stage{stage}_{task.kind}{task.micro_batch}"
             if self.lane is not None and not self.lane.is_local(stage):
                 # Another worker computes this task; build this side of its transfers.
@@ -191,21 +197,22 @@ class LaneExecutor:
                 continue
             with tf.name_scope(name), tf.control_dependencies(after):
                 if clock is not None:
-                    clock.start(self.position, stage, [*after, *self._task_inputs(stage, task, mb)])
+                    waits = [*after, *self._task_inputs(stage, task, mb)]
+                    clock.start(self.position, stage, waits, chain=chain)
                 if task.kind == FORWARD:
-                    previous[stage] = self._forward(stage, mb, non_trainable)
+                    previous[chain] = self._forward(stage, mb, non_trainable)
                 elif task.kind == WEIGHT:
-                    previous[stage] = self._weights(stage, mb, grads, after)
+                    previous[chain] = self._weights(stage, mb, grads, after)
                 else:
                     # B of stage 0 in a split backward computes nothing (no input
                     # gradient): the stage's next task then waits for the one before it.
                     markers = self._backward(stage, mb, grads, self.splits_backward)
-                    previous[stage] = markers or after
+                    previous[chain] = markers or after
                 if clock is not None:
-                    clock.end(self.position, stage, task, previous[stage])
+                    clock.end(self.position, stage, task, previous[chain], chain=chain)
             wait_for = yield stage, task
             if wait_for:
-                previous[stage] = list(previous[stage]) + list(wait_for)
+                previous[chain] = list(previous[chain]) + list(wait_for)
         if clock is not None:
             clock.finish(self.position)
         return grads, non_trainable, micro_batches

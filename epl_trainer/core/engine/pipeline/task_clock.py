@@ -29,7 +29,7 @@ class TaskClock:
         self.tasks: dict[int, list[tuple[int, Task]]] = {}  # lane -> (stage, task), in order
         self._times: dict[int, list] = {}
         self._started = None
-        self._ended: dict = {}  # (lane, stage) -> the end stamp of the stage's last task
+        self._ended: dict = {}  # (lane, chain) -> the end stamp of the chain's last task
         self._variables: dict[int, tf.Variable] = {}
         self._anchor = None  # the variable whose handle takes the timestamps out of order
 
@@ -38,18 +38,22 @@ class TaskClock:
         self.tasks[lane], self._times[lane] = [], []
         self._ended = {key: v for key, v in self._ended.items() if key[0] != lane}
 
-    def start(self, lane: int, stage: int, waits_for: list) -> None:
-        """The task about to be emitted starts once `waits_for` exist and the stage's
-        previous task has ended."""
-        self._started = self._stamp([*waits_for, self._ended.get((lane, stage))])
+    def start(self, lane: int, stage: int, waits_for: list, chain: int | None = None) -> None:
+        """The task about to be emitted starts once `waits_for` exist and the previous
+        task of its chain has ended (`chain`: the stage's device in the schedule, which
+        runs several stages under interleaved 1F1B; default the stage)."""
+        chain = stage if chain is None else chain
+        self._started = self._stamp([*waits_for, self._ended.get((lane, chain))])
 
-    def end(self, lane: int, stage: int, task: Task, markers: list) -> None:
+    def end(
+        self, lane: int, stage: int, task: Task, markers: list, chain: int | None = None
+    ) -> None:
         """The task just emitted ends once `markers` exist."""
         self.tasks[lane].append((stage, task))
         # After its start too: a task whose markers are older (stage 0's B of a split
         # backward ends with the task before it) ends when it starts.
         ended = self._stamp([*markers, self._started])
-        self._ended[(lane, stage)] = ended
+        self._ended[(lane, stage if chain is None else chain)] = ended
         self._times[lane].append(tf.stack([self._started, ended]))
 
     def _stamp(self, after: list):

@@ -135,8 +135,9 @@ def sum_over_lane(layout: StepLayout, li: int, value):
     lane = layout.lanes[li]
     if not lane.spans_workers:
         return value
-    local = tuple(lane.devices[k] for k in layout.local_stages(li))
-    group = comm.CollectiveGroup(tuple(lane.devices[: layout.num_stages]), local)
+    # A device hosting several stages (interleaved 1F1B) is one member.
+    local = tuple(dict.fromkeys(lane.devices[k] for k in layout.local_stages(li)))
+    group = comm.CollectiveGroup(tuple(dict.fromkeys(lane.devices[: layout.num_stages])), local)
     with tf.device(local[0]):
         shares = [value] + [tf.zeros_like(value) for _ in local[1:]]
     return group.all_reduce(shares, "sum")[0]
