@@ -32,6 +32,17 @@ def test_schedules_at_4_8_and_16_stages(capsys):
         # Stage 0 keeps as many as with 1F1B: ZB-H1's largest peak is no larger than
         # GPipe's, and the later stages' extra micro-batches never exceed stage 0's.
         assert one_f_one_b["largest_peak"] <= zb["largest_peak"] <= gpipe["largest_peak"]
+    # Interleaved 1F1B, v = 2: BERT-large's 24 layers cut into 8 and 16 stages, not 32.
+    interleaved = {r["stages"]: r for r in rows if r["strategy"] == "Interleaved1F1B"}
+    assert {r["virtual_stages"] for r in interleaved.values()} == {2}
+    assert "Cannot cut 32 stages" in interleaved[16]["error"]
+    for devices in (4, 8):
+        row = interleaved[devices]
+        assert row["bubble"] == pytest.approx((devices - 1) / (2 * 8 + devices - 1))
+        assert row["bubble"] < by[devices, "PreferBackward"]["bubble"]
+    # Device 0 keeps p (1 + (p-1)/(p v)) micro-batches' worth (M = 8 > p = 4), or all 8.
+    assert interleaved[4]["in_flight"] == [4 * (1 + 3 / 8), 2.5]
+    assert interleaved[8]["in_flight"] == [8, 4.5]
 
 
 def test_the_report_prints_the_comparison(capsys):
@@ -53,5 +64,18 @@ def test_the_report_prints_the_comparison(capsys):
     with capsys.disabled():
         print("\n" + text[text.index("Pipeline bubble") :])
     assert "Pipeline bubble: (S-1)/(3M+S-1) = (4-1)/(3x8+4-1) = 0.111" in text
-    assert "Schedules at 4, 8 and 16 stages" in text
-    assert "16      ZeroBubbleH1    0.385" in text
+    assert "Schedules on 4, 8 and 16 devices" in text
+    assert "16       ZeroBubbleH1         0.385" in text
+    assert "4        Interleaved1F1B v=2  0.158   5.5 / 2.5" in text
+
+
+def test_the_report_of_an_interleaved_plan(capsys):
+    args = ["--num_stages", "8", "--gpu_per_worker", "4", "--virtual_stages", "2"]
+    assert plan_cli.main([*BERT, *args, "--pipeline_strategy", "Interleaved1F1B"]) == 0
+    text = capsys.readouterr().out
+    assert "Pipeline bubble: (p-1)/(vM+p-1) = (4-1)/(2x8+4-1), p = S/v = 8/2 devices = 0.158" in text
+    assert "8 TaskGraphs on 4 device slot(s) (2 stages each, round-robin)" in text
+    with pytest.raises(SystemExit):  # 8 stages, 3 per device
+        plan_cli.main([*BERT, "--num_stages", "8", "--virtual_stages", "3",
+                       "--pipeline_strategy", "Interleaved1F1B"])  # fmt: skip
+    assert "pipeline.virtual_stages=3 stages per device must divide" in capsys.readouterr().err

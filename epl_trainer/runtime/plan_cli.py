@@ -24,7 +24,14 @@ import sys
 
 from epl_trainer.config.sections import Config, ConfigError
 from epl_trainer.core.plan import analytic, estimate, planner
-from epl_trainer.core.plan.ir import PIPELINE_STRATEGIES, PlanError, StrategySpec, format_count
+from epl_trainer.core.plan.ir import (
+    INTERLEAVED,
+    PIPELINE_STRATEGIES,
+    PlanError,
+    StrategySpec,
+    format_count,
+)
+from epl_trainer.core.plan.schedule import device_peak_in_flight, make_schedule
 
 MODELS = ("transformer", "bert", "resnet50")
 _TRANSFORMER_SIZES = ("layers", "hidden", "heads", "vocab", "seq_len")
@@ -65,6 +72,12 @@ def build_parser() -> argparse.ArgumentParser:
     parallel.add_argument("--micro_batch_size", type=int, default=1, help="samples per micro-batch")
     parallel.add_argument(
         "--pipeline_strategy", choices=PIPELINE_STRATEGIES, help="pipeline.strategy"
+    )
+    parallel.add_argument(
+        "--virtual_stages",
+        type=int,
+        help="pipeline.virtual_stages: stages per device with Interleaved1F1B (--num_stages "
+        "counts all of them); the schedule comparison uses it (default 2) for Interleaved1F1B",
     )
     parallel.add_argument(
         "--zero",
@@ -147,6 +160,7 @@ class PlanRequest:
     num_stages: int = 1
     num_micro_batch: int = 1  # pipeline.num_micro_batch
     pipeline_strategy: str = "PreferBackward"  # pipeline.strategy
+    virtual_stages: int = 1  # pipeline.virtual_stages
     prefer_intra_node: bool = True  # cluster.device_place_prefer_intra_node
     peak_tflops: float = 0.0  # profiler.peak_tflops: one worker's peak; 0 = not known
 
@@ -177,6 +191,7 @@ def options_from_args(args) -> tuple[estimate.TrainOptions, PlanRequest]:
         num_stages=pick(args.num_stages, config.pipeline.num_stages or 1),
         num_micro_batch=pick(args.num_micro_batch, config.pipeline.num_micro_batch),
         pipeline_strategy=pick(args.pipeline_strategy, config.pipeline.strategy),
+        virtual_stages=pick(args.virtual_stages, config.pipeline.virtual_stages),
         prefer_intra_node=config.cluster.device_place_prefer_intra_node,
         peak_tflops=pick(args.peak_tflops, config.profiler.peak_tflops),
     )
@@ -210,8 +225,30 @@ def plan_and_estimate(
         pipeline_strategy=request.pipeline_strategy,
         stage_costs=stage_flops if num_stages > 1 else None,
         cut_description=f"forward FLOPs balanced; {where}" if cuts else None,
+        virtual_stages=request.virtual_stages,
     )
     return estimate.estimate(model, plan, options, cuts=cuts)
+
+
+def device_peaks(result: estimate.Estimate) -> tuple[list[float], list[float]]:
+    """(peak bytes, micro-batches' worth of activations alive at most) of each device of
+    a pipeline replica: its stages' model states, workspace and buffers, and the
+    activations alive at once over its stages in the schedule's order. With one stage
+    per device, each stage's `peak` and `inflight`; under interleaved 1F1B a device sums
+    its v stages (chunks), whose activations peak together only in part."""
+    plan, stages = result.plan, result.stages
+    schedule = make_schedule(
+        plan.pipeline_strategy, len(stages), plan.num_micro_batch, plan.virtual_stages
+    )
+    activations = device_peak_in_flight(schedule, [s.activations[s.selected] for s in stages])
+    worth = device_peak_in_flight(schedule, [1 / plan.virtual_stages] * len(stages))
+    peaks = []
+    for device, alive in enumerate(activations):
+        hosted = [s for s in stages if s.index % plan.pipeline_devices == device]
+        states = sum(s.peak - s.activation_peak - s.workspace for s in hosted)
+        workspace = max(s.workspace for s in hosted) + max(s.recompute for s in hosted)
+        peaks.append(states + alive + workspace)
+    return peaks, worth
 
 
 def zero_comparison(result: estimate.Estimate) -> list[tuple[str, float]]:
@@ -287,43 +324,54 @@ def render(
     lines += _memory_section(result, device_memory)
     lines += _activation_section(result)
     num_stages, m = len(result.stages), result.plan.num_micro_batch
-    work = ("3M", f"3x{m}") if result.plan.pipeline_strategy == "ZeroBubbleH1" else ("M", m)
-    lines += [
-        "",
-        f"Pipeline bubble: (S-1)/({work[0]}+S-1) = ({num_stages}-1)/({work[1]}+{num_stages}-1)"
-        f" = {result.bubble:.3f}",
-        "",
-    ]
+    strategy, v = result.plan.pipeline_strategy, result.plan.virtual_stages
+    work = ("3M", f"3x{m}") if strategy == "ZeroBubbleH1" else ("M", m)
+    bubble = f"(S-1)/({work[0]}+S-1) = ({num_stages}-1)/({work[1]}+{num_stages}-1)"
+    if strategy == INTERLEAVED:
+        p = result.plan.pipeline_devices
+        bubble = f"(p-1)/(vM+p-1) = ({p}-1)/({v}x{m}+{p}-1), p = S/v = {num_stages}/{v} devices"
+    lines += ["", f"Pipeline bubble: {bubble} = {result.bubble:.3f}", ""]
     lines += _schedule_section(schedules)
     lines += _traffic_section(result)
     return "\n".join(lines)
 
 
-SCHEDULE_STAGES = (4, 8, 16)  # the stage counts epl-plan compares the schedules at
+SCHEDULE_STAGES = (4, 8, 16)  # the devices per pipeline epl-plan compares the schedules at
 
 
 def schedule_comparison(model, options, request: PlanRequest) -> list[dict]:
-    """Each pipeline schedule at 4, 8 and 16 stages, one device per stage, with the
-    request's micro-batches and options: its bubble (equal F, B, W costs), the
-    micro-batches stage 0 and the last stage keep alive, and the largest peak per device."""
+    """Each pipeline schedule on 4, 8 and 16 devices (one stage each; Interleaved1F1B cuts
+    v times as many stages, v the request's `virtual_stages` or 2), with the request's
+    micro-batches and options: its bubble (equal F, B, W costs), the micro-batches' worth
+    of activations device 0 and the last device keep alive, and the largest peak per
+    device."""
     rows = []
-    for num_stages, strategy in itertools.product(SCHEDULE_STAGES, PIPELINE_STRATEGIES):
-        wanted = dataclasses.replace(request, num_stages=num_stages, pipeline_strategy=strategy)
+    for devices, strategy in itertools.product(SCHEDULE_STAGES, PIPELINE_STRATEGIES):
+        v = (request.virtual_stages if request.virtual_stages > 1 else 2) if (
+            strategy == INTERLEAVED) else 1  # fmt: skip
+        wanted = dataclasses.replace(
+            request, num_stages=devices * v, pipeline_strategy=strategy, virtual_stages=v
+        )
+        row = {"stages": devices, "strategy": strategy, "virtual_stages": v}
         try:
-            result = plan_and_estimate(model, options, wanted, 1, num_stages)
+            result = plan_and_estimate(model, options, wanted, 1, devices)
         except (ValueError, PlanError) as error:  # e.g. fewer layers than stages
-            rows.append({"stages": num_stages, "strategy": strategy, "error": str(error)})
+            rows.append({**row, "error": str(error)})
             continue
-        worst = max(result.stages, key=lambda s: s.peak)
+        peaks, worth = device_peaks(result)
+        largest = max(range(devices), key=peaks.__getitem__)
         rows.append({
-            "stages": num_stages,
-            "strategy": strategy,
+            **row,
             "bubble": result.bubble,
-            "in_flight": [result.stages[0].inflight, result.stages[-1].inflight],
-            "largest_peak": worst.peak,
-            "largest_peak_stage": worst.index,
+            "in_flight": [_count(worth[0]), _count(worth[-1])],
+            "largest_peak": peaks[largest],
+            "largest_peak_stage": largest,
         })  # fmt: skip
     return rows
+
+
+def _count(value: float):
+    return int(value) if value == int(value) else round(value, 2)
 
 
 def _schedule_section(schedules: list[dict]) -> list[str]:
@@ -331,18 +379,22 @@ def _schedule_section(schedules: list[dict]) -> list[str]:
         return []
     rows = []
     for row in schedules:
+        name = row["strategy"] + (f" v={row['virtual_stages']}" if row["virtual_stages"] > 1
+                                  else "")  # fmt: skip
         if "error" in row:
-            rows.append([str(row["stages"]), row["strategy"], "-", "-", row["error"][:60]])
+            rows.append([str(row["stages"]), name, "-", "-", row["error"][:60]])
             continue
         first, last = row["in_flight"]
-        peak = f"{fmt(row['largest_peak'])} (stage {row['largest_peak_stage']})"
-        rows.append([str(row["stages"]), row["strategy"], f"{row['bubble']:.3f}",
-                     f"{first} / {last}", peak])  # fmt: skip
+        peak = f"{fmt(row['largest_peak'])} (device {row['largest_peak_stage']})"
+        rows.append([str(row["stages"]), name, f"{row['bubble']:.3f}", f"{first} / {last}",
+                     peak])  # fmt: skip
     lines = [
-        "Schedules at 4, 8 and 16 stages (one device each; these micro-batches and options;"
-        " bubble with equal F, B, W costs; ZB-H1 keeps its micro-batches until W):"
+        "Schedules on 4, 8 and 16 devices (one stage each, v with Interleaved1F1B; these "
+        "micro-batches and options; bubble with equal F, B, W costs; ZB-H1 keeps its "
+        "micro-batches until W; in flight: micro-batches' worth of activations):"
     ]
-    lines += _table(["stages", "strategy", "bubble", "in flight s0 / last", "largest peak"], rows)
+    lines += _table(["devices", "strategy", "bubble", "in flight d0 / last", "largest peak"],
+                    rows)  # fmt: skip
     return [*lines, ""]
 
 

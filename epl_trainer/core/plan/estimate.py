@@ -281,7 +281,8 @@ class Estimate:
     @property
     def bubble(self) -> float:
         plan = self.plan
-        return bubble_fraction(len(self.stages), plan.num_micro_batch, plan.pipeline_strategy)
+        m, strategy, v = plan.num_micro_batch, plan.pipeline_strategy, plan.virtual_stages
+        return bubble_fraction(len(self.stages), m, strategy, v)
 
     @property
     def global_batch(self) -> int:
@@ -504,7 +505,8 @@ def estimate(
         )
     bounds = (0, *cuts, len(model.nodes))
     # The schedule the trainer runs, as data: how many micro-batches each stage keeps.
-    schedule = make_schedule(plan.pipeline_strategy, num_stages, plan.num_micro_batch)
+    m, v = plan.num_micro_batch, plan.virtual_stages
+    schedule = make_schedule(plan.pipeline_strategy, num_stages, m, v)
     in_flight = peak_in_flight(schedule)
     stages = tuple(
         _stage(model, plan, options, k, start, stop, in_flight)
