@@ -1,7 +1,8 @@
 """Pipeline speed with one process per stage, each on its own core, against one core.
 
 Usage: python bench/pipeline_procs.py [--steps 10] [--warmup 3] [--batch 2048] [--width 1024]
-                                      [--micro_batches 4,8] [--schedules 1F1B,ZB-H1,GPipe]
+                                      [--micro_batches 4,8]
+                                      [--schedules 1F1B,ZB-H1,GPipe,Interleaved]
                                       [--repeat 3] [--no-task_clock] [--quick]
 
 Two stages, each in its own worker process (TF_CONFIG on 127.0.0.1, one logical device
@@ -16,6 +17,11 @@ one core, so the speedup is what a user gains. The same process also times EPLTr
 one device with the pipeline's micro-batching ("1-dev"): the pipeline against that
 isolates the bubble, the transfers and the per-process overhead from what micro-batching
 costs on its own (smaller matmuls, and one accumulation of the gradients per micro-batch).
+
+Interleaved (pipeline.strategy="Interleaved1F1B", pipeline.virtual_stages=2) cuts the same
+8 layers into 4 stages of 2 and runs them on the same 2 processes: process 0 holds stages
+0 and 2, process 1 stages 1 and 3 (each process the same layers' worth of work as above),
+so every micro-batch crosses between the processes three times each way instead of once.
 
 Model: 8 x Dense(width), 4 per stage, MSE against random targets, SGD. The input is 1.5 x
 width wide so that both stages do equal work (stage 0 computes no gradient for the
@@ -53,7 +59,9 @@ sys.path.insert(0, REPO)
 STAGES = 2
 LAYERS_PER_STAGE = 4
 # pipeline.strategy
-SCHEDULES = {"1F1B": "PreferBackward", "GPipe": "PreferForward", "ZB-H1": "ZeroBubbleH1"}
+SCHEDULES = {"1F1B": "PreferBackward", "GPipe": "PreferForward", "ZB-H1": "ZeroBubbleH1",
+             "Interleaved": "Interleaved1F1B"}  # fmt: skip
+VIRTUAL_STAGES = {"Interleaved": 2}  # pipeline.virtual_stages: stages per process
 PROCESS_TIMEOUT = 600  # seconds for one child process (start, trace, warm-up and steps)
 
 
@@ -67,7 +75,7 @@ def parse_args():
     parser.add_argument(
         "--schedules",
         default="1F1B,ZB-H1",
-        help="pipeline.strategy: a comma-separated subset of 1F1B, ZB-H1, GPipe",
+        help="pipeline.strategy: a comma-separated subset of 1F1B, ZB-H1, GPipe, Interleaved",
     )
     parser.add_argument("--inter_op", type=int, default=2, help="inter-op threads per process")
     parser.add_argument(
@@ -217,14 +225,26 @@ def run_worker(args) -> None:
     from epl_trainer.core.engine.pipeline import TaskClock
 
     (num_micro_batch,), (schedule,) = args.micro_batches, args.schedules
+    virtual = VIRTUAL_STAGES.get(schedule, 1)
     env = epl.init(
-        {"pipeline.num_micro_batch": num_micro_batch, "pipeline.strategy": SCHEDULES[schedule]}
+        {
+            "pipeline.num_micro_batch": num_micro_batch,
+            "pipeline.strategy": SCHEDULES[schedule],
+            "pipeline.virtual_stages": virtual,
+        }
     )
+    # Layer i of the 8 goes to stage i // (layers per stage); with v stages per process,
+    # stage k runs on process k mod STAGES (the planner's round-robin).
+    per_stage = LAYERS_PER_STAGE // virtual
     trainer = epl.EPLTrainer(
         make_model(args.width),
         "mse",
         keras.optimizers.SGD(0.01),
-        stages={f"s{s}_.*": s for s in range(STAGES)},
+        stages={
+            f"s{s}_dense{i}$": (s * LAYERS_PER_STAGE + i) // per_stage
+            for s in range(STAGES)
+            for i in range(LAYERS_PER_STAGE)
+        },
     )
     dataset = make_dataset(args)  # data_shards is 1: both workers read the global batch
     # The clock goes into the step's hooks after the engine is built, before its first trace.
@@ -390,7 +410,7 @@ def print_tables(args, single: dict, pipelines: dict) -> None:
         "ideal m/(m+S-1)",
         "eff/ideal",
     )
-    widths = (8, 3, 18, 16, 7, 10, 15, 9)
+    widths = (11, 3, 18, 16, 7, 10, 15, 9)
     rows = []
     for (schedule, m), workers in pipelines.items():
         rate = workers[0]["samples_per_sec"]
@@ -425,7 +445,7 @@ def print_tables(args, single: dict, pipelines: dict) -> None:
         "w1 busy",
         "eff vs 1-dev / ideal",
     )
-    widths = (8, 3, 8, 12, 8, 9, 9, 7, 7, 20)
+    widths = (11, 3, 8, 12, 8, 9, 9, 7, 7, 20)
     rows = []
     for (schedule, m), workers in pipelines.items():
         one = single[f"epl_{m}"]
@@ -459,7 +479,6 @@ def measured_bubble(workers: list) -> float:
 
 
 def print_schedule_table(rounds: list[dict]) -> None:
-    from epl_trainer.core.plan.schedule import bubble_fraction
 
     print(
         "\nThe schedules. bubble: measured from the executed tasks' timestamps (mean of the "
@@ -470,7 +489,7 @@ def print_schedule_table(rounds: list[dict]) -> None:
     )
     header = ("schedule", "m", "bubble", "formula", "samples/s", "vs 1F1B",
               "peak s0", "peak s1", "above held s0", "above held s1")  # fmt: skip
-    widths = (8, 3, 7, 7, 9, 21, 8, 8, 13, 13)
+    widths = (11, 3, 7, 7, 9, 21, 8, 8, 13, 13)
     rows = []
     for schedule, m in rounds[0]:
         runs = [r[schedule, m] for r in rounds]
@@ -485,7 +504,7 @@ def print_schedule_table(rounds: list[dict]) -> None:
             schedule,
             str(m),
             _median_range([measured_bubble(w) for w in runs], "{:.3f}", spread=False),
-            f"{bubble_fraction(STAGES, m, SCHEDULES[schedule]):.3f}",
+            f"{formula_bubble(schedule, m):.3f}",
             _median_range([w[0]["samples_per_sec"] for w in runs], "{:.0f}", spread=False),
             versus,
             *(_median_range([w[k]["peak"] / 2**20 for w in runs], "{:.1f}", spread=False)
@@ -495,6 +514,14 @@ def print_schedule_table(rounds: list[dict]) -> None:
         )  # fmt: skip
         rows.append(cells)
     print_table(header, widths, rows)
+
+
+def formula_bubble(schedule: str, m: int) -> float:
+    """The schedule's bubble by formula on STAGES processes (equal F, B, W costs)."""
+    from epl_trainer.core.plan.schedule import bubble_fraction
+
+    virtual = VIRTUAL_STAGES.get(schedule, 1)
+    return bubble_fraction(STAGES * virtual, m, SCHEDULES[schedule], virtual)
 
 
 def _median_range(values: list, form: str, spread: bool = True) -> str:
