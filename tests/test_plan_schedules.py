@@ -73,8 +73,22 @@ def test_the_report_of_an_interleaved_plan(capsys):
     args = ["--num_stages", "8", "--gpu_per_worker", "4", "--virtual_stages", "2"]
     assert plan_cli.main([*BERT, *args, "--pipeline_strategy", "Interleaved1F1B"]) == 0
     text = capsys.readouterr().out
-    assert "Pipeline bubble: (p-1)/(vM+p-1) = (4-1)/(2x8+4-1), p = S/v = 8/2 devices = 0.158" in text
+    assert (
+        "Pipeline bubble: (p-1)/(vM+p-1) = (4-1)/(2x8+4-1), p = S/v = 8/2 devices = 0.158" in text
+    )
     assert "8 TaskGraphs on 4 device slot(s) (2 stages each, round-robin)" in text
+    # The fit is judged per device, over its two stages, not per stage.
+    peaks, _ = plan_cli.device_peaks(
+        plan_cli.plan_and_estimate(
+            plan_cli.analytic.bert("large", seq_len=384),
+            plan_cli.estimate.TrainOptions(micro_batch_size=4),
+            plan_cli.PlanRequest(8, 8, "Interleaved1F1B", virtual_stages=2),
+            1,
+            4,
+        )
+    )
+    assert "each device runs 2 of these stages (stage k on device k mod 4)" in text
+    assert f"device 0 {plan_cli.fmt(peaks[0])}, device 1 {plan_cli.fmt(peaks[1])}" in text
     with pytest.raises(SystemExit):  # 8 stages, 3 per device
         plan_cli.main([*BERT, "--num_stages", "8", "--virtual_stages", "3",
                        "--pipeline_strategy", "Interleaved1F1B"])  # fmt: skip

@@ -416,12 +416,23 @@ def _memory_section(result: estimate.Estimate, device_memory: int | None) -> lis
             too_big = " (too big)" if s.peak > device_memory else ""
             row.append(f"{s.peak / device_memory:.0%}{too_big}")
     lines = ["Per device (every device of a stage holds the same):", *_table(header, rows)]
-    if device_memory:
-        worst = max(result.stages, key=lambda s: s.peak)
-        verdict = "fits" if worst.peak <= device_memory else "does NOT fit"
+    worst = max(result.stages, key=lambda s: s.peak)
+    largest, where = worst.peak, f"stage {worst.index}"
+    plan = result.plan
+    if plan.virtual_stages > 1:  # a device holds v of the stages above
+        peaks, _ = device_peaks(result)
+        device = max(range(len(peaks)), key=peaks.__getitem__)
+        largest, where = peaks[device], f"device {device}"
         lines.append(
-            f"  largest peak {fmt(worst.peak)} (stage {worst.index}) {verdict} in "
-            f"{fmt(device_memory)} per device"
+            f"  each device runs {plan.virtual_stages} of these stages (stage k on device k mod "
+            f"{plan.pipeline_devices}); peak per device, its stages' activations alive at "
+            "once in the schedule's order: "
+            + ", ".join(f"device {d} {fmt(peak)}" for d, peak in enumerate(peaks))
+        )
+    if device_memory:
+        verdict = "fits" if largest <= device_memory else "does NOT fit"
+        lines.append(
+            f"  largest peak {fmt(largest)} ({where}) {verdict} in {fmt(device_memory)} per device"
         )
     lines += [
         "  activations = bytes per micro-batch x micro-batches kept alive"
