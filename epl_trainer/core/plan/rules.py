@@ -154,8 +154,7 @@ REFUSALS = {
         "Interleaved 1F1B runs several pipeline stages per device; split TaskGraphs make the "
         "replica one stage whose layers are sharded over its devices, so there is no "
         "pipeline to interleave.",
-        "Use pipeline.strategy='PreferBackward' and pipeline.virtual_stages=1 with split "
-        "layers.",
+        "Use pipeline.strategy='PreferBackward' and pipeline.virtual_stages=1 with split layers.",
         SplitError,
     ),
     "zero_v2_recompute_across_workers": Refusal(
