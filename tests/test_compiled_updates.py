@@ -257,8 +257,8 @@ def test_jit_compile_comes_from_compile_and_is_refused_with_gradient_checkpointi
     model.compile(keras.optimizers.SGD(0.1), "mse", jit_compile=True)
     assert epl.EPLTrainer(model, config={"cluster.virtual_devices": 1}).jit_compile
     model = embedding_model()
-    model.compile(keras.optimizers.SGD(0.1), "mse")  # jit_compile="auto": not taken
-    assert not epl.EPLTrainer(model, config={"cluster.virtual_devices": 1}).jit_compile
+    model.compile(keras.optimizers.SGD(0.1), "mse")  # Keras's "auto": the trainer's rule
+    assert epl.EPLTrainer(model, config={"cluster.virtual_devices": 1}).jit_compile == "auto"
     with pytest.raises(ValueError, match=r"Use one of them.*gradient_checkpoint.type=.auto."):
         epl.EPLTrainer(
             embedding_model(),

@@ -93,10 +93,10 @@ class EPLTrainer(CheckpointMixin, TrainingDataMixin, InferenceMixin, ObjectivesM
         the graph), as `Model.compile(steps_per_execution=...)`: batch callbacks then run
         once per call. Default: the compiled model's, else 1. With several workers they
         agree on the end of the data before each step inside the loop.
-      jit_compile: compile each stage's forward and backward with XLA, as
-        `Model.compile(jit_compile=True)`. Default: True if the model was compiled with
-        `jit_compile=True`, else False. (Optimizer updates are compiled separately, by
-        `optimizer.jit_compile`.)
+      jit_compile: XLA, as `Model.compile(jit_compile=True)`: on one device the whole
+        step but the update (`optimizer.jit_compile`), else each stage's forward and
+        backward. Default: True if the model was compiled with True, else "auto": the
+        whole step on one device when oneDNN is off, else plain ops (jit_choice.py).
 
     A Sequential model without an input shape is built from the first data's shapes (as
     `Model.fit` builds it) and planned then; `plan`, `staged` and `lanes` exist from then on.
@@ -143,8 +143,9 @@ class EPLTrainer(CheckpointMixin, TrainingDataMixin, InferenceMixin, ObjectivesM
             steps_per_execution = compiled.settings(model).get("steps_per_execution")
         self.steps_per_execution = _checked_steps_per_execution(steps_per_execution)
         if jit_compile is None and isinstance(model, keras.Model):
-            jit_compile = compiled.settings(model).get("jit_compile") is True
-        self.jit_compile = bool(jit_compile)
+            # Keras records its resolved "auto" (False on a CPU) as an explicit False.
+            jit_compile = compiled.settings(model).get("jit_compile") is True or "auto"
+        self.jit_compile = jit_compile if jit_compile in (True, False) else "auto"
         self._engine: engine.Engine | None = None
         self.epochs_done = 0
         self._metric_sync = MetricSync(self.cluster) if self.cluster.worker_num > 1 else None
@@ -298,7 +299,6 @@ class EPLTrainer(CheckpointMixin, TrainingDataMixin, InferenceMixin, ObjectivesM
             clip_global_norm=self.optimizer.global_clipnorm,
             step_counter=self.optimizer.iterations,
             checkpoint_marks=checkpoints.get_collection(),
-            jit_compile=self.jit_compile,
             agree_on_batches=None
             if self._end_of_data is None
             else self._end_of_data.in_graph(self.engine_plan.data_shards[1]),

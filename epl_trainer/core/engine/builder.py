@@ -13,8 +13,10 @@ The passes run in this order, each a small function that fills slots of the step
    the sharded loss, and the lane hooks reduce sharded gradients (split_lanes.py);
 4. gradient checkpointing (`gradient_checkpoint.type`): the checkpointed stages run as
    segments whose insides are recomputed in backward (recompute.py); after split, so the
-   recomputed stages are the ones whose forward is plain; then, with the trainer's
-   `jit_compile`, each stage's forward (and so its backward) is compiled by XLA;
+   recomputed stages are the ones whose forward is plain; then, when the step uses XLA
+   (the trainer's `jit_compile`, jit_choice.py), each stage's forward (and so its
+   backward) is compiled, or on one device the whole step (`Program`'s
+   `compile_gradients`);
 5. synchronized BatchNorm (`batch_norm.synchronized`, or layers built with
    `synchronized=True`): each lane's forward computes the batch statistics of its
    synchronized layers over every replica (sync_batch_norm.py); after the passes that
@@ -79,7 +81,6 @@ def build_engine(
     clip_global_norm: float | None = None,
     step_counter=None,
     checkpoint_marks=(),
-    jit_compile: bool = False,
     agree_on_batches=None,
 ) -> Engine:
     """Creates the engine state and the program for this worker's lanes.
@@ -97,8 +98,6 @@ def build_engine(
       clip_global_norm: the optimizer's `global_clipnorm`, applied over all stages.
       step_counter: the optimizer's `iterations`.
       checkpoint_marks: the user's `add_to_collection` marks.
-      jit_compile: compile each stage's forward and backward with XLA (the trainer's
-        `jit_compile`, as `Model.compile(jit_compile=True)`).
       agree_on_batches: several workers: the end-of-data agreement in graph ops, which a
         loop of steps runs before each step (`Program`).
     """
@@ -138,8 +137,10 @@ def build_engine(
         )
     if config.gradient_checkpoint.type:
         apply_recompute(hooks, staged, config.gradient_checkpoint, checkpoint_marks)
-    if jit_compile:
+    jit_compile = engine_plan.jit.compile
+    if jit_compile and not engine_plan.jit.whole_step:
         hooks.stage_calls = [compiled_stage_call(call) for call in hooks.stage_calls]
+    if jit_compile:
         hooks.eval_stage_calls = [compiled_stage_call(call) for call in hooks.eval_stage_calls]
     apply_sync_batch_norm(hooks, layout, config.batch_norm.synchronized)
     reduction = GradientReduction(layout, config.communication, hooks.lanes, clip_global_norm)
@@ -196,6 +197,7 @@ def build_engine(
         weighted_metrics=metrics.weighted_ids,
         output_loss_trackers=loss_fn.trackers,
         agree_on_batches=agree_on_batches,
+        compile_gradients=engine_plan.jit.whole_step,
     )
     skip = config.optimizer.nonfinite_loss == "skip"
     if config.amp.level:

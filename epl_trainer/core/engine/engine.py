@@ -21,12 +21,12 @@ from collections.abc import Mapping, Sequence
 import keras
 from keras import tree
 
-from epl_trainer.core.engine import ema
+from epl_trainer.core.engine import ema, jit_choice
 from epl_trainer.core.engine.gradient_check import check_stage_gradients
 from epl_trainer.core.engine.program import Program
 from epl_trainer.core.engine.split import check_split_metrics, find_split_layers, sparse_outputs
 from epl_trainer.core.engine.state import EngineState, Lane, lanes_for_worker
-from epl_trainer.core.engine.sync_batch_norm import check_sync_batch_norm
+from epl_trainer.core.engine.sync_batch_norm import check_sync_batch_norm, synchronized_layers
 from epl_trainer.core.graph.auto_partition import auto_partition
 from epl_trainer.core.graph.partition import StagedModel, partition_model, whole_model
 from epl_trainer.core.plan import planner, rules
@@ -48,6 +48,7 @@ class EnginePlan:
       split_layers: the layers sharded over a replica's lanes (split annotations).
       data_shards: (number of input shards, each worker's shard): workers holding
         stages of the same replicas read the same batches.
+      jit: how the step uses XLA (jit_choice.py).
     """
 
     plan: Plan
@@ -57,6 +58,7 @@ class EnginePlan:
     lanes_per_worker: list[int]
     split_layers: list
     data_shards: tuple[int, list[int]] = (1, [0])
+    jit: jit_choice.JitChoice = jit_choice.NO_XLA
 
     def lanes_per_data_shard(self) -> list[int]:
         """IO slicing weights: the lanes each input shard feeds."""
@@ -78,7 +80,7 @@ def plan_engine(
     metrics: Sequence = (),
     clip_global_norm: float | None = None,
     steps_per_execution: int = 1,
-    jit_compile: bool = False,
+    jit_compile: bool | str = False,
 ) -> EnginePlan:
     """Plans the engine for `model`.
 
@@ -93,7 +95,7 @@ def plan_engine(
       metrics: the trainer's `CompiledMetrics` (split outputs allow only accuracy).
       clip_global_norm: the optimizer's `global_clipnorm`.
       steps_per_execution: training steps per call of the compiled step.
-      jit_compile: each stage's forward and backward compiled by XLA.
+      jit_compile: True, False or "auto" (jit_choice.py).
     """
     rules.check_config(config)
     auto = None
@@ -113,11 +115,14 @@ def plan_engine(
         stage_costs=auto.stage_costs if auto else None,
         cut_description=auto.cut_description if auto else None,
     )
-    rules.check_plan(plan, config, clip_global_norm, steps_per_execution, jit_compile)
+    synchronized = bool(synchronized_layers(model, config.batch_norm.synchronized))
+    jit = jit_choice.choose(jit_compile, plan, config, synchronized)
+    _announce(jit, chosen_by_user=jit_compile != jit_choice.AUTO)
+    rules.check_plan(plan, config, clip_global_norm, steps_per_execution, jit.compile)
     check_sync_batch_norm(
         model,
         config.batch_norm.synchronized,
-        jit_compile,
+        jit.compile,
         split=any(tg.kind == "split" for tg in plan.taskgraphs),
     )
     split_layers = []
@@ -149,7 +154,20 @@ def plan_engine(
         lanes_per_worker=[len(lanes) for lanes in by_worker],
         split_layers=split_layers,
         data_shards=data_shards(by_worker),
+        jit=jit,
     )
+
+
+_ANNOUNCED: set[str] = set()
+
+
+def _announce(jit: jit_choice.JitChoice, chosen_by_user: bool) -> None:
+    """Prints once per process what "auto" chose for XLA, and why."""
+    if chosen_by_user:
+        logger.info("XLA: %s", jit.reason)
+    elif jit.reason not in _ANNOUNCED:
+        _ANNOUNCED.add(jit.reason)
+        print(f"EPLTrainer jit_compile={jit.reason}", flush=True)
 
 
 def data_shards(by_worker: Sequence[Sequence[Lane]]) -> tuple[int, list[int]]:

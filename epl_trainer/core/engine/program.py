@@ -26,6 +26,7 @@ from keras import tree
 
 from epl_trainer.core import comm
 from epl_trainer.core.engine import objective
+from epl_trainer.core.engine.data_divisor import correct_data_divisor
 from epl_trainer.core.engine.hooks import StepHooks
 from epl_trainer.core.engine.layout import StepLayout
 from epl_trainer.core.engine.pipeline import Boundaries, LaneBoundaries, LaneExecutor, run_to_end
@@ -38,7 +39,6 @@ from epl_trainer.core.engine.step_batch import (
     split_batch,
     unpack_element,
 )
-from epl_trainer.core.engine.update import scaled
 from epl_trainer.core.plan.schedule import FORWARD, execution_order, make_schedule, stage_chains
 
 
@@ -67,6 +67,9 @@ class Program(InferenceLoops):
         worker batches: the loss's divisor counts all of them, objective.py).
       agree_on_batches: None, or (several workers) the end-of-data agreement as graph
         ops (`EndOfDataAgreement.in_graph`), run before each step of a loop of steps.
+      compile_gradients: compile phases 1-3 (forward, backward, metrics) as one XLA
+        function, as Keras's `jit_compile` compiles its step; the update stays outside,
+        in the finiteness check (builder.py's `compiles_whole_step` says when).
     """
 
     def __init__(
@@ -85,8 +88,12 @@ class Program(InferenceLoops):
         output_loss_trackers=(),
         agree_on_batches=None,
         virtual_stages: int = 1,
+        compile_gradients: bool = False,
     ):
         self.layout = layout
+        self._step_gradients = self._gradients
+        if compile_gradients:
+            self._step_gradients = tf.function(self._gradients, jit_compile=True, autograph=False)
         self.agree_on_batches = agree_on_batches
         self.output_loss_trackers = output_loss_trackers
         self.data_shards = data_shards
@@ -267,6 +274,28 @@ class Program(InferenceLoops):
           input shards (the same batch size on every shard).
         """
         layout, hooks = self.layout, self.hooks
+        lane_grads, lane_non_trainable, data_shares, rows = self._step_gradients(
+            features, labels, sample_weight, global_rows
+        )
+        if data_shares:
+            lane_grads = correct_data_divisor(
+                layout, hooks, self.loss_tracker, lane_grads, data_shares, rows
+            )
+        hooks.update(lane_grads)
+        self._store_non_trainable(lane_non_trainable)
+        # Depend on the data itself (a static batch size folds into a constant), so a
+        # step whose input ran out increments nothing.
+        with tf.device(layout.host), tf.control_dependencies([tree.flatten(features)[0]]):
+            if self.step_counter is not None:
+                self.step_counter.assign_add(1)
+            return {**self._metric_results(), BATCH_SIZE_KEY: tf.identity(rows)}
+
+    @tf.autograph.experimental.do_not_convert
+    def _gradients(self, features, labels, sample_weight, global_rows):
+        """Phases 1-3 of the step (module doc), up to the lanes' gradients, with the
+        metrics updated: (gradients per lane, non-trainable values per lane, the data
+        divisors' shares (`correct_data_divisor`), the step's real rows)."""
+        layout, hooks = self.layout, self.hooks
         num_lanes, num_micro = len(layout.lanes), self.num_micro_batch
         with tf.device(layout.host):
             batch = StepBatch.split(
@@ -303,57 +332,7 @@ class Program(InferenceLoops):
                         data_shares.append((li, mb.data_share, mb.data_estimate))
             lane_grads.append(grads)
             lane_non_trainable.append(non_trainable)
-        if data_shares:
-            lane_grads = self._correct_data_divisor(lane_grads, data_shares, batch.rows)
-        hooks.update(lane_grads)
-        self._store_non_trainable(lane_non_trainable)
-        # Depend on the data itself (a static batch size folds into a constant), so a
-        # step whose input ran out increments nothing.
-        with tf.device(layout.host), tf.control_dependencies([tree.flatten(features)[0]]):
-            if self.step_counter is not None:
-                self.step_counter.assign_add(1)
-            return {**self._metric_results(), BATCH_SIZE_KEY: tf.identity(batch.rows)}
-
-    def _correct_data_divisor(self, lane_grads: list[list], data_shares: list, rows):
-        """Multiplies the gradients by (the global divisor they were scaled by) / (the true
-        one) when the loss's divisor depends on the data (a mask, or
-        "mean_with_sample_weight"; objective.py), and reports the step's loss (the
-        global weighted sum / the global divisor): one all-reduce of four scalars over
-        every lane of the job (divisor, loss sum, estimate, count)."""
-        layout, hooks = self.layout, self.hooks
-        everyone = layout.everyone
-        by_lane: dict[int, list] = {}
-        for li, share, estimate in data_shares:
-            by_lane.setdefault(li, []).append((share, estimate))
-        # `everyone` has one member per local lane (its first stage), or, when lanes span
-        # workers, one per local stage of each lane: the last stage's member contributes.
-        last = layout.num_stages - 1
-        if layout.spans_workers:  # a device hosting several stages is one member
-            by_device: dict = {}
-            for k in range(layout.num_stages):
-                for li in layout.stage_lanes[k]:
-                    device = layout.lanes[li].devices[k]
-                    by_device[device] = (li, by_device.get(device, (li, False))[1] or k == last)
-            roles = [by_device[device] for device in everyone.local_devices]
-        else:
-            roles = [(li, True) for li in layout.stage_lanes[0]]
-        members = []
-        for device, (li, contributes) in zip(everyone.local_devices, roles):
-            with tf.device(device):
-                if contributes and li in by_lane:
-                    share = tf.add_n([s for s, _ in by_lane[li]])
-                    estimate = tf.cast(by_lane[li][0][1], tf.float32)
-                    members.append(tf.concat([share, [estimate, 1.0]], axis=0))
-                else:
-                    members.append(tf.zeros([4]))
-        total = everyone.all_reduce(members, "sum")[0]
-        with tf.device(layout.host):
-            divisor, loss_sum, estimate, count = tf.unstack(total)
-            factor = tf.math.divide_no_nan(estimate / tf.maximum(count, 1.0), divisor)
-            self.loss_tracker.update_state(tf.math.divide_no_nan(loss_sum, divisor), rows)
-        if hooks.gradient_sink is not None:  # reduced per micro-batch: corrected after it
-            hooks.gradient_sink.correction = factor
-        return [[None if g is None else scaled(g, factor) for g in grads] for grads in lane_grads]
+        return lane_grads, lane_non_trainable, data_shares, batch.rows
 
     def _lane_runs(self, inputs) -> list:
         return [

@@ -1,0 +1,92 @@
+"""How a training step is compiled: the trainer's `jit_compile`, or "auto" by a measured rule.
+
+Two ways to use XLA:
+
+* per stage (`compiled_stage_call`): each stage's forward and its backward compile
+  separately; the only way for a pipeline, whose tasks run on several devices.
+* the whole step (`Program(compile_gradients=True)`): forward, backward, loss and
+  metrics of a step that runs on one device are one XLA function, as Keras compiles
+  its step with `jit_compile=True`. The optimizer update stays outside it, inside the
+  finiteness check (finite.py), itself compiled by `optimizer.jit_compile`: a skipped
+  step inside XLA would select between new and old values of every variable and
+  optimizer slot, a pass over all of them each step.
+
+`jit_compile="auto"` (the default unless the user or the Keras model chose) follows
+what was measured on the optimizer-bound model of `bench/dp.py` (4 x Dense(2048),
+batch 4, one device, Adam, 16 steps per call; CPU ms per step, 3 calls of 128 steps
+each, 2-core AMD EPYC, TF 2.21):
+
+| | oneDNN off | oneDNN on |
+|---|---|---|
+| Keras `fit`, `jit_compile=True` | 34.3-34.9 | 33.2-33.8 |
+| EPLTrainer, plain ops | 85-95 | 34.4-37.3 |
+| EPLTrainer, the whole step in XLA (update outside) | 30.0-30.1 | 31.2-37.9 |
+| the same with the finiteness check inside XLA | 49-52 | |
+
+Without oneDNN, TensorFlow's own MatMul kernel takes 75 of the 94 ms (a weight
+gradient is a product over the batch, 4 rows here) where XLA's takes a few, so a step
+on one device compiles as a whole; with oneDNN both are level and compiling buys
+nothing but the compile time. Pipelines and several lanes keep plain ops: their stages
+run side by side on the devices, which one XLA function cannot span, and compiled
+stages were slower on the main job (docs/benchmarks.md, "Threads and compiled
+stages").
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from epl_trainer.core.graph.peak import onednn_enabled
+
+AUTO = "auto"
+
+
+@dataclasses.dataclass(frozen=True)
+class JitChoice:
+    """Attributes:
+    compile: the step uses XLA (per stage, or as a whole).
+    whole_step: forward, backward and metrics are one XLA function.
+    reason: why, for the log line.
+    """
+
+    compile: bool
+    whole_step: bool
+    reason: str
+
+
+NO_XLA = JitChoice(False, False, "jit_compile=False")
+
+
+def compiles_whole_step(plan, config, synchronized: bool = False) -> bool:
+    """Whether the step runs on one device, whole: one worker, one replica of one
+    replicated TaskGraph on one device, one micro-batch, nothing that needs the step cut
+    into parts (ZeRO's per-micro-batch reduction, recomputation, synchronized
+    BatchNorm's collectives: `synchronized`, the model has such layers)."""
+    return (
+        plan.worker_num == 1
+        and plan.num_replicas == 1
+        and len(plan.taskgraphs) == 1
+        and plan.taskgraphs[0].kind == "replicate"
+        and plan.devices_per_replica == 1
+        and plan.num_micro_batch == 1
+        and not config.zero.level
+        and not config.gradient_checkpoint.type
+        and not synchronized
+    )
+
+
+def choose(jit_compile, plan, config, synchronized: bool = False) -> JitChoice:
+    """The trainer's `jit_compile` (True, False or "auto") for this plan; `synchronized`:
+    the model has synchronized BatchNorm layers (which XLA refuses)."""
+    whole = compiles_whole_step(plan, config, synchronized)
+    if jit_compile != AUTO:
+        compile_ = bool(jit_compile)
+        how = "the whole step" if whole else "each stage"
+        return JitChoice(compile_, compile_ and whole, f"jit_compile={compile_} ({how})")
+    if onednn_enabled():
+        return JitChoice(False, False, "auto: plain ops, oneDNN is on (as fast as XLA here)")
+    if not whole:
+        return JitChoice(False, False, "auto: plain ops, the step is not one device's whole")
+    return JitChoice(
+        True, True, "auto: the whole step in XLA, oneDNN is off (TF's MatMul is slow without it)"
+    )

@@ -1,0 +1,193 @@
+"""XLA for the whole step on one device, and `jit_compile="auto"` (core/engine/jit_choice.py).
+
+On one device a jit-compiled step is one XLA function (forward, backward, loss,
+metrics), as Keras compiles its step; the update stays outside, in the finiteness
+check. "auto" compiles it when oneDNN is off and runs plain ops otherwise. The weights
+match plain Keras in every case, and the choice is printed.
+"""
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+from _models import LOSS, keras_reference, max_weight_difference, mlp, mlp_data
+from test_zero_bubble import embedding_data, embedding_model
+
+import epl_trainer as epl
+from epl_trainer.core.engine import jit_choice
+
+ATOL = 1e-5
+
+
+def _whole_step(trainer) -> bool:
+    step = trainer._engine.program._step_gradients
+    return isinstance(step, tf.types.experimental.PolymorphicFunction)
+
+
+def _trainer(model, optimizer, devices=1, **kwargs):
+    config = {"cluster.virtual_devices": devices, **kwargs.pop("config", {})}
+    return epl.EPLTrainer(model, LOSS, optimizer, config=config, **kwargs)
+
+
+def _fit(trainer, x, y, steps=4, **kwargs):
+    trainer.fit(x, y, batch_size=16, epochs=1, steps_per_epoch=steps, verbose=0, shuffle=False,
+                **kwargs)  # fmt: skip
+
+
+@pytest.mark.combines("jit_compile+one_device")
+@pytest.mark.parametrize("optimizer", ["sgd", "adam"])
+@pytest.mark.parametrize("steps_per_execution", [1, 3])
+def test_whole_step_in_xla_matches_keras(optimizer, steps_per_execution):
+    """SGD shows a wrong gradient scale that Adam's normalisation would hide."""
+    make = {"sgd": lambda: keras.optimizers.SGD(0.1), "adam": lambda: keras.optimizers.Adam(0.01)}
+    x, y = mlp_data()
+    reference = mlp()
+    keras_reference(reference, x, y, make[optimizer](), batch_size=16, steps=4)
+    model = mlp()
+    trainer = _trainer(
+        model, make[optimizer](), jit_compile=True, steps_per_execution=steps_per_execution
+    )
+    _fit(trainer, x, y)
+    assert _whole_step(trainer)
+    assert not any(
+        c.__qualname__.startswith("compiled_stage_call")
+        for c in trainer._engine.program.hooks.stage_calls
+    )
+    assert max_weight_difference(reference, model) < ATOL
+
+
+def test_whole_step_keeps_sample_weights_metrics_and_batch_norm():
+    """Sample weights, a metric, BatchNorm's moving statistics (non-trainable state the
+    compiled function returns) and a last batch of odd size."""
+    x, y = mlp_data(n=56)
+    weights = np.linspace(0.5, 2.0, len(x)).astype("float32")
+    reference = mlp(batchnorm=True)
+    reference.compile(keras.optimizers.SGD(0.1), LOSS, weighted_metrics=["accuracy"])
+    expected = reference.fit(x, y, sample_weight=weights, batch_size=16, epochs=2,
+                             shuffle=False, verbose=0).history  # fmt: skip
+    model = mlp(batchnorm=True)
+    model.compile(keras.optimizers.SGD(0.1), LOSS, weighted_metrics=["accuracy"])
+    trainer = epl.EPLTrainer(model, config={"cluster.virtual_devices": 1}, jit_compile=True)
+    history = trainer.fit(x, y, sample_weight=weights, batch_size=16, epochs=2,
+                          shuffle=False, verbose=0).history  # fmt: skip
+    assert _whole_step(trainer)
+    assert max_weight_difference(reference, model) < ATOL
+    for key in ("loss", "accuracy"):
+        np.testing.assert_allclose(history[key], expected[key], rtol=1e-5, atol=1e-6)
+
+
+def test_whole_step_with_sparse_embedding_gradients():
+    """An Embedding's gradient leaves the compiled function as IndexedSlices."""
+    x, y = embedding_data()
+    reference = embedding_model()
+    keras_reference(reference, x, y, keras.optimizers.Adam(0.01), batch_size=16, steps=3)
+    model = embedding_model()
+    trainer = _trainer(
+        model,
+        keras.optimizers.Adam(0.01),
+        jit_compile=True,
+        config={"communication.sparse_as_dense": False},
+    )
+    _fit(trainer, x, y, steps=3)
+    assert _whole_step(trainer)
+    assert max_weight_difference(reference, model) < ATOL
+
+
+def test_whole_step_skips_a_nonfinite_step():
+    """The finiteness check stays outside the compiled function: a NaN batch leaves the
+    weights as they were, and the trainer says which step."""
+    x, y = mlp_data(n=32)
+    x[20] = np.nan  # in the second batch
+    model = mlp()
+    trainer = _trainer(
+        model,
+        keras.optimizers.SGD(0.1),
+        jit_compile=True,
+        config={"optimizer.nonfinite_loss": "skip"},
+    )
+    _fit(trainer, x[:16], y[:16], steps=1)
+    before = model.get_weights()
+    _fit(trainer, x[16:], y[16:], steps=1)
+    assert _whole_step(trainer)
+    assert trainer.stats_history["nonfinite_steps"][-1] == 1
+    for a, b in zip(before, model.get_weights()):
+        np.testing.assert_array_equal(a, b)
+
+
+def _plan(devices=1, stages=None, micro_batches=1):
+    model = mlp()
+    config = {"cluster.virtual_devices": devices, "pipeline.num_micro_batch": micro_batches}
+    return epl.EPLTrainer(model, LOSS, keras.optimizers.SGD(0.1), stages=stages, config=config)
+
+
+@pytest.mark.parametrize("onednn", [True, False])
+def test_auto_compiles_the_whole_step_only_without_onednn(monkeypatch, capsys, onednn):
+    monkeypatch.setattr(jit_choice, "onednn_enabled", lambda: onednn)
+    monkeypatch.setattr(epl.core.engine.engine, "_ANNOUNCED", set())
+    x, y = mlp_data()
+    reference = mlp()
+    keras_reference(reference, x, y, keras.optimizers.SGD(0.1), batch_size=16, steps=4)
+    model = mlp()
+    trainer = _trainer(model, keras.optimizers.SGD(0.1))
+    assert trainer.jit_compile == "auto"
+    _fit(trainer, x, y)
+    assert _whole_step(trainer) is not onednn
+    assert trainer.engine_plan.jit.compile is not onednn
+    printed = capsys.readouterr().out
+    assert ("oneDNN is off" in printed) is not onednn
+    assert ("oneDNN is on" in printed) is onednn
+    assert max_weight_difference(reference, model) < ATOL
+
+
+def test_auto_keeps_plain_ops_where_the_step_is_not_one_device(monkeypatch):
+    """Without oneDNN, "auto" still leaves a pipeline, data parallelism, gradient
+    accumulation and ZeRO as plain ops; the user's True compiles them per stage."""
+    monkeypatch.setattr(jit_choice, "onednn_enabled", lambda: False)
+    layouts = {
+        "pipeline": _plan(2, {"dense_in": 0, "logits": 1}),
+        "data parallel": _plan(2),
+        "micro-batches": _plan(1, micro_batches=2),
+    }
+    for name, trainer in layouts.items():
+        choice = jit_choice.choose("auto", trainer.plan, trainer.config)
+        assert not choice.compile and not choice.whole_step, name
+        chosen = jit_choice.choose(True, trainer.plan, trainer.config)
+        assert chosen.compile and not chosen.whole_step, name
+    one = _plan(1)
+    zero = one.config.replace({"zero.level": "v1"})
+    assert jit_choice.choose("auto", one.plan, one.config).whole_step
+    assert not jit_choice.choose("auto", one.plan, zero).compile
+    assert not jit_choice.choose("auto", one.plan, one.config, synchronized=True).compile
+    assert not jit_choice.choose(False, one.plan, one.config).compile
+
+
+def test_the_compiled_models_choice_wins(monkeypatch):
+    """`Model.compile(jit_compile=True)` is kept; Keras records its own default ("auto",
+    False on a CPU) as False, so False leaves the choice to the rule, and
+    `EPLTrainer(jit_compile=False)` is the way to refuse XLA."""
+    monkeypatch.setattr(jit_choice, "onednn_enabled", lambda: False)
+    for given, expected in ((False, "auto"), (True, True), ("auto", "auto")):
+        model = mlp()
+        model.compile(keras.optimizers.SGD(0.1), LOSS, jit_compile=given)
+        trainer = epl.EPLTrainer(model, config={"cluster.virtual_devices": 1})
+        assert trainer.jit_compile == expected
+    model = mlp()
+    model.compile(keras.optimizers.SGD(0.1), LOSS, jit_compile=True)
+    trainer = epl.EPLTrainer(model, config={"cluster.virtual_devices": 1}, jit_compile=False)
+    assert trainer.jit_compile is False
+
+
+@pytest.mark.onednn
+def test_default_on_this_cpu_matches_keras():
+    """The default as this process's TensorFlow runs (CI runs it with oneDNN on and off):
+    XLA for the whole step exactly when oneDNN is off, Keras's weights either way."""
+    from epl_trainer.core.graph.peak import onednn_enabled
+
+    x, y = mlp_data()
+    reference = mlp()
+    keras_reference(reference, x, y, keras.optimizers.Adam(0.01), batch_size=16, steps=4)
+    model = mlp()
+    trainer = _trainer(model, keras.optimizers.Adam(0.01))
+    _fit(trainer, x, y)
+    assert _whole_step(trainer) is not onednn_enabled()
+    assert max_weight_difference(reference, model) < ATOL
