@@ -1,17 +1,21 @@
-"""Step time of the main job's model against the thread pools and XLA stages.
+"""Step time of the main job's model by layout, thread pools and XLA, against Keras.
 
-Usage: python bench/threads.py [--rounds 3] [--steps 480]
+Usage: python bench/threads.py [--rounds 3] [--steps 480] [--only NAME ...]
 
 The model, optimizer and batch of `python -m model_zoo.bert_squad` (tiny BERT, sequence
-80, batch 32, BERT's AdamW) on random tokens, as a 2-stage pipeline with 4 micro-batches
-on 2 simulated CPU devices, 16 steps per call, against plain Keras `fit` on one device.
-Each variant runs in a fresh process (thread pools are fixed when TensorFlow starts),
-the variants interleaved, `--rounds` times. A run trains 64 + 128 untimed steps (tracing,
-warm-up), then times `--steps` steps. Prints the median ms per step (wall and process
-CPU) of each variant.
+80, batch 32, BERT's AdamW) on random tokens, 16 steps per call: EPLTrainer as a 2-stage
+pipeline with 4 micro-batches or as data parallelism (one lane per device), on 2
+simulated CPU devices, against plain Keras `fit` on one device with its whole step in
+XLA. Each variant runs in a fresh process (thread pools are fixed when TensorFlow
+starts), the variants interleaved, `--rounds` times. A run trains 64 + 128 untimed steps
+(tracing, warm-up), then times `--steps` steps. Prints the median ms per step (wall and
+process CPU) of each variant, and the median over rounds of its ratio to Keras in the
+same round (the machine's speed drifts by up to 1.5x over minutes; a round's runs are
+within a minute of each other).
 
-On this project's shared VM a run sometimes stretches to a fixed 42.6 ms/step while its
-CPU time stays put (the host takes the vCPUs away); the median over rounds hides it.
+On this project's shared VM a run sometimes stretches to a fixed 16, 20, 32 or 40
+ms/step while its CPU time stays put (the host takes the vCPUs away); medians and
+per-round ratios hide most of it.
 """
 
 import argparse
@@ -24,20 +28,25 @@ import time
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir))
 from bench._fresh_process import run_child
 
-# name -> (trainer, EPL config overrides, XLA-compiled stages / Keras step)
+KERAS = "Keras fit, 1 device, XLA step"
+# name -> (trainer, EPL config overrides, XLA (Keras: the step; EPL: its jit_compile),
+# stages)
 VARIANTS = {
-    "EPL, 1 thread per op (default), stages as ops": ("epl", {}, False),
-    "EPL, 1 thread per op (default), XLA stages": ("epl", {}, True),
-    "EPL, TF's pools (2 threads per op), stages as ops": (
-        "epl", {"cluster.intra_op_threads": 2}, False),
-    "EPL, TF's pools (2 threads per op), XLA stages": (
-        "epl", {"cluster.intra_op_threads": 2}, True),
-    "Keras fit, 1 device, XLA step": ("keras", {}, True),
+    "EPL pipeline, 1 thread per op (default), stages as ops": ("epl", {}, False, 2),
+    "EPL pipeline, XLA stages": ("epl", {}, True, 2),
+    "EPL pipeline, TF's pools (2 threads per op)": (
+        "epl", {"cluster.intra_op_threads": 2}, False, 2),
+    "EPL pipeline, compiled updates": ("epl", {"optimizer.jit_compile": True}, False, 2),
+    "EPL data parallel, plain ops": ("epl", {"pipeline.num_micro_batch": 1}, False, 1),
+    "EPL data parallel, XLA per lane, compiled updates": (
+        "epl", {"pipeline.num_micro_batch": 1, "optimizer.jit_compile": True}, True, 1),
+    KERAS: ("keras", {}, True, 1),
 }  # fmt: skip
 
 
 def child(arguments: dict) -> dict:
     trainer_kind, overrides, jit = arguments["trainer"], arguments["config"], arguments["jit"]
+    stages = arguments["stages"]
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     import epl_trainer as epl
 
@@ -56,9 +65,7 @@ def child(arguments: dict) -> dict:
 
     seq, batch = 80, 32
     keras.utils.set_random_seed(0)
-    model = build_squad_model(
-        BertConfig.preset("tiny", 1000), seq, num_stages=2 if trainer_kind == "epl" else 1
-    )
+    model = build_squad_model(BertConfig.preset("tiny", 1000), seq, num_stages=stages)
     loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
     losses = {"start_logits": loss, "end_logits": loss}
     optimizer = bert_optimizer(model, 3000, 3e-3)
@@ -97,24 +104,34 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=480)
+    parser.add_argument("--only", nargs="+", help="variant names (Keras always runs)")
     args = parser.parse_args()
-    runs = {name: [] for name in VARIANTS}
+    names = [n for n in VARIANTS if not args.only or n in args.only or n == KERAS]
+    runs = {name: [] for name in names}
     for r in range(args.rounds):
-        for name, (trainer_kind, overrides, jit) in VARIANTS.items():
-            row = run_child(
-                __file__,
-                {"trainer": trainer_kind, "config": overrides, "jit": jit, "steps": args.steps},
-            )
+        # Rotate the order, so no variant always runs first (or right after Keras).
+        for name in names[r % len(names) :] + names[: r % len(names)]:
+            trainer_kind, overrides, jit, stages = VARIANTS[name]
+            arguments = {"trainer": trainer_kind, "config": overrides, "jit": jit,
+                         "stages": stages, "steps": args.steps}  # fmt: skip
+            row = run_child(__file__, arguments)
             runs[name].append(row)
             print(f"round {r}: {name}: {row['wall_ms']:.1f} ms wall, {row['cpu_ms']:.1f} CPU")
-    print("\n| variant | ms/step wall (median) | ms/step CPU | runs (wall) |\n|---|---|---|---|")
+    print(
+        "\n| variant | ms/step wall (median) | ms/step CPU | speed vs Keras, wall "
+        "(median of rounds) | CPU | runs (wall) |\n|---|---|---|---|---|---|"
+    )
     for name, rows in runs.items():
         walls = [row["wall_ms"] for row in rows]
         cpus = [row["cpu_ms"] for row in rows]
+        wall_ratio = statistics.median(k["wall_ms"] / row["wall_ms"]
+                                       for k, row in zip(runs[KERAS], rows))  # fmt: skip
+        cpu_ratio = statistics.median(k["cpu_ms"] / row["cpu_ms"]
+                                      for k, row in zip(runs[KERAS], rows))  # fmt: skip
         listed = ", ".join(f"{w:.1f}" for w in walls)
         print(
             f"| {name} | {statistics.median(walls):.1f} | {statistics.median(cpus):.1f} "
-            f"| {listed} |"
+            f"| {wall_ratio:.2f}x | {cpu_ratio:.2f}x | {listed} |"
         )
 
 

@@ -1,9 +1,11 @@
-"""XLA for the whole step on one device, and `jit_compile="auto"` (core/engine/jit_choice.py).
+"""XLA for the whole step on one device or per lane, and `jit_compile="auto"`
+(core/engine/jit_choice.py).
 
 On one device a jit-compiled step is one XLA function (forward, backward, loss,
-metrics), as Keras compiles its step; the update stays outside, in the finiteness
-check. "auto" compiles it when oneDNN is off and runs plain ops otherwise. The weights
-match plain Keras in every case, and the choice is printed.
+metrics), as Keras compiles its step; with data parallelism on one worker each lane's
+forward and backward is one (compiled_lanes.py). The update stays outside, in the
+finiteness check. "auto" compiles the one-device step when oneDNN is off and runs plain
+ops otherwise. The weights match plain Keras in every case, and the choice is printed.
 """
 
 import keras
@@ -24,6 +26,17 @@ def _whole_step(trainer) -> bool:
     return isinstance(step, tf.types.experimental.PolymorphicFunction)
 
 
+def _compiled_as(trainer, devices) -> bool:
+    """XLA for the whole step (one device) or per lane (several), never per stage."""
+    jit = trainer.engine_plan.jit
+    per_stage = any(
+        c.__qualname__.startswith("compiled_stage_call")
+        for c in trainer._engine.program.hooks.stage_calls
+    )
+    expected = (True, False) if devices == 1 else (False, True)
+    return (_whole_step(trainer), jit.per_lane) == expected and jit.compile and not per_stage
+
+
 def _trainer(model, optimizer, devices=1, **kwargs):
     config = {"cluster.virtual_devices": devices, **kwargs.pop("config", {})}
     return epl.EPLTrainer(model, LOSS, optimizer, config=config, **kwargs)
@@ -34,10 +47,11 @@ def _fit(trainer, x, y, steps=4, **kwargs):
                 **kwargs)  # fmt: skip
 
 
-@pytest.mark.combines("jit_compile+one_device")
+@pytest.mark.combines("jit_compile+one_device", "jit_compile+data_parallel")
+@pytest.mark.parametrize("devices", [1, 2])
 @pytest.mark.parametrize("optimizer", ["sgd", "adam"])
 @pytest.mark.parametrize("steps_per_execution", [1, 3])
-def test_whole_step_in_xla_matches_keras(optimizer, steps_per_execution):
+def test_whole_step_in_xla_matches_keras(devices, optimizer, steps_per_execution):
     """SGD shows a wrong gradient scale that Adam's normalisation would hide."""
     make = {"sgd": lambda: keras.optimizers.SGD(0.1), "adam": lambda: keras.optimizers.Adam(0.01)}
     x, y = mlp_data()
@@ -45,39 +59,49 @@ def test_whole_step_in_xla_matches_keras(optimizer, steps_per_execution):
     keras_reference(reference, x, y, make[optimizer](), batch_size=16, steps=4)
     model = mlp()
     trainer = _trainer(
-        model, make[optimizer](), jit_compile=True, steps_per_execution=steps_per_execution
-    )
+        model, make[optimizer](), devices, jit_compile=True,
+        steps_per_execution=steps_per_execution,
+    )  # fmt: skip
     _fit(trainer, x, y)
-    assert _whole_step(trainer)
-    assert not any(
-        c.__qualname__.startswith("compiled_stage_call")
-        for c in trainer._engine.program.hooks.stage_calls
-    )
+    assert _compiled_as(trainer, devices)
     assert max_weight_difference(reference, model) < ATOL
 
 
-def test_whole_step_keeps_sample_weights_metrics_and_batch_norm():
+@pytest.mark.parametrize("devices", [1, 2])
+def test_whole_step_keeps_sample_weights_metrics_and_batch_norm(devices):
     """Sample weights, a metric, BatchNorm's moving statistics (non-trainable state the
-    compiled function returns) and a last batch of odd size."""
+    compiled function returns; over 2 lanes, averaged) and a last batch of odd size, as
+    plain ops on the same devices (and, on one device, plain Keras: over 2 lanes each
+    BatchNorm normalises by its own half of the batch)."""
     x, y = mlp_data(n=56)
     weights = np.linspace(0.5, 2.0, len(x)).astype("float32")
-    reference = mlp(batchnorm=True)
-    reference.compile(keras.optimizers.SGD(0.1), LOSS, weighted_metrics=["accuracy"])
-    expected = reference.fit(x, y, sample_weight=weights, batch_size=16, epochs=2,
-                             shuffle=False, verbose=0).history  # fmt: skip
-    model = mlp(batchnorm=True)
-    model.compile(keras.optimizers.SGD(0.1), LOSS, weighted_metrics=["accuracy"])
-    trainer = epl.EPLTrainer(model, config={"cluster.virtual_devices": 1}, jit_compile=True)
-    history = trainer.fit(x, y, sample_weight=weights, batch_size=16, epochs=2,
-                          shuffle=False, verbose=0).history  # fmt: skip
-    assert _whole_step(trainer)
-    assert max_weight_difference(reference, model) < ATOL
-    for key in ("loss", "accuracy"):
-        np.testing.assert_allclose(history[key], expected[key], rtol=1e-5, atol=1e-6)
+    runs = {}
+    for jit in (False, True):
+        model = mlp(batchnorm=True)
+        model.compile(keras.optimizers.SGD(0.1), LOSS, weighted_metrics=["accuracy"])
+        trainer = epl.EPLTrainer(model, config={"cluster.virtual_devices": devices},
+                                 jit_compile=jit)  # fmt: skip
+        history = trainer.fit(x, y, sample_weight=weights, batch_size=16, epochs=2,
+                              shuffle=False, verbose=0).history  # fmt: skip
+        runs[jit] = (model, history)
+    assert _compiled_as(trainer, devices)
+    if devices == 1:
+        reference = mlp(batchnorm=True)
+        reference.compile(keras.optimizers.SGD(0.1), LOSS, weighted_metrics=["accuracy"])
+        expected = reference.fit(x, y, sample_weight=weights, batch_size=16, epochs=2,
+                                 shuffle=False, verbose=0).history  # fmt: skip
+        runs["keras"] = (reference, expected)
+    for other in [False, "keras"][: 3 - devices]:
+        assert max_weight_difference(runs[other][0], runs[True][0]) < ATOL
+        for key in ("loss", "accuracy"):
+            np.testing.assert_allclose(runs[True][1][key], runs[other][1][key], rtol=1e-5,
+                                       atol=1e-6)  # fmt: skip
 
 
-def test_whole_step_with_sparse_embedding_gradients():
-    """An Embedding's gradient leaves the compiled function as IndexedSlices."""
+@pytest.mark.parametrize("devices", [1, 2])
+def test_whole_step_with_sparse_embedding_gradients(devices):
+    """An Embedding's gradient leaves the compiled function as IndexedSlices (over 2
+    lanes, gathered as rows)."""
     x, y = embedding_data()
     reference = embedding_model()
     keras_reference(reference, x, y, keras.optimizers.Adam(0.01), batch_size=16, steps=3)
@@ -85,30 +109,33 @@ def test_whole_step_with_sparse_embedding_gradients():
     trainer = _trainer(
         model,
         keras.optimizers.Adam(0.01),
+        devices,
         jit_compile=True,
         config={"communication.sparse_as_dense": False},
     )
     _fit(trainer, x, y, steps=3)
-    assert _whole_step(trainer)
+    assert _compiled_as(trainer, devices)
     assert max_weight_difference(reference, model) < ATOL
 
 
-def test_whole_step_skips_a_nonfinite_step():
-    """The finiteness check stays outside the compiled function: a NaN batch leaves the
-    weights as they were, and the trainer says which step."""
+@pytest.mark.parametrize("devices", [1, 2])
+def test_whole_step_skips_a_nonfinite_step(devices):
+    """The finiteness check stays outside the compiled functions: a NaN batch leaves the
+    weights as they were, and the trainer counts the step."""
     x, y = mlp_data(n=32)
     x[20] = np.nan  # in the second batch
     model = mlp()
     trainer = _trainer(
         model,
         keras.optimizers.SGD(0.1),
+        devices,
         jit_compile=True,
         config={"optimizer.nonfinite_loss": "skip"},
     )
     _fit(trainer, x[:16], y[:16], steps=1)
     before = model.get_weights()
     _fit(trainer, x[16:], y[16:], steps=1)
-    assert _whole_step(trainer)
+    assert _compiled_as(trainer, devices)
     assert trainer.stats_history["nonfinite_steps"][-1] == 1
     for a, b in zip(before, model.get_weights()):
         np.testing.assert_array_equal(a, b)
@@ -153,6 +180,7 @@ def test_auto_keeps_plain_ops_where_the_step_is_not_one_device(monkeypatch):
         assert not choice.compile and not choice.whole_step, name
         chosen = jit_choice.choose(True, trainer.plan, trainer.config)
         assert chosen.compile and not chosen.whole_step, name
+        assert chosen.per_lane is (name == "data parallel"), name
     one = _plan(1)
     zero = one.config.replace({"zero.level": "v1"})
     assert jit_choice.choose("auto", one.plan, one.config).whole_step
@@ -191,3 +219,21 @@ def test_default_on_this_cpu_matches_keras():
     _fit(trainer, x, y)
     assert _whole_step(trainer) is not onednn_enabled()
     assert max_weight_difference(reference, model) < ATOL
+
+
+@pytest.mark.combines("jit_compile+amp")
+@pytest.mark.parametrize("devices", [1, 2])
+def test_compiled_step_with_amp_and_dropout_matches_plain_ops(devices):
+    """AMP's loss scale (a variable on the host) reaches the compiled function of every
+    lane, also the one on the second device; dropout's seed state is each lane's."""
+    x, y = mlp_data()
+    amp = {"amp.level": "O1", "amp.dtype": "float16"}
+    models = {}
+    for jit in (False, True):
+        models[jit] = mlp(dropout=0.3)
+        trainer = _trainer(models[jit], keras.optimizers.SGD(0.1), devices, jit_compile=jit,
+                           config=amp)  # fmt: skip
+        _fit(trainer, x, y)
+    assert _compiled_as(trainer, devices)
+    assert trainer.stats_history["skipped_steps"][-1] == 0
+    assert max_weight_difference(models[False], models[True]) < 1e-3

@@ -138,7 +138,8 @@ def build_engine(
     if config.gradient_checkpoint.type:
         apply_recompute(hooks, staged, config.gradient_checkpoint, checkpoint_marks)
     jit_compile = engine_plan.jit.compile
-    if jit_compile and not engine_plan.jit.whole_step:
+    xla = engine_plan.jit
+    if jit_compile and not (xla.whole_step or xla.per_lane):
         hooks.stage_calls = [compiled_stage_call(call) for call in hooks.stage_calls]
     if jit_compile:
         hooks.eval_stage_calls = [compiled_stage_call(call) for call in hooks.eval_stage_calls]
@@ -198,6 +199,7 @@ def build_engine(
         output_loss_trackers=loss_fn.trackers,
         agree_on_batches=agree_on_batches,
         compile_gradients=engine_plan.jit.whole_step,
+        compile_lanes=engine_plan.jit.per_lane,
     )
     skip = config.optimizer.nonfinite_loss == "skip"
     if config.amp.level:

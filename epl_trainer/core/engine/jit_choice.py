@@ -10,6 +10,9 @@ Two ways to use XLA:
   finiteness check (finite.py), itself compiled by `optimizer.jit_compile`: a skipped
   step inside XLA would select between new and old values of every variable and
   optimizer slot, a pass over all of them each step.
+* per lane (`Program(compile_lanes=True)`, compiled_lanes.py): data parallelism on one
+  worker, each lane's forward and backward one XLA function on its device; the
+  reduction, update and metrics outside.
 
 `jit_compile="auto"` (the default unless the user or the Keras model chose) follows
 what was measured on the optimizer-bound model of `bench/dp.py` (4 x Dense(2048),
@@ -26,10 +29,9 @@ each, 2-core AMD EPYC, TF 2.21):
 Without oneDNN, TensorFlow's own MatMul kernel takes 75 of the 94 ms (a weight
 gradient is a product over the batch, 4 rows here) where XLA's takes a few, so a step
 on one device compiles as a whole; with oneDNN both are level and compiling buys
-nothing but the compile time. Pipelines and several lanes keep plain ops: their stages
-run side by side on the devices, which one XLA function cannot span, and compiled
-stages were slower on the main job (docs/benchmarks.md, "Threads and compiled
-stages").
+nothing but the compile time. "auto" leaves pipelines and data parallelism as plain
+ops: on the main job's model (bench/threads.py) compiled stages took 1.5x the CPU of
+plain ones, and XLA per lane as much as plain data parallelism.
 """
 
 from __future__ import annotations
@@ -44,27 +46,29 @@ AUTO = "auto"
 @dataclasses.dataclass(frozen=True)
 class JitChoice:
     """Attributes:
-    compile: the step uses XLA (per stage, or as a whole).
+    compile: the step uses XLA (per stage, per lane or as a whole).
     whole_step: forward, backward and metrics are one XLA function.
+    per_lane: each lane's forward and backward is one XLA function on its device.
     reason: why, for the log line.
     """
 
     compile: bool
     whole_step: bool
+    per_lane: bool
     reason: str
 
 
-NO_XLA = JitChoice(False, False, "jit_compile=False")
+NO_XLA = JitChoice(False, False, False, "jit_compile=False")
 
 
-def compiles_whole_step(plan, config, synchronized: bool = False) -> bool:
-    """Whether the step runs on one device, whole: one worker, one replica of one
-    replicated TaskGraph on one device, one micro-batch, nothing that needs the step cut
-    into parts (ZeRO's per-micro-batch reduction, recomputation, synchronized
-    BatchNorm's collectives: `synchronized`, the model has such layers)."""
+def compiles_lanes(plan, config, synchronized: bool = False) -> bool:
+    """Whether each lane's forward and backward runs on one device, whole: one worker,
+    one replicated TaskGraph on one device per replica, one micro-batch, nothing that
+    needs a lane's step cut into parts (ZeRO's per-micro-batch reduction,
+    recomputation, synchronized BatchNorm's collectives: `synchronized`, the model has
+    such layers)."""
     return (
         plan.worker_num == 1
-        and plan.num_replicas == 1
         and len(plan.taskgraphs) == 1
         and plan.taskgraphs[0].kind == "replicate"
         and plan.devices_per_replica == 1
@@ -78,15 +82,22 @@ def compiles_whole_step(plan, config, synchronized: bool = False) -> bool:
 def choose(jit_compile, plan, config, synchronized: bool = False) -> JitChoice:
     """The trainer's `jit_compile` (True, False or "auto") for this plan; `synchronized`:
     the model has synchronized BatchNorm layers (which XLA refuses)."""
-    whole = compiles_whole_step(plan, config, synchronized)
+    lanes = compiles_lanes(plan, config, synchronized)
+    whole = lanes and plan.num_replicas == 1
     if jit_compile != AUTO:
         compile_ = bool(jit_compile)
-        how = "the whole step" if whole else "each stage"
-        return JitChoice(compile_, compile_ and whole, f"jit_compile={compile_} ({how})")
+        how = "the whole step" if whole else "each lane" if lanes else "each stage"
+        return JitChoice(
+            compile_, compile_ and whole, compile_ and lanes and not whole,
+            f"jit_compile={compile_} ({how})",
+        )  # fmt: skip
     if onednn_enabled():
-        return JitChoice(False, False, "auto: plain ops, oneDNN is on (as fast as XLA here)")
+        return JitChoice(False, False, False, "auto: plain ops, oneDNN is on (as fast as XLA here)")
     if not whole:
-        return JitChoice(False, False, "auto: plain ops, the step is not one device's whole")
+        return JitChoice(False, False, False, "auto: plain ops, the step is not one device's whole")
     return JitChoice(
-        True, True, "auto: the whole step in XLA, oneDNN is off (TF's MatMul is slow without it)"
+        True,
+        True,
+        False,
+        "auto: the whole step in XLA, oneDNN is off (TF's MatMul is slow without it)",
     )

@@ -26,6 +26,7 @@ from keras import tree
 
 from epl_trainer.core import comm
 from epl_trainer.core.engine import objective
+from epl_trainer.core.engine.compiled_lanes import emit_lanes_compiled
 from epl_trainer.core.engine.data_divisor import correct_data_divisor
 from epl_trainer.core.engine.hooks import StepHooks
 from epl_trainer.core.engine.layout import StepLayout
@@ -69,7 +70,9 @@ class Program(InferenceLoops):
         ops (`EndOfDataAgreement.in_graph`), run before each step of a loop of steps.
       compile_gradients: compile phases 1-3 (forward, backward, metrics) as one XLA
         function, as Keras's `jit_compile` compiles its step; the update stays outside,
-        in the finiteness check (builder.py's `compiles_whole_step` says when).
+        in the finiteness check (jit_choice.py says when).
+      compile_lanes: compile each lane's phases 2-3 as one XLA function on its device
+        (compiled_lanes.py; lanes of one stage and one micro-batch).
     """
 
     def __init__(
@@ -89,6 +92,7 @@ class Program(InferenceLoops):
         agree_on_batches=None,
         virtual_stages: int = 1,
         compile_gradients: bool = False,
+        compile_lanes: bool = False,
     ):
         self.layout = layout
         self._step_gradients = self._gradients
@@ -128,6 +132,8 @@ class Program(InferenceLoops):
             self._emit_lanes = self._emit_lanes_one_by_one
         else:
             self._emit_lanes = self._emit_lanes_in_lockstep
+        if compile_lanes:
+            self._emit_lanes = self._emit_lanes_compiled
         self.schedule = make_schedule(
             pipeline_strategy, layout.num_stages, num_micro_batch, virtual_stages
         )
@@ -348,6 +354,10 @@ class Program(InferenceLoops):
             with self.hooks.lanes.lane(li):
                 results.append(run_to_end(run))
         return results
+
+    def _emit_lanes_compiled(self, inputs) -> list:
+        devices = [lane.devices[0] for lane in self.layout.lanes]
+        return emit_lanes_compiled(self._lane_runs(inputs), devices, self.hooks)
 
     def _emit_lanes_in_loops(self, inputs) -> list:
         """Each lane's micro-batches as a loop in the graph (one stage); the loop

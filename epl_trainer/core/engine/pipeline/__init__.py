@@ -8,6 +8,7 @@ __getattr__, __dir__, __all__ = lazy_surface(
     __name__,
     {
         "LaneExecutor": "executor",
+        "MicroBatch": "executor",
         "MicroBatchInput": "executor",
         "run_to_end": "executor",
         "compiled_stage_call": "executor",
