@@ -11,6 +11,7 @@ from keras import tree
 
 from epl_trainer.core.engine import step_batch
 from epl_trainer.training import model_inputs
+from epl_trainer.training.iterators import release
 from epl_trainer.training.pipeline_models import Preprocessing
 
 logger = logging.getLogger(__name__)
@@ -352,6 +353,12 @@ class EpochBatches:
         self.pass_index = first_pass
         self.batches_per_pass = batches_per_pass
 
+    def close(self) -> None:
+        """Ends the current pass: its iterator is deleted off this thread
+        (iterators.py: a deletion can wait seconds for tf.data's autotuning)."""
+        release(self._iterator)
+        self._iterator = None
+
     def _new_pass(self):
         skip, self._skip = self._skip, 0
         self.position = skip
@@ -373,7 +380,7 @@ class EpochBatches:
         """
         steps = first_step
         if self.steps_per_epoch is None:
-            self._iterator = None
+            self.close()
         while self.steps_per_epoch is None or steps < self.steps_per_epoch:
             count = steps_per_call
             if self.steps_per_epoch is not None:
@@ -402,7 +409,7 @@ class EpochBatches:
             if ran == count > 0:
                 continue
             # The data ran out.
-            self._iterator = None
+            self.close()
             self.position = 0  # the next epoch starts a new pass
             if self.steps_per_epoch is None:
                 return steps - first_step

@@ -442,8 +442,8 @@ class EPLTrainer(CheckpointMixin, TrainingDataMixin, InferenceMixin, ObjectivesM
                 self._run_hook(callback_list, "on_epoch_end", epoch, logs)
                 if self.model.stop_training:
                     break
-        finally:
-            self._batches = None
+        finally:  # the last pass's iterator is deleted off this thread (iterators.py)
+            self._batches = batches.close()
         if self._engine is not None:
             if len(epochs_run) and ema.uses_ema(self.optimizer):
                 self._engine.finalize_ema()  # as Keras's fit: the weights := their averages

@@ -16,6 +16,7 @@ from keras import tree
 from epl_trainer.training import data as data_lib
 from epl_trainer.training import fit_inputs, model_inputs, pipeline_models
 from epl_trainer.training import model_fn as model_fn_lib
+from epl_trainer.training.iterators import release
 
 # Evaluation and prediction batches per call of the compiled loop when no callback needs
 # each batch: one host round trip per this many batches.
@@ -104,7 +105,12 @@ class InferenceMixin:
                     ran = int(program.eval_many_on_iterator(iterator, count, size))
                 return ran, self._local_logs()
 
-            batches = self._run_in_calls(dataset, iter(dataset), 0, callbacks, "test", run_call)
+            iterator = iter(dataset)
+            try:
+                batches = self._run_in_calls(dataset, iterator, 0, callbacks, "test", run_call)
+            finally:  # deleting it can wait for tf.data's autotuning (iterators.py)
+                release(iterator)
+                del iterator
         with self._lost_worker_check("the evaluation's metric sync"):
             logs = self._logs()
         if batches == 0 and self.cluster.worker_num == 1:
@@ -175,6 +181,8 @@ class InferenceMixin:
 
         if not self.model.stop_predicting:
             self._run_in_calls(dataset, iterator, 1, callback_list, "predict", run_call)
+        release(iterator)  # deleting it can wait for tf.data's autotuning (iterators.py)
+        del iterator
         callback_list.on_predict_end()
         return tree.pack_sequence_as(first, [np.concatenate(pieces) for pieces in flat])
 
