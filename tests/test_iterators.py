@@ -16,8 +16,7 @@ from _models import LOSS, mlp, mlp_data
 
 import epl_trainer as epl
 from epl_trainer.training import data as data_lib
-from epl_trainer.training import iterators
-from epl_trainer.training import trainer_inference
+from epl_trainer.training import iterators, trainer_inference
 
 
 class _Deleted:

@@ -166,9 +166,10 @@ def test_auto_compiles_the_whole_step_only_without_onednn(monkeypatch, capsys, o
     assert max_weight_difference(reference, model) < ATOL
 
 
-def test_auto_keeps_plain_ops_where_the_step_is_not_one_device(monkeypatch):
-    """Without oneDNN, "auto" still leaves a pipeline, data parallelism, gradient
-    accumulation and ZeRO as plain ops; the user's True compiles them per stage."""
+def test_auto_without_onednn_by_layout(monkeypatch):
+    """Without oneDNN, "auto" compiles data parallelism per lane and leaves a pipeline,
+    gradient accumulation and ZeRO as plain ops; the user's True compiles those per
+    stage."""
     monkeypatch.setattr(jit_choice, "onednn_enabled", lambda: False)
     layouts = {
         "pipeline": _plan(2, {"dense_in": 0, "logits": 1}),
@@ -176,11 +177,13 @@ def test_auto_keeps_plain_ops_where_the_step_is_not_one_device(monkeypatch):
         "micro-batches": _plan(1, micro_batches=2),
     }
     for name, trainer in layouts.items():
+        lanes = name == "data parallel"
         choice = jit_choice.choose("auto", trainer.plan, trainer.config)
-        assert not choice.compile and not choice.whole_step, name
+        assert choice.compile is lanes and choice.per_lane is lanes, name
+        assert not choice.whole_step, name
         chosen = jit_choice.choose(True, trainer.plan, trainer.config)
         assert chosen.compile and not chosen.whole_step, name
-        assert chosen.per_lane is (name == "data parallel"), name
+        assert chosen.per_lane is lanes, name
     one = _plan(1)
     zero = one.config.replace({"zero.level": "v1"})
     assert jit_choice.choose("auto", one.plan, one.config).whole_step
@@ -206,18 +209,22 @@ def test_the_compiled_models_choice_wins(monkeypatch):
 
 
 @pytest.mark.onednn
-def test_default_on_this_cpu_matches_keras():
+@pytest.mark.parametrize("devices", [1, 2])
+def test_default_on_this_cpu_matches_keras(devices):
     """The default as this process's TensorFlow runs (CI runs it with oneDNN on and off):
-    XLA for the whole step exactly when oneDNN is off, Keras's weights either way."""
+    XLA for the whole step or each lane exactly when oneDNN is off, Keras's weights
+    either way."""
     from epl_trainer.core.graph.peak import onednn_enabled
 
     x, y = mlp_data()
     reference = mlp()
     keras_reference(reference, x, y, keras.optimizers.Adam(0.01), batch_size=16, steps=4)
     model = mlp()
-    trainer = _trainer(model, keras.optimizers.Adam(0.01))
+    trainer = _trainer(model, keras.optimizers.Adam(0.01), devices)
     _fit(trainer, x, y)
-    assert _whole_step(trainer) is not onednn_enabled()
+    assert trainer.engine_plan.jit.compile is not onednn_enabled()
+    if not onednn_enabled():
+        assert _compiled_as(trainer, devices)
     assert max_weight_difference(reference, model) < ATOL
 
 
