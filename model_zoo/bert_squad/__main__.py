@@ -78,16 +78,16 @@ flags.DEFINE_integer("builtin_dev_paragraphs", 100, "Built-in data: dev paragrap
 flags.DEFINE_string("output_dir", "/tmp/epl_bert_squad", "Logs, predictions and metrics.")
 flags.DEFINE_integer("seed", 0, "Seed of the built-in data, the shuffling and the weights.")
 # 16 steps per call: the tiny model's step is short, so host round trips show.
-# XLA by default for Keras (its whole step is one computation) but not for EPLTrainer's
-# stages. With one thread per op for each of the pipeline's two simulated devices (the
-# cluster's default, cluster.py), the stages run side by side as plain ops, and XLA
-# stages were slower: 21.3-22.3 ms per step as ops against 39.8-41.0 with XLA stages
+# XLA by default for Keras (its whole step is one computation); EPLTrainer's "auto" keeps
+# the pipeline's stages as plain ops, one thread per op on each of its two simulated
+# devices (cluster.py), side by side: XLA stages took 25.8 ms per step against 12.5
 # (python bench/threads.py).
 flags.DEFINE_bool(
     "jit_compile",
     None,
-    "XLA: Keras compiles its whole step, EPLTrainer each stage's forward and backward. "
-    "Default: on for --trainer=keras, off for EPLTrainer.",
+    "XLA: Keras compiles its whole step, EPLTrainer each stage's forward and backward "
+    "(one device: the whole step; data parallelism: each lane). Default: on for "
+    "--trainer=keras, EPLTrainer's 'auto' (core/engine/jit_choice.py).",
 )
 flags.DEFINE_integer("steps_per_execution", 16, "Training steps per call of the compiled step.")
 flags.DEFINE_enum(
@@ -267,7 +267,7 @@ def main(argv):
             model,
             loss=losses,
             optimizer=optimizer(model, total_steps),
-            jit_compile=bool(FLAGS.jit_compile),  # None: off
+            jit_compile=FLAGS.jit_compile,  # None: "auto"
             steps_per_execution=FLAGS.steps_per_execution,
         )
         print(f"{config}\n{trainer.plan.summary()}")
