@@ -244,3 +244,29 @@ def test_compiled_step_with_amp_and_dropout_matches_plain_ops(devices):
     assert _compiled_as(trainer, devices)
     assert trainer.stats_history["skipped_steps"][-1] == 0
     assert max_weight_difference(models[False], models[True]) < 1e-3
+
+
+class _NoXLA(keras.layers.Layer):
+    """A layer that says it does not compile with XLA (as StringLookup does)."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.supports_jit = False
+
+    def call(self, x):
+        return x
+
+
+def test_auto_keeps_plain_ops_for_layers_without_xla(monkeypatch, capsys):
+    """As Keras's own "auto": a layer with `supports_jit=False` keeps the step as plain
+    ops, and the printed reason names it."""
+    monkeypatch.setattr(jit_choice, "onednn_enabled", lambda: False)
+    monkeypatch.setattr(epl.core.engine.engine, "_ANNOUNCED", set())
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((6,))
+    outputs = keras.layers.Dense(3)(_NoXLA(name="no_xla")(inputs))
+    trainer = _trainer(keras.Model(inputs, outputs), keras.optimizers.SGD(0.1))
+    assert not trainer.engine_plan.jit.compile
+    assert "no XLA for layers ['no_xla']" in capsys.readouterr().out
+    with_xla = _trainer(mlp(), keras.optimizers.SGD(0.1))
+    assert with_xla.engine_plan.jit.whole_step

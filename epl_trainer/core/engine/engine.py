@@ -116,7 +116,8 @@ def plan_engine(
         cut_description=auto.cut_description if auto else None,
     )
     synchronized = bool(synchronized_layers(model, config.batch_norm.synchronized))
-    jit = jit_choice.choose(jit_compile, plan, config, synchronized)
+    without_xla = jit_choice.layers_without_xla(model) if jit_compile == jit_choice.AUTO else []
+    jit = jit_choice.choose(jit_compile, plan, config, synchronized, without_xla)
     _announce(jit, chosen_by_user=jit_compile != jit_choice.AUTO)
     rules.check_plan(plan, config, clip_global_norm, steps_per_execution, jit.compile)
     check_sync_batch_norm(

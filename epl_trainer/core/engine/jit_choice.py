@@ -82,9 +82,29 @@ def compiles_lanes(plan, config, synchronized: bool = False) -> bool:
     )
 
 
-def choose(jit_compile, plan, config, synchronized: bool = False) -> JitChoice:
-    """The trainer's `jit_compile` (True, False or "auto") for this plan; `synchronized`:
-    the model has synchronized BatchNorm layers (which XLA refuses)."""
+def layers_without_xla(model) -> list[str]:
+    """The model's layers that say they do not compile with XLA (Keras's `supports_jit`,
+    e.g. StringLookup, Hashing), as Keras's own "auto" asks; every layer when TensorFlow's
+    op determinism is on, which XLA does not support for every op."""
+    layers = list(model._flatten_layers(include_self=False))  # Keras's own walk
+    try:
+        from tensorflow.python.framework.config import is_op_determinism_enabled
+    except ImportError:  # moved: then only the layers say
+        is_op_determinism_enabled = bool
+    if is_op_determinism_enabled():
+        return ["all (op determinism is on)"]
+    return [layer.name for layer in layers if not getattr(layer, "supports_jit", True)]
+
+
+def choose(
+    jit_compile, plan, config, synchronized: bool = False, without_xla: list = ()
+) -> JitChoice:
+    """The trainer's `jit_compile` (True, False or "auto") for this plan.
+
+    Args:
+      synchronized: the model has synchronized BatchNorm layers (which XLA refuses).
+      without_xla: `layers_without_xla(model)`: "auto" then keeps plain ops.
+    """
     lanes = compiles_lanes(plan, config, synchronized)
     whole = lanes and plan.num_replicas == 1
     if jit_compile != AUTO:
@@ -96,6 +116,8 @@ def choose(jit_compile, plan, config, synchronized: bool = False) -> JitChoice:
         )  # fmt: skip
     if onednn_enabled():
         return JitChoice(False, False, False, "auto: plain ops, oneDNN is on (as fast as XLA here)")
+    if without_xla:
+        return JitChoice(False, False, False, f"auto: plain ops, no XLA for layers {without_xla}")
     why = "oneDNN is off (TF's MatMul is slow without it)"
     if whole:
         return JitChoice(True, True, False, f"auto: the whole step in XLA, {why}")
