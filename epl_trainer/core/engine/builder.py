@@ -137,11 +137,10 @@ def build_engine(
         )
     if config.gradient_checkpoint.type:
         apply_recompute(hooks, staged, config.gradient_checkpoint, checkpoint_marks)
-    jit_compile = engine_plan.jit.compile
     xla = engine_plan.jit
-    if jit_compile and not (xla.whole_step or xla.per_lane):
+    if xla.per_stage:
         hooks.stage_calls = [compiled_stage_call(call) for call in hooks.stage_calls]
-    if jit_compile:
+    if xla.compile:
         hooks.eval_stage_calls = [compiled_stage_call(call) for call in hooks.eval_stage_calls]
     apply_sync_batch_norm(hooks, layout, config.batch_norm.synchronized)
     reduction = GradientReduction(layout, config.communication, hooks.lanes, clip_global_norm)
@@ -167,7 +166,7 @@ def build_engine(
             num_apply_group=config.optimizer.num_apply_group,
         )
         hooks.gradient_sink = hooks.update.micro_batch_grads
-        if config.zero.level == "v2" and not jit_compile:
+        if config.zero.level == "v2" and not xla.compile:
             # Checkpointed stages gather per segment, again in backward (an XLA-compiled
             # stage takes values: it gathers once per step, as the other stages do).
             hooks.gather_per_segment = dict.fromkeys(hooks.recomputed, SegmentGathers)
@@ -198,8 +197,8 @@ def build_engine(
         weighted_metrics=metrics.weighted_ids,
         output_loss_trackers=loss_fn.trackers,
         agree_on_batches=agree_on_batches,
-        compile_gradients=engine_plan.jit.whole_step,
-        compile_lanes=engine_plan.jit.per_lane,
+        compile_gradients=xla.whole_step,
+        compile_lanes=xla.per_lane,
     )
     skip = config.optimizer.nonfinite_loss == "skip"
     if config.amp.level:

@@ -60,6 +60,11 @@ class JitChoice:
     per_lane: bool
     reason: str
 
+    @property
+    def per_stage(self) -> bool:
+        """Each stage's forward (and its backward) compiled on its own."""
+        return self.compile and not (self.whole_step or self.per_lane)
+
 
 NO_XLA = JitChoice(False, False, False, "jit_compile=False")
 
