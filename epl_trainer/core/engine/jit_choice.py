@@ -117,7 +117,7 @@ def choose(
         how = "the whole step" if whole else "each lane" if lanes else "each stage"
         return JitChoice(
             compile_, compile_ and whole, compile_ and lanes and not whole,
-            f"jit_compile={compile_} ({how})",
+            f"jit_compile=True ({how})" if compile_ else "jit_compile=False",
         )  # fmt: skip
     if onednn_enabled():
         return JitChoice(False, False, False, "auto: plain ops, oneDNN is on (as fast as XLA here)")
