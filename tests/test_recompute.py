@@ -570,15 +570,24 @@ def _step_function(model, mode: str, variables, features):
     return step
 
 
-def _peak_mib(kind: str, mode: str) -> float:
-    """Peak bytes above the resident state during one step."""
+def _peak_mib(kind: str, mode: str, steps: int = 7) -> float:
+    """Peak bytes above the resident state during a step, the median of `steps` steps.
+
+    One step's peak depends on the order in which the two inter-op threads happen to run
+    the weight gradients and their updates: on 16 x Dense(1024), one process measured
+    26-31 MiB plain and 16-22 recomputed from step to step. A single step once gave a
+    recomputed/plain ratio of 0.902 (CI failed the 0.9 bound); medians of 7 steps gave
+    0.64-0.78 over six pairs of processes, oneDNN on and off."""
     model, features = _deep_model(kind)
     variables = [tf.Variable(v.value) for v in model.trainable_variables]
     step = _step_function(model, mode, variables, features)
-    reset_peak_memory()
-    base = allocator_memory()["current"]
-    step(features).numpy()
-    return (allocator_memory()["peak"] - base) / 2**20
+    peaks = []
+    for _ in range(steps):
+        reset_peak_memory()
+        base = allocator_memory()["current"]
+        step(features).numpy()
+        peaks.append((allocator_memory()["peak"] - base) / 2**20)
+    return float(np.median(peaks))
 
 
 def _step_ms(kind: str, rounds: int = 15) -> dict:
