@@ -182,6 +182,11 @@ def timed_fit(fit, args, task_clock=None, memory=False) -> dict:
     wall, cpu, tasks, measure_memory, memory = [], [], [], memory, {}
 
     class StepClock(keras.callbacks.Callback):
+        # It reads no weights: without this, EPLTrainer writes the weights back into the
+        # Keras model after every step (a callback may read them, as in Keras), and with
+        # stages on different workers that is an all-reduce of the whole model per step.
+        reads_logs_only = True
+
         def on_train_batch_end(self, batch, logs=None):
             wall.append(time.perf_counter())
             cpu.append(time.process_time())

@@ -94,3 +94,38 @@ def test_a_transfer_moves_a_tensor_between_two_local_devices(monkeypatch):
             pool.submit(send, batch)
             received = pool.submit(receive, batch).result(timeout=60)
         tf.debugging.assert_equal(received, batch)
+
+
+def test_a_send_does_not_wait_for_an_earlier_receive_of_its_device(monkeypatch):
+    """Transfers order on two chains per device, sends and receives (keys.TRANSFER_CHAINS).
+    Device B receives Z from C, then sends Y to A (its program order); A only receives Y,
+    and C sends Z only once A is done. On one chain per device (before), B's send waited
+    for its receive, which waited for C, which waited for A: A never got Y (measured:
+    A's call timed out). In a pipeline, a stage's send likewise no longer waits for the
+    next transfer it receives, and the peer it sends to is not held at that point."""
+    a, b, c = "/device:CPU:0", "/device:CPU:1", "/device:CPU:2"
+    y, z = tf.constant([[1.0, 2.0]]), tf.constant([[3.0, 4.0]])
+    spec = tf.TensorSpec([1, 2], tf.float32)
+
+    def traced(side, function):  # from fresh key counters, as its own worker would
+        monkeypatch.setattr(keys, "_instance_counters", {})
+        monkeypatch.setattr(keys, "_dynamic_counters", {})
+        return tf.function(function, input_signature=[spec]).get_concrete_function()
+
+    def on_b(value):
+        with tf.device(b):
+            got = comm.PairTransfer(c, b, b).receive([1, 2], tf.float32, unit=2)
+            comm.PairTransfer(b, a, b).send(value, unit=2)
+            return got
+
+    receive_y = traced(a, lambda _: comm.PairTransfer(b, a, a).receive([1, 2], tf.float32, unit=2))
+    send_y = traced(b, on_b)
+    send_z = traced(c, lambda value: comm.PairTransfer(c, b, c).send(value, unit=2))
+    with concurrent.futures.ThreadPoolExecutor(3) as pool:
+        on_a, on_b = pool.submit(receive_y, y), pool.submit(send_y, y)
+        try:
+            received_y = on_a.result(timeout=30)
+        finally:
+            pool.submit(send_z, z)  # lets B finish (and A, had it hung)
+        tf.debugging.assert_equal(received_y, y)
+        tf.debugging.assert_equal(on_b.result(timeout=60), z)

@@ -18,6 +18,7 @@ from epl_trainer.core.comm.fusion import (
 from epl_trainer.core.comm.group import CollectiveGroup
 from epl_trainer.core.comm.keys import (
     KEYS_PER_LANE_GROUP,
+    TRANSFER_CHAINS,
     collective_rank_order,
     group_key,
     length_keyed_instance,
@@ -30,6 +31,7 @@ from epl_trainer.core.comm.transfer import PairTransfer
 
 __all__ = [
     "KEYS_PER_LANE_GROUP",
+    "TRANSFER_CHAINS",
     "CollectiveGroup",
     "LaneCollectives",
     "PairTransfer",

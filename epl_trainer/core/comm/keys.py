@@ -58,7 +58,7 @@ DYNAMIC_BLOCK = 1 << 20  # lengths (in units) per block
 _DYNAMIC_KEY_BASE, _dynamic_end = INSTANCE_KEY_RANGES["dynamic"]
 _DYNAMIC_BLOCKS = (_dynamic_end - _DYNAMIC_KEY_BASE) // DYNAMIC_BLOCK
 _dynamic_counters: dict[int, itertools.count] = {}
-_ordering_tokens: dict[tuple[str, int], tf.Variable] = {}
+_ordering_tokens: dict[tuple[str, int | str], tf.Variable] = {}
 
 
 def next_instance_key(group: int) -> int:
@@ -97,8 +97,14 @@ def group_key(devices: Sequence[str]) -> int:
     return _GROUP_KEY_BASE + digest % 0x1000_0000
 
 
-def ordering_token(device: str, chain: int = 0):
-    """The resource handle that orders collectives of `chain` on `device`."""
+# The chains of point-to-point transfers (comm/transfer.py), apart from the communicator
+# chains 0.. of the group collectives: what a device sends, and what it receives.
+TRANSFER_CHAINS = ("sends", "receives")
+
+
+def ordering_token(device: str, chain: int | str = 0):
+    """The resource handle that orders collectives of `chain` on `device`: a communicator
+    index, or one of `TRANSFER_CHAINS`."""
     key = (device, chain)
     if key not in _ordering_tokens:
         with tf.init_scope(), tf.device(device):
