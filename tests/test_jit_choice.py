@@ -172,14 +172,17 @@ def test_auto_without_onednn_by_layout(monkeypatch):
     stage."""
     monkeypatch.setattr(jit_choice, "onednn_enabled", lambda: False)
     layouts = {
-        "pipeline": _plan(2, {"dense_in": 0, "logits": 1}),
-        "data parallel": _plan(2),
-        "micro-batches": _plan(1, micro_batches=2),
+        "pipeline": (_plan(2, {"dense_in": 0, "logits": 1}), "the lanes have 2 stages"),
+        "data parallel": (_plan(2), "each lane in XLA"),
+        # The reason named stages here before (a test that failed then).
+        "micro-batches": (_plan(1, micro_batches=2), "each step has 2 micro-batches"),
+        "dp micro-batches": (_plan(2, micro_batches=2), "each step has 2 micro-batches"),
     }
-    for name, trainer in layouts.items():
+    for name, (trainer, reason) in layouts.items():
         lanes = name == "data parallel"
         choice = jit_choice.choose("auto", trainer.plan, trainer.config)
         assert choice.compile is lanes and choice.per_lane is lanes, name
+        assert reason in choice.reason, (name, choice.reason)
         assert not choice.whole_step, name
         chosen = jit_choice.choose(True, trainer.plan, trainer.config)
         assert chosen.compile and not chosen.whole_step, name
@@ -187,8 +190,9 @@ def test_auto_without_onednn_by_layout(monkeypatch):
     one = _plan(1)
     zero = one.config.replace({"zero.level": "v1"})
     assert jit_choice.choose("auto", one.plan, one.config).whole_step
-    assert not jit_choice.choose("auto", one.plan, zero).compile
-    assert not jit_choice.choose("auto", one.plan, one.config, synchronized=True).compile
+    assert "ZeRO v1" in jit_choice.choose("auto", one.plan, zero).reason
+    synchronized = jit_choice.choose("auto", one.plan, one.config, synchronized=True)
+    assert not synchronized.compile and "synchronized BatchNorm" in synchronized.reason
     assert not jit_choice.choose(False, one.plan, one.config).compile
 
 

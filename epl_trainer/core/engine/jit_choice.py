@@ -75,16 +75,23 @@ def compiles_lanes(plan, config, synchronized: bool = False) -> bool:
     needs a lane's step cut into parts (ZeRO's per-micro-batch reduction,
     recomputation, synchronized BatchNorm's collectives: `synchronized`, the model has
     such layers)."""
-    return (
-        plan.worker_num == 1
-        and len(plan.taskgraphs) == 1
-        and plan.taskgraphs[0].kind == "replicate"
-        and plan.devices_per_replica == 1
-        and plan.num_micro_batch == 1
-        and not config.zero.level
-        and not config.gradient_checkpoint.type
-        and not synchronized
+    return not lanes_cut_because(plan, config, synchronized)
+
+
+def lanes_cut_because(plan, config, synchronized: bool = False) -> str:
+    """Why a lane's step is cut into parts that are not compiled as one ("" if it is
+    not): the first reason `compiles_lanes` finds, for the printed choice."""
+    reasons = (
+        (plan.worker_num > 1, f"the job has {plan.worker_num} workers"),
+        (len(plan.taskgraphs) > 1, f"the lanes have {len(plan.taskgraphs)} stages"),
+        (plan.taskgraphs[0].kind != "replicate", "the layers are split across devices"),
+        (plan.devices_per_replica > 1, f"a replica spans {plan.devices_per_replica} devices"),
+        (plan.num_micro_batch > 1, f"each step has {plan.num_micro_batch} micro-batches"),
+        (bool(config.zero.level), f"ZeRO {config.zero.level} reduces per micro-batch"),
+        (bool(config.gradient_checkpoint.type), "gradient checkpointing cuts the lanes"),
+        (synchronized, "synchronized BatchNorm's collectives run inside the lanes"),
     )
+    return next((why for cut, why in reasons if cut), "")
 
 
 def layers_without_xla(model) -> list[str]:
@@ -128,4 +135,6 @@ def choose(
         return JitChoice(True, True, False, f"auto: the whole step in XLA, {why}")
     if lanes:
         return JitChoice(True, False, True, f"auto: each lane in XLA, {why}")
-    return JitChoice(False, False, False, "auto: plain ops, the lanes have several stages")
+    return JitChoice(
+        False, False, False, f"auto: plain ops, {lanes_cut_because(plan, config, synchronized)}"
+    )
