@@ -186,6 +186,37 @@ def test_a_batch_callback_reads_the_model_state_of_that_step():
     assert seen == [1, 2, 3, 4]  # each replica's copy counts one call per step
 
 
+@pytest.mark.parametrize("reads_logs_only", [False, True])
+def test_a_callback_that_reads_only_logs_spares_the_per_step_write_back(reads_logs_only, caplog):
+    """A callback with batch hooks makes the trainer write the weights back after every
+    step (it may read them), and the trainer says which callback and how to opt out; one
+    whose class sets `reads_logs_only = True` leaves the model's weights alone until the
+    epoch ends."""
+    model = mlp()
+    first_kernel = model.layers[1].kernel
+
+    class Recorder(keras.callbacks.Callback):
+        def __init__(self):
+            super().__init__()
+            self.kernels = []
+
+        def on_train_batch_end(self, batch, logs=None):
+            self.kernels.append(np.array(first_kernel.numpy()))
+
+    Recorder.reads_logs_only = reads_logs_only
+    recorder = Recorder()
+    x, y = mlp_data()
+    with caplog.at_level("INFO", logger="epl_trainer.training.fit_inputs"):
+        _trainer(model).fit(x, y, batch_size=8, verbose=0, shuffle=False, callbacks=[recorder])
+    moved = [not np.array_equal(a, b) for a, b in zip(recorder.kernels, recorder.kernels[1:])]
+    said = [r.getMessage() for r in caplog.records if "reads_logs_only" in r.getMessage()]
+    assert len(moved) >= 2
+    if reads_logs_only:
+        assert not any(moved) and not said
+    else:
+        assert all(moved) and len(said) == 1 and "Recorder" in said[0]
+
+
 def test_metric_results_that_are_arrays_stay_arrays_in_the_logs():
     x, y = mlp_data()
     y = keras.utils.to_categorical(y % 3, 3)
