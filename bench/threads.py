@@ -53,6 +53,9 @@ def call_times():
 
     class Times(keras.callbacks.Callback):
         seconds = 0.0
+        # It reads no weights: without this EPLTrainer writes them back into the Keras
+        # model after every call, inside the time measured here (Keras has no such step).
+        reads_logs_only = True
 
         def on_train_batch_begin(self, batch, logs=None):
             self.start = time.perf_counter()
