@@ -122,10 +122,10 @@ def test_a_send_does_not_wait_for_an_earlier_receive_of_its_device(monkeypatch):
     send_y = traced(b, on_b)
     send_z = traced(c, lambda value: comm.PairTransfer(c, b, c).send(value, unit=2))
     with concurrent.futures.ThreadPoolExecutor(3) as pool:
-        on_a, on_b = pool.submit(receive_y, y), pool.submit(send_y, y)
+        on_a, b_done = pool.submit(receive_y, y), pool.submit(send_y, y)
         try:
             received_y = on_a.result(timeout=30)
         finally:
             pool.submit(send_z, z)  # lets B finish (and A, had it hung)
         tf.debugging.assert_equal(received_y, y)
-        tf.debugging.assert_equal(on_b.result(timeout=60), z)
+        tf.debugging.assert_equal(b_done.result(timeout=60), z)

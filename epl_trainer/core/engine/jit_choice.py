@@ -117,7 +117,8 @@ def choose(
       synchronized: the model has synchronized BatchNorm layers (which XLA refuses).
       without_xla: `layers_without_xla(model)`: "auto" then keeps plain ops.
     """
-    lanes = compiles_lanes(plan, config, synchronized)
+    cut_because = lanes_cut_because(plan, config, synchronized)
+    lanes = not cut_because
     whole = lanes and plan.num_replicas == 1
     if jit_compile != AUTO:
         compile_ = bool(jit_compile)
@@ -135,6 +136,4 @@ def choose(
         return JitChoice(True, True, False, f"auto: the whole step in XLA, {why}")
     if lanes:
         return JitChoice(True, False, True, f"auto: each lane in XLA, {why}")
-    return JitChoice(
-        False, False, False, f"auto: plain ops, {lanes_cut_because(plan, config, synchronized)}"
-    )
+    return JitChoice(False, False, False, f"auto: plain ops, {cut_because}")
