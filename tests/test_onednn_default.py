@@ -63,3 +63,20 @@ def test_tensorflow_imported_first_without_onednn_gets_advice():
     assert state == {"env": None, "enabled": False}
     assert len(notices) == 1 and "imported before epl_trainer" in notices[0]
     assert "set TF_ENABLE_ONEDNN_OPTS=1" in notices[0]
+
+
+@pytest.mark.parametrize(
+    "job", ["bert_squad", "moe_t5", "quickstart", "resnet50", "text_classifier"]
+)
+def test_the_zoo_jobs_import_epl_trainer_before_tensorflow(job):
+    """A job that imports Keras first loads TensorFlow before epl_trainer can choose: on a
+    CPU where TensorFlow's default is off (AVX2-only), the main job ran without oneDNN's
+    kernels and printed advice to the user instead."""
+    env = clean_env()
+    env.pop("TF_ENABLE_ONEDNN_OPTS", None)
+    script = f"import os, model_zoo.{job}.__main__; print(os.environ.get('TF_ENABLE_ONEDNN_OPTS'))"
+    result = subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.strip().splitlines()[-1] == "1"

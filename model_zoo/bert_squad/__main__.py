@@ -30,11 +30,14 @@ if not __package__:
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # TensorFlow's C++ info banners
 
+# Before Keras loads TensorFlow: unless the user chose, importing epl_trainer turns on
+# oneDNN's CPU kernels (runtime/onednn.py), and TensorFlow reads that once, at import.
+import epl_trainer as epl  # isort: split
+
 import keras
 import tensorflow as tf
 from absl import app, flags
 
-import epl_trainer as epl
 import epl_trainer.config.flags as epl_flags  # defines --epl_config and --epl_set
 from model_zoo.bert_squad import builtin_data, evaluation, squad
 from model_zoo.bert_squad.checkpoint import load_google_checkpoint

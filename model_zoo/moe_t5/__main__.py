@@ -33,12 +33,15 @@ if not __package__:
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # TensorFlow's C++ info banners
 
+# Before Keras loads TensorFlow: unless the user chose, importing epl_trainer turns on
+# oneDNN's CPU kernels (runtime/onednn.py), and TensorFlow reads that once, at import.
+import epl_trainer as epl  # isort: split
+
 import keras
 import numpy as np
 import tensorflow as tf
 from absl import app, flags
 
-import epl_trainer as epl
 import epl_trainer.config.flags as epl_flags  # defines --epl_config and --epl_set
 from epl_trainer.training import data as data_lib
 from model_zoo.moe_t5 import data
