@@ -18,7 +18,12 @@ import tensorflow as tf
 import epl_trainer as epl
 from model_zoo.bert_squad import builtin_data, checkpoint, squad
 from model_zoo.bert_squad.modeling import BertConfig, build_squad_model
-from model_zoo.bert_squad.recipe import DEFAULT_CONFIG, bert_optimizer, environ_with_defaults
+from model_zoo.bert_squad.recipe import (
+    DEFAULT_CONFIG,
+    bert_optimizer,
+    default_num_stages,
+    environ_with_defaults,
+)
 from model_zoo.bert_squad.tokenization import FullTokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -282,6 +287,21 @@ def test_default_run_uses_the_pipeline_recipe_and_a_given_recipe_replaces_it():
     assert dp.pipeline.num_micro_batch == 1  # dp.json's meaning, not the pipeline's
     launched = environ_with_defaults(None, environ={"EPL_CLUSTER_VIRTUAL_DEVICES": "4"})
     assert epl.Config({}, environ=launched).cluster.virtual_devices == 4
+    data_parallel = epl.Config({}, environ=environ_with_defaults(None, {}, num_stages=1))
+    assert data_parallel.pipeline.num_micro_batch == 1  # no stages: no micro-batches
+    assert data_parallel.cluster.virtual_devices == 2
+
+
+@pytest.mark.parametrize(
+    "onednn, one_process, stages",
+    [(True, True, 2), (True, False, 2), (False, True, 1), (False, False, 2)],
+)
+def test_the_default_layout_follows_the_measured_rule(onednn, one_process, stages):
+    """Without --num_stages: a pipeline where oneDNN's kernels run, data parallelism with
+    each lane in XLA where they do not, unless several workers keep lanes from compiling."""
+    chosen, why = default_num_stages(onednn, one_process)
+    assert chosen == stages
+    assert ("oneDNN's kernels are on" if onednn else "oneDNN is off") in why
 
 
 def test_model_input_used_by_a_later_stage_keeps_the_model_serialisable():
@@ -299,9 +319,10 @@ def test_model_input_used_by_a_later_stage_keeps_the_model_serialisable():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("trainer", ["epl", "keras"])
+@pytest.mark.parametrize("trainer", [pytest.param("epl", marks=pytest.mark.onednn), "keras"])
 def test_main_runs_end_to_end_on_builtin_data(tmp_path, trainer):
-    """The default run (EPL pipeline) and its plain-Keras comparison (--trainer=keras)."""
+    """The default run (EPL: a pipeline with oneDNN, else data parallelism; CI runs it
+    both ways) and its plain-Keras comparison (--trainer=keras)."""
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     env.pop("EPL_CLUSTER_VIRTUAL_DEVICES", None)
     command = [
@@ -345,6 +366,12 @@ def test_main_runs_end_to_end_on_builtin_data(tmp_path, trainer):
     assert set(seconds) == {"data", "training", "evaluation"} and min(seconds.values()) > 0
     assert sum(seconds.values()) <= metrics["wall_time_sec"]
     assert "ms/step with tracing), dev predictions" in result.stdout
+    if trainer == "epl":
+        onednn = os.environ.get("TF_ENABLE_ONEDNN_OPTS", "1") != "0"  # unset: epl sets 1
+        stages = len(metrics["plan"]["taskgraphs"])
+        assert stages == (2 if onednn else 1)
+        assert f"Stages: {stages} (oneDNN" in result.stdout
+        assert metrics["plan"]["num_micro_batch"] == (4 if onednn else 1)
 
 
 def _official_squad_v1_scores(dataset: dict, predictions: dict) -> dict:

@@ -2,7 +2,8 @@
 
 By default it generates the built-in dataset (invented towns, see `builtin_data.py`),
 trains a tiny BERT from scratch as a 2-stage pipeline with 4 micro-batches on 2
-simulated devices (`configs/bert_squad_pipeline.json`), writes `predictions.json` and
+simulated devices (`configs/bert_squad_pipeline.json`; data-parallel where oneDNN is off,
+`recipe.default_num_stages`), writes `predictions.json` and
 prints SQuAD v1.1 exact match / F1 next to two trivial baselines. With real inputs it
 is Google's `run_squad.py` recipe::
 
@@ -39,10 +40,16 @@ import tensorflow as tf
 from absl import app, flags
 
 import epl_trainer.config.flags as epl_flags  # defines --epl_config and --epl_set
+from epl_trainer.core.graph.peak import onednn_enabled
+from epl_trainer.runtime import slurm
 from model_zoo.bert_squad import builtin_data, evaluation, squad
 from model_zoo.bert_squad.checkpoint import load_google_checkpoint
 from model_zoo.bert_squad.modeling import PRESETS, BertConfig, build_squad_model
-from model_zoo.bert_squad.recipe import bert_optimizer, environ_with_defaults
+from model_zoo.bert_squad.recipe import (
+    bert_optimizer,
+    default_num_stages,
+    environ_with_defaults,
+)
 from model_zoo.bert_squad.tokenization import FullTokenizer
 
 FLAGS = flags.FLAGS
@@ -72,9 +79,10 @@ flags.DEFINE_integer("n_best_size", 20, "Start/end candidates per window.")
 flags.DEFINE_integer("max_answer_length", 30, "Longest answer, in WordPiece tokens.")
 flags.DEFINE_integer(
     "num_stages",
-    2,
-    "Pipeline stages marked by epl.replicate scopes (1: no pipeline); "
-    "ignored when auto.auto_parallel cuts the model.",
+    None,
+    "Pipeline stages marked by epl.replicate scopes (1: no pipeline, data parallelism "
+    "without micro-batches); ignored when auto.auto_parallel cuts the model. Default: 2 "
+    "where TensorFlow runs oneDNN's kernels, else 1 in one process (recipe.py measured it).",
 )
 flags.DEFINE_integer("builtin_train_paragraphs", 12000, "Built-in data: training paragraphs.")
 flags.DEFINE_integer("builtin_dev_paragraphs", 100, "Built-in data: dev paragraphs.")
@@ -234,7 +242,12 @@ def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
     start_time = time.perf_counter()
-    config = epl_flags.config_from_flags(environ=environ_with_defaults(FLAGS.epl_config))
+    num_stages, why = FLAGS.num_stages, "--num_stages"
+    if num_stages is None:
+        one_process = not os.environ.get("TF_CONFIG") and not slurm.in_job_step()
+        num_stages, why = default_num_stages(onednn_enabled(), one_process)
+    environ = environ_with_defaults(FLAGS.epl_config, num_stages=num_stages)
+    config = epl_flags.config_from_flags(environ=environ)
     if FLAGS.trainer == "keras":
         # Keras trains on one device, with all the cores (the pipeline's two simulated
         # devices would give each op half of them, cluster.py).
@@ -265,7 +278,8 @@ def main(argv):
         "end_logits": keras.losses.SparseCategoricalCrossentropy(from_logits=True),
     }
     if FLAGS.trainer == "epl":
-        model = build_model(config, bert, FLAGS.num_stages)
+        model = build_model(config, bert, num_stages)
+        print(f"Stages: {num_stages} ({why})")
         trainer = epl.EPLTrainer(
             model,
             loss=losses,

@@ -9,17 +9,44 @@ import keras
 
 from epl_trainer.training.schedules import WarmupDecayLR
 
-# Without --epl_config the run is configs/bert_squad_pipeline.json (a test keeps these
-# equal). They are environment defaults, the config's lowest-precedence source, so
-# --epl_set and epl-launch's device count still override them; a recipe given with
-# --epl_config replaces them, except the 2 simulated devices (as in the quickstart).
+# Without --epl_config a pipeline's run is configs/bert_squad_pipeline.json (a test keeps
+# these equal); without stages, micro-batches would only cut each lane's step into parts.
+# They are environment defaults, the config's lowest-precedence source, so --epl_set and
+# epl-launch's device count still override them; a recipe given with --epl_config
+# replaces them, except the 2 simulated devices (as in the quickstart).
 DEFAULT_CONFIG = {"cluster.virtual_devices": 2, "pipeline.num_micro_batch": 4}
+DATA_PARALLEL_CONFIG = {"cluster.virtual_devices": 2, "pipeline.num_micro_batch": 1}
 
 
-def environ_with_defaults(epl_config: str | None, environ=None) -> dict[str, str]:
-    """`environ` (default `os.environ`) plus the run's defaults where it has none."""
+def default_num_stages(onednn: bool, one_process: bool) -> tuple[int, str]:
+    """The stage count when `--num_stages` is not given, and why (printed by the run).
+
+    Measured with `python bench/threads.py` (the main job's model on 2 simulated devices
+    and 2 cores; ms per step inside the step's calls, medians of 2-3 rounds):
+
+    | | oneDNN on | oneDNN off |
+    |---|---|---|
+    | 2-stage pipeline, 4 micro-batches, plain ops | 12.5 | 16.7 |
+    | data parallelism, each lane in XLA ("auto") | 15.1 | 13.6 |
+    | Keras `fit`, one device, XLA | 13.3 | 13.4 |
+
+    Without oneDNN, TensorFlow's own kernels make the pipeline's plain ops slow, and
+    "auto" compiles each data-parallel lane whole. Lanes compile whole only in one process
+    (jit_choice.py), so several workers keep the pipeline.
+    """
+    if onednn:
+        return 2, "oneDNN's kernels are on: a 2-stage pipeline is fastest here"
+    if not one_process:
+        return 2, "oneDNN is off, but with several workers a lane does not compile whole"
+    return 1, "oneDNN is off: data parallelism with each lane in XLA is fastest here"
+
+
+def environ_with_defaults(epl_config: str | None, environ=None, num_stages: int = 2) -> dict:
+    """`environ` (default `os.environ`) plus the run's defaults where it has none: a
+    pipeline's (`num_stages` > 1) or data parallelism's."""
     environ = dict(os.environ if environ is None else environ)
-    defaults = DEFAULT_CONFIG if not epl_config else {"cluster.virtual_devices": 2}
+    recipe = DEFAULT_CONFIG if num_stages > 1 else DATA_PARALLEL_CONFIG
+    defaults = recipe if not epl_config else {"cluster.virtual_devices": 2}
     for key, value in defaults.items():
         environ.setdefault("EPL_" + key.replace(".", "_").upper(), str(value))
     return environ
