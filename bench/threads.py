@@ -40,6 +40,8 @@ VARIANTS = {
         "epl", {"cluster.intra_op_threads": 2}, False, 2),
     "EPL pipeline, compiled updates": ("epl", {"optimizer.jit_compile": True}, False, 2),
     "EPL data parallel, plain ops": ("epl", {"pipeline.num_micro_batch": 1}, False, 1),
+    "EPL data parallel, XLA per lane (the main job's default without oneDNN)": (
+        "epl", {"pipeline.num_micro_batch": 1}, "auto", 1),
     "EPL data parallel, XLA per lane, compiled updates": (
         "epl", {"pipeline.num_micro_batch": 1, "optimizer.jit_compile": True}, True, 1),
     KERAS: ("keras", {}, True, 1),
