@@ -1,5 +1,6 @@
-"""The main job against plain Keras: `python -m model_zoo.bert_squad` with EPLTrainer (a
-2-stage pipeline with 4 micro-batches on 2 simulated devices) and with `--trainer=keras`
+"""The main job against plain Keras: `python -m model_zoo.bert_squad` with EPLTrainer (its
+default layout on 2 simulated devices: a 2-stage pipeline with 4 micro-batches, or data
+parallelism where oneDNN is off, `recipe.default_num_stages`) and with `--trainer=keras`
 (the same model, data, optimizer and steps with Keras `fit` on one device).
 
 Usage: python bench/bert_squad.py [--seeds 0 1 2] [--trainer epl keras] [-- EXTRA FLAGS]

@@ -22,13 +22,15 @@ def default_num_stages(onednn: bool, one_process: bool) -> tuple[int, str]:
     """The stage count when `--num_stages` is not given, and why (printed by the run).
 
     Measured with `python bench/threads.py` (the main job's model on 2 simulated devices
-    and 2 cores; ms per step inside the step's calls, medians of 2-3 rounds):
+    and 2 cores; ms per step inside the step's calls, medians of 2-3 rounds; the tables
+    in docs/benchmarks.md):
 
     | | oneDNN on | oneDNN off |
     |---|---|---|
     | 2-stage pipeline, 4 micro-batches, plain ops | 12.5 | 16.7 |
-    | data parallelism, each lane in XLA ("auto") | 15.1 | 13.6 |
-    | Keras `fit`, one device, XLA | 13.3 | 13.4 |
+    | data parallelism, each lane in XLA, compiled updates | 15.1 | 13.6-14.5 |
+    | the same with the default update (plain ops here) | | 14.7 |
+    | Keras `fit`, one device, XLA | 13.3 | 13.3-13.4 |
 
     Without oneDNN, TensorFlow's own kernels make the pipeline's plain ops slow, and
     "auto" compiles each data-parallel lane whole. Lanes compile whole only in one process
