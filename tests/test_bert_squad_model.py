@@ -302,6 +302,9 @@ def test_the_default_layout_follows_the_measured_rule(onednn, one_process, stage
     chosen, why = default_num_stages(onednn, one_process)
     assert chosen == stages
     assert ("oneDNN's kernels are on" if onednn else "oneDNN is off") in why
+    # A recipe given with --epl_config was written for the scopes' stages.
+    chosen, why = default_num_stages(onednn, one_process, recipe_given=True)
+    assert chosen == 2 and "--epl_config given" in why
 
 
 def test_model_input_used_by_a_later_stage_keeps_the_model_serialisable():

@@ -82,7 +82,8 @@ flags.DEFINE_integer(
     None,
     "Pipeline stages marked by epl.replicate scopes (1: no pipeline, data parallelism "
     "without micro-batches); ignored when auto.auto_parallel cuts the model. Default: 2 "
-    "where TensorFlow runs oneDNN's kernels, else 1 in one process (recipe.py measured it).",
+    "where TensorFlow runs oneDNN's kernels or --epl_config is given, else 1 in one process "
+    "(recipe.py measured it).",
 )
 flags.DEFINE_integer("builtin_train_paragraphs", 12000, "Built-in data: training paragraphs.")
 flags.DEFINE_integer("builtin_dev_paragraphs", 100, "Built-in data: dev paragraphs.")
@@ -245,7 +246,9 @@ def main(argv):
     num_stages, why = FLAGS.num_stages, "--num_stages"
     if num_stages is None:
         one_process = not os.environ.get("TF_CONFIG") and not slurm.in_job_step()
-        num_stages, why = default_num_stages(onednn_enabled(), one_process)
+        num_stages, why = default_num_stages(
+            onednn_enabled(), one_process, recipe_given=bool(FLAGS.epl_config)
+        )
     environ = environ_with_defaults(FLAGS.epl_config, num_stages=num_stages)
     config = epl_flags.config_from_flags(environ=environ)
     if FLAGS.trainer == "keras":

@@ -18,8 +18,12 @@ DEFAULT_CONFIG = {"cluster.virtual_devices": 2, "pipeline.num_micro_batch": 4}
 DATA_PARALLEL_CONFIG = {"cluster.virtual_devices": 2, "pipeline.num_micro_batch": 1}
 
 
-def default_num_stages(onednn: bool, one_process: bool) -> tuple[int, str]:
+def default_num_stages(
+    onednn: bool, one_process: bool, recipe_given: bool = False
+) -> tuple[int, str]:
     """The stage count when `--num_stages` is not given, and why (printed by the run).
+    A recipe given with `--epl_config` (micro-batches, a pipeline strategy) keeps the
+    scopes' 2 stages it was written for.
 
     Measured with `python bench/threads.py` (the main job's model on 2 simulated devices
     and 2 cores; ms per step inside the step's calls, medians of 2-3 rounds; the tables
@@ -36,6 +40,8 @@ def default_num_stages(onednn: bool, one_process: bool) -> tuple[int, str]:
     "auto" compiles each data-parallel lane whole. Lanes compile whole only in one process
     (jit_choice.py), so several workers keep the pipeline.
     """
+    if recipe_given:
+        return 2, "--epl_config given: the 2 stages of the scopes it was written for"
     if onednn:
         return 2, "oneDNN's kernels are on: a 2-stage pipeline is fastest here"
     if not one_process:
