@@ -68,18 +68,9 @@ def call_times():
     return Times()
 
 
-def child(arguments: dict) -> dict:
-    trainer_kind, overrides, jit = arguments["trainer"], arguments["config"], arguments["jit"]
-    stages = arguments["stages"]
-    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-    import epl_trainer as epl
-
-    config = {
-        "cluster.virtual_devices": 2 if trainer_kind == "epl" else 1,
-        "pipeline.num_micro_batch": 4,
-        **overrides,
-    }
-    epl.init(config)  # configures the devices and thread pools before TF starts
+def main_job_model(batch: int, stages: int = 1):
+    """The main job's model (tiny BERT, sequence 80), its losses, BERT's AdamW and an
+    endless dataset of `batch` random windows: (model, losses, optimizer, dataset)."""
     import keras
     import numpy as np
     import tensorflow as tf
@@ -87,7 +78,7 @@ def child(arguments: dict) -> dict:
     from model_zoo.bert_squad.modeling import BertConfig, build_squad_model
     from model_zoo.bert_squad.recipe import bert_optimizer
 
-    seq, batch = 80, 32
+    seq = 80
     keras.utils.set_random_seed(0)
     model = build_squad_model(BertConfig.preset("tiny", 1000), seq, num_stages=stages)
     loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
@@ -102,6 +93,24 @@ def child(arguments: dict) -> dict:
     }
     y = {name: rng.integers(0, seq, n).astype("int32") for name in losses}
     dataset = tf.data.Dataset.from_tensor_slices((x, y)).repeat().batch(batch, drop_remainder=True)
+    return model, losses, optimizer, dataset
+
+
+def child(arguments: dict) -> dict:
+    trainer_kind, overrides, jit = arguments["trainer"], arguments["config"], arguments["jit"]
+    stages = arguments["stages"]
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    import epl_trainer as epl
+
+    config = {
+        "cluster.virtual_devices": 2 if trainer_kind == "epl" else 1,
+        "pipeline.num_micro_batch": 4,
+        **overrides,
+    }
+    epl.init(config)  # configures the devices and thread pools before TF starts
+    import tensorflow as tf
+
+    model, losses, optimizer, dataset = main_job_model(batch=32, stages=stages)
     if trainer_kind == "epl":
         fit = epl.EPLTrainer(
             model, loss=losses, optimizer=optimizer, jit_compile=jit, steps_per_execution=16
