@@ -37,3 +37,12 @@ def run_child(script: str, arguments: list, timeout: int = 1800) -> dict:
     command = [sys.executable, os.path.abspath(script), "--child", json.dumps(arguments)]
     result = subprocess.run(command, capture_output=True, text=True, check=True, timeout=timeout)
     return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def serve_child(child) -> bool:
+    """When this process was started by `run_child` (`--child <json>`), prints
+    `child(arguments)` as JSON and returns True; else returns False."""
+    if len(sys.argv) == 3 and sys.argv[1] == "--child":
+        print(json.dumps(child(json.loads(sys.argv[2]))))
+        return True
+    return False

@@ -23,6 +23,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir))
+from bench._fresh_process import serve_child
 from bench.threads import call_times, main_job_model
 
 
@@ -65,8 +66,7 @@ def result(process: subprocess.Popen) -> dict:
 
 
 def main():
-    if len(sys.argv) == 3 and sys.argv[1] == "--child":
-        print(json.dumps(child(json.loads(sys.argv[2]))))
+    if serve_child(child):
         return
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=3)

@@ -20,14 +20,13 @@ wall time inside the step's calls, summed by a callback, which that stall leaves
 """
 
 import argparse
-import json
 import os
 import statistics
 import sys
 import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir))
-from bench._fresh_process import run_child
+from bench._fresh_process import run_child, serve_child
 
 KERAS = "Keras fit, 1 device, XLA step"
 KEYS = ("wall_ms", "calls_ms", "cpu_ms")
@@ -133,8 +132,7 @@ def child(arguments: dict) -> dict:
 
 
 def main():
-    if len(sys.argv) == 3 and sys.argv[1] == "--child":
-        print(json.dumps(child(json.loads(sys.argv[2]))))
+    if serve_child(child):
         return
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=3)
