@@ -31,12 +31,25 @@ def timed_peak(run, steps: int) -> dict:
     }
 
 
-def run_child(script: str, arguments: list, timeout: int = 1800) -> dict:
+def run_child(script: str, arguments, timeout: int = 1800) -> dict:
     """Runs `script --child <json arguments>` in a fresh Python; returns the JSON dict it
     prints last."""
+    return child_result(start_child(script, arguments), timeout)
+
+
+def start_child(script: str, arguments) -> subprocess.Popen:
+    """Starts `script --child <json arguments>` in a fresh Python, without waiting (children
+    that must run at the same time)."""
     command = [sys.executable, os.path.abspath(script), "--child", json.dumps(arguments)]
-    result = subprocess.run(command, capture_output=True, text=True, check=True, timeout=timeout)
-    return json.loads(result.stdout.strip().splitlines()[-1])
+    return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def child_result(process: subprocess.Popen, timeout: int = 1800) -> dict:
+    """The JSON dict a started child prints last; its error output if it failed."""
+    out, err = process.communicate(timeout=timeout)
+    if process.returncode:
+        raise RuntimeError(f"a benchmark child exited with {process.returncode}:\n{err[-3000:]}")
+    return json.loads(out.strip().splitlines()[-1])
 
 
 def serve_child(child) -> bool:

@@ -15,15 +15,13 @@ a round's numbers compare.
 """
 
 import argparse
-import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir))
-from bench._fresh_process import serve_child
+from bench._fresh_process import child_result, serve_child, start_child
 from bench.threads import call_times, main_job_model
 
 
@@ -52,17 +50,8 @@ def child(arguments: dict) -> dict:
     }
 
 
-def start(batch: int, cores: list[int], steps: int) -> subprocess.Popen:
-    arguments = json.dumps({"batch": batch, "cores": cores, "steps": steps})
-    command = [sys.executable, os.path.abspath(__file__), "--child", arguments]
-    return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-
-
-def result(process: subprocess.Popen) -> dict:
-    out, _ = process.communicate(timeout=1800)
-    if process.returncode:
-        raise RuntimeError(f"a child exited with {process.returncode}")
-    return json.loads(out.strip().splitlines()[-1])
+def start(batch: int, cores: list[int], steps: int):
+    return start_child(__file__, {"batch": batch, "cores": cores, "steps": steps})
 
 
 def main():
@@ -83,10 +72,10 @@ def main():
         rows = {}
         for part in ("halves", "keras") if r % 2 == 0 else ("keras", "halves"):
             if part == "keras":
-                rows["keras"] = result(start(32, [0, 1], args.steps))
+                rows["keras"] = child_result(start(32, [0, 1], args.steps))
             else:
                 halves = [start(16, [core], args.steps) for core in (0, 1)]
-                rows["halves"] = sorted((result(p) for p in halves), key=lambda h: -h["calls_ms"])
+                rows["halves"] = sorted(map(child_result, halves), key=lambda h: -h["calls_ms"])
         keras, (slow, fast) = rows["keras"], rows["halves"]
         ceilings.append(keras["calls_ms"] / slow["calls_ms"])
         print(

@@ -14,6 +14,7 @@ from epl_trainer.runtime.cluster import (
     build_cluster,
     configure_tensorflow,
     default_intra_op_threads,
+    is_single_worker_job,
     parse_tf_config,
 )
 
@@ -27,6 +28,23 @@ def _tf_config(cluster, task_type, index):
 def test_without_tf_config_the_job_is_one_local_worker():
     spec = parse_tf_config({})
     assert spec.worker_num == 1 and spec.worker_index == 0
+
+
+@pytest.mark.parametrize(
+    "environ, single",
+    [
+        ({}, True),
+        (_tf_config({"worker": ["a:1"]}, "worker", 0), True),
+        (_tf_config({"worker": ["a:1", "b:2"]}, "worker", 1), False),
+        ({"SLURM_PROCID": "0", "SLURM_STEP_NUM_TASKS": "2"}, False),
+    ],
+)
+def test_a_single_worker_job_is_known_before_anything_starts(monkeypatch, environ, single):
+    for name in ("TF_CONFIG", "SLURM_PROCID", "SLURM_STEP_NUM_TASKS"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in environ.items():
+        monkeypatch.setenv(name, value)
+    assert is_single_worker_job() is single
 
 
 def test_workers_are_indexed_in_order():

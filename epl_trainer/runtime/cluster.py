@@ -288,6 +288,13 @@ def _start_collective_runtime(spec: WorkerSpec, startup_timeout: float) -> None:
         )
 
 
+def is_single_worker_job() -> bool:
+    """Whether this process is its job's only worker, as `build_cluster` will find (no
+    TF_CONFIG or one naming one worker, and no Slurm job step of several tasks); known
+    before anything starts, e.g. to choose a layout."""
+    return not slurm.in_job_step() and parse_tf_config().worker_num == 1
+
+
 def build_cluster(cluster_config, environ: Mapping[str, str] | None = None) -> Cluster:
     """Builds the Cluster for this process from the `cluster` config section and TF_CONFIG
     (which a Slurm job step without one gets from its allocation: slurm.py)."""

@@ -41,7 +41,7 @@ from absl import app, flags
 
 import epl_trainer.config.flags as epl_flags  # defines --epl_config and --epl_set
 from epl_trainer.core.graph.peak import onednn_enabled
-from epl_trainer.runtime import slurm
+from epl_trainer.runtime.cluster import is_single_worker_job
 from model_zoo.bert_squad import builtin_data, evaluation, squad
 from model_zoo.bert_squad.checkpoint import load_google_checkpoint
 from model_zoo.bert_squad.modeling import PRESETS, BertConfig, build_squad_model
@@ -245,9 +245,8 @@ def main(argv):
     start_time = time.perf_counter()
     num_stages, why = FLAGS.num_stages, "--num_stages"
     if num_stages is None:
-        one_process = not os.environ.get("TF_CONFIG") and not slurm.in_job_step()
         num_stages, why = default_num_stages(
-            onednn_enabled(), one_process, recipe_given=bool(FLAGS.epl_config)
+            onednn_enabled(), is_single_worker_job(), recipe_given=bool(FLAGS.epl_config)
         )
     environ = environ_with_defaults(FLAGS.epl_config, num_stages=num_stages)
     config = epl_flags.config_from_flags(environ=environ)
