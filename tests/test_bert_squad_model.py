@@ -375,6 +375,11 @@ def test_main_runs_end_to_end_on_builtin_data(tmp_path, trainer):
         assert stages == (2 if onednn else 1)
         assert f"Stages: {stages} (oneDNN" in result.stdout
         assert metrics["plan"]["num_micro_batch"] == (4 if onednn else 1)
+        # metrics.json records the count the run chose, not only the flag (not given).
+        assert metrics["flags"]["num_stages"] is None
+        assert metrics["stages"]["count"] == stages and "oneDNN" in metrics["stages"]["why"]
+    else:
+        assert metrics["stages"] is None
 
 
 def _official_squad_v1_scores(dataset: dict, predictions: dict) -> dict:

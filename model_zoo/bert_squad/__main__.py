@@ -342,7 +342,11 @@ def main(argv):
     seconds["evaluation"] = evaluator.seconds if evaluator else 0.0
     report(results, wall_time, seconds, total_steps if train else 0)
     if cluster.is_chief:
-        write_outputs(output_dir, trainer, config, history, results, evaluator, wall_time, seconds)
+        # The stage count the run used (the num_stages flag records only what was given).
+        stages = {"count": num_stages, "why": why} if FLAGS.trainer == "epl" else None
+        write_outputs(
+            output_dir, trainer, config, history, results, evaluator, wall_time, seconds, stages
+        )
 
 
 # EPL's published BERT recipe (BERT-base, 2-stage pipeline, SQuAD v1.1 dev).
@@ -381,7 +385,9 @@ def _what_differs() -> str:
     )
 
 
-def write_outputs(output_dir, trainer, config, history, results, evaluator, wall_time, seconds):
+def write_outputs(
+    output_dir, trainer, config, history, results, evaluator, wall_time, seconds, stages
+):
     """predictions.json ({question id: answer}, the official script's input), metrics.json."""
     output_dir.mkdir(parents=True, exist_ok=True)
     if evaluator:
@@ -397,6 +403,7 @@ def write_outputs(output_dir, trainer, config, history, results, evaluator, wall
         "seconds": seconds,  # data, training (without the dev predictions), evaluation
         "flags": {name: FLAGS[name].value for name in FLAGS_TO_RECORD},
         "trainer": FLAGS.trainer,
+        "stages": stages,
         "plan": trainer.plan.to_dict() if FLAGS.trainer == "epl" else None,
         "config": config.to_dict(),
     }
