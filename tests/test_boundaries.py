@@ -11,7 +11,7 @@ import tensorflow as tf
 from epl_trainer.core import comm
 from epl_trainer.core.comm import keys
 from epl_trainer.core.engine.engine import data_shards
-from epl_trainer.core.engine.pipeline.boundaries import Boundaries, Route
+from epl_trainer.core.engine.pipeline.boundaries import Boundaries, LaneBoundaries, Route
 from epl_trainer.core.engine.state import Lane
 from epl_trainer.core.graph.partition import partition_model, tensor_key
 from epl_trainer.core.plan.ir import PlanError
@@ -129,3 +129,26 @@ def test_a_send_does_not_wait_for_an_earlier_receive_of_its_device(monkeypatch):
             pool.submit(send_z, z)  # lets B finish (and A, had it hung)
         tf.debugging.assert_equal(received_y, y)
         tf.debugging.assert_equal(b_done.result(timeout=60), z)
+
+
+def test_the_sends_of_a_block_are_collected_for_the_next_task():
+    """`collecting_sends` yields the outputs of the sends built inside it (the executor
+    makes the sending stage's next task wait for them); sends outside any block, such as
+    predictions sent to the lane's other workers, are not kept."""
+    _, staged = _four_stages()
+    lane_boundaries = LaneBoundaries(Boundaries(staged), Lane(0, DEVICES, (0, 0, 1, 1), 0))
+
+    class Transfer:
+        def send(self, value, unit, send_shape=False):
+            return tf.identity(value)
+
+    spec = tf.TensorSpec([None, 3], tf.float32)
+    value = tf.zeros([2, 3])
+    lane_boundaries._send(Transfer(), value, spec)  # outside: not collected
+    with lane_boundaries.collecting_sends() as sent:
+        lane_boundaries._send(Transfer(), value, spec)
+        lane_boundaries._send(Transfer(), value + 1, spec)
+    assert len(sent) == 2
+    tf.debugging.assert_equal(sent[1], value + 1)
+    lane_boundaries._send(Transfer(), value, spec)  # after: not collected either
+    assert len(sent) == 2 and lane_boundaries._sent is None

@@ -17,6 +17,7 @@ from _models import LOSS
 from test_pipeline import STAGE_MAPS, skip_model
 
 import epl_trainer as epl
+from epl_trainer.core.engine.pipeline.boundaries import LaneBoundaries
 from epl_trainer.core.plan import schedule as schedule_lib
 
 ATOL = 1e-6
@@ -352,3 +353,60 @@ def test_plot_draws_the_weight_gradients():
     (legend,) = figure.legends
     labels = [text.get_text() for text in legend.get_texts()]
     assert labels == ["forward", "backward", "weight gradient"]
+
+
+class _RecordedSends:
+    """Stands in for a lane's cross-worker transfers in one process: every forward of
+    stage 0 and backward of stage 1 "sends" (an identity op named after the task), as
+    they do when the two stages live on different workers."""
+
+    def __init__(self):
+        self._sent = None
+
+    collecting_sends = LaneBoundaries.collecting_sends
+
+    def _record(self, name):
+        sent = tf.identity(tf.constant(0.0), name=name)
+        if self._sent is not None:  # inside the executor's `collecting_sends`
+            self._sent.append(sent)
+
+    def forward_sends(self, stage, values):
+        if stage == 0:
+            self._record("recorded_send")
+
+    def gradient_sends(self, stage, values, upstream):
+        if stage == 1:
+            self._record("recorded_send")
+
+
+@pytest.mark.parametrize("strategy", ["PreferBackward", "ZeroBubbleH1"])
+def test_a_stage_task_waits_for_the_previous_tasks_sends(strategy):
+    """With stages on different workers, a stage's next task starts once its previous
+    task's sends are done; otherwise (before) its ops competed with the send for the
+    process's core and the tensor the other stage waits for left late (ZB-H1 at m = 8:
+    about 5% of a step, docs/reference/pipelines.md)."""
+    trainer, _ = _trainer(strategy, 2, 2, 4)
+    x, y = _data(16)
+    dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(16)
+    program = trainer._ensure_engine_for(dataset).program
+    program.executors[0].boundaries = _RecordedSends()  # before the first trace
+    graph = _graph(trainer, 16)
+    ops = graph.get_operations()
+    checked = 0
+    for stage, tasks in enumerate(program.schedule):
+        for task, following in itertools.pairwise(tasks):
+            sends_data = (stage, task.kind) in {(0, "F"), (1, "B")}
+            if not sends_data:
+                continue
+            send = f"lane0_stage{stage}_{task}/recorded_send"
+            waiting = [
+                op
+                for op in ops
+                if _of_task(op.name, stage, following)
+                and any(c.name == send for c in op.control_inputs)
+            ]
+            assert waiting, (stage, task, following)
+            checked += 1
+    # Stage 0's 4 forwards and stage 1's 4 backwards; in 1F1B stage 1's last B ends the
+    # step (in ZB-H1 its last Ws follow).
+    assert checked == (8 if strategy == "ZeroBubbleH1" else 7)

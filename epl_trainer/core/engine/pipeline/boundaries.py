@@ -22,6 +22,7 @@ static travels as a shape first.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
 import keras
@@ -134,6 +135,7 @@ class LaneBoundaries:
         self.boundaries = boundaries
         self.lane = lane
         self.routes = boundaries.routes(lane)
+        self._sent: list | None = None  # inside `collecting_sends`: the sends built
 
     @property
     def active(self) -> bool:
@@ -149,7 +151,19 @@ class LaneBoundaries:
         return [batch, *dims[1:]]
 
     def _send(self, transfer, value, spec) -> None:
-        transfer.send(value, _unit(spec), send_shape=self._shape(spec, 0) is None)
+        sent = transfer.send(value, _unit(spec), send_shape=self._shape(spec, 0) is None)
+        if self._sent is not None:
+            self._sent.append(sent)
+
+    @contextlib.contextmanager
+    def collecting_sends(self):
+        """Yields a list that receives the outputs of the sends built inside the block
+        (each completes once the receiver has taken part)."""
+        self._sent = []
+        try:
+            yield self._sent
+        finally:
+            self._sent = None
 
     def _receive(self, transfer, spec, values):
         shape = self._shape(spec, _batch(values, self.boundaries.staged))

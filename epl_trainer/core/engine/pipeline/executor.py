@@ -13,6 +13,7 @@ as its backward has run.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import typing
 
@@ -195,7 +196,9 @@ class LaneExecutor:
                         self.boundaries.gradient_receives(stage, mb.values, mb.upstream)
                 yield stage, task
                 continue
-            with tf.name_scope(name), tf.control_dependencies(after):
+            boundaries = self.boundaries
+            sends = boundaries.collecting_sends() if boundaries else contextlib.nullcontext([])
+            with tf.name_scope(name), tf.control_dependencies(after), sends as sent:
                 if clock is not None:
                     waits = [*after, *self._task_inputs(stage, task, mb)]
                     clock.start(self.position, stage, waits, chain=chain)
@@ -210,6 +213,11 @@ class LaneExecutor:
                     previous[chain] = markers or after
                 if clock is not None:
                     clock.end(self.position, stage, task, previous[chain], chain=chain)
+            # The stage's next task starts once this task's sends to other workers are
+            # done: otherwise its ops compete with the send for the process's cores, and
+            # the tensor another stage waits for leaves late (measured in
+            # docs/reference/pipelines.md, "Sends before the next task").
+            previous[chain] = [*previous[chain], *sent]
             wait_for = yield stage, task
             if wait_for:
                 previous[chain] = list(previous[chain]) + list(wait_for)
