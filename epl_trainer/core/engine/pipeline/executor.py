@@ -179,6 +179,7 @@ class LaneExecutor:
         self._read_values: dict[int, list] = {}
         grads: list = [None] * len(self.variables)
         previous: dict = {}  # per chain (a device of the schedule): tensors ending its last task
+        sent_since_w: dict = {}  # per chain: its sends to other workers since its last W
         clock = self.hooks.task_clock
         if clock is not None:
             clock.begin(self.position)
@@ -186,6 +187,10 @@ class LaneExecutor:
             mb = micro_batches[task.micro_batch]
             chain = self.chains[stage]
             after = previous.get(chain, [])
+            if task.kind == WEIGHT:
+                # No stage waits for a W: it starts once the stage's sends to other workers
+                # are done, so its ops do not delay them (docs/reference/pipelines.md).
+                after = [*after, *sent_since_w.pop(chain, [])]
             name = f"{task_scope or 'lane'}_stage{stage}_{task.kind}{task.micro_batch}"
             if self.lane is not None and not self.lane.is_local(stage):
                 # Another worker computes this task; build this side of its transfers.
@@ -213,11 +218,7 @@ class LaneExecutor:
                     previous[chain] = markers or after
                 if clock is not None:
                     clock.end(self.position, stage, task, previous[chain], chain=chain)
-            # The stage's next task starts once this task's sends to other workers are
-            # done: otherwise its ops compete with the send for the process's cores, and
-            # the tensor another stage waits for leaves late (measured in
-            # docs/reference/pipelines.md, "Sends before the next task").
-            previous[chain] = [*previous[chain], *sent]
+            sent_since_w.setdefault(chain, []).extend(sent)
             wait_for = yield stage, task
             if wait_for:
                 previous[chain] = list(previous[chain]) + list(wait_for)
