@@ -11,9 +11,10 @@ instead of 12, 5.7 ms a step instead of 4.2. So the backward is ONE `tape.gradie
 over the weights and the inputs, emitted at B, and the ops only the weights' gradients need
 (a Dense layer's `x^T dy`, a bias's sum, unconnected zeros) are held back: at W, each
 such op that reads no other held-back op gets a control input from a no-op that waits
-for the stage's previous task. The held-back ops then run in W's place of the schedule,
-reading the activation gradients B computed (which stay alive until then: what a
-micro-batch waiting for W keeps).
+for the stage's previous task (and, with stages on several workers, for the stage's
+sends since its previous W: executor.py). The held-back ops then run in W's place of
+the schedule, reading the activation gradients B computed (which stay alive until then:
+what a micro-batch waiting for W keeps).
 
 A backward that is one op (a stage compiled by XLA: its gradient is one function call)
 has nothing to hold back: it runs whole at B, and W only hands its weight gradients on.
