@@ -131,9 +131,9 @@ def test_a_send_does_not_wait_for_an_earlier_receive_of_its_device(monkeypatch):
         tf.debugging.assert_equal(b_done.result(timeout=60), z)
 
 
-def test_the_sends_of_a_block_are_collected_for_the_next_task():
+def test_the_sends_of_a_block_are_collected():
     """`collecting_sends` yields the outputs of the sends built inside it (the executor
-    makes the sending stage's next task wait for them); sends outside any block, such as
+    makes the sending stage's next W wait for them); sends outside any block, such as
     predictions sent to the lane's other workers, are not kept."""
     _, staged = _four_stages()
     lane_boundaries = LaneBoundaries(Boundaries(staged), Lane(0, DEVICES, (0, 0, 1, 1), 0))

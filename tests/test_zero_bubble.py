@@ -384,8 +384,8 @@ def test_weight_gradients_wait_for_the_stages_sends(strategy):
     """With stages on different workers, a W starts once the sends its stage built since
     its previous W are done. Before, its ops competed with them for the process's core
     and the tensors the other stage waits for left late (ZB-H1, m = 8: about 4% of a
-    step, docs/reference/pipelines.md). Forwards and Bs do not wait for sends: held back
-    so, GPipe and interleaved 1F1B lost 4-6%."""
+    step, docs/reference/pipelines.md). Forwards and Bs do not wait for sends: they are
+    on the critical path, and waiting would idle their core for a round trip."""
     trainer, _ = _trainer(strategy, 2, 2, 4)
     x, y = _data(16)
     dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(16)

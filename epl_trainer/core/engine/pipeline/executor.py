@@ -8,7 +8,9 @@ only the weight gradients need (split_backward.py). The schedule (schedule.py) i
 here it becomes control dependencies: every task of a stage waits for the previous task
 of the same stage (of the same device, when a device runs several stages: interleaved
 1F1B), so the runtime follows the schedule and frees a micro-batch's activations as soon
-as its backward has run.
+as its backward has run. With stages on other workers, a W (which no stage waits for)
+also waits for its stage's sends since its previous W, so that its ops do not delay
+them (docs/reference/pipelines.md).
 """
 
 from __future__ import annotations
@@ -180,6 +182,8 @@ class LaneExecutor:
         grads: list = [None] * len(self.variables)
         previous: dict = {}  # per chain (a device of the schedule): tensors ending its last task
         sent_since_w: dict = {}  # per chain: its sends to other workers since its last W
+        collecting = self.boundaries is not None and self.splits_backward  # for Ws to wait
+        collect_sends = self.boundaries.collecting_sends if collecting else contextlib.nullcontext
         clock = self.hooks.task_clock
         if clock is not None:
             clock.begin(self.position)
@@ -188,8 +192,6 @@ class LaneExecutor:
             chain = self.chains[stage]
             after = previous.get(chain, [])
             if task.kind == WEIGHT:
-                # No stage waits for a W: it starts once the stage's sends to other workers
-                # are done, so its ops do not delay them (docs/reference/pipelines.md).
                 after = [*after, *sent_since_w.pop(chain, [])]
             name = f"{task_scope or 'lane'}_stage{stage}_{task.kind}{task.micro_batch}"
             if self.lane is not None and not self.lane.is_local(stage):
@@ -201,9 +203,7 @@ class LaneExecutor:
                         self.boundaries.gradient_receives(stage, mb.values, mb.upstream)
                 yield stage, task
                 continue
-            boundaries = self.boundaries
-            sends = boundaries.collecting_sends() if boundaries else contextlib.nullcontext([])
-            with tf.name_scope(name), tf.control_dependencies(after), sends as sent:
+            with tf.name_scope(name), tf.control_dependencies(after), collect_sends() as sent:
                 if clock is not None:
                     waits = [*after, *self._task_inputs(stage, task, mb)]
                     clock.start(self.position, stage, waits, chain=chain)
@@ -218,7 +218,7 @@ class LaneExecutor:
                     previous[chain] = markers or after
                 if clock is not None:
                     clock.end(self.position, stage, task, previous[chain], chain=chain)
-            sent_since_w.setdefault(chain, []).extend(sent)
+            sent_since_w.setdefault(chain, []).extend(sent or [])
             wait_for = yield stage, task
             if wait_for:
                 previous[chain] = list(previous[chain]) + list(wait_for)
