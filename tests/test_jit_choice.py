@@ -5,8 +5,10 @@ On one device a jit-compiled step is one XLA function (forward, backward, loss,
 metrics), as Keras compiles its step; with data parallelism on one worker each lane's
 forward and backward is one (compiled_lanes.py). The update stays outside, in the
 finiteness check. "auto" compiles the one-device step when oneDNN is off and runs plain
-ops otherwise. The weights match plain Keras in every case, and the choice is printed.
+ops otherwise. The weights match plain Keras in every case, and the choice is logged.
 """
+
+import logging
 
 import keras
 import numpy as np
@@ -148,9 +150,10 @@ def _plan(devices=1, stages=None, micro_batches=1):
 
 
 @pytest.mark.parametrize("onednn", [True, False])
-def test_auto_compiles_the_whole_step_only_without_onednn(monkeypatch, capsys, onednn):
+def test_auto_compiles_the_whole_step_only_without_onednn(monkeypatch, caplog, onednn):
     monkeypatch.setattr(jit_choice, "onednn_enabled", lambda: onednn)
     monkeypatch.setattr(epl.core.engine.engine, "_ANNOUNCED", set())
+    caplog.set_level(logging.INFO, logger="epl_trainer")
     x, y = mlp_data()
     reference = mlp()
     keras_reference(reference, x, y, keras.optimizers.SGD(0.1), batch_size=16, steps=4)
@@ -160,9 +163,9 @@ def test_auto_compiles_the_whole_step_only_without_onednn(monkeypatch, capsys, o
     _fit(trainer, x, y)
     assert _whole_step(trainer) is not onednn
     assert trainer.engine_plan.jit.compile is not onednn
-    printed = capsys.readouterr().out
-    assert ("oneDNN is off" in printed) is not onednn
-    assert ("oneDNN is on" in printed) is onednn
+    logged = caplog.text
+    assert ("oneDNN is off" in logged) is not onednn
+    assert ("oneDNN is on" in logged) is onednn
     assert max_weight_difference(reference, model) < ATOL
 
 
@@ -197,9 +200,10 @@ def test_auto_without_onednn_by_layout(monkeypatch):
 
 
 def test_the_compiled_models_choice_wins(monkeypatch):
-    """`Model.compile(jit_compile=True)` is kept; Keras records its own default ("auto",
-    False on a CPU) as False, so False leaves the choice to the rule, and
-    `EPLTrainer(jit_compile=False)` is the way to refuse XLA."""
+    """On a CPU-only machine `Model.compile(jit_compile=True)` is kept; Keras records its
+    own default ("auto", False on a CPU) as False, so False leaves the choice to the rule,
+    and `EPLTrainer(jit_compile=False)` is the way to refuse XLA (on a GPU:
+    test_jit_intent.py)."""
     monkeypatch.setattr(jit_choice, "onednn_enabled", lambda: False)
     for given, expected in ((False, "auto"), (True, True), ("auto", "auto")):
         model = mlp()
@@ -261,16 +265,17 @@ class _NoXLA(keras.layers.Layer):
         return x
 
 
-def test_auto_keeps_plain_ops_for_layers_without_xla(monkeypatch, capsys):
+def test_auto_keeps_plain_ops_for_layers_without_xla(monkeypatch, caplog):
     """As Keras's own "auto": a layer with `supports_jit=False` keeps the step as plain
-    ops, and the printed reason names it."""
+    ops, and the logged reason names it."""
     monkeypatch.setattr(jit_choice, "onednn_enabled", lambda: False)
     monkeypatch.setattr(epl.core.engine.engine, "_ANNOUNCED", set())
+    caplog.set_level(logging.INFO, logger="epl_trainer")
     keras.utils.set_random_seed(0)
     inputs = keras.Input((6,))
     outputs = keras.layers.Dense(3)(_NoXLA(name="no_xla")(inputs))
     trainer = _trainer(keras.Model(inputs, outputs), keras.optimizers.SGD(0.1))
     assert not trainer.engine_plan.jit.compile
-    assert "no XLA for layers ['no_xla']" in capsys.readouterr().out
+    assert "no XLA for layers ['no_xla']" in caplog.text
     with_xla = _trainer(mlp(), keras.optimizers.SGD(0.1))
     assert with_xla.engine_plan.jit.whole_step

@@ -10,7 +10,9 @@ import pytest
 from _launch import clean_env
 
 _SCRIPT = """
-import json, os, sys
+import json, logging, os, sys
+logging.basicConfig(format="%(message)s")  # the notice is an INFO record (advice a WARNING)
+logging.getLogger("epl_trainer").setLevel(logging.INFO)
 {before}
 import epl_trainer as epl
 import tensorflow as tf

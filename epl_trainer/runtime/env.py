@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import sys
+import logging
 import threading
 
 from epl_trainer.annotations import checkpoints, strategies
@@ -10,6 +10,8 @@ from epl_trainer.config.sections import Config
 from epl_trainer.core.graph.peak import onednn_enabled
 from epl_trainer.runtime import onednn
 from epl_trainer.runtime.cluster import Cluster, build_cluster
+
+logger = logging.getLogger(__name__)
 
 
 class Env:
@@ -47,14 +49,21 @@ def init(config=None) -> Env:
     checkpoints marked with `add_to_collection`.
     """
     env = _make_env(Config.load(config))
-    message = onednn.notice(onednn_enabled())
-    if message:
-        print(message, file=sys.stderr)
+    _say_onednn_choice()
     strategies.reset_annotations()
     checkpoints.clear_collections()
     with Env._lock:
         Env._instance = env
     return env
+
+
+def _say_onednn_choice() -> None:
+    """Logs what the package did about oneDNN (INFO: its kernels run), or how to get
+    them when TensorFlow runs without (WARNING: steps several times slower)."""
+    enabled = onednn_enabled()
+    message = onednn.notice(enabled)
+    if message:
+        logger.log(logging.INFO if enabled else logging.WARNING, message)
 
 
 def _make_env(config: Config) -> Env:

@@ -71,6 +71,9 @@ def main(argv: Sequence[str]) -> int:
     started, _, _ = select.select([sys.stdin], [], [], float(seconds))
     if started:  # end-of-file: the worker started, or exited on its own
         return 0
+    # A script's own error line (as the launcher's), not a library message: this watcher
+    # is a process of its own that no logging configuration of the user's reaches, and
+    # the line must be on the worker's stderr before the SIGKILL below.
     print(message(int(worker_index), seconds, addresses), file=sys.stderr, flush=True)
     with contextlib.suppress(ProcessLookupError):
         os.kill(int(pid), signal.SIGKILL)

@@ -22,15 +22,16 @@ def first_given(*values):
 
 def settings(model: keras.Model) -> dict:
     """What `model.compile(...)` was given: optimizer, loss, loss_weights, metrics,
-    weighted_metrics.
+    weighted_metrics, steps_per_execution, jit_compile.
 
     Empty for a model that was never compiled. Keras keeps the arguments as given in
     `_compile_config` (what `get_compile_config` serialises); `optimizer` and `loss`
-    are also public attributes, used when that record is missing.
+    are also public attributes, used when that record is missing. Its `jit_compile` is
+    not always the user's: Keras records its "auto" resolved (`user_jit_intent`).
     """
     if not getattr(model, "compiled", False):
         return {}
-    record = getattr(getattr(model, "_compile_config", None), "config", None) or {}
+    record = _compile_record(model)
     settings = {
         "optimizer": record.get("optimizer", getattr(model, "optimizer", None)),
         "loss": record.get("loss", getattr(model, "loss", None)),
@@ -38,10 +39,40 @@ def settings(model: keras.Model) -> dict:
         "metrics": record.get("metrics"),
         "weighted_metrics": record.get("weighted_metrics"),
         "steps_per_execution": record.get("steps_per_execution"),
-        "jit_compile": record.get("jit_compile"),
+        "jit_compile": record.get("jit_compile"),  # as recorded: see user_jit_intent
     }
     settings["optimizer"] = unwrapped_optimizer(settings["optimizer"])
     return {k: v for k, v in settings.items() if v is not None}
+
+
+def _compile_record(model) -> dict:
+    return getattr(getattr(model, "_compile_config", None), "config", None) or {}
+
+
+def user_jit_intent(model) -> bool | str:
+    """The XLA choice the user made in `model.compile`: True or False when they made one,
+    "auto" when the model was not compiled or its value is only Keras's "auto" resolved.
+
+    Keras resolves `compile(jit_compile="auto")` (its default) before recording it: False
+    with `run_eagerly` or on a CPU-only machine, else True when every layer supports XLA
+    (`Trainer._resolve_auto_jit_compile`). `_compile_config` keeps that value, or the
+    user's own True/False as passed; `model.jit_compile` holds what Keras runs (a True
+    the model cannot compile turned False), so the record is read. Taken at face value,
+    the resolved True on a GPU would count as asked for, and split layers, synchronized
+    BatchNorm and gradient checkpointing be refused to a user who never asked for XLA.
+    So a value equal to what "auto" gives for this model on this machine is "auto"; only
+    one it would not give (True on a CPU, False on a GPU) is the user's. On a GPU an
+    explicit `compile(jit_compile=True)` reads as "auto" too (Keras keeps nothing that
+    tells them apart): `EPLTrainer(jit_compile=True)` insists.
+    """
+    if not getattr(model, "compiled", False):
+        return "auto"
+    record = _compile_record(model)
+    recorded = record.get("jit_compile")
+    if recorded not in (True, False):  # no record (or an unresolved "auto")
+        return "auto"
+    keras_auto = False if record.get("run_eagerly") else model._resolve_auto_jit_compile()
+    return "auto" if recorded == keras_auto else recorded
 
 
 def unwrapped_optimizer(optimizer):

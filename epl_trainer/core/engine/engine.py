@@ -163,12 +163,18 @@ _ANNOUNCED: set[str] = set()
 
 
 def _announce(jit: jit_choice.JitChoice, chosen_by_user: bool) -> None:
-    """Prints once per process what "auto" chose for XLA, and why."""
+    """Logs (INFO) once per process what "auto" chose for XLA, and why.
+
+    Through `logging`, never stdout: `fit(verbose=0)` prints nothing. An absl program
+    (`absl.app.run`) shows INFO by default; elsewhere
+    `logging.getLogger("epl_trainer").setLevel(logging.INFO)` and a handler
+    (`logging.basicConfig()`) show it.
+    """
     if chosen_by_user:
         logger.info("XLA: %s", jit.reason)
     elif jit.reason not in _ANNOUNCED:
         _ANNOUNCED.add(jit.reason)
-        print(f"EPLTrainer jit_compile={jit.reason}", flush=True)
+        logger.info("EPLTrainer jit_compile=%s", jit.reason)
 
 
 def data_shards(by_worker: Sequence[Sequence[Lane]]) -> tuple[int, list[int]]:

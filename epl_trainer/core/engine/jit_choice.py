@@ -80,7 +80,7 @@ def compiles_lanes(plan, config, synchronized: bool = False) -> bool:
 
 def lanes_cut_because(plan, config, synchronized: bool = False) -> str:
     """Why a lane's step is cut into parts that are not compiled as one ("" if it is
-    not): the first reason `compiles_lanes` finds, for the printed choice."""
+    not): the first reason `compiles_lanes` finds, for the logged choice."""
     reasons = (
         (plan.worker_num > 1, f"the job has {plan.worker_num} workers"),
         (len(plan.taskgraphs) > 1, f"the lanes have {len(plan.taskgraphs)} stages"),
