@@ -45,6 +45,12 @@ class ObjectivesMixin:
             self._objectives_spec = element_spec
         if self._objectives_spec is None or not self.model.built:
             return
+        if self._runs_user_steps:
+            # The model's own step uses its own compiled loss and metrics: built as
+            # Keras's first fit builds them, so no variable is made inside the step.
+            self.model._symbolic_build(data_batch=self._objectives_spec)
+            self._objectives_built = True
+            return
         batch = compiled.symbolic_batch(self.model, self._objectives_spec)
         _, y, y_pred, sample_weight = batch
         self.loss.build(y, y_pred, sample_weight)
@@ -52,9 +58,18 @@ class ObjectivesMixin:
         compiled.build_keras_compile_metrics(self.model, batch)
         self._objectives_built = True
 
+    @property
+    def _runs_user_steps(self) -> bool:
+        """The model's own train_step (or compute_loss, ...) runs (user_steps.py)."""
+        planned = getattr(self, "engine_plan", None)
+        return planned is not None and bool(planned.user_steps)
+
     def _named_metrics(self) -> list:
         """[(log key, metric)] in Keras's order: the loss, the compiled metrics (Keras's
-        names), each output's loss (several losses)."""
+        names), each output's loss (several losses). With the model's own steps, the
+        model's metrics (`model.metrics`, which its steps update)."""
+        if self._runs_user_steps:
+            return [(m.name, m) for m in self.model.metrics]
         return [
             (self.loss_tracker.name, self.loss_tracker),
             *((self.metrics.name(m), m) for _, m in self.metrics),
@@ -65,7 +80,18 @@ class ObjectivesMixin:
         for _, metric in self._named_metrics():
             metric.reset_state()
 
-    def _logs(self) -> dict:
+    def _logs(self, step_logs: dict | None = None) -> dict:
+        """The metrics' results. With the model's own steps, Keras's rule
+        (`Trainer._get_metrics_result_or_logs`): the model's metrics when the step's logs
+        name exactly them, else the last step's logs (`step_logs`)."""
+        if self._runs_user_steps:
+            results = {}
+            for metric in self.model.metrics:
+                result = metric.result()
+                results.update(result if isinstance(result, dict) else {metric.name: result})
+            if step_logs is not None and set(step_logs) != set(results):
+                return dict(step_logs)
+            return {name: fit_lib.log_value(value) for name, value in results.items()}
         named = self._named_metrics()
         if self._metric_sync is not None:
             return self._metric_sync.results(named)

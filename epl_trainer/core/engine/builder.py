@@ -60,6 +60,7 @@ from epl_trainer.core.engine.state import EngineState
 from epl_trainer.core.engine.sync_batch_norm import apply_sync_batch_norm
 from epl_trainer.core.engine.tied import check_tied_weights
 from epl_trainer.core.engine.update import GradientReduction, ReplicatedUpdate
+from epl_trainer.core.engine.user_steps import UserSteps
 from epl_trainer.core.engine.zero import (
     SegmentGathers,
     ZeroUpdate,
@@ -119,6 +120,7 @@ def build_engine(
         engine_plan.lanes,
         host_device=host_device if offload else None,
         sharded={sv.index: sv for layer in split_layers for sv in layer.variables},
+        own_first_lane=bool(engine_plan.user_steps),
     )
     devices_by_worker = [[d.name for d in devices] for devices in _devices_by_worker(plan)]
     hosts = [host_of(devices[0]) for devices in devices_by_worker]
@@ -182,6 +184,9 @@ def build_engine(
             jit_compile=jit,
         )
     _make_ordering_tokens(layout, config.communication.num_communicators)
+    program_steps = None
+    if engine_plan.user_steps:
+        program_steps = _user_steps_factory(staged.model, state, layout)
     program = Program(
         layout,
         hooks,
@@ -199,6 +204,7 @@ def build_engine(
         agree_on_batches=agree_on_batches,
         compile_gradients=xla.whole_step,
         compile_lanes=xla.per_lane,
+        user_steps=program_steps,
     )
     skip = config.optimizer.nonfinite_loss == "skip"
     if config.amp.level:
@@ -206,6 +212,22 @@ def build_engine(
     else:
         apply_nonfinite_guard(hooks, layout, skip_metrics=skip)
     return Engine(engine_plan, state, program)
+
+
+def _user_steps_factory(model, state, layout):
+    """`program -> UserSteps`: the model's own steps on this worker's lanes."""
+
+    def make(program):
+        return UserSteps(
+            model,
+            state,
+            layout.lanes,
+            layout.stage_groups[0],
+            layout.host,
+            store_non_trainable=program._store_non_trainable,
+        )
+
+    return make
 
 
 def _make_ordering_tokens(layout, num_chains: int) -> None:

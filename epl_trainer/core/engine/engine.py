@@ -21,7 +21,7 @@ from collections.abc import Mapping, Sequence
 import keras
 from keras import tree
 
-from epl_trainer.core.engine import ema, jit_choice
+from epl_trainer.core.engine import ema, jit_choice, user_steps
 from epl_trainer.core.engine.gradient_check import check_stage_gradients
 from epl_trainer.core.engine.program import Program
 from epl_trainer.core.engine.split import check_split_metrics, find_split_layers, sparse_outputs
@@ -49,6 +49,8 @@ class EnginePlan:
       data_shards: (number of input shards, each worker's shard): workers holding
         stages of the same replicas read the same batches.
       jit: how the step uses XLA (jit_choice.py).
+      user_steps: the step methods the model overrides (user_steps.py): its own steps
+        then run on the lanes.
     """
 
     plan: Plan
@@ -59,6 +61,7 @@ class EnginePlan:
     split_layers: list
     data_shards: tuple[int, list[int]] = (1, [0])
     jit: jit_choice.JitChoice = jit_choice.NO_XLA
+    user_steps: tuple[str, ...] = ()
 
     def lanes_per_data_shard(self) -> list[int]:
         """IO slicing weights: the lanes each input shard feeds."""
@@ -115,6 +118,10 @@ def plan_engine(
         stage_costs=auto.stage_costs if auto else None,
         cut_description=auto.cut_description if auto else None,
     )
+    user = user_steps.overridden_steps(model)
+    rules.check_user_steps(user, plan, config, steps_per_execution, jit_compile)
+    if user:  # the user's step runs as written, in plain ops (user_steps.py)
+        jit_compile = False
     synchronized = bool(synchronized_layers(model, config.batch_norm.synchronized))
     without_xla = jit_choice.layers_without_xla(model) if jit_compile == jit_choice.AUTO else []
     jit = jit_choice.choose(jit_compile, plan, config, synchronized, without_xla)
@@ -156,6 +163,7 @@ def plan_engine(
         split_layers=split_layers,
         data_shards=data_shards(by_worker),
         jit=jit,
+        user_steps=user,
     )
 
 
@@ -235,6 +243,17 @@ class Engine:
     def recomputed(self) -> dict:
         return self.program.recomputed
 
+    @property
+    def last_test_logs(self) -> dict | None:
+        """The logs of the model's own test_step at the last evaluation batch, or None."""
+        return self.program.last_test_logs
+
+    @property
+    def runs_user_steps(self) -> bool:
+        """The model's own steps run (user_steps.py): the model and its optimizers hold
+        the trained state themselves."""
+        return self.program.user_steps is not None
+
     def write_back(self) -> None:
         """Copies the trained values into the user's Keras model."""
         self.state.write_back()
@@ -242,6 +261,8 @@ class Engine:
     def load_from_model(self) -> None:
         """Copies the Keras model's values into every lane (e.g. after set_weights)."""
         self.state.load_from_model()
+        if self.program.user_steps is not None:
+            self.program.user_steps.load_optimizer_state()
 
     def finalize_ema(self) -> None:
         """With `use_ema=True`: every lane's weights become their moving average."""

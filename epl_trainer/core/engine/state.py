@@ -97,8 +97,15 @@ class EngineState:
         lanes: Sequence[Lane],
         host_device: str | None = None,
         sharded: Mapping[int, object] | None = None,
+        own_first_lane: bool = False,
     ):
+        """Args:
+        own_first_lane: this worker's first lane computes on the model's own variables
+          instead of a copy (a model's own train_step: user_steps.py), so the model and
+          its optimizer always hold the trained state.
+        """
         model = staged.model
+        self.own_first_lane = own_first_lane
         self.lanes = list(lanes)
         self.host_device = host_device
         # Set by the builder when replicas span workers (exchange.py): completes the
@@ -123,12 +130,30 @@ class EngineState:
                 self._copy(lane, self.model_non_trainable, self.non_trainable_stage)
                 for lane in self.lanes
             ]
+            if own_first_lane:
+                self._own_first_lane()
         else:
             self._share_on_host()
         # With offload the one host copy serves every stage (the builder refuses it).
         self.stage_copies = [
             self._stage_copies(lane) if host_device is None else {} for lane in self.lanes
         ]
+
+    def _own_first_lane(self) -> None:
+        """The first local lane's copies become the model's variables; its seed state
+        takes that lane's seed (only worker 0's first lane keeps the model's own)."""
+        for copies, originals in (
+            (self.trainable[0], self.model_trainable),
+            (self.non_trainable[0], self.model_non_trainable),
+        ):
+            for i, (copy, original) in enumerate(zip(copies, originals)):
+                if copy is None:
+                    continue
+                if is_seed_state(original):
+                    original.assign(copy.value)
+                self._originals.pop(id(copy), None)
+                self._originals[id(original)] = original
+                copies[i] = original
 
     def _stage_copies(self, lane: Lane) -> dict:
         copies = {}

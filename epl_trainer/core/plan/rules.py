@@ -43,6 +43,8 @@ FEATURES = {
     "apply_groups": "optimizer.num_apply_group",
     "clip_global_norm": "global_clipnorm before the reduction",
     "interleaved": "interleaved 1F1B (pipeline.virtual_stages)",
+    "user_steps": "a model's own train_step / compute_loss",
+    "micro_batches": "gradient accumulation (pipeline.num_micro_batch)",
 }
 ZERO = ("zero_v0", "zero_v1", "zero_v2")
 
@@ -164,7 +166,24 @@ REFUSALS = {
         "backward, which the cross-worker read does not do.",
         "Use zero.level 'v1' there, or turn gradient checkpointing off.",
     ),
-}
+    "user_steps_layout": Refusal(
+        (
+            ("user_steps",),
+            (
+                "pipeline", "split", "micro_batches", "zero_v0", "zero_v1", "zero_v2",
+                "offload", "amp", "gradient_checkpoint", "sync_batch_norm",
+                "steps_per_execution", "jit_compile", "checkpoint",
+            ),
+        ),
+        "A model's own train_step (or compute_loss / compute_metrics / test_step / "
+        "predict_step) runs whole on each data-parallel lane and applies its own updates: "
+        "a layout that cuts the model, its batch into micro-batches or its update, or "
+        "replaces its precision or its memory, would have to run a different step.",
+        "Train it data-parallel (local devices and workers), with Keras's own "
+        "LossScaleOptimizer, ModelCheckpoint or BackupAndRestore where you need them; or "
+        "remove the override to use the engine's step (then every layout applies).",
+    ),
+}  # fmt: skip
 
 
 def check_config(config) -> None:
@@ -253,6 +272,43 @@ def check_plan(
         )
     if clip_global_norm is not None and not config.communication.clip_after_allreduce:
         REFUSALS["split_clip_before_reduction"].raise_for(f"global_clipnorm={clip_global_norm}")
+
+
+def check_user_steps(
+    methods, plan: Plan, config, steps_per_execution: int = 1, jit_compile: bool = False
+) -> None:
+    """A model overriding `methods` (user_steps.py) runs only plain data parallelism."""
+    if not methods:
+        return
+    refused = []
+    if len(plan.taskgraphs) > 1:
+        refused.append(f"{len(plan.taskgraphs)} pipeline stages")
+    split = [tg.name for tg in plan.taskgraphs if tg.kind == "split"]
+    if split:
+        refused.append(f"split TaskGraphs {split}")
+    if plan.num_micro_batch > 1:
+        refused.append(f"pipeline.num_micro_batch={plan.num_micro_batch}")
+    refused += [
+        setting
+        for setting in _settings_on(
+            config,
+            "zero.level",
+            "offload.level",
+            "amp.level",
+            "gradient_checkpoint.type",
+            "batch_norm.synchronized",
+            "checkpoint.dir",
+        ).split(", ")
+        if setting
+    ]
+    if steps_per_execution > 1:
+        refused.append(f"steps_per_execution={steps_per_execution}")
+    if jit_compile is True:
+        refused.append("jit_compile=True")
+    if refused:
+        REFUSALS["user_steps_layout"].raise_for(
+            f"the model overrides {', '.join(methods)}; with {', '.join(refused)}"
+        )
 
 
 def check_sync_batch_norm(synchronized: str, jit_compile: bool, split: bool) -> None:

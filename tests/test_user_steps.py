@@ -1,0 +1,250 @@
+"""A model's own train_step / test_step / predict_step / compute_loss runs through
+EPLTrainer (core/engine/user_steps.py), equal to plain Keras on one device.
+
+Before, EPLTrainer ran its own (Keras's default) step in their place without a word:
+the halved-gradient step below ended 3.8e-2 from the user's, the extra L2 term of
+`compute_loss` was ignored (8.6e-2 off). Each case runs on 2 data-parallel devices
+against `model.fit` on one, with SGD and with Adam (Adam hides a constant factor in the
+gradient: the halved step would pass with Adam alone).
+"""
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import epl_trainer as epl
+
+ATOL = 1e-6
+LOSS = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+OPTIMIZERS = {
+    "sgd": lambda: keras.optimizers.SGD(0.1),
+    "adam": lambda: keras.optimizers.Adam(0.01),
+}
+
+
+class HalvedGradients(keras.Model):
+    """Keras's guide's custom train_step ("Customizing what happens in fit()"), with its
+    gradients halved so the default step gives another result."""
+
+    def train_step(self, data):
+        x, y = data
+        with tf.GradientTape() as tape:
+            y_pred = self(x, training=True)
+            loss = self.compute_loss(x=x, y=y, y_pred=y_pred)
+        grads = tape.gradient(loss, self.trainable_variables)
+        self.optimizer.apply_gradients(zip([g * 0.5 for g in grads], self.trainable_variables))
+        for metric in self.metrics:
+            if metric.name == "loss":
+                metric.update_state(loss)
+            else:
+                metric.update_state(y, y_pred)
+        return {m.name: m.result() for m in self.metrics}
+
+
+class L2Loss(keras.Model):
+    """Its own compute_loss: Keras's loss plus an L2 term (Keras's default step calls it)."""
+
+    def compute_loss(self, x=None, y=None, y_pred=None, sample_weight=None, training=True):
+        loss = super().compute_loss(x, y, y_pred, sample_weight, training)
+        return loss + 0.05 * tf.add_n([tf.reduce_sum(w**2) for w in self.trainable_weights])
+
+
+class OwnTestAndPredict(keras.Model):
+    """test_step and predict_step of its own (a scaled prediction, a custom metric)."""
+
+    def test_step(self, data):
+        x, y = data
+        y_pred = self(x, training=False) * 2.0
+        self.compiled_loss_tracker.update_state(LOSS(y, y_pred))
+        return {"doubled_loss": self.compiled_loss_tracker.result()}
+
+    def predict_step(self, data):
+        x = data[0] if isinstance(data, tuple) else data
+        return self(x, training=False) * 2.0
+
+    @property
+    def compiled_loss_tracker(self):
+        if not hasattr(self, "_doubled"):
+            self._doubled = keras.metrics.Mean(name="doubled_loss")
+        return self._doubled
+
+
+def _model(cls, seed=1, batchnorm=False):
+    keras.utils.set_random_seed(seed)
+    inputs = keras.Input((8,))
+    h = keras.layers.Dense(16, activation="relu")(inputs)
+    if batchnorm:
+        h = keras.layers.BatchNormalization()(h)
+    outputs = keras.layers.Dense(3)(h)
+    return cls(inputs, outputs)
+
+
+def _data(n=64, seed=0):
+    rng = np.random.default_rng(seed)
+    return rng.normal(size=(n, 8)).astype("float32"), rng.integers(0, 3, n)
+
+
+def _max_difference(a, b) -> float:
+    return max(float(np.abs(np.asarray(u) - np.asarray(v)).max()) for u, v in zip(a, b))
+
+
+def _fit_both(cls, optimizer, batch_size=16, epochs=2, n=64, **kwargs):
+    x, y = _data(n)
+    reference = _model(cls, **kwargs)
+    reference.compile(OPTIMIZERS[optimizer](), LOSS, metrics=["accuracy"])
+    expected = reference.fit(x, y, batch_size=batch_size, epochs=epochs, shuffle=False, verbose=0)
+    model = _model(cls, **kwargs)
+    model.compile(OPTIMIZERS[optimizer](), LOSS, metrics=["accuracy"])
+    trainer = epl.EPLTrainer(model, config={"cluster.virtual_devices": 2})
+    got = trainer.fit(x, y, batch_size=batch_size, epochs=epochs, shuffle=False, verbose=0)
+    return reference, model, expected.history, got.history
+
+
+@pytest.mark.parametrize("optimizer", sorted(OPTIMIZERS))
+@pytest.mark.parametrize("cls", [HalvedGradients, L2Loss], ids=["train_step", "compute_loss"])
+def test_the_models_own_step_runs_on_two_devices(cls, optimizer):
+    reference, model, expected, got = _fit_both(cls, optimizer)
+    assert _max_difference(reference.get_weights(), model.get_weights()) < ATOL
+    # The user's optimizer itself holds the trained state (slots, iterations).
+    assert int(model.optimizer.iterations) == int(reference.optimizer.iterations) == 8
+    assert _max_difference(reference.optimizer.variables, model.optimizer.variables) < ATOL
+    assert set(got) == set(expected)
+    for name in expected:
+        np.testing.assert_allclose(got[name], expected[name], rtol=1e-5, atol=1e-6)
+
+
+def test_the_default_step_would_have_trained_another_model():
+    """The halved step differs measurably from Keras's default (the test above can fail)."""
+    x, y = _data()
+    halved, plain = _model(HalvedGradients), _model(keras.Model)
+    for model in (halved, plain):
+        model.compile(keras.optimizers.SGD(0.1), LOSS)
+        model.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
+    assert _max_difference(halved.get_weights(), plain.get_weights()) > 1e-2
+
+
+def test_uneven_lanes_weigh_their_rows():
+    """An odd batch (9 rows over 2 lanes: 4 and 5) still gives the one-device step: each
+    lane's gradient counts by its rows."""
+    reference, model, _, _ = _fit_both(HalvedGradients, "sgd", batch_size=9, epochs=1, n=27)
+    assert _max_difference(reference.get_weights(), model.get_weights()) < ATOL
+
+
+def test_batchnorm_statistics_are_averaged_over_lanes():
+    """Moving statistics of each lane's rows, averaged after the step: after one step equal
+    to one device for the moving mean (a mean of equal-sized lanes' means). Later steps
+    normalise each lane by its own rows' statistics (no synchronized BatchNorm), so the
+    weights part from one device's."""
+    reference, model, _, _ = _fit_both(HalvedGradients, "sgd", epochs=1, n=16, batchnorm=True)
+    mean = next(v for v in model.non_trainable_variables if "moving_mean" in v.path)
+    expected = next(v for v in reference.non_trainable_variables if "moving_mean" in v.path)
+    np.testing.assert_allclose(mean.numpy(), expected.numpy(), atol=1e-6)
+
+
+def test_own_test_step_and_predict_step():
+    x, y = _data()
+    reference = _model(OwnTestAndPredict)
+    reference.compile(keras.optimizers.SGD(0.1), LOSS)
+    model = _model(OwnTestAndPredict)
+    model.compile(keras.optimizers.SGD(0.1), LOSS)
+    trainer = epl.EPLTrainer(model, config={"cluster.virtual_devices": 2})
+    expected = reference.evaluate(x, y, batch_size=16, verbose=0, return_dict=True)
+    got = trainer.evaluate(x, y, batch_size=16, verbose=0, return_dict=True)
+    assert set(got) == {"doubled_loss"}
+    np.testing.assert_allclose(got["doubled_loss"], expected["doubled_loss"], rtol=1e-5)
+    np.testing.assert_allclose(
+        trainer.predict(x, batch_size=16, verbose=0),
+        reference.predict(x, batch_size=16, verbose=0),
+        rtol=1e-5,
+        atol=1e-6,
+    )
+
+
+class GAN(keras.Model):
+    """Two optimizers of its own, the second step reading the first's update (the
+    pattern of Keras's GAN example, on a toy regression)."""
+
+    def __init__(self, generator, critic):
+        super().__init__()
+        self.generator, self.critic = generator, critic
+
+    def compile(self, g_optimizer, c_optimizer):
+        super().compile()
+        self.g_optimizer, self.c_optimizer = g_optimizer, c_optimizer
+        self.c_loss = keras.metrics.Mean(name="c_loss")
+        self.g_loss = keras.metrics.Mean(name="g_loss")
+
+    @property
+    def metrics(self):
+        return [self.c_loss, self.g_loss]
+
+    def call(self, x):
+        return self.critic(self.generator(x))
+
+    def train_step(self, data):
+        noise, real = data
+        with tf.GradientTape() as tape:
+            fake = self.generator(noise)
+            c_loss = tf.reduce_mean(self.critic(fake)) - tf.reduce_mean(self.critic(real))
+        grads = tape.gradient(c_loss, self.critic.trainable_variables)
+        self.c_optimizer.apply_gradients(zip(grads, self.critic.trainable_variables))
+        with tf.GradientTape() as tape:
+            g_loss = -tf.reduce_mean(self.critic(self.generator(noise)))
+        grads = tape.gradient(g_loss, self.generator.trainable_variables)
+        self.g_optimizer.apply_gradients(zip(grads, self.generator.trainable_variables))
+        self.c_loss.update_state(c_loss)
+        self.g_loss.update_state(g_loss)
+        return {"c_loss": self.c_loss.result(), "g_loss": self.g_loss.result()}
+
+
+def _gan(optimizer):
+    keras.utils.set_random_seed(3)
+    generator = keras.Sequential([keras.Input((4,)), keras.layers.Dense(6, activation="tanh")])
+    critic = keras.Sequential([keras.Input((6,)), keras.layers.Dense(1)])
+    gan = GAN(generator, critic)
+    gan.compile(OPTIMIZERS[optimizer](), OPTIMIZERS[optimizer]())
+    return gan
+
+
+@pytest.mark.parametrize("optimizer", sorted(OPTIMIZERS))
+def test_a_gan_with_two_optimizers(optimizer):
+    rng = np.random.default_rng(2)
+    noise = rng.normal(size=(32, 4)).astype("float32")
+    real = rng.normal(size=(32, 6)).astype("float32")
+    reference = _gan(optimizer)
+    expected = reference.fit(noise, real, batch_size=8, epochs=2, shuffle=False, verbose=0)
+    gan = _gan(optimizer)
+    trainer = epl.EPLTrainer(gan, config={"cluster.virtual_devices": 2})
+    got = trainer.fit(noise, real, batch_size=8, epochs=2, shuffle=False, verbose=0)
+    assert _max_difference(reference.get_weights(), gan.get_weights()) < ATOL
+    for name in ("c_loss", "g_loss"):
+        np.testing.assert_allclose(got.history[name], expected.history[name], atol=1e-6)
+    assert int(gan.c_optimizer.iterations) == int(gan.g_optimizer.iterations) == 8
+
+
+@pytest.mark.parametrize(
+    "config, match",
+    [
+        ({"pipeline.num_micro_batch": 2}, "pipeline.num_micro_batch=2"),
+        ({"zero.level": "v1"}, "zero.level='v1'"),
+        ({"gradient_checkpoint.type": "auto"}, "gradient_checkpoint.type='auto'"),
+    ],
+)
+def test_layouts_that_cannot_run_the_users_step_are_refused(config, match):
+    model = _model(HalvedGradients)
+    model.compile(keras.optimizers.SGD(0.1), LOSS)
+    with pytest.raises(ValueError, match=rf"overrides train_step.*{match}"):
+        epl.EPLTrainer(model, config={"cluster.virtual_devices": 2, **config})
+
+
+def test_pipeline_stages_are_refused_by_name():
+    model = _model(L2Loss)
+    model.compile(keras.optimizers.SGD(0.1), LOSS)
+    first, second = model.layers[1].name, model.layers[2].name
+    with pytest.raises(ValueError, match=r"overrides compute_loss.*2 pipeline stages"):
+        epl.EPLTrainer(
+            model,
+            stages={first: 0, second: 1},
+            config={"cluster.virtual_devices": 2},
+        )
