@@ -60,6 +60,11 @@ class InferenceMixin:
             callbacks, self.model, verbose, steps=fit_inputs.num_batches(dataset)
         )
         logs = self._evaluate_dataset(dataset, callback_list)
+        return self._returned_logs(logs, return_dict)
+
+    def _returned_logs(self, logs: dict, return_dict: bool):
+        """`logs` as Keras's evaluate / *_on_batch return them: the dict itself, or
+        [loss, *metrics] (the loss alone when there are no metrics)."""
         if return_dict:
             return logs
         # Keras's order (`_flatten_metrics_in_order`): the metrics' own names, so a
@@ -69,10 +74,7 @@ class InferenceMixin:
 
     def _evaluation_dataset(self, x, y, sample_weight, batch_size, mode):
         """This worker's evaluation batches (the model built from them first if needed)."""
-        x = model_inputs.python_source_dataset(x)
-        if self._waits_for_data:
-            self._build_from_data(data_lib.spec_probe(x, y, None, None, sample_weight), mode)
-        x = model_inputs.arrays_for_model(self.model, x)
+        x = self._arrays_for_model(x, y, sample_weight, mode)
         dataset = data_lib.as_dataset(
             x,
             y,
@@ -82,6 +84,18 @@ class InferenceMixin:
             worker_num=self.data_shards,
             preprocessing=pipeline_models.preprocessing(self.model),
         )
+        return self._labelled_for_model(dataset)
+
+    def _arrays_for_model(self, x, y, sample_weight, mode):
+        """`x` as the model takes it; a model that waits for data is built from it first."""
+        x = model_inputs.python_source_dataset(x)
+        if self._waits_for_data:
+            self._build_from_data(data_lib.spec_probe(x, y, None, None, sample_weight), mode)
+        return model_inputs.arrays_for_model(self.model, x)
+
+    def _labelled_for_model(self, dataset):
+        """Batches of `(x, y[, sample_weight])` fitted to the model's inputs, with the loss
+        and metrics built from their shapes (at the first data)."""
         dataset = model_inputs.fitted_to_model(dataset, self.model, with_labels=True)
         self._build_objectives(dataset.element_spec)
         return dataset
@@ -111,8 +125,11 @@ class InferenceMixin:
             finally:  # deleting it can wait for tf.data's autotuning (iterators.py)
                 release(iterator)
                 del iterator
+        step_logs = getattr(program, "last_test_logs", None)  # a model's own test_step's
+        if step_logs is not None:
+            step_logs = {k: fit_inputs.log_value(v) for k, v in step_logs.items()}
         with self._lost_worker_check("the evaluation's metric sync"):
-            logs = self._logs()
+            logs = self._logs(step_logs)
         if batches == 0 and self.cluster.worker_num == 1:
             # Keras's Mean reports 0 for no samples: a silent, wrong "perfect" loss.
             raise ValueError("evaluate received no data. Check the dataset, batch_size and steps.")

@@ -1,0 +1,177 @@
+"""EPLTrainer's `train_on_batch`, `test_on_batch` and `predict_on_batch`, as Keras's.
+
+Each runs one batch through the path its loop runs: `train_on_batch` through `fit`'s
+training step (the batch split over the lanes and micro-batches, a batch that does not
+split evenly filled up with weight-0 rows), `test_on_batch` and `predict_on_batch`
+through `evaluate`'s and `predict`'s (trainer_inference.py). As in Keras, the metrics
+are reset first, so the values returned are this batch's.
+
+Between calls the Keras model holds the weights, as it does in Keras: each call first
+copies the model's values into the engine (a `set_weights`, or another trainer that
+trained shared layers, as a GAN's generator and discriminator trainers do), and
+`train_on_batch` writes the trained values back. A loop of `train_on_batch` therefore
+copies the weights twice per step, which `fit` does once per epoch.
+
+With several workers, each worker passes its own batch, as each reads its own data in
+`fit`: the step's batch is every input shard's batch together (workers holding stages of
+the same replicas form one shard and pass the same batch), the loss is averaged over all
+of its rows, and the returned loss and metrics are the global batch's. Every worker calls
+the method at the same point, with a batch of at least one row.
+"""
+
+from __future__ import annotations
+
+import inspect
+import time
+
+import keras
+import numpy as np
+import tensorflow as tf
+from keras import tree
+
+from epl_trainer.core import engine
+from epl_trainer.training import data as data_lib
+from epl_trainer.training import fit_inputs, pipeline_models
+from epl_trainer.training import model_fn as model_fn_lib
+from epl_trainer.training.iterators import release
+from epl_trainer.training.step_errors import nonfinite_loss_error, run_checked
+
+
+class OnBatchMixin:
+    """The single-batch methods of `EPLTrainer` (see trainer.py for the attributes)."""
+
+    def train_on_batch(self, x, y=None, sample_weight=None, class_weight=None, return_dict=False):
+        """Runs one training step on one batch, as `Model.train_on_batch`.
+
+        The batch is this worker's whole batch (as one batch of `fit`): it is split over
+        the data-parallel lanes, and the optimizer's `iterations` advances by one. The
+        Keras model holds the trained weights afterwards.
+
+        Args:
+          x: the inputs: an array or tensor, or a dict / list / tuple of them.
+          y: the labels, structured as the model's outputs.
+          sample_weight: one weight per sample.
+          class_weight: {class index: weight}, for a model with one output.
+          return_dict: False (the default, as Keras) returns [loss, *metrics], or the
+            loss alone when there are no metrics; True returns {"loss": ..., metric: ...}.
+
+        Returns:
+          The loss and metrics of this batch (over every worker's batch).
+
+        Raises:
+          NonFiniteLossError: the loss or its gradients were not finite, so the step was
+            not applied (unless `optimizer.nonfinite_loss="skip"`).
+        """
+        _check_one_batch("train_on_batch", x)
+        x, sample_weight = fit_inputs.with_class_weight(x, y, sample_weight, class_weight)
+        dataset = self._one_batch("train_on_batch", x, y, sample_weight, model_fn_lib.TRAIN)
+        program = self._ensure_engine_for(dataset)
+        self._reset_metrics()
+        stats = self._train_step_on(program, dataset)
+        self._write_back()
+        where = self._nonfinite_step(stats, None)
+        if where is not None:
+            raise nonfinite_loss_error(where)
+        with self._lost_worker_check("the step's metric sync"):
+            return self._returned_logs(self._logs(), return_dict)
+
+    def test_on_batch(self, x, y=None, sample_weight=None, return_dict=False):
+        """The loss and metrics of one batch, as `Model.test_on_batch` (`evaluate` of
+        this worker's batch alone; with several workers, over all their batches).
+
+        Args:
+          x, y, sample_weight: the batch, as in `train_on_batch`.
+          return_dict: as in `train_on_batch`.
+        """
+        _check_one_batch("test_on_batch", x)
+        dataset = self._one_batch("test_on_batch", x, y, sample_weight, model_fn_lib.EVAL)
+        no_callbacks = fit_inputs.callback_list(None, self.model, 0, steps=1)
+        return self._returned_logs(self._evaluate_dataset(dataset, no_callbacks), return_dict)
+
+    def predict_on_batch(self, x):
+        """The model's outputs for one batch (numpy, structured like the model's
+        outputs), as `Model.predict_on_batch`.
+
+        Args:
+          x: the inputs: an array or tensor, or a dict / list / tuple of them (a tuple
+            is the inputs, not `(x, y)`).
+        """
+        _check_one_batch("predict_on_batch", x)
+        self._load_model_weights()
+        if self._waits_for_data:
+            self._build_from_data(data_lib.spec_probe(x, None, None, None), model_fn_lib.INFER)
+        rows = _batch_rows("predict_on_batch", x, pipeline_models.preprocessing(self.model))
+        return self.predict(x, batch_size=rows, verbose=0)
+
+    def _one_batch(self, method: str, x, y, sample_weight, mode: str) -> tf.data.Dataset:
+        """`x, y, sample_weight` as a dataset of one batch, this worker's (not dealt to
+        the workers as `evaluate`'s arrays are), after the engine took the Keras model's
+        weights."""
+        self._load_model_weights()
+        x = self._arrays_for_model(x, y, sample_weight, mode)
+        preprocessing = pipeline_models.preprocessing(self.model)
+        dataset = data_lib.as_dataset(
+            x,
+            y,
+            _batch_rows(method, x, preprocessing),
+            sample_weight=sample_weight,
+            preprocessing=preprocessing,
+        )
+        return self._labelled_for_model(dataset)
+
+    def _load_model_weights(self) -> None:
+        """The engine takes the Keras model's current values (a new engine starts from
+        them anyway)."""
+        if self._engine is not None:
+            self._engine.load_from_model()
+
+    def _train_step_on(self, program, dataset) -> dict:
+        """Runs fit's training step on the dataset's one batch; returns the step's own
+        values (`step_stats`: throughput, AMP's loss scale and skipped steps)."""
+        iterator = iter(dataset)
+        start = time.perf_counter()
+        try:
+            with self._lost_worker_check():
+                if self._end_of_data is None:
+                    results = run_checked(program.train_on_iterator, iterator)
+                else:  # the global batch's rows, agreed as fit's steps agree on them
+                    shards = self.engine_plan.data_shards[1]
+                    element, rows = self._end_of_data.next_batch(iterator, 0, shards)
+                    spec = dataset.element_spec
+                    results = run_checked(program.train_on_element, element, spec, rows)
+        finally:  # deleting it can wait for tf.data's autotuning (iterators.py)
+            release(iterator)
+            del iterator
+        elapsed = max(time.perf_counter() - start, 1e-9)
+        batch = int(results.pop(engine.BATCH_SIZE_KEY))
+        log_names = {name for name, _ in self._named_metrics()}
+        stats = {k: fit_inputs.log_value(v) for k, v in results.items() if k not in log_names}
+        stats["samples_per_sec"] = batch * self.data_shards / elapsed
+        self.step_stats.clear()
+        self.step_stats.update(stats)
+        return stats
+
+
+def _check_one_batch(method: str, x) -> None:
+    """Keras's *_on_batch take arrays: a Dataset or generator holds many batches."""
+    many = (tf.data.Dataset, keras.utils.PyDataset)
+    if x is None or isinstance(x, many) or inspect.isgenerator(x):
+        raise TypeError(
+            f"{method} takes one batch: an array or tensor, or a dict, list or tuple of "
+            "them; pass a Dataset, generator or PyDataset to fit / evaluate / predict. "
+            f"Received: x of type {type(x).__name__}"
+        )
+
+
+def _batch_rows(method: str, x, preprocessing) -> int:
+    """The rows of the batch `x` (a preprocessed model's raw samples: a list of strings
+    is one array of them)."""
+    arrays = x if preprocessing is None else preprocessing.raw_arrays(x)
+    leaves = tree.flatten(arrays)
+    shape = np.shape(leaves[0]) if leaves else ()
+    if not shape or shape[0] == 0:
+        raise ValueError(
+            f"{method} needs a batch of at least one sample, with a batch dimension. "
+            f"Received: x whose first array has shape {shape}"
+        )
+    return int(shape[0])
