@@ -135,16 +135,17 @@ class CompiledLoss:
             f"y_pred: {tree.map_structure(lambda _: '*', y_pred)}"
         )
 
-    def terms(self, y_true, y_pred, sample_weight=None) -> list:
+    def terms(self, y_true, y_pred, sample_weight=None, real_rows=None) -> list:
         """Each loss's weighted sum and Keras's divisor (`objective.LossTerm`), kept
-        apart so the step divides once for the global batch (objective.py)."""
+        apart so the step divides once for the global batch (objective.py); `real_rows`:
+        the rows before any added to fill the batch (`objective.keras_loss_term`)."""
         self.build_from(y_true, y_pred)
         flat_pred = tree.flatten(y_pred)
         flat_true = self.flat_labels(y_true, y_pred)
         return [
             keras_loss_term(
                 entry.loss, pick(flat_true, entry.index), pick(flat_pred, entry.index),
-                sample_weight, entry.weight,
+                sample_weight, entry.weight, real_rows,
             )
             for entry in self.entries
         ]  # fmt: skip

@@ -62,9 +62,19 @@ class LossTerm:
     unweighted: tf.Tensor | None = None
 
 
-def keras_loss_term(loss: keras.losses.Loss, y_true, y_pred, sample_weight, loss_weight=1.0):
+def keras_loss_term(
+    loss: keras.losses.Loss, y_true, y_pred, sample_weight, loss_weight=1.0, real_rows=None
+):
     """`loss(y_true, y_pred, sample_weight)` as a `LossTerm` (Keras's `Loss.__call__`,
-    with the reduction's sum and divisor kept apart)."""
+    with the reduction's sum and divisor kept apart). A Loss that overrides `__call__`
+    itself is called as Keras calls it (`called_loss_term`).
+
+    Args:
+      real_rows: None, or the rows of the batch before the rows added to fill it (which
+        follow them): only a Loss overriding `__call__` needs it.
+    """
+    if overrides_call(loss):
+        return called_loss_term(loss, y_true, y_pred, sample_weight, loss_weight, real_rows)
     reduction = loss.reduction
     if reduction in (None, "none"):
         raise ValueError(
@@ -107,6 +117,47 @@ def keras_loss_term(loss: keras.losses.Loss, y_true, y_pred, sample_weight, loss
         total = total * loss_weight
     elements = tf.cast(tf.size(values), total.dtype)
     return LossTerm(total, divisor, kind, elements, unweighted)
+
+
+def overrides_call(loss) -> bool:
+    """A Keras Loss whose class replaces `Loss.__call__` (its `call` may not exist)."""
+    return isinstance(loss, keras.losses.Loss) and (
+        type(loss).__call__ is not keras.losses.Loss.__call__
+    )
+
+
+def called_loss_term(
+    loss, y_true, y_pred, sample_weight, loss_weight=1.0, real_rows=None
+) -> LossTerm:
+    """A Loss overriding `__call__`, called as Keras calls it: `loss(y_true, y_pred,
+    sample_weight)`. Its (sum, divisor) split is not visible, so the value is read by the
+    loss's `reduction`: "sum" is a sum over the rows given (a SUM term), anything else a
+    mean over them (a PER_ROW term: value x rows is their sum). It is called on the real
+    rows only (`real_rows`): rows added to fill an odd batch carry weight 0, which a
+    `__call__` that ignores sample weights would still count.
+
+    Raises:
+      ValueError: `reduction` None / "none" (a loss per element, not a batch's scalar).
+    """
+    if loss.reduction in (None, "none"):
+        raise ValueError(
+            f"Loss {loss.name!r} overrides __call__ and has reduction={loss.reduction!r}: the "
+            "trainer cannot tell how its value sums over rows. Give it reduction 'sum' or "
+            "'sum_over_batch_size', or implement `call` (per-element losses) instead of "
+            "`__call__`."
+        )
+    padded = tf.cast(tf.shape(tree.flatten(y_pred)[0])[0], tf.float32)
+    if real_rows is not None:
+        y_true, y_pred, sample_weight = tree.map_structure(
+            lambda x: x if x is None else x[:real_rows], (y_true, y_pred, sample_weight)
+        )
+    rows = padded if real_rows is None else tf.cast(real_rows, tf.float32)
+    value = tf.reshape(tf.cast(loss(y_true, y_pred, sample_weight=sample_weight), tf.float32), [])
+    if loss.reduction == "sum":
+        total, divisor, kind = value, tf.ones([], value.dtype), SUM
+    else:  # a mean over the real rows: one element per row (padding included), as any
+        total, divisor, kind = value * rows, padded, PER_ROW  # PER_ROW term counts them
+    return LossTerm(total * loss_weight, divisor, kind, padded, total)
 
 
 @dataclasses.dataclass

@@ -607,7 +607,8 @@ class Program(InferenceLoops):
                 with tf.device(layout.lanes[li].devices[-1]):
                     count = tf.reduce_sum(w)
                     weights = w if sw is None else sw
-                    terms = hooks.loss_fn.terms(y, y_pred, weights)
+                    real_rows = tf.cast(count, tf.int32)
+                    terms = hooks.loss_fn.terms(y, y_pred, weights, real_rows=real_rows)
                     if not (terms or aux):
                         raise ValueError(objective.NO_LOSS_MESSAGE)
                     padded = tf.shape(w)[0]

@@ -382,7 +382,7 @@ class LaneExecutor:
     def _loss(self, mb: MicroBatch, aux: list):
         """The micro-batch's share of the global batch's loss (differentiated), and its
         reported loss per real row (objective.py)."""
-        terms = self.hooks.loss_fn.terms(mb.labels, mb.y_pred, mb.weights)
+        terms = self.hooks.loss_fn.terms(mb.labels, mb.y_pred, mb.weights, real_rows=mb.rows)
         if not (terms or aux or mb.earlier_aux):
             raise ValueError(objective_lib.NO_LOSS_MESSAGE)
         padded = tf.shape(tree.flatten(mb.labels)[0])[0]

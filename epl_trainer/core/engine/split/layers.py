@@ -472,7 +472,7 @@ class SplitLoss:
         terms = self.terms(y_true, y_pred, sample_weight)
         return tf.add_n([term.total / term.divisor for term in terms])
 
-    def terms(self, y_true, y_pred, sample_weight=None) -> list[objective.LossTerm]:
+    def terms(self, y_true, y_pred, sample_weight=None, real_rows=None) -> list[objective.LossTerm]:
         """Each loss's weighted sum and divisor (objective.py); a split output's is the
         sharded cross-entropy's sum over this lane's rows."""
         flat_true, flat_pred = self.flat_labels(y_true, y_pred), tree.flatten(y_pred)
@@ -483,7 +483,9 @@ class SplitLoss:
             t = tree.map_structure(lambda i: flat_true[i], index)
             p = tree.map_structure(lambda i: flat_pred[i], index)
             if not isinstance(index, int) or index not in self.sparse:
-                terms.append(objective.keras_loss_term(entry.loss, t, p, sample_weight, weight))
+                terms.append(
+                    objective.keras_loss_term(entry.loss, t, p, sample_weight, weight, real_rows)
+                )
                 continue
             if sample_weight is not None and sample_weight.shape.rank != 1:
                 raise ValueError(
