@@ -66,6 +66,7 @@ EXPECTED_DEFAULTS = {
     "io.unbalanced_io_slicing": False,
     "io.drop_last_files": False,
     "io.global_batches": False,
+    "io.auto_shard": "auto",
     "elastic.max_workers": 0,
     "elastic.resize_file": "",
     "auto.auto_parallel": False,

@@ -47,6 +47,7 @@ from epl_trainer.config.keys import (  # noqa: F401  (ConfigError, Kind, KeySpec
 )
 
 ZERO_LEVELS = ("", "v0", "v1", "v2")  # zero.level, indexed by DeepSpeed's zero.stage
+AUTO_SHARD_CHOICES = ("auto", "files", "data", "off")  # io.auto_shard: tf.distribute's policies
 # Keys that spell one setting twice: a source giving either replaces both of a lower one.
 _SPELLINGS = (("zero.stage", "zero.level"),)
 
@@ -272,12 +273,13 @@ class CheckpointConfig(_Section):
 @_register("io")
 @dataclasses.dataclass(frozen=True)
 class IoConfig(_Section):
-    """Input file sharding across workers."""
+    """Input sharding across workers: files, Datasets and global batches."""
 
     slicing: bool = _bool(False, "Shard the input files across workers automatically.")
     unbalanced_io_slicing: bool = _bool(False, "Let some workers get one extra file.")
     drop_last_files: bool = _bool(False, "Split files evenly and drop the leftovers.")
     global_batches: bool = _bool(False, "fit's data are global batches; each worker takes rows.")
+    auto_shard: str = _enum("auto", "How fit shards a tf.data.Dataset.", choices=AUTO_SHARD_CHOICES)
 
 
 @_register("elastic")

@@ -34,7 +34,8 @@ def as_dataset(
     """A dataset of per-worker batches: `(x, y)`, `(x, y, sample_weight)` or `x` alone.
 
     A `tf.data.Dataset` is used as given: its elements are this worker's batches
-    (`(x, y)` or `(x, y, sample_weight)`; see `standardize_dataset`). Numpy arrays (or
+    (`(x, y)` or `(x, y, sample_weight)`; see `standardize_dataset`); `fit` shards it
+    first (`shard_dataset`). Numpy arrays (or
     dicts/lists of them) are batched in order, and dealt round-robin across workers:
     global batch t is the concatenation of every worker's batch t, so `batch_size` is per
     worker. With `deal_rows` (io.global_batches) `batch_size` is the global batch, and
@@ -251,6 +252,88 @@ def rows_of_shard(dataset: tf.data.Dataset, shard: int, shards: int) -> tf.data.
         return tree.map_structure(lambda t: t[start : start + size], element)
 
     return dataset.map(take)
+
+
+_POLICY = tf.data.experimental.AutoShardPolicy
+# io.auto_shard's choices, as tf.data (and so tf.distribute) names them.
+AUTO_SHARD_POLICIES = {
+    "auto": _POLICY.AUTO,
+    "files": _POLICY.FILE,
+    "data": _POLICY.DATA,
+    "off": _POLICY.OFF,
+}
+
+
+def shard_dataset(
+    dataset: tf.data.Dataset,
+    shard: int,
+    shards: int,
+    *,
+    auto_shard: str = "auto",
+    global_batches: bool = False,
+) -> tf.data.Dataset:
+    """Input shard `shard`'s part of a user's Dataset, as tf.distribute auto-shards one.
+
+    The policy is the dataset's own `options().experimental_distribute.auto_shard_policy`
+    when it is anything but AUTO (its default), else `auto_shard` (io.auto_shard). An
+    element stays the batch of the worker that reads it: FILE gives shard k the files
+    k, k + shards, ... of the pipeline's reader (tf.data's rewrite, the one tf.distribute
+    applies); DATA the elements k, k + shards, ...; AUTO files where the pipeline reads
+    files, else data (tf.data's AUTO); OFF every element.
+
+    With `global_batches` (io.global_batches) an element is a global batch and each shard
+    takes its rows of every one (`rows_of_shard`): tf.distribute's data sharding after
+    its rebatch. Only AUTO and DATA can mean that: the others are refused on any number
+    of shards, so that a job does not fail only once it runs on several workers.
+    """
+    own = dataset.options().experimental_distribute.auto_shard_policy
+    if own == _POLICY.AUTO:
+        policy, source = AUTO_SHARD_POLICIES[auto_shard], f"io.auto_shard={auto_shard!r}"
+    else:
+        policy, source = own, f"the dataset's auto_shard_policy={own.name}"
+    if global_batches and policy not in (_POLICY.AUTO, _POLICY.DATA):
+        raise ValueError(
+            "io.global_batches gives every input shard its rows of each global batch "
+            f"(sharding by data), which {source} contradicts: set it to AUTO or DATA "
+            "('auto' or 'data'), or io.global_batches=False for batches read per worker. "
+            f"Received: {source}, io.global_batches=True"
+        )
+    if shards == 1:
+        return dataset
+    if global_batches:
+        return rows_of_shard(dataset, shard, shards)
+    logger.info("The Dataset is input shard %d of %d by %s.", shard, shards, source)
+    if policy == _POLICY.OFF:
+        return dataset
+    if policy == _POLICY.DATA:
+        # tf.data's DATA rewrite would also turn a rebatch of the user's into a legacy
+        # one that undoes it; a shard at the end of the pipeline is DATA without that
+        # (AUTO keeps the quirk: tf.data's own fallback from files to data is used, since
+        # trying FILE first logs a C++ error for every pipeline that reads no files).
+        return dataset.shard(shards, shard)
+    return _rewritten_by_tf_data(dataset, policy, shard, shards, source)
+
+
+def _rewritten_by_tf_data(dataset, policy, shard: int, shards: int, source: str):
+    """tf.data's auto-shard rewrite of `dataset` with `policy` (AUTO, FILE or HINT)."""
+    # The rewrite tf.distribute applies to a dataset it distributes; no public API runs it.
+    from tensorflow.python.data.experimental.ops import distribute as tf_data_distribute
+
+    options = tf.data.Options()
+    options.experimental_distribute.auto_shard_policy = policy
+    try:
+        return tf_data_distribute._AutoShardDataset(
+            dataset.with_options(options), shards, shard, num_replicas=1
+        )
+    except tf.errors.NotFoundError as error:  # FILE, and no reader in the pipeline
+        raise ValueError(
+            "Sharding a Dataset by files needs a pipeline that reads files "
+            "(tf.data.TFRecordDataset, TextLineDataset, FixedLengthRecordDataset, or "
+            "Dataset.list_files interleaved into them); this one reads none. Shard it by "
+            "data (io.auto_shard='data', or 'auto': files where a pipeline reads them, else "
+            "data), or 'off' if each worker's dataset is already its own. Received: "
+            f"{source}, input shards={shards}"
+        ) from error
 
 
 def unpack_element(element, with_labels: bool = True):

@@ -31,8 +31,9 @@ def python_source_dataset(x, shuffle=False):
     """A generator or `keras.utils.PyDataset` as a Dataset of its batches (read through
     Keras's own adapters); anything else is returned as it is.
 
-    As with a Dataset, each worker reads its own generator: its batches are that
-    worker's. A generator is read once: a second epoch finds it exhausted, as in Keras.
+    Its batches are then a Dataset's, sharded across workers as one (io.auto_shard: by
+    data, tf.data sees no files), so every worker must yield the same batches in the same
+    order. A generator is read once: a second epoch finds it exhausted, as in Keras.
     """
     from keras.src.trainers.data_adapters import GeneratorDataAdapter, PyDatasetAdapter
 

@@ -2,9 +2,10 @@
 
 `fit`'s data with Keras's meaning (`fit_inputs.py` holds the argument rules): numpy
 inputs dealt to the workers in batches, in order or reshuffled every pass (`shuffle`),
-with per-sample weights; Datasets used as given; with io.global_batches, every worker's
-rows of each global batch instead (the job's batch then outlives a change in its worker
-count: elastic.py); files read and sliced by `io.py`; a
+with per-sample weights; Datasets sharded across workers as tf.distribute shards them
+(io.auto_shard: by files, or by batches); with io.global_batches, every worker's rows of
+each global batch instead (the job's batch then outlives a change in its worker count:
+elastic.py); files read and sliced by `io.py`; a
 KerasHub task's batches mapped through its preprocessor (`pipeline_models.py`). A
 model that can be planned only once it has seen data (an Estimator-style model_fn, an
 unbuilt Sequential) is built here from the data's element spec.
@@ -59,10 +60,16 @@ class TrainingDataMixin:
             if self.config.io.slicing:
                 logger.warning(
                     "io.slicing slices files given as fit(files, parse_fn=...); a "
-                    "tf.data.Dataset is used as given (shard it with epl.io.slice_files)."
+                    "tf.data.Dataset is sharded by io.auto_shard=%r instead.",
+                    self.config.io.auto_shard,
                 )
-            if self.config.io.global_batches:
-                x = data_lib.rows_of_shard(x, self.data_shard, self.data_shards)
+            x = data_lib.shard_dataset(
+                x,
+                self.data_shard,
+                self.data_shards,
+                auto_shard=self.config.io.auto_shard,
+                global_batches=self.config.io.global_batches,
+            )
             dataset = data_lib.as_dataset(
                 x, y, batch_size, sample_weight=sample_weight, preprocessing=preprocessing
             )

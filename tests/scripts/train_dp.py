@@ -91,6 +91,7 @@ def main():
             "zero.level": args.zero,
             "pipeline.num_micro_batch": args.num_micro_batch,
             "cluster.colocate_split_and_replicate": args.split,
+            "io.auto_shard": "off",  # --uneven / --short_last build each worker's own batches
             # A step that hangs fails within a minute (the test's bound), not 600 s.
             **({"communication.timeout_seconds": 60} if args.short_last else {}),
         }

@@ -135,6 +135,7 @@ def main():
             "checkpoint.save_steps": args.save_steps,
             "checkpoint.keep_max": args.keep_max,
             "zero.level": args.zero,
+            "io.auto_shard": "off",  # make_dataset gives each worker its own rows
         }
     )
     import keras
