@@ -19,7 +19,7 @@ from epl_trainer import deepspeed
 from epl_trainer.annotations import checkpoints, strategies
 from epl_trainer.config.sections import Config
 from epl_trainer.core import engine
-from epl_trainer.core.engine import ema
+from epl_trainer.core.engine import ema, user_steps
 from epl_trainer.core.plan import rules
 from epl_trainer.runtime import elastic
 from epl_trainer.runtime.cluster import build_cluster, detect_lost_workers
@@ -40,6 +40,12 @@ from epl_trainer.training.end_of_data import EndOfDataAgreement, warn_if_out_of_
 from epl_trainer.training.memory import build_report
 from epl_trainer.training.metric_sync import MetricSync
 from epl_trainer.training.model_fn import ModelSpec  # noqa: F401  (re-exported: epl.ModelSpec)
+from epl_trainer.training.on_batch import OnBatchMixin
+from epl_trainer.training.step_errors import (
+    NonFiniteLossError,  # noqa: F401  (re-exported: epl.NonFiniteLossError)
+    nonfinite_loss_error,
+    run_checked,
+)
 from epl_trainer.training.trainer_checkpoints import CheckpointMixin
 from epl_trainer.training.trainer_data import TrainingDataMixin, needs_data_to_build
 from epl_trainer.training.trainer_inference import (
@@ -51,11 +57,7 @@ from epl_trainer.training.trainer_objectives import ObjectivesMixin
 logger = logging.getLogger(__name__)
 
 
-class NonFiniteLossError(FloatingPointError):
-    """A float32 training step produced a NaN or Inf loss (non-finite gradients)."""
-
-
-class EPLTrainer(CheckpointMixin, TrainingDataMixin, InferenceMixin, ObjectivesMixin):
+class EPLTrainer(CheckpointMixin, TrainingDataMixin, InferenceMixin, OnBatchMixin, ObjectivesMixin):
     """Trains a Keras model with the parallelism given by annotations and config.
 
     Args:
@@ -143,8 +145,9 @@ class EPLTrainer(CheckpointMixin, TrainingDataMixin, InferenceMixin, ObjectivesM
             steps_per_execution = compiled.settings(model).get("steps_per_execution")
         self.steps_per_execution = _checked_steps_per_execution(steps_per_execution)
         if jit_compile is None and isinstance(model, keras.Model):
-            # Keras records its resolved "auto" (False on a CPU) as an explicit False.
-            jit_compile = compiled.settings(model).get("jit_compile") is True or "auto"
+            # Keras records its "auto" resolved (True on a GPU): only a value it would not
+            # give is the user's choice.
+            jit_compile = compiled.user_jit_intent(model)
         self.jit_compile = jit_compile if jit_compile in (True, False) else "auto"
         self._engine: engine.Engine | None = None
         self.epochs_done = 0
@@ -233,7 +236,10 @@ class EPLTrainer(CheckpointMixin, TrainingDataMixin, InferenceMixin, ObjectivesM
             self.config, self.engine_plan.plan = self.deepspeed.resolve_plan(
                 self.config, self.engine_plan.plan, len(self.engine_plan.lanes_in_job)
             )
-        self.model.optimizer = self.optimizer  # what Keras callbacks read (LR, iterations)
+        if compiled.unwrapped_optimizer(getattr(model, "optimizer", None)) is not self.optimizer:
+            # What Keras callbacks read (LR, iterations) and Keras saves. A LossScaleOptimizer
+            # around it stays: it holds the loss scale (update/master_state.py).
+            self.model.optimizer = self.optimizer
         if ema.uses_ema(self.optimizer):
             rules.check_ema(self.config.zero)
         self._start_state = start_state.StartState(self.cluster, self._lost_worker_check)
@@ -445,7 +451,9 @@ class EPLTrainer(CheckpointMixin, TrainingDataMixin, InferenceMixin, ObjectivesM
         finally:  # the last pass's iterator is deleted off this thread (iterators.py)
             self._batches = batches.close()
         if self._engine is not None:
-            if len(epochs_run) and ema.uses_ema(self.optimizer):
+            if len(epochs_run) and self._engine.runs_user_steps:
+                user_steps.finalize_moving_averages(self.model)
+            elif len(epochs_run) and ema.uses_ema(self.optimizer):
                 self._engine.finalize_ema()  # as Keras's fit: the weights := their averages
             self._write_back()
         callback_list.on_train_end(logs)
@@ -460,14 +468,15 @@ class EPLTrainer(CheckpointMixin, TrainingDataMixin, InferenceMixin, ObjectivesM
         trainer's state before it, the trainer takes them back after it. Other hooks run
         as they are."""
         sync = self._engine is not None and fit_lib.may_set_weights(callbacks, hook)
+        sync_ema = sync and ema.uses_ema(self.optimizer) and not self._engine.runs_user_steps
         if sync:
             self._write_back()
-            if ema.uses_ema(self.optimizer):
+            if sync_ema:
                 self._engine.ema_to_master(self.optimizer)
         getattr(callbacks, hook)(*args)
         if sync:
             self._engine.load_from_model()
-            if ema.uses_ema(self.optimizer):
+            if sync_ema:
                 self._engine.ema_from_master(self.optimizer)
 
     def _end_epoch(self) -> None:
@@ -485,7 +494,8 @@ class EPLTrainer(CheckpointMixin, TrainingDataMixin, InferenceMixin, ObjectivesM
     def _run_epoch(self, batches, callback_list, write_back_each_step, first_step=0) -> dict:
         program = self._ensure_engine_for(batches.dataset)
         self._reset_metrics()
-        log_names = {name for name, _ in self._named_metrics()}
+        # A model's own train_step: its logs as it returns them.
+        log_names = None if self._runs_user_steps else {n for n, _ in self._named_metrics()}
         chunk = {"last": -1, "end": 0, "ran": 0}  # the last call's step indices and iterations
 
         def step(index, iterator, count):
@@ -497,11 +507,11 @@ class EPLTrainer(CheckpointMixin, TrainingDataMixin, InferenceMixin, ObjectivesM
                     shards = self.engine_plan.data_shards[1]
                     element, rows = self._end_of_data.next_batch(iterator, index, shards)
                     spec = batches.dataset.element_spec
-                    results = _run_checked(program.train_on_element, element, spec, rows)
+                    results = run_checked(program.train_on_element, element, spec, rows)
                 elif self.steps_per_execution == 1:
-                    results = _run_checked(program.train_on_iterator, iterator)
+                    results = run_checked(program.train_on_iterator, iterator)
                 else:  # several workers agree on the end of the data inside the loop
-                    results = _run_checked(program.train_many_on_iterator, iterator, count)
+                    results = run_checked(program.train_many_on_iterator, iterator, count)
             ran = int(results.pop(engine.STEPS_KEY, 1))
             rows = results.pop(engine.ROWS_BY_WORKER_KEY, None)
             if rows is not None and ran < count:
@@ -509,10 +519,13 @@ class EPLTrainer(CheckpointMixin, TrainingDataMixin, InferenceMixin, ObjectivesM
             if ran == 0:
                 return 0, False
             batch = int(results.pop(engine.BATCH_SIZE_KEY))
+
             # Callbacks get Keras's logs (the loss and metrics); the trainer's own values
             # (throughput, AMP loss scale, skipped steps) go to `step_stats`.
-            logs = {k: fit_lib.log_value(v) for k, v in results.items() if k in log_names}
-            stats = {k: fit_lib.log_value(v) for k, v in results.items() if k not in log_names}
+            logged = {k for k in results if log_names is None or k in log_names}
+            logs = {k: fit_lib.log_value(v) for k, v in results.items() if k in logged}
+            stats = {k: fit_lib.log_value(v) for k, v in results.items() if k not in logged}
+            chunk["logs"] = logs
             elapsed = time.perf_counter() - start
             stats["samples_per_sec"] = ran * batch * self.data_shards / max(elapsed, 1e-9)
             stats.update(call_steps=ran, call_seconds=max(elapsed, 1e-9))  # FlopsProfiler's
@@ -527,12 +540,7 @@ class EPLTrainer(CheckpointMixin, TrainingDataMixin, InferenceMixin, ObjectivesM
             callback_list.on_train_batch_end(index + ran - 1, logs)
             if nonfinite_at is not None and not self.model.stop_training:
                 # The callbacks saw the NaN loss first (TerminateOnNaN stops or raises).
-                raise NonFiniteLossError(
-                    f"The loss or its gradients are not finite (NaN or Inf) at {nonfinite_at}. "
-                    "The step was not applied: weights and optimizer state are those before "
-                    "it. Look for the source (learning rate, input data, a log of zero), or "
-                    "set optimizer.nonfinite_loss='skip' to skip such steps."
-                )
+                raise nonfinite_loss_error(nonfinite_at)
             return ran, self.model.stop_training
 
         def after_step(index):
@@ -557,7 +565,7 @@ class EPLTrainer(CheckpointMixin, TrainingDataMixin, InferenceMixin, ObjectivesM
         for key, value in self.step_stats.items():
             self.stats_history.setdefault(key, []).append(value)
         with self._lost_worker_check("the epoch's metric sync"):
-            return self._logs()
+            return self._logs(chunk.get("logs"))
 
     def memory_report(self, print_table: bool = True):
         """Bytes of parameters, gradients and optimizer state per device (engine state).
@@ -587,29 +595,21 @@ class EPLTrainer(CheckpointMixin, TrainingDataMixin, InferenceMixin, ObjectivesM
         with detect_lost_workers(self.cluster, timeout), watchdog.watch(what):
             yield
 
-    def _nonfinite_step(self, stats: dict, index: int) -> str | None:
+    def _nonfinite_step(self, stats: dict, index: int | None) -> str | None:
         """Where a non-finite step that stops training was skipped ("training step ...
-        (epoch, batch)"), or None. With optimizer.nonfinite_loss="skip" it only warns."""
+        (epoch, batch)", or "(train_on_batch)" for index None), or None. With
+        optimizer.nonfinite_loss="skip" it only warns."""
         count = int(stats.get("nonfinite_steps", 0))
         if count <= self._nonfinite_seen:
             return None
         self._nonfinite_seen = count
         step = int(self.optimizer.iterations.numpy())
-        where = f"training step {step} (epoch {self.epochs_done + 1}, batch {index})"
+        position = f"epoch {self.epochs_done + 1}, batch {index}"
+        where = f"training step {step} ({'train_on_batch' if index is None else position})"
         if self.config.optimizer.nonfinite_loss == "skip":
             logger.warning("Non-finite loss at %s: the step was skipped.", where)
             return None
         return where
-
-
-def _run_checked(step_fn, *args):
-    """Runs a step; AMP's in-graph minimum-scale assertion becomes the error it stands for."""
-    try:
-        return step_fn(*args)
-    except tf.errors.InvalidArgumentError as e:
-        if (error := engine.min_scale_error(e)) is not None:
-            raise error from None
-        raise
 
 
 def _checked_steps_per_execution(value) -> int:

@@ -171,9 +171,9 @@ class Program(InferenceLoops):
         self.user_steps = None
         if user_steps is not None:
             self.user_steps = user_steps(self)
-            self._train_step = self._user_train_step
-            self._eval_step = self._user_eval_step
-            self._predict_step = self._user_predict_step
+            self._train_step, self._eval_step, self._predict_step = self.user_steps.steps(
+                BATCH_SIZE_KEY
+            )
         # Pulling the batch inside the compiled step (as Keras does) saves a Python-level
         # round trip per step; it matters for small, fast steps.
         self.train_on_iterator = tf.function(self._train_on_iterator, reduce_retracing=True)
@@ -191,7 +191,7 @@ class Program(InferenceLoops):
         )
         self.last_test_logs = None
         if self.user_steps is not None:
-            self.eval_many_on_iterator = self._user_eval_many_on_iterator
+            self.eval_many_on_iterator = self.user_steps.evaluate_batches(self)
 
     @property
     def state(self) -> EngineState:
@@ -307,37 +307,6 @@ class Program(InferenceLoops):
             if self.step_counter is not None:
                 self.step_counter.assign_add(1)
             return {**self._metric_results(), BATCH_SIZE_KEY: tf.identity(rows)}
-
-    @tf.autograph.experimental.do_not_convert
-    def _user_train_step(self, features, labels, sample_weight=None, global_rows=None):
-        """The model's own train_step on every lane (user_steps.py); its logs."""
-        data = _element(features, labels, sample_weight)
-        logs = self.user_steps.train_step(data)
-        with tf.device(self.layout.host):
-            rows = tf.shape(tree.flatten(features)[0])[0]
-            return {**logs, BATCH_SIZE_KEY: rows}
-
-    @tf.autograph.experimental.do_not_convert
-    def _user_eval_step(self, features, labels, sample_weight=None, pad_to: int = 0):
-        """The model's own test_step on every lane; its logs."""
-        return self.user_steps.test_step(_element(features, labels, sample_weight))
-
-    def _user_eval_many_on_iterator(self, iterator, steps: int, batch_size: int) -> int:
-        """Up to `steps` batches of the model's own test_step, one call each: the last
-        batch's logs (`last_test_logs`) are what Keras's evaluate reports when they do not
-        name exactly the model's metrics."""
-        ran = 0
-        for _ in range(int(steps)):
-            element = iterator.get_next_as_optional()
-            if not element.has_value():
-                break
-            self.last_test_logs = self.eval_step(*unpack_element(element.get_value()))
-            ran += 1
-        return ran
-
-    @tf.autograph.experimental.do_not_convert
-    def _user_predict_step(self, features, pad_to: int = 0):
-        return self.user_steps.predict_step((features,))
 
     @tf.autograph.experimental.do_not_convert
     def _gradients(self, features, labels, sample_weight, global_rows):
@@ -637,11 +606,6 @@ class Program(InferenceLoops):
                 outputs.append(self._forward(li, f, share_outputs=True)[0])
         with tf.device(layout.host):
             return hooks.lanes.join_predictions(outputs, batch)
-
-
-def _element(features, labels, sample_weight):
-    """The batch as Keras hands it to a step: (x, y) or (x, y, sample_weight)."""
-    return (features, labels) if sample_weight is None else (features, labels, sample_weight)
 
 
 BATCH_SIZE_KEY = "_batch_size"

@@ -45,6 +45,7 @@ from keras import tree
 
 from epl_trainer.core import comm
 from epl_trainer.core.comm.keys import next_instance_key, ordering_token
+from epl_trainer.core.engine.step_batch import unpack_element
 
 # The methods whose override makes the step the user's (keras.Model's own are Keras's
 # default step, which the engine computes itself).
@@ -70,6 +71,14 @@ def model_optimizers(model) -> list:
         if isinstance(value, keras.optimizers.Optimizer):
             found.setdefault(id(value), value)
     return list(found.values())
+
+
+def finalize_moving_averages(model) -> None:
+    """As Keras's fit ends: each optimizer with `use_ema=True` of a model running its own
+    steps (it holds its own moving averages) sets the weights to their averages."""
+    for optimizer in model_optimizers(model):
+        if getattr(optimizer, "use_ema", False):
+            optimizer.finalize_variable_values(model.trainable_weights)
 
 
 @contextlib.contextmanager
@@ -99,6 +108,11 @@ def _take_rows(data, start, end):
         return x[start:end]
 
     return tree.map_structure(take, data)
+
+
+def _element(features, labels, sample_weight):
+    """The batch as Keras hands it to a step: (x, y) or (x, y, sample_weight)."""
+    return (features, labels) if sample_weight is None else (features, labels, sample_weight)
 
 
 def _first_rows(data):
@@ -288,6 +302,44 @@ class UserSteps:
         return reduced
 
     # ---- the steps -----------------------------------------------------------------------
+
+    def steps(self, batch_size_key: str) -> tuple:
+        """The program's (train, eval, predict) step functions, with the engine's step
+        signatures (`Program._train_step` and friends), over this object's steps."""
+
+        @tf.autograph.experimental.do_not_convert
+        def train(features, labels, sample_weight=None, global_rows=None):
+            logs = self.train_step(_element(features, labels, sample_weight))
+            with tf.device(self.host):
+                return {**logs, batch_size_key: _first_rows(features)}
+
+        @tf.autograph.experimental.do_not_convert
+        def evaluate(features, labels, sample_weight=None, pad_to: int = 0):
+            return self.test_step(_element(features, labels, sample_weight))
+
+        @tf.autograph.experimental.do_not_convert
+        def predict(features, pad_to: int = 0):
+            return self.predict_step((features,))
+
+        return train, evaluate, predict
+
+    def evaluate_batches(self, program):
+        """`program.eval_many_on_iterator` for the model's own test_step: one call per
+        batch, keeping the last batch's logs in `program.last_test_logs` (Keras's
+        evaluate reports them when they do not name exactly the model's metrics)."""
+
+        def run(iterator, steps: int, batch_size: int) -> int:
+            ran = 0
+            for _ in range(int(steps)):
+                element = iterator.get_next_as_optional()
+                if not element.has_value():
+                    break
+                features, labels, weights = unpack_element(element.get_value())
+                program.last_test_logs = program.eval_step(features, labels, weights)
+                ran += 1
+            return ran
+
+        return run
 
     def _lane_shares(self, data):
         """Each lane's rows, and its share of the job's rows (the lanes of every worker)."""
