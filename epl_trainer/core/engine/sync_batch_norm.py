@@ -72,10 +72,14 @@ def check_sync_batch_norm(model, synchronize_all: bool, jit_compile: bool, split
 
 
 def apply_sync_batch_norm(hooks: StepHooks, layout: StepLayout, synchronize_all: bool) -> None:
-    """The synchronized-BatchNorm pass: fills `hooks.batch_statistics` when the model
-    has a synchronized layer (nothing changes otherwise)."""
+    """The batch-statistics pass: fills `hooks.batch_statistics` when the model has a
+    synchronized layer (`SyncBatchNorm`), else when it has BatchNormalization layers
+    (`RealRowBatchNorm`: each lane's real rows); nothing changes otherwise."""
     layers = [synchronized_layers(stage.model, synchronize_all) for stage in layout.staged.stages]
     if not any(layers):
+        local = [synchronized_layers(stage.model, True) for stage in layout.staged.stages]
+        if any(local):
+            hooks.batch_statistics = RealRowBatchNorm(local)
         return
     hooks.batch_statistics = SyncBatchNorm(layout, layers)
     # Its collectives' keys and the statistics a recompute reuses are found by the
@@ -85,6 +89,82 @@ def apply_sync_batch_norm(hooks: StepHooks, layout: StepLayout, synchronize_all:
     # lanes' tasks are emitted together, so that nothing TF runs in program order (the
     # asserts of cross-worker transfers) makes lane li's next task wait for a later one.
     hooks.lanes_in_lockstep = True
+
+
+class RealRowBatchNorm(LocalBatchStatistics):
+    """`StepHooks.batch_statistics` of BatchNorm that is not synchronized: each lane's
+    layers normalise over the lane's rows, as before, but only its real ones. Rows added
+    to fill an odd batch (copies with weight 0) would otherwise enter the batch moments,
+    so the normalisation of the real rows and the moving statistics. A micro-batch with no
+    real row leaves the moving statistics where they are.
+
+    Args:
+      layers: per stage, its BatchNormalization layers.
+    """
+
+    def __init__(self, layers: list[list]):
+        self.layers = layers
+
+    def forward(self, li: int, stage: int, micro_batch, mask):
+        return self._installed(stage, mask)
+
+    def backward(self, li: int, stage: int, micro_batch, mask):
+        return self._installed(stage, mask)  # a recomputed forward: the same moments
+
+    @contextlib.contextmanager
+    def _installed(self, stage: int, row_mask):
+        layers = self.layers[stage] if row_mask is not None else []
+        try:
+            for layer in layers:
+                object.__setattr__(layer, "_moments", _real_row_moments(layer, row_mask))
+            yield
+        finally:
+            for layer in layers:
+                if "_moments" in layer.__dict__:
+                    object.__delattr__(layer, "_moments")
+
+
+def _real_row_moments(layer, row_mask):
+    """Keras's `_moments(inputs, mask)` for `layer` over the rows where `row_mask` is 1."""
+
+    def moments(inputs, mask=None):
+        weights = _row_weights(layer, inputs, row_mask, mask)
+        return _weighted_moments(layer, inputs, weights, lambda name, value: value)
+
+    return moments
+
+
+def _weighted_moments(layer, x, weights, summed):
+    """Mean and variance of `x` over `layer`'s reduction axes, each value counted by
+    `weights` (None: all), as `tf.nn.moments` computes them; `summed(name, value)` reduces
+    the sums over the rows of other lanes ("sum": sums and counts, "squares": squared
+    deviations), or returns them for one lane. Shaped like Keras's own `_moments`."""
+    axes = list(layer._reduction_axes)
+    keep = [1 if i in axes else x.shape[i] for i in range(len(x.shape))]
+    if weights is None:
+        sums = tf.reduce_sum(x, axes)
+        count = tf.fill(tf.shape(sums), tf.cast(tf.size(x), x.dtype)
+                        / tf.cast(tf.size(sums), x.dtype))  # fmt: skip
+    else:
+        sums = tf.reduce_sum(x * weights, axes)
+        count = tf.reduce_sum(tf.broadcast_to(weights, tf.shape(x)), axes)
+    channels = int(sums.shape[0])
+    totals = summed("sum", tf.concat([sums, count], axis=0))
+    total_sum, total_count = totals[:channels], totals[channels:]
+    mean = tf.math.divide_no_nan(total_sum, total_count)
+    # As tf.nn.moments: deviations from the mean without its gradient (which is 0).
+    deviations = tf.square(x - tf.reshape(tf.stop_gradient(mean), keep))
+    if weights is not None:
+        deviations = deviations * weights
+    squares = summed("squares", tf.reduce_sum(deviations, axes))
+    variance = tf.math.divide_no_nan(squares, total_count)
+    if weights is not None:
+        # A micro-batch without a real row (filling up a tiny batch) keeps the moving
+        # statistics where they are, as if it did not exist.
+        seen = total_count > 0
+        mean = tf.where(seen, mean, keras.ops.cast(layer.moving_mean, mean.dtype))
+        variance = tf.where(seen, variance, keras.ops.cast(layer.moving_variance, mean.dtype))
+    return mean, variance
 
 
 @dataclasses.dataclass
@@ -164,33 +244,10 @@ class SyncBatchNorm(LocalBatchStatistics):
     def _global_moments(self, run: _Pass, slot: tuple, layer, x, keras_mask):
         """Mean and variance over the (stage, micro-batch)'s rows of every lane, shaped
         like Keras's own `_moments` (one value per channel)."""
-        axes = list(layer._reduction_axes)
         weights = _row_weights(layer, x, run.mask, keras_mask)
-        keep = [1 if i in axes else x.shape[i] for i in range(len(x.shape))]
-        if weights is None:
-            sums = tf.reduce_sum(x, axes)
-            count = tf.fill(tf.shape(sums), tf.cast(tf.size(x), x.dtype)
-                            / tf.cast(tf.size(sums), x.dtype))  # fmt: skip
-        else:
-            sums = tf.reduce_sum(x * weights, axes)
-            count = tf.reduce_sum(tf.broadcast_to(weights, tf.shape(x)), axes)
-        channels = int(sums.shape[0])
-        totals = self._summed(run, (*slot, "sum"), tf.concat([sums, count], axis=0))
-        total_sum, total_count = totals[:channels], totals[channels:]
-        mean = tf.math.divide_no_nan(total_sum, total_count)
-        # As tf.nn.moments: deviations from the mean without its gradient (which is 0).
-        deviations = tf.square(x - tf.reshape(tf.stop_gradient(mean), keep))
-        if weights is not None:
-            deviations = deviations * weights
-        squares = self._summed(run, (*slot, "squares"), tf.reduce_sum(deviations, axes))
-        variance = tf.math.divide_no_nan(squares, total_count)
-        if weights is not None:
-            # A micro-batch without a real row on any lane (filling up a tiny batch) keeps
-            # the moving statistics where they are, as if it did not exist.
-            seen = total_count > 0
-            mean = tf.where(seen, mean, keras.ops.cast(layer.moving_mean, mean.dtype))
-            variance = tf.where(seen, variance, keras.ops.cast(layer.moving_variance, mean.dtype))
-        return mean, variance
+        return _weighted_moments(
+            layer, x, weights, lambda name, value: self._summed(run, (*slot, name), value)
+        )
 
     def _summed(self, run: _Pass, slot: tuple, local):
         """`local` summed over the lanes of the stage's group (differentiable: the
