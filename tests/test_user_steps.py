@@ -248,3 +248,35 @@ def test_pipeline_stages_are_refused_by_name():
             stages={first: 0, second: 1},
             config={"cluster.virtual_devices": 2},
         )
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_the_models_own_step_across_two_workers(tmp_path):
+    """2 workers x 2 devices (4 lanes), each worker's 8-row batches: the user's step on
+    the 16-row global batch, as Keras runs it on one device (SGD and Adam)."""
+    import os
+    import sys
+
+    from _launch import SCRIPTS, run_launch
+
+    sys.path.insert(0, SCRIPTS)
+    import train_dp
+    import train_user_step as script
+
+    result = run_launch(os.path.join(SCRIPTS, "train_user_step.py"), tmp_path, 2, 2, timeout=280)
+    assert result.returncode == 0, result.stdout + result.stderr
+    x, y = train_dp.make_data()
+    for name, (cls, rate) in script.OPTIMIZERS.items():
+        reference = script.halved_gradients_model()
+        reference.compile(getattr(keras.optimizers, cls)(rate), LOSS)
+        history = reference.fit(
+            x, y, batch_size=2 * script.PER_WORKER_BATCH, steps_per_epoch=script.STEPS,
+            shuffle=False, verbose=0,
+        )  # fmt: skip
+        for worker in range(2):
+            saved = np.load(tmp_path / "out" / f"worker_{worker}.npz")
+            for i, value in enumerate(reference.get_weights()):
+                np.testing.assert_allclose(saved[f"{name}_{i}"], value, atol=1e-5)
+            # The epoch's loss: the model's metric summed over both workers' lanes.
+            np.testing.assert_allclose(saved[f"{name}_loss"], history.history["loss"], rtol=1e-5)

@@ -25,14 +25,19 @@ class MetricSync:
 
     def results(self, named_metrics) -> dict:
         """{log key: value over all workers} of [(log key, metric)] (the metrics must
-        stay the same)."""
+        stay the same); a metric whose result is a dict (Keras's `CompileMetrics`) gives
+        its items, as Keras flattens logs."""
         if self._reduce is None:
             self._reduce = self._build([v for _, m in named_metrics for v in m.variables])
         reduced = iter(self._reduce())
         logs = {}
         for name, m in named_metrics:
             values = [next(reduced) for _ in m.variables]
-            logs[name] = log_value(m.stateless_result(values))
+            result = m.stateless_result(values)
+            if isinstance(result, dict):
+                logs.update({key: log_value(value) for key, value in result.items()})
+            else:
+                logs[name] = log_value(result)
         return logs
 
     def _build(self, variables):

@@ -91,6 +91,8 @@ class ObjectivesMixin:
                 results.update(result if isinstance(result, dict) else {metric.name: result})
             if step_logs is not None and set(step_logs) != set(results):
                 return dict(step_logs)
+            if self._metric_sync is not None:  # the metrics of every worker's rows
+                return self._metric_sync.results(self._named_metrics())
             return {name: fit_lib.log_value(value) for name, value in results.items()}
         named = self._named_metrics()
         if self._metric_sync is not None:
