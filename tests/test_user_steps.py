@@ -280,3 +280,38 @@ def test_the_models_own_step_across_two_workers(tmp_path):
                 np.testing.assert_allclose(saved[f"{name}_{i}"], value, atol=1e-5)
             # The epoch's loss: the model's metric summed over both workers' lanes.
             np.testing.assert_allclose(saved[f"{name}_loss"], history.history["loss"], rtol=1e-5)
+
+
+def _distiller(optimizer):
+    """Keras's own `keras.distillation.Distiller` (its compute_loss adds the distillation
+    loss against a frozen teacher): a model with its own step that we did not write."""
+    keras.utils.set_random_seed(8)
+    teacher = keras.Sequential(
+        [keras.Input((8,)), keras.layers.Dense(32, "relu"), keras.layers.Dense(3)]
+    )
+    student = keras.Sequential(
+        [keras.Input((8,)), keras.layers.Dense(8, "relu"), keras.layers.Dense(3)]
+    )
+    distiller = keras.distillation.Distiller(
+        teacher=teacher,
+        student=student,
+        distillation_losses=keras.distillation.LogitsDistillation(temperature=3.0),
+        student_loss_weight=0.5,
+    )
+    distiller.compile(OPTIMIZERS[optimizer](), LOSS, metrics=["accuracy"])
+    return distiller
+
+
+@pytest.mark.parametrize("optimizer", sorted(OPTIMIZERS))
+def test_keras_distiller_trains_as_in_keras(optimizer):
+    x, y = _data()
+    reference = _distiller(optimizer)
+    expected = reference.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0).history
+    distiller = _distiller(optimizer)
+    trainer = epl.EPLTrainer(distiller, config={"cluster.virtual_devices": 2})
+    got = trainer.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0).history
+    assert _max_difference(reference.student.get_weights(), distiller.student.get_weights()) < ATOL
+    assert _max_difference(reference.teacher.get_weights(), distiller.teacher.get_weights()) == 0
+    assert set(got) == set(expected)
+    for name in expected:
+        np.testing.assert_allclose(got[name], expected[name], rtol=1e-5, atol=1e-6)
