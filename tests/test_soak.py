@@ -36,12 +36,27 @@ THREAD_SLACK = 8
 CHILD = "EPL_SOAK_CHILD"
 
 
+class OwnStep(keras.Model):
+    """A train_step of its own (user_steps.py: a reduction at every apply, lane storage
+    swapped while tracing): the same soak must stay flat."""
+
+    def train_step(self, data):
+        x, y = data
+        with tf.GradientTape() as tape:
+            loss = self.compute_loss(x=x, y=y, y_pred=self(x, training=True))
+        grads = tape.gradient(loss, self.trainable_variables)
+        self.optimizer.apply_gradients(zip(grads, self.trainable_variables))
+        return self.compute_metrics(x, y, self(x), sample_weight=None)
+
+
 @pytest.mark.slow
-def test_thousands_of_data_parallel_steps_keep_threads_and_memory_flat():
+@pytest.mark.parametrize("step", ["engine", "user"])
+def test_thousands_of_data_parallel_steps_keep_threads_and_memory_flat(step):
     if os.environ.get(CHILD):
-        _soak()
+        _soak(OwnStep if step == "user" else keras.Model)
         return
-    test = f"{__file__}::test_thousands_of_data_parallel_steps_keep_threads_and_memory_flat"
+    name = "test_thousands_of_data_parallel_steps_keep_threads_and_memory_flat"
+    test = f"{__file__}::{name}[{step}]"
     result = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-s", "-p", "no:cacheprovider", test],
         env={**os.environ, CHILD: "1"},
@@ -54,11 +69,11 @@ def test_thousands_of_data_parallel_steps_keep_threads_and_memory_flat():
     assert "1 passed" in result.stdout
 
 
-def _soak():
+def _soak(model_class):
     keras.utils.set_random_seed(0)
     inputs = keras.Input((8,))
     hidden = keras.layers.Dense(16, activation="relu")(inputs)
-    model = keras.Model(inputs, keras.layers.Dense(4)(hidden))
+    model = model_class(inputs, keras.layers.Dense(4)(hidden))
     x = np.random.default_rng(0).normal(size=(256, 8)).astype("float32")
     y = (x[:, :4].argmax(axis=1)).astype("int32")
     dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(16).repeat()

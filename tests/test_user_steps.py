@@ -315,3 +315,22 @@ def test_keras_distiller_trains_as_in_keras(optimizer):
     assert set(got) == set(expected)
     for name in expected:
         np.testing.assert_allclose(got[name], expected[name], rtol=1e-5, atol=1e-6)
+
+
+def test_the_trainers_loss_and_optimizer_become_the_models_compile():
+    """An uncompiled model with its own compute_loss, given its loss, optimizer and
+    metrics through EPLTrainer: its step reads them as if compile() had been called."""
+    x, y = _data()
+    reference = _model(L2Loss)
+    reference.compile(keras.optimizers.SGD(0.1), LOSS, metrics=["accuracy"])
+    expected = reference.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0).history
+    model = _model(L2Loss)
+    trainer = epl.EPLTrainer(
+        model, LOSS, keras.optimizers.SGD(0.1), metrics=["accuracy"],
+        config={"cluster.virtual_devices": 2},
+    )  # fmt: skip
+    got = trainer.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0).history
+    assert model.optimizer is trainer.optimizer
+    assert _max_difference(reference.get_weights(), model.get_weights()) < ATOL
+    for name in expected:
+        np.testing.assert_allclose(got[name], expected[name], rtol=1e-5, atol=1e-6)

@@ -75,6 +75,25 @@ def user_jit_intent(model) -> bool | str:
     return "auto" if recorded == keras_auto else recorded
 
 
+def compile_for_own_steps(model, optimizer, objectives: dict, passed: tuple) -> None:
+    """A model running its own steps (core/engine/user_steps.py) reads `compile()`'s
+    settings itself (Keras's `compute_loss`, `compute_metrics`, `self.optimizer`): the
+    optimizer, loss and metrics the trainer was given become its `compile()`, as the user
+    compiling it with them would. A model compiled by its user, with nothing passed to the
+    trainer, keeps its own (a GAN's `compile` may take other arguments).
+
+    Args:
+      optimizer: the trainer's; another than the model's counts as given.
+      objectives: the resolved loss, metrics, loss_weights and weighted_metrics.
+      passed: the trainer's loss, metrics, loss_weights and weighted_metrics arguments
+        (None: not given).
+    """
+    own = unwrapped_optimizer(getattr(model, "optimizer", None)) is optimizer
+    if getattr(model, "compiled", False) and own and all(v is None for v in passed):
+        return
+    model.compile(optimizer=optimizer, **objectives)
+
+
 def unwrapped_optimizer(optimizer):
     """The optimizer inside a `LossScaleOptimizer` (which compile() wraps around it under
     mixed_float16): the engine scales the loss itself (`mixed_precision_keys`)."""

@@ -97,8 +97,8 @@ class EPLTrainer(CheckpointMixin, TrainingDataMixin, InferenceMixin, OnBatchMixi
         agree on the end of the data before each step inside the loop.
       jit_compile: XLA, as `Model.compile(jit_compile=True)`: on one device the whole
         step but the update (`optimizer.jit_compile`), else each stage's forward and
-        backward. Default: True if the model was compiled with True, else "auto": the
-        whole step on one device when oneDNN is off, else plain ops (jit_choice.py).
+        backward. Default: a compiled value Keras's "auto" would not give, else "auto"
+        (jit_choice.py). A model's own train_step runs in plain ops.
 
     A Sequential model without an input shape is built from the first data's shapes (as
     `Model.fit` builds it) and planned then; `plan`, `staged` and `lanes` exist from then on.
@@ -209,13 +209,13 @@ class EPLTrainer(CheckpointMixin, TrainingDataMixin, InferenceMixin, OnBatchMixi
             if chosen is not None:
                 self.optimizer = keras.optimizers.get(chosen)
         self.model = model
-        self._setup_objectives(
-            model,
+        objectives = dict(
             loss=first(loss, spec.loss, given.get("loss")),
             metrics=first(metrics, spec.metrics, given.get("metrics")),
             loss_weights=first(loss_weights, spec.loss_weights, given.get("loss_weights")),
             weighted_metrics=first(weighted_metrics, given.get("weighted_metrics")),
         )
+        self._setup_objectives(model, **objectives)
         annotation = strategies.resolve_trainer_annotation(
             model, self.config.auto.auto_parallel, strategy, stages, split
         )
@@ -236,6 +236,9 @@ class EPLTrainer(CheckpointMixin, TrainingDataMixin, InferenceMixin, OnBatchMixi
             self.config, self.engine_plan.plan = self.deepspeed.resolve_plan(
                 self.config, self.engine_plan.plan, len(self.engine_plan.lanes_in_job)
             )
+        if self.engine_plan.user_steps:  # its own steps read compile()'s settings
+            passed = (loss, metrics, loss_weights, weighted_metrics)
+            compiled.compile_for_own_steps(model, self.optimizer, objectives, passed)
         if compiled.unwrapped_optimizer(getattr(model, "optimizer", None)) is not self.optimizer:
             # What Keras callbacks read (LR, iterations) and Keras saves. A LossScaleOptimizer
             # around it stays: it holds the loss scale (update/master_state.py).
@@ -354,7 +357,7 @@ class EPLTrainer(CheckpointMixin, TrainingDataMixin, InferenceMixin, OnBatchMixi
           every epoch, from a seed drawn from NumPy's global generator (the same on every
           worker); "batch" shuffles whole batches; False keeps the array order (for runs
           compared with a fixed-order reference or resumed from a checkpoint). A Dataset
-          is used as given.
+          is used as given, sharded across workers (`io.auto_shard`).
         - `sample_weight` and `class_weight` become one float32 weight per sample;
           `class_weight` needs a single output. Dataset elements may be
           `(x, y, sample_weight)`.
@@ -462,11 +465,9 @@ class EPLTrainer(CheckpointMixin, TrainingDataMixin, InferenceMixin, OnBatchMixi
         return self.model.history
 
     def _run_hook(self, callbacks, hook: str, *args) -> None:
-        """Runs a callback hook in which a callback may set the model's weights (Keras's
-        SwapEMAWeights swaps them with the optimizer's moving averages; a user's callback
-        may call set_weights): the Keras model (and the optimizer's averages) get the
-        trainer's state before it, the trainer takes them back after it. Other hooks run
-        as they are."""
+        """Runs a callback hook; where a callback may set the weights (SwapEMAWeights, a
+        set_weights), the model (and the optimizer's averages) get the trainer's state
+        before it and the trainer takes them back after it."""
         sync = self._engine is not None and fit_lib.may_set_weights(callbacks, hook)
         sync_ema = sync and ema.uses_ema(self.optimizer) and not self._engine.runs_user_steps
         if sync:
@@ -494,7 +495,6 @@ class EPLTrainer(CheckpointMixin, TrainingDataMixin, InferenceMixin, OnBatchMixi
     def _run_epoch(self, batches, callback_list, write_back_each_step, first_step=0) -> dict:
         program = self._ensure_engine_for(batches.dataset)
         self._reset_metrics()
-        # A model's own train_step: its logs as it returns them.
         log_names = None if self._runs_user_steps else {n for n, _ in self._named_metrics()}
         chunk = {"last": -1, "end": 0, "ran": 0}  # the last call's step indices and iterations
 
