@@ -6,10 +6,8 @@ module) start without loading TensorFlow.
 
 import importlib
 
-from epl_trainer import _moved
 from epl_trainer.runtime import onednn
 
-_moved.install()  # old import paths (`epl_trainer.trainer`, ...) keep working
 onednn.choose_default()  # before TensorFlow loads: it reads the variable once
 
 __version__ = "0.1.0"
@@ -40,15 +38,15 @@ _EXPORTS = {
     "DeepSpeedConfigError": "epl_trainer.deepspeed.keys",
 }
 
-# Submodules reachable as attributes (`epl.io.slice_files`, `epl.layers.MoE`).
-_SUBMODULES = ("io", "layers")
+# Submodules reachable as attributes (`epl.io.slice_files`, `epl.layers.MoE`), by their module.
+_SUBMODULES = {"io": "epl_trainer.training.io", "layers": "epl_trainer.layers"}
 
 __all__ = [*_EXPORTS, *_SUBMODULES, "__version__"]
 
 
 def __getattr__(name):
     if name in _SUBMODULES:
-        return importlib.import_module(f"epl_trainer.{name}")
+        return importlib.import_module(_SUBMODULES[name])
     module = _EXPORTS.get(name)
     if module is None:
         raise AttributeError(f"module 'epl_trainer' has no attribute {name!r}")

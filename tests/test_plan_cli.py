@@ -122,7 +122,7 @@ def test_byte_counts():
 def test_needs_no_tensorflow_and_is_a_console_script():
     code = (
         "import sys\n"
-        "from epl_trainer import plan_cli\n"
+        "from epl_trainer.runtime import plan_cli\n"
         "plan_cli.main(['--model', 'bert', '--num_workers', '64', '--gpu_per_worker', '8'])\n"
         "assert 'tensorflow' not in sys.modules and 'keras' not in sys.modules\n"
     )

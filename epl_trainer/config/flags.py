@@ -7,7 +7,7 @@ Importing this module defines both flags on `absl.flags.FLAGS`, so a script only
 needs::
 
     from absl import app
-    from epl_trainer import flags as epl_flags
+    from epl_trainer.config import flags as epl_flags
 
     def main(argv):
         config = epl_flags.config_from_flags()
