@@ -11,8 +11,8 @@ from _models import LOSS, mlp, mlp_data
 import epl_trainer as epl
 from epl_trainer import deepspeed
 from epl_trainer.deepspeed import DeepSpeedConfig, DeepSpeedConfigError, resolve_batch_sizes
-from epl_trainer.deepspeed.update_rules import FusedLamb
 from epl_trainer.training import schedules
+from epl_trainer.training.update_rules import FusedLamb
 
 DATA = Path(__file__).parent / "data"
 # The two example configs of DeepSpeed's quick-start documentation, verbatim.

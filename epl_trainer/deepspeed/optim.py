@@ -29,7 +29,6 @@ from typing import Any
 
 import keras
 
-from epl_trainer.deepspeed import update_rules
 from epl_trainer.deepspeed.keys import (
     DeepSpeedConfigError,
     as_bool,
@@ -40,7 +39,7 @@ from epl_trainer.deepspeed.keys import (
     is_auto,
     unsupported,
 )
-from epl_trainer.training import optimizers, schedules
+from epl_trainer.training import optimizers, schedules, update_rules
 
 logger = logging.getLogger(__name__)
 
