@@ -11,7 +11,8 @@ from _models import LOSS, mlp, mlp_data
 import epl_trainer as epl
 from epl_trainer import deepspeed
 from epl_trainer.deepspeed import DeepSpeedConfig, DeepSpeedConfigError, resolve_batch_sizes
-from epl_trainer.training import schedules
+from epl_trainer.deepspeed.setup import ScheduleSpec
+from epl_trainer.training import deepspeed_run, schedules
 from epl_trainer.training.update_rules import FusedLamb
 
 DATA = Path(__file__).parent / "data"
@@ -22,8 +23,9 @@ TWO_DEVICES = epl.Config({"cluster.virtual_devices": 2})
 
 
 def _translate(values, optimizer=None, base=TWO_DEVICES, **kwargs):
+    """The config translated and its optimizer built, as EPLTrainer does (a DeepSpeedRun)."""
     optimizer = optimizer or keras.optimizers.AdamW(1e-3)
-    return DeepSpeedConfig(values, base=base, **kwargs).translate(optimizer)
+    return deepspeed_run.translate(DeepSpeedConfig(values, base=base, **kwargs), optimizer)
 
 
 @pytest.fixture
@@ -40,14 +42,14 @@ def test_reference_stage2_config_translates_with_auto_values_resolved():
     trainer_optimizer = keras.optimizers.AdamW(
         3e-4, beta_1=0.8, beta_2=0.98, epsilon=1e-7, weight_decay=0.05, global_clipnorm=0.5
     )
-    setup = _translate(str(STAGE2), trainer_optimizer, warmup_num_steps=20)
-    config = setup.config
+    run = _translate(str(STAGE2), trainer_optimizer, warmup_num_steps=20)
+    config = run.config
     # fp16.enabled "auto" follows the base config's amp, which is off.
     assert config.amp.level == ""
     # Stage 2 + CPU optimizer offload -> ZeRO v1 with the shards' state on the host.
     assert (config.zero.level, config.offload.level) == ("v1", "v0")
     assert config.communication.clip_after_allreduce
-    optimizer = setup.optimizer
+    optimizer = run.optimizer
     assert type(optimizer) is keras.optimizers.AdamW
     assert (optimizer.beta_1, optimizer.beta_2, optimizer.epsilon) == (0.8, 0.98, 1e-7)
     assert optimizer.weight_decay == pytest.approx(0.05)
@@ -60,21 +62,21 @@ def test_reference_stage2_config_translates_with_auto_values_resolved():
         "warmup_num_steps": 20,
         "warmup_type": "log",
     }
-    assert setup.requested == (None, None, None)  # batch sizes come from fit
-    assert setup.steps_per_print == 100
-    assert [(m.kind, m.output_path, m.job_name) for m in setup.monitors] == [
+    assert run.setup.requested == (None, None, None)  # batch sizes come from fit
+    assert run.setup.steps_per_print == 100
+    assert [(m.kind, m.output_path, m.job_name) for m in run.setup.monitors] == [
         ("csv_monitor", "", "stage2_test")
     ]
 
 
 def test_reference_stage2_config_fp16_auto_follows_base_amp():
     base = epl.Config({"amp.level": "O1"})
-    setup = _translate(str(STAGE2), keras.optimizers.AdamW(1e-3), base=base)
-    amp = setup.config.amp
+    run = _translate(str(STAGE2), keras.optimizers.AdamW(1e-3), base=base)
+    amp = run.config.amp
     assert (amp.level, amp.dtype, amp.loss_scale) == ("O1", "float16", "dynamic")
     assert (amp.initial_scale_power, amp.loss_scale_window, amp.hysteresis) == (16, 1000, 2)
     assert amp.min_loss_scale == 1
-    assert setup.fp16
+    assert run.setup.fp16
 
 
 def test_reference_stage3_config_trains_with_parameters_and_optimizer_on_the_host(
@@ -282,6 +284,29 @@ def test_without_optimizer_section_the_trainer_optimizer_gets_schedule_and_clipp
     assert optimizer.global_clipnorm == 2.0
 
 
+def test_the_translation_is_data_and_the_trainer_builds_the_optimizer_from_it():
+    """deepspeed/ reads the trainer's optimizer as plain values and describes the optimizer
+    it asks for; training/deepspeed_run.py builds the Keras optimizer from the description."""
+    trainer = deepspeed.TrainerOptimizer("SGD", learning_rate=0.2, global_clipnorm=1.5)
+    values = {
+        "optimizer": {
+            "type": "Adam",
+            "params": {"lr": "auto", "adam_w_mode": False, "weight_decay": 0.01},
+        },
+        "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 5}},
+        "gradient_clipping": "auto",
+    }
+    spec = DeepSpeedConfig(values, base=TWO_DEVICES).translate(trainer).optimizer
+    assert (spec.rule, spec.l2_weight_decay, spec.global_clipnorm) == ("Adam", 0.01, 1.5)
+    assert spec.arguments["learning_rate"] == 0.2 and spec.arguments["beta_1"] == 0.9
+    assert spec.schedule == ScheduleSpec("WarmupLR", {"warmup_num_steps": 5}, 0.2)
+    built = deepspeed_run.build_optimizer(spec, keras.optimizers.SGD())
+    assert isinstance(built, keras.optimizers.Adam) and built.l2_weight_decay == 0.01
+    assert isinstance(built._learning_rate, schedules.WarmupLR) and built.global_clipnorm == 1.5
+    with pytest.raises(DeepSpeedConfigError, match="scheduler WarmupDecayLR needs params"):
+        _translate({"scheduler": {"type": "WarmupDecayLR", "params": {}}})
+
+
 # ---- schedulers ------------------------------------------------------------------------------
 
 
@@ -421,8 +446,8 @@ def test_native_keys_in_a_deepspeed_config_point_to_the_base_config():
 
 
 def test_disabled_unsupported_features_are_accepted():
-    setup = _translate({"wandb": {"enabled": False}, "comet": {"enabled": False}})
-    assert setup.monitors == ()
+    run = _translate({"wandb": {"enabled": False}, "comet": {"enabled": False}})
+    assert run.setup.monitors == ()
 
 
 def test_flops_profiler_maps_onto_the_profiler_section():

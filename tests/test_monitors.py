@@ -11,7 +11,7 @@ from _models import LOSS, mlp, mlp_data
 
 import epl_trainer as epl
 from epl_trainer.deepspeed import DeepSpeedConfig
-from epl_trainer.training import monitors, schedules
+from epl_trainer.training import deepspeed_run, monitors, schedules
 
 TWO_DEVICES = epl.Config({"cluster.virtual_devices": 2})
 TAGS = [monitors.TRAIN_LOSS, monitors.LEARNING_RATE, monitors.LOSS_SCALE]
@@ -149,10 +149,9 @@ def test_trainer_writes_deepspeed_events_per_step(tmp_path, caplog):
 
 
 def test_monitors_run_on_worker_zero_only(tmp_path):
-    setup = DeepSpeedConfig(_ds_values(tmp_path), base=TWO_DEVICES).translate(
-        keras.optimizers.SGD()
-    )
-    assert setup.callbacks(loss_tracker=None, is_chief=False) == []
+    config = DeepSpeedConfig(_ds_values(tmp_path), base=TWO_DEVICES)
+    run = deepspeed_run.translate(config, keras.optimizers.SGD())
+    assert run.callbacks(loss_tracker=None, is_chief=False) == []
     assert not (tmp_path / "csv").exists()
 
 

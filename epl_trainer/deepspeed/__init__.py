@@ -1,7 +1,10 @@
 """DeepSpeed-style JSON configs for EPLTrainer.
 
 `EPLTrainer(model, ..., config="ds_config.json")` recognises a DeepSpeed config and
-translates it (see `translate.py` for the steps and docs/guides/deepspeed.md for the key table)::
+translates it (see `translate.py` for the steps and docs/guides/deepspeed.md for the key table)
+into data: config keys and descriptions of the optimizer, schedule and monitors, from
+which the trainer builds the Keras objects (`training/deepspeed_run.py`). Pure Python:
+this package imports nothing of ours above `config/`::
 
     from epl_trainer import deepspeed
 
@@ -11,13 +14,8 @@ translates it (see `translate.py` for the steps and docs/guides/deepspeed.md for
 
 from epl_trainer.deepspeed.batch import BatchSizes, resolve_batch_sizes
 from epl_trainer.deepspeed.keys import DeepSpeedConfigError
-from epl_trainer.deepspeed.translate import (
-    TOP_LEVEL_KEYS,
-    DeepSpeedConfig,
-    DeepSpeedSetup,
-    is_deepspeed_config,
-    trainer_setup,
-)
+from epl_trainer.deepspeed.setup import DeepSpeedSetup, TrainerOptimizer
+from epl_trainer.deepspeed.translate import TOP_LEVEL_KEYS, DeepSpeedConfig, is_deepspeed_config
 
 __all__ = [
     "TOP_LEVEL_KEYS",
@@ -25,7 +23,7 @@ __all__ = [
     "DeepSpeedConfig",
     "DeepSpeedConfigError",
     "DeepSpeedSetup",
+    "TrainerOptimizer",
     "is_deepspeed_config",
     "resolve_batch_sizes",
-    "trainer_setup",
 ]

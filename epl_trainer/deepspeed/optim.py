@@ -1,4 +1,5 @@
-"""DeepSpeed `optimizer` and `scheduler` sections -> a Keras optimizer and schedule.
+"""DeepSpeed `optimizer` and `scheduler` sections -> descriptions of a Keras optimizer
+and schedule (`OptimizerSpec`, `ScheduleSpec`; `training/deepspeed_run.py` builds them).
 
 Each DeepSpeed optimizer type maps to the Keras optimizer with the same update rule;
 `params` use PyTorch's names (`lr`, `betas`, `eps`, `weight_decay`) and DeepSpeed's
@@ -18,16 +19,13 @@ PyTorch's coupled (L2) weight decay - `Adam` with `adam_w_mode: false`, `SGD`,
 `Adagrad` - adds wd * w to each gradient: the Keras class wrapped by
 `update_rules.with_l2`. Keras's own `weight_decay` is decoupled (AdamW-style: w -= lr *
 wd * w before the update), which is what DeepSpeed's AdamW, Lion and `Adam` (default
-`adam_w_mode: true`) do.
+`adam_w_mode: true`) do. Pure Python: "auto" values come from a `TrainerOptimizer`.
 """
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Mapping
 from typing import Any
-
-import keras
 
 from epl_trainer.deepspeed.keys import (
     DeepSpeedConfigError,
@@ -39,9 +37,7 @@ from epl_trainer.deepspeed.keys import (
     is_auto,
     unsupported,
 )
-from epl_trainer.training import optimizers, schedules, update_rules
-
-logger = logging.getLogger(__name__)
+from epl_trainer.deepspeed.setup import OptimizerSpec, ScheduleSpec, TrainerOptimizer
 
 # type (lower case) -> DeepSpeed's default params (the Keras class: _TYPE_KWARGS).
 _ADAM_DEFAULTS = {"lr": 1e-3, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.0}
@@ -74,36 +70,32 @@ _KNOWN_UNSUPPORTED = {
 SCHEDULERS = ("WarmupLR", "WarmupDecayLR", "WarmupCosineLR", "OneCycle", "LRRangeTest")
 
 
-def trainer_value(optimizer, name: str, where: str):
+def trainer_value(trainer: TrainerOptimizer, name: str, where: str):
     """A value of the trainer's own optimizer, the source of "auto" (as HF's TrainingArguments)."""
     if name == "lr":
-        if isinstance(optimizer._learning_rate, keras.optimizers.schedules.LearningRateSchedule):
+        if trainer.learning_rate is None:
             raise DeepSpeedConfigError(
                 f"DeepSpeed config {where}='auto' takes the learning rate of the trainer's "
                 "optimizer, which is a schedule; give a number in the config, or an optimizer "
-                f"with a constant learning rate. Received: {optimizer._learning_rate!r}"
+                f"with a constant learning rate. Received: {trainer.schedule}"
             )
-        return float(keras.ops.convert_to_numpy(optimizer.learning_rate))
+        return trainer.learning_rate
     if name == "betas":
-        if hasattr(optimizer, "beta_1") and hasattr(optimizer, "beta_2"):
-            return [float(optimizer.beta_1), float(optimizer.beta_2)]
-        return None
+        return trainer.betas
     if name == "eps":
-        return float(optimizer.epsilon) if hasattr(optimizer, "epsilon") else None
+        return trainer.epsilon
     if name == "weight_decay":
-        return float(optimizer.weight_decay or 0.0)
+        return trainer.weight_decay
     if name == "momentum":
-        return float(optimizer.momentum) if hasattr(optimizer, "momentum") else None
+        return trainer.momentum
     return None
 
 
-def build_optimizer(
-    section: Mapping, trainer_optimizer
-) -> tuple[keras.optimizers.Optimizer, float]:
+def build_optimizer(section: Mapping, trainer: TrainerOptimizer) -> tuple[OptimizerSpec, float]:
     """The Keras optimizer for DeepSpeed's `optimizer` section, and its learning rate.
 
-    "auto" params come from `trainer_optimizer` (the `optimizer=` given to the trainer);
-    params it lacks (e.g. betas of an SGD) take DeepSpeed's defaults.
+    "auto" params come from `trainer` (the `optimizer=` given to the trainer); params it
+    lacks (e.g. betas of an SGD) take DeepSpeed's defaults.
     """
     check_keys(section, {"type", "params"}, "'optimizer'")
     name = as_str(section.get("type"), "optimizer.type")
@@ -122,13 +114,13 @@ def build_optimizer(
     for key, value in given.items():
         where = f"optimizer.params.{key}"
         if is_auto(value):
-            value = trainer_value(trainer_optimizer, key, where)
+            value = trainer_value(trainer, key, where)
             if value is None:
                 value = defaults.get(key)
             if value is None:
                 raise DeepSpeedConfigError(
                     f"DeepSpeed config {where}='auto' has no value: the trainer's optimizer "
-                    f"({type(trainer_optimizer).__name__}) has none and DeepSpeed has no default."
+                    f"({trainer.name}) has none and DeepSpeed has no default."
                 )
         params[key] = value
     if params["lr"] is None:
@@ -149,43 +141,35 @@ def build_optimizer(
     weight_decay = as_float(
         params.get("weight_decay", 0.0), "optimizer.params.weight_decay", minimum=0.0
     )
-    cls = _TYPE_KWARGS[kind](kind, params, weight_decay, kwargs)
-    if cls in (keras.optimizers.AdamW, keras.optimizers.Lion):
+    rule, l2_weight_decay = _TYPE_KWARGS[kind](kind, params, weight_decay, kwargs)
+    if rule in ("AdamW", "Lion"):
         # Decoupled weight decay; Keras's AdamW defaults to 0.004, DeepSpeed to 0.
         kwargs["weight_decay"] = weight_decay
-    return cls(**kwargs), lr
-
-
-def _coupled(cls: type, weight_decay: float, kwargs: dict) -> type:
-    """`cls`, with PyTorch's coupled (L2) weight decay when it is not 0."""
-    if not weight_decay:
-        return cls
-    kwargs["l2_weight_decay"] = weight_decay
-    return update_rules.with_l2(cls)
+    return OptimizerSpec(rule, kwargs, l2_weight_decay=l2_weight_decay), lr
 
 
 def _param(params: Mapping, key: str, convert, default):
     return convert(params.get(key, default), f"optimizer.params.{key}")
 
 
-def _adam_kwargs(kind: str, params: Mapping, weight_decay: float, kwargs: dict) -> type:
+def _adam_kwargs(kind: str, params: Mapping, weight_decay: float, kwargs: dict):
     if not _param(params, "bias_correction", as_bool, True):
         raise unsupported("optimizer.params.bias_correction", False, "Keras Adam always corrects")
     _param(params, "torch_adam", as_bool, False)  # picks DeepSpeed's kernel only
     kwargs["amsgrad"] = _param(params, "amsgrad", as_bool, False)
     if kind == "adam" and not _param(params, "adam_w_mode", as_bool, True):
-        return _coupled(keras.optimizers.Adam, weight_decay, kwargs)
-    return keras.optimizers.AdamW
+        return "Adam", weight_decay  # coupled (L2)
+    return "AdamW", 0.0
 
 
-def _adagrad_kwargs(kind: str, params: Mapping, weight_decay: float, kwargs: dict) -> type:
+def _adagrad_kwargs(kind: str, params: Mapping, weight_decay: float, kwargs: dict):
     if _param(params, "lr_decay", as_float, 0.0):
         raise unsupported("optimizer.params.lr_decay", params["lr_decay"], "use a scheduler")
     kwargs["initial_accumulator_value"] = _param(params, "initial_accumulator_value", as_float, 0.0)
-    return _coupled(keras.optimizers.Adagrad, weight_decay, kwargs)
+    return "Adagrad", weight_decay  # coupled (L2)
 
 
-def _lamb_kwargs(kind: str, params: Mapping, weight_decay: float, kwargs: dict) -> type:
+def _lamb_kwargs(kind: str, params: Mapping, weight_decay: float, kwargs: dict):
     min_coeff = _param(params, "min_coeff", as_float, 0.01)
     max_coeff = _param(params, "max_coeff", as_float, 10.0)
     if not 0.0 <= min_coeff <= max_coeff:
@@ -196,23 +180,24 @@ def _lamb_kwargs(kind: str, params: Mapping, weight_decay: float, kwargs: dict) 
     if not _param(params, "bias_correction", as_bool, True):
         raise unsupported("optimizer.params.bias_correction", False, "Keras Lamb always corrects")
     kwargs.update(lamb_weight_decay=weight_decay, min_coeff=min_coeff, max_coeff=max_coeff)
-    return update_rules.FusedLamb
+    return "FusedLamb", 0.0
 
 
-def _lion_kwargs(kind: str, params: Mapping, weight_decay: float, kwargs: dict) -> type:
-    return keras.optimizers.Lion
+def _lion_kwargs(kind: str, params: Mapping, weight_decay: float, kwargs: dict):
+    return "Lion", 0.0
 
 
-def _sgd_kwargs(kind: str, params: Mapping, weight_decay: float, kwargs: dict) -> type:
+def _sgd_kwargs(kind: str, params: Mapping, weight_decay: float, kwargs: dict):
     if _param(params, "dampening", as_float, 0.0):
         why = "Keras SGD has no dampening"
         raise unsupported("optimizer.params.dampening", params["dampening"], why)
     kwargs["momentum"] = as_float(params["momentum"], "optimizer.params.momentum", minimum=0.0)
     kwargs["nesterov"] = _param(params, "nesterov", as_bool, False)
-    return _coupled(keras.optimizers.SGD, weight_decay, kwargs)
+    return "SGD", weight_decay  # coupled (L2)
 
 
-# Per-type params -> Keras keyword arguments; each returns the Keras class to build.
+# Per-type params -> Keras keyword arguments; each returns (the Keras class's name, the
+# coupled L2 weight decay).
 _TYPE_KWARGS = {
     "adam": _adam_kwargs,
     "adamw": _adam_kwargs,
@@ -272,6 +257,12 @@ _SCHEDULER_PARAMS = {
         "last_batch_iteration",
     },
 }
+# Params without a default in DeepSpeed's schedulers.
+_REQUIRED_PARAMS = {
+    "WarmupDecayLR": ("total_num_steps",),
+    "WarmupCosineLR": ("total_num_steps",),
+    "OneCycle": ("cycle_min_lr", "cycle_max_lr"),
+}
 _INT_PARAMS = {
     "warmup_num_steps",
     "total_num_steps",
@@ -309,8 +300,8 @@ def build_schedule(
     *,
     warmup_num_steps: int = 0,
     total_num_steps: int | None = None,
-):
-    """(learning-rate schedule, momentum schedule or None) for DeepSpeed's `scheduler`."""
+) -> ScheduleSpec:
+    """The schedule of DeepSpeed's `scheduler` section, for an optimizer at `learning_rate`."""
     check_keys(section, {"type", "params"}, "'scheduler'")
     name = as_str(section.get("type"), "scheduler.type", choices=SCHEDULERS)
     given = section.get("params") or {}
@@ -336,55 +327,7 @@ def build_schedule(
         else:
             value = as_float(value, where)
         params[key] = value
-    try:
-        return _make_schedule(name, params, learning_rate)
-    except (TypeError, ValueError) as err:
-        raise DeepSpeedConfigError(f"DeepSpeed config scheduler {name}: {err}") from err
-
-
-def _make_schedule(name: str, params: dict, learning_rate: float):
-    if name == "WarmupLR":
-        return schedules.WarmupLR(**params), None
-    if name == "WarmupDecayLR":
-        if "total_num_steps" not in params:
-            raise DeepSpeedConfigError(
-                "DeepSpeed config scheduler WarmupDecayLR needs params.total_num_steps."
-            )
-        return schedules.WarmupDecayLR(**params), None
-    if name == "WarmupCosineLR":
-        if "total_num_steps" not in params:
-            raise DeepSpeedConfigError(
-                "DeepSpeed config scheduler WarmupCosineLR needs params.total_num_steps."
-            )
-        return schedules.WarmupCosineLR(learning_rate, **params), None
-    if name == "LRRangeTest":
-        return schedules.LRRangeTest(**params), None
-    cycle_momentum = params.pop("cycle_momentum", True)
-    shape = {k: params[k] for k in schedules.CYCLE_KEYS if k in params}
-    momentum_keys = ("cycle_min_mom", "cycle_max_mom", "decay_mom_rate")
-    momentum = {k: params.pop(k) for k in momentum_keys if k in params}
-    for key in ("cycle_min_lr", "cycle_max_lr"):
+    for key in _REQUIRED_PARAMS.get(name, ()):
         if key not in params:
-            raise DeepSpeedConfigError(f"DeepSpeed config scheduler OneCycle needs params.{key}.")
-    lr_schedule = schedules.OneCycle(**params)
-    return lr_schedule, schedules.OneCycleMomentum(**momentum, **shape) if cycle_momentum else None
-
-
-def finish_optimizer(optimizer, schedule=None, momentum=None, clip_norm: float | None = None):
-    """`optimizer` rebuilt with the schedule, momentum cycling and global-norm clipping."""
-    overrides = {"global_clipnorm": clip_norm}
-    if schedule is not None:
-        overrides["learning_rate"] = schedule
-    rebuilt = optimizers.rebuild(optimizer, **overrides)
-    if momentum is None:
-        return rebuilt
-    if not schedules.supports_momentum_schedule(rebuilt):
-        # DeepSpeed's OneCycle also turns momentum cycling off (with a warning) for
-        # optimizers without betas.
-        logger.warning(
-            "OneCycle cycle_momentum is off: %s has no beta_1 (as in DeepSpeed, which needs "
-            "betas). Set scheduler.params.cycle_momentum to false to silence this.",
-            type(rebuilt).__name__,
-        )
-        return rebuilt
-    return schedules.with_momentum_schedule(rebuilt, momentum)
+            raise DeepSpeedConfigError(f"DeepSpeed config scheduler {name} needs params.{key}.")
+    return ScheduleSpec(name, params, learning_rate)

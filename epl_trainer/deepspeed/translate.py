@@ -1,4 +1,6 @@
-"""A DeepSpeed JSON config -> our `Config`, a Keras optimizer, batch sizes and monitors.
+"""A DeepSpeed JSON config -> our `Config` and descriptions of the optimizer, batch sizes
+and monitors (a `DeepSpeedSetup`: plain data; `training/deepspeed_run.py` builds the
+Keras objects from it).
 
 `DeepSpeedConfig` loads and checks the file (unknown keys are errors). `translate`
 turns it into a `DeepSpeedSetup` in these steps, each a small function:
@@ -10,9 +12,10 @@ turns it into a `DeepSpeedSetup` in these steps, each a small function:
 3. memory: `zero_optimization` -> `zero.stage` / `offload.level`;
    `activation_checkpointing` -> `gradient_checkpoint.type`;
 4. batch: `train_batch_size` & co., resolved once the data-parallel size is known
-   (`DeepSpeedSetup.resolve_plan`) or, when they are "auto", from `fit`'s batch size;
-5. monitors: `tensorboard`, `csv_monitor`, `steps_per_print` -> Keras callbacks;
-   `flops_profiler` -> `profiler.*` (the FLOPs profile, TFLOP/s and MFU in the logs).
+   (`DeepSpeedRun.resolve_plan`) or, when they are "auto", from `fit`'s batch size;
+5. monitors: `tensorboard`, `csv_monitor`, `steps_per_print` (Keras callbacks on the
+   trainer's side); `flops_profiler` -> `profiler.*` (the FLOPs profile, TFLOP/s and
+   MFU in the logs).
 
 The DeepSpeed config decides everything it has a key for (a section it lacks means
 DeepSpeed's default, e.g. no fp16); the other native keys (cluster, pipeline strategy,
@@ -21,6 +24,7 @@ communication, io) come from the base config: `epl.init()`'s, or `base=`.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -43,7 +47,12 @@ from epl_trainer.deepspeed.keys import (
     require_value,
     unsupported,
 )
-from epl_trainer.deepspeed.setup import DeepSpeedSetup, MonitorSpec
+from epl_trainer.deepspeed.setup import (
+    DeepSpeedSetup,
+    MonitorSpec,
+    OptimizerSpec,
+    TrainerOptimizer,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -253,7 +262,9 @@ class DeepSpeedConfig:
     def load(cls, source: Any) -> DeepSpeedConfig:
         return source if isinstance(source, DeepSpeedConfig) else cls(source)
 
-    def translate(self, trainer_optimizer, base: Config | None = None) -> DeepSpeedSetup:
+    def translate(
+        self, trainer_optimizer: TrainerOptimizer, base: Config | None = None
+    ) -> DeepSpeedSetup:
         """The trainer's pieces; "auto" values come from `trainer_optimizer` and `base`.
 
         Raises:
@@ -491,33 +502,35 @@ def _checkpointing(values: Mapping, base: Config) -> dict:
     return {"gradient_checkpoint.type": base.gradient_checkpoint.type or "auto"}
 
 
-def _optimizer(values: Mapping, trainer_optimizer, ds: DeepSpeedConfig):
-    """(Keras optimizer, clip norm or None) from optimizer, scheduler and gradient_clipping."""
+def _optimizer(
+    values: Mapping, trainer: TrainerOptimizer, ds: DeepSpeedConfig
+) -> tuple[OptimizerSpec, float | None]:
+    """(the optimizer, clip norm or None) from optimizer, scheduler and gradient_clipping."""
     if "optimizer" in values:
-        optimizer, lr = optim.build_optimizer(values["optimizer"], trainer_optimizer)
+        optimizer, lr = optim.build_optimizer(values["optimizer"], trainer)
     else:
-        optimizer = trainer_optimizer
-        lr = optim.trainer_value(trainer_optimizer, "lr", "scheduler (learning rate)")
-    schedule = momentum = None
+        optimizer = OptimizerSpec(rule=None)  # the trainer's own
+        lr = optim.trainer_value(trainer, "lr", "scheduler (learning rate)")
+    schedule = None
     if "scheduler" in values:
-        schedule, momentum = optim.build_schedule(
+        schedule = optim.build_schedule(
             values["scheduler"],
             lr,
             warmup_num_steps=ds.warmup_num_steps,
             total_num_steps=ds.total_num_steps,
         )
     clip = values.get("gradient_clipping", 0.0)
-    if "gradient_clipping" not in values and trainer_optimizer.global_clipnorm:
+    if "gradient_clipping" not in values and trainer.global_clipnorm:
         logger.warning(
             "The DeepSpeed config has no gradient_clipping (DeepSpeed's default: no clipping), "
             'so the optimizer\'s global_clipnorm=%s is not used; set "gradient_clipping": '
             '"auto" to keep it.',
-            trainer_optimizer.global_clipnorm,
+            trainer.global_clipnorm,
         )
     if is_auto(clip):
-        clip = trainer_optimizer.global_clipnorm or 0.0  # Hugging Face's max_grad_norm
+        clip = trainer.global_clipnorm or 0.0  # Hugging Face's max_grad_norm
     clip = as_float(clip, "gradient_clipping", minimum=0.0) or None
-    return optim.finish_optimizer(optimizer, schedule, momentum, clip), clip
+    return dataclasses.replace(optimizer, schedule=schedule, global_clipnorm=clip), clip
 
 
 def _monitors(values: Mapping) -> tuple[MonitorSpec, ...]:
@@ -556,22 +569,3 @@ def _flops_profiler(values: Mapping, base: Config) -> dict:
         "profiler.detailed": as_bool(section.get("detailed", True), f"{where}.detailed"),
         "profiler.output_file": as_str(output_file, f"{where}.output_file"),
     }
-
-
-def trainer_setup(config: Any, optimizer: Any):
-    """For `EPLTrainer.__init__`: (config, optimizer, DeepSpeedSetup or None).
-
-    A non-DeepSpeed `config` is returned unchanged. A DeepSpeed one is translated on top
-    of `epl.init()`'s config (unless it carries its own `base`), with "auto" values from
-    the trainer's `optimizer`.
-    """
-    if not is_deepspeed_config(config):
-        return config, optimizer, None
-    import keras
-
-    from epl_trainer.runtime.env import Env
-
-    setup = DeepSpeedConfig.load(config).translate(
-        keras.optimizers.get(optimizer), base=Env.get().config
-    )
-    return setup.config, setup.optimizer, setup

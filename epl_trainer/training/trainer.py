@@ -15,7 +15,6 @@ import time
 import keras
 import tensorflow as tf
 
-from epl_trainer import deepspeed
 from epl_trainer.annotations import checkpoints, strategies
 from epl_trainer.config.sections import Config
 from epl_trainer.core import engine
@@ -27,6 +26,7 @@ from epl_trainer.runtime.env import Env
 from epl_trainer.runtime.watchdog import watchdog_for
 from epl_trainer.training import (
     compiled,
+    deepspeed_run,
     model_inputs,
     model_setup,
     optimizers,
@@ -126,7 +126,7 @@ class EPLTrainer(CheckpointMixin, TrainingDataMixin, InferenceMixin, OnBatchMixi
             keras_scaler = getattr(model, "optimizer", None) if model.compiled else None
             optimizer = compiled.settings(model).get("optimizer")
         self._optimizer_given = optimizer is not None
-        config, optimizer, self.deepspeed = deepspeed.trainer_setup(config, optimizer or "sgd")
+        config, optimizer, self.deepspeed = deepspeed_run.trainer_setup(config, optimizer or "sgd")
         # The trainer's keys go over epl.init()'s (a DeepSpeed config is translated on top
         # of them too): a config= naming one key keeps init's devices and checkpoint.dir.
         env = Env.get()
