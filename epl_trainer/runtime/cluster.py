@@ -234,10 +234,8 @@ def default_intra_op_threads(num_cpu_devices: int, cores: int) -> int | None:
 
     The simulated devices share one intra-op pool. When every op may use all the cores,
     the stages of a pipeline (or the replicas of data parallelism), which run on
-    different devices, compete for the same threads instead of running side by side.
-    Measured on the main job's model (2-stage BERT pipeline, 2 devices, 2 cores, 4
-    micro-batches, python bench/threads.py): 21.3-22.3 ms per step with one thread per
-    op against 34.0-42.6 ms with two.
+    different devices, compete for the same threads instead of running side by side
+    (docs/benchmarks.md#threads-per-simulated-device).
     """
     if num_cpu_devices <= 1:
         return None

@@ -1,11 +1,9 @@
 """oneDNN's CPU kernels on, unless the user chose (`TF_ENABLE_ONEDNN_OPTS`).
 
 TensorFlow turns oneDNN on by default only on some CPUs (those with AVX-512's neural
-network extensions); elsewhere it leaves it off, and every step is much slower. Measured
-on the optimizer-bound model of `bench/dp.py` (one device, 2 cores, AVX-512 machine):
-EPLTrainer 40.4 steps/s with oneDNN on against 10.3 off; on an AVX2-only machine every
-runner, Keras's too, was 2-3x faster with it on. TensorFlow reads the variable once, when
-it is imported, so the package sets it at its own import (`epl_trainer/__init__.py`),
+network extensions); elsewhere it leaves it off, and every step is several times slower,
+Keras's too (docs/benchmarks.md#onednn-on-and-off). TensorFlow reads the variable once,
+when it is imported, so the package sets it at its own import (`epl_trainer/__init__.py`),
 before TensorFlow loads, and `epl.init()` says what it did, or what to do when
 TensorFlow came first without it.
 """

@@ -1,11 +1,11 @@
 """One thread per process that stops the collectives when a peer worker dies or hangs.
 
 A collective waits for every member of its group; a worker killed with `kill -9` never
-joins, so its peers would wait forever. TF's collective ops take a `timeout_seconds`,
-but each launch with a timeout leaves a timer thread alive for the whole timeout: at
-600 s a 2-device data-parallel step left ~20 threads and a few minutes of training
-reached ~30,000 threads and aborted the process (docs/architecture.md). So collectives run without
-a timeout, and this watchdog bounds them instead, as MultiWorkerMirroredStrategy's
+joins, so its peers would wait forever. TF's collective ops take a `timeout_seconds`, but
+each launch with a timeout leaves a timer thread alive for the whole timeout, so the
+threads of a few minutes of training pile up until the process aborts
+(docs/architecture.md, "No `timeout_seconds` on collectives"). So collectives run without a
+timeout, and this watchdog bounds them instead, as MultiWorkerMirroredStrategy's
 health-check thread does:
 
 * while a step (or a metric sync, or an evaluation) is in flight for longer than one

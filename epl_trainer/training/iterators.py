@@ -2,11 +2,9 @@
 
 Deleting a tf.data iterator waits for its autotuning thread's next wake-up, and that
 thread sleeps for periods that double from 10 ms: it wakes 10, 30, 70, ..., 1270, 2550,
-5110, 10230 ms (and so on) into the iterator's life. Measured here (TF 2.21): an iterator
-used for 1.0 s took 274 ms to delete, one used for 2.5 s 47 ms; `fit` of 320 steps took
-5.1 s, run after run, while its steps took 3.8-4.1 s, and 10.2 s when they took 5.4. An
-epoch, an evaluation or a prediction that ends between two wake-ups waits for the
-next one, up to as long again as it ran.
+5110, 10230 ms (and so on) into the iterator's life. An epoch, an evaluation or a
+prediction that ends between two wake-ups waits for the next one, up to as long again as
+it ran (docs/benchmarks.md#deleting-tfdata-iterators).
 
 `release(iterator)` hands the iterator to one daemon thread, which drops it once it holds
 the last reference, so the wait happens there and the training thread goes on.

@@ -18,9 +18,8 @@ device (`keys.TRANSFER_CHAINS`), one for what it sends and one for what it recei
 apart from each other and from the group collectives' chains: a receive starts as soon
 as the one before it on its chain is done, usually long before its tensor is sent, and
 the sender's side completes as soon as it starts. On one chain for everything, each
-transfer waited for the other worker to reach the same point of the schedule: two stage
-processes at global batch 512 (`bench/pipeline_procs.py --batch 512`, m = 8) took 155
-and 157 ms a step with one chain, 133 and 135 with these (measured bubble 0.40 -> 0.28).
+transfer waited for the other worker to reach the same point of the schedule, and the
+pipeline's bubble grew (docs/benchmarks.md#pipeline-stages-in-separate-processes).
 Every chain is a subsequence of the one order of the schedule that both sides walk, so
 splitting the order cannot make a cycle of waits.
 """

@@ -234,9 +234,8 @@ def _make_ordering_tokens(layout, num_chains: int) -> None:
     """Creates the ordering-token variables the step's collectives use (comm.keys) on
     this worker's devices, one per communicator chain and the transfers' two, before the
     step is traced. A tf.function that creates a variable in its first trace traces
-    again to run: made inside, they cost a second trace of the whole training step: a
-    2-layer MLP's first fit (with validation) on 2 devices in a fresh process took 3.5 s,
-    2.6 s without."""
+    again to run: made inside, they cost a second trace of the whole training step
+    (docs/benchmarks.md#tracing-once)."""
     devices = {layout.host}
     for group in layout.stage_groups:
         devices.update(group.local_devices)

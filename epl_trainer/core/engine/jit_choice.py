@@ -1,6 +1,6 @@
-"""How a training step is compiled: the trainer's `jit_compile`, or "auto" by a measured rule.
+"""How a training step is compiled: the trainer's `jit_compile`, or "auto" by a rule.
 
-Two ways to use XLA:
+Three ways to use XLA:
 
 * per stage (`compiled_stage_call`): each stage's forward and its backward compile
   separately; the only way for a pipeline, whose tasks run on several devices.
@@ -14,27 +14,14 @@ Two ways to use XLA:
   worker, each lane's forward and backward one XLA function on its device; the
   reduction, update and metrics outside.
 
-`jit_compile="auto"` (the default unless the user or the Keras model chose) follows
-what was measured on the optimizer-bound model of `bench/dp.py` (4 x Dense(2048),
-batch 4, one device, Adam, 16 steps per call; CPU ms per step, 3 calls of 128 steps
-each, 2-core AMD EPYC, TF 2.21):
-
-| | oneDNN off | oneDNN on |
-|---|---|---|
-| Keras `fit`, `jit_compile=True` | 34.3-34.9 | 33.2-33.8 |
-| EPLTrainer, plain ops | 85-95 | 34.4-37.3 |
-| EPLTrainer, the whole step in XLA (update outside) | 30.0-30.1 | 31.2-37.9 |
-| the same with the finiteness check inside XLA | 49-52 | |
-
-Without oneDNN, TensorFlow's own MatMul kernel takes 75 of the 94 ms (a weight
-gradient is a product over the batch, 4 rows here) where XLA's takes a few, so a step
-on one device compiles as a whole; with oneDNN both are level and compiling buys
-nothing but the compile time. Data parallelism on one worker follows the same rule,
-each lane compiled whole: on the main job's model (bench/threads.py, 2 devices) with
-oneDNN off, XLA per lane took 14.3 ms per step against plain data parallelism's 17.7
-and Keras's XLA step's 15.6; with oneDNN on, 15.1 against 16.6 and 13.3. "auto" leaves
-pipelines as plain ops: there compiled stages took 1.6x (oneDNN off) and 2x (on) the
-time of plain ones.
+`jit_compile="auto"` (the default unless the user or the Keras model chose) compiles the
+step of one device whole when oneDNN is off, and keeps plain ops otherwise. Without
+oneDNN, TensorFlow's own MatMul kernel is slow on a weight gradient's product over a
+small batch, where XLA's is fast; with oneDNN the two are level, and compiling buys
+nothing but the compile time. Data parallelism on one worker follows the same rule, each
+lane compiled whole. Pipelines keep plain ops: compiled stages were slower than plain
+ones with oneDNN on and off. The measurements behind the rule are in
+docs/benchmarks.md#when-a-step-compiles-with-xla.
 """
 
 from __future__ import annotations

@@ -244,7 +244,7 @@ class Program(InferenceLoops):
     def train_many_on_iterator(self, iterator, steps: int):
         """`_train_many_on_iterator` compiled once for every step count: the count goes in
         as a tensor, as a Python int would trace the step again for an epoch's shorter
-        last call (3.3 s of the main job's run)."""
+        last call (docs/benchmarks.md#tracing-once)."""
         return self._train_many(iterator, tf.constant(steps, tf.int32))
 
     def _train_many_on_iterator(self, iterator, steps):

@@ -60,10 +60,9 @@ class RecomputedStage:
       segments: from `checkpoint_segments`, covering all of the stage's nodes.
       recompute_last: also recompute the last segment (EPL's semantics: everything but
         the checkpoints is recomputed). False saves 1/len(segments) of a forward but keeps
-        the last segment's activations for every micro-batch in flight. Measured on 16 x
-        Dense(1024), batch 256 (4 segments): peak 0.57-0.72x of plain with it, 0.62-0.77x
-        without (scheduling moves the peak by a few MiB); the time difference was within
-        the noise of a shared 2-core machine.
+        the last segment's activations for every micro-batch in flight: a higher peak
+        for no time saved that a 2-core CPU could measure
+        (docs/benchmarks.md#recomputing-the-last-segment).
       description: how the checkpoints were chosen (for `describe`).
     """
 

@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 
 CACHE_FILE = "matmul_peak.json"
-_SIZE = 2048  # 17 GFLOP per matmul: ~70 ms on 2 AVX-512 cores, long enough to time
+_SIZE = 2048  # 17 GFLOP per matmul: long enough on a CPU that the clock's resolution is noise
 _REPEATS = 4
 
 

@@ -21,10 +21,9 @@ h = hidden size, f = feed-forward size, a = heads):
 Under AMP these are 16-bit except the LayerNormalizations' 4 s*h, which Keras computes
 in at least float32 (`NodeCost.float32_bytes`).
 
-Measured on this machine (peak memory of 2-, 4- and 8-layer Keras transformers with
-s=64, h=128, f=512, a=4 trained by EPLTrainer in fresh processes), each layer adds
-30.5 s*h per sample against 28 s*h from these counts; `tests/test_estimate.py` compares
-whole peaks.
+The counts stay close to what trained transformers' peaks show per layer
+(docs/benchmarks.md#memory-estimates-against-measured-peaks); `tests/test_estimate.py`
+compares whole peaks.
 """
 
 from __future__ import annotations

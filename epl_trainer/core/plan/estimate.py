@@ -38,16 +38,16 @@ recomputed in backward. A stage keeps `inflight` micro-batches alive: all M with
 schedule itself (`core/plan/schedule.py`). The bubble is GPipe's (S - 1) / (M + S - 1), the
 same for both schedules; ZB-H1's (S - 1) / (3M + S - 1), whose stages keep min(S, M).
 
-Peak per device = parameters + optimizer state + the stage's full gradients (ZeRO v1
-no longer accumulates them, but each micro-batch's gradients exist in full until their
+Peak per device = parameters + optimizer state + the stage's full gradients (ZeRO v1 no
+longer accumulates them, but each micro-batch's gradients exist in full until their
 reduce-scatter) + activations + a backward workspace of twice the largest tensor (its
 incoming and outgoing gradient) + collective buffers when N > 1: one more copy of the
 gradients, the fused all-reduce buffers or v1's packed reduce-scatter buffer. (The shard
-v1 sums over micro-batches and a micro-batch's reduced chunk are 2/N more; counted while
-TF's all-to-all made the CPU reduce-scatter, they stopped showing once members summed
-each other's blocks one at a time: 4 devices, 2 micro-batches, v1 51.5-57.4 MiB per
-device against v0's 55.4-57.9.) v0's all-gather of the updated parameters runs after
-the gradients are freed, so it adds no more than its all-reduce.
+v1 sums over micro-batches and a micro-batch's reduced chunk, 2/N more, are not counted:
+the members sum each other's blocks one at a time, and measured peaks do not show them,
+docs/benchmarks.md#memory-estimates-against-measured-peaks.) v0's all-gather of the
+updated parameters runs after the gradients are freed, so it adds no more than its
+all-reduce.
 
 Communication per step: bytes each device sends with ring collectives (all-reduce
 2(N-1)/N of the buffer, reduce-scatter and all-gather (N-1)/N each): plain data

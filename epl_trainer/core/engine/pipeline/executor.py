@@ -238,16 +238,15 @@ class LaneExecutor:
         """`run` for a lane of one stage, its micro-batches as a loop in the graph.
 
         One stage's schedule is F0 B0 F1 B1 ...: each iteration runs one micro-batch's
-        forward and backward and adds its gradients to the running sums (loop variables),
-        so the traced step holds the micro-batch twice whatever the micro-batch count
-        (12-layer BERT, bench/trace.py: 21,111 ops at 2 and at 8 micro-batches; unrolled,
-        each added its own copy, ~5,900 ops and 3.5 s of tracing). The last micro-batch runs after
-        the loop, as the unrolled step runs it, so the gradient reductions that follow
-        can start while its backward still computes the earlier layers. An Embedding's
-        sparse gradient is carried as rows in TensorArrays: the step gets the same
-        IndexedSlices as unrolled (Keras's global norm counts repeated rows separately,
-        so merging them would change the clipping). The losses and metrics of the
-        looped micro-batches are updated inside the loop, by `hooks.update_metrics`.
+        forward and backward and adds its gradients to the running sums (loop variables), so
+        the traced step holds the micro-batch twice whatever the micro-batch count, where
+        unrolled each micro-batch adds its own copy (docs/benchmarks.md#trace-cost). The
+        last micro-batch runs after the loop, as the unrolled step runs it, so the gradient
+        reductions that follow can start while its backward still computes the earlier
+        layers. An Embedding's sparse gradient is carried as rows in TensorArrays: the step
+        gets the same IndexedSlices as unrolled (Keras's global norm counts repeated rows
+        separately, so merging them would change the clipping). The losses and metrics of
+        the looped micro-batches are updated inside the loop, by `hooks.update_metrics`.
 
         Returns:
           (gradients summed over micro-batches, the updated non-trainable values, the

@@ -1,20 +1,19 @@
 """A (stage, micro-batch) backward split into B (input gradients) and W (weight gradients).
 
 Zero-bubble schedules (schedule.py's ZB-H1) run the gradient of a stage's inputs (B, what
-the previous stage waits for) at one point of the schedule and the gradient of its
-weights (W, what no stage waits for) later, in what would otherwise be a bubble. Two
+the previous stage waits for) at one point of the schedule and the gradient of its weights
+(W, what no stage waits for) later, in what would otherwise be a bubble. Two
 `tape.gradient` calls (inputs at B, weights at W, on a persistent tape) build the
-gradients of the stage's internal activations twice, and grappler merges only part of
-that (the calls hang under different control dependencies): measured on 4 Dense(256)
-layers with ReLU, batch 512, one tf.function, 20 MatMuls traced and 15 after grappler
-instead of 12, 5.7 ms a step instead of 4.2. So the backward is ONE `tape.gradient` call
-over the weights and the inputs, emitted at B, and the ops only the weights' gradients need
-(a Dense layer's `x^T dy`, a bias's sum, unconnected zeros) are held back: at W, each
-such op that reads no other held-back op gets a control input from a no-op that waits
-for the stage's previous task (and, with stages on several workers, for the stage's
-sends since its previous W: executor.py). The held-back ops then run in W's place of
-the schedule, reading the activation gradients B computed (which stay alive until then:
-what a micro-batch waiting for W keeps).
+gradients of the stage's internal activations twice, and grappler merges only part of that
+(the calls hang under different control dependencies): the step runs more MatMuls and
+takes longer (docs/benchmarks.md#one-backward-call-for-b-and-w). So the backward is ONE
+`tape.gradient` call over the weights and the inputs, emitted at B, and the ops only the
+weights' gradients need (a Dense layer's `x^T dy`, a bias's sum, unconnected zeros) are
+held back: at W, each such op that reads no other held-back op gets a control input from a
+no-op that waits for the stage's previous task (and, with stages on several workers, for
+the stage's sends since its previous W: executor.py). The held-back ops then run in W's
+place of the schedule, reading the activation gradients B computed (which stay alive until
+then: what a micro-batch waiting for W keeps).
 
 A backward that is one op (a stage compiled by XLA: its gradient is one function call)
 has nothing to hold back: it runs whole at B, and W only hands its weight gradients on.

@@ -8,11 +8,12 @@ task, and the activations or gradients it reads), its end for the tensors that e
 The last step's times are kept in a variable per lane, read after the step.
 
 TensorFlow runs the stateful ops that use no resource, such as a bare `tf.timestamp` and
-the asserts of cross-worker transfers, in program order: timestamps among them made
-every transfer wait for the task before it in the program (measured with two stage
-processes: 5-20% less throughput), and emitted after the last task they waited for the
-last transfer. So each timestamp is read in a small function that takes a variable's
-handle, which TensorFlow orders only with the other ops that write that variable: none.
+the asserts of cross-worker transfers, in program order: timestamps among them made every
+transfer wait for the task before it in the program, which cost two stage processes
+throughput (docs/benchmarks.md#timestamps-of-the-executed-schedule), and emitted after the
+last task they waited for the last transfer. So each timestamp is read in a small function
+that takes a variable's handle, which TensorFlow orders only with the other ops that write
+that variable: none.
 """
 
 from __future__ import annotations
