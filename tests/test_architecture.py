@@ -1,17 +1,19 @@
 """The package's layers, checked from the source: no import cycles, nothing imports upward,
-and `core/plan` stays free of TensorFlow (epl-plan and the launcher need none).
+and `core/plan`, `deepspeed` and `config` stay free of TensorFlow (epl-plan and the
+launcher need none).
 
 Layers, lowest first (docs/architecture.md):
 
-0. `config.sections`, `config.keys`, `config.profiler`: the typed config, pure Python;
-1. `core.plan` (Plan, planner, schedules, estimates, combination rules; no TensorFlow)
-   and `core.comm` (TF's collectives);
+0. `config`: the typed config, pure Python;
+1. `core.plan` (Plan, planner, schedules, estimates, combination rules; no TensorFlow),
+   `core.comm` (TF's collectives) and `deepspeed` (a DeepSpeed JSON read into config
+   keys and descriptions; pure Python);
 2. `core.graph`: cutting and costing the Keras graph;
 3. `core.engine` (state, steps, passes) and `annotations` (the user's scopes and marks);
-4. `runtime`: the cluster, `epl.init`, the launcher, the watchdog (`plan_cli`, epl-plan,
-   reads flags and DeepSpeed configs: layer 5);
-5. `training` (the Keras-facing trainer), `deepspeed`, `layers`, `config.flags`, the
-   package's lobby.
+4. `runtime`: the cluster, `epl.init`, the launcher, the watchdog, the absl flags,
+   epl-plan;
+5. `training` (the Keras-facing trainer, which builds what `deepspeed` describes),
+   `layers`, the package's lobby.
 
 A module may import its own layer or lower ones. `core` never imports `annotations`:
 the trainer hands the engine plain data. The engine's parallelism folders (`zero/`,
@@ -29,16 +31,14 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "epl_trainer"
 
 LAYERS = [  # (module prefix, layer); the longest matching prefix wins
-    ("epl_trainer.config.sections", 0),
-    ("epl_trainer.config.keys", 0),
-    ("epl_trainer.config.profiler", 0),
+    ("epl_trainer.config", 0),
     ("epl_trainer.core.plan", 1),
     ("epl_trainer.core.comm", 1),
+    ("epl_trainer.deepspeed", 1),
     ("epl_trainer.core.graph", 2),
     ("epl_trainer.core.engine", 3),
     ("epl_trainer.annotations", 3),
     ("epl_trainer.runtime", 4),
-    ("epl_trainer.runtime.plan_cli", 5),  # epl-plan reads flags and DeepSpeed configs
     ("epl_trainer", 5),
 ]
 ENGINE = "epl_trainer.core.engine"
@@ -170,6 +170,43 @@ def test_core_plan_imports_no_tensorflow_even_indirectly():
         assert not outside, f"{name} imports {outside} (core/plan imports only core/plan)"
 
 
+def reachable(name: str) -> set[str]:
+    """`name` and every epl_trainer module it imports, directly or not."""
+    seen, todo = set(), [name]
+    while todo:
+        module = todo.pop()
+        if module not in seen:
+            seen.add(module)
+            todo.extend(GRAPH[module][0])
+    return seen
+
+
+def in_package(name: str, package: str) -> bool:
+    return name == package or name.startswith(package + ".")
+
+
+def test_deepspeed_and_config_import_nothing_above_them():
+    """`deepspeed` turns a DeepSpeed config into data (config keys, descriptions of the
+    optimizer, schedule and monitors) that `training` builds from: imports run one way,
+    training -> deepspeed -> config. `config` is the floor: it imports only itself. Both
+    stay free of TensorFlow, even indirectly (the flags and epl-plan read them)."""
+    allowed = {
+        "epl_trainer.deepspeed": ("epl_trainer.deepspeed", "epl_trainer.config"),
+        "epl_trainer.config": ("epl_trainer.config",),
+    }
+    wrong = []
+    for package, inside in allowed.items():
+        modules = [name for name in MODULES if in_package(name, package)]
+        assert len(modules) >= 4, package
+        for name in modules:
+            for target in sorted(reachable(name)):
+                if not any(in_package(target, p) for p in inside):
+                    wrong.append(f"{name} imports {target}")
+                if GRAPH[target][1] & set(TENSORFLOW):
+                    wrong.append(f"{name} imports TensorFlow (through {target})")
+    assert wrong == []
+
+
 def test_the_checks_see_a_violation():
     """The graph reader itself: a relative and a `from package import module` import."""
     assert "epl_trainer.core.engine.precision.amp" in GRAPH["epl_trainer.core.engine.builder"][0]
@@ -178,6 +215,9 @@ def test_the_checks_see_a_violation():
     assert layer_of("epl_trainer.core.engine.state") == 3
     assert layer_of("epl_trainer.training.trainer") == 5
     assert layer_of("epl_trainer.runtime.cluster") == 4
+    assert "epl_trainer.deepspeed.translate" in GRAPH["epl_trainer.training.deepspeed_run"][0]
+    assert layer_of("epl_trainer.deepspeed.translate") == 1
+    assert layer_of("epl_trainer.config") == layer_of("epl_trainer.config.keys") == 0
 
 
 def direct_imports(name: str) -> set[str]:

@@ -610,7 +610,7 @@ def test_deepspeed_config_and_native_config_train_to_identical_weights(case):
 def test_deepspeed_config_flag():
     from absl import flags
 
-    from epl_trainer.config import flags as epl_flags
+    from epl_trainer.runtime import flags as epl_flags
 
     flag_values = flags.FlagValues()
     epl_flags.define_flags(flag_values)

@@ -1,12 +1,12 @@
-"""Tests for epl_trainer.config.flags (absl flags -> Config, no TensorFlow)."""
+"""Tests for epl_trainer.runtime.flags (absl flags -> Config, no TensorFlow)."""
 
 import json
 
 import pytest
 from absl import flags
 
-from epl_trainer.config import flags as epl_flags
 from epl_trainer.config.sections import Config, ConfigError
+from epl_trainer.runtime import flags as epl_flags
 
 
 def parsed_flags(argv):

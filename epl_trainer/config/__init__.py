@@ -1,6 +1,7 @@
 """Configuration: the typed config and its sections (`sections`), the keys' kinds and
-checks (`keys`), the `profiler` section (`profiler`: sections.py is at the size cap),
-absl flags and the environment (`flags`). Pure Python except `flags`.
+checks (`keys`), the `profiler` section (`profiler`: sections.py is at the size cap).
+Pure Python, the lowest layer: it imports nothing else of ours (the absl flags that
+build a Config live in `runtime/flags.py`).
 
 `epl_trainer.config.Config` stays the import path users know.
 """

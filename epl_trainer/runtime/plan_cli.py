@@ -167,7 +167,7 @@ class PlanRequest:
 
 def options_from_args(args) -> tuple[estimate.TrainOptions, PlanRequest]:
     """(options, request): flags first, then the config."""
-    from epl_trainer.config.flags import parse_assignments  # absl only, no TensorFlow
+    from epl_trainer.runtime.flags import parse_assignments  # absl only, no TensorFlow
 
     overrides = parse_assignments(args.epl_set)
     config = (

@@ -39,7 +39,7 @@ import keras
 import tensorflow as tf
 from absl import app, flags
 
-import epl_trainer.config.flags as epl_flags  # defines --epl_config and --epl_set
+import epl_trainer.runtime.flags as epl_flags  # defines --epl_config and --epl_set
 from epl_trainer.core.graph.peak import onednn_enabled
 from epl_trainer.runtime.cluster import is_single_worker_job
 from model_zoo.bert_squad import builtin_data, evaluation, squad

@@ -42,7 +42,7 @@ import numpy as np
 import tensorflow as tf
 from absl import app, flags
 
-import epl_trainer.config.flags as epl_flags  # defines --epl_config and --epl_set
+import epl_trainer.runtime.flags as epl_flags  # defines --epl_config and --epl_set
 from epl_trainer.training import data as data_lib
 from model_zoo.moe_t5 import data
 from model_zoo.moe_t5 import model as moe_t5

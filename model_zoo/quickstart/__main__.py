@@ -39,7 +39,7 @@ import keras
 import numpy as np
 from absl import app, flags
 
-import epl_trainer.config.flags as epl_flags  # defines --epl_config and --epl_set
+import epl_trainer.runtime.flags as epl_flags  # defines --epl_config and --epl_set
 
 FLAGS = flags.FLAGS
 flags.DEFINE_integer("epochs", 5, "Passes over the training data.")

@@ -33,7 +33,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # TensorFlow's C++ info bann
 from absl import app, flags
 
 import epl_trainer as epl
-import epl_trainer.config.flags as epl_flags  # defines --epl_config and --epl_set
+import epl_trainer.runtime.flags as epl_flags  # defines --epl_config and --epl_set
 from model_zoo.text_classifier import recipe
 
 FLAGS = flags.FLAGS

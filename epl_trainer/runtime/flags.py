@@ -7,7 +7,7 @@ Importing this module defines both flags on `absl.flags.FLAGS`, so a script only
 needs::
 
     from absl import app
-    from epl_trainer.config import flags as epl_flags
+    from epl_trainer.runtime import flags as epl_flags
 
     def main(argv):
         config = epl_flags.config_from_flags()
@@ -15,7 +15,8 @@ needs::
     app.run(main)
 
 Precedence, highest first: `--epl_set` > `--epl_config` file > `EPL_*`
-environment variables > defaults.
+environment variables > defaults. No TensorFlow: `deepspeed/` is pure Python, and epl-plan
+reads `--epl_set` through `parse_assignments`.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from typing import Any
 from absl import flags
 
 from epl_trainer.config.sections import Config, ConfigError, parse_value
+from epl_trainer.deepspeed import DeepSpeedConfig
 
 
 def define_flags(flag_values: flags.FlagValues = flags.FLAGS) -> None:
@@ -110,8 +112,6 @@ def deepspeed_config_from_flags(flag_values: flags.FlagValues = flags.FLAGS, **k
     path = flag_values.deepspeed_config
     if not path:
         return None
-    from epl_trainer.deepspeed import DeepSpeedConfig  # imports Keras: only when used
-
     return DeepSpeedConfig(os.path.expanduser(path), **kwargs)
 
 
