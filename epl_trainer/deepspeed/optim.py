@@ -10,7 +10,7 @@ defaults. Known differences, all inherent to the Keras optimizers:
   sqrt(1 - beta_2**t) on epsilon only.
 - Lamb: DeepSpeed's FusedLamb clamps the trust ratio to [min_coeff, max_coeff] and puts
   weight decay inside the trust ratio; Keras's Lamb does neither, so Lamb becomes
-  `update_rules.FusedLamb` (Keras's Lamb with both).
+  `FusedLamb` (Keras's Lamb with both, `training/update_rules.py`).
 - Adagrad: Keras adds epsilon inside the square root, PyTorch outside.
 - SGD with momentum: Keras folds the learning rate into the velocity, PyTorch applies it
   after; identical while the learning rate is constant.

@@ -10,7 +10,8 @@
   `[min_coeff, max_coeff]` (defaults 0.01 and 10); Keras's Lamb does neither.
 
 Both are ordinary Keras optimizers (`get_config` holds the extra settings), so the
-engine's per-lane and per-shard copies keep them.
+engine's per-lane and per-shard copies keep them. `deepspeed_run.build_optimizer` makes
+them from the `OptimizerSpec` a DeepSpeed config translates to.
 """
 
 from __future__ import annotations
