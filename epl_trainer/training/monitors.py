@@ -106,6 +106,7 @@ def current_learning_rate(optimizer, applied_updates: int) -> float:
     A Keras schedule is evaluated at the update's index; `applied_updates` excludes
     skipped (overflowed) steps, which advance neither DeepSpeed's scheduler nor ours.
     """
+    optimizer = getattr(optimizer, "inner_optimizer", optimizer)  # a LossScaleOptimizer's
     rate = optimizer._learning_rate
     if isinstance(rate, keras.optimizers.schedules.LearningRateSchedule):
         return float(keras.ops.convert_to_numpy(rate(max(applied_updates - 1, 0))))

@@ -4,8 +4,9 @@ Each worker process builds its own Keras model; without a seed each draws its ow
 initialisation, and data-parallel workers then train different models (measured on two
 workers: weights 0.75-0.80 apart after one epoch). So worker 0 broadcasts its Keras
 model's variables (trainable, non-trainable such as BatchNorm statistics, seed states)
-and the user's optimizer's variables (iterations, learning rate, slots if it was built)
-to every worker, before the engine copies the model into its state (`EngineState`).
+and the user's optimizer's variables (iterations, learning rate, slots if it was built;
+a LossScaleOptimizer's loss scale) to every worker, before the engine copies the model
+into its state (`EngineState`) and its optimizers the optimizer's (master_state.py).
 Done on the Keras model, which every worker holds whole, it serves every layout: data
 parallel, ZeRO (whose shards are cut from those copies) and pipelines whose stages live
 on other workers (each worker copies its own stages from the same values). Then one
@@ -80,7 +81,7 @@ class StartState:
         cluster = self.cluster
         group = host_group(cluster.devices_by_worker, cluster.host_device)
         model_variables = _model_variables(model)
-        optimizer_variables = list(optimizer.variables)
+        optimizer_variables = _optimizer_variables(model, optimizer)
         variables = model_variables + optimizer_variables
         with self._watch("taking worker 0's start state"):
             _check_same_structure(cluster, group, model_variables, optimizer_variables)
@@ -130,6 +131,15 @@ def compare_checksums(names: Sequence[str], hashes: np.ndarray, sums: np.ndarray
 def _model_variables(model) -> list:
     # The variables EngineState copies; `model.variables` also counts metric state.
     return list(model.trainable_variables) + list(model.non_trainable_variables)
+
+
+def _optimizer_variables(model, optimizer) -> list:
+    """The optimizer's variables; with a LossScaleOptimizer around it as the model's
+    optimizer (Keras's mixed_float16), that one's too: its loss scale."""
+    holder = getattr(model, "optimizer", None)
+    if getattr(holder, "inner_optimizer", None) is optimizer:
+        return list(holder.variables)  # its own, then the inner optimizer's
+    return list(optimizer.variables)
 
 
 def _check_same_structure(cluster, group, model_variables, optimizer_variables) -> None:

@@ -1,12 +1,15 @@
 """The optimizer's moving average of the weights (`use_ema=True`) in the engine.
 
 Each lane's copy of the user's optimizer keeps the average of the lane's own variables
-(Keras updates it in `apply`), so the averages live where the weights live. The user's
-optimizer (the "master", `model.optimizer`) holds none until the trainer asks for it:
-Keras's `SwapEMAWeights` swaps the model's variables with
-`model.optimizer._model_variables_moving_average`, so the trainer copies the lanes'
-averages there before such a callback runs and takes them back after it
-(`to_master` / `from_master`), as it does with the weights themselves.
+(Keras updates it in `apply`), so the averages live where the weights live. They are
+slots of those copies ("average", made by `add_variable_from_reference`), so the user's
+optimizer (the "master", `model.optimizer`) gets them with the rest of the optimizer
+state at every write-back and gives them back at every load (update/master_state.py):
+Keras's `SwapEMAWeights`, which swaps the model's variables with
+`model.optimizer._model_variables_moving_average`, `model.save` and a later Keras `fit`
+see the lanes' averages. `to_master` / `from_master` copy the averages alone (the
+trainer's callback hooks call them after the write-back and the load, which already
+carry them).
 
 Where lanes hold shards of the optimizer state (ZeRO), the averages are sharded too and
 the lanes' full weights are gathered from the shards after each update; averaging them

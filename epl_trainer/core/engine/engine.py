@@ -27,6 +27,7 @@ from epl_trainer.core.engine.program import Program
 from epl_trainer.core.engine.split import check_split_metrics, find_split_layers, sparse_outputs
 from epl_trainer.core.engine.state import EngineState, Lane, lanes_for_worker
 from epl_trainer.core.engine.sync_batch_norm import check_sync_batch_norm, synchronized_layers
+from epl_trainer.core.engine.update import MasterState
 from epl_trainer.core.graph.auto_partition import auto_partition
 from epl_trainer.core.graph.partition import StagedModel, partition_model, whole_model
 from epl_trainer.core.plan import planner, rules
@@ -234,6 +235,15 @@ class Engine:
         self.eval_many_on_iterator = program.eval_many_on_iterator
         self.predict_step = program.predict_step
         self.predict_many_on_iterator = program.predict_many_on_iterator
+        # The model's optimizer holds the optimizer state between the engine's uses of it
+        # (update/master_state.py): the engine starts from it. The model's own steps
+        # train that optimizer themselves.
+        self.optimizer_state = None
+        if not self.runs_user_steps:
+            self.optimizer_state = MasterState(
+                self.staged.model, self.update, state, self.lanes_in_job
+            )
+            self.optimizer_state.load()
 
     @property
     def update(self):
@@ -255,12 +265,18 @@ class Engine:
         return self.program.user_steps is not None
 
     def write_back(self) -> None:
-        """Copies the trained values into the user's Keras model."""
+        """Copies the trained values into the user's Keras model, and the optimizer state
+        (slots, moving averages, loss scale) into its optimizer."""
         self.state.write_back()
+        if self.optimizer_state is not None:
+            self.optimizer_state.write()
 
     def load_from_model(self) -> None:
-        """Copies the Keras model's values into every lane (e.g. after set_weights)."""
+        """Copies the Keras model's values into every lane (e.g. after set_weights), and
+        its optimizer's state into the engine's optimizers."""
         self.state.load_from_model()
+        if self.optimizer_state is not None:
+            self.optimizer_state.load()
         if self.program.user_steps is not None:
             self.program.user_steps.load_optimizer_state()
 

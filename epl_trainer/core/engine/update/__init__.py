@@ -1,6 +1,7 @@
 """The update half of a step: gradient reduction and clipping (`reduce`), the replicated
-update (`update`), the optimizer apply, XLA-compiled where it pays (`apply`), and which
-variable each optimizer slot belongs to (`slots`)."""
+update (`update`), the optimizer apply, XLA-compiled where it pays (`apply`), which
+variable each optimizer slot belongs to (`slots`), and the user's optimizer holding the
+engine's optimizer state (`master_state`)."""
 
 from epl_trainer.core.engine.surface import lazy_surface
 
@@ -14,6 +15,9 @@ __getattr__, __dir__, __all__ = lazy_surface(
         "balanced_groups": "update",
         "written": "update",
         "OptimizerStep": "apply",
+        "MasterState": "master_state",
+        "build_master": "master_state",
+        "factored_attribute": "slots",
         "is_factored": "slots",
         "slot_shape": "slots",
         "slots_of": "slots",

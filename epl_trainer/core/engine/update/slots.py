@@ -46,6 +46,16 @@ def _factored_attributes(cls: type) -> dict[str, str]:
     return FACTORED_STATE.get(owner.__name__, {})
 
 
+def factored_attribute(cls: type, name: str) -> str | None:
+    """The attribute of `cls` listing factored slot `name` per variable (Adafactor's
+    `_r` for "velocity_row"), or None for a slot made per variable by
+    `add_variable_from_reference`."""
+    if not is_factored(name):
+        return None
+    found = [a for a, slot in _factored_attributes(cls).items() if slot == name]
+    return found[0] if found else None
+
+
 def recording_class(cls: type) -> type:
     """`cls` with an `add_variable_from_reference` that records (slot, reference, name)."""
     recording = _recording_classes.get(cls)

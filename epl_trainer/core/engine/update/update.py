@@ -177,6 +177,16 @@ class ReplicatedUpdate:
         every lane holds the slots of every variable (the lowest lane's are saved)."""
         return {}
 
+    def piece_spans(self) -> dict:
+        """ZeRO's pieces held here (zero/update.py): none, every lane holds whole slots."""
+        return {}
+
+    @property
+    def state_spans_workers(self) -> bool:
+        """Whether some optimizer state lives only on other workers: a stage's, when a
+        replica's stages are on several workers (master_state.py exchanges it)."""
+        return self.layout.spans_workers
+
     def gradient_bytes(self) -> dict[str, int]:
         """Bytes of reduced gradients per compute device (every lane holds its full stage)."""
         layout, usage = self.layout, {}

@@ -535,6 +535,14 @@ class ZeroUpdate:
                     owners.update({p.index: device_of_rank[r] for p in pieces if p.whole})
         return owners
 
+    @property
+    def state_spans_workers(self) -> bool:
+        """Whether some optimizer state lives only on other workers: the shards of a stage
+        group with members there, or a stage there (master_state.py exchanges it)."""
+        groups = self.layout.stage_groups
+        spans = any(set(group.local_devices) != set(group.devices) for group in groups)
+        return spans or self.layout.spans_workers
+
     def piece_spans(self) -> dict[int, tuple[int, int, int | None, int | None]]:
         """{id(piece variable): (local lane position, trainable index, first element, end
         element)} for the pieces held here; the elements are None for a whole variable."""

@@ -1,0 +1,261 @@
+"""The model's optimizer is the one home of the optimizer state (update/master_state.py):
+EPLTrainer starts from it and gives it back, so Keras -> EPLTrainer -> Keras trains as
+Keras alone does.
+
+Before, EPLTrainer started from fresh slots and never gave its own back: a model trained
+one epoch by Keras, one by EPLTrainer, saved, loaded and trained one more by Keras ended
+3.3e-2 from three Keras epochs with Adam, 2.7e-2 with SGD with momentum and a schedule
+(data parallel and ZeRO v1 alike); a checkpoint of `ModelCheckpoint` held an optimizer
+at step 0; with `use_ema=True` the weights ended 3.0e-2 off, and the user's optimizer was
+never built; a mixed_float16 model restarted at Keras's initial loss scale (2**15 after
+Keras had halved it to 2**14), and `model.save` lost its whole optimizer state (its
+LossScaleOptimizer was replaced by the optimizer inside it: Keras skips loading it).
+"""
+
+import os
+import sys
+
+import keras
+import numpy as np
+import pytest
+from _launch import SCRIPTS, run_launch
+from _models import LOSS, mlp, mlp_data
+
+import epl_trainer as epl
+
+sys.path.insert(0, SCRIPTS)
+
+ATOL = 1e-6
+BATCH = 16
+
+
+def _sgd():
+    # A schedule: its position is the update count, which the engine takes from Keras.
+    rate = keras.optimizers.schedules.ExponentialDecay(0.1, decay_steps=3, decay_rate=0.5)
+    return keras.optimizers.SGD(rate, momentum=0.9)
+
+
+def _adam():
+    return keras.optimizers.Adam(0.01)
+
+
+def _ema_sgd():
+    return keras.optimizers.SGD(0.1, momentum=0.9, use_ema=True, ema_momentum=0.9)
+
+
+def _compiled(make_optimizer):
+    model = mlp()
+    model.compile(optimizer=make_optimizer(), loss=LOSS)
+    return model
+
+
+def _keras_fit(model, x, y, epochs=1, **kwargs):
+    model.fit(x, y, batch_size=BATCH, epochs=epochs, shuffle=False, verbose=0, **kwargs)
+
+
+def _trainer(model, **config):
+    return epl.EPLTrainer(model, config={"cluster.virtual_devices": 2, **config})
+
+
+def _optimizer_values(optimizer) -> list[np.ndarray]:
+    """Iterations, learning rate and every slot, in the optimizer's order (names differ
+    between two optimizers of a process: "adam", "adam_1")."""
+    return [np.asarray(v.numpy()) for v in optimizer.variables]
+
+
+def _assert_same_state(expected_model, model, atol=ATOL):
+    for a, b in zip(expected_model.get_weights(), model.get_weights(), strict=True):
+        np.testing.assert_allclose(b, a, atol=atol)
+    expected = _optimizer_values(expected_model.optimizer)
+    got = _optimizer_values(model.optimizer)
+    assert len(got) == len(expected)
+    for a, b in zip(expected, got):
+        np.testing.assert_allclose(b, a, atol=atol)
+
+
+@pytest.mark.parametrize("make_optimizer", [_sgd, _adam], ids=["sgd_momentum", "adam"])
+@pytest.mark.parametrize(
+    "config",
+    [
+        pytest.param({}, id="data_parallel"),
+        pytest.param(
+            {"zero.level": "v1"}, id="zero_v1", marks=pytest.mark.combines("zero_v1+data_parallel")
+        ),
+    ],
+)
+def test_keras_then_trainer_then_saved_and_keras_equals_keras(make_optimizer, config, tmp_path):
+    x, y = mlp_data()
+    reference = _compiled(make_optimizer)
+    _keras_fit(reference, x, y, epochs=3)
+    model = _compiled(make_optimizer)
+    _keras_fit(model, x, y)
+    trainer = _trainer(model, **config)
+    trainer.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0)
+    if config:  # the slots were held in pieces: parts of variables on each device
+        spans = trainer._engine.update.piece_spans().values()
+        assert any(start is not None for _, _, start, _ in spans)
+    model.save(tmp_path / "model.keras")
+    loaded = keras.models.load_model(tmp_path / "model.keras")
+    _keras_fit(loaded, x, y)
+    _assert_same_state(reference, loaded)
+
+
+def test_trainer_then_keras_in_the_same_process_equals_keras():
+    """No save in between: the model's own optimizer holds the state after `fit`, and a
+    second EPLTrainer `fit` starts from what Keras trained in between."""
+    x, y = mlp_data()
+    reference = _compiled(_adam)
+    _keras_fit(reference, x, y, epochs=4)
+    model = _compiled(_adam)
+    trainer = _trainer(model)
+    trainer.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0)
+    _keras_fit(model, x, y)
+    trainer.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0)
+    _keras_fit(model, x, y)
+    _assert_same_state(reference, model)
+
+
+@pytest.mark.parametrize("save_freq", ["epoch", 2])
+def test_model_checkpoint_during_fit_saves_the_current_slots(save_freq, tmp_path):
+    """ModelCheckpoint(save_weights_only=False) saves the model with its optimizer: at an
+    epoch's end and after a step (`save_freq` in batches), the engine's state of then."""
+    x, y = mlp_data()
+    reference = _compiled(_adam)
+    steps = 2 if save_freq == 2 else len(x) // BATCH
+    _keras_fit(reference, x[: steps * BATCH], y[: steps * BATCH])
+    model = _compiled(_adam)
+    path = str(tmp_path / "ckpt-{epoch}.keras")
+    if save_freq == 2:
+        path = str(tmp_path / "ckpt-{epoch}-{batch}.keras")
+    checkpoint = keras.callbacks.ModelCheckpoint(path, save_freq=save_freq)
+    _trainer(model).fit(
+        x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0, callbacks=[checkpoint]
+    )
+    saved = path.format(epoch=1, batch=2)
+    _assert_same_state(reference, keras.models.load_model(saved))
+
+
+def test_backup_and_restore_resumes_with_the_optimizer_state(tmp_path):
+    """BackupAndRestore saves with `save_weights`, which holds the optimizer's variables,
+    and loads them when training begins: into the user's optimizer, which the trainer
+    builds when it takes the model (as Keras's fit builds it first), and from there into
+    the engine. Two epochs, then a new process's model resumes for the third."""
+    x, y = mlp_data()
+    reference = _compiled(_adam)
+    _keras_fit(reference, x, y, epochs=3)
+    backup = str(tmp_path / "backup")
+    _trainer(_compiled(_adam)).fit(
+        x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0,
+        callbacks=[keras.callbacks.BackupAndRestore(backup, delete_checkpoint=False)],
+    )  # fmt: skip
+    resumed = _compiled(_adam)
+    history = _trainer(resumed).fit(
+        x, y, batch_size=BATCH, epochs=3, shuffle=False, verbose=0,
+        callbacks=[keras.callbacks.BackupAndRestore(backup)],
+    )  # fmt: skip
+    assert history.epoch == [2]
+    _assert_same_state(reference, resumed)
+
+
+@pytest.mark.combines("ema+data_parallel")
+def test_use_ema_is_built_on_the_users_optimizer_and_holds_the_averages(tmp_path):
+    """The user's optimizer gets its moving averages (built on the model's variables,
+    holding the lanes' averages after fit), and Keras's fit continues from them: three
+    one-epoch fits, the middle one EPLTrainer's, equal three of Keras's (each fit ends
+    with the weights set to their averages)."""
+    x, y = mlp_data()
+    reference = _compiled(_ema_sgd)
+    for _ in range(3):
+        _keras_fit(reference, x, y)
+    model = _compiled(_ema_sgd)
+    _keras_fit(model, x, y)
+    _trainer(model).fit(x, y, batch_size=BATCH, shuffle=False, verbose=0)
+    averages = model.optimizer._model_variables_moving_average
+    assert len(averages) == len(model.trainable_variables)
+    _keras_fit(model, x, y)
+    _assert_same_state(reference, model)
+
+
+def test_use_ema_on_a_fresh_optimizer_is_built_by_the_trainer():
+    x, y = mlp_data()
+    reference = _compiled(_ema_sgd)
+    _keras_fit(reference, x, y)
+    model = mlp()
+    epl.EPLTrainer(model, LOSS, _ema_sgd(), config={"cluster.virtual_devices": 2}).fit(
+        x, y, batch_size=BATCH, shuffle=False, verbose=0
+    )
+    assert model.optimizer.built
+    for a, b in zip(
+        reference.optimizer._model_variables_moving_average,
+        model.optimizer._model_variables_moving_average,
+        strict=True,
+    ):
+        np.testing.assert_allclose(b.numpy(), a.numpy(), atol=ATOL)
+
+
+@pytest.fixture
+def mixed_float16():
+    previous = keras.config.dtype_policy()
+    keras.config.set_dtype_policy("mixed_float16")
+    yield
+    keras.config.set_dtype_policy(previous)
+
+
+@pytest.mark.combines("amp+data_parallel")
+def test_loss_scale_optimizer_state_goes_in_and_back(mixed_float16, tmp_path):
+    """A mixed_float16 model's LossScaleOptimizer stays the model's optimizer: the engine
+    starts from its loss scale (halved by Keras at an overflow) and counts on from its
+    clean steps, and `model.save` keeps the scale and the slots."""
+    x, y = mlp_data()
+    model = _compiled(_adam)
+    assert isinstance(model.optimizer, keras.optimizers.LossScaleOptimizer)
+    model.fit(x[:BATCH] * 1e5, y[:BATCH], batch_size=BATCH, verbose=0)  # overflows
+    _keras_fit(model, x, y)  # 4 clean steps
+    assert model.optimizer.dynamic_scale.numpy() == 2.0**14
+    assert model.optimizer.step_counter.numpy() == 4
+    trainer = _trainer(model)
+    trainer.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0)
+    assert trainer.stats_history["loss_scale"] == [2.0**14]
+    assert model.optimizer is not trainer.optimizer  # the wrapper around it
+    assert model.optimizer.step_counter.numpy() == 8
+    assert model.optimizer.iterations.numpy() == 8
+    model.save(tmp_path / "model.keras")
+    loaded = keras.models.load_model(tmp_path / "model.keras")
+    assert isinstance(loaded.optimizer, keras.optimizers.LossScaleOptimizer)
+    for a, b in zip(_optimizer_values(model.optimizer), _optimizer_values(loaded.optimizer)):
+        np.testing.assert_array_equal(b, a)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize(
+    "script_args",
+    [
+        pytest.param(["--zero", "v1"], marks=pytest.mark.combines("zero_v1+multi_worker")),
+        pytest.param(["--stages", "2"], marks=pytest.mark.combines("pipeline+multi_worker")),
+    ],
+    ids=["zero_v1_over_workers", "stages_on_two_workers"],
+)
+def test_every_worker_holds_the_whole_state_where_parts_live_on_other_workers(
+    script_args, tmp_path
+):
+    """2 workers of one device: ZeRO's shards of every slot, or each stage's slots, live
+    on one worker only; after fit each worker's optimizer holds all of Keras's state."""
+    import train_optimizer_state as script
+    import train_span
+
+    result = run_launch(os.path.join(SCRIPTS, "train_optimizer_state.py"), tmp_path, 2, 1,
+                        *script_args)  # fmt: skip
+    assert result.returncode == 0, result.stdout + result.stderr
+    reference = train_span.make_model()
+    reference.compile(train_span.make_optimizer("adam"), LOSS)
+    rows = script.STEPS * train_span.GLOBAL_BATCH
+    x, y = train_span.make_data()
+    reference.fit(x[:rows], y[:rows], batch_size=train_span.GLOBAL_BATCH, shuffle=False, verbose=0)
+    expected = _optimizer_values(reference.optimizer)
+    for worker in range(2):
+        saved = np.load(tmp_path / "out" / f"optimizer_{worker}.npz")
+        got = [saved[f"arr_{i}"] for i in range(len(saved.files))]
+        assert len(got) == len(expected)
+        for a, b in zip(expected, got):
+            np.testing.assert_allclose(b, a, atol=1e-5)
