@@ -45,9 +45,28 @@ def pytest_collection_modifyitems(config, items):
     items[:] = selected
 
 
-def _first_line(report) -> str:
+# Enough of a failure's text for a listed exception's message to be found in it.
+FAILURE_CHARS = 4000
+
+
+def _crash_message(report) -> str:
+    """The failure's exception and message (pytest's crash message), else the report."""
     crash = getattr(report.longrepr, "reprcrash", None)
-    text = crash.message if crash is not None else str(report.longrepr)
+    return crash.message if crash is not None else str(report.longrepr)
+
+
+def _failure_text(report) -> str:
+    """The crash message, then the "E" lines of the whole report: those of each exception
+    in the chain (a refusal inside `pytest.warns` ends as "DID NOT WARN", the refusal in
+    the exception before it). What a listed exception's message is searched in."""
+    chain = [
+        line[1:].strip() for line in str(report.longrepr).splitlines() if line.startswith("E ")
+    ]
+    return "\n".join([_crash_message(report), *chain])
+
+
+def _first_line(report) -> str:
+    text = _crash_message(report)
     lines = [line.strip() for line in text.splitlines() if line.strip()]
     if not lines:
         return "?"
@@ -60,7 +79,7 @@ def _first_line(report) -> str:
 def pytest_runtest_setup(item):
     from keras_conformance import routing
 
-    routing.stats.update(routed=0, keras=0, reasons=[])
+    routing.reset_stats()
 
 
 def pytest_collectreport(report):
@@ -68,6 +87,7 @@ def pytest_collectreport(report):
         _results[report.nodeid + "::<collection>"] = {
             "outcome": "failed",
             "error": _first_line(report),
+            "failure": _failure_text(report)[:FAILURE_CHARS],
         }
 
 
@@ -81,6 +101,7 @@ def pytest_runtest_logreport(report):
     elif report.failed and entry["outcome"] != "failed":
         entry["outcome"] = "failed"
         entry["error"] = f"[{report.when}] {_first_line(report)}"
+        entry["failure"] = _failure_text(report)[:FAILURE_CHARS]
     if report.when == "call" and hasattr(report, "wasxfail") and report.passed:
         entry["outcome"] = "xpassed"
     if report.when == "teardown":

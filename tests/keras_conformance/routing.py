@@ -1,15 +1,24 @@
-"""Routes `keras.Model.fit` / `evaluate` / `predict` through `epl_trainer.EPLTrainer`.
+"""Routes Keras's `fit` / `evaluate` / `predict` through `epl_trainer.EPLTrainer`.
 
-One trainer per model object, built from the compiled model at its first routed call and
-rebuilt after the model is compiled again. A model whose `train_step`, `test_step`,
-`predict_step` or `compute_loss` is not Keras's own keeps Keras's path, so does an
-uncompiled model (Keras's own error) and any call made while a routed call runs (the
-trainer's own use of Keras). If `EPLTrainer(...)` refuses the model, the call raises
-`RoutingRefused` with the reason: no silent fallback.
+Patched on the class that defines them (the backend's Trainer), so that Keras's own
+trainer tests' models, a layer mixed in with that Trainer, are routed as a `keras.Model`
+is. One trainer per model object, built from the model at its first routed call and
+rebuilt after the model is compiled again. `fit` / `evaluate` on an uncompiled model keep
+Keras's path (Keras's own error), so does any call made while a routed call runs (the
+trainer's own use of Keras); the plugin records each such fallback with its reason.
+`predict` on an uncompiled model is routed: Keras predicts without `compile`. If
+`EPLTrainer(...)` refuses the model, the call raises `RoutingRefused` with the reason: no
+silent fallback.
+
+A model with its own `train_step`, `test_step`, `predict_step`, `compute_loss` or
+`compute_metrics` is routed too, and the routed call must run that method: one that
+returns without it having run in the test raises `OwnStepNotRun` (a trainer training the
+compiled loss instead could otherwise pass the test by luck).
 """
 
 from __future__ import annotations
 
+import collections
 import functools
 import inspect
 import threading
@@ -23,11 +32,19 @@ LAYOUTS = {
         "pipeline.num_micro_batch": 2,
     },
 }
-STEP_METHODS = ("train_step", "test_step", "predict_step", "compute_loss")
 ROUTED_METHODS = ("fit", "evaluate", "predict")
+# The model's methods each routed call must run when the model defines its own. Keras's
+# `compute_loss` / `compute_metrics` run from its `train_step` / `test_step`: required
+# only while those are Keras's own (a model's own step need not call them).
+OWN_METHODS = {
+    "fit": ("train_step", "compute_loss", "compute_metrics"),
+    "evaluate": ("test_step", "compute_loss", "compute_metrics"),
+    "predict": ("predict_step",),
+}
+STEP_OF = {"fit": "train_step", "evaluate": "test_step"}
 
 # Calls in the running test (plugin.py resets and reads them per test).
-stats = {"routed": 0, "keras": 0, "reasons": []}
+stats = {"routed": 0, "keras": 0, "reasons": [], "own_calls": collections.Counter()}
 _local = threading.local()
 
 
@@ -36,19 +53,84 @@ class RoutingRefused(Exception):
     a Keras test expecting one of those from `fit` must not pass on a refusal."""
 
 
-def _keras_own_steps(model, keras) -> str | None:
-    """None if every step method is Keras's; else the name of the first overridden one."""
-    for name in STEP_METHODS:
-        if getattr(type(model), name, None) is not getattr(keras.Model, name):
-            return name
-    return None
+class OwnStepNotRun(Exception):
+    """A routed call returned without running a method the model defines itself."""
+
+
+def trainer_class():
+    """The class defining Keras's `fit` / `evaluate` / `predict` (the backend's Trainer)."""
+    import keras
+
+    return next(c for c in type.mro(keras.Model) if "fit" in vars(c))
+
+
+def own_methods(model, call: str) -> list[str]:
+    """The methods `call` must run that `model` defines itself (not Keras's)."""
+    import keras
+
+    def own(name):
+        return getattr(type(model), name, None) is not getattr(keras.Model, name)
+
+    step = STEP_OF.get(call)
+    return [
+        name
+        for name in OWN_METHODS[call]
+        if own(name) and (name == step or step is None or not own(step))
+    ]
+
+
+def defining_class(model, name: str) -> type:
+    return next(c for c in type(model).__mro__ if name in vars(c))
+
+
+def watch_own_methods(model, names) -> None:
+    """Wraps each of `model`'s `names`, once, on the class that defines it, to count its
+    calls in `stats["own_calls"]` by (class, name). The wrapper stays: a trainer that took
+    the method when it was built, or traced it into a graph in an earlier call of the same
+    test (a graph reused runs no Python), has still run it through the wrapper."""
+    for name in names:
+        owner = defining_class(model, name)
+        original = vars(owner)[name]
+        if getattr(original, "_kc_watched", False):
+            continue
+
+        def counted(*args, _original=original, _key=(owner, name), **kwargs):
+            stats["own_calls"][_key] += 1
+            return _original(*args, **kwargs)
+
+        wrapper = functools.wraps(original)(counted)
+        wrapper._kc_watched = True
+        setattr(owner, name, wrapper)
+
+
+def call_running_own_methods(trainer_for, name: str, model, arguments: dict):
+    """`trainer_for(model).<name>(**arguments)`; raises OwnStepNotRun if, by its end, one of
+    the model's own methods that Keras's `name` would run (`own_methods`) has not run in
+    this test."""
+    required = own_methods(model, name)
+    watch_own_methods(model, required)  # before the trainer is built: it may keep them
+    result = getattr(trainer_for(model), name)(**arguments)
+    calls = {m: stats["own_calls"][(defining_class(model, m), m)] for m in required}
+    not_run = [method for method, count in calls.items() if not count]
+    if not_run:
+        raise OwnStepNotRun(
+            f"EPLTrainer.{name} returned without running the model's own "
+            f"{', '.join(not_run)} (defined by {type(model).__name__}) in this test. "
+            f"Received: calls {calls}"
+        )
+    return result
+
+
+def reset_stats() -> None:
+    """Before each test (plugin.py)."""
+    stats.update(routed=0, keras=0, reasons=[], own_calls=collections.Counter())
 
 
 def count_calls() -> None:
     """The plain run's patch: counts `fit` / `evaluate` / `predict` calls (in
     `stats["keras"]`) and changes nothing else. A test that makes none cannot be routed;
     the routed runs skip it (runner.py)."""
-    import keras
+    owner = trainer_class()
 
     def counted(original):
         @functools.wraps(original)
@@ -59,7 +141,7 @@ def count_calls() -> None:
         return method
 
     for name in ROUTED_METHODS:
-        setattr(keras.Model, name, counted(getattr(keras.Model, name)))
+        setattr(owner, name, counted(getattr(owner, name)))
 
 
 def install(layout: str) -> None:
@@ -68,11 +150,13 @@ def install(layout: str) -> None:
     import epl_trainer
 
     config = LAYOUTS[layout]
-    originals = {name: getattr(keras.Model, name) for name in (*ROUTED_METHODS, "compile")}
+    owner = trainer_class()
+    originals = {name: getattr(owner, name) for name in ROUTED_METHODS}
+    original_compile = keras.Model.compile
 
-    @functools.wraps(originals["compile"])
+    @functools.wraps(original_compile)
     def compile(self, *args, **kwargs):
-        result = originals["compile"](self, *args, **kwargs)
+        result = original_compile(self, *args, **kwargs)
         self.__dict__["_kc_compile_generation"] = self.__dict__.get("_kc_compile_generation", 0) + 1
         return result
 
@@ -96,13 +180,10 @@ def install(layout: str) -> None:
 
         @functools.wraps(original)
         def method(self, *args, **kwargs):
-            overridden = _keras_own_steps(self, keras)
             reason = None
             if getattr(_local, "active", False):
                 reason = "nested"
-            elif overridden:
-                reason = f"overrides {overridden}"
-            elif not getattr(self, "compiled", False):
+            elif name != "predict" and not getattr(self, "compiled", False):
                 reason = "not compiled"
             if reason:
                 stats["keras"] += 1
@@ -117,7 +198,7 @@ def install(layout: str) -> None:
             stats["routed"] += 1
             _local.active = True
             try:
-                return getattr(trainer_for(self), name)(**arguments)
+                return call_running_own_methods(trainer_for, name, self, arguments)
             finally:
                 _local.active = False
 
@@ -126,7 +207,7 @@ def install(layout: str) -> None:
     # On the class that defines compile (Keras's Trainer): Keras's loading compares
     # `type(model).compile` with `Trainer.compile` to spot a custom compile, and would
     # then skip compiling a loaded or unpickled model.
-    owner = next(c for c in type.mro(keras.Model) if "compile" in vars(c))
-    owner.compile = compile
+    compile_owner = next(c for c in type.mro(keras.Model) if "compile" in vars(c))
+    compile_owner.compile = compile
     for name in ROUTED_METHODS:
-        setattr(keras.Model, name, routed(name))
+        setattr(owner, name, routed(name))
