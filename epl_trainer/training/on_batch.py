@@ -65,6 +65,7 @@ class OnBatchMixin:
         _check_one_batch("train_on_batch", x)
         x, sample_weight = fit_inputs.with_class_weight(x, y, sample_weight, class_weight)
         dataset = self._one_batch("train_on_batch", x, y, sample_weight, model_fn_lib.TRAIN)
+        self._require_loss("train_on_batch")
         program = self._ensure_engine_for(dataset)
         self._reset_metrics()
         stats = self._train_step_on(program, dataset)
@@ -85,6 +86,7 @@ class OnBatchMixin:
         """
         _check_one_batch("test_on_batch", x)
         dataset = self._one_batch("test_on_batch", x, y, sample_weight, model_fn_lib.EVAL)
+        self._require_loss("test_on_batch")
         no_callbacks = fit_inputs.callback_list(None, self.model, 0, steps=1)
         return self._returned_logs(self._evaluate_dataset(dataset, no_callbacks), return_dict)
 

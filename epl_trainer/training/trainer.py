@@ -384,6 +384,7 @@ class EPLTrainer(CheckpointMixin, TrainingDataMixin, InferenceMixin, OnBatchMixi
         if self._waits_for_data:
             probe = data_lib.spec_probe(x, y, parse_fn, file_format, sample_weight)
             self._build_from_data(probe, model_fn_lib.TRAIN)
+        self._require_loss("fit")
         if not files:
             x = model_inputs.arrays_for_model(self.model, x)
         if self.deepspeed is not None:  # batch sizes, monitors and steps_per_print
@@ -538,6 +539,8 @@ class EPLTrainer(CheckpointMixin, TrainingDataMixin, InferenceMixin, OnBatchMixi
             # Keras's convention with steps_per_execution: one batch callback per call,
             # with the index of its last step.
             callback_list.on_train_batch_end(index + ran - 1, logs)
+            if write_back_each_step:  # the model's variables, as a batch hook left them
+                self._engine.load_from_model(optimizer=False)
             if nonfinite_at is not None and not self.model.stop_training:
                 # The callbacks saw the NaN loss first (TerminateOnNaN stops or raises).
                 raise nonfinite_loss_error(nonfinite_at)

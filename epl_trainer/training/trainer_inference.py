@@ -54,6 +54,7 @@ class InferenceMixin:
             {"loss": ..., metric: ...}.
         """
         dataset = self._evaluation_dataset(x, y, sample_weight, batch_size, model_fn_lib.EVAL)
+        self._require_loss("evaluate")
         dataset = fit_inputs.at_most(dataset, steps)
         verbose = fit_inputs.verbosity(verbose)
         callback_list = fit_inputs.callback_list(

@@ -18,13 +18,10 @@ class ObjectivesMixin:
     def _setup_objectives(self, model, loss, metrics, loss_weights, weighted_metrics) -> None:
         """The loss and metrics as given (arguments, model_fn or compile), resolved at
         the first data (`_build_objectives`)."""
-        if loss is None and not getattr(model, "compiled", False):
-            # A compiled model may have no loss (add_loss only, or predict only), as in
-            # Keras; a model handed over without compile or a loss is a missing argument.
-            raise ValueError(
-                "EPLTrainer needs a loss: pass loss=..., or compile the model with one. "
-                "Received: loss=None"
-            )
+        # A compiled model may have no loss (add_loss only, or predict only), as in Keras;
+        # one handed over without compile or a loss predicts, and cannot train or evaluate
+        # (`_require_loss`).
+        self._loss_missing = loss is None and not getattr(model, "compiled", False)
         names = compiled.output_names(model)
         self.loss = CompiledLoss(loss, names, loss_weights)
         # Keras's weighted_metrics get the data's sample weights (plain metrics do not).
@@ -32,6 +29,14 @@ class ObjectivesMixin:
         self._objectives_spec = None  # the first data's element spec
         self._objectives_built = False
         self.loss_tracker = keras.metrics.Mean(name="loss")
+
+    def _require_loss(self, call: str) -> None:
+        """Training and evaluating need a loss (Keras: "You must call `compile()`")."""
+        if getattr(self, "_loss_missing", False):
+            raise ValueError(
+                f"EPLTrainer needs a loss to {call}: pass loss=..., or compile the model with "
+                "one (predict needs none). Received: loss=None"
+            )
 
     def _build_objectives(self, element_spec=None) -> None:
         """Builds the loss and metrics (ours and the compiled model's own

@@ -126,6 +126,11 @@ def build_engine(
     hosts = [host_of(devices[0]) for devices in devices_by_worker]
     layout = StepLayout.create(staged, state, engine_plan.lanes_in_job, host_device, hosts)
     check_tied_weights(state, config, split_layers, layout.spans_workers)
+    rules.check_constraints(
+        [v.path for v in state.model_trainable if v.constraint is not None],
+        config,
+        split=bool(split_layers),
+    )
     if layout.spans_workers:
         group = host_group(devices_by_worker, hosts[plan.worker_index])
         first_lane = engine_plan.lanes_in_job[0]

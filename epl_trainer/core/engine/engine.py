@@ -271,10 +271,12 @@ class Engine:
         if self.optimizer_state is not None:
             self.optimizer_state.write()
 
-    def load_from_model(self) -> None:
+    def load_from_model(self, optimizer: bool = True) -> None:
         """Copies the Keras model's values into every lane (e.g. after set_weights), and
-        its optimizer's state into the engine's optimizers."""
+        (`optimizer`) its optimizer's state into the engine's optimizers."""
         self.state.load_from_model()
+        if not optimizer:
+            return
         if self.optimizer_state is not None:
             self.optimizer_state.load()
         if self.program.user_steps is not None:

@@ -223,6 +223,10 @@ class EngineState:
                     trainable=variable.trainable,
                     name=variable.name,
                 )
+            if position not in self.sharded or not variable.trainable:
+                # The optimizer applies it after each update (Keras's `apply`), as to
+                # the user's variable; a shard's is refused (rules.check_constraints).
+                copy.constraint = variable.constraint
             self._originals[id(copy)] = variable
             copies.append(copy)
         return copies

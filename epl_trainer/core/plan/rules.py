@@ -45,6 +45,7 @@ FEATURES = {
     "interleaved": "interleaved 1F1B (pipeline.virtual_stages)",
     "user_steps": "a model's own train_step / compute_loss",
     "micro_batches": "gradient accumulation (pipeline.num_micro_batch)",
+    "constraints": "weight constraints (kernel_constraint, ...)",
 }
 ZERO = ("zero_v0", "zero_v1", "zero_v2")
 
@@ -165,6 +166,14 @@ REFUSALS = {
         "recomputed stages on one worker: a segment's parameters are re-gathered inside its "
         "backward, which the cross-worker read does not do.",
         "Use zero.level 'v1' there, or turn gradient checkpointing off.",
+    ),
+    "constraints_sharded": Refusal(
+        (("constraints",), ("zero_v0", "zero_v1", "zero_v2", "split")),
+        "A weight constraint (kernel_constraint=MaxNorm(...), NonNeg(), ...) is applied to "
+        "the whole variable after each update; ZeRO updates pieces of it and split layers "
+        "shards of it, where a norm over an axis would be another constraint.",
+        "Train the layer with the constraint data-parallel or in a pipeline (constraints "
+        "apply there as in Keras), or leave the constraint out under ZeRO and split.",
     ),
     "user_steps_layout": Refusal(
         (
@@ -308,6 +317,18 @@ def check_user_steps(
     if refused:
         REFUSALS["user_steps_layout"].raise_for(
             f"the model overrides {', '.join(methods)}; with {', '.join(refused)}"
+        )
+
+
+def check_constraints(constrained: list[str], config, split: bool) -> None:
+    """`constrained`: the paths of the model's trainable variables with a constraint."""
+    if not constrained:
+        return
+    sharded = [f"zero.level={config.zero.level!r}"] if config.zero.level else []
+    sharded += ["split layers"] if split else []
+    if sharded:
+        REFUSALS["constraints_sharded"].raise_for(
+            f"constrained variables {constrained} with {' and '.join(sharded)}"
         )
 
 
