@@ -94,9 +94,16 @@ def test_a_batch_hooks_assign_to_a_model_variable_stays():
         def on_train_batch_end(self, batch, logs=None):
             self.model.counter.assign_add(1.0)
 
+        def on_test_batch_end(self, batch, logs=None):
+            self.model.counter.assign_add(100.0)
+
     x, y = _data()
     model = Counted()
     model(x[:1])
     trainer = epl.EPLTrainer(model, LOSS, "sgd", config={"cluster.virtual_devices": 2})
-    trainer.fit(x, y, batch_size=16, epochs=2, callbacks=[Count()], verbose=0)
-    assert float(model.counter.numpy()) == 6.0  # 3 batches x 2 epochs, as in Keras
+    trainer.fit(
+        x, y, batch_size=16, epochs=2, callbacks=[Count()], verbose=0,
+        validation_data=(x[:16], y[:16]),
+    )  # fmt: skip
+    # 3 training batches and 1 validation batch in each of 2 epochs, as in Keras.
+    assert float(model.counter.numpy()) == 2 * (3 + 100)

@@ -305,20 +305,21 @@ def _leaves_weights_alone(callback) -> bool:
     return isinstance(callback, known) or getattr(callback, "reads_logs_only", False)
 
 
-def needs_fresh_weights_per_step(callback_list) -> bool:
-    """Whether a callback may read the Keras model's variables after a step: the engine
-    then writes them back after every step, as Keras's model holds them (one copy of the
-    weights per step), else only at epoch ends. Says once per callback class which one
+def needs_fresh_weights_per_step(callback_list, mode: str = "train") -> bool:
+    """Whether a callback may read (or set) the Keras model's variables in a batch hook
+    of `mode` ("train", "test"): the engine then writes them back for those hooks, as
+    Keras's model holds them (one copy of the weights per step), and takes back what
+    the hooks set; else only at epoch ends. Says once per callback class which one
     asked, and how a callback that reads only its logs says so."""
     for callback in callback_list.callbacks:
-        if isinstance(callback, _SAVERS):
+        if isinstance(callback, _SAVERS) and mode == "train":
             if callback.save_freq != "epoch":
                 return True
             continue
         reads_no_weights = isinstance(callback, _LOGS_ONLY + _READS_AT_EPOCH_END) or getattr(
             callback, "reads_logs_only", False
         )
-        if not reads_no_weights and implements_batch_hooks(callback, "train"):
+        if not reads_no_weights and implements_batch_hooks(callback, mode):
             _say_why_weights_go_back_per_step(type(callback))
             return True
     return False

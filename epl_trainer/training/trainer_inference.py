@@ -113,6 +113,13 @@ class InferenceMixin:
         self._reset_metrics()
         self._run_hook(callbacks, "on_test_begin")
         batches = 0
+        # A batch hook that may read or set the model's variables sees the trained ones,
+        # and what it sets stays (the engine takes them back after the batches).
+        hooks_see_variables = program is not None and fit_inputs.needs_fresh_weights_per_step(
+            callbacks, "test"
+        )
+        if hooks_see_variables:
+            self._write_back()
         if program is not None:
 
             def run_call(iterator, count):
@@ -126,6 +133,8 @@ class InferenceMixin:
             finally:  # deleting it can wait for tf.data's autotuning (iterators.py)
                 release(iterator)
                 del iterator
+        if hooks_see_variables:
+            self._engine.load_from_model(optimizer=False)
         step_logs = getattr(program, "last_test_logs", None)  # a model's own test_step's
         if step_logs is not None:
             step_logs = {k: fit_inputs.log_value(v) for k, v in step_logs.items()}
