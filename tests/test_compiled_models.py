@@ -84,5 +84,8 @@ def test_compiled_loss_weights_are_applied(weights):
 
 
 def test_uncompiled_model_without_loss_names_both_ways_to_give_one():
-    with pytest.raises(ValueError, match=r"pass loss=\.\.\., or compile the model"):
-        epl.EPLTrainer(mlp(), config=CONFIG)
+    """It may predict (as in Keras); training names both ways to give a loss."""
+    trainer = epl.EPLTrainer(mlp(), config=CONFIG)
+    x = np.zeros((4, 6), "float32")
+    with pytest.raises(ValueError, match=r"to fit: pass loss=\.\.\., or compile the model"):
+        trainer.fit(x, np.zeros(4, "int32"), batch_size=4, verbose=0)
