@@ -105,7 +105,6 @@ class EngineState:
           its optimizer always hold the trained state.
         """
         model = staged.model
-        self.own_first_lane = own_first_lane
         self.lanes = list(lanes)
         self.host_device = host_device
         # Set by the builder when replicas span workers (exchange.py): completes the

@@ -182,7 +182,6 @@ class UserSteps:
         self._replicas: dict[tuple[int, int], tuple] = {}
         self._optimizers = model_optimizers(model)
         self._applying = False  # inside a reduced apply (a wrapper's inner optimizer)
-        self.log_names: list[str] = []
 
     # ---- lanes' storage ----------------------------------------------------------------
 
@@ -355,18 +354,19 @@ class UserSteps:
                 shares.append(tf.math.divide_no_nan(mine, total))
         return ranges, shares
 
-    def _run_lanes(self, method: str, data) -> tuple[list, list, list]:
+    def _run_lanes(self, method: str, data) -> tuple[list, list]:
+        """Each lane's row share and what the model's `method` returned on its rows."""
         self._reduction.begin_trace()
         ranges, shares = self._lane_shares(data)
         outputs = []
         for li, (start, end) in enumerate(ranges):
             with self._on_lane(li, shares[li]):
                 outputs.append(getattr(self.model, method)(_take_rows(data, start, end)))
-        return ranges, shares, outputs
+        return shares, outputs
 
     def train_step(self, data) -> dict:
         """The model's `train_step` on every lane; returns its logs (module doc)."""
-        _, shares, outputs = self._run_lanes("train_step", data)
+        shares, outputs = self._run_lanes("train_step", data)
         state = self.state
         lane_values = [
             [None if v is None else v.value for v in state.non_trainable[li]]
@@ -376,12 +376,12 @@ class UserSteps:
         return self._logs(outputs, shares)
 
     def test_step(self, data) -> dict:
-        _, shares, outputs = self._run_lanes("test_step", data)
+        shares, outputs = self._run_lanes("test_step", data)
         return self._logs(outputs, shares)
 
     def predict_step(self, data):
         """The model's `predict_step` on every lane, its outputs joined in row order."""
-        _, _, outputs = self._run_lanes("predict_step", data)
+        _, outputs = self._run_lanes("predict_step", data)
         with tf.device(self.host):
             return tree.map_structure(lambda *xs: tf.concat(xs, axis=0), *outputs)
 
@@ -399,7 +399,6 @@ class UserSteps:
                     continue
                 values = [tf.cast(lane[name], tf.float32) for lane in flat]
                 logs[name] = tf.add_n([v * s for v, s in zip(values, shares)])
-        self.log_names = list(logs)
         return logs
 
 
