@@ -434,6 +434,10 @@ def _memory_section(result: estimate.Estimate, device_memory: int | None) -> lis
         lines.append(
             f"  largest peak {fmt(largest)} ({where}) {verdict} in {fmt(device_memory)} per device"
         )
+    lines.append(
+        f"  host memory per worker {fmt(result.host_bytes)}: the Keras model and its"
+        " optimizer's state, whole (what model.save reads; ZeRO shards the devices' copies)"
+    )
     lines += [
         "  activations = bytes per micro-batch x micro-batches kept alive"
         " (+ one recomputed segment with gc);",

@@ -49,6 +49,10 @@ docs/benchmarks.md#memory-estimates-against-measured-peaks.) v0's all-gather of 
 updated parameters runs after the gradients are freed, so it adds no more than its
 all-reduce.
 
+Host memory per worker (`Estimate.host_bytes`, counted once in `worker_bytes`): the user's
+Keras model and its optimizer's state, whole, the copy Keras reads (4 bytes per parameter
+plus 4 per slot); ZeRO shards the devices' copies, not this one.
+
 Communication per step: bytes each device sends with ring collectives (all-reduce
 2(N-1)/N of the buffer, reduce-scatter and all-gather (N-1)/N each): plain data
 parallelism all-reduces the gradients; ZeRO v0 all-reduces them and all-gathers the
@@ -292,11 +296,21 @@ class Estimate:
     def max_peak(self) -> int:
         return max(stage.peak for stage in self.stages)
 
+    @property
+    def host_bytes(self) -> int:
+        """Bytes every worker keeps in host memory beside its devices: the user's Keras
+        model (its float32 variables) and the state of its optimizer, whole, where Keras's
+        `model.save`, `ModelCheckpoint` and a later `model.fit` read them (the engine
+        trains copies on the devices and writes them back: update/master_state.py). ZeRO
+        shards the devices' copies, not this one."""
+        slots = OPTIMIZER_SLOTS[self.options.optimizer]
+        return 4 * self.model.params * (1 + slots)
+
     def worker_bytes(self, worker: int = 0) -> int:
         """Peak bytes of one worker whose devices share one memory (logical CPU
         devices, where the allocator's peak is process-wide): the sum of the peaks of
-        the devices the plan places on it."""
-        return sum(
+        the devices the plan places on it, plus `host_bytes`."""
+        return self.host_bytes + sum(
             self.stages[k].peak * sum(device.worker == worker for device in devices)
             for row in self.plan.placement
             for k, devices in enumerate(row)
@@ -311,6 +325,7 @@ class Estimate:
             "num_stages": len(self.stages),
             "global_batch": self.global_batch,
             "bubble_fraction": self.bubble,
+            "host_bytes_per_worker": self.host_bytes,
             "cuts": list(self.cuts),
             "options": {
                 **dataclasses.asdict(self.options),
