@@ -254,7 +254,7 @@ def run_worker(args) -> None:
     dataset = make_dataset(args)  # data_shards is 1: both workers read the global batch
     # The clock goes into the step's hooks after the engine is built, before its first trace.
     clock = TaskClock() if args.task_clock else None
-    trainer._ensure_engine_for(dataset).program.hooks.task_clock = clock
+    trainer.runtime.ensure_for(dataset).program.hooks.task_clock = clock
 
     def fit(callbacks, steps):
         trainer.fit(dataset, epochs=1, steps_per_epoch=steps, callbacks=callbacks, verbose=0)

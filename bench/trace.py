@@ -75,7 +75,7 @@ def main():
             }
             y = {name: np.zeros(batch, "int32") for name in ("start_logits", "end_logits")}
             dataset = tf.data.Dataset.from_tensors((x, y)).repeat()
-            engine = trainer._ensure_engine_for(dataset)
+            engine = trainer.runtime.ensure_for(dataset)
             start = time.perf_counter()
             graph = engine.train_on_iterator.get_concrete_function(iter(dataset)).graph
             seconds = time.perf_counter() - start

@@ -98,7 +98,7 @@ def test_overflowing_steps_are_skipped_and_the_scale_backs_off():
         np.testing.assert_array_equal(a, b)
     assert trainer.stats_history["skipped_steps"] == [1]
     assert trainer.stats_history["loss_scale"] == [2.0**59]
-    optimizer = trainer._engine.program.update.inner.optimizers[0][0][0]
+    optimizer = trainer.engine.program.update.inner.optimizers[0][0][0]
     assert int(optimizer.iterations.numpy()) == 0  # the optimizer did not step either
 
 

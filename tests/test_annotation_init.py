@@ -81,5 +81,5 @@ def test_the_trainer_starts_from_the_unannotated_weights(annotated, config):
     assert _max_difference(reference, trainer.model) == 0.0
     x = np.zeros((8, 6), "float32")
     trainer.evaluate(x, np.zeros(8, "int32"), batch_size=8)  # builds the engine state
-    trainer._engine.state.write_back()
+    trainer.engine.state.write_back()
     assert _max_difference(reference, trainer.model) == 0.0

@@ -50,7 +50,7 @@ def test_restore_fills_every_replica(tmp_path):
     first.save_checkpoint(str(tmp_path))
     resumed = _trainer(mlp(seed=9), devices=4)
     resumed.restore_checkpoint(str(tmp_path))
-    state = resumed._engine.state
+    state = resumed.engine.state
     for lane in state.trainable[1:]:
         for a, b in zip(lane, state.trainable[0]):
             np.testing.assert_array_equal(np.asarray(a.value), np.asarray(b.value))
@@ -166,12 +166,12 @@ def test_amp_loss_scale_state_is_restored(tmp_path):
     }
     trainer = epl.EPLTrainer(mlp(), LOSS, keras.optimizers.Adam(0.01), config=config)
     trainer.fit(_dataset(), epochs=1, verbose=0)  # 4 clean steps: the scale doubles twice
-    scale = float(trainer._engine.program.update.scaler.scale())
+    scale = float(trainer.engine.program.update.scaler.scale())
     assert scale == 2.0**6
     trainer.save_checkpoint(str(tmp_path))
     resumed = epl.EPLTrainer(mlp(seed=3), LOSS, keras.optimizers.Adam(0.01), config=config)
     resumed.restore_checkpoint(str(tmp_path))
-    assert float(resumed._engine.program.update.scaler.scale()) == scale
+    assert float(resumed.engine.program.update.scaler.scale()) == scale
 
 
 def test_keep_max_keeps_only_the_newest(tmp_path):

@@ -48,7 +48,7 @@ def trainer_for(model, optimizer=None, devices=2, **config):
 def step_graph(trainer, x, y, batch_size=16):
     trainer.fit(x, y, batch_size=batch_size, steps_per_epoch=1, verbose=0, shuffle=False)
     dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(batch_size, drop_remainder=True)
-    return trainer._engine.program.train_on_iterator.get_concrete_function(iter(dataset)).graph
+    return trainer.engine.program.train_on_iterator.get_concrete_function(iter(dataset)).graph
 
 
 def all_ops(graph):

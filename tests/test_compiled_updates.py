@@ -206,7 +206,7 @@ def test_trainer_with_compiled_updates_ends_where_plain_updates_do(config):
             config={**config, "optimizer.jit_compile": jit},
         )
         trainer.fit(x, y, batch_size=16, epochs=1, steps_per_epoch=4, verbose=0, shuffle=False)
-        steps = [s for lane in trainer._engine.update.steps for s in _flat(lane) if s]
+        steps = [s for lane in trainer.engine.update.steps for s in _flat(lane) if s]
         assert steps and all(s.jit_compile == jit for s in steps)
         weights[jit] = model.get_weights()
     for plain, compiled in zip(weights[False], weights[True]):

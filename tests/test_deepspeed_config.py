@@ -91,7 +91,7 @@ def test_reference_stage3_config_trains_with_parameters_and_optimizer_on_the_hos
     assert (trainer.config.zero.level, trainer.config.offload.level) == ("v2", "v0")
     trainer.fit(x, y, batch_size=16, epochs=1, steps_per_epoch=3, verbose=0, shuffle=False)
     host = trainer.cluster.host_device
-    pieces = trainer._engine.program.update.parameter_pieces()
+    pieces = trainer.engine.program.update.parameter_pieces()
     assert pieces and {v.value.device for v in pieces} == {host}
     rows = (tmp_path / "stage3_test" / "Train_Samples_train_loss.csv").read_text().splitlines()
     assert len(rows) == 4
@@ -639,7 +639,7 @@ def test_activation_checkpointing_recomputes_and_trains_like_without():
     recomputed_model, plain_model = mlp(seed=5), mlp(seed=5)
     trainer = epl.EPLTrainer(recomputed_model, LOSS, config=DeepSpeedConfig(ds, base=TWO_DEVICES))
     trainer.fit(x, y, steps_per_epoch=2, verbose=0, shuffle=False)
-    assert trainer._engine.program.recomputed  # the stage runs as recomputed segments
+    assert trainer.engine.program.recomputed  # the stage runs as recomputed segments
     plain = epl.EPLTrainer(plain_model, LOSS, keras.optimizers.SGD(0.1), config=TWO_DEVICES)
     plain.fit(x, y, batch_size=16, steps_per_epoch=2, verbose=0, shuffle=False)
     for a, b in zip(recomputed_model.get_weights(), plain_model.get_weights()):

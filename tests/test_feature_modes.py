@@ -54,7 +54,7 @@ def test_zero_on_one_device_matches_keras(level):
         config={"cluster.virtual_devices": 1, "zero.level": level},
     )
     _fit(trainer, x, y)
-    assert isinstance(trainer._engine.program.update.inner, ZeroUpdate)
+    assert isinstance(trainer.engine.program.update.inner, ZeroUpdate)
     assert max_weight_difference(reference, model) < ATOL
 
 
@@ -78,7 +78,7 @@ def test_jit_compile_matches_keras(devices):
         jit_compile=True,
     )
     _fit(trainer, x, y)
-    calls = trainer._engine.program.hooks.stage_calls
+    calls = trainer.engine.program.hooks.stage_calls
     # One XLA function for the whole step, or per lane (test_jit_choice.py)
     assert trainer.engine_plan.jit.whole_step if devices == 1 else trainer.engine_plan.jit.per_lane
     assert not any(c.__qualname__.startswith("compiled_stage_call") for c in calls)
@@ -165,7 +165,7 @@ def test_synchronized_batch_norm_on_one_device_matches_keras():
     config = {"cluster.virtual_devices": 1, "batch_norm.synchronized": True}
     trainer = epl.EPLTrainer(model, LOSS, keras.optimizers.SGD(0.1), config=config)
     trainer.fit(x, y, batch_size=train_sync_bn.BATCH, verbose=0, shuffle=False)
-    assert isinstance(trainer._engine.program.hooks.batch_statistics, SyncBatchNorm)
+    assert isinstance(trainer.engine.program.hooks.batch_statistics, SyncBatchNorm)
     assert max_weight_difference(reference, model) < ATOL  # moving statistics included
 
 

@@ -270,7 +270,7 @@ def test_shuffle_true_trains_each_epoch_on_a_new_order_of_every_sample():
     model = mlp()
     trainer = _trainer(model)
     trainer.fit(x, y, batch_size=16, epochs=3, shuffle=True, verbose=0)
-    passes = data_lib.ReshuffledArrays(x, y, 16, seed=trainer._shuffle_seed)
+    passes = data_lib.ReshuffledArrays(x, y, 16, seed=trainer.feeder.shuffle_seed)
     orders = [passes.order(epoch) for epoch in range(3)]
     for order in orders:
         assert sorted(order) == list(range(len(x)))

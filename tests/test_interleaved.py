@@ -213,7 +213,7 @@ def _assert_as_one_f_one_b(stages, replicas, num_micro_batch, batch, v=2, **kwar
         **{"pipeline.virtual_stages": v},
         **kwargs,
     )
-    assert trainer._engine.program.schedule.device_orders == (
+    assert trainer.engine.program.schedule.device_orders == (
         schedule_lib.interleaved_schedule(stages, num_micro_batch, v).device_orders
     )
     assert trainer.plan.num_replicas == replicas
@@ -263,7 +263,7 @@ def test_interleaved_with_amp():
 @pytest.mark.combines("gradient_checkpoint+pipeline")
 def test_interleaved_with_gradient_checkpointing():
     trainer = _assert_as_one_f_one_b(4, 1, 5, 15, **{"gradient_checkpoint.type": "auto"})
-    assert trainer._engine.program.recomputed
+    assert trainer.engine.program.recomputed
 
 
 @pytest.mark.combines("jit_compile+pipeline")
@@ -348,7 +348,7 @@ def test_the_step_chains_each_device_across_its_stages():
     x, y = skip_data()
     trainer = _trainer(STAGE_MAPS[4], 2, **{"pipeline.virtual_stages": 2})
     graph = _traced_graph(trainer, x, y)
-    schedule = trainer._engine.program.schedule
+    schedule = trainer.engine.program.schedule
     crossing = 0
     for pairs in schedule.device_orders:
         for (s0, before), (s1, after) in itertools.pairwise(pairs):
@@ -371,10 +371,10 @@ def test_task_clock_times_each_device_in_its_order():
     x, y = skip_data()
     dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(16)
     clock = TaskClock()
-    trainer._ensure_engine_for(dataset).program.hooks.task_clock = clock
+    trainer.runtime.ensure_for(dataset).program.hooks.task_clock = clock
     trainer.fit(dataset, steps_per_epoch=2, verbose=0)
     times = {(s, t): (a, b) for s, t, a, b in clock.read()}
-    schedule = trainer._engine.program.schedule
+    schedule = trainer.engine.program.schedule
     assert len(times) == sum(len(tasks) for tasks in schedule)
     for pairs in schedule.device_orders:  # a device's task starts after its previous ends
         for previous, task in itertools.pairwise(pairs):

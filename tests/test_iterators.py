@@ -16,7 +16,7 @@ from _models import LOSS, mlp, mlp_data
 
 import epl_trainer as epl
 from epl_trainer.training import data as data_lib
-from epl_trainer.training import iterators, trainer_inference
+from epl_trainer.training import inference, iterators
 
 
 class _Deleted:
@@ -56,7 +56,7 @@ def test_fit_evaluate_and_predict_release_their_iterators(monkeypatch):
         iterators.release(iterator)
 
     monkeypatch.setattr(data_lib, "release", recording_release)
-    monkeypatch.setattr(trainer_inference, "release", recording_release)
+    monkeypatch.setattr(inference, "release", recording_release)
     x, y = mlp_data()
     dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(16)
     trainer = epl.EPLTrainer(

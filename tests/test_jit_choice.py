@@ -24,7 +24,7 @@ ATOL = 1e-5
 
 
 def _whole_step(trainer) -> bool:
-    step = trainer._engine.program._step_gradients
+    step = trainer.engine.program._step_gradients
     return isinstance(step, tf.types.experimental.PolymorphicFunction)
 
 
@@ -33,7 +33,7 @@ def _compiled_as(trainer, devices) -> bool:
     jit = trainer.engine_plan.jit
     per_stage = any(
         c.__qualname__.startswith("compiled_stage_call")
-        for c in trainer._engine.program.hooks.stage_calls
+        for c in trainer.engine.program.hooks.stage_calls
     )
     expected = (True, False) if devices == 1 else (False, True)
     return (_whole_step(trainer), jit.per_lane) == expected and jit.compile and not per_stage

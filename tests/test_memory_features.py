@@ -24,7 +24,7 @@ def test_grouped_apply_matches_keras(groups):
     model = mlp()
     trainer = adam_trainer(model, 2, **{"optimizer.num_apply_group": groups})
     trainer.fit(x, y, batch_size=16, steps_per_epoch=3, verbose=0, shuffle=False)
-    update = trainer._engine.program.update
+    update = trainer.engine.program.update
     assert len(update.groups[0]) == min(groups, len(model.trainable_variables))
     assert max_weight_difference(reference, model) < ATOL
     # Each group's optimizer counts the steps once, as one optimizer would.
@@ -38,9 +38,9 @@ def test_grouped_apply_chains_groups_with_control_dependencies():
     trainer = adam_trainer(mlp(), 1, **{"optimizer.num_apply_group": 2})
     dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(16)
     trainer.fit(dataset, steps_per_epoch=1, verbose=0)
-    graph = trainer._engine.program.train_on_iterator.get_concrete_function(iter(dataset)).graph
-    _, second = trainer._engine.program.update.groups[0]
-    second_names = {trainer._engine.state.trainable[0][i].path.split("/")[0] for i in second}
+    graph = trainer.engine.program.train_on_iterator.get_concrete_function(iter(dataset)).graph
+    _, second = trainer.engine.program.update.groups[0]
+    second_names = {trainer.engine.state.trainable[0][i].path.split("/")[0] for i in second}
     # Some op of the second group's update waits (control input) on the first group.
     waits = [
         op

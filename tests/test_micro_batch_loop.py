@@ -46,7 +46,7 @@ def trainer_for(model, micro_batches, devices=1, **config):
 
 def step_graph(trainer, x, y, batch_size=16):
     dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(batch_size)
-    engine = trainer._ensure_engine_for(dataset)
+    engine = trainer.runtime.ensure_for(dataset)
     return engine.program.train_on_iterator.get_concrete_function(iter(dataset)).graph
 
 
@@ -60,7 +60,7 @@ def test_the_traced_step_does_not_grow_with_micro_batches():
     sizes = {}
     for micro_batches in (2, 8):
         trainer = trainer_for(tokens_model(), micro_batches)
-        assert trainer._ensure_engine_for(
+        assert trainer.runtime.ensure_for(
             tf.data.Dataset.from_tensor_slices((x, y)).batch(16)
         ).program.loops_micro_batches
         sizes[micro_batches] = graph_ops(step_graph(trainer, x, y))
@@ -95,7 +95,7 @@ def test_the_loop_trains_as_the_unrolled_step(devices, config):
         model = tokens_model()
         trainer = trainer_for(model, 4, devices, **config)
         dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(16)
-        program = trainer._ensure_engine_for(dataset).program
+        program = trainer.runtime.ensure_for(dataset).program
         assert program.loops_micro_batches
         if not looped:  # before the first trace: the step every other mode emits
             program._emit_lanes = program._emit_lanes_one_by_one
@@ -124,4 +124,4 @@ def test_pipelines_and_sharded_gradients_emit_each_micro_batch():
             stages=stages,
             config={"cluster.virtual_devices": devices, "pipeline.num_micro_batch": 4, **config},
         )
-        assert not trainer._ensure_engine_for(dataset).program.loops_micro_batches
+        assert not trainer.runtime.ensure_for(dataset).program.loops_micro_batches

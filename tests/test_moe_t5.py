@@ -215,7 +215,7 @@ def test_recipe_config_runs_two_steps_from_files(tmp_path):
     assert (
         trainer.evaluate(evaluation, return_dict=True)["loss"] < before["loss"]
     )  # the two steps trained
-    state = trainer._engine.state
+    state = trainer.engine.state
     for layer in moe_t5.moe_layers(model):
         index = next(i for i, v in enumerate(state.model_trainable) if v is layer.w_in)
         shapes = {tuple(state.trainable[lane][index].shape) for lane in range(2)}

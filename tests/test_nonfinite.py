@@ -52,7 +52,7 @@ def test_nonfinite_loss_stops_with_the_step_and_leaves_the_weights_before_it():
         match=r"not finite \(NaN or Inf\) at training step 3 \(epoch 1, batch 2\)",
     ):
         trainer.fit(_data(poisoned=True), verbose=0)
-    trainer._engine.state.write_back()
+    trainer.engine.state.write_back()
     reference = mlp()
     _trainer(reference).fit(_data(poisoned=False).take(BAD_BATCH), verbose=0)
     assert max_weight_difference(model, reference) == 0.0
@@ -152,7 +152,7 @@ def test_steps_per_execution_stops_at_the_first_nonfinite_step_and_keeps_the_wei
     with pytest.raises(NonFiniteLossError, match=r"at training step 3 \(epoch 1, batch 2\)"):
         trainer.fit(_data(poisoned=True), verbose=0)
     assert int(trainer.optimizer.iterations.numpy()) == BAD_BATCH + 1
-    trainer._engine.state.write_back()
+    trainer.engine.state.write_back()
     reference = mlp()
     _trainer(reference, **amp).fit(_data(poisoned=False).take(BAD_BATCH), verbose=0)
     assert max_weight_difference(model, reference) == 0.0

@@ -92,7 +92,7 @@ def test_keras_then_trainer_then_saved_and_keras_equals_keras(make_optimizer, co
     trainer = _trainer(model, **config)
     trainer.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0)
     if config:  # the slots were held in pieces: parts of variables on each device
-        spans = trainer._engine.update.piece_spans().values()
+        spans = trainer.engine.update.piece_spans().values()
         assert any(start is not None for _, _, start, _ in spans)
     model.save(tmp_path / "model.keras")
     loaded = keras.models.load_model(tmp_path / "model.keras")

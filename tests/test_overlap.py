@@ -34,7 +34,7 @@ def trace_step(config):
     x, y = np.zeros((8, 16), "float32"), np.zeros(8, "int32")
     trainer.fit(x, y, batch_size=8, epochs=1, steps_per_epoch=1, verbose=0, shuffle=False)
     dataset = tf.data.Dataset.from_tensors((x, y)).repeat()
-    program = trainer._engine.program
+    program = trainer.engine.program
     return program.train_on_iterator.get_concrete_function(iter(dataset)).graph
 
 

@@ -100,7 +100,7 @@ def test_two_pipelines_of_two_stages_match_keras():
 def _traced_graph(trainer, x, y):
     dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(16)
     trainer.fit(dataset, steps_per_epoch=1, verbose=0)
-    return trainer._engine.program.train_on_iterator.get_concrete_function(iter(dataset)).graph
+    return trainer.engine.program.train_on_iterator.get_concrete_function(iter(dataset)).graph
 
 
 def _ops_of(graph, lane, stage, task):
@@ -123,7 +123,7 @@ def test_the_built_step_enforces_the_schedule_with_control_edges(strategy):
     trainer = _pipeline_trainer(skip_model(), 3, 3, 4, strategy)
     graph = _traced_graph(trainer, x, y)
     expected = schedule_lib.make_schedule(strategy, 3, 4)
-    assert trainer._engine.program.schedule == expected
+    assert trainer.engine.program.schedule == expected
     for stage, tasks in enumerate(expected):
         for before, after in itertools.pairwise(tasks):
             before_ops = {op.name for op in _ops_of(graph, 0, stage, before)}
@@ -151,8 +151,8 @@ def test_each_stage_runs_forward_and_backward_on_its_own_device():
                 task,
                 {op.device for op in placed},
             )
-        for i in trainer._engine.state.stage_indices(stage):
-            assert trainer._engine.state.trainable[0][i].value.device.endswith(
+        for i in trainer.engine.state.stage_indices(stage):
+            assert trainer.engine.state.trainable[0][i].value.device.endswith(
                 device.split("/")[-1]
             )
 

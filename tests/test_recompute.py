@@ -496,7 +496,7 @@ def test_engine_trains_to_the_same_weights_with_recompute():
         )
         trainer.fit(x, y, batch_size=8, epochs=1, steps_per_epoch=3, verbose=0, shuffle=False)
         weights.append(model.get_weights())
-    assert sorted(trainer._engine.program.recomputed) == [0, 1]
+    assert sorted(trainer.engine.program.recomputed) == [0, 1]
     assert max(float(np.abs(a - b).max()) for a, b in zip(*weights)) < ATOL
 
 
@@ -642,6 +642,6 @@ def test_recomputed_softmax_classifier_keeps_its_logits_for_the_loss(from_logits
     config = {"cluster.virtual_devices": 1, "gradient_checkpoint.type": "auto"}
     trainer = epl.EPLTrainer(model, loss, keras.optimizers.SGD(0.5), config=config)
     trainer.fit(x, y, batch_size=8, verbose=0, shuffle=False)
-    assert trainer._engine.program.recomputed  # the classifier's segment was recomputed
+    assert trainer.engine.program.recomputed  # the classifier's segment was recomputed
     for a, b in zip(model.get_weights(), reference.get_weights()):
         np.testing.assert_allclose(a, b, atol=1e-6)

@@ -103,7 +103,7 @@ def test_each_lane_holds_one_column_shard():
     trainer = split_trainer(model, 4)
     x, y = data()
     trainer.fit(x, y, batch_size=16, epochs=1, steps_per_epoch=1, verbose=0, shuffle=False)
-    state = trainer._engine.state
+    state = trainer.engine.state
     kernel_index = next(
         i for i, v in enumerate(state.model_trainable) if v is model.layers[-1].kernel
     )
@@ -138,7 +138,7 @@ def test_resnet_like_features_with_a_large_split_classifier(classes):
     assert loss == pytest.approx(reference_loss, abs=1e-5)
 
     # No tensor of the full logits' size exists anywhere in the traced training step.
-    graph = trainer._engine.program.train_on_iterator.get_concrete_function(
+    graph = trainer.engine.program.train_on_iterator.get_concrete_function(
         iter(tf.data.Dataset.from_tensor_slices((x, y)).batch(16))
     ).graph
     full_logits = 16 * classes
@@ -306,7 +306,7 @@ def test_split_with_zero_shards_the_replicated_part(level):
     )
     trainer.fit(x, y, batch_size=16, steps_per_epoch=3, verbose=0, shuffle=False)
     assert max_weight_difference(reference, model) < ATOL
-    update = trainer._engine.program.update
+    update = trainer.engine.program.update
     features = {v.path: i for i, v in enumerate(model.trainable_variables)}["features/kernel"]
     owners = {lane for lane, i, _, _ in update.piece_spans().values() if i == features}
     assert len(owners) > 1  # the replicated kernel is cut over several lanes

@@ -87,7 +87,7 @@ def test_each_lane_holds_its_experts_only():
     trainer = split_trainer(model, 4)
     x, y = data()
     trainer.fit(x, y, batch_size=16, epochs=1, steps_per_epoch=1, verbose=0, shuffle=False)
-    state = trainer._engine.state
+    state = trainer.engine.state
     layer = model.get_layer("moe")
     for variable in (layer.w_in, layer.b_in, layer.w_out, layer.b_out):
         index = next(i for i, v in enumerate(state.model_trainable) if v is variable)

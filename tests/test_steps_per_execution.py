@@ -81,7 +81,7 @@ def test_several_steps_per_call_train_exactly_like_one(steps_per_epoch):
 
     # Calls of 4 and of 2 steps share one trace (the count is a tensor): the main job's
     # epochs end on a shorter call, which traced the step again.
-    assert trainer._engine.program._train_many.experimental_get_tracing_count() == 1
+    assert trainer.engine.program._train_many.experimental_get_tracing_count() == 1
 
 
 @pytest.mark.combines("steps_per_execution+one_device")
@@ -147,7 +147,7 @@ def test_pipelined_evaluation_and_prediction_equal_keras():
         config={"cluster.virtual_devices": 2, "pipeline.num_micro_batch": 4},
     )
     assert (
-        trainer._ensure_engine_for(tf.data.Dataset.from_tensors((x, y))).program._eval_pieces == 4
+        trainer.runtime.ensure_for(tf.data.Dataset.from_tensors((x, y))).program._eval_pieces == 4
     )
     np.testing.assert_allclose(trainer.predict(x, batch_size=15), expected, rtol=1e-5, atol=1e-6)
     assert trainer.evaluate(x, y, batch_size=15, return_dict=True)["loss"] == pytest.approx(

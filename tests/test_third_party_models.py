@@ -225,7 +225,7 @@ def test_third_party_model_matches_keras(name, mode):
         assert trainer.plan.num_replicas == 2
     checkpointed = [0, 1] if "auto_pipeline" in mode else [0]
     if "gradient_checkpointing" in mode:  # every stage runs as recomputed segments
-        assert sorted(trainer._engine.recomputed) == checkpointed
+        assert sorted(trainer.engine.recomputed) == checkpointed
     expected = _reference_weights(name)
     difference = max(float(np.abs(a - b).max()) for a, b in zip(model.get_weights(), expected))
     assert difference < tolerance, f"{name} under {mode}: max weight difference {difference}"

@@ -103,7 +103,7 @@ PASSES = {
 def test_tied_embedding_with_other_passes_matches_keras(name):
     model, trainer = train("auto", "adam", 2, **PASSES[name])
     if name == "recompute":
-        assert trainer._engine.recomputed, "a stage is recomputed"
+        assert trainer.engine.recomputed, "a stage is recomputed"
     difference = max_weight_difference(model, reference("auto", "adam"))
     print(f"{name}: max weight difference {difference:.2e}")
     assert difference < ATOL
@@ -112,7 +112,7 @@ def test_tied_embedding_with_other_passes_matches_keras(name):
 
 def stage_copies_agree(trainer):
     """Every stage copy equals its owner, in every lane."""
-    state = trainer._engine.state
+    state = trainer.engine.state
     assert state.tied, "the embedding is used by both stages"
     for li, copies in enumerate(state.stage_copies):
         assert copies
@@ -137,7 +137,7 @@ def test_tied_embedding_in_two_stages_matches_keras(layout, optimizer, devices):
     model, trainer = train(layout, optimizer, devices)
     assert trainer.plan.num_taskgraphs == 2
     assert trainer.plan.num_replicas == devices // 2
-    stage_names = [set(stage.layer_names) for stage in trainer._engine.staged.stages]
+    stage_names = [set(stage.layer_names) for stage in trainer.engine.staged.stages]
     assert "embed" in stage_names[0] and ({"embed", "logits"} & stage_names[1])
     difference = max_weight_difference(model, reference(layout, optimizer))
     print(f"{layout} {optimizer} {devices} devices: max weight difference {difference:.2e}")
@@ -165,7 +165,7 @@ def test_checkpoint_round_trip_under_the_pipeline(tmp_path):
     first = trainer_of(tied_model(), "auto", "adam")
     first.fit(x, y, batch_size=16, epochs=1, verbose=0, shuffle=False)
     first.save_checkpoint(str(tmp_path))
-    saved = first._engine.state.model_trainable
+    saved = first.engine.state.model_trainable
     resumed_model = tied_model(seed=11)  # different weights: all must come from the checkpoint
     resumed = trainer_of(resumed_model, "auto", "adam")
     resumed.restore_checkpoint(str(tmp_path))
@@ -173,7 +173,7 @@ def test_checkpoint_round_trip_under_the_pipeline(tmp_path):
     assert (
         max(
             float(np.abs(a.numpy() - b.numpy()).max())
-            for a, b in zip(saved, resumed._engine.state.model_trainable)
+            for a, b in zip(saved, resumed.engine.state.model_trainable)
         )
         == 0.0
     )

@@ -116,7 +116,7 @@ def test_batchnorm_statistics_stay_identical_across_replicas():
     model = mlp(batchnorm=True)
     trainer = _trainer(model, 4)
     trainer.fit(x, y, batch_size=16, steps_per_epoch=2, verbose=0, shuffle=False)
-    state = trainer._engine.state
+    state = trainer.engine.state
     for i in state.synced_non_trainable():
         values = [np.asarray(lane[i].value) for lane in state.non_trainable]
         for other in values[1:]:
@@ -144,7 +144,7 @@ def test_dropout_seeds_differ_per_replica_and_lane0_keeps_the_models():
     trainer = _trainer(model, 4)
     x, y = mlp_data()
     trainer.fit(x, y, batch_size=16, steps_per_epoch=1, verbose=0, shuffle=False)
-    state = trainer._engine.state
+    state = trainer.engine.state
     index = next(i for i, v in enumerate(state.model_non_trainable) if "seed_generator" in v.path)
     seeds = [int(np.asarray(lane[index].value)[0]) for lane in state.non_trainable]
     assert len(set(seeds)) == 4
@@ -296,4 +296,4 @@ def test_the_first_fit_in_a_process_traces_the_training_step_once(monkeypatch):
     x, y = mlp_data()
     trainer = _trainer(mlp(), 2, **{"communication.num_communicators": 2})
     trainer.fit(x, y, batch_size=16, epochs=1, verbose=0, shuffle=False)
-    assert trainer._engine.program.train_on_iterator.experimental_get_tracing_count() == 1
+    assert trainer.engine.program.train_on_iterator.experimental_get_tracing_count() == 1

@@ -80,14 +80,14 @@ def test_zero_matches_keras(level, num_micro_batch, stages, offload):
     )
     trainer.fit(x, y, batch_size=16, steps_per_epoch=3, verbose=0, shuffle=False)
     assert max_weight_difference(reference, model) < ATOL
-    update = trainer._engine.program.update
+    update = trainer.engine.program.update
     cut = {i for _, i, start, _ in update.piece_spans().values() if start is not None}
     assert cut, "the layout cut no variable: the test would not cover row pieces"
     if offload:  # the shards' state lives on the host, not on the compute devices
         host = trainer.cluster.host_device
         devices = {v.value.device for v in update.all_optimizer_variables()}
         assert devices == {host}
-    held = [v for lane in trainer._engine.state.trainable for v in lane if v is not None]
+    held = [v for lane in trainer.engine.state.trainable for v in lane if v is not None]
     assert all(is_gathered(v) for v in held) == (level == "v2")
 
 
@@ -130,15 +130,15 @@ def test_zero_combines_with(level, config):
             reference, 2, optimizer(), **{"pipeline.num_micro_batch": 2}
         )
         reference_trainer.fit(x, y, batch_size=16, steps_per_epoch=3, verbose=0, shuffle=False)
-        assert trainer._engine.program.hooks.gradient_sink is None
+        assert trainer.engine.program.hooks.gradient_sink is None
     else:
         keras_reference(reference, x, y, keras.optimizers.Adam(0.01), batch_size=16, steps=3)
     # The float16 wire rounds each gradient to 11 bits: 1e-5 is out of reach there.
     tolerance = 2e-3 if config.get("communication.fp16") else ATOL
     assert max_weight_difference(reference, model) < tolerance
     if "optimizer.num_apply_group" in config:
-        assert all(len(stage) == 3 for stage in trainer._engine.program.update.steps[0])
-    gathers = trainer._engine.program.hooks.gather_per_segment
+        assert all(len(stage) == 3 for stage in trainer.engine.program.update.steps[0])
+    gathers = trainer.engine.program.hooks.gather_per_segment
     assert bool(gathers) == (level == "v2" and "gradient_checkpoint.type" in config)
 
 
@@ -299,7 +299,7 @@ def test_v2_evaluates_and_predicts_from_the_gathered_parameters():
     np.testing.assert_allclose(trainer.predict(x, batch_size=16), reference.predict(x, verbose=0),
                                atol=1e-5)  # fmt: skip
     model.set_weights(parity_model(seed=3).get_weights())
-    trainer._engine.load_from_model()
+    trainer.engine.load_from_model()
     reference.set_weights(model.get_weights())
     np.testing.assert_allclose(trainer.predict(x, batch_size=16), reference.predict(x, verbose=0),
                                atol=1e-5)  # fmt: skip

@@ -65,7 +65,7 @@ def _assert_as_one_f_one_b(stages, devices, num_micro_batch, batch, **kwargs):
     weights, trainer = _weights_after_fit(
         "ZeroBubbleH1", stages, devices, num_micro_batch, batch, **kwargs
     )
-    assert trainer._engine.program.schedule == schedule_lib.zero_bubble_h1_schedule(
+    assert trainer.engine.program.schedule == schedule_lib.zero_bubble_h1_schedule(
         stages, num_micro_batch
     )
     initial = skip_model().get_weights()
@@ -104,7 +104,7 @@ def test_zero_bubble_h1_with_amp():
 @pytest.mark.combines("gradient_checkpoint+pipeline")
 def test_zero_bubble_h1_with_gradient_checkpointing():
     trainer = _assert_as_one_f_one_b(3, 3, 5, 15, **{"gradient_checkpoint.type": "auto"})
-    assert trainer._engine.program.recomputed  # the stages did run as recomputed segments
+    assert trainer.engine.program.recomputed  # the stages did run as recomputed segments
 
 
 @pytest.mark.combines("jit_compile+pipeline")
@@ -243,7 +243,7 @@ def _graph(trainer, batch):
     x, y = _data(batch)
     dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(batch)
     trainer.fit(dataset, steps_per_epoch=1, verbose=0)
-    return trainer._engine.program.train_on_iterator.get_concrete_function(iter(dataset)).graph
+    return trainer.engine.program.train_on_iterator.get_concrete_function(iter(dataset)).graph
 
 
 def _of_task(op_name: str, stage: int, task) -> bool:
@@ -260,7 +260,7 @@ def test_weight_gradients_wait_for_their_place_in_the_schedule():
     # so its whole backward waits for W; stage 1 holds back x^T dy and the bias sums).
     assert len(gates) == 2 * 4
     by_name = {op.name: op for op in graph.get_operations()}
-    for stage, tasks in enumerate(trainer._engine.program.schedule):
+    for stage, tasks in enumerate(trainer.engine.program.schedule):
         for position, (before, task) in enumerate(itertools.pairwise(tasks)):
             if task.kind != schedule_lib.WEIGHT:
                 continue
@@ -299,10 +299,10 @@ def test_task_clock_times_the_executed_schedule():
     x, y = _data(16)
     dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(16)
     clock = TaskClock()
-    trainer._ensure_engine_for(dataset).program.hooks.task_clock = clock  # before tracing
+    trainer.runtime.ensure_for(dataset).program.hooks.task_clock = clock  # before tracing
     trainer.fit(dataset, steps_per_epoch=2, verbose=0)
     times = clock.read()
-    schedule = trainer._engine.program.schedule
+    schedule = trainer.engine.program.schedule
     assert sorted((s, t) for s, t, _, _ in times) == sorted(
         (s, t) for s, tasks in enumerate(schedule) for t in tasks
     )
@@ -389,7 +389,7 @@ def test_weight_gradients_wait_for_the_stages_sends(strategy):
     trainer, _ = _trainer(strategy, 2, 2, 4)
     x, y = _data(16)
     dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(16)
-    program = trainer._ensure_engine_for(dataset).program
+    program = trainer.runtime.ensure_for(dataset).program
     program.executors[0].boundaries = _RecordedSends()  # before the first trace
     ops = _graph(trainer, 16).get_operations()
 

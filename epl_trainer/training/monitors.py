@@ -381,12 +381,16 @@ class FlopsProfiler(keras.callbacks.Callback):
             f.write(text + "\n")
 
 
-def with_flops_profiler(trainer, callbacks, dataset) -> list:
-    """`callbacks` led by a `FlopsProfiler` of `trainer` when its config sets
-    `profiler.flops` (first, so Keras's TensorBoard and History record its logs), unless
-    they hold one. `dataset`: fit's batches (their specs give the traced step's)."""
+def with_flops_profiler(
+    callbacks, dataset, *, config, model, loss, optimizer, stages, step_stats, cluster
+) -> list:
+    """`callbacks` led by a `FlopsProfiler` when `config` sets `profiler.flops` (first, so
+    Keras's TensorBoard and History record its logs), unless they hold one. `dataset`:
+    fit's batches (their specs give the traced step's); `loss` and `optimizer` the
+    trainer's, `stages` its model's stages, `step_stats` its per-step values (which the
+    profiler reads the step time from)."""
     callbacks = list(callbacks or [])
-    section = trainer.config.profiler
+    section = config.profiler
     if not section.flops or any(isinstance(c, FlopsProfiler) for c in callbacks):
         return callbacks
     element = dataset.element_spec
@@ -397,17 +401,15 @@ def with_flops_profiler(trainer, callbacks, dataset) -> list:
             return None if s is None else tf.TensorSpec((rows, *s.shape[1:]), s.dtype)
 
         x, y, weights = (tf.nest.map_structure(spec, part) for part in element)
-        loss = trainer.loss if trainer.loss.entries else (lambda *_: tf.zeros(()))  # add_loss only
-        optimizer = trainer.optimizer
-        return train_step_flops(trainer.model, x, y, weights, loss=loss, optimizer=optimizer)
+        counted = loss if loss.entries else (lambda *_: tf.zeros(()))  # add_loss only
+        return train_step_flops(model, x, y, weights, loss=counted, optimizer=optimizer)
 
-    stages = trainer.staged.stages
     profiler = FlopsProfiler(
         count_step,
         matmul_peak(section.peak_tflops or None),
-        stats=trainer.step_stats,
-        workers=trainer.cluster.worker_num,
-        profile_step=section.profile_step if trainer.cluster.is_chief else -1,
+        stats=step_stats,
+        workers=cluster.worker_num,
+        profile_step=section.profile_step if cluster.is_chief else -1,
         module_depth=section.module_depth,
         top_modules=section.top_modules,
         detailed=section.detailed,

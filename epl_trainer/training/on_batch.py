@@ -3,7 +3,7 @@
 Each runs one batch through the path its loop runs: `train_on_batch` through `fit`'s
 training step (the batch split over the lanes and micro-batches, a batch that does not
 split evenly filled up with weight-0 rows), `test_on_batch` and `predict_on_batch`
-through `evaluate`'s and `predict`'s (trainer_inference.py). As in Keras, the metrics
+through `evaluate`'s and `predict`'s (inference.py). As in Keras, the metrics
 are reset first, so the values returned are this batch's.
 
 Between calls the Keras model holds the weights, as it does in Keras: each call first
@@ -25,20 +25,44 @@ import inspect
 import time
 
 import keras
-import numpy as np
 import tensorflow as tf
-from keras import tree
 
 from epl_trainer.core import engine
-from epl_trainer.training import data as data_lib
 from epl_trainer.training import fit_inputs, pipeline_models
 from epl_trainer.training import model_fn as model_fn_lib
+from epl_trainer.training.context import TrainerContext
+from epl_trainer.training.data_feeder import DataFeeder, batch_rows
+from epl_trainer.training.engine_runtime import EngineRuntime
+from epl_trainer.training.inference import InferenceRunner
 from epl_trainer.training.iterators import release
+from epl_trainer.training.objectives import Objectives
+from epl_trainer.training.progress import TrainingProgress
 from epl_trainer.training.step_errors import nonfinite_loss_error, run_checked
+from epl_trainer.training.step_stats import StepStats
 
 
-class OnBatchMixin:
-    """The single-batch methods of `EPLTrainer` (see trainer.py for the attributes)."""
+class OnBatchRunner:
+    """Runs the single-batch methods; holds no state of its own (the engine is the
+    runtime's, the metrics the objectives', the step's values the step stats').
+    """
+
+    def __init__(
+        self,
+        context: TrainerContext,
+        runtime: EngineRuntime,
+        objectives: Objectives,
+        feeder: DataFeeder,
+        inference: InferenceRunner,
+        progress: TrainingProgress,
+        stats: StepStats,
+    ):
+        self._context = context
+        self._runtime = runtime
+        self._objectives = objectives
+        self._feeder = feeder
+        self._inference = inference
+        self._progress = progress
+        self._stats = stats
 
     def train_on_batch(self, x, y=None, sample_weight=None, class_weight=None, return_dict=False):
         """Runs one training step on one batch, as `Model.train_on_batch`.
@@ -65,16 +89,16 @@ class OnBatchMixin:
         _check_one_batch("train_on_batch", x)
         x, sample_weight = fit_inputs.with_class_weight(x, y, sample_weight, class_weight)
         dataset = self._one_batch("train_on_batch", x, y, sample_weight, model_fn_lib.TRAIN)
-        self._require_loss("train_on_batch")
-        program = self._ensure_engine_for(dataset)
-        self._reset_metrics()
-        stats = self._train_step_on(program, dataset)
-        self._write_back()
-        where = self._nonfinite_step(stats, None)
+        self._objectives.require_loss("train_on_batch")
+        program = self._runtime.ensure_for(dataset)
+        self._objectives.reset()
+        self._train_step_on(program, dataset)
+        self._runtime.write_back()
+        where = self._stats.nonfinite_step(self._progress.epochs_done, None)
         if where is not None:
             raise nonfinite_loss_error(where)
-        with self._lost_worker_check("the step's metric sync"):
-            return self._returned_logs(self._logs(), return_dict)
+        with self._runtime.watch("the step's metric sync"):
+            return self._objectives.returned(self._objectives.logs(), return_dict)
 
     def test_on_batch(self, x, y=None, sample_weight=None, return_dict=False):
         """The loss and metrics of one batch, as `Model.test_on_batch` (`evaluate` of
@@ -86,9 +110,10 @@ class OnBatchMixin:
         """
         _check_one_batch("test_on_batch", x)
         dataset = self._one_batch("test_on_batch", x, y, sample_weight, model_fn_lib.EVAL)
-        self._require_loss("test_on_batch")
-        no_callbacks = fit_inputs.callback_list(None, self.model, 0, steps=1)
-        return self._returned_logs(self._evaluate_dataset(dataset, no_callbacks), return_dict)
+        self._objectives.require_loss("test_on_batch")
+        no_callbacks = fit_inputs.callback_list(None, self._context.model, 0, steps=1)
+        logs = self._inference.evaluate_dataset(dataset, no_callbacks)
+        return self._objectives.returned(logs, return_dict)
 
     def predict_on_batch(self, x):
         """The model's outputs for one batch (numpy, structured like the model's
@@ -99,46 +124,30 @@ class OnBatchMixin:
             is the inputs, not `(x, y)`).
         """
         _check_one_batch("predict_on_batch", x)
-        self._load_model_weights()
-        if self._waits_for_data:
-            self._build_from_data(data_lib.spec_probe(x, None, None, None), model_fn_lib.INFER)
-        rows = _batch_rows("predict_on_batch", x, pipeline_models.preprocessing(self.model))
-        return self.predict(x, batch_size=rows, verbose=0)
+        self._runtime.load_from_model()
+        self._feeder.plan_from(x, None, None, model_fn_lib.INFER)
+        preprocessing = pipeline_models.preprocessing(self._context.model)
+        rows = batch_rows("predict_on_batch", x, preprocessing)
+        return self._inference.predict(x, batch_size=rows, verbose=0)
 
     def _one_batch(self, method: str, x, y, sample_weight, mode: str) -> tf.data.Dataset:
-        """`x, y, sample_weight` as a dataset of one batch, this worker's (not dealt to
-        the workers as `evaluate`'s arrays are), after the engine took the Keras model's
-        weights."""
-        self._load_model_weights()
-        x = self._arrays_for_model(x, y, sample_weight, mode)
-        preprocessing = pipeline_models.preprocessing(self.model)
-        dataset = data_lib.as_dataset(
-            x,
-            y,
-            _batch_rows(method, x, preprocessing),
-            sample_weight=sample_weight,
-            preprocessing=preprocessing,
-        )
-        return self._labelled_for_model(dataset)
+        """The batch as a dataset, after the engine took the Keras model's weights."""
+        self._runtime.load_from_model()
+        return self._feeder.one_batch(method, x, y, sample_weight, mode)
 
-    def _load_model_weights(self) -> None:
-        """The engine takes the Keras model's current values (a new engine starts from
-        them anyway)."""
-        if self._engine is not None:
-            self._engine.load_from_model()
-
-    def _train_step_on(self, program, dataset) -> dict:
-        """Runs fit's training step on the dataset's one batch; returns the step's own
+    def _train_step_on(self, program, dataset) -> None:
+        """Runs fit's training step on the dataset's one batch; records the step's own
         values (`step_stats`: throughput, AMP's loss scale and skipped steps)."""
         iterator = iter(dataset)
         start = time.perf_counter()
         try:
-            with self._lost_worker_check():
-                if self._end_of_data is None:
+            with self._runtime.watch():
+                end_of_data = self._context.end_of_data
+                if end_of_data is None:
                     results = run_checked(program.train_on_iterator, iterator)
                 else:  # the global batch's rows, agreed as fit's steps agree on them
-                    shards = self.engine_plan.data_shards[1]
-                    element, rows = self._end_of_data.next_batch(iterator, 0, shards)
+                    shards = self._context.engine_plan.data_shards[1]
+                    element, rows = end_of_data.next_batch(iterator, 0, shards)
                     spec = dataset.element_spec
                     results = run_checked(program.train_on_element, element, spec, rows)
         finally:  # deleting it can wait for tf.data's autotuning (iterators.py)
@@ -146,12 +155,9 @@ class OnBatchMixin:
             del iterator
         elapsed = max(time.perf_counter() - start, 1e-9)
         batch = int(results.pop(engine.BATCH_SIZE_KEY))
-        log_names = {name for name, _ in self._named_metrics()}
-        stats = {k: fit_inputs.log_value(v) for k, v in results.items() if k not in log_names}
-        stats["samples_per_sec"] = batch * self.data_shards / elapsed
-        self.step_stats.clear()
-        self.step_stats.update(stats)
-        return stats
+        _, stats = self._stats.split(results, self._objectives.log_names())
+        stats["samples_per_sec"] = batch * self._context.data_shards / elapsed
+        self._stats.record(stats)
 
 
 def _check_one_batch(method: str, x) -> None:
@@ -163,17 +169,3 @@ def _check_one_batch(method: str, x) -> None:
             "them; pass a Dataset, generator or PyDataset to fit / evaluate / predict. "
             f"Received: x of type {type(x).__name__}"
         )
-
-
-def _batch_rows(method: str, x, preprocessing) -> int:
-    """The rows of the batch `x` (a preprocessed model's raw samples: a list of strings
-    is one array of them)."""
-    arrays = x if preprocessing is None else preprocessing.raw_arrays(x)
-    leaves = tree.flatten(arrays)
-    shape = np.shape(leaves[0]) if leaves else ()
-    if not shape or shape[0] == 0:
-        raise ValueError(
-            f"{method} needs a batch of at least one sample, with a batch dimension. "
-            f"Received: x whose first array has shape {shape}"
-        )
-    return int(shape[0])

@@ -1,63 +1,55 @@
 """EPLTrainer: fit / evaluate / predict / checkpoints for an ordinary Keras model.
 
-The trainer is glue: it resolves the config, the model's compile settings and its
-annotations, asks the engine to plan (`engine.plan_engine`, at construction) and to
-build (`engine.build_engine`, at the first data), and runs the loop with standard Keras
-callbacks, logs and checkpoints. The numerics live in `core/`.
+The trainer is a facade over parts that each own their state, made here and reached
+through its attributes (docs/architecture.md walks one `fit` call through them):
+
+- `context` (context.py): the run's settings, which every part reads;
+- `planner` (model_planning.py): takes the model and plans it, now or at the first data;
+- `objectives` (objectives.py): the loss, the metrics and their logs;
+- `runtime` (engine_runtime.py): the engine, built at the first data, and the Keras
+  model kept in step with it;
+- `feeder` (data_feeder.py): the user's inputs as this worker's batches;
+- `checkpoints` (checkpoint_manager.py): save, restore, resume from `checkpoint.dir`;
+- `inference` (inference.py): `evaluate` and `predict`;
+- `fit_loop` (fit_loop.py): `fit`'s epochs, steps and callbacks;
+- `on_batch` (on_batch.py): `train_on_batch`, `test_on_batch`, `predict_on_batch`;
+- `progress` (progress.py) and `stats` (step_stats.py): where training stands, and the
+  trainer's own per-step values.
+
+The numerics live in `core/`.
 """
 
 from __future__ import annotations
 
-import contextlib
-import logging
-import time
-
 import keras
-import tensorflow as tf
 
-from epl_trainer.annotations import checkpoints, strategies
 from epl_trainer.config.sections import Config
-from epl_trainer.core import engine
-from epl_trainer.core.engine import ema, user_steps
-from epl_trainer.core.plan import rules
 from epl_trainer.runtime import elastic
-from epl_trainer.runtime.cluster import build_cluster, detect_lost_workers
+from epl_trainer.runtime.cluster import build_cluster
 from epl_trainer.runtime.env import Env
-from epl_trainer.runtime.watchdog import watchdog_for
-from epl_trainer.training import (
-    compiled,
-    deepspeed_run,
-    model_inputs,
-    model_setup,
-    optimizers,
-    start_state,
+from epl_trainer.training import compiled, deepspeed_run, model_setup
+from epl_trainer.training.checkpoint_manager import CheckpointManager
+from epl_trainer.training.context import TrainerContext
+from epl_trainer.training.data_feeder import DataFeeder
+from epl_trainer.training.engine_runtime import EngineRuntime
+from epl_trainer.training.fit_loop import FitLoop
+from epl_trainer.training.host_agreement import HostAgreement
+from epl_trainer.training.inference import (
+    EVAL_STEPS_PER_CALL,  # noqa: F401  (re-exported)
+    InferenceRunner,
 )
-from epl_trainer.training import data as data_lib
-from epl_trainer.training import fit_inputs as fit_lib
-from epl_trainer.training import model_fn as model_fn_lib
-from epl_trainer.training import monitors as monitors_lib
-from epl_trainer.training.end_of_data import EndOfDataAgreement, warn_if_out_of_data
-from epl_trainer.training.memory import build_report
-from epl_trainer.training.metric_sync import MetricSync
 from epl_trainer.training.model_fn import ModelSpec  # noqa: F401  (re-exported: epl.ModelSpec)
-from epl_trainer.training.on_batch import OnBatchMixin
+from epl_trainer.training.model_planning import ModelPlanner
+from epl_trainer.training.objectives import Objectives
+from epl_trainer.training.on_batch import OnBatchRunner
+from epl_trainer.training.progress import TrainingProgress
 from epl_trainer.training.step_errors import (
     NonFiniteLossError,  # noqa: F401  (re-exported: epl.NonFiniteLossError)
-    nonfinite_loss_error,
-    run_checked,
 )
-from epl_trainer.training.trainer_checkpoints import CheckpointMixin
-from epl_trainer.training.trainer_data import TrainingDataMixin, needs_data_to_build
-from epl_trainer.training.trainer_inference import (
-    EVAL_STEPS_PER_CALL,  # noqa: F401  (re-exported)
-    InferenceMixin,
-)
-from epl_trainer.training.trainer_objectives import ObjectivesMixin
-
-logger = logging.getLogger(__name__)
+from epl_trainer.training.step_stats import StepStats
 
 
-class EPLTrainer(CheckpointMixin, TrainingDataMixin, InferenceMixin, OnBatchMixin, ObjectivesMixin):
+class EPLTrainer:
     """Trains a Keras model with the parallelism given by annotations and config.
 
     Args:
@@ -125,50 +117,67 @@ class EPLTrainer(CheckpointMixin, TrainingDataMixin, InferenceMixin, OnBatchMixi
         if optimizer is None and isinstance(model, keras.Model):
             keras_scaler = getattr(model, "optimizer", None) if model.compiled else None
             optimizer = compiled.settings(model).get("optimizer")
-        self._optimizer_given = optimizer is not None
-        config, optimizer, self.deepspeed = deepspeed_run.trainer_setup(config, optimizer or "sgd")
+        optimizer_given = optimizer is not None
+        config, optimizer, deepspeed = deepspeed_run.trainer_setup(config, optimizer or "sgd")
         # The trainer's keys go over epl.init()'s (a DeepSpeed config is translated on top
         # of them too): a config= naming one key keeps init's devices and checkpoint.dir.
         env = Env.get()
-        self.config = env.config if config is None else env.config.merge(Config.load(config))
-        self.cluster = env.cluster if config is None else build_cluster(self.config.cluster)
-        self.config = elastic.sized_config(self.config, self.cluster.worker_num)
-        self.optimizer = compiled.unwrapped_optimizer(keras.optimizers.get(optimizer))
-        if isinstance(model, keras.Model) and not self.config.amp.level:
+        resolved = env.config if config is None else env.config.merge(Config.load(config))
+        cluster = env.cluster if config is None else build_cluster(resolved.cluster)
+        resolved = elastic.sized_config(resolved, cluster.worker_num)
+        if isinstance(model, keras.Model) and not resolved.amp.level:
             # Keras's mixed precision (a mixed dtype policy, a LossScaleOptimizer) becomes
             # the engine's AMP with Keras's loss-scale schedule, not a silent float16 run.
             amp_keys = compiled.mixed_precision_keys(model, keras_scaler)
             if amp_keys:
-                self.config = self.config.replace(amp_keys)
-        self.params = params
+                resolved = resolved.replace(amp_keys)
         if steps_per_execution is None and isinstance(model, keras.Model):
             steps_per_execution = compiled.settings(model).get("steps_per_execution")
-        self.steps_per_execution = _checked_steps_per_execution(steps_per_execution)
         if jit_compile is None and isinstance(model, keras.Model):
             # Keras records its "auto" resolved (True on a GPU): only a value it would not
             # give is the user's choice.
             jit_compile = compiled.user_jit_intent(model)
-        self.jit_compile = jit_compile if jit_compile in (True, False) else "auto"
-        self._engine: engine.Engine | None = None
-        self.epochs_done = 0
-        self._metric_sync = MetricSync(self.cluster) if self.cluster.worker_num > 1 else None
-        # Where training stands inside the epoch in progress, for checkpoints: steps run in
-        # it, and the batches taken from the current pass of the data (EpochBatches).
-        self._step_in_epoch = 0
-        self._batches: data_lib.EpochBatches | None = None
-        self._resume_position = (0, 0)  # (step_in_epoch, input position) of a restore
-        self._restored = False  # a checkpoint was restored since the last fit
-        self._nonfinite_seen = 0
-        # The trainer's own per-step values, kept out of the callbacks' logs (which are
-        # Keras's: loss and metrics): throughput, and with AMP the loss scale and skipped
-        # steps. `step_stats` holds the last step's, `stats_history` the last step of each
-        # epoch of the latest `fit` (as `History.history` does for the logs).
-        self.step_stats: dict = {}
-        self.stats_history: dict[str, list] = {}
-        multi_worker = self.cluster.worker_num > 1
-        self._end_of_data = EndOfDataAgreement(self.cluster) if multi_worker else None
-        self._shuffle_seed: int | None = None
-        self._pending_model = None
+        self.context = context = TrainerContext(
+            config=resolved,
+            cluster=cluster,
+            optimizer=compiled.unwrapped_optimizer(keras.optimizers.get(optimizer)),
+            steps_per_execution=_checked_steps_per_execution(steps_per_execution),
+            jit_compile=jit_compile if jit_compile in (True, False) else "auto",
+            params=params,
+            deepspeed=deepspeed,
+        )
+        self.objectives = Objectives(context)
+        self.planner = ModelPlanner(
+            context, self.objectives, self._take_start_state, optimizer_given
+        )
+        self.runtime = EngineRuntime(context, self.objectives, self.planner.build_from_features)
+        self.progress = TrainingProgress()
+        self.stats = StepStats(context)
+        agreement = HostAgreement(cluster, self.runtime.watch)
+        self.feeder = DataFeeder(context, self.planner, self.objectives, self.progress, agreement)
+        self.checkpoints = CheckpointManager(
+            context, self.runtime, self.progress, agreement, self.planner
+        )
+        self.inference = InferenceRunner(context, self.runtime, self.objectives, self.feeder)
+        self.fit_loop = FitLoop(
+            context,
+            self.runtime,
+            self.objectives,
+            self.feeder,
+            self.checkpoints,
+            self.inference,
+            self.progress,
+            self.stats,
+        )
+        self.on_batch = OnBatchRunner(
+            context,
+            self.runtime,
+            self.objectives,
+            self.feeder,
+            self.inference,
+            self.progress,
+            self.stats,
+        )
         arguments = dict(
             loss=loss,
             metrics=metrics,
@@ -178,155 +187,125 @@ class EPLTrainer(CheckpointMixin, TrainingDataMixin, InferenceMixin, OnBatchMixi
             stages=stages,
             split=split,
         )
-        if model_fn_lib.is_estimator_model_fn(model):
-            # Built from the first dataset's element spec (`_build_from_data`).
-            self._pending_model_fn = (model, arguments)
-            return
-        self._pending_model_fn = None
-        spec = model_fn_lib.ModelSpec(model) if isinstance(model, keras.Model) else None
-        if spec is None:
-            if not callable(model):
-                raise TypeError(
-                    f"model must be a keras.Model or a model_fn. Received: {type(model).__name__}"
-                )
-            spec = model_fn_lib.call_model_fn(model)
-        if needs_data_to_build(spec.model):
-            # Planning cuts the layer graph, which an unbuilt Sequential does not have
-            # yet: it is built from the first data's shapes (`_build_from_data`).
-            self.model, self._pending_model = spec.model, (spec, arguments)
-            return
-        self._setup(spec, **arguments)
+        self.planner.take(model, arguments)
 
-    def _setup(
-        self, spec, loss, metrics, loss_weights, strategy, stages, split, weighted_metrics=None
-    ) -> None:
-        """Takes the model and cuts and plans it (from __init__, or at the first data)."""
-        model = spec.model
-        given = compiled.settings(model)
-        first = compiled.first_given
-        if not self._optimizer_given and self.deepspeed is None:
-            chosen = first(spec.optimizer, given.get("optimizer"))
-            if chosen is not None:
-                self.optimizer = keras.optimizers.get(chosen)
-        self.model = model
-        objectives = dict(
-            loss=first(loss, spec.loss, given.get("loss")),
-            metrics=first(metrics, spec.metrics, given.get("metrics")),
-            loss_weights=first(loss_weights, spec.loss_weights, given.get("loss_weights")),
-            weighted_metrics=first(weighted_metrics, given.get("weighted_metrics")),
-        )
-        self._setup_objectives(model, **objectives)
-        annotation = strategies.resolve_trainer_annotation(
-            model, self.config.auto.auto_parallel, strategy, stages, split
-        )
-        self.engine_plan = engine.plan_engine(
-            model,
-            self.config,
-            self.cluster.devices_by_worker,
-            self.cluster.worker_index,
-            taskgraphs=annotation.taskgraphs if annotation else None,
-            node_taskgraph=annotation.node_taskgraph if annotation else None,
-            loss=self.loss,
-            metrics=self.metrics,
-            clip_global_norm=self.optimizer.global_clipnorm,
-            steps_per_execution=self.steps_per_execution,
-            jit_compile=self.jit_compile,
-        )
-        if self.deepspeed is not None:  # accumulation steps may follow from the lane count
-            self.config, self.engine_plan.plan = self.deepspeed.resolve_plan(
-                self.config, self.engine_plan.plan, len(self.engine_plan.lanes_in_job)
-            )
-        if self.engine_plan.user_steps:  # its own steps read compile()'s settings
-            passed = (loss, metrics, loss_weights, weighted_metrics)
-            compiled.compile_for_own_steps(model, self.optimizer, objectives, passed)
-        if compiled.unwrapped_optimizer(getattr(model, "optimizer", None)) is not self.optimizer:
-            # What Keras callbacks read (LR, iterations) and Keras saves. A LossScaleOptimizer
-            # around it stays: it holds the loss scale (update/master_state.py).
-            self.model.optimizer = self.optimizer
-        if ema.uses_ema(self.optimizer):
-            rules.check_ema(self.config.zero)
-        self._start_state = start_state.StartState(self.cluster, self._lost_worker_check)
-        self._start_state.take(self.model, self.optimizer)  # worker 0's values (start_state.py)
+    def _take_start_state(self) -> None:
+        # The planner calls it once the model is planned; the runtime owns the agreement.
+        self.runtime.take_start_state()
+
+    # ---- the run's settings and state, as attributes -------------------------------------
+
+    @property
+    def config(self):
+        """The resolved config (`epl.Config`). Settings read at run time (e.g.
+        communication.timeout_seconds, at every step) follow a config set here."""
+        return self.context.config
+
+    @config.setter
+    def config(self, config) -> None:
+        self.context.config = config
+
+    @property
+    def cluster(self):
+        """This job's cluster: workers, devices, this worker's index."""
+        return self.context.cluster
+
+    @property
+    def model(self):
+        """The Keras model (None until an Estimator-style model_fn is called)."""
+        return self.context.model
+
+    @property
+    def optimizer(self):
+        """The user's optimizer: the "master" every engine copy follows, and the holder of
+        the optimizer state between uses (update/master_state.py)."""
+        return self.context.optimizer
+
+    @property
+    def deepspeed(self):
+        """The DeepSpeed run of a DeepSpeed config (deepspeed_run.py), or None."""
+        return self.context.deepspeed
+
+    @property
+    def params(self):
+        return self.context.params
+
+    @property
+    def steps_per_execution(self) -> int:
+        return self.context.steps_per_execution
+
+    @property
+    def jit_compile(self):
+        """True, False or "auto" (jit_choice.py)."""
+        return self.context.jit_compile
+
+    @property
+    def engine_plan(self):
+        """The planned engine (`core.engine.EnginePlan`)."""
+        return self.context.engine_plan
 
     @property
     def plan(self):
         """The parallel plan: TaskGraphs x replicas x devices, micro-batches, schedule."""
-        return self.engine_plan.plan
+        return self.context.plan
 
     @property
     def data_shards(self) -> int:
         """Input shards the job reads: the worker count, unless replicas span workers
         (those workers read the same batches). A worker's batch = global batch / this."""
-        planned = getattr(self, "engine_plan", None)  # None: a model_fn not built yet
-        return self.cluster.worker_num if planned is None else planned.data_shards[0]
+        return self.context.data_shards
 
     @property
     def data_shard(self) -> int:
         """The input shard this worker reads (`fit` and `evaluate` shard arrays by it)."""
-        planned, worker = getattr(self, "engine_plan", None), self.cluster.worker_index
-        return worker if planned is None else planned.data_shards[1][worker]
+        return self.context.data_shard
 
     @property
     def staged(self):
         """The model cut into one sub-model per stage."""
-        return self.engine_plan.staged
+        return self.context.engine_plan.staged
 
     @property
     def lanes(self):
         """This worker's lanes (one device per stage of a model replica)."""
-        return self.engine_plan.lanes
+        return self.context.engine_plan.lanes
 
-    # ---- building the engine (lazily: a subclassed model is built by its first batch) ----
+    @property
+    def engine(self):
+        """The built `core.engine.Engine`, or None before the first data."""
+        return self.runtime.engine
 
-    def _ensure_engine_for(self, dataset) -> engine.Engine:
-        """Builds the program; an unbuilt (subclassed) model is first called on one batch."""
-        needs_batch = not self.model.built or self.config.gradient_checkpoint.check_gradients
-        if self._engine is None and needs_batch:
-            element = next(iter(dataset.take(1)))
-            return self._ensure_engine(data_lib.split_element(element, with_labels=False)[0])
-        return self._ensure_engine(None)
+    @property
+    def loss(self):
+        """The compiled loss (`CompiledLoss`)."""
+        return self.objectives.loss
 
-    def _ensure_engine(self, features) -> engine.Engine:
-        if self._engine is not None:
-            return self._engine
-        if self._pending_model is not None:  # restore_checkpoint(features=...) before fit
-            self._build_from_data(tf.data.Dataset.from_tensors(features), model_fn_lib.INFER)
-        if not self.model.built:
-            model_setup.build_model(self.model, features)
-        self._build_objectives()
-        with tf.device(self.cluster.host_device):
-            self.loss_tracker.reset_state()
-        self._start_state.take(self.model, self.optimizer)  # if the batch above built it
-        self._engine = engine.build_engine(
-            self.engine_plan,
-            self.config,
-            self.cluster.host_device,
-            self.loss,
-            self.metrics,
-            self.loss_tracker,
-            self._replica_optimizer,
-            clip_global_norm=self.optimizer.global_clipnorm,
-            step_counter=self.optimizer.iterations,
-            checkpoint_marks=checkpoints.get_collection(),
-            agree_on_batches=None
-            if self._end_of_data is None
-            else self._end_of_data.in_graph(self.engine_plan.data_shards[1]),
-        )
-        if self.config.gradient_checkpoint.check_gradients:
-            self._engine.check_recompute_gradients(features)
-        return self._engine
+    @property
+    def metrics(self):
+        """The compiled metrics (`CompiledMetrics`)."""
+        return self.objectives.metrics
 
-    def _replica_optimizer(self, device: str, variables: list, originals: list):
-        """A copy of the user's optimizer for engine-owned copies of `originals`, on `device`."""
-        with tf.device(device):
-            # Global-norm clipping is done over all stages by the program.
-            replica = optimizers.replica(self.optimizer, variables, originals, global_clipnorm=None)
-            if isinstance(self.optimizer._learning_rate, keras.Variable):
-                replica._learning_rate = self.optimizer._learning_rate  # LR callbacks reach all
-            replica.build(variables)
-        return replica
+    @property
+    def loss_tracker(self):
+        return self.objectives.loss_tracker
 
-    # ---- fit / evaluate / predict ------------------------------------------------------
+    @property
+    def epochs_done(self) -> int:
+        """Every epoch this trainer ran (a resumed one: the job's), across `fit` calls."""
+        return self.progress.epochs_done
+
+    @property
+    def step_stats(self) -> dict:
+        """The trainer's own values of the last step, kept out of the callbacks' logs:
+        throughput, and with AMP the loss scale and skipped steps."""
+        return self.stats.last
+
+    @property
+    def stats_history(self) -> dict:
+        """`step_stats` of the last step of each epoch of the latest `fit`."""
+        return self.stats.history
+
+    # ---- Keras's methods -------------------------------------------------------------
 
     def fit(
         self,
@@ -373,202 +352,148 @@ class EPLTrainer(CheckpointMixin, TrainingDataMixin, InferenceMixin, OnBatchMixi
         per worker. With `io.slicing=True` each worker reads only its share of the files
         (`epl_trainer.training.io`).
         """
-        x = model_inputs.python_source_dataset(x, shuffle)
-        if validation_split and validation_data is None:
-            (x, y, sample_weight), validation_data = fit_lib.train_validation_split(
-                x, y, sample_weight, validation_split
-            )
-        files = parse_fn is not None or file_format is not None
-        if not files:
-            x, sample_weight = fit_lib.with_class_weight(x, y, sample_weight, class_weight)
-        if self._waits_for_data:
-            probe = data_lib.spec_probe(x, y, parse_fn, file_format, sample_weight)
-            self._build_from_data(probe, model_fn_lib.TRAIN)
-        self._require_loss("fit")
-        if not files:
-            x = model_inputs.arrays_for_model(self.model, x)
-        if self.deepspeed is not None:  # batch sizes, monitors and steps_per_print
-            batch_size = self.deepspeed.fit_batch_size(x, batch_size, self.plan, len(self.lanes))
-            extra = self.deepspeed.callbacks(
-                self.loss_tracker, self.cluster.is_chief, self.step_stats
-            )
-            callbacks = [*(callbacks or []), *extra]
-        if files:
-            dataset = self._files_dataset(x, y, batch_size, parse_fn, file_format, steps_per_epoch)
-            dataset, passes = fit_lib.with_class_weight(dataset, None, None, class_weight)[0], None
-        else:
-            dataset, passes = self._fit_dataset(x, y, sample_weight, batch_size, shuffle)
-        dataset = model_inputs.fitted_to_model(dataset, self.model, with_labels=True)
-        self._build_objectives(dataset.element_spec)
-        validation = None
-        if validation_data is not None:
-            fit_lib.should_validate(0, validation_freq)  # a bad value fails before training
-            validation = self._validation_dataset(
-                validation_data, validation_batch_size or batch_size, validation_steps
-            )
-        verbose = fit_lib.verbosity(verbose)
-        # A fresh trainer with checkpoint.dir resumes its newest checkpoint; `epochs` then
-        # counts from the job's first epoch (Keras's initial_epoch), so a restarted script
-        # finishes the run it was doing instead of adding epochs.
-        resumed = self._auto_resume(dataset)
-        start = "resumed" if resumed else "restored" if self._restored else "given"
-        self._restored = False
-        fit_lib.check_epochs(epochs, initial_epoch)
-        callback_list = fit_lib.callback_list(
-            monitors_lib.with_flops_profiler(self, callbacks, dataset),
-            self.model,
+        return self.fit_loop.fit(
+            x,
+            y,
+            batch_size,
+            epochs,
             verbose,
-            epochs=epochs,
-            steps=steps_per_epoch or fit_lib.num_batches(dataset),
-            add_history=True,
+            callbacks,
+            validation_split,
+            validation_data,
+            shuffle,
+            class_weight,
+            sample_weight,
+            initial_epoch,
+            steps_per_epoch,
+            validation_steps,
+            validation_batch_size,
+            validation_freq,
+            parse_fn,
+            file_format,
         )
-        write_back_each_step = fit_lib.needs_fresh_weights_per_step(callback_list)
-        self.model.stop_training = False
-        self.stats_history = {}
-        callback_list.on_train_begin()
-        if self._engine is not None:
-            # The model holds the trainer's state here; a callback may have set weights
-            # (Keras's BackupAndRestore loads its backup and sets model._initial_epoch).
-            self._engine.load_from_model()
-        initial_epoch = getattr(self.model, "_initial_epoch", None) or initial_epoch
-        epochs_run = fit_lib.epoch_range(epochs, initial_epoch, self.epochs_done, start)
-        first_step, position = self._resume_position
-        self._resume_position = (0, 0)
-        # Workers that agree on the end of the data (end_of_data.py) all take each step.
-        known = fit_lib.num_batches(dataset) if self._end_of_data is None else None
-        self._batches = batches = data_lib.EpochBatches(
-            dataset, steps_per_epoch, position, passes, self.epochs_done, known
+
+    def evaluate(
+        self,
+        x=None,
+        y=None,
+        batch_size=None,
+        verbose="auto",
+        sample_weight=None,
+        steps=None,
+        callbacks=None,
+        return_dict=False,
+    ):
+        """The loss and metrics over the data (every worker's share), as `Model.evaluate`.
+
+        Args:
+          x, y: numpy inputs and labels, or a `tf.data.Dataset` of `(x, y)` or
+            `(x, y, sample_weight)` batches as `x` (then y=None).
+          batch_size: per-worker batch size for numpy inputs (default 32).
+          verbose: 0 (silent), 1 or "auto" (progress bar), 2.
+          sample_weight: numpy weights, one per sample (numpy inputs).
+          steps: evaluate at most this many batches.
+          callbacks: Keras callbacks; they get on_test_begin/end and, when they implement
+            them, on_test_batch_begin/end for every batch, with Keras's logs.
+          return_dict: False (the default, as Keras) returns Keras's list
+            [loss, *metrics], or the loss alone when there are no metrics; True returns
+            {"loss": ..., metric: ...}.
+        """
+        return self.inference.evaluate(
+            x, y, batch_size, verbose, sample_weight, steps, callbacks, return_dict
         )
-        logs = {}
-        try:
-            for epoch in epochs_run:
-                self._run_hook(callback_list, "on_epoch_begin", epoch)
-                logs = self._run_epoch(batches, callback_list, write_back_each_step, first_step)
-                first_step = 0
-                if validation is not None and fit_lib.should_validate(epoch, validation_freq):
-                    val_logs = self._evaluate_dataset(validation, callback_list)
-                    logs.update({f"val_{k}": v for k, v in val_logs.items()})
-                self._end_epoch()
-                self._run_hook(callback_list, "on_epoch_end", epoch, logs)
-                if self.model.stop_training:
-                    break
-        finally:  # the last pass's iterator is deleted off this thread (iterators.py)
-            self._batches = batches.close()
-        if self._engine is not None:
-            if len(epochs_run) and self._engine.runs_user_steps:
-                user_steps.finalize_moving_averages(self.model)
-            elif len(epochs_run) and ema.uses_ema(self.optimizer):
-                self._engine.finalize_ema()  # as Keras's fit: the weights := their averages
-            self._write_back()
-        callback_list.on_train_end(logs)
-        if self._engine is not None:
-            self._engine.load_from_model()  # e.g. EarlyStopping(restore_best_weights=True)
-        return self.model.history
 
-    def _run_hook(self, callbacks, hook: str, *args) -> None:
-        """Runs a callback hook; where a callback may set the weights (SwapEMAWeights, a
-        set_weights), the model (and the optimizer's averages) get the trainer's state
-        before it and the trainer takes them back after it."""
-        sync = self._engine is not None and fit_lib.may_set_weights(callbacks, hook)
-        sync_ema = sync and ema.uses_ema(self.optimizer) and not self._engine.runs_user_steps
-        if sync:
-            self._write_back()
-            if sync_ema:
-                self._engine.ema_to_master(self.optimizer)
-        getattr(callbacks, hook)(*args)
-        if sync:
-            self._engine.load_from_model()
-            if sync_ema:
-                self._engine.ema_from_master(self.optimizer)
+    def predict(self, x, batch_size=None, verbose="auto", steps=None, callbacks=None):
+        """Model outputs for `x` (numpy, structured like the model's outputs), as
+        `Model.predict`: every worker predicts all of `x`.
 
-    def _end_epoch(self) -> None:
-        """The epoch is done: the Keras model gets the weights, checkpoint.dir a checkpoint.
+        Args:
+          x: numpy inputs, or a `tf.data.Dataset` of batches (of `x`, or of `(x, y)` /
+            `(x, y, sample_weight)`, whose labels and weights are ignored).
+          batch_size: batch size for numpy inputs (default 32).
+          verbose: 0 (silent), 1 or "auto" (progress bar), 2.
+          steps: predict at most this many batches.
+          callbacks: Keras callbacks; they get on_predict_begin/end and, when they
+            implement them, on_predict_batch_begin/end for every batch, with the batch's
+            outputs as `logs["outputs"]`.
+        """
+        return self.inference.predict(x, batch_size, verbose, steps, callbacks)
 
-        `epochs_done` counts every epoch this trainer ran (a resumed one: the job's), across
-        `fit` calls: it numbers the passes over shuffled data and the checkpoints, while
-        callbacks see Keras's epoch index (from `initial_epoch`, each `fit`)."""
-        self.epochs_done += 1
-        self._step_in_epoch = 0
-        self._write_back()
-        if self.config.checkpoint.dir:
-            self._save_periodic()
+    def train_on_batch(self, x, y=None, sample_weight=None, class_weight=None, return_dict=False):
+        """Runs one training step on one batch, as `Model.train_on_batch`.
 
-    def _run_epoch(self, batches, callback_list, write_back_each_step, first_step=0) -> dict:
-        program = self._ensure_engine_for(batches.dataset)
-        self._reset_metrics()
-        log_names = None if self._runs_user_steps else {n for n, _ in self._named_metrics()}
-        chunk = {"last": -1, "end": 0, "ran": 0}  # the last call's step indices and iterations
+        The batch is this worker's whole batch (as one batch of `fit`): it is split over
+        the data-parallel lanes, and the optimizer's `iterations` advances by one. The
+        Keras model holds the trained weights afterwards.
 
-        def step(index, iterator, count):
-            callback_list.on_train_batch_begin(index)
-            start = time.perf_counter()
-            with self._lost_worker_check():
-                if self._end_of_data is not None and self.steps_per_execution == 1:
-                    # StopIteration on every worker once any ran out
-                    shards = self.engine_plan.data_shards[1]
-                    element, rows = self._end_of_data.next_batch(iterator, index, shards)
-                    spec = batches.dataset.element_spec
-                    results = run_checked(program.train_on_element, element, spec, rows)
-                elif self.steps_per_execution == 1:
-                    results = run_checked(program.train_on_iterator, iterator)
-                else:  # several workers agree on the end of the data inside the loop
-                    results = run_checked(program.train_many_on_iterator, iterator, count)
-            ran = int(results.pop(engine.STEPS_KEY, 1))
-            rows = results.pop(engine.ROWS_BY_WORKER_KEY, None)
-            if rows is not None and ran < count:
-                warn_if_out_of_data([int(r) for r in rows], index + ran)
-            if ran == 0:
-                return 0, False
-            batch = int(results.pop(engine.BATCH_SIZE_KEY))
+        Args:
+          x: the inputs: an array or tensor, or a dict / list / tuple of them.
+          y: the labels, structured as the model's outputs.
+          sample_weight: one weight per sample.
+          class_weight: {class index: weight}, for a model with one output.
+          return_dict: False (the default, as Keras) returns [loss, *metrics], or the
+            loss alone when there are no metrics; True returns {"loss": ..., metric: ...}.
 
-            # Callbacks get Keras's logs (the loss and metrics); the trainer's own values
-            # (throughput, AMP loss scale, skipped steps) go to `step_stats`.
-            logged = {k for k in results if log_names is None or k in log_names}
-            logs = {k: fit_lib.log_value(v) for k, v in results.items() if k in logged}
-            stats = {k: fit_lib.log_value(v) for k, v in results.items() if k not in logged}
-            chunk["logs"] = logs
-            elapsed = time.perf_counter() - start
-            stats["samples_per_sec"] = ran * batch * self.data_shards / max(elapsed, 1e-9)
-            stats.update(call_steps=ran, call_seconds=max(elapsed, 1e-9))  # FlopsProfiler's
-            self.step_stats.clear()
-            self.step_stats.update(stats)
-            nonfinite_at = self._nonfinite_step(stats, index + ran - 1)
-            if write_back_each_step:
-                self._write_back()
-            chunk.update(last=index + ran - 1, end=int(self.optimizer.iterations.numpy()), ran=ran)
-            # Keras's convention with steps_per_execution: one batch callback per call,
-            # with the index of its last step.
-            callback_list.on_train_batch_end(index + ran - 1, logs)
-            if write_back_each_step:  # the model's variables, as a batch hook left them
-                self._engine.load_from_model(optimizer=False)
-            if nonfinite_at is not None and not self.model.stop_training:
-                # The callbacks saw the NaN loss first (TerminateOnNaN stops or raises).
-                raise nonfinite_loss_error(nonfinite_at)
-            return ran, self.model.stop_training
+        Returns:
+          The loss and metrics of this batch (over every worker's batch).
 
-        def after_step(index):
-            self._step_in_epoch = index + 1
-            every = self.config.checkpoint.save_steps
-            if not (self.config.checkpoint.dir and every) or index != chunk["last"]:
-                return  # a checkpoint holds the state after a whole call
-            end = chunk["end"]
-            if end // every > (end - chunk["ran"]) // every:  # a multiple of every was reached
-                self._save_periodic()
+        Raises:
+          NonFiniteLossError: the loss or its gradients were not finite, so the step was
+            not applied (unless `optimizer.nonfinite_loss="skip"`).
+        """
+        return self.on_batch.train_on_batch(x, y, sample_weight, class_weight, return_dict)
 
-        # A resumed epoch may have no step left (killed between its last step's
-        # checkpoint and the epoch-end one).
-        ran = batches.run_epoch(step, first_step, after_step, self.steps_per_execution)
-        if ran == 0 and first_step == 0:
-            raise ValueError(
-                "The training data yielded no batch. Check the dataset, batch_size "
-                "and steps_per_epoch."
-            )
-        # Epoch logs: the metrics reduced over all workers; the last step's own values
-        # (throughput, AMP loss scale and skipped steps) join `stats_history`.
-        for key, value in self.step_stats.items():
-            self.stats_history.setdefault(key, []).append(value)
-        with self._lost_worker_check("the epoch's metric sync"):
-            return self._logs(chunk.get("logs"))
+    def test_on_batch(self, x, y=None, sample_weight=None, return_dict=False):
+        """The loss and metrics of one batch, as `Model.test_on_batch` (`evaluate` of
+        this worker's batch alone; with several workers, over all their batches).
+
+        Args:
+          x, y, sample_weight: the batch, as in `train_on_batch`.
+          return_dict: as in `train_on_batch`.
+        """
+        return self.on_batch.test_on_batch(x, y, sample_weight, return_dict)
+
+    def predict_on_batch(self, x):
+        """The model's outputs for one batch (numpy, structured like the model's
+        outputs), as `Model.predict_on_batch`.
+
+        Args:
+          x: the inputs: an array or tensor, or a dict / list / tuple of them (a tuple
+            is the inputs, not `(x, y)`).
+        """
+        return self.on_batch.predict_on_batch(x)
+
+    def save_checkpoint(
+        self, directory: str, keep_max: int | None = None, tag: str | None = None
+    ) -> str | None:
+        """Saves engine state (weights, optimizer slots, loss scale, step, input position).
+
+        Every worker must call it (the trainer's periodic saves do): each writes the
+        entries it owns; the chief publishes once all are in and returns the path (other
+        workers return None). The `keep_max` newest `ckpt-<step>` checkpoints are kept
+        (all if None). `tag` names the folder, as DeepSpeed's `save_checkpoint(save_dir,
+        tag)` (default `ckpt-<step>`; the chief's names it); `keep_max` never deletes a
+        tagged one, and `latest` points at it as at any other.
+        """
+        return self.checkpoints.save(directory, keep_max, tag)
+
+    def restore_checkpoint(
+        self, directory: str, features=None, tag: str | int | None = None
+    ) -> str:
+        """Restores a checkpoint of `directory` into every local lane; returns its path.
+
+        `tag` names the checkpoint as DeepSpeed's `load_checkpoint(load_dir, tag)` does:
+        its folder name (`"ckpt-100"`) or the step it is named after (`100`); None
+        restores the newest (`latest`). An unknown tag is a CheckpointError listing the
+        directory's tags; restoring only reads the directory.
+
+        The checkpoint may come from any layout (device or worker count, stage cut, ZeRO
+        level, split width...); each worker reads only the entries its layout needs.
+        A trainer that has not trained yet needs the model built (functional models are);
+        for subclassed models, and for an Estimator-style model_fn, pass one batch of
+        `features` to build it.
+        """
+        return self.checkpoints.restore(directory, features, tag)
 
     def memory_report(self, print_table: bool = True):
         """Bytes of parameters, gradients and optimizer state per device (engine state).
@@ -576,43 +501,10 @@ class EPLTrainer(CheckpointMixin, TrainingDataMixin, InferenceMixin, OnBatchMixi
         Returns an `epl_trainer.training.memory.MemoryReport` (index it by device name); prints
         it as a table unless `print_table=False`.
         """
-        if self._engine is None:
-            raise ValueError("memory_report() needs the engine: call fit() or restore first.")
-        report = build_report(self._engine.state, self._engine.update, self.lanes)
+        report = self.runtime.memory_report()
         if print_table:
             print(report)
         return report
-
-    def _write_back(self) -> None:
-        """The Keras model gets the trained values. With a replica whose stages are on
-        several workers this exchanges them with the peers: a lost peer there is named
-        within communication.timeout_seconds, as in a step, instead of hanging."""
-        with self._lost_worker_check("writing the weights back to the Keras model"):
-            self._engine.write_back()
-
-    @contextlib.contextmanager
-    def _lost_worker_check(self, what: str = "a training step"):
-        """Bounds the collectives inside the block and names a lost peer if one failed."""
-        timeout = self.config.communication.timeout_seconds
-        watchdog = watchdog_for(self.cluster, timeout)
-        with detect_lost_workers(self.cluster, timeout), watchdog.watch(what):
-            yield
-
-    def _nonfinite_step(self, stats: dict, index: int | None) -> str | None:
-        """Where a non-finite step that stops training was skipped ("training step ...
-        (epoch, batch)", or "(train_on_batch)" for index None), or None. With
-        optimizer.nonfinite_loss="skip" it only warns."""
-        count = int(stats.get("nonfinite_steps", 0))
-        if count <= self._nonfinite_seen:
-            return None
-        self._nonfinite_seen = count
-        step = int(self.optimizer.iterations.numpy())
-        position = f"epoch {self.epochs_done + 1}, batch {index}"
-        where = f"training step {step} ({'train_on_batch' if index is None else position})"
-        if self.config.optimizer.nonfinite_loss == "skip":
-            logger.warning("Non-finite loss at %s: the step was skipped.", where)
-            return None
-        return where
 
 
 def _checked_steps_per_execution(value) -> int:

@@ -90,7 +90,7 @@ def make_dataset(worker_index, worker_num):
 
 def _stale_storage(attempt):
     """Worker 1's view of the checkpoint folder on restart `attempt` (--resume_faults)."""
-    from epl_trainer.training import checkpoint, trainer_checkpoints
+    from epl_trainer.training import checkpoint, checkpoint_manager
 
     if attempt == 1:
 
@@ -98,7 +98,7 @@ def _stale_storage(attempt):
             raise checkpoint.CheckpointError(f"{path!r}: not visible to this worker yet")
 
         checkpoint.read_manifest = unreadable
-        trainer_checkpoints.RESUME_VISIBILITY_SECONDS = 1.0
+        checkpoint_manager.RESUME_VISIBILITY_SECONDS = 1.0
     if attempt == 2:
         newest = checkpoint.latest
 

@@ -84,7 +84,7 @@ def make_trainer(run: str, model, devices=None):
 def summary(trainer) -> str:
     """What the trainer's engine runs: the data shards, whether XLA compiles the stages
     (builder.py wraps their calls), the recomputed stages and the update's kind."""
-    program = trainer._engine.program
+    program = trainer.engine.program
     calls = program.hooks.stage_calls
     compiled = all(c.__qualname__.startswith("compiled_stage_call") for c in calls)
     return (

@@ -286,14 +286,6 @@ class Engine:
         """With `use_ema=True`: every lane's weights become their moving average."""
         ema.finalize(self.update)
 
-    def ema_to_master(self, master) -> None:
-        """With `use_ema=True`: the user's optimizer gets the lanes' moving averages."""
-        ema.to_master(self.update, self.state, master)
-
-    def ema_from_master(self, master) -> None:
-        """With `use_ema=True`: the lanes take the user's optimizer's moving averages."""
-        ema.from_master(self.update, self.state, master)
-
     def check_recompute_gradients(self, features) -> dict:
         """`gradient_checkpoint.check_gradients`: recomputed vs plain gradients, once."""
         if not self.recomputed:

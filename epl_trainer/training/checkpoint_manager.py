@@ -1,11 +1,11 @@
-"""EPLTrainer's checkpoints: save, restore, and resuming a run from `checkpoint.dir`.
+"""The trainer's checkpoints: save, restore, and resuming a run from `checkpoint.dir`.
 
 A checkpoint holds the engine's state keyed by the user's model (checkpoint_content.py:
 weights, optimizer slots, the step, the loss scale) plus where training stood (epoch,
-step in the epoch, position in the input). Every worker writes the entries it owns into
-its own shard; the chief publishes the manifest once all shards are in (checkpoint.py).
-A checkpoint restores into any layout: other device or worker counts, stage cuts, ZeRO
-levels, split widths, grouped apply or offload.
+step in the epoch, position in the input: progress.py). Every worker writes the entries
+it owns into its own shard; the chief publishes the manifest once all shards are in
+(checkpoint.py). A checkpoint restores into any layout: other device or worker counts,
+stage cuts, ZeRO levels, split widths, grouped apply or offload.
 """
 
 from __future__ import annotations
@@ -17,37 +17,21 @@ import time
 import numpy as np
 import tensorflow as tf
 
-from epl_trainer.core.comm.hosts import host_group, rows_by_worker
 from epl_trainer.core.engine.checkpoint_content import CheckpointContent
 from epl_trainer.runtime import elastic
 from epl_trainer.training import checkpoint as ckpt
 from epl_trainer.training import model_fn as model_fn_lib
+from epl_trainer.training.context import TrainerContext
+from epl_trainer.training.engine_runtime import EngineRuntime
+from epl_trainer.training.host_agreement import HostAgreement
+from epl_trainer.training.model_planning import ModelPlanner
+from epl_trainer.training.progress import TrainingProgress
 
 logger = logging.getLogger(__name__)
 
 # How long a worker waits for the checkpoint the chief chose to become readable (its
 # storage may show it later: object stores are eventually consistent).
 RESUME_VISIBILITY_SECONDS = 30.0
-
-
-class HostAgreement:
-    """One tiny all-gather over the workers' host CPUs: `gather(values)` returns every
-    worker's int64 vector (the same length on every worker), by worker index. Saves use
-    it to agree on the step and the temporary folder before writing, and as the barrier
-    after it; a resume to agree on the checkpoint; fit on the shuffling seed."""
-
-    def __init__(self, cluster):
-        self.cluster = cluster
-        self._group = host_group(cluster.devices_by_worker, cluster.host_device)
-        self._gather = tf.function(self._gather_values)
-
-    def _gather_values(self, values):
-        with tf.device(self.cluster.host_device):
-            return self._group.all_gather([tf.identity(values)])[0]
-
-    def gather(self, values: list[int]) -> list[list[int]]:
-        gathered = self._gather(tf.constant(values, tf.int64)).numpy()
-        return rows_by_worker(self._group, gathered).tolist()
 
 
 # A resume's checkpoint name travels as int64s: [status, length, its UTF-8 bytes...].
@@ -65,10 +49,33 @@ def _decode_choice(row: list[int]) -> tuple[int, str]:
     return status, bytes(row[2 : 2 + length]).decode("utf-8")
 
 
-class CheckpointMixin:
-    """The checkpoint methods of `EPLTrainer` (see trainer.py for the attributes)."""
+class CheckpointManager:
+    """Saves and restores the trainer's state; resumes `checkpoint.dir` at the first fit.
 
-    def save_checkpoint(
+    Args:
+      context: the run's settings.
+      runtime: the engine whose state is saved and restored.
+      progress: where training stands (saved with the state, restored from it).
+      agreement: the workers' agreement on the step, the folder and the checkpoint.
+      planner: plans an Estimator-style model_fn's model from `features` (a restore
+        before the first fit).
+    """
+
+    def __init__(
+        self,
+        context: TrainerContext,
+        runtime: EngineRuntime,
+        progress: TrainingProgress,
+        agreement: HostAgreement,
+        planner: ModelPlanner,
+    ):
+        self._context = context
+        self._runtime = runtime
+        self._progress = progress
+        self._agreement = agreement
+        self._planner = planner
+
+    def save(
         self, directory: str, keep_max: int | None = None, tag: str | None = None
     ) -> str | None:
         """Saves engine state (weights, optimizer slots, loss scale, step, input position).
@@ -80,18 +87,18 @@ class CheckpointMixin:
         tag)` (default `ckpt-<step>`; the chief's names it); `keep_max` never deletes a
         tagged one, and `latest` points at it as at any other.
         """
-        if self._engine is None:
+        if self._runtime.engine is None:
             raise ValueError("Nothing to save yet: call fit() (or restore) first.")
         if keep_max is not None and keep_max < 1:
             raise ValueError(f"keep_max must be >= 1 or None. Received: keep_max={keep_max}")
-        cluster = self.cluster
-        step = int(self.optimizer.iterations.numpy())
+        cluster = self._context.cluster
+        step = int(self._context.optimizer.iterations.numpy())
         ckpt.check_tag(tag, step)
         if cluster.is_chief:
             ckpt.prepare(directory)
         token = os.getpid()
         if cluster.worker_num > 1:
-            pairs = self._agree([os.getpid() if cluster.is_chief else 0, step])
+            pairs = self._agreement.gather([os.getpid() if cluster.is_chief else 0, step])
             token = pairs[0][0]
             steps = sorted({s for _, s in pairs})
             if len(steps) > 1:
@@ -100,17 +107,17 @@ class CheckpointMixin:
                     f"{[s for _, s in pairs]}"
                 )
         folder = ckpt.temporary_folder(directory, step, token)
-        content = CheckpointContent(self._engine, self.optimizer, cluster.is_chief)
+        content = self._content()
         failure = None
         try:
             entries = content.entries_to_write()
-            with self._engine.state.gathered_reads():  # every worker, in the same order
+            with self._runtime.engine.state.gathered_reads():  # every worker, same order
                 values = [(e.key, e.name, e.read()) for e in entries]
             ckpt.write_shard(folder, cluster.worker_index, values)
         except Exception as error:  # the peers must still meet this worker at the barrier
             failure = error
         if cluster.worker_num > 1:
-            written = [ok for ok, _ in self._agree([int(failure is None), 0])]
+            written = [ok for ok, _ in self._agreement.gather([int(failure is None), 0])]
         else:
             written = [int(failure is None)]
         if failure is not None:
@@ -124,27 +131,21 @@ class CheckpointMixin:
         if not cluster.is_chief:
             return None
         metadata = {
-            "epochs_done": self.epochs_done,
+            "epochs_done": self._progress.epochs_done,
             # Inside fit: the position in the epoch in progress and in its data pass.
-            "step_in_epoch": self._step_in_epoch,
-            "input_position": 0 if self._batches is None else self._batches.position,
-            "plan": self.plan.summary(),
+            "step_in_epoch": self._progress.step_in_epoch,
+            "input_position": self._progress.input_position,
+            "plan": self._context.plan.summary(),
             "layout": self._layout_record(),
         }
-        required = [f"trainable/{i}" for i in range(len(self.model.trainable_variables))]
-        required += [f"non_trainable/{i}" for i in range(len(self.model.non_trainable_variables))]
+        model = self._context.model
+        required = [f"trainable/{i}" for i in range(len(model.trainable_variables))]
+        required += [f"non_trainable/{i}" for i in range(len(model.non_trainable_variables))]
         return ckpt.publish(
             directory, folder, step, cluster.worker_num, metadata, required, keep_max, tag
         )
 
-    def _agree(self, values: list[int], what: str = "a checkpoint save") -> list[list[int]]:
-        """Every worker's `values` (int64s), by worker index (`HostAgreement`)."""
-        if getattr(self, "_host_agreement", None) is None:
-            self._host_agreement = HostAgreement(self.cluster)
-        with self._lost_worker_check(what):
-            return self._host_agreement.gather(values)
-
-    def _agreed_latest(self, directory: str) -> str | None:
+    def agreed_latest(self, directory: str) -> str | None:
         """The checkpoint a multi-worker job restores: the one the chief's `latest` names
         (None: the chief sees no checkpoint), once every worker has confirmed it can read
         it. Each worker reading `latest` on its own could resume another step on storage
@@ -152,14 +153,15 @@ class CheckpointMixin:
         previous pointer. A worker that cannot read the chosen checkpoint within
         `RESUME_VISIBILITY_SECONDS` fails the restore on every worker, by name.
         """
-        is_chief = self.cluster.is_chief
+        is_chief = self._context.cluster.is_chief
         choice, failure = _encode_choice(_NO_CHECKPOINT), None
         if is_chief and ckpt.exists(directory):
             try:
                 choice = _encode_choice(_NAMED, os.path.basename(ckpt.latest(directory)))
             except ckpt.CheckpointError as error:
                 choice, failure = _encode_choice(_UNREADABLE), error
-        status, name = _decode_choice(self._agree(choice, "agreeing on the checkpoint")[0])
+        chief_choice = self._agreement.gather(choice, "agreeing on the checkpoint")[0]
+        status, name = _decode_choice(chief_choice)
         if failure is not None:
             raise failure
         if status == _UNREADABLE:
@@ -170,7 +172,7 @@ class CheckpointMixin:
         if status == _NO_CHECKPOINT:
             return None
         problem = _wait_until_readable(directory, name, RESUME_VISIBILITY_SECONDS)
-        confirmed = self._agree([int(problem is None)], "confirming the checkpoint")
+        confirmed = self._agreement.gather([int(problem is None)], "confirming the checkpoint")
         unable = [w for w, (ok,) in enumerate(confirmed) if not ok]
         if unable:
             raise ckpt.CheckpointError(
@@ -182,22 +184,19 @@ class CheckpointMixin:
 
     def _layout_record(self) -> dict:
         """The layout that wrote a checkpoint (informative: any layout can restore it)."""
-        config = self.config
+        context = self._context
+        config, planned = context.config, context.engine_plan
         return {
-            "worker_num": self.cluster.worker_num,
-            "lanes": len(self.engine_plan.lanes_in_job),
-            "stages": len(self.staged.stages),
+            "worker_num": context.cluster.worker_num,
+            "lanes": len(planned.lanes_in_job),
+            "stages": len(planned.staged.stages),
             "zero_level": config.zero.level,
             "offload_level": config.offload.level,
             "num_apply_group": config.optimizer.num_apply_group,
-            "split_width": self.plan.taskgraphs[0].device_count
-            if self.engine_plan.split_layers
-            else 0,
+            "split_width": planned.plan.taskgraphs[0].device_count if planned.split_layers else 0,
         }
 
-    def restore_checkpoint(
-        self, directory: str, features=None, tag: str | int | None = None
-    ) -> str:
+    def restore(self, directory: str, features=None, tag: str | int | None = None) -> str:
         """Restores a checkpoint of `directory` into every local lane; returns its path.
 
         `tag` names the checkpoint as DeepSpeed's `load_checkpoint(load_dir, tag)` does:
@@ -211,69 +210,78 @@ class CheckpointMixin:
         for subclassed models, and for an Estimator-style model_fn, pass one batch of
         `features` to build it.
         """
-        if tag is None and self.cluster.worker_num > 1:
-            tag = self._agreed_latest(directory)  # the chief's newest, confirmed by all
+        if tag is None and self._context.cluster.worker_num > 1:
+            tag = self.agreed_latest(directory)  # the chief's newest, confirmed by all
             if tag is None:
                 raise ckpt.CheckpointError(
                     f"No checkpoint in {directory!r}: the chief (worker 0) sees no 'latest'."
                 )
         path = ckpt.latest(directory) if tag is None else ckpt.tagged(directory, tag)
-        if self._pending_model_fn is not None:
+        if self._planner.waits_for_model_fn:
             if features is None:
                 raise ValueError(
                     "restore_checkpoint before the first fit needs `features` (one batch) to "
                     "build the Estimator-style model_fn's model."
                 )
             element = tf.data.Dataset.from_tensors(features)
-            self._build_from_data(element, model_fn_lib.TRAIN)
-        if self._engine is None:
-            if features is None and not self.model.built:
+            self._planner.build_from_data(element, model_fn_lib.TRAIN)
+        if self._runtime.engine is None:
+            if features is None and not self._context.model.built:
                 raise ValueError(
                     "restore_checkpoint on a subclassed model that was never called needs "
                     "`features` (one batch) to build it."
                 )
-            self._ensure_engine(features)
+            self._runtime.ensure(features)
         manifest = ckpt.read_manifest(path)
-        content = CheckpointContent(self._engine, self.optimizer, self.cluster.is_chief)
+        content = self._content()
         expected = content.expected()
         unexpected = content.unexpected(manifest["entries"], expected)
         values = ckpt.read_entries(path, manifest, expected, unexpected)
         content.assign({k: np.asarray(v) for k, v in values.items()}, expected)
-        self._write_back()  # the Keras model holds the restored state too
-        self.epochs_done = manifest.get("epochs_done", 0)
-        self._step_in_epoch = manifest.get("step_in_epoch", 0)
-        self._resume_position = (self._step_in_epoch, manifest.get("input_position", 0))
-        self._restored = True  # the next fit continues the epoch count up to `epochs`
+        self._runtime.write_back()  # the Keras model holds the restored state too
+        self._progress.restored_from(manifest)  # the next fit continues from there
         return path
 
-    def _auto_resume(self, dataset) -> bool:
+    def auto_resume(self, dataset) -> bool:
         """checkpoint.dir: a trainer that has not run yet restores the newest checkpoint.
 
         A damaged newest checkpoint stops here with its CheckpointError rather than
         training from scratch and overwriting the folder's history.
         """
-        directory = self.config.checkpoint.dir
-        if not directory or self._engine is not None:
+        directory = self._context.config.checkpoint.dir
+        if not directory or self._runtime.engine is not None:
             return False
-        if self.cluster.worker_num > 1:
-            tag = self._agreed_latest(directory)  # whether to resume is the chief's view too
+        if self._context.cluster.worker_num > 1:
+            tag = self.agreed_latest(directory)  # whether to resume is the chief's view too
             if tag is None:
                 return False
         elif ckpt.exists(directory):
             tag = None
         else:
             return False
-        self._ensure_engine_for(dataset)
-        path = self.restore_checkpoint(directory, tag=tag)
+        self._runtime.ensure_for(dataset)
+        path = self.restore(directory, tag=tag)
+        progress = self._progress
         logger.info(
-            "Resumed from %s: epoch %d, step %d of it.", path, self.epochs_done, self._step_in_epoch
+            "Resumed from %s: epoch %d, step %d of it.",
+            path,
+            progress.epochs_done,
+            progress.step_in_epoch,
         )
         return True
 
-    def _save_periodic(self) -> None:
-        self.save_checkpoint(self.config.checkpoint.dir, keep_max=self.config.checkpoint.keep_max)
-        step = int(self.optimizer.iterations.numpy())
-        elastic.stop_if_resize_requested(self.config, self.cluster.worker_num, self._agree, step)
+    def save_periodic(self) -> None:
+        """checkpoint.dir's save (every checkpoint.save_steps and at each epoch's end);
+        an elastic job then stops if a resize was requested."""
+        config = self._context.config
+        self.save(config.checkpoint.dir, keep_max=config.checkpoint.keep_max)
+        step = int(self._context.optimizer.iterations.numpy())
+        workers = self._context.cluster.worker_num
+        elastic.stop_if_resize_requested(config, workers, self._agreement.gather, step)
+
+    def _content(self) -> CheckpointContent:
+        context = self._context
+        return CheckpointContent(self._runtime.engine, context.optimizer, context.cluster.is_chief)
 
 
 def _wait_until_readable(directory: str, name: str, seconds: float) -> str | None:

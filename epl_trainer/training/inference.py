@@ -1,4 +1,4 @@
-"""EPLTrainer's `evaluate` and `predict`, with Keras's arguments, callbacks and logs.
+"""The trainer's `evaluate` and `predict`, with Keras's arguments, callbacks and logs.
 
 Batches run in the compiled loops of the engine (`eval_many_on_iterator`,
 `predict_many_on_iterator`), many per call: one host round trip per
@@ -14,18 +14,41 @@ import tensorflow as tf
 from keras import tree
 
 from epl_trainer.training import data as data_lib
-from epl_trainer.training import fit_inputs, model_inputs, pipeline_models
+from epl_trainer.training import fit_inputs
 from epl_trainer.training import model_fn as model_fn_lib
+from epl_trainer.training.context import TrainerContext
+from epl_trainer.training.data_feeder import DataFeeder
+from epl_trainer.training.engine_runtime import EngineRuntime
 from epl_trainer.training.iterators import release
+from epl_trainer.training.objectives import Objectives
 
 # Evaluation and prediction batches per call of the compiled loop when no callback needs
 # each batch: one host round trip per this many batches.
 EVAL_STEPS_PER_CALL = 64
 
 
-class InferenceMixin:
-    """The evaluation and prediction methods of `EPLTrainer` (see trainer.py for the
-    attributes)."""
+class InferenceRunner:
+    """Runs evaluation and prediction through the engine. Holds no state of its own
+    between calls: the metrics are the objectives', the engine the runtime's.
+
+    Args:
+      context: the run's settings.
+      runtime: the engine (built at the first batch).
+      objectives: the loss and metrics evaluated, and their logs.
+      feeder: the inputs as batches.
+    """
+
+    def __init__(
+        self,
+        context: TrainerContext,
+        runtime: EngineRuntime,
+        objectives: Objectives,
+        feeder: DataFeeder,
+    ):
+        self._context = context
+        self._runtime = runtime
+        self._objectives = objectives
+        self._feeder = feeder
 
     def evaluate(
         self,
@@ -53,65 +76,29 @@ class InferenceMixin:
             [loss, *metrics], or the loss alone when there are no metrics; True returns
             {"loss": ..., metric: ...}.
         """
-        dataset = self._evaluation_dataset(x, y, sample_weight, batch_size, model_fn_lib.EVAL)
-        self._require_loss("evaluate")
+        dataset = self._feeder.evaluation_dataset(
+            x, y, sample_weight, batch_size, model_fn_lib.EVAL
+        )
+        self._objectives.require_loss("evaluate")
         dataset = fit_inputs.at_most(dataset, steps)
         verbose = fit_inputs.verbosity(verbose)
         callback_list = fit_inputs.callback_list(
-            callbacks, self.model, verbose, steps=fit_inputs.num_batches(dataset)
+            callbacks, self._context.model, verbose, steps=fit_inputs.num_batches(dataset)
         )
-        logs = self._evaluate_dataset(dataset, callback_list)
-        return self._returned_logs(logs, return_dict)
+        logs = self.evaluate_dataset(dataset, callback_list)
+        return self._objectives.returned(logs, return_dict)
 
-    def _returned_logs(self, logs: dict, return_dict: bool):
-        """`logs` as Keras's evaluate / *_on_batch return them: the dict itself, or
-        [loss, *metrics] (the loss alone when there are no metrics)."""
-        if return_dict:
-            return logs
-        # Keras's order (`_flatten_metrics_in_order`): the metrics' own names, so a
-        # prefixed name (several outputs) is placed by sorting, as in Keras.
-        names = [metric.name for _, metric in self._named_metrics()]
-        return fit_inputs.flatten_logs_in_order(logs, names)
-
-    def _evaluation_dataset(self, x, y, sample_weight, batch_size, mode):
-        """This worker's evaluation batches (the model built from them first if needed)."""
-        x = self._arrays_for_model(x, y, sample_weight, mode)
-        dataset = data_lib.as_dataset(
-            x,
-            y,
-            batch_size,
-            sample_weight=sample_weight,
-            worker_index=self.data_shard,
-            worker_num=self.data_shards,
-            preprocessing=pipeline_models.preprocessing(self.model),
-        )
-        return self._labelled_for_model(dataset)
-
-    def _arrays_for_model(self, x, y, sample_weight, mode):
-        """`x` as the model takes it; a model that waits for data is built from it first."""
-        x = model_inputs.python_source_dataset(x)
-        if self._waits_for_data:
-            self._build_from_data(data_lib.spec_probe(x, y, None, None, sample_weight), mode)
-        return model_inputs.arrays_for_model(self.model, x)
-
-    def _labelled_for_model(self, dataset):
-        """Batches of `(x, y[, sample_weight])` fitted to the model's inputs, with the loss
-        and metrics built from their shapes (at the first data)."""
-        dataset = model_inputs.fitted_to_model(dataset, self.model, with_labels=True)
-        self._build_objectives(dataset.element_spec)
-        return dataset
-
-    def _evaluate_dataset(self, dataset, callbacks) -> dict:
+    def evaluate_dataset(self, dataset, callbacks) -> dict:
         """Evaluates `dataset` with `callbacks` (evaluate's own, or fit's for validation)."""
-        self.model.stop_evaluating = False
+        self._context.model.stop_evaluating = False
         first = next(iter(dataset.take(1)), None)  # builds the engine (and the model)
         program = None
         if first is not None:
             features = data_lib.unpack_element(first)[0]
-            program = self._ensure_engine(features)
+            program = self._runtime.ensure(features)
             size = _rows(features)
-        self._reset_metrics()
-        self._run_hook(callbacks, "on_test_begin")
+        self._objectives.reset()
+        self._runtime.run_hook(callbacks, "on_test_begin")
         batches = 0
         # A batch hook that may read or set the model's variables sees the trained ones,
         # and what it sets stays (the engine takes them back after the batches).
@@ -119,31 +106,31 @@ class InferenceMixin:
             callbacks, "test"
         )
         if hooks_see_variables:
-            self._write_back()
+            self._runtime.write_back()
         if program is not None:
 
             def run_call(iterator, count):
-                with self._lost_worker_check("an evaluation step"):
+                with self._runtime.watch("an evaluation step"):
                     ran = int(program.eval_many_on_iterator(iterator, count, size))
-                return ran, self._local_logs()
+                return ran, self._objectives.local_logs()
 
             iterator = iter(dataset)
             try:
-                batches = self._run_in_calls(dataset, iterator, 0, callbacks, "test", run_call)
+                batches = self.run_in_calls(dataset, iterator, 0, callbacks, "test", run_call)
             finally:  # deleting it can wait for tf.data's autotuning (iterators.py)
                 release(iterator)
                 del iterator
         if hooks_see_variables:
-            self._engine.load_from_model(optimizer=False)
+            self._runtime.load_from_model(optimizer=False)
         step_logs = getattr(program, "last_test_logs", None)  # a model's own test_step's
         if step_logs is not None:
             step_logs = {k: fit_inputs.log_value(v) for k, v in step_logs.items()}
-        with self._lost_worker_check("the evaluation's metric sync"):
-            logs = self._logs(step_logs)
-        if batches == 0 and self.cluster.worker_num == 1:
+        with self._runtime.watch("the evaluation's metric sync"):
+            logs = self._objectives.logs(step_logs)
+        if batches == 0 and self._context.cluster.worker_num == 1:
             # Keras's Mean reports 0 for no samples: a silent, wrong "perfect" loss.
             raise ValueError("evaluate received no data. Check the dataset, batch_size and steps.")
-        self._run_hook(callbacks, "on_test_end", logs)
+        self._runtime.run_hook(callbacks, "on_test_end", logs)
         return logs
 
     def predict(self, x, batch_size=None, verbose="auto", steps=None, callbacks=None):
@@ -160,44 +147,30 @@ class InferenceMixin:
             implement them, on_predict_batch_begin/end for every batch, with the batch's
             outputs as `logs["outputs"]`.
         """
-        x = model_inputs.python_source_dataset(x)
-        if self._waits_for_data:
-            probe = data_lib.spec_probe(x, None, None, None)
-            self._build_from_data(probe, model_fn_lib.INFER)
-        x = model_inputs.arrays_for_model(self.model, x)
-        preprocessing = pipeline_models.preprocessing(self.model)
-        if preprocessing is None and isinstance(x, tf.data.Dataset):
-            x = data_lib.features_only(x)
-        dataset = data_lib.as_dataset(x, None, batch_size, preprocessing=preprocessing)
-        if preprocessing is not None:
-            # As Keras: a batch (with its labels, if any) is preprocessed first, then its
-            # features are predicted (a causal LM's preprocessor makes labels itself).
-            dataset = data_lib.features_only(dataset)
-        dataset = fit_inputs.at_most(dataset, steps)
-        dataset = model_inputs.fitted_to_model(dataset, self.model, with_labels=False)
+        dataset = self._feeder.prediction_dataset(x, batch_size, steps)
         callback_list = fit_inputs.callback_list(
             callbacks,
-            self.model,
+            self._context.model,
             fit_inputs.verbosity(verbose),
             steps=fit_inputs.num_batches(dataset),
         )
-        self.model.stop_predicting = False
+        self._context.model.stop_predicting = False
         callback_list.on_predict_begin()
         iterator = iter(dataset)
         features = next(iterator, None)  # builds the engine (and the model)
         if features is None:
             raise ValueError("predict received no data.")
-        program = self._ensure_engine(features)
+        program = self._runtime.ensure(features)
         size = _rows(features)
         callback_list.on_predict_batch_begin(0)
         # A pipeline whose stages are on several workers sends activations between them.
-        with self._lost_worker_check("a prediction step"):
+        with self._runtime.watch("a prediction step"):
             first = program.predict_step(features)
         flat = [[np.asarray(t)] for t in tree.flatten(first)]
         callback_list.on_predict_batch_end(0, {"outputs": tree.map_structure(np.asarray, first)})
 
         def run_call(iterator, count):
-            with self._lost_worker_check("a prediction step"):
+            with self._runtime.watch("a prediction step"):
                 outputs, ran = program.predict_many_on_iterator(
                     iterator, count, size, tree.flatten(first)
                 )
@@ -206,14 +179,14 @@ class InferenceMixin:
                 pieces.append(output)
             return int(ran), {"outputs": tree.pack_sequence_as(first, outputs)}
 
-        if not self.model.stop_predicting:
-            self._run_in_calls(dataset, iterator, 1, callback_list, "predict", run_call)
+        if not self._context.model.stop_predicting:
+            self.run_in_calls(dataset, iterator, 1, callback_list, "predict", run_call)
         release(iterator)  # deleting it can wait for tf.data's autotuning (iterators.py)
         del iterator
         callback_list.on_predict_end()
         return tree.pack_sequence_as(first, [np.concatenate(pieces) for pieces in flat])
 
-    def _run_in_calls(self, dataset, iterator, begin: int, callbacks, mode: str, run_call) -> int:
+    def run_in_calls(self, dataset, iterator, begin: int, callbacks, mode: str, run_call) -> int:
         """Runs the batches left in `iterator` through `run_call(iterator, count) ->
         (batches run, batch logs)`, with the batch callbacks around each call; returns
         the index of the next batch (the batches seen).
@@ -224,7 +197,7 @@ class InferenceMixin:
         """
         per_call = EVAL_STEPS_PER_CALL
         if fit_inputs.has_batch_hooks(callbacks, mode):
-            per_call = self.steps_per_execution
+            per_call = self._context.steps_per_execution
         known = fit_inputs.num_batches(dataset)
         stop_flag = "stop_evaluating" if mode == "test" else "stop_predicting"
         batch_begin = getattr(callbacks, f"on_{mode}_batch_begin")
@@ -236,14 +209,9 @@ class InferenceMixin:
                 break
             batch_end(begin + ran - 1, logs)
             begin += ran
-            if ran < per_call or getattr(self.model, stop_flag, False):
+            if ran < per_call or getattr(self._context.model, stop_flag, False):
                 break
         return begin
-
-    def _local_logs(self) -> dict:
-        """This worker's loss and metrics so far (a batch callback's logs)."""
-        named = self._named_metrics()
-        return {name: fit_inputs.log_value(metric.result()) for name, metric in named}
 
 
 def _rows(features) -> int:

@@ -1,0 +1,51 @@
+"""Where training stands: the epochs done, the step in the epoch in progress, and the
+position in the current pass of the data. Checkpoints save it and restore it; the fit
+loop advances it; the data feeder numbers the passes over shuffled data by it."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from epl_trainer.training.data import EpochBatches
+
+
+@dataclasses.dataclass
+class TrainingProgress:
+    """Attributes:
+    epochs_done: every epoch this trainer ran (a resumed one: the job's), across `fit`
+      calls; callbacks see Keras's epoch index instead (from `initial_epoch`, each `fit`).
+    step_in_epoch: steps run in the epoch in progress.
+    batches: the current pass of the data inside `fit` (`EpochBatches`), else None.
+    resume_position: (step_in_epoch, input position) a restore left for the next fit.
+    restored: a checkpoint was restored since the last fit (the next one continues the
+      epoch count up to `epochs`).
+    """
+
+    epochs_done: int = 0
+    step_in_epoch: int = 0
+    batches: EpochBatches | None = None
+    resume_position: tuple[int, int] = (0, 0)
+    restored: bool = False
+
+    @property
+    def input_position(self) -> int:
+        """Batches taken from the current pass of the data (0 outside fit)."""
+        return 0 if self.batches is None else self.batches.position
+
+    def end_epoch(self) -> None:
+        self.epochs_done += 1
+        self.step_in_epoch = 0
+
+    def restored_from(self, manifest: dict) -> None:
+        """Takes a checkpoint's position: the next fit continues from it."""
+        self.epochs_done = manifest.get("epochs_done", 0)
+        self.step_in_epoch = manifest.get("step_in_epoch", 0)
+        self.resume_position = (self.step_in_epoch, manifest.get("input_position", 0))
+        self.restored = True
+
+    def take_resume(self) -> tuple[tuple[int, int], bool]:
+        """((first step, input position), whether a checkpoint was restored) for the fit
+        beginning now; both are consumed."""
+        position, self.resume_position = self.resume_position, (0, 0)
+        restored, self.restored = self.restored, False
+        return position, restored
