@@ -78,15 +78,7 @@ class CheckpointManager:
     def save(
         self, directory: str, keep_max: int | None = None, tag: str | None = None
     ) -> str | None:
-        """Saves engine state (weights, optimizer slots, loss scale, step, input position).
-
-        Every worker must call it (the trainer's periodic saves do): each writes the
-        entries it owns; the chief publishes once all are in and returns the path (other
-        workers return None). The `keep_max` newest `ckpt-<step>` checkpoints are kept
-        (all if None). `tag` names the folder, as DeepSpeed's `save_checkpoint(save_dir,
-        tag)` (default `ckpt-<step>`; the chief's names it); `keep_max` never deletes a
-        tagged one, and `latest` points at it as at any other.
-        """
+        """`EPLTrainer.save_checkpoint` (its docstring has the arguments)."""
         if self._runtime.engine is None:
             raise ValueError("Nothing to save yet: call fit() (or restore) first.")
         if keep_max is not None and keep_max < 1:
@@ -197,19 +189,7 @@ class CheckpointManager:
         }
 
     def restore(self, directory: str, features=None, tag: str | int | None = None) -> str:
-        """Restores a checkpoint of `directory` into every local lane; returns its path.
-
-        `tag` names the checkpoint as DeepSpeed's `load_checkpoint(load_dir, tag)` does:
-        its folder name (`"ckpt-100"`) or the step it is named after (`100`); None
-        restores the newest (`latest`). An unknown tag is a CheckpointError listing the
-        directory's tags; restoring only reads the directory.
-
-        The checkpoint may come from any layout (device or worker count, stage cut, ZeRO
-        level, split width...); each worker reads only the entries its layout needs.
-        A trainer that has not trained yet needs the model built (functional models are);
-        for subclassed models, and for an Estimator-style model_fn, pass one batch of
-        `features` to build it.
-        """
+        """`EPLTrainer.restore_checkpoint` (its docstring has the arguments)."""
         if tag is None and self._context.cluster.worker_num > 1:
             tag = self.agreed_latest(directory)  # the chief's newest, confirmed by all
             if tag is None:

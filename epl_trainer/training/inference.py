@@ -61,21 +61,7 @@ class InferenceRunner:
         callbacks=None,
         return_dict=False,
     ):
-        """The loss and metrics over the data (every worker's share), as `Model.evaluate`.
-
-        Args:
-          x, y: numpy inputs and labels, or a `tf.data.Dataset` of `(x, y)` or
-            `(x, y, sample_weight)` batches as `x` (then y=None).
-          batch_size: per-worker batch size for numpy inputs (default 32).
-          verbose: 0 (silent), 1 or "auto" (progress bar), 2.
-          sample_weight: numpy weights, one per sample (numpy inputs).
-          steps: evaluate at most this many batches.
-          callbacks: Keras callbacks; they get on_test_begin/end and, when they implement
-            them, on_test_batch_begin/end for every batch, with Keras's logs.
-          return_dict: False (the default, as Keras) returns Keras's list
-            [loss, *metrics], or the loss alone when there are no metrics; True returns
-            {"loss": ..., metric: ...}.
-        """
+        """`EPLTrainer.evaluate` (its docstring has the arguments)."""
         dataset = self._feeder.evaluation_dataset(
             x, y, sample_weight, batch_size, model_fn_lib.EVAL
         )
@@ -134,19 +120,7 @@ class InferenceRunner:
         return logs
 
     def predict(self, x, batch_size=None, verbose="auto", steps=None, callbacks=None):
-        """Model outputs for `x` (numpy, structured like the model's outputs), as
-        `Model.predict`: every worker predicts all of `x`.
-
-        Args:
-          x: numpy inputs, or a `tf.data.Dataset` of batches (of `x`, or of `(x, y)` /
-            `(x, y, sample_weight)`, whose labels and weights are ignored).
-          batch_size: batch size for numpy inputs (default 32).
-          verbose: 0 (silent), 1 or "auto" (progress bar), 2.
-          steps: predict at most this many batches.
-          callbacks: Keras callbacks; they get on_predict_begin/end and, when they
-            implement them, on_predict_batch_begin/end for every batch, with the batch's
-            outputs as `logs["outputs"]`.
-        """
+        """`EPLTrainer.predict` (its docstring has the arguments)."""
         dataset = self._feeder.prediction_dataset(x, batch_size, steps)
         callback_list = fit_inputs.callback_list(
             callbacks,

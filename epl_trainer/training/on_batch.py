@@ -65,27 +65,7 @@ class OnBatchRunner:
         self._stats = stats
 
     def train_on_batch(self, x, y=None, sample_weight=None, class_weight=None, return_dict=False):
-        """Runs one training step on one batch, as `Model.train_on_batch`.
-
-        The batch is this worker's whole batch (as one batch of `fit`): it is split over
-        the data-parallel lanes, and the optimizer's `iterations` advances by one. The
-        Keras model holds the trained weights afterwards.
-
-        Args:
-          x: the inputs: an array or tensor, or a dict / list / tuple of them.
-          y: the labels, structured as the model's outputs.
-          sample_weight: one weight per sample.
-          class_weight: {class index: weight}, for a model with one output.
-          return_dict: False (the default, as Keras) returns [loss, *metrics], or the
-            loss alone when there are no metrics; True returns {"loss": ..., metric: ...}.
-
-        Returns:
-          The loss and metrics of this batch (over every worker's batch).
-
-        Raises:
-          NonFiniteLossError: the loss or its gradients were not finite, so the step was
-            not applied (unless `optimizer.nonfinite_loss="skip"`).
-        """
+        """`EPLTrainer.train_on_batch` (its docstring has the arguments)."""
         _check_one_batch("train_on_batch", x)
         x, sample_weight = fit_inputs.with_class_weight(x, y, sample_weight, class_weight)
         dataset = self._one_batch("train_on_batch", x, y, sample_weight, model_fn_lib.TRAIN)
@@ -101,13 +81,7 @@ class OnBatchRunner:
             return self._objectives.returned(self._objectives.logs(), return_dict)
 
     def test_on_batch(self, x, y=None, sample_weight=None, return_dict=False):
-        """The loss and metrics of one batch, as `Model.test_on_batch` (`evaluate` of
-        this worker's batch alone; with several workers, over all their batches).
-
-        Args:
-          x, y, sample_weight: the batch, as in `train_on_batch`.
-          return_dict: as in `train_on_batch`.
-        """
+        """`EPLTrainer.test_on_batch` (its docstring has the arguments)."""
         _check_one_batch("test_on_batch", x)
         dataset = self._one_batch("test_on_batch", x, y, sample_weight, model_fn_lib.EVAL)
         self._objectives.require_loss("test_on_batch")
@@ -116,13 +90,7 @@ class OnBatchRunner:
         return self._objectives.returned(logs, return_dict)
 
     def predict_on_batch(self, x):
-        """The model's outputs for one batch (numpy, structured like the model's
-        outputs), as `Model.predict_on_batch`.
-
-        Args:
-          x: the inputs: an array or tensor, or a dict / list / tuple of them (a tuple
-            is the inputs, not `(x, y)`).
-        """
+        """`EPLTrainer.predict_on_batch` (its docstring has the arguments)."""
         _check_one_batch("predict_on_batch", x)
         self._runtime.load_from_model()
         self._feeder.plan_from(x, None, None, model_fn_lib.INFER)

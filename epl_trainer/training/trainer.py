@@ -251,13 +251,12 @@ class EPLTrainer:
 
     @property
     def data_shards(self) -> int:
-        """Input shards the job reads: the worker count, unless replicas span workers
-        (those workers read the same batches). A worker's batch = global batch / this."""
+        """Input shards the job reads (`TrainerContext.data_shards`)."""
         return self.context.data_shards
 
     @property
     def data_shard(self) -> int:
-        """The input shard this worker reads (`fit` and `evaluate` shard arrays by it)."""
+        """The input shard this worker reads (`TrainerContext.data_shard`)."""
         return self.context.data_shard
 
     @property
