@@ -239,7 +239,7 @@ def test_fit_on_files_needs_a_parse_fn_and_no_labels(tmp_path):
     with pytest.raises(ValueError, match="parse_fn=None, file_format='text'"):
         trainer.fit(paths, file_format="text", verbose=0)
     # Several workers: an epoch bounded by each worker's share could end unevenly.
-    trainer.cluster = dataclasses.replace(trainer.cluster, worker_num=2)
+    trainer.context.cluster = dataclasses.replace(trainer.cluster, worker_num=2)
     with pytest.raises(ValueError, match=r"needs steps_per_epoch .* worker_num=2"):
         trainer.fit(paths, parse_fn=parse_example, verbose=0)
 
