@@ -334,7 +334,8 @@ def resolve_annotation(model, strategy=None, stages=None, split=None) -> ModelAn
 def _data_form(strategy, stages, split_patterns) -> Strategy | None:
     if strategy is not None and not isinstance(strategy, Strategy | _StrategyBase):
         raise TypeError(
-            "strategy must be a Strategy, replicate(...), split(...) or None. "
+            "strategy must be a Strategy, replicate(...), split(...), a "
+            "keras.distribution.DataParallel or ModelParallel, or None. "
             f"Received: {strategy!r}"
         )
     base = Strategy(default=strategy) if isinstance(strategy, _StrategyBase) else strategy

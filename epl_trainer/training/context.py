@@ -35,6 +35,8 @@ class TrainerContext:
       jit_compile: True, False or "auto".
       params: an Estimator-style model_fn's `params`.
       deepspeed: the DeepSpeed run of a DeepSpeed config (deepspeed_run.py), or None.
+      distribution: the `keras.distribution` the run follows (keras_distribution.py), or
+        None.
       model: the Keras model; None until a model_fn is called.
       engine_plan: the planned engine (`engine.plan_engine`); None until planned.
       metric_sync: sums the metrics over workers; None with one worker.
@@ -48,6 +50,7 @@ class TrainerContext:
     jit_compile: bool | str
     params: Any = None
     deepspeed: Any = None
+    distribution: Any = None
     model: keras.Model | None = None
     engine_plan: engine.EnginePlan | None = None
     metric_sync: MetricSync | None = dataclasses.field(default=None, init=False)

@@ -18,7 +18,7 @@ from epl_trainer.annotations import strategies
 from epl_trainer.core import engine
 from epl_trainer.core.engine import ema
 from epl_trainer.core.plan import rules
-from epl_trainer.training import compiled
+from epl_trainer.training import compiled, keras_distribution
 from epl_trainer.training import data as data_lib
 from epl_trainer.training import model_fn as model_fn_lib
 from epl_trainer.training.context import TrainerContext
@@ -119,6 +119,8 @@ class ModelPlanner:
             if chosen is not None:
                 context.optimizer = keras.optimizers.get(chosen)
         context.model = model
+        if context.distribution is not None:  # Keras's layouts, checked before planning
+            keras_distribution.check_runnable(context.distribution, model)
         objectives = dict(
             loss=first(loss, spec.loss, given.get("loss")),
             metrics=first(metrics, spec.metrics, given.get("metrics")),

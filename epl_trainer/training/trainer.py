@@ -27,7 +27,7 @@ from epl_trainer.config.sections import Config
 from epl_trainer.runtime import elastic
 from epl_trainer.runtime.cluster import build_cluster
 from epl_trainer.runtime.env import Env
-from epl_trainer.training import compiled, deepspeed_run, model_setup
+from epl_trainer.training import compiled, deepspeed_run, keras_distribution, model_setup
 from epl_trainer.training.checkpoint_manager import CheckpointManager
 from epl_trainer.training.context import TrainerContext
 from epl_trainer.training.data_feeder import DataFeeder
@@ -75,7 +75,11 @@ class EPLTrainer:
         (plain `metrics` do not). Default: the compiled model's.
       loss_weights: scales each output's loss (a list or dict, as `Model.compile`).
       params: passed to an Estimator-style model_fn as its `params`.
-      strategy: `epl.Strategy(...)`, or a bare `epl.replicate(n)` / `epl.split(n)`.
+      strategy: `epl.Strategy(...)`, a bare `epl.replicate(n)` / `epl.split(n)`, or a
+        `keras.distribution.DataParallel` / `ModelParallel` (keras_distribution.py: data
+        parallelism over its mesh's devices). Without one, the distribution
+        `keras.distribution.set_distribution` set (or whose `scope()` is current) is
+        followed.
       stages: {layer-name regex: stage index}, a shortcut for `Strategy(stages=...)`.
       split: [layer-name regex], a shortcut for `Strategy(split=...)`.
       config: an `epl.Config`, a dict of dotted keys or a JSON/YAML path, whose keys go
@@ -125,6 +129,10 @@ class EPLTrainer:
         resolved = env.config if config is None else env.config.merge(Config.load(config))
         cluster = env.cluster if config is None else build_cluster(resolved.cluster)
         resolved = elastic.sized_config(resolved, cluster.worker_num)
+        distribution = keras_distribution.requested(strategy)
+        if distribution is not None:  # keras.distribution's mesh: the run's devices
+            cluster = keras_distribution.mesh_cluster(distribution, cluster)
+            strategy = None
         if isinstance(model, keras.Model) and not resolved.amp.level:
             # Keras's mixed precision (a mixed dtype policy, a LossScaleOptimizer) becomes
             # the engine's AMP with Keras's loss-scale schedule, not a silent float16 run.
@@ -145,6 +153,7 @@ class EPLTrainer:
             jit_compile=jit_compile if jit_compile in (True, False) else "auto",
             params=params,
             deepspeed=deepspeed,
+            distribution=distribution,
         )
         self.objectives = Objectives(context)
         self.planner = ModelPlanner(

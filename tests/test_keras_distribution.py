@@ -1,0 +1,156 @@
+"""Keras's distribution API (`keras.distribution`) through EPLTrainer (issue 47, first part).
+
+A `DataParallel`, or a `ModelParallel` whose layout map shards nothing, trains as data
+parallelism over the mesh's devices and equals plain Keras `fit` on one device (SGD and
+Adam, weights within 1e-6; observed <= 6e-8), whether given as `strategy=`, set with
+`set_distribution` or current in `scope()`. Layouts are Keras's own lookups; what this
+version does not train (a sharded variable, a layout of layer outputs) and what cannot
+be (an indivisible dimension, a device the worker lacks) is refused by name.
+"""
+
+import keras
+import numpy as np
+import pytest
+from _models import LOSS, keras_reference, max_weight_difference, mlp, mlp_data
+
+import epl_trainer as epl
+
+ATOL = 1e-6
+OPTIMIZERS = {"sgd": lambda: keras.optimizers.SGD(0.1), "adam": lambda: keras.optimizers.Adam(0.01)}
+BATCH, STEPS = 16, 4
+
+
+@pytest.fixture(autouse=True)
+def _no_global_distribution():
+    yield
+    keras.distribution.set_distribution(None)
+
+
+def _devices(count):
+    return keras.distribution.list_devices()[:count]
+
+
+def _fit(trainer, x, y):
+    trainer.fit(x, y, batch_size=BATCH, steps_per_epoch=STEPS, shuffle=False, verbose=0)
+
+
+def _reference(x, y, optimizer):
+    model = mlp()
+    keras_reference(model, x, y, OPTIMIZERS[optimizer](), BATCH, STEPS)
+    return model
+
+
+def _mesh(shape, names=("batch", "model")):
+    return keras.distribution.DeviceMesh(shape, names, _devices(int(np.prod(shape))))
+
+
+@pytest.mark.parametrize("optimizer", sorted(OPTIMIZERS))
+def test_data_parallel_as_strategy_equals_keras_and_our_data_parallelism(optimizer):
+    x, y = mlp_data(BATCH * STEPS)
+    reference = _reference(x, y, optimizer)
+    model = mlp()
+    distribution = keras.distribution.DataParallel(devices=_devices(2))
+    trainer = epl.EPLTrainer(model, LOSS, OPTIMIZERS[optimizer](), strategy=distribution)
+    assert trainer.plan.num_replicas == 2
+    _fit(trainer, x, y)
+    assert max_weight_difference(reference, model) < ATOL
+    ours = mlp()
+    config = {"cluster.virtual_devices": 2}
+    _fit(epl.EPLTrainer(ours, LOSS, OPTIMIZERS[optimizer](), config=config), x, y)
+    for a, b in zip(model.get_weights(), ours.get_weights()):
+        np.testing.assert_array_equal(a, b)  # the same run, bit for bit
+
+
+def test_the_distribution_set_or_in_scope_is_followed():
+    distribution = keras.distribution.DataParallel(devices=_devices(4))
+    with distribution.scope():
+        in_scope = epl.EPLTrainer(mlp(), LOSS, "sgd")
+    assert in_scope.plan.num_replicas == 4
+    keras.distribution.set_distribution(keras.distribution.DataParallel(devices=_devices(2)))
+    assert epl.EPLTrainer(mlp(), LOSS, "sgd").plan.num_replicas == 2
+    # An EPL strategy given explicitly wins over the global distribution.
+    explicit = epl.EPLTrainer(mlp(), LOSS, "sgd", strategy=epl.replicate(1))
+    assert explicit.plan.num_replicas == 1
+
+
+def test_the_meshs_devices_are_the_runs_in_its_order():
+    distribution = keras.distribution.DataParallel(devices=["cpu:3", "cpu:2"])
+    trainer = epl.EPLTrainer(mlp(), LOSS, OPTIMIZERS["sgd"](), strategy=distribution)
+    devices = [lane.devices[0] for lane in trainer.lanes]
+    assert [d.rsplit("/device:", 1)[1] for d in devices] == ["CPU:3", "CPU:2"]
+    x, y = mlp_data(BATCH * STEPS)
+    _fit(trainer, x, y)
+    reference = _reference(x, y, "sgd")
+    assert max_weight_difference(reference, trainer.model) < ATOL
+
+
+@pytest.mark.parametrize("optimizer", sorted(OPTIMIZERS))
+def test_model_parallel_that_shards_nothing_trains_as_data_parallel(optimizer):
+    """A (2, 1) mesh: the map lays the kernels out over 'model', an axis of size 1."""
+    x, y = mlp_data(BATCH * STEPS)
+    reference = _reference(x, y, optimizer)
+    layout_map = keras.distribution.LayoutMap(_mesh((2, 1)))
+    layout_map["dense_in/kernel"] = (None, "model")
+    layout_map["logits/kernel"] = ("model", None)
+    model = mlp()
+    strategy = keras.distribution.ModelParallel(layout_map=layout_map)
+    trainer = epl.EPLTrainer(model, LOSS, OPTIMIZERS[optimizer](), strategy=strategy)
+    assert trainer.plan.num_replicas == 2
+    _fit(trainer, x, y)
+    assert max_weight_difference(reference, model) < ATOL
+
+
+def test_a_sharded_layout_is_refused_by_name():
+    layout_map = keras.distribution.LayoutMap(_mesh((1, 2)))
+    layout_map["dense_in/kernel"] = (None, "model")
+    strategy = keras.distribution.ModelParallel(layout_map=layout_map)
+    with pytest.raises(ValueError, match=r"shards 1 variable\(s\).*dense_in/kernel \(6, 16\)"):
+        epl.EPLTrainer(mlp(), LOSS, "sgd", strategy=strategy)
+
+
+def test_an_indivisible_dimension_names_the_variable_shape_axis_and_size():
+    layout_map = keras.distribution.LayoutMap(_mesh((1, 2)))
+    layout_map["logits/kernel"] = (None, "model")  # 3 logits over 2 devices
+    strategy = keras.distribution.ModelParallel(layout_map=layout_map)
+    with pytest.raises(
+        ValueError,
+        match=r"'logits/kernel' of shape \(16, 3\) is laid out \(None, 'model'\): dimension 1 "
+        r"\(3\) is not divisible by mesh axis 'model' of size 2",
+    ):
+        epl.EPLTrainer(mlp(), LOSS, "sgd", strategy=strategy)
+
+
+def test_layout_map_lookups_are_keras_own():
+    layout_map = keras.distribution.LayoutMap(_mesh((2, 1)))
+    layout_map[".*_in/kernel"] = (None, "model")
+    layout_map["dense.*kernel"] = (None, "model")
+    strategy = keras.distribution.ModelParallel(layout_map=layout_map)
+    with pytest.raises(ValueError, match="matches multiple layout specification keys"):
+        epl.EPLTrainer(mlp(), LOSS, "sgd", strategy=strategy)
+    # An exact key wins over the patterns, as in Keras.
+    layout_map["dense_in/kernel"] = (None, None)
+    epl.EPLTrainer(mlp(), LOSS, "sgd", strategy=strategy)
+
+
+def test_a_layout_of_layer_outputs_is_refused():
+    layout_map = keras.distribution.LayoutMap(_mesh((2, 1)))
+    layout_map["dense_in/output"] = ("batch", None)
+    strategy = keras.distribution.ModelParallel(layout_map=layout_map)
+    with pytest.raises(ValueError, match=r"Layouts of layer outputs .*'dense_in/output'"):
+        epl.EPLTrainer(mlp(), LOSS, "sgd", strategy=strategy)
+
+
+def test_bad_meshes_and_strategies_are_named():
+    with pytest.raises(ValueError, match=r"'cpu:99' is not a device of this worker"):
+        epl.EPLTrainer(
+            mlp(), LOSS, "sgd", strategy=keras.distribution.DataParallel(devices=["cpu:99"])
+        )
+    with pytest.raises(ValueError, match="names a device twice"):
+        epl.EPLTrainer(
+            mlp(),
+            LOSS,
+            "sgd",
+            strategy=keras.distribution.DataParallel(devices=["cpu:1", "cpu:1"]),
+        )
+    with pytest.raises(TypeError, match=r"a keras\.distribution\.DataParallel or ModelParallel"):
+        epl.EPLTrainer(mlp(), LOSS, "sgd", strategy=object())
