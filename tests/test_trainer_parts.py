@@ -231,3 +231,24 @@ def test_inference_runs_batches_in_calls_with_the_batch_hooks_around_each():
     seen = trainer.inference.run_in_calls(dataset, iter(dataset), 0, callbacks, "test", run_call)
     assert seen == 7 and ran == [3, 3, 1]  # steps_per_execution batches per call
     assert calls == [("begin", 0), ("end", 2), ("begin", 3), ("end", 5), ("begin", 6), ("end", 6)]
+
+
+# ---- placement -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("zero", ["", "v2"])
+def test_placement_is_each_devices_bytes_of_model_variables(zero):
+    """Whole copies on each data-parallel device; under ZeRO v2 the pieces, half each."""
+    trainer = _trainer(config={"zero.level": zero} if zero else {})
+    with pytest.raises(ValueError, match="needs the engine"):
+        trainer.placement()
+    x, y = mlp_data(16)
+    trainer.fit(x, y, batch_size=8, verbose=0)
+    placement = trainer.placement()
+    whole = sum(int(np.prod(v.shape)) * 4 for v in trainer.model.variables)
+    assert len(placement) == 2
+    if zero:
+        assert sum(placement.values()) == whole
+        assert all(abs(held - whole / 2) <= whole * 0.1 for held in placement.values())
+    else:
+        assert list(placement.values()) == [whole, whole]

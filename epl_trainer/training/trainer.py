@@ -503,6 +503,14 @@ class EPLTrainer:
         """
         return self.checkpoints.restore(directory, features, tag)
 
+    def placement(self) -> dict[str, int]:
+        """{device: bytes of model variables it holds}: whole copies under data
+        parallelism, a stage's under pipelines, the pieces under ZeRO v2, the shards of
+        split layers (the parameters column of `memory_report`). Needs the engine (after
+        the first `fit`, or a restore)."""
+        report = self.runtime.memory_report()
+        return {device: row.parameters for device, row in report.devices.items()}
+
     def memory_report(self, print_table: bool = True):
         """Bytes of parameters, gradients and optimizer state per device (engine state).
 
