@@ -3,7 +3,8 @@
 * `keys`: instance and group keys, ordering tokens, the rank order of a group;
 * `group`: `CollectiveGroup` (all-reduce, reduce-scatter, all-gather over member devices);
 * `fusion`: gradient buckets fused into few collectives, the fp16 wire format, sparse rows;
-* `lanes`: collectives issued lane by lane by split layers;
+* `lanes`: collectives issued lane by lane by split layers, and Megatron's tensor-parallel
+  operators (`copy_to_group`, `reduce_from_group`, `scatter_to_group`, `gather_from_group`);
 * `transfer`: point-to-point transfers between stages on different workers.
 
 The names below are the package's interface; the engine uses them as `comm.<name>`.

@@ -5,6 +5,12 @@ instead runs inside one lane's forward: each lane's ops are traced separately, s
 members of one collective are created at different points of the program. They still
 meet because every lane of a group issues the same sequence of collectives: the t-th one
 of each lane uses instance key `first_key + t`.
+
+The tensor-parallel operators are Megatron-LM's (megatron/core/tensor_parallel/mappings.py):
+`copy_to_group` (f), `reduce_from_group` (g), `scatter_to_group` and `gather_from_group`. A
+column-parallel layer reads its replicated input through f, a row-parallel one returns its
+partial product through g, so a column/row pair costs one all-reduce forward (g's) and one
+backward (f's).
 """
 
 from __future__ import annotations
@@ -27,7 +33,30 @@ class LaneCollectives:
 
     `gather_rows` and `all_to_all` are differentiable (an all-gather's adjoint is a
     reduce-scatter, an all-to-all's is the all-to-all back); `reduce` is not (it is used
-    on statistics whose gradient the caller defines).
+    on statistics whose gradient the caller defines). The tensor-parallel operators
+    `copy_to_group`, `reduce_from_group`, `scatter_to_group` and `gather_from_group` are
+    differentiable as Megatron defines them: what is replicated over the members (an
+    operator's replicated input, or the value a gather or reduce returns) stands for one
+    tensor, computed alike by every member, and each member's gradient of it is its share of
+    the one loss.
+
+    Keys and the order of calls: a collective takes its instance key from a per-lane
+    counter when it is traced, and a backward collective when its gradient is traced
+    (`tape.gradient`). Members pair their t-th collectives, so every member must trace the
+    same collectives in the same order, in the forward and in the backward:
+    - the same operators on the same shapes, in the same order, in its forward;
+    - the same gradients (the same `tape.gradient` calls, in the same order, over the
+      same sources): a member that differentiates a path another does not, or twice
+      (a persistent tape asked again), shifts its keys, and the members then wait on
+      different instances, which hangs the step;
+    - every member's computation in one program (one `tf.function`): a collective only
+      completes when all its members run;
+    - new `LaneCollectives` for each trace (as `SplitRuntime.begin_trace` makes): the
+      counter is Python state, so a function traced again (its first trace creating the
+      ordering-token variables is one such) would go on from the keys the last trace took.
+    Floating inputs are differentiated, integer ones are not (their operators are the
+    forward alone). bfloat16 is reduced natively: CollectiveReduceV2 has a CPU kernel for
+    it (TF 2.21); gathers carry it bit-cast as float16 (no bfloat16 gather kernel).
     """
 
     def __init__(self, group: CollectiveGroup, first_key: int, limit: int = KEYS_PER_LANE_GROUP):
@@ -139,9 +168,155 @@ class LaneCollectives:
         if self.size == 1:
             return x
         with tf.device(self.device):
-            return tf.raw_ops.CollectiveReduceV2(
-                input=tf.stop_gradient(x),
-                merge_op="Add" if op == "sum" else "Max",
-                final_op="Id",
-                **self._common(),
+            return self._all_reduce(tf.stop_gradient(x), "Add" if op == "sum" else "Max")
+
+    # ---- Megatron's tensor-parallel operators ----------------------------------------------
+
+    def copy_to_group(self, x):
+        """Megatron's f: `x` itself; its gradient is the upstream summed over the members.
+
+        For a replicated `x` read by each member's shard of a column-parallel layer: each
+        member's upstream is its shard's part of d loss / d x. Call it once per tensor and
+        reuse the result: consumers of one result (query, key and value of one input) have
+        their gradients summed by the tape before f's, so they share one all-reduce.
+        """
+        if self.size == 1 or not x.dtype.is_floating:
+            return x
+
+        @tf.custom_gradient
+        def copy(value):
+            with tf.device(self.device):
+                out = tf.identity(value)
+            return out, lambda upstream: self._all_reduce(upstream)
+
+        return copy(x)
+
+    def reduce_from_group(self, x):
+        """Megatron's g: `x` summed over the members; its gradient is the upstream itself.
+
+        For the partial products of a row-parallel layer: the sum is replicated, so every
+        member's upstream is the whole gradient of each partial product.
+        """
+        if self.size == 1:
+            return x
+        if not x.dtype.is_floating:
+            return self._all_reduce(x)
+
+        @tf.custom_gradient
+        def reduce(value):
+            def grad(upstream):
+                with tf.device(self.device):
+                    return tf.identity(upstream)
+
+            return self._all_reduce(value), grad
+
+        return reduce(x)
+
+    def scatter_to_group(self, x, axis: int):
+        """This member's slice of `axis` (rank r keeps chunk r of `size` equal chunks).
+
+        Gradient: the members' upstream slices gathered along `axis` in rank order, i.e.
+        d loss / d x of a replicated `x` of which each member used its own slice.
+
+        Raises:
+          ValueError: `x`'s rank is unknown, `axis` is out of its range, or its length does
+            not divide by the group size (a length unknown until run time is checked then).
+        """
+        axis = self._dimension("scatter_to_group", x, axis)
+        length = x.shape[axis]
+        if length is not None and length % self.size:
+            raise ValueError(
+                f"scatter_to_group needs the length of axis {axis} to divide by the group "
+                f"size. Received: shape {x.shape}, axis={axis}, group_size={self.size}"
             )
+        if self.size == 1:
+            return x
+        if length is None:
+            x = self._check_divides(x, axis)
+        if not x.dtype.is_floating:
+            return self._own_slice(x, axis, self._length(x, axis) // self.size)
+
+        @tf.custom_gradient
+        def scatter(value):
+            out = self._own_slice(value, axis, self._length(value, axis) // self.size)
+            return out, lambda upstream: self._gather_along(upstream, axis)
+
+        return scatter(x)
+
+    def gather_from_group(self, x, axis: int):
+        """Every member's `x` concatenated along `axis` in rank order.
+
+        Gradient: this member's slice of the upstream along `axis`: the gathered value is
+        replicated, so each member's upstream is the whole gradient of it.
+
+        Raises:
+          ValueError: `x`'s rank is unknown or `axis` is out of its range.
+        """
+        axis = self._dimension("gather_from_group", x, axis)
+        if self.size == 1:
+            return x
+        if not x.dtype.is_floating:
+            return self._gather_along(x, axis)
+
+        @tf.custom_gradient
+        def gather(value):
+            def grad(upstream):
+                return self._own_slice(upstream, axis, self._length(value, axis))
+
+            return self._gather_along(value, axis), grad
+
+        return gather(x)
+
+    def _all_reduce(self, x, merge_op: str = "Add"):
+        with tf.device(self.device):
+            return tf.raw_ops.CollectiveReduceV2(
+                input=x, merge_op=merge_op, final_op="Id", **self._common()
+            )
+
+    def _gather_along(self, x, axis: int):
+        with tf.device(self.device):
+            # CollectiveGatherV2 concatenates on axis 0: stack the members on a new leading
+            # axis, move it just before `axis` and merge the two.
+            stacked = self._gather(x[tf.newaxis])
+            rank = x.shape.rank
+            if axis:
+                order = [*range(1, axis + 1), 0, *range(axis + 1, rank + 1)]
+                stacked = tf.transpose(stacked, order)
+            lengths = [self._length(x, dim) for dim in range(rank)]
+            lengths[axis] = lengths[axis] * self.size
+            return tf.reshape(stacked, lengths)
+
+    def _own_slice(self, x, axis: int, chunk):
+        rank = x.shape.rank
+        begin, lengths = [0] * rank, [-1] * rank
+        begin[axis], lengths[axis] = self.rank * chunk, chunk
+        with tf.device(self.device):
+            return tf.slice(x, begin, lengths)
+
+    def _check_divides(self, x, axis: int):
+        with tf.device(self.device):
+            check = tf.debugging.assert_equal(
+                tf.shape(x)[axis] % self.size,
+                0,
+                message=f"scatter_to_group needs the length of axis {axis} to divide by the "
+                f"group size. Received: shape {x.shape}, axis={axis}, group_size={self.size}",
+            )
+            with tf.control_dependencies([check]):
+                return tf.identity(x)
+
+    @staticmethod
+    def _length(x, dim: int):
+        """The static length of `dim` if known, else the run-time one."""
+        return x.shape[dim] if x.shape[dim] is not None else tf.shape(x)[dim]
+
+    @staticmethod
+    def _dimension(name: str, x, axis: int) -> int:
+        rank = x.shape.rank
+        if rank is None:
+            raise ValueError(f"{name} needs a tensor of known rank. Received: shape {x.shape}")
+        if not -rank <= axis < rank:
+            raise ValueError(
+                f"{name}: axis {axis} is out of range for a tensor of rank {rank}. "
+                f"Received: shape {x.shape}, axis={axis}"
+            )
+        return axis % rank
