@@ -341,3 +341,86 @@ def test_plan_summary_names_the_colocated_split():
     trainer = split_trainer(head_model(), 2)
     summary = trainer.plan.summary()
     assert "split layers are sharded" in summary and "Pipeline:" not in summary
+
+
+# ---- Megatron pairs: two split Dense layers, the second on the first's output -----------
+
+
+def pair_model(seed=0):
+    keras.utils.set_random_seed(seed)
+    inputs = keras.Input((6,), name="x")
+    h = keras.layers.Dense(16, activation="relu", name="up")(inputs)
+    h = keras.layers.Dense(8, activation="tanh", name="down")(h)
+    return keras.Model(inputs, keras.layers.Dense(3, name="logits")(h))
+
+
+def pair_trainer(model, devices, width, **config):
+    return epl.EPLTrainer(
+        model,
+        LOSS,
+        keras.optimizers.SGD(0.1),
+        strategy=epl.Strategy(default=epl.replicate(width), split=["up", "down"]),
+        config={"cluster.virtual_devices": devices, **COLOCATE, **config},
+    )
+
+
+@pytest.mark.combines("split+data_parallel")
+def test_a_split_megatron_pair_matches_keras_and_holds_column_and_row_shards():
+    x, y = data(classes=3)
+    reference = pair_model()
+    keras_reference(reference, x, y, keras.optimizers.SGD(0.1), batch_size=16, steps=3)
+    model = pair_model()
+    trainer = pair_trainer(model, devices=4, width=2)  # 2 replicas of a 2-way pair
+    trainer.fit(x, y, batch_size=16, steps_per_epoch=3, verbose=0, shuffle=False)
+    assert max_weight_difference(reference, model) < ATOL
+    state = trainer.engine.state
+    index = {id(v): i for i, v in enumerate(state.model_trainable)}
+    up, down = model.get_layer("up"), model.get_layer("down")
+    shapes = [tuple(state.trainable[0][index[id(v)]].shape) for v in (up.kernel, up.bias)]
+    assert shapes == [(6, 8), (8,)]  # by output column
+    assert tuple(state.trainable[0][index[id(down.kernel)]].shape) == (8, 8)  # by input row
+    assert tuple(state.trainable[0][index[id(down.bias)]].shape) == (8,)  # whole
+
+
+def test_a_megatron_pair_sends_one_gather_and_one_reduce_scatter_of_rows_each_way():
+    """Per lane and step (one micro-batch): the rows gathered into the pair and the
+    partial sums reduce-scattered out of it forward; the adjoint of the reduce-scatter
+    (an all-gather) backward, and of the gather (an all-to-all) where the pair's input
+    needs a gradient. Nothing else of the pair crosses devices; the weights'
+    data-parallel reduction is separate (all-reduces)."""
+    from test_comm_options import all_ops
+
+    x, y = data(classes=3)
+    trainer = pair_trainer(pair_model(), devices=2, width=2)
+    trainer.fit(x, y, batch_size=16, steps_per_epoch=1, verbose=0, shuffle=False)
+    dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(16, drop_remainder=True)
+    graph = trainer.engine.program.train_on_iterator.get_concrete_function(iter(dataset)).graph
+    lane_ops = [
+        op
+        for op in all_ops(graph)
+        if op.type in ("CollectiveGatherV2", "CollectiveAllToAllV2") and op.device.endswith("CPU:1")
+    ]
+    kinds = sorted((op.type, op.inputs[0].shape[-1]) for op in lane_ops)
+    assert kinds == [
+        ("CollectiveAllToAllV2", None),  # forward: the partial sums' reduce-scatter (flat)
+        ("CollectiveGatherV2", 6),  # forward: the rows into the pair (6 features)
+        ("CollectiveGatherV2", 8),  # backward: the pair's output gradients (8 units)
+    ]  # no backward all-to-all: the pair reads the model's input, which needs no gradient
+
+
+def test_a_tensor_parallel_checkpoint_restores_into_data_parallelism(tmp_path):
+    """2 steps tensor parallel, saved; restored into 2 data-parallel devices, 2 more
+    steps: the weights of 4 uninterrupted Keras steps."""
+    x, y = data(classes=3)
+    reference = pair_model()
+    keras_reference(reference, x, y, keras.optimizers.SGD(0.1), batch_size=16, steps=4)
+    first = pair_trainer(pair_model(), devices=4, width=2)
+    first.fit(x[:32], y[:32], batch_size=16, verbose=0, shuffle=False)
+    first.save_checkpoint(str(tmp_path))
+    model = pair_model(seed=5)  # other initial weights: the checkpoint's replace them
+    second = epl.EPLTrainer(
+        model, LOSS, keras.optimizers.SGD(0.1), config={"cluster.virtual_devices": 2}
+    )
+    second.restore_checkpoint(str(tmp_path))
+    second.fit(x[32:64], y[32:64], batch_size=16, verbose=0, shuffle=False)
+    assert max_weight_difference(reference, model) < ATOL

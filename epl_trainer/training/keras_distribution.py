@@ -16,11 +16,19 @@ lays out the run.
   sharded dimension divisible by its mesh axis (else an error naming the variable, its
   shape, the axis and its size).
 
-What runs in this version: data parallelism over every mesh device, whenever no variable
-is sharded (a `DataParallel`; a `ModelParallel` whose map shards nothing, such as a model
-axis of size 1). Every device then computes the same step Keras's `DataParallel` does: the
-mean gradient of the global batch. A layout that shards a variable over an axis of size > 1
-(tensor parallelism, or storage sharded over the batch axis) and a layout of layer
+What runs in this version:
+
+- data parallelism over every mesh device, whenever no variable is sharded (a
+  `DataParallel`; a `ModelParallel` whose map shards nothing, such as a model axis of
+  size 1): every device computes the step Keras's `DataParallel` does, the mean gradient
+  of the global batch;
+- tensor parallelism where the layouts make Megatron pairs of Dense layers (the first
+  laid out `(None, "model")`, its bias `("model",)`, read only by the second, laid out
+  `("model", None)`): the pairs run as `epl.split`'s column -> row pairs over the model
+  axis (split/layers.py), every device of a model-axis group one lane, the batch axis the
+  replicas.
+
+Other sharded layouts (over the batch axis, of other layers) and layouts of layer
 outputs are refused by name rather than trained replicated.
 """
 
@@ -32,6 +40,8 @@ import re
 import keras
 import numpy as np
 import tensorflow as tf
+
+from epl_trainer.core.engine import split
 
 _DEVICE = re.compile(r"(?:.*/device:)?(?P<type>[A-Za-z]+):(?P<index>\d+)")
 
@@ -138,25 +148,107 @@ def output_layouts(distribution, model) -> dict[str, object]:
     return found
 
 
-def check_runnable(distribution, model) -> None:
-    """Raises a ValueError naming what this version does not train: a variable sharded
-    over a mesh axis of size > 1, or a layout of layer outputs."""
-    layouts = variable_layouts(distribution, model)
-    sharded = [f"{v.path} {v.shape} as {v.axes}" for v in layouts if v.sharded]
-    mesh = distribution.device_mesh
-    if sharded:
-        raise ValueError(
-            f"{type(distribution).__name__} on mesh {dict(zip(mesh.axis_names, mesh.shape))} "
-            f"shards {len(sharded)} variable(s) over an axis of size > 1: "
-            f"{sharded[:6]}{' ...' if len(sharded) > 6 else ''}. EPLTrainer trains Keras "
-            "distributions whose variables are replicated (DataParallel, or a layout map that "
-            "shards nothing) in this version; tensor parallelism of a layout map is not "
-            "built yet (epl.split splits a classifier and MoE experts)."
-        )
+@dataclasses.dataclass(frozen=True)
+class TensorParallel:
+    """What a layout map's sharded variables run as: Megatron pairs of split Dense layers
+    (`epl.split`'s column-then-row pairs, split/layers.py) over the model axis.
+
+    Attributes:
+      width: the model axis's size (the lanes of one tensor-parallel group).
+      layers: the names of the pairs' Dense layers (split patterns).
+    """
+
+    width: int
+    layers: tuple[str, ...]
+
+
+def plan(distribution, model) -> TensorParallel | None:
+    """How the run follows `distribution`: None for data parallelism over every mesh
+    device (no variable is sharded), else the tensor-parallel pairs its layouts give.
+
+    Raises:
+      ValueError: a layout this version does not train, naming it: a sharding over the
+        batch axis, of a variable outside a Dense column -> row pair, a pair's first
+        layer's bias not sharded with its kernel, or a layout of layer outputs.
+    """
+    layouts = {v.path: v for v in variable_layouts(distribution, model)}
     outputs = output_layouts(distribution, model)
     if outputs:
         raise ValueError(
             "Layouts of layer outputs are not applied on TensorFlow (Keras's Layer relayouts "
             f"them with the backend's distribute_tensor, which TensorFlow lacks). Received: "
             f"{outputs}"
+        )
+    sharded = {path: v for path, v in layouts.items() if v.sharded}
+    if not sharded:
+        return None
+    mesh = distribution.device_mesh
+    sizes = dict(zip(mesh.axis_names, mesh.shape))
+    batch = distribution.batch_dim_name
+    over_batch = [_named(v) for v in sharded.values() if any(v.axes[d] == batch for d in v.sharded)]
+    if over_batch:
+        raise ValueError(
+            f"Variables sharded over the batch axis {batch!r} (storage split across the "
+            f"data-parallel lanes) are not trained in this version: {over_batch[:6]}. Lay "
+            "them out over the model axis only, or use zero.level='v2' for sharded storage."
+        )
+    model_axes = {v.axes[d] for v in sharded.values() for d in v.sharded}
+    if len(model_axes) > 1:
+        raise ValueError(
+            f"Variables are sharded over several model axes {sorted(model_axes)}; one tensor-"
+            "parallel axis is trained in this version."
+        )
+    (axis,) = model_axes
+    roles = _pair_roles(model, layouts, axis)
+    unexplained = sorted(set(sharded) - set(roles))
+    if unexplained:
+        raise ValueError(
+            f"{type(distribution).__name__} shards {[_named(sharded[p]) for p in unexplained]}"
+            f" over {axis!r} of size {sizes[axis]}: in this version a sharded layout trains "
+            "when it makes Megatron pairs of Dense layers, a layer laid out (None, "
+            f"{axis!r}) (its bias ({axis!r},)) whose output only a layer laid out "
+            f"({axis!r}, None) reads; other layouts are not built yet."
+        )
+    names = tuple(dict.fromkeys(layer for layer, _ in roles.values()))
+    _check_pairs(model, names, {layer: role for layer, role in roles.values()})
+    return TensorParallel(sizes[axis], names)
+
+
+def _named(layout: VariableLayout) -> str:
+    return f"{layout.path} {layout.shape} as {layout.axes}"
+
+
+def _pair_roles(model, layouts, axis) -> dict[str, tuple[str, str]]:
+    """{variable path: (Dense layer name, "column" | "row")} of the Dense layers whose
+    layouts make a Megatron pair's member."""
+    roles = {}
+    for layer in model._flatten_layers(include_self=False):
+        if not isinstance(layer, keras.layers.Dense):
+            continue
+        kernel = layouts[layer.kernel.path].axes
+        bias = layouts[layer.bias.path].axes if layer.use_bias else None
+        if kernel == (None, axis) and bias in (None, (axis,)):
+            role = "column"
+        elif kernel == (axis, None) and bias in (None, (None,)):
+            role = "row"
+        else:
+            continue
+        roles[layer.kernel.path] = (layer.name, role)
+        if bias is not None and role == "column":
+            roles[layer.bias.path] = (layer.name, role)
+    return roles
+
+
+def _check_pairs(model, names, role_of) -> None:
+    """Every column layer feeds its row layer directly (split/layers.py's pairs)."""
+    by_name = {layer.name: layer for layer in model._flatten_layers(include_self=False)}
+    pairs = split.megatron_pairs([by_name[name] for name in names])
+    found = {column.name: "column" for column, _ in pairs}
+    found.update({row.name: "row" for _, row in pairs})
+    wrong = [name for name in names if found.get(name) != role_of[name]]
+    if wrong:
+        raise ValueError(
+            f"Dense layers {wrong} are laid out as a Megatron pair's "
+            f"{[role_of[n] for n in wrong]} but do not make one: a pair is a column layer "
+            "whose output only the row layer reads, called once each."
         )

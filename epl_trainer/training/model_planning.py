@@ -10,11 +10,14 @@ the parallel annotation, and the engine plan, into the trainer's context.
 
 from __future__ import annotations
 
+import re
+
 import keras
 import tensorflow as tf
 from keras import tree
 
 from epl_trainer.annotations import strategies
+from epl_trainer.annotations.strategies import Strategy, replicate
 from epl_trainer.core import engine
 from epl_trainer.core.engine import ema
 from epl_trainer.core.plan import rules
@@ -119,8 +122,8 @@ class ModelPlanner:
             if chosen is not None:
                 context.optimizer = keras.optimizers.get(chosen)
         context.model = model
-        if context.distribution is not None:  # Keras's layouts, checked before planning
-            keras_distribution.check_runnable(context.distribution, model)
+        if context.distribution is not None:  # Keras's layouts: data or tensor parallel
+            strategy = self._tensor_parallel_strategy(model, strategy)
         objectives = dict(
             loss=first(loss, spec.loss, given.get("loss")),
             metrics=first(metrics, spec.metrics, given.get("metrics")),
@@ -159,6 +162,18 @@ class ModelPlanner:
         if ema.uses_ema(optimizer):
             rules.check_ema(context.config.zero)
         self._take_start_state()  # worker 0's values (start_state.py)
+
+    def _tensor_parallel_strategy(self, model, strategy):
+        """`strategy` (None: data parallelism over the mesh), or the split Strategy of the
+        Megatron pairs a Keras layout map makes (keras_distribution.py); the split's
+        lanes then share the devices of the replicated layers."""
+        context = self._context
+        tensor_parallel = keras_distribution.plan(context.distribution, model)
+        if tensor_parallel is None:
+            return strategy
+        context.config = context.config.replace({"cluster.colocate_split_and_replicate": True})
+        patterns = [re.escape(name) for name in tensor_parallel.layers]
+        return Strategy(default=replicate(tensor_parallel.width), split=patterns)
 
 
 def needs_data_to_build(model) -> bool:

@@ -134,6 +134,38 @@ class LaneCollectives:
 
         return gather(x)
 
+    def reduce_scatter_rows(self, x):
+        """The members' `x` (the same shape, axis 0 = every member's rows in rank order)
+        summed, and this member's rows of the sum: `gather_rows`'s adjoint.
+
+        Gradient: every member's upstream rows stacked in rank order (an all-gather).
+        """
+        if self.size == 1:
+            return x
+        if x.shape[0] is not None and x.shape[0] % self.size:
+            raise ValueError(
+                f"reduce_scatter_rows needs axis 0 divisible by the group size. Received: "
+                f"shape {x.shape}, group_size={self.size}"
+            )
+
+        def scatter(value):
+            received = self._exchange(value)  # chunk m: member m's partial of my rows
+            rows = tf.reshape(received, [self.size, -1, *value.shape[1:]])
+            return tf.reduce_sum(rows, axis=0)
+
+        @tf.custom_gradient
+        def reduce_scatter(value):
+            with tf.device(self.device):
+                out = scatter(value)
+
+            def grad(upstream):
+                with tf.device(self.device):
+                    return self._gather(upstream)
+
+            return out, grad
+
+        return reduce_scatter(x)
+
     def all_to_all(self, x):
         """Chunk r of axis 0 goes to the member of rank r; received chunks are stacked by
         the sender's rank. Its own adjoint."""

@@ -14,6 +14,16 @@ traced, by distributed implementations that read only the lane's shard:
   argmax (`sharded_argmax`).
 * **Mixture of experts** (`epl_trainer.layers.MoE`): experts are sharded, routing stays
   local, and tokens travel to their expert's lane and back by all-to-all (`moe_call`).
+* **Megatron pair** (two split Dense layers, the second called on the first's output: an
+  MLP's up and down projections): the first is column-parallel (kernel and bias sharded
+  by output column), the second row-parallel (kernel sharded by input row, bias whole).
+  Each lane all-gathers the replica's rows into the pair, computes its slice of the
+  hidden units for every row (with the first layer's activation, element-wise), then its
+  partial sum of the second layer's outputs; a reduce-scatter sums the partials and
+  hands each lane its own rows, to which the whole bias and activation are applied. Per
+  pair and micro-batch that is one all-gather and one reduce-scatter of the rows forward,
+  the same backward (their adjoints): the bytes of Megatron-LM's one all-reduce each
+  way, with each lane keeping its own rows between pairs (sequence-parallel style).
 
 Every other layer inside a split scope runs replicated on the lane's own rows.
 
@@ -65,7 +75,7 @@ class SplitLayer:
     """One layer replaced by its distributed implementation."""
 
     layer: keras.layers.Layer
-    kind: str  # "dense" (sharded classifier) or "moe"
+    kind: str  # "dense" (sharded classifier), "column" / "row" (a Megatron pair) or "moe"
     variables: tuple[ShardedVariable, ...]
     output_index: int | None = None  # dense: which flat model output it produces
     softmax: bool = False  # dense: the layer applies softmax (fused into the loss)
@@ -87,8 +97,14 @@ def find_split_layers(model, node_taskgraph, taskgraphs, width: int) -> list[Spl
         if tg in split_tgs and isinstance(node.operation, keras.layers.Layer):
             layers.setdefault(id(node.operation), node.operation)
     index_of = {id(v): i for i, v in enumerate(model.trainable_variables)}
+    pairs = megatron_pairs(list(layers.values()))
+    paired = {id(layer) for pair in pairs for layer in pair}
     found = []
+    for column, row in pairs:
+        found += [_column_layer(column, index_of, width), _row_layer(row, index_of, width)]
     for layer in layers.values():
+        if id(layer) in paired:
+            continue
         if is_moe(layer):
             found.append(_moe_layer(layer, index_of, width))
         elif isinstance(layer, keras.layers.Dense):
@@ -133,6 +149,68 @@ def _dense_layer(model, layer, index_of, width) -> SplitLayer:
     if layer.use_bias:
         variables.append(ShardedVariable(index_of[id(layer.bias)], 0, width))
     return SplitLayer(layer, "dense", tuple(variables), position, name == "softmax")
+
+
+def megatron_pairs(layers) -> list[tuple]:
+    """[(column Dense, row Dense)] among the split layers: a Dense called once, on the
+    output of another split Dense called once, which nothing else reads."""
+    dense = {id(layer): layer for layer in layers if isinstance(layer, keras.layers.Dense)}
+    pairs = []
+    for row in dense.values():
+        if len(row._inbound_nodes) != 1:
+            continue
+        (source,) = row._inbound_nodes[0].input_tensors or (None,)
+        history = getattr(source, "_keras_history", None)
+        column = history.operation if history is not None else None
+        if column is None or id(column) not in dense or column is row:
+            continue
+        if len(column._inbound_nodes) != 1 or len(column._outbound_nodes) != 1:
+            raise SplitError(
+                f"split Dense {column.name!r} feeds split Dense {row.name!r} (a Megatron "
+                "pair) but is called more than once or read by other layers too; a pair's "
+                "first layer must be called once and read only by the second."
+            )
+        pairs.append((column, row))
+    columns = [column for column, _ in pairs]
+    rows = [row for _, row in pairs]
+    chained = [layer.name for layer in columns if layer in rows]
+    if chained:
+        raise SplitError(
+            f"split Dense {chained} would be the second layer of one Megatron pair and the "
+            "first of another; split the layers in pairs (up, down)."
+        )
+    return pairs
+
+
+def _pair_activation(layer) -> str:
+    activation = keras.activations.serialize(layer.activation)
+    return activation if isinstance(activation, str) else activation.get("config", activation)
+
+
+def _column_layer(layer, index_of, width) -> SplitLayer:
+    if len(layer.kernel.shape) != 2:
+        raise SplitError(f"split Dense {layer.name!r} needs 2-D kernels.")
+    units = layer.kernel.shape[1]
+    if units % width:
+        raise SplitError(
+            f"split Dense {layer.name!r} (the first of a Megatron pair) has units={units}, "
+            f"which the {width} devices of a replica cannot share evenly."
+        )
+    if _pair_activation(layer) == "softmax":
+        raise SplitError(
+            f"split Dense {layer.name!r} (the first of a Megatron pair) has a softmax "
+            "activation, which reads every unit; pairs need an element-wise activation."
+        )
+    variables = [ShardedVariable(index_of[id(layer.kernel)], 1, width)]
+    if layer.use_bias:
+        variables.append(ShardedVariable(index_of[id(layer.bias)], 0, width))
+    return SplitLayer(layer, "column", tuple(variables))
+
+
+def _row_layer(layer, index_of, width) -> SplitLayer:
+    if len(layer.kernel.shape) != 2:
+        raise SplitError(f"split Dense {layer.name!r} needs 2-D kernels.")
+    return SplitLayer(layer, "row", (ShardedVariable(index_of[id(layer.kernel)], 0, width),))
 
 
 def _moe_layer(layer, index_of, width) -> SplitLayer:
@@ -257,12 +335,19 @@ def split_stage_call(model, runtime: SplitRuntime, training_kwargs):
 
 @contextlib.contextmanager
 def _replaced_calls(runtime, sharded_values, lane_comm, training):
-    replaced = []
+    replaced, specs = [], []
     try:
         for split in runtime.layers:
+            if split.kind == "row":  # its input is this lane's slice of the hidden units
+                specs.append((split.layer, split.layer.input_spec))
+                object.__setattr__(split.layer, "input_spec", None)
             shards = [sharded_values[sv.index] for sv in split.variables]
             if split.kind == "dense":
                 fn = _dense_call(shards, lane_comm)
+            elif split.kind == "column":
+                fn = _column_call(split.layer, shards, lane_comm)
+            elif split.kind == "row":
+                fn = _row_call(split.layer, shards, lane_comm)
             else:
                 fn = _moe_call(split.layer, shards, lane_comm)
             object.__setattr__(split.layer, "call", fn)
@@ -271,6 +356,8 @@ def _replaced_calls(runtime, sharded_values, lane_comm, training):
     finally:
         for layer in replaced:
             object.__delattr__(layer, "call")
+        for layer, spec in specs:
+            object.__setattr__(layer, "input_spec", spec)
 
 
 def _dense_call(shards, lane_comm):
@@ -283,6 +370,38 @@ def _dense_call(shards, lane_comm):
         if bias is not None:
             logits = logits + tf.cast(bias, logits.dtype)
         return logits  # softmax, if any, is fused into the sharded cross-entropy
+
+    return call
+
+
+def _column_call(layer, shards, lane_comm):
+    """The first layer of a Megatron pair: this lane's hidden units for every row of the
+    replica (rows gathered in rank order)."""
+    kernel = shards[0]
+    bias = shards[1] if len(shards) > 1 else None
+
+    def call(inputs, training=None):
+        rows = lane_comm.gather_rows(inputs)
+        hidden = tf.matmul(rows, tf.cast(kernel, rows.dtype))
+        if bias is not None:
+            hidden = hidden + tf.cast(bias, hidden.dtype)
+        return layer.activation(hidden)
+
+    return call
+
+
+def _row_call(layer, shards, lane_comm):
+    """The second layer of a Megatron pair: the partial sums of this lane's hidden units,
+    summed over the lanes and scattered back to each lane's own rows; then the whole
+    bias and the activation (after the sum, as Megatron adds the bias)."""
+    kernel = shards[0]
+
+    def call(inputs, training=None):
+        partial = tf.matmul(inputs, tf.cast(kernel, inputs.dtype))
+        outputs = lane_comm.reduce_scatter_rows(partial)
+        if layer.use_bias:
+            outputs = outputs + tf.cast(layer.bias.value, outputs.dtype)
+        return layer.activation(outputs)
 
     return call
 
