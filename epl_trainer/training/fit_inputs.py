@@ -329,8 +329,8 @@ _ANNOUNCED_PER_STEP_WRITE_BACK: set = set()
 
 
 def _say_why_weights_go_back_per_step(callback_class) -> None:
-    # Measured: with a replica's stages on 2 workers, a timing callback without the
-    # attribute made each step 263 ms instead of 155 (docs/reference/semantics.md).
+    # A write-back per step exchanges the weights when a replica's stages live on
+    # several workers, which costs each step much (docs/benchmarks.md#write-back-per-step).
     if callback_class in _ANNOUNCED_PER_STEP_WRITE_BACK:
         return
     _ANNOUNCED_PER_STEP_WRITE_BACK.add(callback_class)

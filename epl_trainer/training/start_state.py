@@ -1,8 +1,8 @@
 """Every worker starts from worker 0's state: weights, non-trainable state, optimizer.
 
 Each worker process builds its own Keras model; without a seed each draws its own random
-initialisation, and data-parallel workers then train different models (measured on two
-workers: weights 0.75-0.80 apart after one epoch). So worker 0 broadcasts its Keras
+initialisation, and data-parallel workers then train different models
+(docs/benchmarks.md#unseeded-workers). So worker 0 broadcasts its Keras
 model's variables (trainable, non-trainable such as BatchNorm statistics, seed states)
 and the user's optimizer's variables (iterations, learning rate, slots if it was built;
 a LossScaleOptimizer's loss scale) to every worker, before the engine copies the model

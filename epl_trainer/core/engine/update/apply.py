@@ -2,18 +2,12 @@
 
 Keras 3 optimizers update each variable with a handful of separate ops (Adam: about ten
 per variable), each a full pass over memory. Compiled with XLA, those ops fuse into one
-loop per variable. Measured on this machine, for one update of 25M float32 parameters,
-Keras's Adam took 67-79 ms as separate ops and 21-24 ms compiled; TF's fused
-`ResourceApplyAdam` took 20.5 ms (bench/optim.py has the figures for each optimizer).
-
-XLA's compile costs 0.2-2.5 s per update on this CPU, and a compiled update gains only
-where the arrays are large. Adam on one device, first call and steady step as plain
-ops / compiled (`python bench/optim.py --sweep`): 100K parameters in 8 variables
-0.54 / 0.75 s, 2.31 / 2.18 ms (repaid after ~1,700 steps); 1M in 8 variables
-6.25 / 4.11 ms (168 steps); 1M in 64 variables 10.5 / 8.4 ms (682 steps); 16M in 64
-variables 92 / 31 ms (48 steps). So "auto" compiles an update of at least
-`AUTO_MIN_ELEMENTS` (1M) parameters; smaller ones (a small model's, or a ZeRO shard of
-one) run as plain ops, where a short run never repays the compile.
+loop per variable, about three times faster on large arrays. XLA's compile costs a
+fraction of a second to seconds per update, and a compiled update gains only where the
+arrays are large, so "auto" compiles an update of at least `AUTO_MIN_ELEMENTS` (1M)
+parameters; smaller ones (a small model's, or a ZeRO shard of one) run as plain ops,
+where a short run never repays the compile (the measurements:
+docs/benchmarks.md#compiled-optimizer-updates).
 
 `OptimizerStep` wraps one optimizer built on its variables (one per lane and stage,
 group, ZeRO shard or the offload host) and runs `optimizer.apply(grads, variables)`

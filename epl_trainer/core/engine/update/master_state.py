@@ -33,8 +33,8 @@ Adafactor's factored moments are found in its lists (slots.FACTORED_STATE). A sl
 master has no counterpart for is named once in a warning and left out.
 
 Cost: a write copies the optimizer state once (Adam: twice the weights' bytes), as one
-compiled function (a 2M-parameter MLP with Adam: 0.55 ms, 5.2 ms as eager ops; the
-weights' own write-back 1.8 ms); a write after every step (a callback with batch hooks
+compiled function, about ten times faster than eager ops
+(docs/benchmarks.md#optimizer-state-write-back); a write after every step (a callback with batch hooks
 that may read the model, docs/reference/semantics.md) pays it every step. The master
 holds the whole state in host memory, as Keras's optimizer does: ZeRO shards the
 engine's copy only (docs/reference/memory.md). When some slots live only on
@@ -312,8 +312,7 @@ class MasterState:
 
     def _make_writer(self, master, scaler_holder):
         """The write as one compiled function: after every step when a callback may read
-        the model, ops run one by one cost more than the copies (a 2M-parameter MLP with
-        Adam: 5.2 ms a write eagerly)."""
+        the model, ops run one by one cost more than the copies."""
         layout = self.update.layout
         targets = self._master_targets(master)
         exchange = _exchange(layout, master, targets) if self.exchanged else None
