@@ -7,7 +7,7 @@ fraction of a second to seconds per update, and a compiled update gains only whe
 arrays are large, so "auto" compiles an update of at least `AUTO_MIN_ELEMENTS` (1M)
 parameters; smaller ones (a small model's, or a ZeRO shard of one) run as plain ops,
 where a short run never repays the compile (the measurements:
-docs/benchmarks.md#compiled-optimizer-updates).
+docs/benchmarks.md#when-a-compiled-update-pays).
 
 `OptimizerStep` wraps one optimizer built on its variables (one per lane and stage,
 group, ZeRO shard or the offload host) and runs `optimizer.apply(grads, variables)`

@@ -1,0 +1,114 @@
+"""A Megatron MLP pair, tensor parallel over 2 devices, against data parallelism and Keras.
+
+Usage: python bench/tensor_parallel.py [--width 4096] [--batch 32] [--steps 10] [--repeats 3]
+
+One process, 2 logical CPU devices. The model is an MLP block (width -> 4 * width, gelu,
+-> width) and a 16-class head. Three runners train it with SGD on the same batches:
+plain Keras `fit` on one device; EPLTrainer with `keras.distribution.DataParallel` over
+the 2 devices (each holds the whole MLP); EPLTrainer with a `ModelParallel` layout map on
+a (1, 2) mesh laying the MLP out column -> row (each device holds half of it). Each is
+timed `repeats` times after a warm-up `fit` that traces the step; the table shows the
+median ms per step and the bytes of model variables per device (`trainer.placement()`).
+Logical devices share the machine's cores: the rows compare the machinery and the
+memory, not a speed-up.
+"""
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir))
+
+from epl_trainer.runtime.cluster import configure_tensorflow
+
+configure_tensorflow(2)
+
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+import epl_trainer as epl  # noqa: E402
+
+LOSS = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+
+def make_model(width):
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((width,))
+    h = keras.layers.Dense(4 * width, activation="gelu", name="up")(inputs)
+    h = keras.layers.Dense(width, name="down")(h)
+    return keras.Model(inputs, keras.layers.Dense(16, name="head")(h))
+
+
+def tensor_parallel_layouts():
+    devices = keras.distribution.list_devices()[:2]
+    mesh = keras.distribution.DeviceMesh((1, 2), ["batch", "model"], devices)
+    layout_map = keras.distribution.LayoutMap(mesh)
+    layout_map["up/kernel"] = (None, "model")
+    layout_map["up/bias"] = ("model",)
+    layout_map["down/kernel"] = ("model", None)
+    return keras.distribution.ModelParallel(layout_map=layout_map)
+
+
+def runners(width):
+    """name -> (fit(dataset, steps), bytes of model variables per device)."""
+    keras_model = make_model(width)
+    keras_model.compile(keras.optimizers.SGD(0.01), LOSS, jit_compile=False)
+    whole = sum(int(np.prod(v.shape)) * 4 for v in keras_model.variables)
+    made = {
+        "Keras fit, 1 device": (
+            lambda data, steps: keras_model.fit(data, steps_per_epoch=steps, verbose=0),
+            {"CPU:0": whole},
+        )
+    }
+    strategies = {
+        "EPLTrainer DataParallel, 2 devices": keras.distribution.DataParallel(
+            devices=keras.distribution.list_devices()[:2]
+        ),
+        "EPLTrainer tensor parallel (1, 2)": tensor_parallel_layouts(),
+    }
+    for name, strategy in strategies.items():
+        trainer = epl.EPLTrainer(
+            make_model(width), LOSS, keras.optimizers.SGD(0.01), strategy=strategy
+        )
+        made[name] = (
+            lambda data, steps, t=trainer: t.fit(data, steps_per_epoch=steps, verbose=0),
+            trainer,
+        )
+    return made
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--width", type=int, default=4096)
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args()
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(args.batch, args.width)).astype("float32")
+    y = rng.integers(0, 16, args.batch).astype("int32")
+    data = tf.data.Dataset.from_tensors((x, y)).repeat()
+    rows = []
+    for name, (fit, holder) in runners(args.width).items():
+        fit(data, 2)  # trace and build
+        times = []
+        for _ in range(args.repeats):
+            start = time.perf_counter()
+            fit(data, args.steps)
+            times.append((time.perf_counter() - start) / args.steps * 1e3)
+        placement = holder if isinstance(holder, dict) else holder.placement()
+        per_device = max(placement.values()) / 1e6
+        rows.append((name, statistics.median(times), per_device))
+    base = rows[0][1]
+    print(f"\nMLP {args.width} -> {4 * args.width} -> {args.width}, batch {args.batch}, SGD")
+    print(f"{'runner':38s} {'ms/step':>9s} {'vs Keras':>9s} {'MB per device':>14s}")
+    for name, ms, mb in rows:
+        print(f"{name:38s} {ms:9.1f} {ms / base:8.2f}x {mb:14.1f}")
+
+
+if __name__ == "__main__":
+    main()
