@@ -203,3 +203,30 @@ def test_bad_meshes_and_strategies_are_named():
         )
     with pytest.raises(TypeError, match=r"a keras\.distribution\.DataParallel or ModelParallel"):
         epl.EPLTrainer(mlp(), LOSS, "sgd", strategy=object())
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_data_parallel_on_two_workers_extends_the_batch_axis_over_them(tmp_path):
+    """Each worker's `DataParallel(devices=list_devices())` is its 2 devices; the job's
+    4 lanes train as one process on the global batch."""
+    import os
+    import sys
+
+    from _launch import SCRIPTS, run_launch
+
+    sys.path.insert(0, SCRIPTS)
+    import train_dp
+
+    script = os.path.join(SCRIPTS, "train_dp.py")
+    result = run_launch(script, tmp_path, 2, 2, "--keras_data_parallel", timeout=200)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "worker 0/2 devices=2 replicas=4" in result.stdout
+    model = train_dp.make_model()
+    trainer = epl.EPLTrainer(model, LOSS, keras.optimizers.SGD(0.1))
+    x, y = train_dp.make_data()
+    trainer.fit(x, y, batch_size=16, steps_per_epoch=3, verbose=0, shuffle=False)
+    for worker in range(2):
+        saved = np.load(tmp_path / "out" / f"weights_{worker}.npz")
+        for i, value in enumerate(model.get_weights()):
+            np.testing.assert_allclose(saved[f"arr_{i}"], value, atol=1e-5)

@@ -7,8 +7,8 @@ distribution given as `strategy=`, or the one set or in scope when the trainer i
 lays out the run.
 
 - The mesh's devices are the run's devices, in the mesh's order (Keras's names,
-  `"cpu:3"` / `"gpu:1"`, or TensorFlow's); with several workers, each worker's mesh is its
-  own devices and the batch axis extends over the workers, as `TF_CONFIG` describes them.
+  `"cpu:3"` / `"gpu:1"`, or TensorFlow's); with several workers the mesh is the job's or
+  each worker's own (`mesh_cluster`), and the batch axis extends over the workers.
 - The batch axis (`batch_dim_name`) is the data-parallel lanes.
 - Each variable's layout is Keras's own answer (`Distribution.get_variable_layout`: an
   explicit layout, else the `LayoutMap`'s exact key, else its one `re.fullmatch`, two
@@ -58,43 +58,83 @@ def requested(strategy):
 
 
 def mesh_cluster(distribution, cluster):
-    """`cluster` with the mesh's devices as every worker's devices, in the mesh's order.
+    """`cluster` with the mesh's devices as its devices, in the mesh's order.
+
+    A mesh is the job's (as Keras's meshes are on JAX) when it names every worker's
+    devices: TensorFlow names with their task, or Keras's `list_devices()` names, which
+    on TensorFlow repeat `"cpu:0"`... once per worker, worker by worker (each worker then
+    takes its share in order). Otherwise it is each worker's own devices, and the batch
+    axis extends over the workers.
 
     Raises:
-      ValueError: a mesh device this worker does not have, or of another type than the
-        cluster's devices (a "cpu" mesh on a GPU worker).
+      ValueError: a mesh device this worker does not have, of another type than the
+        cluster's devices (a "cpu" mesh on a GPU worker), named twice, or a mesh that the
+        workers cannot share evenly.
     """
     names = [str(name) for name in np.asarray(distribution.device_mesh.devices).reshape(-1)]
-    available = {
-        (device.device_type.upper(), int(device.name.rsplit(":", 1)[1]))
-        for device in tf.config.list_logical_devices()
-    }
-    indices = []
-    for name in names:
-        match = _DEVICE.fullmatch(name)
-        kind = match["type"].upper() if match else None
-        if match is None or (kind, int(match["index"])) not in available:
-            raise ValueError(
-                f"The mesh's device {name!r} is not a device of this worker. Its devices: "
-                f"{sorted(f'{k.lower()}:{i}' for k, i in available)}"
-            )
-        if kind != cluster.device_type:
-            raise ValueError(
-                f"The mesh's device {name!r} is a {kind} device; this worker trains on its "
-                f"{cluster.device_type} devices. Received mesh devices: {names}"
-            )
-        indices.append(int(match["index"]))
-    if len(set(indices)) != len(indices):
+    shares = _worker_shares(names, cluster.worker_num)
+    own = [_device_index(name, cluster, names) for name in shares[cluster.worker_index]]
+    if len(set(own)) != len(own):
         raise ValueError(f"The mesh names a device twice. Received mesh devices: {names}")
 
     def on_worker(worker: int) -> tuple[str, ...]:
         prefix = cluster.devices_by_worker[worker][0].rsplit("/device:", 1)[0]
+        indices = [int(_DEVICE.fullmatch(name)["index"]) for name in shares[worker]]
         return tuple(f"{prefix}/device:{cluster.device_type}:{i}" for i in indices)
 
     by_worker = tuple(on_worker(w) for w in range(cluster.worker_num))
     return dataclasses.replace(
         cluster, local_devices=by_worker[cluster.worker_index], devices_by_worker=by_worker
     )
+
+
+_TASK = re.compile(r".*/task:(?P<task>\d+)/.*")
+
+
+def _worker_shares(names: list[str], workers: int) -> list[list[str]]:
+    """Each worker's mesh devices, by worker index."""
+    if workers == 1:
+        return [names]
+    tasks = [_TASK.fullmatch(name) for name in names]
+    if all(tasks):
+        shares = [[n for n, t in zip(names, tasks) if int(t["task"]) == w] for w in range(workers)]
+    elif len(set(names)) < len(names):  # Keras's names of every worker's devices
+        if len(names) % workers:
+            raise ValueError(
+                f"A mesh of {len(names)} devices over {workers} workers: each worker must "
+                f"hold as many. Received mesh devices: {names}"
+            )
+        size = len(names) // workers
+        shares = [names[w * size : (w + 1) * size] for w in range(workers)]
+    else:  # this worker's own devices; every worker has its own mesh like it
+        return [names] * workers
+    if len({len(share) for share in shares}) != 1:
+        raise ValueError(
+            f"The mesh's devices are not shared evenly by the {workers} workers: "
+            f"{[len(share) for share in shares]} devices each. Received mesh devices: {names}"
+        )
+    return shares
+
+
+def _device_index(name: str, cluster, names: list[str]) -> int:
+    """The index of mesh device `name` among this worker's devices, checked."""
+    available = {
+        (device.device_type.upper(), int(device.name.rsplit(":", 1)[1]))
+        for device in tf.config.list_logical_devices()
+    }
+    match = _DEVICE.fullmatch(name)
+    kind = match["type"].upper() if match else None
+    if match is None or (kind, int(match["index"])) not in available:
+        raise ValueError(
+            f"The mesh's device {name!r} is not a device of this worker. Its devices: "
+            f"{sorted(f'{k.lower()}:{i}' for k, i in available)}"
+        )
+    if kind != cluster.device_type:
+        raise ValueError(
+            f"The mesh's device {name!r} is a {kind} device; this worker trains on its "
+            f"{cluster.device_type} devices. Received mesh devices: {names}"
+        )
+    return int(match["index"])
 
 
 @dataclasses.dataclass(frozen=True)

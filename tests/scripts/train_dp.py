@@ -85,6 +85,11 @@ def main():
     )
     parser.add_argument("--steps_per_execution", type=int, default=1)
     parser.add_argument("--zero", default="", help="zero.level")
+    parser.add_argument(
+        "--keras_data_parallel",
+        action="store_true",
+        help="strategy=keras.distribution.DataParallel over this worker's devices",
+    )
     args = parser.parse_args()
     env = epl.init(
         {
@@ -110,6 +115,8 @@ def main():
         strategy=(
             epl.Strategy(default=epl.replicate(len(cluster.local_devices)), split=["logits"])
             if args.split
+            else keras.distribution.DataParallel(devices=keras.distribution.list_devices())
+            if args.keras_data_parallel
             else None
         ),
     )
@@ -166,6 +173,7 @@ def main():
     )
     print(
         f"worker {cluster.worker_index}/{cluster.worker_num} devices={len(cluster.local_devices)} "
+        f"replicas={trainer.plan.num_replicas} "
         f"loss={history.history['loss'][-1]:.6f}",
         flush=True,
     )
