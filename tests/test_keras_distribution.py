@@ -230,3 +230,28 @@ def test_data_parallel_on_two_workers_extends_the_batch_axis_over_them(tmp_path)
         saved = np.load(tmp_path / "out" / f"weights_{worker}.npz")
         for i, value in enumerate(model.get_weights()):
             np.testing.assert_allclose(saved[f"arr_{i}"], value, atol=1e-5)
+
+
+def test_kerashubs_llama_layout_map_is_refused_by_name_not_trained_replicated():
+    """KerasHub's map shards attention (EinsumDense by heads) and the embedding, which
+    this version does not compute sharded: every such variable is named."""
+    keras_hub = pytest.importorskip("keras_hub")
+    backbone = keras_hub.models.LlamaBackbone(
+        vocabulary_size=64,
+        num_layers=1,
+        num_query_heads=4,
+        num_key_value_heads=2,
+        hidden_dim=16,
+        intermediate_dim=64,
+    )
+    layout_map = keras_hub.models.LlamaBackbone.get_layout_map(_mesh((1, 2)))
+    strategy = keras.distribution.ModelParallel(layout_map=layout_map)
+    with pytest.raises(ValueError) as raised:
+        epl.EPLTrainer(backbone, "mse", "sgd", strategy=strategy)
+    message = str(raised.value)
+    for path in (
+        "token_embedding/embeddings (64, 16)",
+        "transformer_layer_0/self_attention/query/kernel (16, 4, 4)",
+        "transformer_layer_0/self_attention/attention_output/kernel (4, 4, 16)",
+    ):
+        assert path in message

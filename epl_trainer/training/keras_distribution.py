@@ -239,7 +239,7 @@ def plan(distribution, model) -> TensorParallel | None:
             "parallel axis is trained in this version."
         )
     (axis,) = model_axes
-    roles = _pair_roles(model, layouts, axis)
+    roles = _pair_roles(model, layouts, axis, sizes)
     unexplained = sorted(set(sharded) - set(roles))
     if unexplained:
         raise ValueError(
@@ -258,15 +258,19 @@ def _named(layout: VariableLayout) -> str:
     return f"{layout.path} {layout.shape} as {layout.axes}"
 
 
-def _pair_roles(model, layouts, axis) -> dict[str, tuple[str, str]]:
+def _pair_roles(model, layouts, axis, sizes) -> dict[str, tuple[str, str]]:
     """{variable path: (Dense layer name, "column" | "row")} of the Dense layers whose
-    layouts make a Megatron pair's member."""
+    layouts make a Megatron pair's member (an axis of size 1 shards nothing: None)."""
+
+    def effective(path):
+        return tuple(a if a is not None and sizes[a] > 1 else None for a in layouts[path].axes)
+
     roles = {}
     for layer in model._flatten_layers(include_self=False):
         if not isinstance(layer, keras.layers.Dense):
             continue
-        kernel = layouts[layer.kernel.path].axes
-        bias = layouts[layer.bias.path].axes if layer.use_bias else None
+        kernel = effective(layer.kernel.path)
+        bias = effective(layer.bias.path) if layer.use_bias else None
         if kernel == (None, axis) and bias in (None, (axis,)):
             role = "column"
         elif kernel == (axis, None) and bias in (None, (None,)):

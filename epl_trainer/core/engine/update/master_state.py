@@ -34,8 +34,9 @@ master has no counterpart for is named once in a warning and left out.
 
 Cost: a write copies the optimizer state once (Adam: twice the weights' bytes), as one
 compiled function, about ten times faster than eager ops
-(docs/benchmarks.md#optimizer-state-write-back); a write after every step (a callback with batch hooks
-that may read the model, docs/reference/semantics.md) pays it every step. The master
+(docs/benchmarks.md#optimizer-state-write-back); a write after every step (a callback
+with batch hooks that may read the model, docs/reference/semantics.md) pays it every
+step. The master
 holds the whole state in host memory, as Keras's optimizer does: ZeRO shards the
 engine's copy only (docs/reference/memory.md). When some slots live only on
 other workers (ZeRO over several workers, a replica's stages on several workers), a
