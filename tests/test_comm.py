@@ -435,13 +435,18 @@ def test_lane_reduce_max_and_sum():
         np.testing.assert_array_equal(total.numpy(), [6.0, -6.0])
 
 
-def test_instance_key_ranges_of_one_group_are_disjoint():
+def test_instance_key_ranges_of_one_group_are_disjoint(monkeypatch):
     """Counted, dynamic-length and process-local instance keys share a group when a split
     replica is also the data-parallel group of a replicated Embedding (its sparse rows
     gathered with a dynamic length): every key each allocator can hand out, over its whole
     cycle, lies in its own range, and no two ranges meet."""
     from epl_trainer.core.comm import keys
 
+    # The allocators' cycles run to their wrap-around here: the process's later tests must
+    # not start again from keys its earlier tests' collectives used (TF keeps an
+    # instance's op type per key: "expected type 2 ... but got type 4").
+    monkeypatch.setattr(keys, "_local_key_offset", keys._local_key_offset)
+    monkeypatch.setattr(keys, "_dynamic_counters", {})
     group = comm.group_key(["/device:CPU:0", "/device:CPU:1", "test-key-ranges"])
     counted = [keys.next_instance_key(group) for _ in range(3)]
     # the last key next_instance_key hands out (it refuses the next: test below)

@@ -144,6 +144,35 @@ def test_a_megatron_pair_of_dense_layers_trains_tensor_parallel_as_keras(shape, 
     assert set(trainer.placement().values()) == {pair // width + rest}
 
 
+def test_a_gated_mlp_laid_out_as_llamas_trains_tensor_parallel():
+    """gate and up laid out (None, 'model') without biases, their product read by down
+    laid out ('model', None): KerasHub Llama's MLP layout, on a functional model."""
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((6,))
+    gate = keras.layers.Dense(16, activation="silu", use_bias=False, name="gate")(inputs)
+    up = keras.layers.Dense(16, use_bias=False, name="up")(inputs)
+    h = keras.layers.Multiply(name="gated")([gate, up])
+    h = keras.layers.Dense(8, use_bias=False, name="down")(h)
+    model = keras.Model(inputs, keras.layers.Dense(3, name="logits")(h))
+    reference = keras.models.clone_model(model)
+    reference.set_weights(model.get_weights())
+    x, y = mlp_data(BATCH * STEPS)
+    keras_reference(reference, x, y, OPTIMIZERS["sgd"](), BATCH, STEPS)
+    layout_map = keras.distribution.LayoutMap(_mesh((2, 2)))
+    layout_map["(gate|up)/kernel"] = ("batch", "model")  # storage over 'batch' (size 2)
+    layout_map["down/kernel"] = ("model", None)
+    strategy = keras.distribution.ModelParallel(layout_map=layout_map)
+    with pytest.raises(ValueError, match="sharded over the batch axis"):
+        epl.EPLTrainer(model, LOSS, OPTIMIZERS["sgd"](), strategy=strategy)
+    layout_map = keras.distribution.LayoutMap(_mesh((2, 2)))
+    layout_map["(gate|up)/kernel"] = (None, "model")
+    layout_map["down/kernel"] = ("model", None)
+    strategy = keras.distribution.ModelParallel(layout_map=layout_map)
+    trainer = epl.EPLTrainer(model, LOSS, OPTIMIZERS["sgd"](), strategy=strategy)
+    _fit(trainer, x, y)
+    assert max_weight_difference(reference, model) < ATOL
+
+
 def test_a_sharded_layout_outside_a_pair_is_refused_by_name():
     layout_map = keras.distribution.LayoutMap(_mesh((1, 2)))
     layout_map["dense_in/kernel"] = (None, "model")  # its bias and no row layer follow

@@ -424,3 +424,52 @@ def test_a_tensor_parallel_checkpoint_restores_into_data_parallelism(tmp_path):
     second.restore_checkpoint(str(tmp_path))
     second.fit(x[32:64], y[32:64], batch_size=16, verbose=0, shuffle=False)
     assert max_weight_difference(reference, model) < ATOL
+
+
+def gated_model(seed=0):
+    """A gated MLP (Llama's): down(silu(gate(x)) * up(x))."""
+    keras.utils.set_random_seed(seed)
+    inputs = keras.Input((6,), name="x")
+    gate = keras.layers.Dense(16, name="gate")(inputs)
+    gate = keras.layers.Activation("silu", name="silu")(gate)
+    up = keras.layers.Dense(16, name="up")(inputs)
+    h = keras.layers.Multiply(name="gated")([gate, up])
+    h = keras.layers.Dense(8, name="down")(h)
+    return keras.Model(inputs, keras.layers.Dense(3, name="logits")(h))
+
+
+def test_a_gated_mlp_is_one_megatron_pair_with_two_columns():
+    """gate and up column-parallel, silu and the product on each lane's units, down
+    row-parallel: Keras's weights on one device."""
+    x, y = data(classes=3)
+    reference = gated_model()
+    keras_reference(reference, x, y, keras.optimizers.SGD(0.1), batch_size=16, steps=3)
+    model = gated_model()
+    trainer = epl.EPLTrainer(
+        model,
+        LOSS,
+        keras.optimizers.SGD(0.1),
+        strategy=epl.Strategy(default=epl.replicate(2), split=["gate", "up", "down"]),
+        config={"cluster.virtual_devices": 4, **COLOCATE},
+    )
+    trainer.fit(x, y, batch_size=16, steps_per_epoch=3, verbose=0, shuffle=False)
+    assert max_weight_difference(reference, model) < ATOL
+    kinds = {s.layer.name: s.kind for s in trainer.engine_plan.split_layers}
+    assert kinds == {"gate": "column", "up": "column", "down": "row"}
+
+
+def test_a_layer_reading_a_pairs_units_from_outside_is_refused():
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((6,))
+    up = keras.layers.Dense(16, activation="relu", name="up")(inputs)
+    down = keras.layers.Dense(8, name="down")(up)
+    side = keras.layers.Dense(8, name="side")(up)  # reads the whole hidden units
+    model = keras.Model(inputs, keras.layers.Add(name="sum")([down, side]))
+    with pytest.raises(SplitError, match=r"'up' lies between .*read by layers outside"):
+        epl.EPLTrainer(
+            model,
+            "mse",
+            "sgd",
+            strategy=epl.Strategy(default=epl.replicate(2), split=["up", "down"]),
+            config={"cluster.virtual_devices": 2, **COLOCATE},
+        )

@@ -24,7 +24,8 @@ What runs in this version:
   of the global batch;
 - tensor parallelism where the layouts make Megatron pairs of Dense layers (the first
   laid out `(None, "model")`, its bias `("model",)`, read only by the second, laid out
-  `("model", None)`): the pairs run as `epl.split`'s column -> row pairs over the model
+  `("model", None)`, directly or through element-wise layers such as a gated MLP's
+  `gate * up`): the pairs run as `epl.split`'s column -> row pairs over the model
   axis (split/layers.py), every device of a model-axis group one lane, the batch axis the
   replicas.
 
@@ -247,7 +248,8 @@ def plan(distribution, model) -> TensorParallel | None:
             f" over {axis!r} of size {sizes[axis]}: in this version a sharded layout trains "
             "when it makes Megatron pairs of Dense layers, a layer laid out (None, "
             f"{axis!r}) (its bias ({axis!r},)) whose output only a layer laid out "
-            f"({axis!r}, None) reads; other layouts are not built yet."
+            f"({axis!r}, None) reads (directly or through element-wise layers); other "
+            "layouts are not built yet."
         )
     names = tuple(dict.fromkeys(layer for layer, _ in roles.values()))
     _check_pairs(model, names, {layer: role for layer, role in roles.values()})
@@ -287,12 +289,13 @@ def _check_pairs(model, names, role_of) -> None:
     """Every column layer feeds its row layer directly (split/layers.py's pairs)."""
     by_name = {layer.name: layer for layer in model._flatten_layers(include_self=False)}
     pairs = split.megatron_pairs([by_name[name] for name in names])
-    found = {column.name: "column" for column, _ in pairs}
+    found = {column.name: "column" for columns, _ in pairs for column in columns}
     found.update({row.name: "row" for _, row in pairs})
     wrong = [name for name in names if found.get(name) != role_of[name]]
     if wrong:
         raise ValueError(
             f"Dense layers {wrong} are laid out as a Megatron pair's "
-            f"{[role_of[n] for n in wrong]} but do not make one: a pair is a column layer "
-            "whose output only the row layer reads, called once each."
+            f"{[role_of[n] for n in wrong]} but do not make one: a pair is column layers "
+            "whose outputs only the row layer reads (directly or through element-wise "
+            "layers), called once each."
         )

@@ -126,13 +126,18 @@ class LaneCollectives:
 
             def grad(upstream):
                 with tf.device(self.device):
-                    received = self._exchange(upstream)  # chunk m: member m's upstream rows
-                    chunks = tf.reshape(received, [self.size, -1, *upstream.shape[1:]])
-                    return tf.reduce_sum(chunks, axis=0)
+                    return self._sum_own_rows(upstream)
 
             return out, grad
 
         return gather(x)
+
+    def _sum_own_rows(self, x):
+        """Chunk m of axis 0 sent to member m; the chunks received summed (a
+        reduce-scatter of rows)."""
+        received = self._exchange(x)  # chunk m: member m's chunk of my rows
+        chunks = tf.reshape(received, [self.size, -1, *x.shape[1:]])
+        return tf.reduce_sum(chunks, axis=0)
 
     def reduce_scatter_rows(self, x):
         """The members' `x` (the same shape, axis 0 = every member's rows in rank order)
@@ -148,15 +153,10 @@ class LaneCollectives:
                 f"shape {x.shape}, group_size={self.size}"
             )
 
-        def scatter(value):
-            received = self._exchange(value)  # chunk m: member m's partial of my rows
-            rows = tf.reshape(received, [self.size, -1, *value.shape[1:]])
-            return tf.reduce_sum(rows, axis=0)
-
         @tf.custom_gradient
         def reduce_scatter(value):
             with tf.device(self.device):
-                out = scatter(value)
+                out = self._sum_own_rows(value)
 
             def grad(upstream):
                 with tf.device(self.device):

@@ -14,9 +14,11 @@ traced, by distributed implementations that read only the lane's shard:
   argmax (`sharded_argmax`).
 * **Mixture of experts** (`epl_trainer.layers.MoE`): experts are sharded, routing stays
   local, and tokens travel to their expert's lane and back by all-to-all (`moe_call`).
-* **Megatron pair** (two split Dense layers, the second called on the first's output: an
-  MLP's up and down projections): the first is column-parallel (kernel and bias sharded
-  by output column), the second row-parallel (kernel sharded by input row, bias whole).
+* **Megatron pair** (split Dense layers, the second called on the first's output, or on
+  an element-wise combination of several first layers' outputs: an MLP's up and down
+  projections, a gated MLP's gate and up then down): the first layers are
+  column-parallel (kernel and bias sharded by output column), the second row-parallel
+  (kernel sharded by input row, bias whole).
   Each lane all-gathers the replica's rows into the pair, computes its slice of the
   hidden units for every row (with the first layer's activation, element-wise), then its
   partial sum of the second layer's outputs; a reduce-scatter sums the partials and
@@ -98,10 +100,11 @@ def find_split_layers(model, node_taskgraph, taskgraphs, width: int) -> list[Spl
             layers.setdefault(id(node.operation), node.operation)
     index_of = {id(v): i for i, v in enumerate(model.trainable_variables)}
     pairs = megatron_pairs(list(layers.values()))
-    paired = {id(layer) for pair in pairs for layer in pair}
+    paired = {id(layer) for columns, row in pairs for layer in (*columns, row)}
     found = []
-    for column, row in pairs:
-        found += [_column_layer(column, index_of, width), _row_layer(row, index_of, width)]
+    for columns, row in pairs:
+        found += [_column_layer(column, index_of, width) for column in columns]
+        found.append(_row_layer(row, index_of, width))
     for layer in layers.values():
         if id(layer) in paired:
             continue
@@ -151,35 +154,76 @@ def _dense_layer(model, layer, index_of, width) -> SplitLayer:
     return SplitLayer(layer, "dense", tuple(variables), position, name == "softmax")
 
 
+# Layers that act on each hidden unit alone: between a pair's column and row layers they
+# run unchanged on a lane's slice of the units (a gated MLP's `gate * up`, an activation).
+ELEMENTWISE = (
+    keras.layers.Activation,
+    keras.layers.ReLU,
+    keras.layers.LeakyReLU,
+    keras.layers.ELU,
+    keras.layers.Dropout,
+    keras.layers.Multiply,
+    keras.layers.Add,
+    keras.layers.Subtract,
+    keras.layers.Maximum,
+    keras.layers.Minimum,
+)
+
+
 def megatron_pairs(layers) -> list[tuple]:
-    """[(column Dense, row Dense)] among the split layers: a Dense called once, on the
-    output of another split Dense called once, which nothing else reads."""
+    """[(column Dense layers, row Dense)] among the split layers: a Dense called once on
+    a tensor computed from other split Dense layers' outputs by element-wise layers only
+    (`ELEMENTWISE`; none for a plain MLP), where nothing outside the pair reads the
+    columns or the layers between."""
     dense = {id(layer): layer for layer in layers if isinstance(layer, keras.layers.Dense)}
     pairs = []
     for row in dense.values():
         if len(row._inbound_nodes) != 1:
             continue
-        (source,) = row._inbound_nodes[0].input_tensors or (None,)
-        history = getattr(source, "_keras_history", None)
-        column = history.operation if history is not None else None
-        if column is None or id(column) not in dense or column is row:
+        found = _columns_feeding(row._inbound_nodes[0].input_tensors[0], dense, row)
+        if found is None:
             continue
-        if len(column._inbound_nodes) != 1 or len(column._outbound_nodes) != 1:
-            raise SplitError(
-                f"split Dense {column.name!r} feeds split Dense {row.name!r} (a Megatron "
-                "pair) but is called more than once or read by other layers too; a pair's "
-                "first layer must be called once and read only by the second."
-            )
-        pairs.append((column, row))
-    columns = [column for column, _ in pairs]
-    rows = [row for _, row in pairs]
-    chained = [layer.name for layer in columns if layer in rows]
+        columns, between = found
+        inside = {id(layer) for layer in (*between, row)}
+        for layer in (*columns, *between):
+            readers = [node.operation for node in layer._outbound_nodes]
+            if len(layer._inbound_nodes) != 1 or any(id(r) not in inside for r in readers):
+                raise SplitError(
+                    f"{layer.name!r} lies between split Dense {[c.name for c in columns]} and "
+                    f"{row.name!r} (a Megatron pair) but is called more than once or read by "
+                    "layers outside the pair; a pair's layers must be called once and read "
+                    "only inside it."
+                )
+        pairs.append((tuple(columns), row))
+    columns = [column for group, _ in pairs for column in group]
+    chained = [row.name for _, row in pairs if row in columns]
     if chained:
         raise SplitError(
             f"split Dense {chained} would be the second layer of one Megatron pair and the "
             "first of another; split the layers in pairs (up, down)."
         )
     return pairs
+
+
+def _columns_feeding(tensor, dense, row):
+    """(column Dense layers, element-wise layers between) that compute `tensor`, or None
+    when anything else contributes to it."""
+    history = getattr(tensor, "_keras_history", None)
+    operation = history.operation if history is not None else None
+    if operation is None or operation is row:
+        return None
+    if id(operation) in dense:
+        return [operation], []
+    if not isinstance(operation, ELEMENTWISE) or len(operation._inbound_nodes) != 1:
+        return None
+    columns, between = [], [operation]
+    for source in operation._inbound_nodes[0].input_tensors:
+        found = _columns_feeding(source, dense, row)
+        if found is None:
+            return None
+        columns += [c for c in found[0] if c not in columns]
+        between += [b for b in found[1] if b not in between]
+    return columns, between
 
 
 def _pair_activation(layer) -> str:
@@ -360,32 +404,29 @@ def _replaced_calls(runtime, sharded_values, lane_comm, training):
             object.__setattr__(layer, "input_spec", spec)
 
 
-def _dense_call(shards, lane_comm):
-    kernel = shards[0]
-    bias = shards[1] if len(shards) > 1 else None
+def _column_units(inputs, shards, lane_comm):
+    """This lane's columns (kernel and bias shards) of a Dense, for every row of the
+    replica (rows gathered in rank order)."""
+    rows = lane_comm.gather_rows(inputs)
+    units = tf.matmul(rows, tf.cast(shards[0], rows.dtype))
+    if len(shards) > 1:
+        units = units + tf.cast(shards[1], units.dtype)
+    return units
 
+
+def _dense_call(shards, lane_comm):
     def call(inputs, training=None):
-        rows = lane_comm.gather_rows(inputs)
-        logits = tf.matmul(rows, tf.cast(kernel, rows.dtype))
-        if bias is not None:
-            logits = logits + tf.cast(bias, logits.dtype)
-        return logits  # softmax, if any, is fused into the sharded cross-entropy
+        # softmax, if any, is fused into the sharded cross-entropy
+        return _column_units(inputs, shards, lane_comm)
 
     return call
 
 
 def _column_call(layer, shards, lane_comm):
-    """The first layer of a Megatron pair: this lane's hidden units for every row of the
-    replica (rows gathered in rank order)."""
-    kernel = shards[0]
-    bias = shards[1] if len(shards) > 1 else None
+    """The first layer of a Megatron pair: this lane's hidden units for every row."""
 
     def call(inputs, training=None):
-        rows = lane_comm.gather_rows(inputs)
-        hidden = tf.matmul(rows, tf.cast(kernel, rows.dtype))
-        if bias is not None:
-            hidden = hidden + tf.cast(bias, hidden.dtype)
-        return layer.activation(hidden)
+        return layer.activation(_column_units(inputs, shards, lane_comm))
 
     return call
 
