@@ -67,7 +67,7 @@ def test_data_parallel_as_strategy_equals_keras_and_our_data_parallelism(optimiz
         np.testing.assert_array_equal(a, b)  # the same run, bit for bit
 
 
-def test_the_distribution_set_or_in_scope_is_followed():
+def test_the_distribution_set_or_in_scope_is_followed(caplog):
     distribution = keras.distribution.DataParallel(devices=_devices(4))
     with distribution.scope():
         in_scope = epl.EPLTrainer(mlp(), LOSS, "sgd")
@@ -77,6 +77,7 @@ def test_the_distribution_set_or_in_scope_is_followed():
     # An EPL strategy given explicitly wins over the global distribution.
     explicit = epl.EPLTrainer(mlp(), LOSS, "sgd", strategy=epl.replicate(1))
     assert explicit.plan.num_replicas == 1
+    assert "the keras.distribution 'DataParallel' set or in scope is not" in caplog.text
 
 
 def test_the_meshs_devices_are_the_runs_in_its_order():

@@ -41,5 +41,3 @@ class HostAgreement:
         with self._watch(what):
             gathered = self._gather(tf.constant(values, tf.int64)).numpy()
         return rows_by_worker(self._group, gathered).tolist()
-
-    __call__ = gather

@@ -21,6 +21,8 @@ The numerics live in `core/`.
 
 from __future__ import annotations
 
+import logging
+
 import keras
 
 from epl_trainer.config.sections import Config
@@ -47,6 +49,8 @@ from epl_trainer.training.step_errors import (
     NonFiniteLossError,  # noqa: F401  (re-exported: epl.NonFiniteLossError)
 )
 from epl_trainer.training.step_stats import StepStats
+
+logger = logging.getLogger(__name__)
 
 
 class EPLTrainer:
@@ -130,6 +134,12 @@ class EPLTrainer:
         cluster = env.cluster if config is None else build_cluster(resolved.cluster)
         resolved = elastic.sized_config(resolved, cluster.worker_num)
         distribution = keras_distribution.requested(strategy)
+        if distribution is None and keras.distribution.distribution() is not None:
+            logger.warning(
+                "strategy=%r is followed; the keras.distribution %r set or in scope is not.",
+                strategy,
+                type(keras.distribution.distribution()).__name__,
+            )
         if distribution is not None:  # keras.distribution's mesh: the run's devices
             cluster = keras_distribution.mesh_cluster(distribution, cluster)
             strategy = None

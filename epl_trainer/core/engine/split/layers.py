@@ -133,15 +133,20 @@ def _dense_layer(model, layer, index_of, width) -> SplitLayer:
             "by class and only the loss and accuracy metrics read them); put the layers "
             "after it outside the split scope or make its output the model's output."
         )
-    activation = keras.activations.serialize(layer.activation)
-    name = activation if isinstance(activation, str) else activation.get("config", {})
+    name = _activation_name(layer)
     if name not in ("linear", "softmax"):
         raise SplitError(
             f"split Dense {layer.name!r} must have a linear or softmax activation (the "
-            f"softmax is fused into the sharded cross-entropy). Received: {activation!r}"
+            f"softmax is fused into the sharded cross-entropy). Received: {name!r}"
         )
+    variables = _column_variables(layer, index_of, width)
+    return SplitLayer(layer, "dense", variables, position, name == "softmax")
+
+
+def _column_variables(layer, index_of, width) -> tuple[ShardedVariable, ...]:
+    """A Dense sharded by output column: its kernel on axis 1, its bias on axis 0."""
     if len(layer.kernel.shape) != 2:
-        raise SplitError(f"split Dense {layer.name!r} needs 2-D inputs (batch, features).")
+        raise SplitError(f"split Dense {layer.name!r} needs 2-D kernels (features, units).")
     units = layer.kernel.shape[1]
     if units % width:
         raise SplitError(
@@ -151,7 +156,7 @@ def _dense_layer(model, layer, index_of, width) -> SplitLayer:
     variables = [ShardedVariable(index_of[id(layer.kernel)], 1, width)]
     if layer.use_bias:
         variables.append(ShardedVariable(index_of[id(layer.bias)], 0, width))
-    return SplitLayer(layer, "dense", tuple(variables), position, name == "softmax")
+    return tuple(variables)
 
 
 # Layers that act on each hidden unit alone: between a pair's column and row layers they
@@ -226,29 +231,18 @@ def _columns_feeding(tensor, dense, row):
     return columns, between
 
 
-def _pair_activation(layer) -> str:
+def _activation_name(layer) -> str:
     activation = keras.activations.serialize(layer.activation)
     return activation if isinstance(activation, str) else activation.get("config", activation)
 
 
 def _column_layer(layer, index_of, width) -> SplitLayer:
-    if len(layer.kernel.shape) != 2:
-        raise SplitError(f"split Dense {layer.name!r} needs 2-D kernels.")
-    units = layer.kernel.shape[1]
-    if units % width:
-        raise SplitError(
-            f"split Dense {layer.name!r} (the first of a Megatron pair) has units={units}, "
-            f"which the {width} devices of a replica cannot share evenly."
-        )
-    if _pair_activation(layer) == "softmax":
+    if _activation_name(layer) == "softmax":
         raise SplitError(
             f"split Dense {layer.name!r} (the first of a Megatron pair) has a softmax "
             "activation, which reads every unit; pairs need an element-wise activation."
         )
-    variables = [ShardedVariable(index_of[id(layer.kernel)], 1, width)]
-    if layer.use_bias:
-        variables.append(ShardedVariable(index_of[id(layer.bias)], 0, width))
-    return SplitLayer(layer, "column", tuple(variables))
+    return SplitLayer(layer, "column", _column_variables(layer, index_of, width))
 
 
 def _row_layer(layer, index_of, width) -> SplitLayer:
