@@ -43,6 +43,7 @@ import numpy as np
 import tensorflow as tf
 
 from epl_trainer.core.engine import split
+from epl_trainer.core.plan.ir import SplitError
 
 _DEVICE = re.compile(r"(?:.*/device:)?(?P<type>[A-Za-z]+):(?P<index>\d+)")
 
@@ -191,26 +192,39 @@ def output_layouts(distribution, model) -> dict[str, object]:
 
 @dataclasses.dataclass(frozen=True)
 class TensorParallel:
-    """What a layout map's sharded variables run as: Megatron pairs of split Dense layers
-    (`epl.split`'s column-then-row pairs, split/layers.py) over the model axis.
+    """What a layout map's sharded variables run as, over the model axis.
 
     Attributes:
       width: the model axis's size (the lanes of one tensor-parallel group).
-      layers: the names of the pairs' Dense layers (split patterns).
+      layers: the Dense layers of Megatron pairs, computed sharded (`epl.split`'s
+        column-then-row pairs, split/layers.py), as split patterns.
+      gathered: {variable path: its sharded dimension} of every other sharded variable:
+        held as its slice, gathered whole on use (split/layers.py `gather_whole`).
     """
 
     width: int
     layers: tuple[str, ...]
+    gathered: dict[str, int] = dataclasses.field(default_factory=dict)
+
+    def describe(self) -> str:
+        computed = ", ".join(self.layers) or "none"
+        gathered = ", ".join(self.gathered) or "none"
+        return (
+            f"tensor parallel over {self.width} devices; computed sharded (Megatron pairs): "
+            f"{computed}; held sharded, gathered on use: {gathered}"
+        )
 
 
 def plan(distribution, model) -> TensorParallel | None:
     """How the run follows `distribution`: None for data parallelism over every mesh
-    device (no variable is sharded), else the tensor-parallel pairs its layouts give.
+    device (no variable is sharded), else the tensor parallelism its layouts give:
+    Megatron pairs of Dense layers where the layouts make them, every other sharded
+    variable gathered on use.
 
     Raises:
       ValueError: a layout this version does not train, naming it: a sharding over the
-        batch axis, of a variable outside a Dense column -> row pair, a pair's first
-        layer's bias not sharded with its kernel, or a layout of layer outputs.
+        batch axis, over two model axes, of a non-trainable variable, or a layout of
+        layer outputs.
     """
     layouts = {v.path: v for v in variable_layouts(distribution, model)}
     outputs = output_layouts(distribution, model)
@@ -240,20 +254,24 @@ def plan(distribution, model) -> TensorParallel | None:
             "parallel axis is trained in this version."
         )
     (axis,) = model_axes
-    roles = _pair_roles(model, layouts, axis, sizes)
-    unexplained = sorted(set(sharded) - set(roles))
-    if unexplained:
+    trainable = {v.path for v in model.trainable_variables}
+    frozen = [_named(sharded[p]) for p in sharded if p not in trainable]
+    if frozen:
         raise ValueError(
-            f"{type(distribution).__name__} shards {[_named(sharded[p]) for p in unexplained]}"
-            f" over {axis!r} of size {sizes[axis]}: in this version a sharded layout trains "
-            "when it makes Megatron pairs of Dense layers, a layer laid out (None, "
-            f"{axis!r}) (its bias ({axis!r},)) whose output only a layer laid out "
-            f"({axis!r}, None) reads (directly or through element-wise layers); other "
-            "layouts are not built yet."
+            f"Non-trainable variables are laid out sharded: {frozen[:6]}; only trainable "
+            "variables are held sharded in this version. Lay them out replicated."
         )
-    names = tuple(dict.fromkeys(layer for layer, _ in roles.values()))
-    _check_pairs(model, names, {layer: role for layer, role in roles.values()})
-    return TensorParallel(sizes[axis], names)
+    twice = [_named(v) for v in sharded.values() if len(v.sharded) > 1]
+    if twice:
+        raise ValueError(f"Layouts name the model axis {axis!r} for two dimensions: {twice[:6]}")
+    roles = _pair_roles(model, layouts, axis, sizes)
+    paired = _paired_layers(model, {layer: role for layer, role in roles.values()})
+    names = tuple(
+        name for name in dict.fromkeys(layer for layer, _ in roles.values()) if name in paired
+    )
+    computed = {path for path, (layer, _) in roles.items() if layer in paired}
+    gathered = {path: v.sharded[0] for path, v in sharded.items() if path not in computed}
+    return TensorParallel(sizes[axis], names, gathered)
 
 
 def _named(layout: VariableLayout) -> str:
@@ -285,17 +303,18 @@ def _pair_roles(model, layouts, axis, sizes) -> dict[str, tuple[str, str]]:
     return roles
 
 
-def _check_pairs(model, names, role_of) -> None:
-    """Every column layer feeds its row layer directly (split/layers.py's pairs)."""
+def _paired_layers(model, role_of) -> set[str]:
+    """The Dense layers laid out as a pair's column or row that make one
+    (split/layers.py `megatron_pairs`: column layers whose outputs only the row layer
+    reads, directly or through element-wise layers, each called once); the others are
+    gathered on use."""
     by_name = {layer.name: layer for layer in model._flatten_layers(include_self=False)}
-    pairs = split.megatron_pairs([by_name[name] for name in names])
-    found = {column.name: "column" for columns, _ in pairs for column in columns}
-    found.update({row.name: "row" for _, row in pairs})
-    wrong = [name for name in names if found.get(name) != role_of[name]]
-    if wrong:
-        raise ValueError(
-            f"Dense layers {wrong} are laid out as a Megatron pair's "
-            f"{[role_of[n] for n in wrong]} but do not make one: a pair is column layers "
-            "whose outputs only the row layer reads (directly or through element-wise "
-            "layers), called once each."
-        )
+    try:
+        pairs = split.megatron_pairs([by_name[name] for name in role_of])
+    except SplitError:  # a layer between read from outside: no pair, all gathered
+        return set()
+    found = set()
+    for columns, row in pairs:
+        if role_of[row.name] == "row" and all(role_of[c.name] == "column" for c in columns):
+            found.update([row.name, *(c.name for c in columns)])
+    return found

@@ -10,6 +10,7 @@ the parallel annotation, and the engine plan, into the trainer's context.
 
 from __future__ import annotations
 
+import logging
 import re
 
 import keras
@@ -26,6 +27,8 @@ from epl_trainer.training import data as data_lib
 from epl_trainer.training import model_fn as model_fn_lib
 from epl_trainer.training.context import TrainerContext
 from epl_trainer.training.objectives import Objectives
+
+logger = logging.getLogger(__name__)
 
 
 class ModelPlanner:
@@ -122,8 +125,9 @@ class ModelPlanner:
             if chosen is not None:
                 context.optimizer = keras.optimizers.get(chosen)
         context.model = model
+        gathered = {}
         if context.distribution is not None:  # Keras's layouts: data or tensor parallel
-            strategy = self._tensor_parallel_strategy(model, strategy)
+            strategy, gathered = self._tensor_parallel_strategy(model, strategy)
         objectives = dict(
             loss=first(loss, spec.loss, given.get("loss")),
             metrics=first(metrics, spec.metrics, given.get("metrics")),
@@ -147,6 +151,7 @@ class ModelPlanner:
             clip_global_norm=optimizer.global_clipnorm,
             steps_per_execution=context.steps_per_execution,
             jit_compile=context.jit_compile,
+            gathered=gathered,
         )
         if context.deepspeed is not None:  # accumulation steps may follow from the lane count
             context.config, context.engine_plan.plan = context.deepspeed.resolve_plan(
@@ -164,16 +169,20 @@ class ModelPlanner:
         self._take_start_state()  # worker 0's values (start_state.py)
 
     def _tensor_parallel_strategy(self, model, strategy):
-        """`strategy` (None: data parallelism over the mesh), or the split Strategy of the
-        Megatron pairs a Keras layout map makes (keras_distribution.py); the split's
-        lanes then share the devices of the replicated layers."""
+        """(`strategy` (None: data parallelism over the mesh), {}), or the Strategy a
+        Keras layout map makes (keras_distribution.py) and the variables it gathers on
+        use: each replica as wide as the model axis, its Megatron pairs split layers,
+        whose lanes share the devices of the replicated layers."""
         context = self._context
         tensor_parallel = keras_distribution.plan(context.distribution, model)
         if tensor_parallel is None:
-            return strategy
+            return strategy, {}
+        logger.info("Keras layouts: %s", tensor_parallel.describe())
         context.config = context.config.replace({"cluster.colocate_split_and_replicate": True})
         patterns = [re.escape(name) for name in tensor_parallel.layers]
-        return Strategy(default=replicate(tensor_parallel.width), split=patterns)
+        width = tensor_parallel.width
+        chosen = Strategy(default=replicate(width), split=patterns or None)
+        return chosen, tensor_parallel.gathered
 
 
 def needs_data_to_build(model) -> bool:

@@ -132,6 +132,64 @@ class LaneCollectives:
 
         return gather(x)
 
+    def gather_along(self, x, axis: int):
+        """Every member's block `x` joined along `axis` in rank order: a variable held
+        sliced over the group, whole for one use (split/layers.py `gather_whole`).
+
+        Gradient: this member's block of the upstream, summed over the members (the
+        all-gather's adjoint). An upstream of rows (IndexedSlices: a table read by
+        lookups) stays rows: every member's (index, row) pairs are gathered and this
+        member's block of them kept, rows outside it zeroed, so a Keras optimizer applies
+        them as on one device (Adam squares each row before repeated indices are summed,
+        as `communication.sparse_as_dense=False` keeps it under data parallelism).
+        """
+        if self.size == 1:
+            return x
+        order = [axis, *(d for d in range(len(x.shape)) if d != axis)]
+        back = [order.index(d) for d in range(len(order))]
+
+        def moved(tensor, permutation):
+            return tensor if axis == 0 else tf.transpose(tensor, permutation)
+
+        @tf.custom_gradient
+        def gather(value):
+            with tf.device(self.device):
+                out = moved(self._gather(moved(value, order)), back)
+
+            def grad(upstream):
+                with tf.device(self.device):
+                    if isinstance(upstream, tf.IndexedSlices):
+                        return self._own_rows_of_slices(upstream, value.shape, axis)
+                    upstream = tf.ensure_shape(upstream, out.shape)
+                    return moved(self._sum_own_rows(moved(upstream, order)), back)
+
+            return out, grad
+
+        return gather(x)
+
+    def _own_rows_of_slices(self, slices: tf.IndexedSlices, block_shape, axis: int):
+        """Every member's (index, row) pairs of a table's gradient, this member's block of
+        them: along axis 0 the rows it holds (re-indexed, the others zero rows at index
+        0), along another axis its slice of every row."""
+        indices = self._gather(slices.indices)
+        values = self._gather(slices.values)
+        if axis == 0:
+            rows = int(block_shape[0])
+            local = indices - tf.cast(self.rank * rows, indices.dtype)
+            inside = tf.logical_and(local >= 0, local < rows)
+            mask = tf.reshape(tf.cast(inside, values.dtype), [-1] + [1] * (values.shape.rank - 1))
+            values = values * mask
+            indices = tf.where(inside, local, tf.zeros_like(local))
+        else:
+            width = int(block_shape[axis])
+            begin = [0] * values.shape.rank
+            begin[axis] = self.rank * width
+            size = [-1] * values.shape.rank
+            size[axis] = width
+            values = tf.slice(values, begin, size)
+        dense_shape = tf.constant([int(d) for d in block_shape], slices.dense_shape.dtype)
+        return tf.IndexedSlices(values, indices, dense_shape)
+
     def _sum_own_rows(self, x):
         """Chunk m of axis 0 sent to member m; the chunks received summed (a
         reduce-scatter of rows)."""

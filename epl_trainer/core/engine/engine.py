@@ -24,7 +24,12 @@ from keras import tree
 from epl_trainer.core.engine import ema, jit_choice, user_steps
 from epl_trainer.core.engine.gradient_check import check_stage_gradients
 from epl_trainer.core.engine.program import Program
-from epl_trainer.core.engine.split import check_split_metrics, find_split_layers, sparse_outputs
+from epl_trainer.core.engine.split import (
+    check_split_metrics,
+    find_split_layers,
+    gathered_variables,
+    sparse_outputs,
+)
 from epl_trainer.core.engine.state import EngineState, Lane, lanes_for_worker
 from epl_trainer.core.engine.sync_batch_norm import check_sync_batch_norm, synchronized_layers
 from epl_trainer.core.engine.update import MasterState
@@ -85,6 +90,7 @@ def plan_engine(
     clip_global_norm: float | None = None,
     steps_per_execution: int = 1,
     jit_compile: bool | str = False,
+    gathered: Mapping[str, int] | None = None,
 ) -> EnginePlan:
     """Plans the engine for `model`.
 
@@ -100,7 +106,11 @@ def plan_engine(
       clip_global_norm: the optimizer's `global_clipnorm`.
       steps_per_execution: training steps per call of the compiled step.
       jit_compile: True, False or "auto" (jit_choice.py).
+      gathered: {variable path: dimension} of trainable variables held sliced along that
+        dimension over each replica's lanes and gathered whole on use (a Keras layout's
+        model-axis sharding outside Megatron pairs: split/layers.py).
     """
+    gathered = dict(gathered or {})
     rules.check_config(config)
     auto = None
     if config.auto.auto_parallel:
@@ -120,19 +130,21 @@ def plan_engine(
         cut_description=auto.cut_description if auto else None,
     )
     user = user_steps.overridden_steps(model)
-    rules.check_user_steps(user, plan, config, steps_per_execution, jit_compile)
+    rules.check_user_steps(user, plan, config, steps_per_execution, jit_compile, list(gathered))
     if user:  # the user's step runs as written, in plain ops (user_steps.py)
         jit_compile = False
     synchronized = bool(synchronized_layers(model, config.batch_norm.synchronized))
     without_xla = jit_choice.layers_without_xla(model) if jit_compile == jit_choice.AUTO else []
     jit = jit_choice.choose(jit_compile, plan, config, synchronized, without_xla)
     _announce(jit, chosen_by_user=jit_compile != jit_choice.AUTO)
-    rules.check_plan(plan, config, clip_global_norm, steps_per_execution, jit.compile)
+    rules.check_plan(
+        plan, config, clip_global_norm, steps_per_execution, jit.compile, list(gathered)
+    )
     check_sync_batch_norm(
         model,
         config.batch_norm.synchronized,
         jit.compile,
-        split=any(tg.kind == "split" for tg in plan.taskgraphs),
+        split=any(tg.kind == "split" for tg in plan.taskgraphs) or bool(gathered),
     )
     split_layers = []
     if any(tg.kind == "split" for tg in plan.taskgraphs):
@@ -153,6 +165,9 @@ def plan_engine(
         staged = whole_model(model)
     else:
         staged = partition_model(model, node_taskgraph, len(plan.taskgraphs))
+    if gathered:
+        width = plan.taskgraphs[0].device_count
+        split_layers += gathered_variables(model, gathered, width)
     by_worker = [lanes_for_worker(plan, w) for w in range(len(devices_by_worker))]
     in_job = {lane.index: lane for lanes in by_worker for lane in lanes}  # one view of each
     return EnginePlan(

@@ -17,6 +17,7 @@ the rest of `core/plan`, imports no TensorFlow.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 
 from epl_trainer.core.plan.ir import Plan, PlanError, SplitError
 
@@ -216,6 +217,7 @@ def check_plan(
     clip_global_norm: float | None = None,
     steps_per_execution: int = 1,
     jit_compile: bool = False,
+    gathered: Sequence[str] = (),
 ) -> None:
     """Refuses plans the engine cannot execute with these settings.
 
@@ -225,6 +227,8 @@ def check_plan(
       clip_global_norm: the optimizer's `global_clipnorm`, or None.
       steps_per_execution: training steps per call of the compiled step.
       jit_compile: each stage's forward and backward compiled by XLA.
+      gathered: variables held sharded over a replica's lanes and gathered on use (a
+        Keras layout's, split/layers.py): their collectives run as split layers' do.
     """
     if jit_compile and config.gradient_checkpoint.type:
         REFUSALS["jit_gradient_checkpoint"].raise_for(
@@ -236,7 +240,7 @@ def check_plan(
             "All TaskGraphs of a replica must use the same device_count for now. Received: "
             + ", ".join(f"{tg.name}={tg.device_count}" for tg in plan.taskgraphs)
         )
-    split = [tg.name for tg in plan.taskgraphs if tg.kind == "split"]
+    split = _split_parts(plan, gathered)
     for replica in range(plan.num_replicas):
         workers = {d.worker for tg in plan.placement[replica] for d in tg}
         if len(workers) == 1:
@@ -283,8 +287,19 @@ def check_plan(
         REFUSALS["split_clip_before_reduction"].raise_for(f"global_clipnorm={clip_global_norm}")
 
 
+def _split_parts(plan: Plan, gathered: Sequence[str]) -> list[str]:
+    """The split TaskGraphs' names, and the gathered variables' as one more part."""
+    split = [tg.name for tg in plan.taskgraphs if tg.kind == "split"]
+    return split + ([f"variables gathered on use {list(gathered)[:4]}"] if gathered else [])
+
+
 def check_user_steps(
-    methods, plan: Plan, config, steps_per_execution: int = 1, jit_compile: bool = False
+    methods,
+    plan: Plan,
+    config,
+    steps_per_execution: int = 1,
+    jit_compile: bool = False,
+    gathered: Sequence[str] = (),
 ) -> None:
     """A model overriding `methods` (user_steps.py) runs only plain data parallelism."""
     if not methods:
@@ -292,7 +307,7 @@ def check_user_steps(
     refused = []
     if len(plan.taskgraphs) > 1:
         refused.append(f"{len(plan.taskgraphs)} pipeline stages")
-    split = [tg.name for tg in plan.taskgraphs if tg.kind == "split"]
+    split = _split_parts(plan, gathered)
     if split:
         refused.append(f"split TaskGraphs {split}")
     if plan.num_micro_batch > 1:

@@ -17,6 +17,7 @@ from epl_trainer.core.engine.hooks import ReplicatedLanes, StepHooks
 from epl_trainer.core.engine.layout import StepLayout
 from epl_trainer.core.engine.pipeline import training_kwargs
 from epl_trainer.core.engine.split import layers as split
+from epl_trainer.core.engine.update.reduce import scaled, sum_of_squares
 
 
 class SplitLanes(ReplicatedLanes):
@@ -43,20 +44,26 @@ class SplitLanes(ReplicatedLanes):
 
     def reduce_sharded(self, lane_grads: list[list], reduced: list[list]) -> None:
         """Sharded gradients: summed over the lanes holding the same shard (one per
-        replica), divided by the job's lane count for "mean" (see split.py)."""
+        replica), divided by the job's lane count for "mean" (see split.py). Rows of a
+        gathered table (IndexedSlices) are gathered as rows, as data parallelism does."""
         layout, runtime = self.layout, self.runtime
-        sharded = sorted(layout.state.sharded)
         everyone = layout.everyone
         scale = 1.0 / everyone.size
+        mean = self.method == "mean"
         for rank in range(runtime.width):
             members = [li for li in range(len(layout.lanes)) if runtime.shard_rank(li) == rank]
+            if not members:
+                continue
             job_devices = tuple(
                 d for position, d in enumerate(everyone.devices) if position % runtime.width == rank
             )
             group = comm.CollectiveGroup(
                 job_devices, tuple(layout.lanes[li].devices[0] for li in members)
             )
-            per_member = [[lane_grads[li][i] for i in sharded] for li in members]
+            first = lane_grads[members[0]]
+            sharded = sorted(layout.state.sharded)
+            dense = [i for i in sharded if not isinstance(first[i], tf.IndexedSlices)]
+            per_member = [[lane_grads[li][i] for i in dense] for li in members]
             buckets = comm.plan_buckets(
                 [_num_bytes(g) for g in per_member[0]],
                 [g.dtype for g in per_member[0]],
@@ -66,17 +73,23 @@ class SplitLanes(ReplicatedLanes):
                 group, per_member, buckets, "sum", wire_fp16_scale=self.wire_fp16_scale
             )
             for li, grads in zip(members, results):
-                for i, g in zip(sharded, grads):
+                for i, g in zip(dense, grads):
                     with tf.device(layout.lanes[li].devices[0]):
-                        mean = self.method == "mean"
                         reduced[li][i] = g * tf.cast(scale, g.dtype) if mean else g
+            for i in sorted(set(sharded) - set(dense)):
+                gathered = comm.all_gather_slices(
+                    group, [lane_grads[li][i] for li in members], "sum"
+                )
+                for li, g in zip(members, gathered):
+                    with tf.device(layout.lanes[li].devices[0]):
+                        reduced[li][i] = scaled(g, scale) if mean else g
 
     def shard_norm_squares(self, li: int, grads: list) -> list:
         sharded = sorted(self.layout.state.sharded)
         if not sharded:
             return []
         with self.lane(li), tf.device(self.layout.lanes[li].devices[0]):
-            squares = tf.add_n([tf.reduce_sum(tf.square(grads[i])) for i in sharded])
+            squares = tf.add_n([sum_of_squares(grads[i]) for i in sharded])
             return [self.runtime.active.reduce(squares, "sum")]
 
     def update_output_metric(self, index: int, metric, y_true, y_pred, sample_weight) -> bool:

@@ -29,6 +29,14 @@ traced, by distributed implementations that read only the lane's shard:
 
 Every other layer inside a split scope runs replicated on the lane's own rows.
 
+* **Gathered variable** (a Keras layout's variable sharded over the model axis outside
+  any layer the engine computes sharded: attention kernels, embeddings, an MLP inside a
+  subclassed block): each lane holds its slice along one dimension, and every forward
+  all-gathers the whole value before the model reads it (`gather_whole`). Its gradient
+  is the all-gather's adjoint, each lane's slice of the gradient summed over the lanes
+  (a reduce-scatter), which is the sharded gradient the rule below expects. Storage
+  follows the layout; the computation is the replicated one, on the lane's own rows.
+
 Gradient scaling, so every gradient is still divided by the number of lanes in the job
 (the data-parallel mean): lane j's objective is the mean loss over its own rows, as in
 plain data parallelism, but the sharded cross-entropy gives each shard the gradient of
@@ -76,8 +84,10 @@ class ShardedVariable:
 class SplitLayer:
     """One layer replaced by its distributed implementation."""
 
-    layer: keras.layers.Layer
-    kind: str  # "dense" (sharded classifier), "column" / "row" (a Megatron pair) or "moe"
+    layer: keras.layers.Layer | None  # None for "gathered"
+    # "dense" (sharded classifier), "column" / "row" (a Megatron pair), "moe", or
+    # "gathered" (one variable sharded for storage, gathered whole on use)
+    kind: str
     variables: tuple[ShardedVariable, ...]
     output_index: int | None = None  # dense: which flat model output it produces
     softmax: bool = False  # dense: the layer applies softmax (fused into the loss)
@@ -262,6 +272,34 @@ def _moe_layer(layer, index_of, width) -> SplitLayer:
     return SplitLayer(layer, "moe", variables)
 
 
+def gathered_variables(model, dims_by_path, width: int) -> list[SplitLayer]:
+    """One "gathered" SplitLayer per trainable variable `dims_by_path` names: held as
+    `width` slices along its dimension, gathered whole on use."""
+    index_of = {v.path: i for i, v in enumerate(model.trainable_variables)}
+    found = []
+    for path, dim in dims_by_path.items():
+        if path not in index_of:
+            raise SplitError(
+                f"Variable {path!r} is laid out sharded but is not a trainable variable of "
+                "the model; only trainable variables are held sharded."
+            )
+        shape = model.trainable_variables[index_of[path]].shape
+        if shape[dim] % width:
+            raise SplitError(
+                f"Variable {path!r} of shape {tuple(shape)}: dimension {dim} is not divisible "
+                f"by the {width} devices of a replica."
+            )
+        found.append(SplitLayer(None, "gathered", (ShardedVariable(index_of[path], dim, width),)))
+    return found
+
+
+def gather_whole(value, spec: ShardedVariable, lane_comm):
+    """The whole variable from the lanes' slices along `spec.axis`, in rank order; its
+    gradient is this lane's slice of the upstream summed over the lanes (rows of a table
+    read by lookups stay rows: `LaneCollectives.gather_along`)."""
+    return lane_comm.gather_along(value, spec.axis)
+
+
 def _expert_weights(layer) -> list:
     """The MoE's stacked expert weights (leading expert axis), in `expert_ffn` order."""
     return [layer.w_in, layer.b_in, layer.w_out, layer.b_out]
@@ -284,6 +322,9 @@ class SplitRuntime:
         self.layers = list(split_layers)
         self.width = width
         self.sharded = {sv.index: sv for s in self.layers for sv in s.variables}
+        self.gathered = {
+            sv.index: sv for s in self.layers if s.kind == "gathered" for sv in s.variables
+        }
         self.lanes = list(lanes)
         by_index = {lane.index: lane for lane in lanes_in_job}
         self._groups = []
@@ -352,15 +393,18 @@ def split_stage_call(model, runtime: SplitRuntime, training_kwargs):
     non_trainable = list(model.non_trainable_variables)
 
     def call(variables, non_trainable_values, args, training):
+        lane_comm = runtime.active
         sharded_values = {}
         mapping = []
         for i, (variable, value) in enumerate(zip(trainable, variables)):
-            if i in runtime.sharded:
+            if i in runtime.gathered:
+                with tf.device(lane_comm.device):
+                    mapping.append((variable, gather_whole(value, runtime.gathered[i], lane_comm)))
+            elif i in runtime.sharded:
                 sharded_values[i] = value
             else:
                 mapping.append((variable, value))
         mapping += list(zip(non_trainable, non_trainable_values))
-        lane_comm = runtime.active
         with StatelessScope(state_mapping=mapping, collect_losses=True) as scope:
             with _replaced_calls(runtime, sharded_values, lane_comm, training):
                 outputs = model.call(args, **training_kwargs(model, training))
@@ -376,6 +420,8 @@ def _replaced_calls(runtime, sharded_values, lane_comm, training):
     replaced, specs = [], []
     try:
         for split in runtime.layers:
+            if split.kind == "gathered":  # read whole through the mapping
+                continue
             if split.kind == "row":  # its input is this lane's slice of the hidden units
                 specs.append((split.layer, split.layer.input_spec))
                 object.__setattr__(split.layer, "input_spec", None)
