@@ -22,15 +22,21 @@ What runs in this version:
   `DataParallel`; a `ModelParallel` whose map shards nothing, such as a model axis of
   size 1): every device computes the step Keras's `DataParallel` does, the mean gradient
   of the global batch;
-- tensor parallelism where the layouts make Megatron pairs of Dense layers (the first
-  laid out `(None, "model")`, its bias `("model",)`, read only by the second, laid out
-  `("model", None)`, directly or through element-wise layers such as a gated MLP's
-  `gate * up`): the pairs run as `epl.split`'s column -> row pairs over the model
-  axis (split/layers.py), every device of a model-axis group one lane, the batch axis the
-  replicas.
+- tensor parallelism over the model axis otherwise, every device of a model-axis group
+  one lane, the batch axis the replicas:
+  - where the layouts make Megatron pairs of Dense layers (the first laid out
+    `(None, "model")`, its bias `("model",)`, read only by the second, laid out
+    `("model", None)`, directly or through element-wise layers such as a gated MLP's
+    `gate * up`), the pairs compute sharded as `epl.split`'s column -> row pairs
+    (split/layers.py);
+  - every other variable sharded over the model axis (attention kernels, embeddings, an
+    MLP inside a subclassed block, as KerasHub's maps lay them out) is held as its slice
+    and gathered whole on use, its gradient reduce-scattered back to the slices
+    (split/layers.py `gather_whole`): storage follows the layout, the computation is
+    the replicated one.
 
-Other sharded layouts (over the batch axis, of other layers) and layouts of layer
-outputs are refused by name rather than trained replicated.
+Layouts over the batch axis (storage across the data-parallel lanes) and layouts of
+layer outputs are refused by name rather than trained replicated.
 """
 
 from __future__ import annotations
