@@ -360,3 +360,35 @@ def test_kerashubs_llama_layout_map_over_the_batch_axis_is_refused_by_name():
         "transformer_layer_0/self_attention/query/kernel (16, 4, 4)",
     ):
         assert path in message
+
+
+@pytest.mark.parametrize("restored_as", ["data_parallel", "mesh_1x4"])
+def test_a_kerashub_tensor_parallel_checkpoint_restores_into_another_layout(restored_as, tmp_path):
+    """Llama with its layout map on (1, 2), Adam, 2 steps, saved (gathered variables'
+    slices and their Adam slots joined); restored into 2-device data parallelism or a
+    (1, 4) mesh, 2 more steps: where 4 uninterrupted Keras steps end."""
+    keras_hub = pytest.importorskip("keras_hub")
+    x, y = _causal_lm_data()
+    reference = _causal_lm("llama")
+    reference.compile(optimizer=OPTIMIZERS["adam"](), loss=LM_LOSS)
+    reference.fit(x, y, batch_size=8, shuffle=False, verbose=0)
+    layout_map = keras_hub.models.LlamaBackbone.get_layout_map
+    first = epl.EPLTrainer(
+        _causal_lm("llama"),
+        LM_LOSS,
+        OPTIMIZERS["adam"](),
+        strategy=keras.distribution.ModelParallel(layout_map=layout_map(_mesh((1, 2)))),
+    )
+    half = {k: v[:16] for k, v in x.items()}
+    first.fit(half, y[:16], batch_size=8, shuffle=False, verbose=0)
+    first.save_checkpoint(str(tmp_path))
+    model = _causal_lm("llama")
+    if restored_as == "data_parallel":
+        strategy = keras.distribution.DataParallel(devices=_devices(2))
+    else:
+        strategy = keras.distribution.ModelParallel(layout_map=layout_map(_mesh((1, 4))))
+    second = epl.EPLTrainer(model, LM_LOSS, OPTIMIZERS["adam"](), strategy=strategy)
+    second.restore_checkpoint(str(tmp_path))
+    rest = {k: v[16:] for k, v in x.items()}
+    second.fit(rest, y[16:], batch_size=8, shuffle=False, verbose=0)
+    assert max_weight_difference(reference, model) < ATOL_ADAM
