@@ -6,7 +6,9 @@ One process, 2 logical CPU devices. The model is an MLP block (width -> 4 * widt
 -> width) and a 16-class head. Three runners train it with SGD on the same batches:
 plain Keras `fit` on one device; EPLTrainer with `keras.distribution.DataParallel` over
 the 2 devices (each holds the whole MLP); EPLTrainer with a `ModelParallel` layout map on
-a (1, 2) mesh laying the MLP out column -> row (each device holds half of it). Each is
+a (1, 2) mesh laying the MLP out column -> row (each device holds half of it and computes
+its half); and the same map without up's bias laid out, which makes no Megatron pair, so
+both kernels are held as halves and gathered whole on use (split/layers.py). Each is
 timed `repeats` times after a warm-up `fit` that traces the step; the table shows the
 median ms per step and the bytes of model variables per device (`trainer.placement()`).
 Logical devices share the machine's cores: the rows compare the machinery and the
@@ -43,12 +45,13 @@ def make_model(width):
     return keras.Model(inputs, keras.layers.Dense(16, name="head")(h))
 
 
-def tensor_parallel_layouts():
+def tensor_parallel_layouts(pair=True):
     devices = keras.distribution.list_devices()[:2]
     mesh = keras.distribution.DeviceMesh((1, 2), ["batch", "model"], devices)
     layout_map = keras.distribution.LayoutMap(mesh)
     layout_map["up/kernel"] = (None, "model")
-    layout_map["up/bias"] = ("model",)
+    if pair:  # a column layer's bias is sharded with its kernel
+        layout_map["up/bias"] = ("model",)
     layout_map["down/kernel"] = ("model", None)
     return keras.distribution.ModelParallel(layout_map=layout_map)
 
@@ -69,6 +72,7 @@ def runners(width):
             devices=keras.distribution.list_devices()[:2]
         ),
         "EPLTrainer tensor parallel (1, 2)": tensor_parallel_layouts(),
+        "EPLTrainer (1, 2), gathered on use": tensor_parallel_layouts(pair=False),
     }
     for name, strategy in strategies.items():
         trainer = epl.EPLTrainer(
