@@ -279,6 +279,35 @@ def test_data_parallel_on_two_workers_extends_the_batch_axis_over_them(tmp_path)
             np.testing.assert_allclose(saved[f"arr_{i}"], value, atol=1e-5)
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_gathered_variables_on_two_workers_train_as_one_process(tmp_path):
+    """Each worker's (1, 2) mesh holds an embedding table and two kernels as halves,
+    gathered on use; the batch axis spans the 2 workers, whose replicas sum the slices'
+    gradients (the table's as (index, row) pairs) across processes: the weights of one
+    process on the global batch."""
+    import os
+    import sys
+
+    from _launch import SCRIPTS, run_launch
+
+    sys.path.insert(0, SCRIPTS)
+    import train_dp
+
+    script = os.path.join(SCRIPTS, "train_dp.py")
+    result = run_launch(script, tmp_path, 2, 2, "--keras_gathered", timeout=200)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "worker 0/2 devices=2 replicas=2" in result.stdout
+    model = train_dp.make_embedding_model()
+    trainer = epl.EPLTrainer(model, LOSS, keras.optimizers.SGD(0.1))
+    x, y = train_dp.make_tied_data()
+    trainer.fit(x, y, batch_size=16, steps_per_epoch=3, verbose=0, shuffle=False)
+    for worker in range(2):
+        saved = np.load(tmp_path / "out" / f"weights_{worker}.npz")
+        for i, value in enumerate(model.get_weights()):
+            np.testing.assert_allclose(saved[f"arr_{i}"], value, atol=1e-5)
+
+
 def _causal_lm_data(rows=32, length=8, vocabulary=64):
     rng = np.random.default_rng(0)
     tokens = rng.integers(1, vocabulary, (rows, length + 1)).astype("int32")

@@ -152,9 +152,7 @@ def test_each_stage_runs_forward_and_backward_on_its_own_device():
                 {op.device for op in placed},
             )
         for i in trainer.engine.state.stage_indices(stage):
-            assert trainer.engine.state.trainable[0][i].value.device.endswith(
-                device.split("/")[-1]
-            )
+            assert trainer.engine.state.trainable[0][i].value.device.endswith(device.split("/")[-1])
 
 
 def test_a_stage_consuming_a_later_stage_is_an_error():

@@ -183,7 +183,7 @@ def test_the_feeder_draws_the_shuffling_seed_once_and_deals_arrays_in_order():
     assert passes is None
     batches = [xb.numpy() for xb, _ in dataset]
     np.testing.assert_array_equal(np.concatenate(batches), x)
-    with pytest.raises(ValueError, match="shuffle must be True, False or \"batch\""):
+    with pytest.raises(ValueError, match='shuffle must be True, False or "batch"'):
         trainer.feeder.fit_dataset(x, y, None, 4, shuffle="rows")
 
 

@@ -59,6 +59,33 @@ def make_tied_model():
     return keras.Model(tokens, TiedLogits(embed, name="logits")(h))
 
 
+def make_embedding_model():
+    """Tokens -> embedding -> Dense -> per-token logits (13 classes), nothing tied."""
+    import keras
+
+    keras.utils.set_random_seed(0)
+    tokens = keras.Input((5,), dtype="int32")
+    h = keras.layers.Embedding(14, 8, name="embed")(tokens)  # 14 rows: 7 per device
+    h = keras.layers.Dense(8, activation="tanh", name="block")(h)
+    return keras.Model(tokens, keras.layers.Dense(13, name="logits")(h))
+
+
+def gathered_layouts():
+    """The job's (workers, 2) mesh (Keras's `list_devices()` lists every worker's
+    devices); every kernel and the embedding table laid out over 'model' without making
+    a Megatron pair (block's bias is whole): all gathered on use, the batch axis over the
+    workers."""
+    import keras
+
+    devices = keras.distribution.list_devices()
+    mesh = keras.distribution.DeviceMesh((len(devices) // 2, 2), ["batch", "model"], devices)
+    layout_map = keras.distribution.LayoutMap(mesh)
+    layout_map["embed/embeddings"] = ("model", None)
+    layout_map["block/kernel"] = (None, "model")
+    layout_map["logits/kernel"] = ("model", None)
+    return keras.distribution.ModelParallel(layout_map=layout_map)
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("output_dir")
@@ -90,6 +117,11 @@ def main():
         action="store_true",
         help="strategy=keras.distribution.DataParallel over this worker's devices",
     )
+    parser.add_argument(
+        "--keras_gathered",
+        action="store_true",
+        help="an embedding model, its variables laid out over each worker's (1, 2) mesh",
+    )
     args = parser.parse_args()
     env = epl.init(
         {
@@ -104,7 +136,12 @@ def main():
     import keras
 
     cluster = env.cluster
-    model = make_tied_model() if args.tied else make_model(classes=4 if args.split else 3)
+    if args.keras_gathered:
+        model = make_embedding_model()
+    elif args.tied:
+        model = make_tied_model()
+    else:
+        model = make_model(classes=4 if args.split else 3)
     trainer = epl.EPLTrainer(
         model,
         keras.losses.SparseCategoricalCrossentropy(from_logits=True),
@@ -117,10 +154,12 @@ def main():
             if args.split
             else keras.distribution.DataParallel(devices=keras.distribution.list_devices())
             if args.keras_data_parallel
+            else gathered_layouts()
+            if args.keras_gathered
             else None
         ),
     )
-    x, y = make_tied_data() if args.tied else make_data()
+    x, y = make_tied_data() if args.tied or args.keras_gathered else make_data()
     per_worker = args.global_batch // cluster.worker_num
     if args.evaluate_first:
         import tensorflow as tf
