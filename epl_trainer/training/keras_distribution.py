@@ -79,7 +79,13 @@ def mesh_cluster(distribution, cluster):
         cluster's devices (a "cpu" mesh on a GPU worker), named twice, or a mesh that the
         workers cannot share evenly.
     """
-    names = [str(name) for name in np.asarray(distribution.device_mesh.devices).reshape(-1)]
+    mesh = distribution.device_mesh
+    # Batch-major: lane b * width + m is mesh position (batch b, model m), whichever
+    # axis the mesh names first.
+    grid = np.moveaxis(
+        np.asarray(mesh.devices), mesh.axis_names.index(distribution.batch_dim_name), 0
+    )
+    names = [str(name) for name in grid.reshape(-1)]
     shares = _worker_shares(names, cluster.worker_num)
     own = [_device_index(name, cluster, names) for name in shares[cluster.worker_index]]
     if len(set(own)) != len(own):
@@ -204,13 +210,14 @@ class TensorParallel:
       width: the model axis's size (the lanes of one tensor-parallel group).
       layers: the Dense layers of Megatron pairs, computed sharded (`epl.split`'s
         column-then-row pairs, split/layers.py), as split patterns.
-      gathered: {variable path: its sharded dimension} of every other sharded variable:
-        held as its slice, gathered whole on use (split/layers.py `gather_whole`).
+      gathered: {variable path: (its dimension sharded over the model axis, over the
+        batch axis; None where none is)} of every other sharded variable: held as its
+        block, gathered whole on use (split/blocks.py).
     """
 
     width: int
     layers: tuple[str, ...]
-    gathered: dict[str, int] = dataclasses.field(default_factory=dict)
+    gathered: dict[str, tuple[int | None, int | None]] = dataclasses.field(default_factory=dict)
 
     def describe(self) -> str:
         computed = ", ".join(self.layers) or "none"
@@ -228,9 +235,8 @@ def plan(distribution, model) -> TensorParallel | None:
     variable gathered on use.
 
     Raises:
-      ValueError: a layout this version does not train, naming it: a sharding over the
-        batch axis, over two model axes, of a non-trainable variable, or a layout of
-        layer outputs.
+      ValueError: a layout this version does not train, naming it: a mesh with two
+        model axes, a sharded non-trainable variable, or a layout of layer outputs.
     """
     layouts = {v.path: v for v in variable_layouts(distribution, model)}
     outputs = output_layouts(distribution, model)
@@ -246,20 +252,13 @@ def plan(distribution, model) -> TensorParallel | None:
     mesh = distribution.device_mesh
     sizes = dict(zip(mesh.axis_names, mesh.shape))
     batch = distribution.batch_dim_name
-    over_batch = [_named(v) for v in sharded.values() if any(v.axes[d] == batch for d in v.sharded)]
-    if over_batch:
+    others = [a for a in mesh.axis_names if a != batch and sizes[a] > 1]
+    if len(others) > 1:
         raise ValueError(
-            f"Variables sharded over the batch axis {batch!r} (storage split across the "
-            f"data-parallel lanes) are not trained in this version: {over_batch[:6]}. Lay "
-            "them out over the model axis only, or use zero.level='v2' for sharded storage."
+            f"The mesh {sizes} has several model axes of size > 1 {others}; one "
+            "tensor-parallel axis besides the batch axis is trained in this version."
         )
-    model_axes = {v.axes[d] for v in sharded.values() for d in v.sharded}
-    if len(model_axes) > 1:
-        raise ValueError(
-            f"Variables are sharded over several model axes {sorted(model_axes)}; one tensor-"
-            "parallel axis is trained in this version."
-        )
-    (axis,) = model_axes
+    axis = others[0] if others else None
     trainable = {v.path for v in model.trainable_variables}
     frozen = [_named(sharded[p]) for p in sharded if p not in trainable]
     if frozen:
@@ -267,17 +266,27 @@ def plan(distribution, model) -> TensorParallel | None:
             f"Non-trainable variables are laid out sharded: {frozen[:6]}; only trainable "
             "variables are held sharded in this version. Lay them out replicated."
         )
-    twice = [_named(v) for v in sharded.values() if len(v.sharded) > 1]
+    twice = [
+        _named(v) for v in sharded.values() if len({v.axes[d] for d in v.sharded}) < len(v.sharded)
+    ]
     if twice:
-        raise ValueError(f"Layouts name the model axis {axis!r} for two dimensions: {twice[:6]}")
-    roles = _pair_roles(model, layouts, axis, sizes)
+        raise ValueError(f"Layouts name one mesh axis for two dimensions: {twice[:6]}")
+    roles = _pair_roles(model, layouts, axis, sizes) if axis is not None else {}
     paired = _paired_layers(model, {layer: role for layer, role in roles.values()})
     names = tuple(
         name for name in dict.fromkeys(layer for layer, _ in roles.values()) if name in paired
     )
     computed = {path for path, (layer, _) in roles.items() if layer in paired}
-    gathered = {path: v.sharded[0] for path, v in sharded.items() if path not in computed}
-    return TensorParallel(sizes[axis], names, gathered)
+
+    def dimension(layout, mesh_axis):
+        return next((d for d in layout.sharded if layout.axes[d] == mesh_axis), None)
+
+    gathered = {
+        path: (dimension(v, axis), dimension(v, batch))
+        for path, v in sharded.items()
+        if path not in computed
+    }
+    return TensorParallel(sizes[axis] if axis is not None else 1, names, gathered)
 
 
 def _named(layout: VariableLayout) -> str:

@@ -148,18 +148,18 @@ class CheckpointContent:
             return None
         if i not in self.state.sharded:
             return lambda: copies[li][i].value
-        shards = self._replica_positions(li, self.state.sharded[i].num_shards)
-        axis = self.state.sharded[i].axis
-        return lambda: tf.concat([copies[p][i].value for p in shards], axis=axis)
+        spec = self.state.sharded[i]
+        shards = self._holder_positions(li, spec)
+        return lambda: spec.join([copies[p][i].value for p in shards])
 
-    def _replica_positions(self, li: int, num_shards: int) -> list[int]:
-        """Local positions of the lanes of lane li's replica, by shard rank."""
+    def _holder_positions(self, li: int, spec) -> list[int]:
+        """Local positions of the lanes holding `spec`'s blocks that lane li joins with,
+        by block id."""
         lanes = self.state.lanes
-        replica = lanes[li].index // num_shards
-        positions = [p for p, lane in enumerate(lanes) if lane.index // num_shards == replica]
-        positions.sort(key=lambda p: lanes[p].index % num_shards)
-        assert len(positions) == num_shards, "a split replica's lanes are all on one worker"
-        return positions
+        position = {lane.index: p for p, lane in enumerate(lanes)}
+        holders = [spec.holder_of_id(k, lanes[li].index) for k in range(spec.block_count)]
+        assert all(h in position for h in holders), "a sharded variable's lanes are local"
+        return [position[h] for h in holders]
 
     def _owned_non_trainable(self, i: int) -> Callable | None:
         lane, li = self._owner(i, self.state.non_trainable_stage[i])
@@ -196,9 +196,10 @@ class CheckpointContent:
                 stage = self.state.trainable_stage[i]
                 owner, _ = self._owner(i, stage, self.slot_owners.get(i))
                 lane = self.state.lanes[lane_position]
-                if i in self.state.sharded:
-                    width = self.state.sharded[i].num_shards
-                    mine = lane.index // width == owner.index // width
+                if i in self.state.sharded:  # the owner joins with the lowest holders
+                    spec = self.state.sharded[i]
+                    holder = spec.holder_of_id(spec.block_id(lane.index), owner.index)
+                    mine = lane.index == holder
                 else:
                     mine = lane.index == owner.index
                 if mine:
@@ -211,9 +212,9 @@ class CheckpointContent:
             slot_name, _, span = key.split("/", 2)[2].partition(PIECE_MARK)
             span = f", elements {span}" if span else ""
             path = f"{self.state.model_trainable[i].path} ({slot_name}{span})"
-            if i in self.state.sharded:
-                axis = self.state.sharded[i].axis
-                read = lambda slots=slots, axis=axis: tf.concat([s.value for s in slots], axis)  # noqa: E731
+            if i in self.state.sharded:  # held by lane index: block id order
+                spec = self.state.sharded[i]
+                read = lambda slots=slots, spec=spec: spec.join([s.value for s in slots])  # noqa: E731
             else:
                 read = lambda slot=slots[0]: slot.value  # noqa: E731
             entries.append(Entry(key, path, read))
@@ -356,7 +357,7 @@ class CheckpointContent:
         if i not in self.state.sharded:
             return _whole
         spec = self.state.sharded[i]
-        return lambda value: spec.slice(tf.constant(value), lane.index % spec.num_shards)
+        return lambda value: spec.block_of_id(tf.constant(value), spec.block_id(lane.index))
 
     def assign(self, values: dict, expected: dict[str, Expected]) -> None:
         """Assigns every read entry to its targets; then the Keras model gets the result."""

@@ -106,9 +106,10 @@ def plan_engine(
       clip_global_norm: the optimizer's `global_clipnorm`.
       steps_per_execution: training steps per call of the compiled step.
       jit_compile: True, False or "auto" (jit_choice.py).
-      gathered: {variable path: dimension} of trainable variables held sliced along that
-        dimension over each replica's lanes and gathered whole on use (a Keras layout's
-        model-axis sharding outside Megatron pairs: split/layers.py).
+      gathered: {variable path: (dimension sliced over each replica's lanes or None,
+        dimension sliced over the replicas or None)} of trainable variables held in
+        blocks and gathered whole on use (a Keras layout's sharding outside Megatron
+        pairs: split/blocks.py).
     """
     gathered = dict(gathered or {})
     rules.check_config(config)
@@ -165,10 +166,17 @@ def plan_engine(
         staged = whole_model(model)
     else:
         staged = partition_model(model, node_taskgraph, len(plan.taskgraphs))
-    if gathered:
-        width = plan.taskgraphs[0].device_count
-        split_layers += gathered_variables(model, gathered, width)
     by_worker = [lanes_for_worker(plan, w) for w in range(len(devices_by_worker))]
+    if gathered:
+        over_replicas = [path for path, (_, batch_dim) in gathered.items() if batch_dim is not None]
+        if over_replicas and len(devices_by_worker) > 1 and plan.num_replicas > 1:
+            raise PlanError(
+                f"Variables laid out over the batch axis {over_replicas[:6]} are held across "
+                "the replicas, which this version gathers within one process; over "
+                f"{len(devices_by_worker)} workers, lay them out over the model axis only."
+            )
+        width = plan.taskgraphs[0].device_count
+        split_layers += gathered_variables(model, gathered, width, plan.num_replicas)
     in_job = {lane.index: lane for lanes in by_worker for lane in lanes}  # one view of each
     return EnginePlan(
         plan=plan,

@@ -111,8 +111,8 @@ class EngineState:
         # Keras model with the stages this worker does not hold.
         self.exchange = None
         self.stage_gathers = []  # ZeRO v2 stages across workers (StageGather)
-        # Split layers (split.py): trainable index -> ShardedVariable. Lane l holds slice
-        # `lane.index % num_shards` (its rank in the replica).
+        # Split layers and variables laid out sharded (split/blocks.py): trainable index
+        # -> ShardedVariable / LaidOutVariable. Lane l holds block `spec.block_id(l)`.
         self.sharded = dict(sharded or {})
         self._originals: dict[int, keras.Variable] = {}  # id(copy) -> the model's variable
         self.model_trainable = list(model.trainable_variables)
@@ -268,7 +268,7 @@ class EngineState:
 
     def _shard_of(self, index: int, value, lane: Lane):
         spec = self.sharded[index]
-        return spec.slice(value, lane.index % spec.num_shards)
+        return spec.block_of_id(value, spec.block_id(lane.index))
 
     def local_copy(self, index: int, trainable: bool = True):
         """This worker's first copy of variable `index`, or None if another worker holds
@@ -278,14 +278,18 @@ class EngineState:
 
     def full_value(self, index: int):
         """Trainable variable `index` as the model sees it: sharded ones are joined from
-        the lanes of this worker's first replica; None if another worker holds it."""
+        the lanes of this worker's first replica (laid out over the batch axis too: from
+        the replicas'); None if another worker holds it."""
         if index not in self.sharded:
             copy = self.local_copy(index)
             return None if copy is None else copy.value
         spec = self.sharded[index]
-        shards = [self.trainable[r][index].value for r in range(spec.num_shards)]
+        position = {lane.index: p for p, lane in enumerate(self.lanes)}
+        first = self.lanes[0].index
+        holders = [spec.holder_of_id(k, first) for k in range(spec.block_count)]
+        blocks = [self.trainable[position[lane]][index].value for lane in holders]
         with tf.device(self.model_trainable[index].value.device):
-            return tf.concat(shards, axis=spec.axis)
+            return spec.join(blocks)
 
     @contextlib.contextmanager
     def gathered_reads(self):

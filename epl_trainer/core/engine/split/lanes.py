@@ -50,6 +50,12 @@ class SplitLanes(ReplicatedLanes):
         everyone = layout.everyone
         scale = 1.0 / everyone.size
         mean = self.method == "mean"
+        # Laid out over the batch axis too: their gather's gradient summed every lane's.
+        job_summed = [i for i, spec in layout.state.sharded.items() if spec.summed_over_job]
+        for li, grads in enumerate(lane_grads):
+            for i in job_summed:
+                with tf.device(layout.lanes[li].devices[0]):
+                    reduced[li][i] = scaled(grads[i], scale) if mean else grads[i]
         for rank in range(runtime.width):
             members = [li for li in range(len(layout.lanes)) if runtime.shard_rank(li) == rank]
             if not members:
@@ -61,7 +67,7 @@ class SplitLanes(ReplicatedLanes):
                 job_devices, tuple(layout.lanes[li].devices[0] for li in members)
             )
             first = lane_grads[members[0]]
-            sharded = sorted(layout.state.sharded)
+            sharded = [i for i in sorted(layout.state.sharded) if i not in job_summed]
             dense = [i for i in sharded if not isinstance(first[i], tf.IndexedSlices)]
             per_member = [[lane_grads[li][i] for i in dense] for li in members]
             buckets = comm.plan_buckets(
@@ -85,12 +91,25 @@ class SplitLanes(ReplicatedLanes):
                         reduced[li][i] = scaled(g, scale) if mean else g
 
     def shard_norm_squares(self, li: int, grads: list) -> list:
-        sharded = sorted(self.layout.state.sharded)
-        if not sharded:
+        """Lane li's squared norm of every sharded gradient: its replica's slices summed
+        over the replica's lanes; blocks laid out over the batch axis too counted once
+        (on their lowest holder) and summed over the job."""
+        specs = self.layout.state.sharded
+        if not specs:
             return []
+        lane = self.layout.lanes[li].index
+        own = [i for i, spec in specs.items() if not spec.summed_over_job]
+        held = [
+            i
+            for i, spec in specs.items()
+            if spec.summed_over_job and spec.holder_of_id(spec.block_id(lane)) == lane
+        ]
         with self.lane(li), tf.device(self.layout.lanes[li].devices[0]):
-            squares = tf.add_n([sum_of_squares(grads[i]) for i in sharded])
-            return [self.runtime.active.reduce(squares, "sum")]
+            total = self.runtime.active.reduce(_sum_of_squares(grads, own), "sum")
+            if any(spec.summed_over_job for spec in specs.values()):
+                blocks = self.runtime.active.reduce(_sum_of_squares(grads, held), "sum")
+                total += self.runtime.active_batch.reduce(blocks, "sum")
+            return [total]
 
     def update_output_metric(self, index: int, metric, y_true, y_pred, sample_weight) -> bool:
         if index not in self.runtime.dense_outputs():
@@ -136,6 +155,13 @@ def apply_split(
         call = split.split_stage_call(stage.model, runtime, training_kwargs)
         hooks.stage_calls[k] = call
         hooks.eval_stage_calls[k] = call
+
+
+def _sum_of_squares(grads: list, indices: list[int]):
+    """The float32 sum of the squares of `grads[i]` for i in `indices` (0 for none)."""
+    return tf.add_n(
+        [tf.cast(sum_of_squares(grads[i]), tf.float32) for i in indices] or [tf.zeros([])]
+    )
 
 
 def _num_bytes(tensor) -> int:

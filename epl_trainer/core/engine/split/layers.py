@@ -60,24 +60,8 @@ from keras.src.backend.common.stateless_scope import StatelessScope
 
 from epl_trainer.core import comm
 from epl_trainer.core.engine import objective
+from epl_trainer.core.engine.split.blocks import LaidOutVariable, ShardedVariable
 from epl_trainer.core.plan.ir import SplitError
-
-
-@dataclasses.dataclass(frozen=True)
-class ShardedVariable:
-    """A trainable variable held as `num_shards` slices along `axis`, one per rank."""
-
-    index: int  # position in model.trainable_variables
-    axis: int
-    num_shards: int
-
-    def slice(self, value, rank: int):
-        size = value.shape[self.axis] // self.num_shards
-        begin = [0] * len(value.shape)
-        begin[self.axis] = rank * size
-        shape = list(value.shape)
-        shape[self.axis] = size
-        return tf.slice(value, begin, shape)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -272,31 +256,47 @@ def _moe_layer(layer, index_of, width) -> SplitLayer:
     return SplitLayer(layer, "moe", variables)
 
 
-def gathered_variables(model, dims_by_path, width: int) -> list[SplitLayer]:
-    """One "gathered" SplitLayer per trainable variable `dims_by_path` names: held as
-    `width` slices along its dimension, gathered whole on use."""
+def gathered_variables(model, dims_by_path, width: int, replicas: int) -> list[SplitLayer]:
+    """One "gathered" SplitLayer per trainable variable `dims_by_path` names, held in
+    blocks and gathered whole on use.
+
+    Args:
+      dims_by_path: {variable path: (dimension sliced over a replica's `width` lanes or
+        None, dimension sliced over the `replicas` or None)}.
+    """
     index_of = {v.path: i for i, v in enumerate(model.trainable_variables)}
     found = []
-    for path, dim in dims_by_path.items():
+    for path, (model_dim, batch_dim) in dims_by_path.items():
         if path not in index_of:
             raise SplitError(
                 f"Variable {path!r} is laid out sharded but is not a trainable variable of "
                 "the model; only trainable variables are held sharded."
             )
-        shape = model.trainable_variables[index_of[path]].shape
-        if shape[dim] % width:
-            raise SplitError(
-                f"Variable {path!r} of shape {tuple(shape)}: dimension {dim} is not divisible "
-                f"by the {width} devices of a replica."
-            )
-        found.append(SplitLayer(None, "gathered", (ShardedVariable(index_of[path], dim, width),)))
+        shape = tuple(model.trainable_variables[index_of[path]].shape)
+        for dim, parts, what in (
+            (model_dim, width, "devices of a replica"),
+            (batch_dim, replicas, "replicas"),
+        ):
+            if dim is not None and shape[dim] % parts:
+                raise SplitError(
+                    f"Variable {path!r} of shape {shape}: dimension {dim} is not divisible "
+                    f"by the {parts} {what}."
+                )
+        index = index_of[path]
+        if batch_dim is None:
+            spec = ShardedVariable(index, model_dim, width)
+        else:
+            spec = LaidOutVariable(index, model_dim, batch_dim, width, replicas)
+        found.append(SplitLayer(None, "gathered", (spec,)))
     return found
 
 
-def gather_whole(value, spec: ShardedVariable, lane_comm):
-    """The whole variable from the lanes' slices along `spec.axis`, in rank order; its
-    gradient is this lane's slice of the upstream summed over the lanes (rows of a table
-    read by lookups stay rows: `LaneCollectives.gather_along`)."""
+def gather_whole(value, spec, lane_comm, batch_comm=None):
+    """The whole variable from this lane's block (`blocks.py`); its gradient is this
+    lane's block of the upstream summed over the lanes (rows of a table read by lookups
+    stay rows: `LaneCollectives.gather_along`)."""
+    if isinstance(spec, LaidOutVariable):
+        return spec.gather(value, lane_comm, batch_comm)
     return lane_comm.gather_along(value, spec.axis)
 
 
@@ -340,21 +340,39 @@ class SplitRuntime:
                     f"its position {lane.index % width} in the replica; split needs devices "
                     "whose collective order follows their index."
                 )
+        # Variables laid out over the batch axis gather over the lanes of the same rank
+        # in every replica (the engine plans them only when the job is one process).
+        self._batch_groups = []
+        if any(isinstance(spec, LaidOutVariable) for spec in self.gathered.values()):
+            replicas = len(lanes_in_job) // width
+            for lane in self.lanes:
+                rank = lane.index % width
+                members = tuple(by_index[r * width + rank].devices[0] for r in range(replicas))
+                self._batch_groups.append(comm.CollectiveGroup(members, (lane.devices[0],)))
         self.comms: list[comm.LaneCollectives] = []
+        self.batch_comms: list[comm.LaneCollectives] = []
         self._active: int | None = None
         self.begin_trace()
 
     def begin_trace(self) -> None:
-        """Fresh instance keys (a block per local replica) for the next traced function.
+        """Fresh instance keys (a block per local replica, and per rank for the batch
+        groups) for the next traced function.
 
-        A replica never spans workers, so these keys are process-local
-        (`comm.reserve_local_instance_keys`)."""
+        A replica never spans workers, and batch groups exist only in a one-process job,
+        so these keys are process-local (`comm.reserve_local_instance_keys`)."""
         keys = comm.KEYS_PER_LANE_GROUP
         replicas = sorted({lane.index // self.width for lane in self.lanes})
-        first = comm.reserve_local_instance_keys(keys * len(replicas))
+        ranks = sorted({lane.index % self.width for lane in self.lanes})
+        count = len(replicas) + (len(ranks) if self._batch_groups else 0)
+        first = comm.reserve_local_instance_keys(keys * count)
         self.comms = [
             comm.LaneCollectives(g, first + replicas.index(lane.index // self.width) * keys, keys)
             for g, lane in zip(self._groups, self.lanes)
+        ]
+        first += len(replicas) * keys
+        self.batch_comms = [
+            comm.LaneCollectives(g, first + ranks.index(lane.index % self.width) * keys, keys)
+            for g, lane in zip(self._batch_groups, self.lanes)
         ]
 
     @contextlib.contextmanager
@@ -370,6 +388,14 @@ class SplitRuntime:
         if self._active is None:
             raise RuntimeError("A split layer ran outside a lane (internal error).")
         return self.comms[self._active]
+
+    @property
+    def active_batch(self) -> comm.LaneCollectives | None:
+        """The current lane's collectives over the lanes of its rank in every replica
+        (None without variables laid out over the batch axis)."""
+        if self._active is None:
+            raise RuntimeError("A split layer ran outside a lane (internal error).")
+        return self.batch_comms[self._active] if self.batch_comms else None
 
     def shard_rank(self, li: int) -> int:
         return self.ranks[li]
@@ -398,8 +424,10 @@ def split_stage_call(model, runtime: SplitRuntime, training_kwargs):
         mapping = []
         for i, (variable, value) in enumerate(zip(trainable, variables)):
             if i in runtime.gathered:
+                spec = runtime.gathered[i]
                 with tf.device(lane_comm.device):
-                    mapping.append((variable, gather_whole(value, runtime.gathered[i], lane_comm)))
+                    whole = gather_whole(value, spec, lane_comm, runtime.active_batch)
+                mapping.append((variable, whole))
             elif i in runtime.sharded:
                 sharded_values[i] = value
             else:

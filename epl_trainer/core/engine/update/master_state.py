@@ -76,7 +76,8 @@ class SlotPart:
       lane: the global index of the lane holding it.
       owner: the lowest global lane holding the same part (its copy is the one a write
         over several workers sums).
-      shard: (rank, count, axis) for a split shard's slot; None otherwise.
+      shard: (block id, the variable's ShardedVariable / LaidOutVariable) for a sharded
+        variable's slot (split/blocks.py); None otherwise.
       elements: [start, stop) of the flattened whole slot for a ZeRO piece's; None
         otherwise.
     """
@@ -84,19 +85,19 @@ class SlotPart:
     variable: object
     lane: int
     owner: int
-    shard: tuple[int, int, int] | None = None
+    shard: tuple[int, object] | None = None
     elements: tuple[int, int] | None = None
 
     @property
     def place(self) -> tuple:
         """Which part of the whole slot: copies of the same part share it."""
-        return (self.shard, self.elements)
+        return (None if self.shard is None else self.shard[0], self.elements)
 
     def of_whole(self, whole: tf.Tensor) -> tf.Tensor:
         """This part's value, cut from the whole slot's."""
         if self.shard is not None:
-            rank, count, axis = self.shard
-            return tf.split(whole, count, axis=axis)[rank]
+            block, spec = self.shard
+            return spec.block_of_id(whole, block)
         if self.elements is not None:
             start, stop = self.elements
             return tf.reshape(tf.reshape(whole, [-1])[start:stop], self.variable.shape)
@@ -150,10 +151,9 @@ def engine_slots(update, state, lanes_in_job: Sequence) -> list[SlotParts]:
                 lane = state.lanes[position].index
                 if i in state.sharded:
                     spec = state.sharded[i]
-                    rank = lane % spec.num_shards
-                    # Lane r is the lowest holding rank r (lane = replica * width + rank).
-                    shard = (rank, spec.num_shards, spec.axis)
-                    part = SlotPart(slot, lane, owner=lanes_in_job[rank].index, shard=shard)
+                    block = spec.block_id(lane)
+                    owner = spec.holder_of_id(block, lanes_in_job[0].index)
+                    part = SlotPart(slot, lane, owner=owner, shard=(block, spec))
                 else:
                     part = SlotPart(slot, lane, owner=first_lane)
             grouped.setdefault((i, name), SlotParts(i, name, [])).parts.append(part)
@@ -164,12 +164,10 @@ def joined(parts: Sequence[SlotPart], shape, dtype) -> tf.Tensor:
     """The whole slot from `parts` (one per place), zeros where a part is missing."""
     first = parts[0]
     if first.shard is not None:
-        _, count, axis = first.shard
-        by_rank = {p.shard[0]: p.variable.value for p in parts}
-        block = list(shape)
-        block[axis] //= count
-        blocks = [by_rank[r] if r in by_rank else tf.zeros(block, dtype) for r in range(count)]
-        return tf.concat(blocks, axis=axis)
+        spec = first.shard[1]
+        by_block = {p.shard[0]: p.variable.value for p in parts}
+        missing = tf.zeros(first.variable.shape, dtype)  # every block has one shape
+        return spec.join([by_block.get(k, missing) for k in range(spec.block_count)])
     if first.elements is not None:
         flat, end = [], 0
         for part in sorted(parts, key=lambda p: p.elements[0]):
@@ -190,7 +188,7 @@ def covers_whole(slot: SlotParts, shape) -> bool:
     parts = slot.distinct(owned_only=False)
     first = parts[0]
     if first.shard is not None:
-        return len({p.shard[0] for p in parts}) == first.shard[1]
+        return len({p.shard[0] for p in parts}) == first.shard[1].block_count
     if first.elements is not None:
         held = sum(p.elements[1] - p.elements[0] for p in parts)
         return held == tf.TensorShape(shape).num_elements()

@@ -156,13 +156,6 @@ class ReplicatedUpdate:
         variables = self.optimizers[li][stage][0].variables if self.optimizers[li][stage] else []
         return variables[0].value.device if variables else self.layout.lanes[li].devices[stage]
 
-    @property
-    def _distinct_lanes(self) -> int:
-        """Lanes whose optimizer state differs: one, or one per shard rank with split
-        layers (each lane of a replica updates its own shard)."""
-        sharded = self.layout.state.sharded
-        return next(iter(sharded.values())).num_shards if sharded else 1
-
     def local_optimizers(self) -> list[tuple[int, object, list]]:
         """[(local lane position, optimizer, the variables it updates)] on this worker."""
         return [
