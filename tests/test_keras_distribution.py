@@ -145,6 +145,24 @@ def test_a_megatron_pair_of_dense_layers_trains_tensor_parallel_as_keras(shape, 
     assert set(trainer.placement().values()) == {pair // width + rest}
 
 
+def test_a_pair_followed_by_a_row_laid_out_layer_stays_a_pair(caplog):
+    """logits laid out ('model', None) after the pair reads down's output: down is the
+    pair's row, not a column of another pair, so up -> down still computes sharded and
+    logits' kernel is gathered on use (everything was gathered before)."""
+    x, y = mlp_data(BATCH * STEPS)
+    reference = _mlp_pair()
+    keras_reference(reference, x, y, OPTIMIZERS["sgd"](), BATCH, STEPS)
+    layout_map = _pair_layouts(_mesh((1, 2)))
+    layout_map["logits/kernel"] = ("model", None)
+    model = _mlp_pair()
+    strategy = keras.distribution.ModelParallel(layout_map=layout_map)
+    with caplog.at_level("INFO", logger="epl_trainer"):
+        trainer = epl.EPLTrainer(model, LOSS, OPTIMIZERS["sgd"](), strategy=strategy)
+    assert "(Megatron pairs): up, down; held sharded, gathered on use: logits/kernel" in caplog.text
+    _fit(trainer, x, y)
+    assert max_weight_difference(reference, model) < ATOL
+
+
 def test_a_gated_mlp_laid_out_as_llamas_trains_tensor_parallel():
     """gate and up laid out (None, 'model') without biases, their product read by down
     laid out ('model', None): KerasHub Llama's MLP layout, on a functional model."""

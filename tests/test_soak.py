@@ -1,4 +1,6 @@
-"""Soak: thousands of data-parallel steps leave threads and resident memory flat.
+"""Soak: thousands of data-parallel steps leave threads and resident memory flat, and
+so do thousands of tensor-parallel steps of a Keras layout map (a Megatron pair computed
+sharded and a kernel gathered on use: collectives inside every step).
 
 A per-collective timer thread once made every run longer than a few minutes abort at
 ~30,000 threads (see epl_trainer/runtime/watchdog.py); short tests never saw it. The soak over
@@ -50,10 +52,10 @@ class OwnStep(keras.Model):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("step", ["engine", "user"])
+@pytest.mark.parametrize("step", ["engine", "user", "tensor_parallel"])
 def test_thousands_of_data_parallel_steps_keep_threads_and_memory_flat(step):
     if os.environ.get(CHILD):
-        _soak(OwnStep if step == "user" else keras.Model)
+        _soak(OwnStep if step == "user" else keras.Model, tensor_parallel=step == "tensor_parallel")
         return
     name = "test_thousands_of_data_parallel_steps_keep_threads_and_memory_flat"
     test = f"{__file__}::{name}[{step}]"
@@ -69,11 +71,25 @@ def test_thousands_of_data_parallel_steps_keep_threads_and_memory_flat(step):
     assert "1 passed" in result.stdout
 
 
-def _soak(model_class):
+def _tensor_parallel_layouts():
+    """On a (1, 2) mesh: up -> down a Megatron pair, the logits' kernel gathered on use."""
+    devices = keras.distribution.list_devices()[:2]
+    mesh = keras.distribution.DeviceMesh((1, 2), ["batch", "model"], devices)
+    layout_map = keras.distribution.LayoutMap(mesh)
+    layout_map["up/kernel"] = (None, "model")
+    layout_map["up/bias"] = ("model",)
+    layout_map["down/kernel"] = ("model", None)
+    layout_map["logits/kernel"] = ("model", None)
+    return keras.distribution.ModelParallel(layout_map=layout_map)
+
+
+def _soak(model_class, tensor_parallel=False):
     keras.utils.set_random_seed(0)
     inputs = keras.Input((8,))
-    hidden = keras.layers.Dense(16, activation="relu")(inputs)
-    model = model_class(inputs, keras.layers.Dense(4)(hidden))
+    hidden = keras.layers.Dense(16, activation="relu", name="up")(inputs)
+    if tensor_parallel:
+        hidden = keras.layers.Dense(8, activation="tanh", name="down")(hidden)
+    model = model_class(inputs, keras.layers.Dense(4, name="logits")(hidden))
     x = np.random.default_rng(0).normal(size=(256, 8)).astype("float32")
     y = (x[:, :4].argmax(axis=1)).astype("int32")
     dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(16).repeat()
@@ -81,10 +97,13 @@ def _soak(model_class):
         model,
         loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
         optimizer=keras.optimizers.Adam(1e-3),
-        strategy=epl.replicate(1),
+        strategy=_tensor_parallel_layouts() if tensor_parallel else epl.replicate(1),
         config={"cluster.virtual_devices": 2, "communication.timeout_seconds": 600},
     )
-    assert trainer.plan.num_replicas == 2
+    if tensor_parallel:
+        assert [tg.kind for tg in trainer.plan.taskgraphs] == ["replicate", "split"]
+    else:
+        assert trainer.plan.num_replicas == 2
     trainer.fit(dataset, epochs=1, steps_per_epoch=200, verbose=0)  # warm up
     threads, rss = process_threads(), process_rss_mib()
     samples = []  # (step, threads, RSS) every 1000 steps

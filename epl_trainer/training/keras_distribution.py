@@ -322,14 +322,17 @@ def _paired_layers(model, role_of) -> set[str]:
     """The Dense layers laid out as a pair's column or row that make one
     (split/layers.py `megatron_pairs`: column layers whose outputs only the row layer
     reads, directly or through element-wise layers, each called once); the others are
-    gathered on use."""
+    gathered on use. Each row layer is tried with the column layers alone, so a row
+    reading another pair's row (a layout's next Dense) does not undo the pair."""
     by_name = {layer.name: layer for layer in model._flatten_layers(include_self=False)}
-    try:
-        pairs = split.megatron_pairs([by_name[name] for name in role_of])
-    except SplitError:  # a layer between read from outside: no pair, all gathered
-        return set()
+    columns = [by_name[name] for name, role in role_of.items() if role == "column"]
     found = set()
-    for columns, row in pairs:
-        if role_of[row.name] == "row" and all(role_of[c.name] == "column" for c in columns):
-            found.update([row.name, *(c.name for c in columns)])
+    for name in (name for name, role in role_of.items() if role == "row"):
+        try:  # a layer between read from outside: no pair, gathered
+            pairs = split.megatron_pairs([*columns, by_name[name]])
+        except SplitError:
+            continue
+        for pair_columns, row in pairs:
+            if row.name == name:
+                found.update([name, *(c.name for c in pair_columns)])
     return found
