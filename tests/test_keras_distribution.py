@@ -163,6 +163,29 @@ def test_a_pair_followed_by_a_row_laid_out_layer_stays_a_pair(caplog):
     assert max_weight_difference(reference, model) < ATOL
 
 
+@pytest.mark.parametrize(
+    "level", [pytest.param(v, marks=pytest.mark.combines(f"split+zero_{v}")) for v in ("v1", "v2")]
+)
+def test_zero_shards_over_the_batch_axis_of_a_tensor_parallel_mesh(level):
+    """A (2, 2) mesh: the pair computes sharded over 'model', logits' kernel is gathered,
+    and ZeRO shards the rest over 'batch' (the replicas); the step is Keras's. v2 holds
+    the replicated biases in pieces too: fewer bytes per device than v1's 572."""
+    x, y = mlp_data(BATCH * STEPS)
+    reference = _mlp_pair()
+    keras_reference(reference, x, y, OPTIMIZERS["sgd"](), BATCH, STEPS)
+    layout_map = _pair_layouts(_mesh((2, 2)))
+    layout_map["logits/kernel"] = ("model", None)
+    model = _mlp_pair()
+    strategy = keras.distribution.ModelParallel(layout_map=layout_map)
+    trainer = epl.EPLTrainer(
+        model, LOSS, OPTIMIZERS["sgd"](), strategy=strategy, config={"zero.level": level}
+    )
+    _fit(trainer, x, y)
+    assert max_weight_difference(reference, model) < ATOL
+    held = max(trainer.placement().values())
+    assert held == 572 if level == "v1" else held < 572
+
+
 def test_a_gated_mlp_laid_out_as_llamas_trains_tensor_parallel():
     """gate and up laid out (None, 'model') without biases, their product read by down
     laid out ('model', None): KerasHub Llama's MLP layout, on a functional model."""
