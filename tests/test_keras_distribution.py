@@ -224,6 +224,7 @@ def test_a_sharded_layout_outside_a_pair_is_gathered_on_use(shape, caplog):
     with caplog.at_level("INFO", logger="epl_trainer"):
         trainer = epl.EPLTrainer(model, LOSS, OPTIMIZERS["sgd"](), strategy=strategy)
     assert "gathered on use: dense_in/kernel, logits/kernel" in caplog.text
+    assert "gathered on use: dense_in/kernel, logits/kernel" in str(trainer.plan)
     assert trainer.plan.num_replicas == shape[0]
     _fit(trainer, x, y)
     assert max_weight_difference(reference, model) < ATOL

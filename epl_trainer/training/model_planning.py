@@ -10,6 +10,7 @@ the parallel annotation, and the engine plan, into the trainer's context.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import re
 
@@ -125,9 +126,10 @@ class ModelPlanner:
             if chosen is not None:
                 context.optimizer = keras.optimizers.get(chosen)
         context.model = model
-        gathered = {}
+        gathered, tensor_parallel = {}, None
         if context.distribution is not None:  # Keras's layouts: data or tensor parallel
-            strategy, gathered = self._tensor_parallel_strategy(model, strategy)
+            strategy, tensor_parallel = self._tensor_parallel_strategy(model, strategy)
+            gathered = tensor_parallel.gathered if tensor_parallel else {}
         objectives = dict(
             loss=first(loss, spec.loss, given.get("loss")),
             metrics=first(metrics, spec.metrics, given.get("metrics")),
@@ -153,6 +155,10 @@ class ModelPlanner:
             jit_compile=context.jit_compile,
             gathered=gathered,
         )
+        if tensor_parallel is not None:  # the plan says what the layouts run as
+            context.engine_plan.plan = dataclasses.replace(
+                context.engine_plan.plan, layouts_description=tensor_parallel.describe()
+            )
         if context.deepspeed is not None:  # accumulation steps may follow from the lane count
             context.config, context.engine_plan.plan = context.deepspeed.resolve_plan(
                 context.config, context.engine_plan.plan, len(context.engine_plan.lanes_in_job)
@@ -169,20 +175,20 @@ class ModelPlanner:
         self._take_start_state()  # worker 0's values (start_state.py)
 
     def _tensor_parallel_strategy(self, model, strategy):
-        """(`strategy` (None: data parallelism over the mesh), {}), or the Strategy a
-        Keras layout map makes (keras_distribution.py) and the variables it gathers on
-        use: each replica as wide as the model axis, its Megatron pairs split layers,
-        whose lanes share the devices of the replicated layers."""
+        """(`strategy` (None: data parallelism over the mesh), None), or the Strategy a
+        Keras layout map makes and its `TensorParallel` (keras_distribution.py): each
+        replica as wide as the model axis, its Megatron pairs split layers, whose lanes
+        share the devices of the replicated layers."""
         context = self._context
         tensor_parallel = keras_distribution.plan(context.distribution, model)
         if tensor_parallel is None:
-            return strategy, {}
+            return strategy, None
         logger.info("Keras layouts: %s", tensor_parallel.describe())
         context.config = context.config.replace({"cluster.colocate_split_and_replicate": True})
         patterns = [re.escape(name) for name in tensor_parallel.layers]
         width = tensor_parallel.width
         chosen = Strategy(default=replicate(width), split=patterns or None)
-        return chosen, tensor_parallel.gathered
+        return chosen, tensor_parallel
 
 
 def needs_data_to_build(model) -> bool:

@@ -112,6 +112,9 @@ class Plan:
     stage_costs: tuple[float, ...] | None = None
     cut_description: str | None = None
     virtual_stages: int = 1  # pipeline.virtual_stages: stages per device of a lane
+    # What a Keras distribution's layouts run as (which variables compute sharded, which
+    # are gathered on use: training/keras_distribution.py); shown by summary().
+    layouts_description: str | None = None
 
     def __post_init__(self):
         # Internal invariant: the planner builds consistent plans; a hand-made Plan
@@ -268,6 +271,8 @@ class Plan:
             )
         if self.cut_description:
             lines.append(f"Cut: {self.cut_description}")
+        if self.layouts_description:
+            lines.append(f"Keras layouts: {self.layouts_description}")
         return "\n".join(lines)
 
     def __str__(self) -> str:
@@ -289,6 +294,7 @@ class Plan:
             "pipeline_strategy": self.pipeline_strategy,
             "stage_costs": None if self.stage_costs is None else list(self.stage_costs),
             "cut_description": self.cut_description,
+            "layouts_description": self.layouts_description,
             "virtual_stages": self.virtual_stages,
         }
 
@@ -311,6 +317,7 @@ class Plan:
             pipeline_strategy=data.get("pipeline_strategy", "PreferBackward"),
             stage_costs=data.get("stage_costs"),
             cut_description=data.get("cut_description"),
+            layouts_description=data.get("layouts_description"),
             virtual_stages=data.get("virtual_stages", 1),
         )
 
