@@ -158,7 +158,10 @@ def test_a_pair_followed_by_a_row_laid_out_layer_stays_a_pair(caplog):
     strategy = keras.distribution.ModelParallel(layout_map=layout_map)
     with caplog.at_level("INFO", logger="epl_trainer"):
         trainer = epl.EPLTrainer(model, LOSS, OPTIMIZERS["sgd"](), strategy=strategy)
-    assert "(Megatron pairs): up, down; held sharded, gathered on use: logits/kernel" in caplog.text
+    assert (
+        "(Megatron pairs): up, down; vocabulary-parallel lookups: none; held sharded, "
+        "gathered on use: logits/kernel" in caplog.text
+    )
     _fit(trainer, x, y)
     assert max_weight_difference(reference, model) < ATOL
 
@@ -398,6 +401,40 @@ def test_gathered_variables_on_two_workers_train_as_one_process(tmp_path):
         saved = np.load(tmp_path / "out" / f"weights_{worker}.npz")
         for i, value in enumerate(model.get_weights()):
             np.testing.assert_allclose(saved[f"arr_{i}"], value, atol=1e-5)
+
+
+def _embedding_model(mask_zero):
+    keras.utils.set_random_seed(0)
+    tokens = keras.Input((5,), dtype="int32")
+    h = keras.layers.Embedding(16, 8, mask_zero=mask_zero, name="embed")(tokens)
+    h = keras.layers.GlobalAveragePooling1D()(h)  # reads the mask when there is one
+    return keras.Model(tokens, keras.layers.Dense(3, name="logits")(h))
+
+
+@pytest.mark.parametrize(
+    "shape, optimizer, mask_zero",
+    [((1, 2), "sgd", False), ((1, 2), "adam", True), ((2, 2), "adam", False)],
+)
+def test_an_embedding_laid_out_by_vocabulary_looks_up_in_place(shape, optimizer, mask_zero):
+    """The table laid out ('model', None): each device holds half the vocabulary and looks
+    up the ids it holds for all the replica's rows, a reduce-scatter summing the halves
+    (the plan says so); the step is Keras's, Adam's rows applied sparsely as Keras does."""
+    rng = np.random.default_rng(0)
+    x = rng.integers(0, 16, (BATCH * STEPS, 5)).astype("int32")
+    y = rng.integers(0, 3, BATCH * STEPS)
+    reference = _embedding_model(mask_zero)
+    keras_reference(reference, x, y, OPTIMIZERS[optimizer](), BATCH, STEPS)
+    layout_map = keras.distribution.LayoutMap(_mesh(shape))
+    layout_map["embed/embeddings"] = ("model", None)
+    model = _embedding_model(mask_zero)
+    strategy = keras.distribution.ModelParallel(layout_map=layout_map)
+    trainer = epl.EPLTrainer(model, LOSS, OPTIMIZERS[optimizer](), strategy=strategy)
+    assert "vocabulary-parallel lookups: embed/embeddings; held sharded, gathered on use: none" in (
+        trainer.plan.layouts_description
+    )
+    _fit(trainer, x, y)
+    assert max_weight_difference(reference, model) < (ATOL_ADAM if optimizer == "adam" else ATOL)
+    assert set(trainer.placement().values()) == {(16 * 8 // shape[1] + 8 * 3 + 3) * 4}
 
 
 def _causal_lm_data(rows=32, length=8, vocabulary=64):

@@ -29,14 +29,16 @@ What runs in this version:
     `("model", None)`, directly or through element-wise layers such as a gated MLP's
     `gate * up`), the pairs compute sharded as `epl.split`'s column -> row pairs
     (split/layers.py);
-  - every other variable sharded over the model axis (attention kernels, embeddings, an
-    MLP inside a subclassed block, as KerasHub's maps lay them out) is held as its slice
-    and gathered whole on use, its gradient reduce-scattered back to the slices
-    (split/layers.py `gather_whole`): storage follows the layout, the computation is
-    the replicated one.
+  - an Embedding whose table is laid out by vocabulary row over the model axis looks up
+    in place (split/layers.py `_vocab_call`);
+  - every other sharded variable (attention kernels, an MLP inside a subclassed block,
+    a table also sharded over the batch axis, as KerasHub's maps lay them out) is held
+    as its block, over the model axis, the batch axis or both, and gathered whole on
+    use, its gradient reduce-scattered back to the blocks (split/blocks.py): storage
+    follows the layout, the computation is the replicated one.
 
-Layouts over the batch axis (storage across the data-parallel lanes) and layouts of
-layer outputs are refused by name rather than trained replicated.
+Layouts of layer outputs, and blocks over the batch axis with replicas on several
+workers, are refused by name rather than trained replicated.
 """
 
 from __future__ import annotations
@@ -218,13 +220,16 @@ class TensorParallel:
     width: int
     layers: tuple[str, ...]
     gathered: dict[str, tuple[int | None, int | None]] = dataclasses.field(default_factory=dict)
+    vocabulary: tuple[str, ...] = ()
 
     def describe(self) -> str:
         computed = ", ".join(self.layers) or "none"
+        vocabulary = ", ".join(self.vocabulary) or "none"
         gathered = ", ".join(self.gathered) or "none"
         return (
             f"tensor parallel over {self.width} devices; computed sharded (Megatron pairs): "
-            f"{computed}; held sharded, gathered on use: {gathered}"
+            f"{computed}; vocabulary-parallel lookups: {vocabulary}; held sharded, gathered "
+            f"on use: {gathered}"
         )
 
 
@@ -281,12 +286,14 @@ def plan(distribution, model) -> TensorParallel | None:
     def dimension(layout, mesh_axis):
         return next((d for d in layout.sharded if layout.axes[d] == mesh_axis), None)
 
+    vocabulary = tuple(_vocabulary_parallel(model, layouts, axis, sizes)) if axis else ()
     gathered = {
         path: (dimension(v, axis), dimension(v, batch))
         for path, v in sharded.items()
-        if path not in computed
+        if path not in computed and path not in vocabulary
     }
-    return TensorParallel(sizes[axis] if axis is not None else 1, names, gathered)
+    width = sizes[axis] if axis is not None else 1
+    return TensorParallel(width, names, gathered, vocabulary)
 
 
 def _named(layout: VariableLayout) -> str:
@@ -316,6 +323,22 @@ def _pair_roles(model, layouts, axis, sizes) -> dict[str, tuple[str, str]]:
         if bias is not None and role == "column":
             roles[layer.bias.path] = (layer.name, role)
     return roles
+
+
+def _vocabulary_parallel(model, layouts, axis, sizes) -> list[str]:
+    """The tables of Embedding layers laid out by vocabulary row over `axis` only
+    (`(axis, None)`), which look up in place (split/layers.py `_vocab_call`); a LoRA or
+    quantized Embedding's table is gathered instead."""
+    found = []
+    for layer in model._flatten_layers(include_self=False):
+        if not isinstance(layer, keras.layers.Embedding) or not layer.trainable:
+            continue
+        if getattr(layer, "lora_enabled", False) or getattr(layer, "quantization_mode", None):
+            continue
+        axes = layouts[layer.embeddings.path].axes
+        if tuple(a if a is not None and sizes[a] > 1 else None for a in axes) == (axis, None):
+            found.append(layer.embeddings.path)
+    return found
 
 
 def _paired_layers(model, role_of) -> set[str]:

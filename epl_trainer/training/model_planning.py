@@ -154,6 +154,7 @@ class ModelPlanner:
             steps_per_execution=context.steps_per_execution,
             jit_compile=context.jit_compile,
             gathered=gathered,
+            vocabulary=tensor_parallel.vocabulary if tensor_parallel else (),
         )
         if tensor_parallel is not None:  # the plan says what the layouts run as
             context.engine_plan.plan = dataclasses.replace(

@@ -29,6 +29,7 @@ from epl_trainer.core.engine.split import (
     find_split_layers,
     gathered_variables,
     sparse_outputs,
+    vocabulary_parallel,
 )
 from epl_trainer.core.engine.state import EngineState, Lane, lanes_for_worker
 from epl_trainer.core.engine.sync_batch_norm import check_sync_batch_norm, synchronized_layers
@@ -90,7 +91,8 @@ def plan_engine(
     clip_global_norm: float | None = None,
     steps_per_execution: int = 1,
     jit_compile: bool | str = False,
-    gathered: Mapping[str, int] | None = None,
+    gathered: Mapping[str, tuple] | None = None,
+    vocabulary: Sequence[str] = (),
 ) -> EnginePlan:
     """Plans the engine for `model`.
 
@@ -110,8 +112,11 @@ def plan_engine(
         dimension sliced over the replicas or None)} of trainable variables held in
         blocks and gathered whole on use (a Keras layout's sharding outside Megatron
         pairs: split/blocks.py).
+      vocabulary: paths of Embedding tables held by vocabulary rows over each replica's
+        lanes and looked up in place (split/layers.py `_vocab_call`).
     """
     gathered = dict(gathered or {})
+    in_split = [*gathered, *vocabulary]  # split-like: their collectives run in the step
     rules.check_config(config)
     auto = None
     if config.auto.auto_parallel:
@@ -131,21 +136,19 @@ def plan_engine(
         cut_description=auto.cut_description if auto else None,
     )
     user = user_steps.overridden_steps(model)
-    rules.check_user_steps(user, plan, config, steps_per_execution, jit_compile, list(gathered))
+    rules.check_user_steps(user, plan, config, steps_per_execution, jit_compile, in_split)
     if user:  # the user's step runs as written, in plain ops (user_steps.py)
         jit_compile = False
     synchronized = bool(synchronized_layers(model, config.batch_norm.synchronized))
     without_xla = jit_choice.layers_without_xla(model) if jit_compile == jit_choice.AUTO else []
     jit = jit_choice.choose(jit_compile, plan, config, synchronized, without_xla)
     _announce(jit, chosen_by_user=jit_compile != jit_choice.AUTO)
-    rules.check_plan(
-        plan, config, clip_global_norm, steps_per_execution, jit.compile, list(gathered)
-    )
+    rules.check_plan(plan, config, clip_global_norm, steps_per_execution, jit.compile, in_split)
     check_sync_batch_norm(
         model,
         config.batch_norm.synchronized,
         jit.compile,
-        split=any(tg.kind == "split" for tg in plan.taskgraphs) or bool(gathered),
+        split=any(tg.kind == "split" for tg in plan.taskgraphs) or bool(in_split),
     )
     split_layers = []
     if any(tg.kind == "split" for tg in plan.taskgraphs):
@@ -177,6 +180,9 @@ def plan_engine(
             )
         width = plan.taskgraphs[0].device_count
         split_layers += gathered_variables(model, gathered, width, plan.num_replicas)
+    if vocabulary:
+        width = plan.taskgraphs[0].device_count
+        split_layers += vocabulary_parallel(model, set(vocabulary), width)
     in_job = {lane.index: lane for lanes in by_worker for lane in lanes}  # one view of each
     return EnginePlan(
         plan=plan,

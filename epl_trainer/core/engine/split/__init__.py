@@ -13,5 +13,6 @@ __getattr__, __dir__, __all__ = lazy_surface(
         "gathered_variables": "layers",
         "megatron_pairs": "layers",
         "sparse_outputs": "layers",
+        "vocabulary_parallel": "layers",
     },
 )

@@ -29,6 +29,13 @@ traced, by distributed implementations that read only the lane's shard:
 
 Every other layer inside a split scope runs replicated on the lane's own rows.
 
+* **Vocabulary-parallel embedding** (an Embedding whose table a Keras layout shards by
+  vocabulary row): each lane all-gathers the token ids of the replica's rows, looks up
+  the ids its rows of the table hold (the others give zeros), and a reduce-scatter sums
+  the lanes' lookups and hands each lane its own rows: the table never moves. Its
+  gradient is the lookups' rows (IndexedSlices), as on one device. A tied table's
+  reverse use (KerasHub's `ReversibleEmbedding(tie_weights=True)` logits) reads it
+  gathered whole.
 * **Gathered variable** (a Keras layout's variable sharded over the model axis outside
   any layer the engine computes sharded: attention kernels, embeddings, an MLP inside a
   subclassed block): each lane holds its slice along one dimension, and every forward
@@ -69,8 +76,9 @@ class SplitLayer:
     """One layer replaced by its distributed implementation."""
 
     layer: keras.layers.Layer | None  # None for "gathered"
-    # "dense" (sharded classifier), "column" / "row" (a Megatron pair), "moe", or
-    # "gathered" (one variable sharded for storage, gathered whole on use)
+    # "dense" (sharded classifier), "column" / "row" (a Megatron pair), "moe", "vocab"
+    # (an Embedding's table by vocabulary rows), or "gathered" (one variable sharded for
+    # storage, gathered whole on use)
     kind: str
     variables: tuple[ShardedVariable, ...]
     output_index: int | None = None  # dense: which flat model output it produces
@@ -291,6 +299,28 @@ def gathered_variables(model, dims_by_path, width: int, replicas: int) -> list[S
     return found
 
 
+def vocabulary_parallel(model, paths, width: int) -> list[SplitLayer]:
+    """A "vocab" SplitLayer for each Embedding whose table's path is in `paths`: the table
+    held as `width` slices of vocabulary rows, looked up in place (`_vocab_call`)."""
+    index_of = {id(v): i for i, v in enumerate(model.trainable_variables)}
+    found = []
+    for layer in model._flatten_layers(include_self=False):
+        if isinstance(layer, keras.layers.Embedding) and layer.embeddings.path in paths:
+            if layer.input_dim % width:
+                raise SplitError(
+                    f"Embedding {layer.name!r} has input_dim={layer.input_dim}, which the "
+                    f"{width} devices of a replica cannot share evenly."
+                )
+            spec = ShardedVariable(index_of[id(layer.embeddings)], 0, width)
+            found.append(SplitLayer(layer, "vocab", (spec,)))
+    return found
+
+
+def reads_table_whole(split: SplitLayer) -> bool:
+    """A vocabulary-parallel table that its layer also reads whole (tied logits)."""
+    return split.kind == "vocab" and bool(getattr(split.layer, "tie_weights", False))
+
+
 def gather_whole(value, spec, lane_comm, batch_comm=None):
     """The whole variable from this lane's block (`blocks.py`); its gradient is this
     lane's block of the upstream summed over the lanes (rows of a table read by lookups
@@ -323,7 +353,10 @@ class SplitRuntime:
         self.width = width
         self.sharded = {sv.index: sv for s in self.layers for sv in s.variables}
         self.gathered = {
-            sv.index: sv for s in self.layers if s.kind == "gathered" for sv in s.variables
+            sv.index: sv
+            for s in self.layers
+            if s.kind == "gathered" or reads_table_whole(s)
+            for sv in s.variables
         }
         self.lanes = list(lanes)
         by_index = {lane.index: lane for lane in lanes_in_job}
@@ -423,14 +456,14 @@ def split_stage_call(model, runtime: SplitRuntime, training_kwargs):
         sharded_values = {}
         mapping = []
         for i, (variable, value) in enumerate(zip(trainable, variables)):
-            if i in runtime.gathered:
+            if i in runtime.gathered:  # read whole (a tied table also by its lookups)
                 spec = runtime.gathered[i]
                 with tf.device(lane_comm.device):
                     whole = gather_whole(value, spec, lane_comm, runtime.active_batch)
                 mapping.append((variable, whole))
-            elif i in runtime.sharded:
+            if i in runtime.sharded:
                 sharded_values[i] = value
-            else:
+            elif i not in runtime.gathered:
                 mapping.append((variable, value))
         mapping += list(zip(non_trainable, non_trainable_values))
         with StatelessScope(state_mapping=mapping, collect_losses=True) as scope:
@@ -460,6 +493,8 @@ def _replaced_calls(runtime, sharded_values, lane_comm, training):
                 fn = _column_call(split.layer, shards, lane_comm)
             elif split.kind == "row":
                 fn = _row_call(split.layer, shards, lane_comm)
+            elif split.kind == "vocab":
+                fn = _vocab_call(split.layer, shards[0], lane_comm)
             else:
                 fn = _moe_call(split.layer, shards, lane_comm)
             object.__setattr__(split.layer, "call", fn)
@@ -511,6 +546,28 @@ def _row_call(layer, shards, lane_comm):
         if layer.use_bias:
             outputs = outputs + tf.cast(layer.bias.value, outputs.dtype)
         return layer.activation(outputs)
+
+    return call
+
+
+def _vocab_call(layer, table, lane_comm):
+    """An Embedding's lookup from this lane's vocabulary rows of the table, for every row
+    of the replica, summed over the lanes back to each lane's own rows. The reverse call
+    of a tied table (logits) is the layer's own, on the whole table gathered into the
+    scope's mapping."""
+    original = type(layer).call
+
+    def call(inputs, *args, **kwargs):
+        if kwargs.get("reverse") or (args and args[0]):
+            return original(layer, inputs, *args, **kwargs)
+        ids = inputs if inputs.dtype in (tf.int32, tf.int64) else tf.cast(inputs, tf.int32)
+        ids = lane_comm.gather_rows(ids)
+        rows = table.shape[0]
+        local = ids - tf.cast(lane_comm.rank * rows, ids.dtype)
+        inside = tf.logical_and(local >= 0, local < rows)
+        found = tf.gather(table, tf.where(inside, local, tf.zeros_like(local)))
+        found = found * tf.cast(inside, found.dtype)[..., None]
+        return lane_comm.reduce_scatter_rows(tf.cast(found, layer.compute_dtype))
 
     return call
 
