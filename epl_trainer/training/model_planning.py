@@ -130,6 +130,16 @@ class ModelPlanner:
         if context.distribution is not None:  # Keras's layouts: data or tensor parallel
             strategy, tensor_parallel = self._tensor_parallel_strategy(model, strategy)
             gathered = tensor_parallel.gathered if tensor_parallel else {}
+            staged = stages is not None or context.config.auto.auto_parallel
+            if tensor_parallel is not None and staged:
+                raise ValueError(
+                    "A Keras layout map that shards variables (tensor parallel over "
+                    f"{tensor_parallel.width} devices) is not combined with pipeline stages "
+                    "in this version. Received: "
+                    + (f"stages={stages!r}" if stages is not None else "auto.auto_parallel=True")
+                    + ". Train the layouts without stages, or the stages with a "
+                    "DataParallel or a map that shards nothing."
+                )
         objectives = dict(
             loss=first(loss, spec.loss, given.get("loss")),
             metrics=first(metrics, spec.metrics, given.get("metrics")),
