@@ -145,23 +145,36 @@ class LaneCollectives:
         """
         if self.size == 1:
             return x
-        order = [axis, *(d for d in range(len(x.shape)) if d != axis)]
-        back = [order.index(d) for d in range(len(order))]
+        shape = [int(d) for d in x.shape]
+        whole = [*shape[:axis], shape[axis] * self.size, *shape[axis + 1 :]]
+        # The blocks arrive stacked on axis 0 ([members, *block]); one transpose puts the
+        # members' axis before `axis` ([*shape[:axis], members, block's axis, ...]).
+        to_axis = [*range(1, axis + 1), 0, *range(axis + 1, len(shape) + 1)]
+        from_axis = [to_axis.index(d) for d in range(len(to_axis))]
 
-        def moved(tensor, permutation):
-            return tensor if axis == 0 else tf.transpose(tensor, permutation)
+        def joined(stacked):
+            if axis == 0:
+                return stacked
+            blocks = tf.reshape(stacked, [self.size, *shape])
+            return tf.reshape(tf.transpose(blocks, to_axis), whole)
+
+        def stacked(upstream):
+            if axis == 0:
+                return upstream
+            split = tf.reshape(upstream, [*shape[:axis], self.size, *shape[axis:]])
+            return tf.reshape(tf.transpose(split, from_axis), [self.size * shape[0], *shape[1:]])
 
         @tf.custom_gradient
         def gather(value):
             with tf.device(self.device):
-                out = moved(self._gather(moved(value, order)), back)
+                out = joined(self._gather(value))
 
             def grad(upstream):
                 with tf.device(self.device):
                     if isinstance(upstream, tf.IndexedSlices):
                         return self._own_rows_of_slices(upstream, value.shape, axis)
                     upstream = tf.ensure_shape(upstream, out.shape)
-                    return moved(self._sum_own_rows(moved(upstream, order)), back)
+                    return self._sum_own_rows(stacked(upstream))
 
             return out, grad
 
