@@ -145,40 +145,53 @@ class LaneCollectives:
         """
         if self.size == 1:
             return x
-        shape = [int(d) for d in x.shape]
-        whole = [*shape[:axis], shape[axis] * self.size, *shape[axis + 1 :]]
-        # The blocks arrive stacked on axis 0 ([members, *block]); one transpose puts the
-        # members' axis before `axis` ([*shape[:axis], members, block's axis, ...]).
-        to_axis = [*range(1, axis + 1), 0, *range(axis + 1, len(shape) + 1)]
-        from_axis = [to_axis.index(d) for d in range(len(to_axis))]
-
-        def joined(stacked):
-            if axis == 0:
-                return stacked
-            blocks = tf.reshape(stacked, [self.size, *shape])
-            return tf.reshape(tf.transpose(blocks, to_axis), whole)
-
-        def stacked(upstream):
-            if axis == 0:
-                return upstream
-            split = tf.reshape(upstream, [*shape[:axis], self.size, *shape[axis:]])
-            return tf.reshape(tf.transpose(split, from_axis), [self.size * shape[0], *shape[1:]])
 
         @tf.custom_gradient
         def gather(value):
             with tf.device(self.device):
-                out = joined(self._gather(value))
+                out = self.join_blocks(value, axis)
 
             def grad(upstream):
                 with tf.device(self.device):
                     if isinstance(upstream, tf.IndexedSlices):
                         return self._own_rows_of_slices(upstream, value.shape, axis)
-                    upstream = tf.ensure_shape(upstream, out.shape)
-                    return self._sum_own_rows(stacked(upstream))
+                    return self.sum_own_block(tf.ensure_shape(upstream, out.shape), axis)
 
             return out, grad
 
         return gather(x)
+
+    def join_blocks(self, x, axis: int):
+        """The members' blocks `x` joined along `axis` in rank order (no gradient of its
+        own: `gather_along`'s forward). The blocks arrive stacked on axis 0; one transpose
+        puts the members' axis just before `axis`."""
+        if self.size == 1:
+            return x
+        stacked = self._gather(x)
+        if axis == 0:
+            return stacked
+        shape = [int(d) for d in x.shape]
+        blocks = tf.reshape(stacked, [self.size, *shape])
+        to_axis = [*range(1, axis + 1), 0, *range(axis + 1, len(shape) + 1)]
+        whole = [*shape[:axis], shape[axis] * self.size, *shape[axis + 1 :]]
+        return tf.reshape(tf.transpose(blocks, to_axis), whole)
+
+    def sum_own_block(self, x, axis: int):
+        """This member's block along `axis` of the members' `x`, summed (a reduce-scatter
+        along `axis`: `join_blocks`' adjoint; no gradient of its own)."""
+        if self.size == 1:
+            return x
+        if axis == 0:
+            return self._sum_own_rows(x)
+        shape = [int(d) for d in x.shape]
+        block = shape[axis] // self.size
+        split = tf.reshape(x, [*shape[:axis], self.size, block, *shape[axis + 1 :]])
+        to_front = [axis, *range(axis), *range(axis + 1, len(shape) + 1)]
+        stacked = tf.transpose(split, to_front)
+        block_shape = [*shape[:axis], block, *shape[axis + 1 :]]
+        return self._sum_own_rows(
+            tf.reshape(stacked, [self.size * block_shape[0], *block_shape[1:]])
+        )
 
     def _own_rows_of_slices(self, slices: tf.IndexedSlices, block_shape, axis: int):
         """Every member's (index, row) pairs of a table's gradient, this member's block of

@@ -168,21 +168,11 @@ class LaidOutVariable:
         return tf.IndexedSlices(values * mask, indices, dense_shape)
 
 
-def _moved(tensor, axis: int, back: bool = False):
-    """`tensor` with dimension `axis` first (or, `back`, first moved back to `axis`)."""
-    if axis == 0:
-        return tensor
-    order = [axis, *(d for d in range(len(tensor.shape)) if d != axis)]
-    if back:
-        order = [order.index(d) for d in range(len(order))]
-    return tf.transpose(tensor, order)
-
-
 def _gathered(block, axis: int, comm):
     """The members' blocks joined along `axis` (no gradient of its own: the caller's)."""
-    return _moved(comm.gather_rows(_moved(block, axis)), axis, back=True)
+    return comm.join_blocks(block, axis)
 
 
 def _own_block_summed(upstream, axis: int, comm):
     """This member's block along `axis` of the members' `upstream`, summed."""
-    return _moved(comm.reduce_scatter_rows(_moved(upstream, axis)), axis, back=True)
+    return comm.sum_own_block(upstream, axis)
