@@ -39,7 +39,9 @@ def test_restore_into_a_fresh_trainer_continues_identically(tmp_path):
     resumed.restore_checkpoint(str(tmp_path))
     assert resumed.epochs_done == 2
     assert int(resumed.optimizer.iterations.numpy()) == 8
-    history = resumed.fit(_dataset(), epochs=2, verbose=0)  # 2 more, numbered from 2
+    # After a restore `epochs` is the final epoch, as Keras documents it with
+    # initial_epoch: epochs 2 and 3 run.
+    history = resumed.fit(_dataset(), epochs=4, verbose=0)
     assert max_weight_difference(uninterrupted, resumed_model) == 0.0
     assert history.epoch == [2, 3]
 
@@ -278,3 +280,55 @@ def test_resume_with_steps_per_epoch_continues_the_same_pass(tmp_path):
     resumed = mlp(seed=7)
     fit(resumed, **config)
     assert max_weight_difference(uninterrupted, resumed) == 0.0
+
+
+def test_restore_then_fit_finishes_the_run_as_checkpoint_dir_does(tmp_path, caplog):
+    """Issue 48, item 4: a 2-epoch job of 6 steps per epoch (shuffled numpy, Dropout),
+    checkpoints every 2 steps, interrupted at step 9 (newest: step 8, epoch 1's third
+    step). `restore_checkpoint` then `fit(epochs=2)` (DeepSpeed's load_checkpoint habit)
+    runs the 4 steps left and ends where the uninterrupted run ends; before, it ran 10
+    (the rest of the epoch and one more) and ended 4.5e-2 away. A fit with no epoch left
+    trains nothing and says so."""
+    x, y = mlp_data(96)
+
+    def fit(model, trainer=None, callbacks=(), **config):
+        trainer = trainer or epl.EPLTrainer(
+            model,
+            LOSS,
+            keras.optimizers.Adam(0.01),
+            config={"cluster.virtual_devices": 2, **config},
+        )
+        trainer.fit(x, y, batch_size=16, epochs=2, callbacks=list(callbacks), verbose=0)
+        return trainer
+
+    uninterrupted = mlp(dropout=0.3)
+    fit(uninterrupted)
+
+    class InterruptAtStep9(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            if int(self.model.optimizer.iterations.numpy()) == 9:
+                raise _Interrupt()
+
+    with pytest.raises(_Interrupt):
+        fit(
+            mlp(dropout=0.3),
+            callbacks=[InterruptAtStep9()],
+            **{"checkpoint.dir": str(tmp_path / "run"), "checkpoint.save_steps": 2},
+        )
+    assert (tmp_path / "run" / "latest").read_text() == "ckpt-8"
+    resumed_model = mlp(seed=7, dropout=0.3)
+    resumed = epl.EPLTrainer(
+        resumed_model, LOSS, keras.optimizers.Adam(0.01), config={"cluster.virtual_devices": 2}
+    )
+    resumed.restore_checkpoint(str(tmp_path / "run"))
+    fit(resumed_model, trainer=resumed)
+    assert int(resumed.optimizer.iterations.numpy()) == 12
+    assert max_weight_difference(uninterrupted, resumed_model) == 0.0
+    # Restored again (step 8, inside epoch 1), fit(epochs=1) has nothing left to run.
+    resumed.restore_checkpoint(str(tmp_path / "run"))
+    with caplog.at_level("WARNING", logger="epl_trainer"):
+        resumed.fit(x, y, batch_size=16, epochs=1, verbose=0)
+    assert int(resumed.optimizer.iterations.numpy()) == 8
+    assert "fit(epochs=1) has no epoch to run: the restored checkpoint has 1 epoch(s)" in (
+        caplog.text
+    )

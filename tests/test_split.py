@@ -223,7 +223,9 @@ def test_checkpoint_restores_every_shard_and_its_slots(tmp_path):
     fresh = head_model(seed=7)
     restored = split_trainer(fresh, 4, optimizer=keras.optimizers.Adam(0.01))
     restored.restore_checkpoint(str(tmp_path))
-    restored.fit(x, y, batch_size=16, epochs=1, steps_per_epoch=2, verbose=0, shuffle=False)
+    # After a restore `epochs` is the final epoch (Keras's meaning with initial_epoch).
+    epochs = restored.epochs_done + 1
+    restored.fit(x, y, batch_size=16, epochs=epochs, steps_per_epoch=2, verbose=0, shuffle=False)
     for a, b in zip(expected, fresh.get_weights()):
         np.testing.assert_array_equal(a, b)
 
@@ -422,7 +424,7 @@ def test_a_tensor_parallel_checkpoint_restores_into_data_parallelism(tmp_path):
         model, LOSS, keras.optimizers.SGD(0.1), config={"cluster.virtual_devices": 2}
     )
     second.restore_checkpoint(str(tmp_path))
-    second.fit(x[32:64], y[32:64], batch_size=16, verbose=0, shuffle=False)
+    second.fit(x[32:64], y[32:64], batch_size=16, epochs=2, verbose=0, shuffle=False)
     assert max_weight_difference(reference, model) < ATOL
 
 

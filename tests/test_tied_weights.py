@@ -178,7 +178,7 @@ def test_checkpoint_round_trip_under_the_pipeline(tmp_path):
         == 0.0
     )
     assert resumed.epochs_done == 1
-    resumed.fit(x, y, batch_size=16, epochs=1, verbose=0, shuffle=False)  # the second epoch
+    resumed.fit(x, y, batch_size=16, epochs=2, verbose=0, shuffle=False)  # the second epoch
     assert max_weight_difference(uninterrupted, resumed_model) == 0.0
     stage_copies_agree(resumed)
 

@@ -29,7 +29,8 @@ STAGES = {"dense_in": 0, "logits": 1}
 
 def _resharded_run(tmp_path, make_first, make_second, make_model=mlp, data=mlp_data, epochs=2):
     """(uninterrupted model, resumed model, the checkpoint's manifest): `make_first`'s
-    layout trains `epochs`, saves; `make_second`'s restores and trains `epochs` more."""
+    layout trains `epochs`, saves; `make_second`'s restores and trains `epochs` more (to
+    epoch 2 * epochs: after a restore `epochs` is the final epoch)."""
     x, y = data()
     uninterrupted = make_model()
     make_first(uninterrupted).fit(x, y, batch_size=16, epochs=2 * epochs, verbose=0, shuffle=False)
@@ -40,7 +41,7 @@ def _resharded_run(tmp_path, make_first, make_second, make_model=mlp, data=mlp_d
     resumed = make_second(resumed_model)
     assert resumed.restore_checkpoint(str(tmp_path)) == path
     assert int(resumed.optimizer.iterations.numpy()) == int(first.optimizer.iterations.numpy())
-    history = resumed.fit(x, y, batch_size=16, epochs=epochs, verbose=0, shuffle=False)
+    history = resumed.fit(x, y, batch_size=16, epochs=2 * epochs, verbose=0, shuffle=False)
     assert history.epoch == list(range(epochs, 2 * epochs))
     manifest = json.loads((tmp_path / os.path.basename(path) / "manifest.json").read_text())
     print(
@@ -209,7 +210,7 @@ def test_checkpoint_in_an_in_memory_filesystem_restores_into_another_layout():
     resumed_model = mlp(seed=5)
     resumed = adam_trainer(resumed_model, 4, **{"zero.level": "v1"})
     resumed.restore_checkpoint(directory)
-    resumed.fit(x, y, batch_size=16, epochs=1, verbose=0, shuffle=False)
+    resumed.fit(x, y, batch_size=16, epochs=2, verbose=0, shuffle=False)
     assert max_weight_difference(uninterrupted, resumed_model) < ATOL
     resumed.save_checkpoint(directory, keep_max=1)
     assert sorted(tf.io.gfile.listdir(directory)) == ["ckpt-8", "latest"]

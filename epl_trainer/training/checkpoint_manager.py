@@ -127,6 +127,7 @@ class CheckpointManager:
             # Inside fit: the position in the epoch in progress and in its data pass.
             "step_in_epoch": self._progress.step_in_epoch,
             "input_position": self._progress.input_position,
+            "shuffle_seed": self._progress.shuffle_seed,  # the order of shuffled passes
             "plan": self._context.plan.summary(),
             "layout": self._layout_record(),
         }

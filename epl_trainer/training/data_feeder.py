@@ -33,7 +33,7 @@ logger = logging.getLogger(__name__)
 
 
 class DataFeeder:
-    """Owns the job's shuffling seed; turns the user's inputs into batches.
+    """Draws the job's shuffling seed; turns the user's inputs into batches.
 
     Args:
       context: the run's settings (config, cluster, model, the plan's data shards).
@@ -56,7 +56,12 @@ class DataFeeder:
         self._objectives = objectives
         self._progress = progress
         self._agreement = agreement
-        self.shuffle_seed: int | None = None
+
+    @property
+    def shuffle_seed(self) -> int | None:
+        """The job's shuffling seed (None until drawn); kept with the progress, which a
+        checkpoint saves and restores."""
+        return self._progress.shuffle_seed
 
     # ---- fit -------------------------------------------------------------------------
 
@@ -113,7 +118,7 @@ class DataFeeder:
             seed = int(np.random.randint(2**31 - 1))
             if self._context.cluster.worker_num > 1:
                 seed = self._agreement.gather([seed, 0], "agreeing on the shuffling seed")[0][0]
-            self.shuffle_seed = seed
+            self._progress.shuffle_seed = seed
         return self.shuffle_seed
 
     def files_dataset(self, files, y, batch_size, parse_fn, file_format, steps_per_epoch):

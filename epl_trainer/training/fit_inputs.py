@@ -157,15 +157,14 @@ def epoch_range(epochs: int, initial_epoch: int, epochs_done: int, start: str) -
     `start` says where the count comes from:
     - "given": as Keras, epochs `initial_epoch .. epochs - 1` (a second `fit(epochs=2)`
       runs epochs 0 and 1 again);
-    - "resumed" (from `checkpoint.dir`): the job's count continues up to `epochs`, as a
-      run resumed by Keras's BackupAndRestore does;
-    - "restored" (`restore_checkpoint(...)`, then fit): `epochs` more, numbered on from
-      the checkpoint's count.
+    - "resumed" (from `checkpoint.dir`) or "restored" (`restore_checkpoint(...)`, then
+      fit): the checkpoint's count is the initial epoch and `epochs` the final one, as
+      Keras documents `epochs` with `initial_epoch` and as its BackupAndRestore resumes:
+      the run finishes the interrupted epoch and goes on to epoch `epochs`, ending where
+      the uninterrupted run ends. To train further, pass a larger `epochs`.
     """
-    if start == "resumed":
+    if start in ("resumed", "restored"):
         return range(epochs_done, epochs)
-    if start == "restored":
-        return range(epochs_done, epochs_done + epochs)
     return range(initial_epoch, epochs)
 
 

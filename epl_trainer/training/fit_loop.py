@@ -9,6 +9,7 @@ it was saved at (progress.py).
 
 from __future__ import annotations
 
+import logging
 import time
 
 from epl_trainer.core import engine
@@ -28,6 +29,8 @@ from epl_trainer.training.objectives import Objectives
 from epl_trainer.training.progress import TrainingProgress
 from epl_trainer.training.step_errors import nonfinite_loss_error, run_checked
 from epl_trainer.training.step_stats import StepStats
+
+logger = logging.getLogger(__name__)
 
 
 class FitLoop:
@@ -116,6 +119,8 @@ class FitLoop:
         # finishes the run it was doing instead of adding epochs.
         resumed = self._checkpoints.auto_resume(dataset)
         (first_step, position), restored = self._progress.take_resume()
+        if passes is not None and (resumed or restored):  # the checkpoint's order
+            passes.seed = feeder.agreed_seed()
         start = "resumed" if resumed else "restored" if restored else "given"
         fit_lib.check_epochs(epochs, initial_epoch)
         profiled = monitors_lib.with_flops_profiler(
@@ -147,6 +152,16 @@ class FitLoop:
         initial_epoch = getattr(model, "_initial_epoch", None) or initial_epoch
         progress = self._progress
         epochs_run = fit_lib.epoch_range(epochs, initial_epoch, progress.epochs_done, start)
+        if start != "given" and not epochs_run:
+            logger.warning(
+                "fit(epochs=%d) has no epoch to run: the %s checkpoint has %d epoch(s) "
+                "done, and after a restore `epochs` is the final epoch (Keras's meaning "
+                "with initial_epoch). Pass epochs > %d to train further.",
+                epochs,
+                start,
+                progress.epochs_done,
+                progress.epochs_done,
+            )
         # Workers that agree on the end of the data (end_of_data.py) all take each step.
         known = fit_lib.num_batches(dataset) if context.end_of_data is None else None
         progress.batches = batches = data_lib.EpochBatches(

@@ -19,6 +19,9 @@ class TrainingProgress:
     resume_position: (step_in_epoch, input position) a restore left for the next fit.
     restored: a checkpoint was restored since the last fit (the next one continues the
       epoch count up to `epochs`).
+    shuffle_seed: the job's seed for the order of shuffled numpy passes (DataFeeder draws
+      it once); a checkpoint carries it, so a restored run reshuffles as the saved one
+      did whatever the restoring process's random state.
     """
 
     epochs_done: int = 0
@@ -26,6 +29,7 @@ class TrainingProgress:
     batches: EpochBatches | None = None
     resume_position: tuple[int, int] = (0, 0)
     restored: bool = False
+    shuffle_seed: int | None = None
 
     @property
     def input_position(self) -> int:
@@ -42,6 +46,8 @@ class TrainingProgress:
         self.step_in_epoch = manifest.get("step_in_epoch", 0)
         self.resume_position = (self.step_in_epoch, manifest.get("input_position", 0))
         self.restored = True
+        if manifest.get("shuffle_seed") is not None:
+            self.shuffle_seed = int(manifest["shuffle_seed"])
 
     def take_resume(self) -> tuple[tuple[int, int], bool]:
         """((first step, input position), whether a checkpoint was restored) for the fit

@@ -359,10 +359,13 @@ class EPLTrainer:
           `class_weight` needs a single output. Dataset elements may be
           `(x, y, sample_weight)`.
         - Epochs are numbered as in Keras: `initial_epoch .. epochs - 1` on every call
-          (Keras's `BackupAndRestore` moves the start to its backup's epoch). A run
-          resumed from `checkpoint.dir` continues its epoch count up to `epochs`, as
-          BackupAndRestore; after an explicit `restore_checkpoint`, `fit` runs `epochs`
-          more epochs numbered from the checkpoint's count.
+          (Keras's `BackupAndRestore` moves the start to its backup's epoch). After a
+          restore, by `checkpoint.dir` or an explicit `restore_checkpoint`, the
+          checkpoint's epoch count is the initial epoch and `epochs` the final one (as
+          Keras documents `epochs` with `initial_epoch`, and BackupAndRestore resumes):
+          the interrupted epoch is finished from the checkpoint's step and the run goes
+          on to epoch `epochs`, ending where the uninterrupted run ends. To train
+          further after a restore, pass `epochs=trainer.epochs_done + more`.
 
         With `parse_fn`, `x` is a list of file names or a glob: records are read with
         `file_format` ("tfrecord" by default, "text", or a callable `files -> Dataset`),
@@ -510,6 +513,9 @@ class EPLTrainer:
         A trainer that has not trained yet needs the model built (functional models are);
         for subclassed models, and for an Estimator-style model_fn, pass one batch of
         `features` to build it.
+
+        A `fit` after it continues the restored run: `epochs` is the final epoch (see
+        `fit`), so `fit(epochs=N)` finishes the checkpoint's epoch and goes on to N.
         """
         return self.checkpoints.restore(directory, features, tag)
 
