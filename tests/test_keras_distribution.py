@@ -380,9 +380,20 @@ def test_bad_meshes_and_strategies_are_named():
 
 @pytest.mark.slow
 @pytest.mark.timeout(240)
-def test_data_parallel_on_two_workers_extends_the_batch_axis_over_them(tmp_path):
-    """Each worker's `DataParallel(devices=list_devices())` is its 2 devices; the job's
-    4 lanes train as one process on the global batch."""
+@pytest.mark.parametrize(
+    "flag, replicas, make_model, make_data",
+    [
+        ("--keras_data_parallel", 4, "make_model", "make_data"),
+        ("--keras_gathered", 2, "make_embedding_model", "make_tied_data"),
+    ],
+)
+def test_two_workers_train_as_one_process(flag, replicas, make_model, make_data, tmp_path):
+    """--keras_data_parallel: each worker's `DataParallel(devices=list_devices())` is its
+    2 devices; the job's 4 lanes train as one process on the global batch.
+    --keras_gathered: the job's (2, 2) mesh holds an embedding table and two kernels as
+    halves over each worker's devices, gathered on use; the batch axis spans the 2
+    workers, whose replicas sum the slices' gradients (the table's as (index, row) pairs)
+    across processes: the weights of one process on the global batch."""
     import os
     import sys
 
@@ -392,41 +403,12 @@ def test_data_parallel_on_two_workers_extends_the_batch_axis_over_them(tmp_path)
     import train_dp
 
     script = os.path.join(SCRIPTS, "train_dp.py")
-    result = run_launch(script, tmp_path, 2, 2, "--keras_data_parallel", timeout=200)
+    result = run_launch(script, tmp_path, 2, 2, flag, timeout=200)
     assert result.returncode == 0, result.stdout + result.stderr
-    assert "worker 0/2 devices=2 replicas=4" in result.stdout
-    model = train_dp.make_model()
+    assert f"worker 0/2 devices=2 replicas={replicas}" in result.stdout
+    model = getattr(train_dp, make_model)()
     trainer = epl.EPLTrainer(model, LOSS, keras.optimizers.SGD(0.1))
-    x, y = train_dp.make_data()
-    trainer.fit(x, y, batch_size=16, steps_per_epoch=3, verbose=0, shuffle=False)
-    for worker in range(2):
-        saved = np.load(tmp_path / "out" / f"weights_{worker}.npz")
-        for i, value in enumerate(model.get_weights()):
-            np.testing.assert_allclose(saved[f"arr_{i}"], value, atol=1e-5)
-
-
-@pytest.mark.slow
-@pytest.mark.timeout(240)
-def test_gathered_variables_on_two_workers_train_as_one_process(tmp_path):
-    """Each worker's (1, 2) mesh holds an embedding table and two kernels as halves,
-    gathered on use; the batch axis spans the 2 workers, whose replicas sum the slices'
-    gradients (the table's as (index, row) pairs) across processes: the weights of one
-    process on the global batch."""
-    import os
-    import sys
-
-    from _launch import SCRIPTS, run_launch
-
-    sys.path.insert(0, SCRIPTS)
-    import train_dp
-
-    script = os.path.join(SCRIPTS, "train_dp.py")
-    result = run_launch(script, tmp_path, 2, 2, "--keras_gathered", timeout=200)
-    assert result.returncode == 0, result.stdout + result.stderr
-    assert "worker 0/2 devices=2 replicas=2" in result.stdout
-    model = train_dp.make_embedding_model()
-    trainer = epl.EPLTrainer(model, LOSS, keras.optimizers.SGD(0.1))
-    x, y = train_dp.make_tied_data()
+    x, y = getattr(train_dp, make_data)()
     trainer.fit(x, y, batch_size=16, steps_per_epoch=3, verbose=0, shuffle=False)
     for worker in range(2):
         saved = np.load(tmp_path / "out" / f"weights_{worker}.npz")
