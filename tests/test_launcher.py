@@ -129,6 +129,19 @@ def test_free_ports_are_distinct():
 
 
 @pytest.mark.timeout(60)
+def test_free_ports_lie_below_the_ephemeral_range():
+    """bind(port 0) hands out ephemeral ports: two launchers at once (tests in parallel)
+    received the same just-released one, and one job's worker reached the other's
+    coordinator. Ports below the ephemeral range are never handed out that way, and
+    80 draws of 2 ports from ~12,000 seldom meet."""
+    start = launcher._ephemeral_start()
+    drawn = [tuple(launcher.free_ports(2)) for _ in range(40)]
+    ports = [port for pair in drawn for port in pair]
+    assert all(port < start for port in ports)
+    assert len(set(ports)) > 70
+
+
+@pytest.mark.timeout(60)
 def test_build_command(tmp_path):
     py = write_script(tmp_path, "a.py", "")
     sh = write_script(tmp_path, "b.sh", "")

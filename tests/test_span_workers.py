@@ -162,8 +162,9 @@ def test_workers_started_by_hand_save_a_checkpoint_that_restores_into_one_device
     assert int(trainer.optimizer.iterations) == 3
     x, y = train_span.make_data()
     batch = train_span.GLOBAL_BATCH
+    epochs = trainer.epochs_done + 1  # after a restore `epochs` is the final epoch
     trainer.fit(
-        x[3 * batch :], y[3 * batch :], batch_size=batch, epochs=1, verbose=0, shuffle=False
+        x[3 * batch :], y[3 * batch :], batch_size=batch, epochs=epochs, verbose=0, shuffle=False
     )
     for got, want in zip(trainer.model.get_weights(), _keras_reference(steps=6)["weights"]):
         np.testing.assert_allclose(got, want, atol=1e-5)

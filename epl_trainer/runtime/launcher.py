@@ -74,6 +74,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import shutil
 import signal
 import socket
@@ -275,20 +276,46 @@ def build_command(script: str | None, args: Sequence[str], module: str | None = 
 def free_ports(count: int, host: str = HOST) -> list[int]:
     """``count`` distinct free TCP ports on ``host``.
 
-    All sockets stay bound until every port is chosen, so the ports are distinct. Another
-    process could still take a port before a worker binds it; that race is accepted, as
-    in every launcher that hands out ports ahead of time.
+    Ports are drawn at random below the kernel's ephemeral range, which the kernel never
+    hands to outgoing connections or to another ``bind(port 0)``: two launchers running
+    at once (tests in parallel) used to receive the same just-released ephemeral port,
+    and a worker of one job then reached the other's coordinator ("different
+    incarnation", "Could not start gRPC server"). All sockets stay bound until every
+    port is chosen, so the ports are distinct. Another process could still bind a port
+    before a worker does; that race is accepted, as in every launcher that hands out
+    ports ahead of time. Without a usable range the kernel picks (port 0).
     """
+    low, high = _PORT_RANGE[0], min(_PORT_RANGE[1], _ephemeral_start() - 1)
+    rng = random.SystemRandom()
     sockets: list[socket.socket] = []
     try:
         for _ in range(count):
-            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            sockets.append(sock)
-            sock.bind((host, 0))
+            for attempt in range(200):
+                sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+                port = rng.randint(low, high) if low < high and attempt < 199 else 0
+                try:
+                    sock.bind((host, port))
+                except OSError:
+                    sock.close()
+                    continue
+                sockets.append(sock)
+                break
         return [sock.getsockname()[1] for sock in sockets]
     finally:
         for sock in sockets:
             sock.close()
+
+
+_PORT_RANGE = (20000, 32767)
+
+
+def _ephemeral_start() -> int:
+    """The first port of the kernel's ephemeral range (Linux; else IANA's 49152)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range", encoding="ascii") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 49152
 
 
 def detect_gpus() -> int:

@@ -17,7 +17,7 @@ from epl_trainer.core.engine.hooks import ReplicatedLanes, StepHooks
 from epl_trainer.core.engine.layout import StepLayout
 from epl_trainer.core.engine.pipeline import training_kwargs
 from epl_trainer.core.engine.split import layers as split
-from epl_trainer.core.engine.update.reduce import scaled, sum_of_squares
+from epl_trainer.core.engine.update import scaled, sum_of_squares
 
 
 class SplitLanes(ReplicatedLanes):

@@ -10,6 +10,7 @@ __getattr__, __dir__, __all__ = lazy_surface(
     {
         "GradientReduction": "reduce",
         "scaled": "reduce",
+        "sum_of_squares": "reduce",
         "sum_over_lane": "reduce",
         "ReplicatedUpdate": "update",
         "balanced_groups": "update",
