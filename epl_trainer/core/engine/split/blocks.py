@@ -127,17 +127,17 @@ class LaidOutVariable:
             with tf.device(model_comm.device):
                 whole = block
                 if self.model_axis is not None:
-                    whole = _gathered(whole, self.model_axis, model_comm)
-                whole = _gathered(whole, self.batch_axis, batch_comm)
+                    whole = model_comm.join_blocks(whole, self.model_axis)
+                whole = batch_comm.join_blocks(whole, self.batch_axis)
 
             def grad(upstream):
                 with tf.device(model_comm.device):
                     if isinstance(upstream, tf.IndexedSlices):
                         return self._rows_of_block(upstream, block.shape, model_comm, batch_comm)
                     upstream = tf.ensure_shape(upstream, whole.shape)
-                    summed = _own_block_summed(upstream, self.batch_axis, batch_comm)
+                    summed = batch_comm.sum_own_block(upstream, self.batch_axis)
                     if self.model_axis is not None:
-                        return _own_block_summed(summed, self.model_axis, model_comm)
+                        return model_comm.sum_own_block(summed, self.model_axis)
                     return model_comm.reduce(summed, "sum")
 
             return whole, grad
@@ -166,13 +166,3 @@ class LaidOutVariable:
         mask = tf.reshape(tf.cast(keep, values.dtype), [-1] + [1] * (values.shape.rank - 1))
         dense_shape = tf.constant([int(d) for d in block_shape], slices.dense_shape.dtype)
         return tf.IndexedSlices(values * mask, indices, dense_shape)
-
-
-def _gathered(block, axis: int, comm):
-    """The members' blocks joined along `axis` (no gradient of its own: the caller's)."""
-    return comm.join_blocks(block, axis)
-
-
-def _own_block_summed(upstream, axis: int, comm):
-    """This member's block along `axis` of the members' `upstream`, summed."""
-    return comm.sum_own_block(upstream, axis)
