@@ -332,3 +332,31 @@ def test_restore_then_fit_finishes_the_run_as_checkpoint_dir_does(tmp_path, capl
     assert "fit(epochs=1) has no epoch to run: the restored checkpoint has 1 epoch(s)" in (
         caplog.text
     )
+
+
+def test_a_torn_save_is_ignored_by_restore_and_named_in_warnings(tmp_path, caplog):
+    """A save killed mid-write leaves its hidden temporary (`.tmp-ckpt-<step>-<pid>`):
+    a restore reads the checkpoint `latest` names and says it ignores the torn one; the
+    next save removes it, saying so."""
+    import subprocess
+    import sys
+
+    trainer = _trainer(mlp())
+    trainer.fit(_dataset(), epochs=1, verbose=0)
+    trainer.save_checkpoint(str(tmp_path))
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True)  # fmt: skip
+    torn = tmp_path / f".tmp-ckpt-9-{int(dead.stdout)}"
+    torn.mkdir()
+    (torn / "shard-0.data-00000-of-00001").write_bytes(b"half a shard")
+    restored = _trainer(mlp(seed=3))
+    with caplog.at_level("WARNING", logger="epl_trainer"):
+        path = restored.restore_checkpoint(str(tmp_path))
+    assert path.endswith("ckpt-4")
+    assert f"Ignoring ['{torn.name}']" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="epl_trainer"):
+        restored.save_checkpoint(str(tmp_path))
+    assert f"Removing '{torn.name}'" in caplog.text
+    assert not torn.exists()
+    assert (tmp_path / "latest").read_text() == "ckpt-4"

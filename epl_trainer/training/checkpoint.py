@@ -27,6 +27,7 @@ and the rest is JSON.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 from collections.abc import Callable, Iterable, Mapping
@@ -46,6 +47,7 @@ _NAME = re.compile(r"ckpt-(\d+)")
 _TAG = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}")
 _TEMP = re.compile(r"\.(tmp-ckpt-\d+|old-.+)-(\d+)")  # .old-<tag>-<pid>: a re-save's
 gfile = tf.io.gfile
+logger = logging.getLogger(__name__)
 
 # Fault injection for tests: called with the temporary folder once every shard and the
 # manifest are written and before it is published (a test kills the process here).
@@ -62,13 +64,30 @@ def temporary_folder(directory: str, step: int, token: int) -> str:
 
 
 def prepare(directory: str) -> None:
-    """The chief, before a save: creates `directory`, removes dead saves' temporaries."""
+    """The chief, before a save: creates `directory`, removes dead saves' temporaries
+    (named in a warning)."""
     gfile.makedirs(directory)
-    for name in gfile.listdir(directory):
-        name = name.rstrip("/")
-        match = _TEMP.fullmatch(name)
-        if match and not _process_alive(int(match.group(2))):
-            gfile.rmtree(_join(directory, name))
+    for name in torn_saves(directory):
+        logger.warning(
+            "Removing %r from %r: a save that never finished (its process is gone); "
+            "'latest' never named it.",
+            name,
+            directory,
+        )
+        gfile.rmtree(_join(directory, name))
+
+
+def torn_saves(directory: str) -> list[str]:
+    """The hidden temporaries of saves whose process is gone (killed mid-save): never a
+    checkpoint, ignored by every restore."""
+    if not gfile.isdir(directory):
+        return []
+    names = [name.rstrip("/") for name in gfile.listdir(directory)]
+    return [
+        name
+        for name in names
+        if (match := _TEMP.fullmatch(name)) and not _process_alive(int(match.group(2)))
+    ]
 
 
 def write_shard(folder: str, worker: int, entries: Iterable[tuple[str, str, tf.Tensor]]) -> None:

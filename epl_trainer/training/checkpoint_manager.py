@@ -198,6 +198,15 @@ class CheckpointManager:
                     f"No checkpoint in {directory!r}: the chief (worker 0) sees no 'latest'."
                 )
         path = ckpt.latest(directory) if tag is None else ckpt.tagged(directory, tag)
+        torn = ckpt.torn_saves(directory)
+        if torn and self._context.cluster.is_chief:
+            logger.warning(
+                "Ignoring %s in %r: saves that never finished (their process is gone); "
+                "restoring %r. The next save removes them.",
+                torn,
+                directory,
+                os.path.basename(path),
+            )
         if self._planner.waits_for_model_fn:
             if features is None:
                 raise ValueError(
