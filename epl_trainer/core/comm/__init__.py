@@ -27,7 +27,7 @@ from epl_trainer.core.comm.keys import (
     ordering_token,
     reserve_local_instance_keys,
 )
-from epl_trainer.core.comm.lanes import LaneCollectives
+from epl_trainer.core.comm.lanes import LaneCollectives, rows_in_block
 from epl_trainer.core.comm.transfer import PairTransfer
 
 __all__ = [
@@ -46,4 +46,5 @@ __all__ = [
     "plan_buckets",
     "reduce_scatter",
     "reserve_local_instance_keys",
+    "rows_in_block",
 ]

@@ -195,26 +195,9 @@ class LaneCollectives:
 
     def _own_rows_of_slices(self, slices: tf.IndexedSlices, block_shape, axis: int):
         """Every member's (index, row) pairs of a table's gradient, this member's block of
-        them: along axis 0 the rows it holds (re-indexed, the others zero rows at index
-        0), along another axis its slice of every row."""
-        indices = self._gather(slices.indices)
-        values = self._gather(slices.values)
-        if axis == 0:
-            rows = int(block_shape[0])
-            local = indices - tf.cast(self.rank * rows, indices.dtype)
-            inside = tf.logical_and(local >= 0, local < rows)
-            mask = tf.reshape(tf.cast(inside, values.dtype), [-1] + [1] * (values.shape.rank - 1))
-            values = values * mask
-            indices = tf.where(inside, local, tf.zeros_like(local))
-        else:
-            width = int(block_shape[axis])
-            begin = [0] * values.shape.rank
-            begin[axis] = self.rank * width
-            size = [-1] * values.shape.rank
-            size[axis] = width
-            values = tf.slice(values, begin, size)
-        dense_shape = tf.constant([int(d) for d in block_shape], slices.dense_shape.dtype)
-        return tf.IndexedSlices(values, indices, dense_shape)
+        them (`rows_in_block`)."""
+        indices, values = self._gather(slices.indices), self._gather(slices.values)
+        return rows_in_block(indices, values, slices, block_shape, {axis: self.rank})
 
     def _sum_own_rows(self, x):
         """Chunk m of axis 0 sent to member m; the chunks received summed (a
@@ -436,3 +419,32 @@ class LaneCollectives:
                 f"Received: shape {x.shape}, axis={axis}"
             )
         return axis % rank
+
+
+def rows_in_block(indices, values, slices: tf.IndexedSlices, block_shape, positions):
+    """The part of a table's (index, row) gradient pairs that falls in one block.
+
+    Args:
+      indices, values: every holder's pairs, gathered.
+      slices: the local gradient (for its index dtype).
+      block_shape: the block's shape.
+      positions: {table dimension: the block's position along it}. Along dimension 0 the
+        rows the block holds are kept and re-indexed (the others zeroed, at index 0);
+        along another its slice of every row.
+    """
+    keep = tf.ones_like(indices, dtype=tf.bool)
+    for axis, position in positions.items():
+        size = int(block_shape[axis])
+        if axis == 0:
+            local = indices - tf.cast(position * size, indices.dtype)
+            keep = tf.logical_and(keep, tf.logical_and(local >= 0, local < size))
+            indices = tf.where(keep, local, tf.zeros_like(local))
+        else:
+            begin = [0] * values.shape.rank
+            begin[axis] = position * size
+            lengths = [-1] * values.shape.rank
+            lengths[axis] = size
+            values = tf.slice(values, begin, lengths)
+    mask = tf.reshape(tf.cast(keep, values.dtype), [-1] + [1] * (values.shape.rank - 1))
+    dense_shape = tf.constant([int(d) for d in block_shape], slices.dense_shape.dtype)
+    return tf.IndexedSlices(values * mask, indices, dense_shape)

@@ -157,7 +157,7 @@ class CheckpointContent:
         by block id."""
         lanes = self.state.lanes
         position = {lane.index: p for p, lane in enumerate(lanes)}
-        holders = [spec.holder_of_id(k, lanes[li].index) for k in range(spec.block_count)]
+        holders = spec.holders(lanes[li].index)
         assert all(h in position for h in holders), "a sharded variable's lanes are local"
         return [position[h] for h in holders]
 

@@ -285,8 +285,7 @@ class EngineState:
             return None if copy is None else copy.value
         spec = self.sharded[index]
         position = {lane.index: p for p, lane in enumerate(self.lanes)}
-        first = self.lanes[0].index
-        holders = [spec.holder_of_id(k, first) for k in range(spec.block_count)]
+        holders = spec.holders(self.lanes[0].index)
         blocks = [self.trainable[position[lane]][index].value for lane in holders]
         with tf.device(self.model_trainable[index].value.device):
             return spec.join(blocks)

@@ -13,8 +13,8 @@ replica being a Keras mesh's batch coordinate and the rank its model coordinate.
 
 Both answer the same questions (the engine state, checkpoints and the optimizer state's
 write-back ask them): `block_id(lane)`, `block_count`, `holder_of_id(k, lane)` (the
-lowest lane holding block k among the lanes `lane` joins with), `block_of_id(value, k)`
-and `join(blocks)` (blocks in id order).
+lowest lane holding block k among the lanes `lane` joins with; `holders(lane)` all of
+them), `block_of_id(value, k)` and `join(blocks)` (blocks in id order).
 """
 
 from __future__ import annotations
@@ -22,6 +22,8 @@ from __future__ import annotations
 import dataclasses
 
 import tensorflow as tf
+
+from epl_trainer.core import comm
 
 
 def _slice(value, axis: int, parts: int, position: int):
@@ -33,8 +35,16 @@ def _slice(value, axis: int, parts: int, position: int):
     return tf.slice(value, begin, shape)
 
 
+class _Blocks:
+    """What both specs derive from the protocol."""
+
+    def holders(self, lane_index: int) -> list[int]:
+        """The lanes `lane_index` joins with to make the whole, by block id."""
+        return [self.holder_of_id(k, lane_index) for k in range(self.block_count)]
+
+
 @dataclasses.dataclass(frozen=True)
-class ShardedVariable:
+class ShardedVariable(_Blocks):
     """A trainable variable held as `num_shards` slices along `axis`, one per rank."""
 
     index: int  # position in model.trainable_variables
@@ -66,7 +76,7 @@ class ShardedVariable:
 
 
 @dataclasses.dataclass(frozen=True)
-class LaidOutVariable:
+class LaidOutVariable(_Blocks):
     """A trainable variable held in blocks over the (replica, rank) grid: dimension
     `model_axis` (or None) sliced over a replica's `width` lanes, dimension `batch_axis`
     over the `replicas`. Lanes whose coordinates agree on the sharded axes hold the same
@@ -146,23 +156,9 @@ class LaidOutVariable:
 
     def _rows_of_block(self, slices, block_shape, model_comm, batch_comm):
         indices, values = slices.indices, slices.values
-        for comm in (model_comm, batch_comm):
-            indices, values = comm.gather_rows(indices), comm.gather_rows(values)
-        replica, rank = batch_comm.rank, model_comm.rank
-        keep = tf.ones_like(indices, dtype=tf.bool)
-        for axis, parts, position in (
-            (self.model_axis, self.width, rank),
-            (self.batch_axis, self.replicas, replica),
-        ):
-            if axis is None:
-                continue
-            size = int(block_shape[axis])
-            if axis == 0:
-                local = indices - tf.cast(position * size, indices.dtype)
-                keep = tf.logical_and(keep, tf.logical_and(local >= 0, local < size))
-                indices = tf.where(keep, local, tf.zeros_like(local))
-            else:
-                values = _slice(values, axis, parts, position)
-        mask = tf.reshape(tf.cast(keep, values.dtype), [-1] + [1] * (values.shape.rank - 1))
-        dense_shape = tf.constant([int(d) for d in block_shape], slices.dense_shape.dtype)
-        return tf.IndexedSlices(values * mask, indices, dense_shape)
+        for group in (model_comm, batch_comm):  # every lane's pairs
+            indices, values = group.gather_rows(indices), group.gather_rows(values)
+        positions = {self.batch_axis: batch_comm.rank}
+        if self.model_axis is not None:
+            positions[self.model_axis] = model_comm.rank
+        return comm.rows_in_block(indices, values, slices, block_shape, positions)

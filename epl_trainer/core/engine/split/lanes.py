@@ -52,6 +52,7 @@ class SplitLanes(ReplicatedLanes):
         mean = self.method == "mean"
         # Laid out over the batch axis too: their gather's gradient summed every lane's.
         job_summed = [i for i, spec in layout.state.sharded.items() if spec.summed_over_job]
+        sharded = [i for i in sorted(layout.state.sharded) if i not in job_summed]
         for li, grads in enumerate(lane_grads):
             for i in job_summed:
                 with tf.device(layout.lanes[li].devices[0]):
@@ -67,7 +68,6 @@ class SplitLanes(ReplicatedLanes):
                 job_devices, tuple(layout.lanes[li].devices[0] for li in members)
             )
             first = lane_grads[members[0]]
-            sharded = [i for i in sorted(layout.state.sharded) if i not in job_summed]
             dense = [i for i in sharded if not isinstance(first[i], tf.IndexedSlices)]
             per_member = [[lane_grads[li][i] for i in dense] for li in members]
             buckets = comm.plan_buckets(

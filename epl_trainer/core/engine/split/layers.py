@@ -36,13 +36,15 @@ Every other layer inside a split scope runs replicated on the lane's own rows.
   gradient is the lookups' rows (IndexedSlices), as on one device. A tied table's
   reverse use (KerasHub's `ReversibleEmbedding(tie_weights=True)` logits) reads it
   gathered whole.
-* **Gathered variable** (a Keras layout's variable sharded over the model axis outside
-  any layer the engine computes sharded: attention kernels, embeddings, an MLP inside a
-  subclassed block): each lane holds its slice along one dimension, and every forward
-  all-gathers the whole value before the model reads it (`gather_whole`). Its gradient
-  is the all-gather's adjoint, each lane's slice of the gradient summed over the lanes
-  (a reduce-scatter), which is the sharded gradient the rule below expects. Storage
-  follows the layout; the computation is the replicated one, on the lane's own rows.
+* **Gathered variable** (a Keras layout's sharded variable outside any layer the engine
+  computes sharded: attention kernels, an MLP inside a subclassed block): each lane holds
+  its block (split/blocks.py: a slice over the replica's lanes, or a block over the
+  replicas too), and every forward all-gathers the whole value before the model reads
+  it (`gather_whole`). Its gradient is the all-gather's adjoint, each lane's block of the
+  gradient summed over the lanes (a reduce-scatter), which is the sharded gradient the
+  rule below expects (a block over the replicas arrives summed over the whole job).
+  Storage follows the layout; the computation is the replicated one, on the lane's own
+  rows.
 
 Gradient scaling, so every gradient is still divided by the number of lanes in the job
 (the data-parallel mean): lane j's objective is the mean loss over its own rows, as in
@@ -80,7 +82,7 @@ class SplitLayer:
     # (an Embedding's table by vocabulary rows), or "gathered" (one variable sharded for
     # storage, gathered whole on use)
     kind: str
-    variables: tuple[ShardedVariable, ...]
+    variables: tuple[ShardedVariable | LaidOutVariable, ...]
     output_index: int | None = None  # dense: which flat model output it produces
     softmax: bool = False  # dense: the layer applies softmax (fused into the loss)
 
