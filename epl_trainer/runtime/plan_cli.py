@@ -23,7 +23,7 @@ import os
 import sys
 
 from epl_trainer.config.sections import Config, ConfigError
-from epl_trainer.core.plan import analytic, estimate, planner
+from epl_trainer.core.plan import analytic, devices, estimate, planner, search, step_time
 from epl_trainer.core.plan.ir import (
     INTERLEAVED,
     PIPELINE_STRATEGIES,
@@ -63,11 +63,24 @@ def build_parser() -> argparse.ArgumentParser:
     cluster.add_argument("--gpu_per_worker", type=int, default=1)
     cluster.add_argument("--device_type", default="GPU", help="device names' type (display)")
     cluster.add_argument("--device_memory", help="bytes per device, e.g. 32GB or 80GiB")
+    cluster.add_argument(
+        "--device",
+        choices=sorted(devices.DEVICES),
+        help="a known device (core/plan/devices.py: peak, memory, links) for the step time, "
+        "throughput and MFU; --peak_tflops / --device_memory replace its values",
+    )
 
     parallel = parser.add_argument_group(
         "parallelism (default: --epl_config / --epl_set / EPL_* config keys)"
     )
     parallel.add_argument("--num_stages", type=int, help="pipeline.num_stages (default 1)")
+    parallel.add_argument(
+        "--tensor_parallel",
+        type=int,
+        default=1,
+        help="devices per tensor group (Megatron's column / row split of transformer layers, "
+        "a keras.distribution mesh's model axis); divides --gpu_per_worker",
+    )
     parallel.add_argument("--num_micro_batch", type=int, help="pipeline.num_micro_batch")
     parallel.add_argument("--micro_batch_size", type=int, default=1, help="samples per micro-batch")
     parallel.add_argument(
@@ -97,6 +110,11 @@ def build_parser() -> argparse.ArgumentParser:
         action=argparse.BooleanOptionalAction,
         help="gradient checkpointing (gradient_checkpoint.type)",
     )
+    parallel.add_argument(
+        "--offload",
+        action=argparse.BooleanOptionalAction,
+        help="model states in host memory (offload.level v0)",
+    )
     parallel.add_argument("--optimizer", default="adam", choices=tuple(estimate.OPTIMIZER_SLOTS))
     parallel.add_argument("--epl_config", help="a JSON/YAML config file of the trainer")
     parallel.add_argument("--epl_set", action="append", default=[], help="KEY=VALUE, repeatable")
@@ -104,6 +122,20 @@ def build_parser() -> argparse.ArgumentParser:
         "--peak_tflops",
         type=float,
         help="one worker's peak TFLOP/s, for the step time at 100%% MFU (profiler.peak_tflops)",
+    )
+    search = parser.add_argument_group("layout search")
+    search.add_argument(
+        "--search",
+        action="store_true",
+        help="search data / tensor / pipeline degrees, micro-batches, schedule, ZeRO, gc and "
+        "offload for the fastest layouts that fit the device memory",
+    )
+    search.add_argument(
+        "--global_batch", type=int, help="samples per step for --search (default: the plan's)"
+    )
+    search.add_argument("--top", type=int, default=5, help="layouts --search prints")
+    search.add_argument(
+        "--save_config", help="write the best layout's config keys to this JSON file"
     )
     parser.add_argument("--json", action="store_true", help="print the numbers as JSON")
     return parser
@@ -161,6 +193,8 @@ class PlanRequest:
     num_micro_batch: int = 1  # pipeline.num_micro_batch
     pipeline_strategy: str = "PreferBackward"  # pipeline.strategy
     virtual_stages: int = 1  # pipeline.virtual_stages
+    tensor_parallel: int = 1  # devices per tensor group
+    offload: bool = False  # offload.level v0
     prefer_intra_node: bool = True  # cluster.device_place_prefer_intra_node
     peak_tflops: float = 0.0  # profiler.peak_tflops: one worker's peak; 0 = not known
 
@@ -194,6 +228,8 @@ def options_from_args(args) -> tuple[estimate.TrainOptions, PlanRequest]:
         virtual_stages=pick(args.virtual_stages, config.pipeline.virtual_stages),
         prefer_intra_node=config.cluster.device_place_prefer_intra_node,
         peak_tflops=pick(args.peak_tflops, config.profiler.peak_tflops),
+        tensor_parallel=args.tensor_parallel,
+        offload=pick(args.offload, bool(config.offload.level)),
     )
     return options, request
 
@@ -208,10 +244,19 @@ def plan_and_estimate(
     device_type: str = "GPU",
 ) -> estimate.Estimate:
     """Cuts `model` into `request.num_stages`, plans it on a virtual cluster and estimates
-    it."""
-    num_stages = request.num_stages
+    it. With `request.tensor_parallel` t > 1 every planned device stands for a tensor group
+    of t devices of one worker, each holding a rank's share (`step_time.tensor_parallel_model`).
+    """
+    num_stages, t = request.num_stages, request.tensor_parallel
     if isinstance(num_stages, bool) or not isinstance(num_stages, int) or num_stages < 1:
         raise ValueError(f"num_stages must be an int >= 1. Received: num_stages={num_stages!r}")
+    if isinstance(t, bool) or not isinstance(t, int) or t < 1 or gpu_per_worker % t:
+        raise ValueError(
+            "tensor_parallel must be an int >= 1 dividing gpu_per_worker (a tensor group stays "
+            f"in one worker). Received: tensor_parallel={t!r}, gpu_per_worker={gpu_per_worker}"
+        )
+    whole, model = model, step_time.tensor_parallel_model(model, t)
+    gpu_per_worker //= t
     cuts = estimate.partition_stages(model, num_stages)
     bounds = (0, *cuts, len(model.nodes))
     stage_flops = [sum(n.flops for n in model.nodes[a:b]) for a, b in itertools.pairwise(bounds)]
@@ -227,7 +272,10 @@ def plan_and_estimate(
         cut_description=f"forward FLOPs balanced; {where}" if cuts else None,
         virtual_stages=request.virtual_stages,
     )
-    return estimate.estimate(model, plan, options, cuts=cuts)
+    result = estimate.estimate(model, plan, options, cuts=cuts)
+    # The report's model is the whole one (its parameters, FLOPs, the host copy); the
+    # stages hold one tensor rank's share.
+    return dataclasses.replace(result, model=whole)
 
 
 def device_peaks(result: estimate.Estimate) -> tuple[list[float], list[float]]:
@@ -346,20 +394,20 @@ def schedule_comparison(model, options, request: PlanRequest) -> list[dict]:
     of activations device 0 and the last device keep alive, and the largest peak per
     device."""
     rows = []
-    for devices, strategy in itertools.product(SCHEDULE_STAGES, PIPELINE_STRATEGIES):
+    for count, strategy in itertools.product(SCHEDULE_STAGES, PIPELINE_STRATEGIES):
         v = (request.virtual_stages if request.virtual_stages > 1 else 2) if (
             strategy == INTERLEAVED) else 1  # fmt: skip
         wanted = dataclasses.replace(
-            request, num_stages=devices * v, pipeline_strategy=strategy, virtual_stages=v
+            request, num_stages=count * v, pipeline_strategy=strategy, virtual_stages=v
         )
-        row = {"stages": devices, "strategy": strategy, "virtual_stages": v}
+        row = {"stages": count, "strategy": strategy, "virtual_stages": v}
         try:
-            result = plan_and_estimate(model, options, wanted, 1, devices)
+            result = plan_and_estimate(model, options, wanted, 1, count * request.tensor_parallel)
         except (ValueError, PlanError) as error:  # e.g. fewer layers than stages
             rows.append({**row, "error": str(error)})
             continue
         peaks, worth = device_peaks(result)
-        largest = max(range(devices), key=peaks.__getitem__)
+        largest = max(range(count), key=peaks.__getitem__)
         rows.append({
             **row,
             "bubble": result.bubble,
@@ -536,6 +584,85 @@ def fmt(count: float) -> str:
     return f"{count:.0f} B"
 
 
+def device_from_args(args) -> devices.DeviceSpec | None:
+    """The device of `--device`, with `--peak_tflops` (one worker's peak, shared by its
+    `--gpu_per_worker` devices) and `--device_memory` replacing its values; a custom
+    device when only those are given; None when nothing describes one."""
+    peak = args.peak_tflops / args.gpu_per_worker if args.peak_tflops else None
+    memory = parse_bytes(args.device_memory) if args.device_memory else None
+    if args.device is None and peak is None:
+        return None
+    base = devices.device_by_name(args.device) if args.device else None
+    spec = devices.custom_device(base, peak_tflops=peak, memory_bytes=memory)
+    if not spec.shares_compute:  # a worker is a node: its devices share the fast links
+        spec = dataclasses.replace(spec, devices_per_node=args.gpu_per_worker)
+    return spec
+
+
+def layout_of(result: estimate.Estimate, request: PlanRequest) -> step_time.Layout:
+    """The step-time model's description of the planned job."""
+    plan, options = result.plan, result.options
+    return step_time.Layout(
+        data_parallel=result.data_parallel,
+        tensor_parallel=request.tensor_parallel,
+        pipeline_parallel=plan.pipeline_devices,
+        virtual_stages=plan.virtual_stages,
+        num_micro_batch=plan.num_micro_batch,
+        micro_batch_size=options.micro_batch_size,
+        schedule=plan.pipeline_strategy
+        if plan.pipeline_devices > 1 or plan.virtual_stages > 1
+        else "PreferBackward",
+        zero=options.zero,
+        amp=options.amp,
+        gc=options.gc,
+        offload=request.offload,
+        optimizer=options.optimizer,
+    )
+
+
+def _prediction_section(prediction: step_time.Prediction, device: devices.DeviceSpec) -> list:
+    layout = prediction.layout
+    terms = ", ".join(f"{name} {value * 1e3:.4g}" for name, value in prediction.terms.items()
+                      if value > 0)  # fmt: skip
+    fits = "fits" if prediction.fits else "does NOT fit"
+    return [
+        "",
+        f"Step time on {layout.devices} x {device.name} (peak "
+        f"{prediction.peak_flops / 1e12:.4g} TFLOP/s, {fmt(device.memory_bytes)} per device; "
+        "constants and their sources: docs/guides/plan-a-job.md):",
+        f"  step {prediction.step_time_s * 1e3:.4g} ms = {terms} (ms)",
+        f"  {prediction.samples_per_second:.4g} samples/s, {prediction.tflops_per_device:.4g} "
+        f"TFLOP/s per device of model FLOPs, MFU {prediction.mfu:.1%}",
+        f"  peak memory {fmt(prediction.peak_memory_bytes)} per device: {fits}",
+        "",
+    ]
+
+
+def _search_section(found: search.SearchResult) -> list[str]:
+    if not found.layouts:
+        return ["Search: no layout fits the device memory.", ""]
+    rows = [
+        [str(rank + 1), p.layout.describe(), f"{p.step_time_s * 1e3:.4g}",
+         f"{p.tflops_per_device:.4g}", f"{p.mfu:.1%}", fmt(p.peak_memory_bytes)]
+        for rank, p in enumerate(found.layouts)
+    ]  # fmt: skip
+    lines = [
+        f"Fastest layouts that fit ({found.evaluated} predictions over {found.candidates} "
+        "layouts; gc and offload tried only where a layout does not fit without):"
+    ]
+    lines += _table(["#", "layout", "step ms", "TFLOP/s/device", "MFU", "peak/device"], rows)
+    best = found.layouts[0].layout
+    lines.append("Config of the best (save with --save_config, run with --epl_config):")
+    lines.append("  " + json.dumps(best.config()))
+    if best.tensor_parallel > 1:
+        lines.append(
+            f"  tensor parallel {best.tensor_parallel}: a keras.distribution DeviceMesh with "
+            f"axes (batch, model) = ({best.data_parallel}, {best.tensor_parallel}) and a "
+            "LayoutMap splitting the transformer layers (docs/guides/plan-a-job.md)"
+        )
+    return [*lines, ""]
+
+
 def main(argv=None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -552,6 +679,21 @@ def main(argv=None) -> int:
             device_type=args.device_type,
         )
         schedules = schedule_comparison(model, options, request)
+        device = device_from_args(args)
+        if args.search and device is None:
+            raise ValueError("--search needs a device: give --device or --peak_tflops.")
+        prediction = found = None
+        if device is not None:
+            prediction = step_time.predict(model, layout_of(result, request), device)
+        if args.search:
+            total = args.num_workers * args.gpu_per_worker
+            found = search.search(
+                model, device, total, args.global_batch or result.global_batch,
+                top=args.top, amp=options.amp, optimizer=options.optimizer,
+            )  # fmt: skip
+            if args.save_config and found.best is not None:
+                with open(args.save_config, "w") as f:
+                    json.dump(found.best.layout.config(), f, indent=1)
     except (ValueError, PlanError, ConfigError) as error:
         parser.error(str(error))
     if args.json:
@@ -560,9 +702,18 @@ def main(argv=None) -> int:
         data["device_memory"] = device_memory
         data["model_flops_per_step"], data["device_flops_per_step"] = step_flops(result)
         data["schedules"] = schedules
+        if prediction is not None:
+            data.update({key: value for key, value in prediction.to_dict().items()
+                         if key not in ("layout", "config")})  # fmt: skip
+        if found is not None:
+            data["layouts"] = [p.to_dict() for p in found.layouts]
         text = json.dumps(data, indent=1)
     else:
         text = render(result, device_memory, request.peak_tflops, schedules)
+        if prediction is not None:
+            text += "\n" + "\n".join(_prediction_section(prediction, device))
+        if found is not None:
+            text += "\n" + "\n".join(_search_section(found))
     try:
         print(text)
     except BrokenPipeError:  # `epl-plan ... | head`: the reader left; exit quietly

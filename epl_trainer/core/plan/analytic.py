@@ -19,7 +19,20 @@ h = hidden size, f = feed-forward size, a = heads):
   output), 1 s*f with ReLU (its output).
 
 Under AMP these are 16-bit except the LayerNormalizations' 4 s*h, which Keras computes
-in at least float32 (`NodeCost.float32_bytes`).
+in at least float32 (`NodeCost.float32_bytes`). Under tensor parallelism (Megatron's
+column / row pairs) every rank keeps 6 s*h of them whole (the normalisations' inputs and
+factors, the attention and feed-forward inputs); the rest splits.
+
+Elementwise traffic per layer and sample (`NodeCost.elementwise_bytes`: elements each
+forward reads plus writes, what `step_time.py` divides by the memory bandwidth), counted
+op by op as Keras runs them: the two LayerNormalizations 3 s*h each and the two residual
+adds 3 s*h each, the query scaling and the six bias adds 12 s*h (the output and
+down-projection biases after the rank's all-reduce, 4 s*h of it whole on every rank),
+the softmax 3 a*s^2, and the feed-forward activation with its bias add: 12 s*f (GELU),
+14 (tanh GELU), 4 (ReLU). With `fused=True` they are Megatron-LM's fused kernels (its
+paper's implementation): LayerNormalizations 2 s*h each, two bias-dropout-adds 3.5 s*h
+each (a one-byte dropout mask), scale-mask-softmax 2 a*s^2, the attention dropout
+2.5 a*s^2, bias-GELU 2 s*f.
 
 The counts stay close to what trained transformers' peaks show per layer
 (docs/benchmarks.md#memory-estimates-against-measured-peaks); `tests/test_estimate.py`
@@ -45,6 +58,7 @@ BERT_SIZES = {
 }
 HEADS = ("lm", "span", "pool")
 _FFN_KEPT = {"gelu": 4, "gelu_tanh": 5, "relu": 1}  # s*f kept per layer (module doc)
+_FFN_ELEMENTWISE = {"gelu": 12, "gelu_tanh": 14, "relu": 4}  # s*f moved per layer
 _F32 = 4
 
 
@@ -69,6 +83,7 @@ def transformer(
     head: str = "lm",
     num_classes: int = 2,
     activation: str = "gelu",
+    fused: bool = False,
     name: str = "transformer",
 ) -> ModelCost:
     """A transformer encoder: embeddings, `layers` attention + feed-forward layers, a head.
@@ -84,6 +99,8 @@ def transformer(
         SQuAD) or "pool" (mean over positions, `num_classes` logits).
       activation: "gelu" (exact), "gelu_tanh" (approximate) or "relu" in the
         feed-forward block.
+      fused: count the elementwise traffic of Megatron-LM's fused kernels instead of
+        Keras's separate ops (module doc).
     """
     ffn = 4 * hidden if ffn is None else ffn
     max_position = seq_len if max_position is None else max_position
@@ -114,6 +131,13 @@ def transformer(
     layer_params = 4 * h * h + 4 * h + 2 * h * f + f + h + 4 * h
     layer_flops = 2 * s * (4 * h * h + 2 * h * f) + 4 * s * s * h + 5 * a * s * s + 20 * sh
     layer_kept = 10 * sh + a * s * s + _FFN_KEPT[activation] * s * f
+    if fused:
+        replicated_moved = 2 * 2 * sh + 2 * 3.5 * sh
+        layer_moved = replicated_moved + 4.5 * a * s * s + 2 * s * f
+    else:
+        replicated_moved = (3 + 3 + 3 + 3 + 4) * sh
+        layer_moved = replicated_moved + 8 * sh + 3 * a * s * s
+        layer_moved += _FFN_ELEMENTWISE[activation] * s * f
     blocks = [
         NodeCost(
             f"layer_{i}",
@@ -124,6 +148,9 @@ def transformer(
             param_bytes=_F32 * layer_params,
             largest_tensor_bytes=_F32 * max(s * f, a * s * s),
             float32_bytes=_F32 * 4 * sh,  # the two LayerNormalizations' input and factor
+            elementwise_bytes=round(_F32 * layer_moved),
+            tp_replicated_bytes=_F32 * 6 * sh,
+            tp_replicated_elementwise_bytes=round(_F32 * replicated_moved),
         )
         for i in range(layers)
     ]

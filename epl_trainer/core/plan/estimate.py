@@ -63,6 +63,7 @@ output activations forward and input gradients backward for every micro-batch.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import numbers
 from collections.abc import Sequence
@@ -124,6 +125,13 @@ class NodeCost:
         projections and probabilities, a GELU's intermediates, a normalising factor).
       float32_bytes: the part of `kept_bytes` computed in float32 even under AMP
         (Keras's LayerNormalization normalises in at least float32).
+      elementwise_bytes: bytes the node's elementwise ops (normalisations, softmax,
+        activations, bias adds, residual adds) read and write in its forward, batch 1, in
+        float32 (0: not counted; `step_time.py` then takes twice `activation_bytes`).
+      tp_replicated_bytes: the part of `kept_bytes` every tensor-parallel rank keeps whole
+        (Megatron's layer: the normalisations' and the blocks' inputs); the rest splits.
+      tp_replicated_elementwise_bytes: the part of `elementwise_bytes` every rank runs
+        whole (normalisations, residual adds).
     """
 
     name: str
@@ -135,6 +143,9 @@ class NodeCost:
     largest_tensor_bytes: int = 0
     float32_bytes: int = 0
     internal_bytes: int = 0
+    elementwise_bytes: int = 0
+    tp_replicated_bytes: int = 0
+    tp_replicated_elementwise_bytes: int = 0
 
     @property
     def kept_bytes(self) -> int:
@@ -521,13 +532,20 @@ def estimate(
     bounds = (0, *cuts, len(model.nodes))
     # The schedule the trainer runs, as data: how many micro-batches each stage keeps.
     m, v = plan.num_micro_batch, plan.virtual_stages
-    schedule = make_schedule(plan.pipeline_strategy, num_stages, m, v)
-    in_flight = peak_in_flight(schedule)
+    in_flight = _in_flight(plan.pipeline_strategy, num_stages, m, v)
     stages = tuple(
         _stage(model, plan, options, k, start, stop, in_flight)
         for k, (start, stop) in enumerate(itertools.pairwise(bounds))
     )
     return Estimate(model, plan, options, stages, plan.num_replicas, tuple(cuts))
+
+
+@functools.lru_cache(maxsize=256)
+def _in_flight(strategy: str, num_stages: int, num_micro_batch: int, virtual_stages: int):
+    """`peak_in_flight` of the schedule, built and checked once per shape (a layout
+    search estimates many layouts of one schedule shape)."""
+    schedule = make_schedule(strategy, num_stages, num_micro_batch, virtual_stages)
+    return tuple(peak_in_flight(schedule))
 
 
 def _stage(model, plan: Plan, options: TrainOptions, k, start, stop, in_flight):

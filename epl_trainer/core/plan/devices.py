@@ -1,0 +1,316 @@
+"""The devices epl-plan knows: peak rates, memory, links, each constant with its source.
+
+One table (`DEVICES`) holds every constant the step-time model (`step_time.py`) uses; the
+same constants serve every prediction, measured or published (`bench/plan_accuracy.py`,
+`bench/plan_published.py`): nothing is fitted to a row. `--device NAME` picks an entry;
+`--peak_tflops` / `--device_memory` replace its peak or memory, or describe a device the
+table lacks (`custom_device`).
+
+Conventions: FLOP/s are dense (no structured sparsity). A link's bandwidth is bytes per
+second one device sends in one direction. `inter_node_bandwidth` is a node's total over its
+network adapters: NCCL runs one ring per adapter, so a collective across nodes moves at the
+node's total divided over its devices' rings. Ring collectives send 2(N-1)/N of a buffer
+(all-reduce) or (N-1)/N (reduce-scatter, all-gather) per device, and take 2(N-1) or N-1
+latency-bound steps.
+
+The "cpu" entry is this machine (logical CPU devices share its cores), calibrated by the
+microbenchmarks of `bench/plan_calibrate.py` and stored here with their date.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+__all__ = ["DEVICES", "DeviceSpec", "custom_device", "device_by_name", "sources_table"]
+
+GB = 1e9
+
+
+@dataclasses.dataclass(frozen=True)
+class DeviceSpec:
+    """One accelerator and the node it comes in.
+
+    Attributes:
+      name: the `--device` name.
+      peak_flops: dense 16-bit (bfloat16 / float16) FLOP/s, the MFU denominator.
+      peak_flops_fp32: FLOP/s of float32 matmuls (TF32 tensor cores where TensorFlow uses
+        them by default, Ampere and later).
+      memory_bytes: device memory.
+      memory_bandwidth: bytes/s of the device memory (elementwise ops are bound by it).
+      matmul_efficiency: the share of the peak a large matmul reaches (a microbenchmark).
+      intra_node_bandwidth: bytes/s per device and direction between devices of a node.
+      inter_node_bandwidth: bytes/s per node and direction over its network adapters.
+      devices_per_node: devices per node (collectives within them use the intra link).
+      latency_s: seconds per step of a ring collective or one send.
+      host_bandwidth: bytes/s per device to and from host memory (offload).
+      host_memory_bandwidth: bytes/s of host memory per device (its share of the node's
+        CPU sockets), what an offloaded optimizer update is bound by.
+      layer_overhead_s: seconds per layer and training step that do not scale with its
+        FLOPs or bytes (kernel launches, the runtime's per-op cost): forward, backward and
+        update together.
+      step_overhead_s: seconds per step that no layer accounts for.
+      shares_compute: the node's devices share one compute pool (logical CPU devices):
+        their work adds up on its cores instead of running side by side.
+      cores: cores of the shared pool (`shares_compute`).
+      sources: constant name -> where its value comes from.
+    """
+
+    name: str
+    peak_flops: float
+    peak_flops_fp32: float
+    memory_bytes: float
+    memory_bandwidth: float
+    matmul_efficiency: float
+    intra_node_bandwidth: float
+    inter_node_bandwidth: float
+    devices_per_node: int
+    latency_s: float
+    host_bandwidth: float
+    host_memory_bandwidth: float = 0.0
+    layer_overhead_s: float = 0.0
+    step_overhead_s: float = 0.0
+    shares_compute: bool = False
+    cores: int = 1
+    sources: dict = dataclasses.field(default_factory=dict, compare=False)
+
+    def __post_init__(self):
+        for key in ("peak_flops", "peak_flops_fp32", "memory_bytes", "memory_bandwidth"):
+            value = getattr(self, key)
+            if not (isinstance(value, int | float) and math.isfinite(value) and value > 0):
+                raise ValueError(f"{key} must be a positive number. Received: {key}={value!r}")
+        if not 0 < self.matmul_efficiency <= 1:
+            raise ValueError(
+                "matmul_efficiency must be in (0, 1]. "
+                f"Received: matmul_efficiency={self.matmul_efficiency!r}"
+            )
+
+    def flops_rate(self, amp: str) -> float:
+        """FLOP/s of matmuls in the step's compute dtype (16-bit with AMP)."""
+        return self.matmul_efficiency * (self.peak_flops if amp else self.peak_flops_fp32)
+
+
+# ----------------------------------------------------------------- sources
+_A100 = "NVIDIA A100 Tensor Core GPU datasheet (SXM)"
+_H100 = "NVIDIA H100 Tensor Core GPU datasheet (SXM5)"
+_V100 = "NVIDIA Tesla V100 datasheet (SXM2/SXM3)"
+_MAMF = (
+    "Maximum Achievable Matmul FLOPS, S. Bekman, ml-engineering (compute/accelerator, "
+    "mamf-finder.py): best bf16 matmul over shapes"
+)
+_NO_LAUNCH = "0: CUDA launches are asynchronous; kernels longer than a launch hide it"
+_PCIE4 = "PCIe 4.0 x16: 32 GB/s per direction (A100 SXM host link)"
+
+DEVICES: dict[str, DeviceSpec] = {}
+
+
+def _add(spec: DeviceSpec) -> None:
+    DEVICES[spec.name] = spec
+
+
+_add(
+    DeviceSpec(
+        name="a100-80gb",
+        peak_flops=312e12,
+        peak_flops_fp32=156e12,
+        memory_bytes=80 * GB,
+        memory_bandwidth=2039 * GB,
+        matmul_efficiency=267.9 / 312,
+        intra_node_bandwidth=300 * GB,
+        inter_node_bandwidth=8 * 25 * GB,
+        devices_per_node=8,
+        latency_s=5e-6,
+        host_bandwidth=32 * GB,
+        host_memory_bandwidth=2 * 204.8 * GB / 8,
+        sources={
+            "peak_flops": f"{_A100}: 312 TFLOP/s bf16/fp16 dense",
+            "peak_flops_fp32": f"{_A100}: 156 TFLOP/s TF32 dense",
+            "memory": f"{_A100}: 80 GB HBM2e, 2,039 GB/s",
+            "matmul_efficiency": f"{_MAMF}: A100 SXM 267.9 of 312 TFLOP/s",
+            "intra_node_bandwidth": f"{_A100}: NVLink 600 GB/s both directions = 300 each",
+            "inter_node_bandwidth": "DGX A100 user guide: 8 x 200 Gb/s HDR InfiniBand "
+            "(compute) = 200 GB/s per node and direction",
+            "latency_s": "assumed 5 us per ring step (NCCL over NVLink/IB: microseconds); "
+            "negligible against the megabyte messages of the rows here",
+            "host_bandwidth": _PCIE4,
+            "host_memory_bandwidth": "DGX A100: 2 AMD EPYC 7742, 8 x DDR4-3200 each "
+            "(204.8 GB/s per socket), shared by 8 GPUs",
+            "layer_overhead_s": _NO_LAUNCH,
+        },
+    )
+)
+_add(
+    dataclasses.replace(
+        DEVICES["a100-80gb"],
+        name="a100-40gb",
+        memory_bytes=40 * GB,
+        memory_bandwidth=1555 * GB,
+        sources={**DEVICES["a100-80gb"].sources, "memory": f"{_A100}: 40 GB HBM2, 1,555 GB/s"},
+    )
+)
+_add(
+    DeviceSpec(
+        name="h100",
+        peak_flops=989e12,
+        peak_flops_fp32=494.5e12,
+        memory_bytes=80 * GB,
+        memory_bandwidth=3350 * GB,
+        matmul_efficiency=792.1 / 989,
+        intra_node_bandwidth=450 * GB,
+        inter_node_bandwidth=8 * 50 * GB,
+        devices_per_node=8,
+        latency_s=5e-6,
+        host_bandwidth=64 * GB,
+        host_memory_bandwidth=2 * 307.2 * GB / 8,
+        sources={
+            "peak_flops": f"{_H100}: 989 TFLOP/s bf16 dense (1,979 with sparsity)",
+            "peak_flops_fp32": f"{_H100}: 494.5 TFLOP/s TF32 dense",
+            "memory": f"{_H100}: 80 GB HBM3, 3.35 TB/s",
+            "matmul_efficiency": f"{_MAMF}: H100 SXM 792.1 of 989 TFLOP/s",
+            "intra_node_bandwidth": f"{_H100}: NVLink 900 GB/s both directions = 450 each",
+            "inter_node_bandwidth": "DGX H100: 8 x 400 Gb/s NDR InfiniBand = 400 GB/s per node",
+            "latency_s": "assumed 5 us per ring step, as for the A100",
+            "host_bandwidth": "PCIe 5.0 x16: 64 GB/s per direction",
+            "host_memory_bandwidth": "DGX H100: 2 Xeon 8480C, 8 x DDR5-4800 each "
+            "(307.2 GB/s per socket), shared by 8 GPUs",
+            "layer_overhead_s": _NO_LAUNCH,
+        },
+    )
+)
+_add(
+    DeviceSpec(
+        name="v100",
+        peak_flops=125e12,
+        peak_flops_fp32=15.7e12,
+        memory_bytes=32 * GB,
+        memory_bandwidth=900 * GB,
+        matmul_efficiency=267.9 / 312,
+        intra_node_bandwidth=150 * GB,
+        inter_node_bandwidth=8 * 12.5 * GB,
+        devices_per_node=16,
+        latency_s=5e-6,
+        host_bandwidth=16 * GB,
+        host_memory_bandwidth=2 * 127.8 * GB / 16,
+        sources={
+            "peak_flops": f"{_V100}: 125 TFLOP/s fp16 tensor cores",
+            "peak_flops_fp32": f"{_V100}: 15.7 TFLOP/s float32",
+            "memory": f"{_V100}: 32 GB HBM2, 900 GB/s",
+            "matmul_efficiency": "no published MAMF for the V100: the A100's ratio "
+            "(267.9 / 312), an assumption",
+            "intra_node_bandwidth": "DGX-2: NVSwitch, 300 GB/s NVLink per GPU both "
+            "directions = 150 each; 16 GPUs per node",
+            "inter_node_bandwidth": "DGX-2: 8 x 100 Gb/s EDR InfiniBand = 800 Gb/s per node "
+            "(the ZeRO paper's 400-GPU cluster, section 10)",
+            "latency_s": "assumed 5 us per ring step",
+            "host_bandwidth": "PCIe 3.0 x16: 16 GB/s per direction",
+            "host_memory_bandwidth": "DGX-2: 2 Xeon 8168, 6 x DDR4-2666 each (127.8 GB/s "
+            "per socket), shared by 16 GPUs",
+            "layer_overhead_s": _NO_LAUNCH,
+        },
+    )
+)
+
+# This machine (bench/plan_calibrate.py). Logical CPU devices share the cores: a
+# collective between them is a copy in the same memory, a host "transfer" is free.
+_CPU_MEASURED = {  # python bench/plan_calibrate.py, a shared 2-core AMD EPYC, TF 2.21
+    "matmul_flops": 135.7e9,
+    "memory_bandwidth": 15.22e9,
+    "collective_bandwidth": 1.274e9,
+    "collective_latency_s": 499e-6,  # a whole 2-member all-reduce: 2 ring steps
+    "layer_overhead_s": 165e-6,
+    "step_overhead_s": 1.05e-3,
+    "measured": "2026-11-28",
+}
+_CALIBRATED = "bench/plan_calibrate.py"
+_add(
+    DeviceSpec(
+        name="cpu",
+        peak_flops=_CPU_MEASURED["matmul_flops"],
+        peak_flops_fp32=_CPU_MEASURED["matmul_flops"],
+        memory_bytes=16 * GB,
+        memory_bandwidth=_CPU_MEASURED["memory_bandwidth"],
+        matmul_efficiency=1.0,
+        intra_node_bandwidth=_CPU_MEASURED["collective_bandwidth"],
+        inter_node_bandwidth=_CPU_MEASURED["collective_bandwidth"],
+        devices_per_node=64,
+        latency_s=_CPU_MEASURED["collective_latency_s"] / 2,
+        host_bandwidth=math.inf,
+        host_memory_bandwidth=_CPU_MEASURED["memory_bandwidth"],
+        layer_overhead_s=_CPU_MEASURED["layer_overhead_s"],
+        step_overhead_s=_CPU_MEASURED["step_overhead_s"],
+        shares_compute=True,
+        cores=2,
+        sources={
+            "peak_flops": f"{_CALIBRATED}: float32 [512,512]x[512,2048] matmuls, all cores "
+            f"({_CPU_MEASURED['measured']}); no fast 16-bit matmul on this CPU, so the "
+            "same rate with AMP",
+            "memory": f"{_CALIBRATED}: elementwise add of 2**22 float32; 16 GB assumed size",
+            "matmul_efficiency": "1: the peak is itself a measured matmul rate",
+            "intra_node_bandwidth": f"{_CALIBRATED}: all-reduce of 16 kB and 16 MB between 2 "
+            "logical devices (slope)",
+            "latency_s": f"{_CALIBRATED}: the same all-reduces (intercept, over its 2 ring steps)",
+            "layer_overhead_s": f"{_CALIBRATED}: EPLTrainer steps of Dense(8) stacks of 4 and "
+            "36 layers (slope per layer)",
+            "step_overhead_s": f"{_CALIBRATED}: the same steps (intercept)",
+            "shares_compute": "logical CPU devices share the process's cores "
+            "(docs/architecture.md)",
+        },
+    )
+)
+
+
+def device_by_name(name: str) -> DeviceSpec:
+    """The table's entry for `name` (case-insensitive)."""
+    key = str(name).lower()
+    if key not in DEVICES:
+        raise ValueError(f"Unknown device {name!r}. Known devices: {sorted(DEVICES)}")
+    return DEVICES[key]
+
+
+def custom_device(
+    base: DeviceSpec | None = None,
+    *,
+    peak_tflops: float | None = None,
+    memory_bytes: float | None = None,
+) -> DeviceSpec:
+    """`base` with its 16-bit peak and / or memory replaced (`--peak_tflops`,
+    `--device_memory`); without a base, an A100-80GB's links and efficiency with the given
+    peak (float32 at half of it) and memory."""
+    spec = base or DEVICES["a100-80gb"]
+    changes, sources = {}, dict(spec.sources)
+    if peak_tflops is not None:
+        if not peak_tflops > 0:
+            raise ValueError(f"peak_tflops must be > 0. Received: peak_tflops={peak_tflops!r}")
+        ratio = spec.peak_flops_fp32 / spec.peak_flops if base else 0.5
+        changes.update(peak_flops=peak_tflops * 1e12, peak_flops_fp32=peak_tflops * 1e12 * ratio)
+        sources["peak_flops"] = f"--peak_tflops {peak_tflops:g}"
+    if memory_bytes is not None:
+        changes["memory_bytes"] = memory_bytes
+        sources["memory"] = f"--device_memory {memory_bytes:.4g} bytes"
+    name = spec.name if base else "custom"
+    if changes and base:
+        name = f"{spec.name} (custom)"
+    return dataclasses.replace(spec, name=name, sources=sources, **changes)
+
+
+def sources_table() -> list[tuple[str, str, str, str]]:
+    """(device, constant, value, source) rows: the one table of the model's constants."""
+    rows = []
+    for spec in DEVICES.values():
+        values = {
+            "peak_flops": f"{spec.peak_flops / 1e12:.4g} TFLOP/s",
+            "peak_flops_fp32": f"{spec.peak_flops_fp32 / 1e12:.4g} TFLOP/s",
+            "memory": f"{spec.memory_bytes / GB:.4g} GB, {spec.memory_bandwidth / GB:.4g} GB/s",
+            "matmul_efficiency": f"{spec.matmul_efficiency:.3f}",
+            "intra_node_bandwidth": f"{spec.intra_node_bandwidth / GB:.4g} GB/s",
+            "inter_node_bandwidth": f"{spec.inter_node_bandwidth / GB:.4g} GB/s per node",
+            "latency_s": f"{spec.latency_s * 1e6:.3g} us",
+            "host_bandwidth": f"{spec.host_bandwidth / GB:.4g} GB/s",
+            "host_memory_bandwidth": f"{spec.host_memory_bandwidth / GB:.4g} GB/s",
+            "layer_overhead_s": f"{spec.layer_overhead_s * 1e6:.3g} us",
+            "step_overhead_s": f"{spec.step_overhead_s * 1e3:.3g} ms",
+            "shares_compute": f"{spec.shares_compute} ({spec.cores} cores)",
+        }
+        for key, source in spec.sources.items():
+            rows.append((spec.name, key, values.get(key, ""), source))
+    return rows

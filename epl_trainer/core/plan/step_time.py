@@ -1,0 +1,495 @@
+"""Step time, throughput and MFU of a layout on a described cluster, by arithmetic.
+
+The time of one training step is built from terms, each from a constant of the device
+table (`devices.py`) and a count of the model (`estimate.ModelCost`), in this order:
+
+1. Compute per micro-batch and device: each node's forward FLOPs x the micro-batch /
+   the matmul rate (peak x matmul efficiency, 16-bit with AMP), and its elementwise bytes
+   / the memory bandwidth; backward twice the forward; with gradient checkpointing the
+   forward once more. Tensor parallelism (`tensor_parallel_model`) divides the nodes it
+   splits (transformer layers, vocabulary-parallel embeddings and heads).
+2. Tensor-parallel all-reduces: Megatron's layer sums its activations twice in forward
+   and twice in backward (again in a recomputed forward), over the tensor group's link.
+3. Pipeline sends: each micro-batch's boundary activations forward and their gradients
+   back (each tensor rank sends its 1/t share, Megatron's scatter / gather).
+4. Per-layer overhead (kernel launches, the runtime's per-op cost) per micro-batch.
+5. The schedule: `m` micro-batches on the slowest device plus the bubble of
+   `schedule.bubble_fraction` (GPipe and 1F1B (p-1)/(m+p-1), interleaved
+   (p-1)/(vm+p-1), ZB-H1 (p-1)/(3m+p-1)). Devices that share one compute pool (logical
+   CPU devices) cannot hide a bubble behind idle cores: their step is at least the sum
+   of all devices' work on the pool.
+6. Data-parallel communication (`StageEstimate.comm_data_parallel`: all-reduce, ZeRO's
+   reduce-scatter and all-gathers) over the data group's link; overlapped with the last
+   micro-batch's backward where the engine overlaps it and the device has separate
+   communication engines.
+7. The optimizer update, bound by memory bandwidth (Adam reads the parameter, gradient
+   and both slots and writes three: 28 bytes per float32 parameter), on the device's share
+   of the parameters (ZeRO divides it); with offload on host memory, plus the gradients'
+   and parameters' trip over the host link.
+8. The step's own overhead.
+
+A collective over N members sends 2(N-1)/N of its buffer (all-reduce; the estimate
+counts ZeRO's halves) at the link's bandwidth and takes 2(N-1) latency steps. Its link:
+within a node the device's intra-node bandwidth; across nodes the node's network
+bandwidth shared by the groups that cross it at once (a group with g members per node
+of n devices gets g / n of it). Which groups are within a node follows `rank_order`:
+the engine lays out tensor ranks innermost, then a replica's pipeline stages, then the
+replicas ("tp,pp,dp"); Megatron-LM puts data-parallel ranks inside pipeline stages
+("tp,dp,pp").
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import numbers
+
+from epl_trainer.core.plan import estimate as estimate_module
+from epl_trainer.core.plan import planner
+from epl_trainer.core.plan.devices import DeviceSpec
+from epl_trainer.core.plan.estimate import OPTIMIZER_SLOTS, ModelCost, NodeCost, TrainOptions
+from epl_trainer.core.plan.ir import INTERLEAVED, PIPELINE_STRATEGIES, StrategySpec
+from epl_trainer.core.plan.schedule import (
+    BACKWARD,
+    FORWARD,
+    WEIGHT,
+    bubble_fraction,
+    device_orders,
+    make_schedule,
+    splits_backward,
+)
+
+__all__ = [
+    "TENSOR_SPLIT_KINDS",
+    "Layout",
+    "Prediction",
+    "device_peak_bytes",
+    "estimate_layout",
+    "predict",
+    "tensor_parallel_model",
+]
+
+# Nodes tensor parallelism splits (Megatron's column / row pairs; vocabulary-parallel
+# embedding and head), with their (forward, backward) all-reduces of the residual stream.
+TENSOR_SPLIT_KINDS = {"TransformerLayer": (2, 2), "Embedding": (1, 0), "Head": (0, 1)}
+RANK_ORDERS = ("tp,pp,dp", "tp,dp,pp")
+_GRADIENT_BUCKETS = 5  # communication.max_splits: fused all-reduces per stage and step
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """How a job is laid out: parallel degrees, micro-batches, schedule, memory options.
+
+    `pipeline_parallel` counts devices per pipeline; with Interleaved1F1B each runs
+    `virtual_stages` stages, so the model is cut into `pipeline_parallel x
+    virtual_stages` stages. The job uses `data_parallel x tensor_parallel x
+    pipeline_parallel` devices and its global batch is `data_parallel x num_micro_batch
+    x micro_batch_size` (tensor ranks share their micro-batch).
+    """
+
+    data_parallel: int = 1
+    tensor_parallel: int = 1
+    pipeline_parallel: int = 1
+    virtual_stages: int = 1
+    num_micro_batch: int = 1
+    micro_batch_size: int = 1
+    schedule: str = "PreferBackward"
+    zero: str = ""
+    amp: str = ""
+    gc: bool = False
+    offload: bool = False
+    optimizer: str = "adam"
+    overlap_grad_reduce: bool = True
+    rank_order: str = "tp,pp,dp"
+
+    def __post_init__(self):
+        for key in ("data_parallel", "tensor_parallel", "pipeline_parallel", "virtual_stages",
+                    "num_micro_batch", "micro_batch_size"):  # fmt: skip
+            value = getattr(self, key)
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+                raise ValueError(f"{key} must be an int >= 1. Received: {key}={value!r}")
+        if self.schedule not in PIPELINE_STRATEGIES:
+            raise ValueError(
+                f"schedule must be one of {PIPELINE_STRATEGIES}. Received: "
+                f"schedule={self.schedule!r}"
+            )
+        if (self.schedule == INTERLEAVED) != (self.virtual_stages > 1):
+            raise ValueError(
+                "Interleaved1F1B runs virtual_stages >= 2 stages per device, and only it does. "
+                f"Received: schedule={self.schedule!r}, virtual_stages={self.virtual_stages}"
+            )
+        if self.rank_order not in RANK_ORDERS:
+            raise ValueError(
+                f"rank_order must be one of {RANK_ORDERS}. Received: {self.rank_order!r}"
+            )
+        TrainOptions(zero=self.zero, amp=self.amp, optimizer=self.optimizer)  # validates
+
+    @property
+    def num_stages(self) -> int:
+        return self.pipeline_parallel * self.virtual_stages
+
+    @property
+    def devices(self) -> int:
+        return self.data_parallel * self.tensor_parallel * self.pipeline_parallel
+
+    @property
+    def global_batch(self) -> int:
+        return self.data_parallel * self.num_micro_batch * self.micro_batch_size
+
+    def describe(self) -> str:
+        parts = [
+            f"dp {self.data_parallel} x tp {self.tensor_parallel} x pp {self.pipeline_parallel}",
+            f"mb {self.micro_batch_size} x {self.num_micro_batch}",
+        ]
+        if self.pipeline_parallel > 1:
+            parts.append(self.schedule + (f" v={self.virtual_stages}"
+                                          if self.virtual_stages > 1 else ""))  # fmt: skip
+        parts.append(f"zero {self.zero or 'none'}")
+        parts += [name for name, on in (("gc", self.gc), ("offload", self.offload),
+                                        (f"amp {self.amp}", self.amp)) if on]  # fmt: skip
+        return ", ".join(parts)
+
+    def config(self) -> dict:
+        """The trainer's config keys for this layout (what `--epl_config` reads). Tensor
+        parallelism has no key: it is a `keras.distribution` mesh's model axis."""
+        keys = {
+            "pipeline.num_stages": self.num_stages,
+            "pipeline.num_micro_batch": self.num_micro_batch,
+            "pipeline.strategy": self.schedule,
+            "pipeline.virtual_stages": self.virtual_stages,
+            "zero.level": self.zero,
+            "gradient_checkpoint.type": "auto" if self.gc else "",
+            "offload.level": "v0" if self.offload else "",
+            "amp.level": "O1" if self.amp else "",
+        }
+        if self.amp:
+            keys["amp.dtype"] = "bfloat16"
+        if self.num_stages > 1:
+            keys["auto.auto_parallel"] = True
+        return keys
+
+
+@dataclasses.dataclass(frozen=True)
+class Prediction:
+    """`predict`'s result: the step time and its terms (seconds), throughput, memory."""
+
+    layout: Layout
+    device: str
+    step_time_s: float
+    terms: dict
+    model_flops: float  # per step: 3 x forward FLOPs x global batch (MFU's numerator)
+    hardware_flops: float  # per step, with a recomputed forward under gc
+    peak_memory_bytes: float  # the largest device's
+    memory_bytes: float  # the device's capacity
+    peak_flops: float  # one device's peak in the step's compute dtype
+
+    @property
+    def fits(self) -> bool:
+        return self.peak_memory_bytes <= self.memory_bytes
+
+    @property
+    def tflops_per_device(self) -> float:
+        return self.model_flops / self.step_time_s / self.layout.devices / 1e12
+
+    @property
+    def mfu(self) -> float:
+        return self.tflops_per_device * 1e12 / self.peak_flops
+
+    @property
+    def samples_per_second(self) -> float:
+        return self.layout.global_batch / self.step_time_s
+
+    def to_dict(self) -> dict:
+        return {
+            "layout": dataclasses.asdict(self.layout),
+            "description": self.layout.describe(),
+            "device": self.device,
+            "devices": self.layout.devices,
+            "global_batch": self.layout.global_batch,
+            "step_time_s": self.step_time_s,
+            "tflops_per_device": self.tflops_per_device,
+            "mfu": self.mfu,
+            "samples_per_second": self.samples_per_second,
+            "peak_memory_bytes": self.peak_memory_bytes,
+            "fits": self.fits,
+            "model_flops_per_step": self.model_flops,
+            "hardware_flops_per_step": self.hardware_flops,
+            "terms_s": dict(self.terms),
+            "config": self.layout.config(),
+        }
+
+
+# ------------------------------------------------------------------ tensor parallelism
+def tensor_parallel_model(model: ModelCost, tensor_parallel: int) -> ModelCost:
+    """One tensor rank's share of `model`: the nodes of `TENSOR_SPLIT_KINDS` split their
+    parameters, FLOPs, workspace and the split part of their activations and elementwise
+    traffic t ways; other nodes run whole on every rank.
+
+    Raises:
+      ValueError: t > 1 on a model with no node tensor parallelism splits.
+    """
+    t = tensor_parallel
+    if t == 1:
+        return model
+    if not any(node.kind in TENSOR_SPLIT_KINDS for node in model.nodes):
+        raise ValueError(
+            f"Model {model.name!r} has no node tensor parallelism splits (kinds "
+            f"{sorted(TENSOR_SPLIT_KINDS)}). Received: tensor_parallel={t}"
+        )
+    nodes = tuple(_split_node(node, t) if node.kind in TENSOR_SPLIT_KINDS else node
+                  for node in model.nodes)  # fmt: skip
+    return dataclasses.replace(model, nodes=nodes, description=f"{model.description}, 1/{t} rank")
+
+
+def _split_node(node: NodeCost, t: int) -> NodeCost:
+    kept = node.tp_replicated_bytes + (node.kept_bytes - node.tp_replicated_bytes) / t
+    moved = _elementwise_bytes(node)
+    replicated = node.tp_replicated_elementwise_bytes
+    return dataclasses.replace(
+        node,
+        params=math.ceil(node.params / t),
+        param_bytes=math.ceil(node.param_bytes / t),
+        flops=node.flops / t,
+        activation_bytes=round(kept),
+        internal_bytes=0,
+        largest_tensor_bytes=math.ceil(node.largest_tensor / t),
+        float32_bytes=min(node.float32_bytes, round(kept)),
+        elementwise_bytes=round(replicated + (moved - replicated) / t),
+    )
+
+
+def _elementwise_bytes(node: NodeCost) -> float:
+    # Not counted (a Keras graph's layer): the layer reads and writes its output-sized
+    # tensors once besides its matmul.
+    return node.elementwise_bytes or 2 * node.activation_bytes
+
+
+# ------------------------------------------------------------------ memory
+def estimate_layout(model: ModelCost, layout: Layout) -> estimate_module.Estimate:
+    """`estimate.estimate` of one tensor rank's model on the layout's data x pipeline
+    devices (what every rank of a tensor group holds)."""
+    shard = _tensor_shard(model, layout.tensor_parallel)
+    cuts = _cuts(shard, layout.num_stages)
+    plan = planner.build_plan(
+        [StrategySpec("replicate", 1, f"stage_{k}") for k in range(layout.num_stages)],
+        estimate_module.virtual_cluster(1, layout.data_parallel * layout.pipeline_parallel),
+        0,
+        num_micro_batch=layout.num_micro_batch,
+        pipeline_strategy=layout.schedule,
+        virtual_stages=layout.virtual_stages,
+    )
+    options = TrainOptions(
+        micro_batch_size=layout.micro_batch_size, zero=layout.zero, amp=layout.amp,
+        gc=layout.gc, optimizer=layout.optimizer,
+    )  # fmt: skip
+    return estimate_module.estimate(shard, plan, options, cuts=cuts)
+
+
+# A search estimates many layouts of one model: its shards and cuts are computed once.
+_tensor_shard = functools.lru_cache(maxsize=64)(tensor_parallel_model)
+_cuts = functools.lru_cache(maxsize=1024)(estimate_module.partition_stages)
+
+
+def device_peak_bytes(result: estimate_module.Estimate, offload: bool = False) -> list[float]:
+    """Peak bytes of each device of a pipeline: its stages' states, the activations alive
+    at once over its stages in the schedule's order, the largest workspace. With offload
+    the parameters and optimizer state live in host memory."""
+    plan, stages = result.plan, result.stages
+    orders = _device_orders(
+        plan.pipeline_strategy, len(stages), plan.num_micro_batch, plan.virtual_stages
+    )
+    alive = _alive(orders, [s.activations[s.selected] for s in stages])
+    peaks = []
+    for device, activations in enumerate(alive):
+        hosted = [s for s in stages if s.index % plan.pipeline_devices == device]
+        states = sum(s.peak - s.activation_peak - s.workspace for s in hosted)
+        if offload:
+            states -= sum(s.parameters + s.optimizer for s in hosted)
+        workspace = max(s.workspace for s in hosted) + max(s.recompute for s in hosted)
+        peaks.append(states + activations + workspace)
+    return peaks
+
+
+@functools.lru_cache(maxsize=256)
+def _device_orders(strategy: str, num_stages: int, num_micro_batch: int, virtual_stages: int):
+    """Each device's (stage, kind) order of the schedule, built and checked once."""
+    schedule = make_schedule(strategy, num_stages, num_micro_batch, virtual_stages)
+    last = WEIGHT if splits_backward(schedule) else BACKWARD
+    step = {FORWARD: 1, last: -1}
+    return tuple(tuple((stage, step.get(task.kind, 0)) for stage, task in pairs)
+                 for pairs in device_orders(schedule))  # fmt: skip
+
+
+def _alive(orders, weights) -> list[float]:
+    """`schedule.device_peak_in_flight` over cached orders: per device, the most weighted
+    activation sets alive at once."""
+    peaks = []
+    for pairs in orders:
+        alive = peak = 0.0
+        for stage, change in pairs:
+            alive += change * weights[stage]
+            peak = max(peak, alive)
+        peaks.append(peak)
+    return peaks
+
+
+# ------------------------------------------------------------------ links
+def _stride(layout: Layout, axis: str) -> int:
+    """Devices between neighbouring members of `axis`'s group in the rank order."""
+    sizes = {"tp": layout.tensor_parallel, "pp": layout.pipeline_parallel,
+             "dp": layout.data_parallel}  # fmt: skip
+    stride = 1
+    for name in layout.rank_order.split(","):
+        if name == axis:
+            return stride
+        stride *= sizes[name]
+    raise AssertionError(axis)
+
+
+def _group_bandwidth(device: DeviceSpec, members: int, stride: int) -> float:
+    """Bytes/s each member of a group of `members`, `stride` devices apart, sends at."""
+    per_node = device.devices_per_node
+    if members * stride <= per_node or members == 1:
+        return device.intra_node_bandwidth
+    in_node = max(1, min(members, per_node // stride))
+    return min(device.intra_node_bandwidth, device.inter_node_bandwidth * in_node / per_node)
+
+
+def _all_reduce_s(device: DeviceSpec, buffer: float, members: int, stride: int) -> float:
+    if members == 1 or buffer == 0:
+        return 0.0
+    sent = 2 * (members - 1) / members * buffer
+    latency = 2 * (members - 1) * device.latency_s
+    return sent / _group_bandwidth(device, members, stride) + latency
+
+
+# ------------------------------------------------------------------ time
+def predict(model: ModelCost, layout: Layout, device: DeviceSpec) -> Prediction:
+    """The step time and memory of `model` trained with `layout` on `device`s."""
+    result = estimate_layout(model, layout)
+    shard = result.model
+    t, p, m, v = (layout.tensor_parallel, layout.pipeline_parallel, layout.num_micro_batch,
+                  layout.virtual_stages)  # fmt: skip
+    width = 0.5 if layout.amp else 1.0  # 16-bit activations and traffic under AMP
+    full_rate = device.flops_rate(layout.amp)
+    rate, pool = full_rate, 1
+    if device.shares_compute:  # cores // devices threads per op (runtime/cluster.py)
+        pool = min(layout.devices, device.cores)
+        rate = full_rate * max(1, device.cores // layout.devices) / device.cores
+    mb = layout.micro_batch_size
+
+    stage_terms = []
+    for stage in result.stages:
+        start, stop = stage.nodes
+        nodes = shard.nodes[start:stop]
+        compute = sum(node.flops for node in nodes) * mb / rate
+        moved = sum(_elementwise_bytes(node) for node in nodes) * mb * width
+        forward = compute + moved / device.memory_bandwidth
+        syncs = [TENSOR_SPLIT_KINDS.get(node.kind, (0, 0)) for node in nodes]
+        stream = [shard.crossing_bytes[i] or shard.crossing_bytes[i + 1]
+                  for i in range(start, stop)]  # fmt: skip
+        tensor_comm = sum(
+            (f * (2 if layout.gc else 1) + b) * _all_reduce_s(device, s * mb * width, t, 1)
+            for (f, b), s in zip(syncs, stream)
+        )
+        sends = 0.0
+        if p > 1:
+            link = _group_bandwidth(device, p, _stride(layout, "pp"))
+            for boundary in (start, stop):
+                if 0 < boundary < len(shard.nodes):
+                    sends += shard.crossing_bytes[boundary] * mb * width / t / link
+                    sends += device.latency_s
+        stage_terms.append({
+            "compute": 3 * compute,
+            "elementwise": 3 * (forward - compute),
+            "recompute": forward if layout.gc else 0.0,
+            "tensor_comm": tensor_comm,
+            "pipeline_comm": sends,
+            "overhead": device.layer_overhead_s * len(nodes),
+            "work": 3 * forward * rate / full_rate,  # the same at the pool's full rate
+        })  # fmt: skip
+    # Per micro-batch and device: the sum over the stages it runs.
+    per_device = []
+    for d in range(p):
+        hosted = [terms for k, terms in enumerate(stage_terms) if k % p == d]
+        per_device.append({key: sum(terms[key] for terms in hosted) for key in hosted[0]})
+    busy = [sum(v for k, v in terms.items() if k != "work") for terms in per_device]
+    slowest = max(range(p), key=busy.__getitem__)
+    bubble = bubble_fraction(layout.num_stages, m, layout.schedule, v) if p > 1 else 0.0
+    pipeline = m * busy[slowest] / (1 - bubble)
+    terms = {key: m * value for key, value in per_device[slowest].items() if key != "work"}
+    terms["bubble"] = pipeline - m * busy[slowest]
+    if device.shares_compute:
+        # The pool runs every device's work: compute at the pool's full rate, the rest
+        # (dispatch, copies) on `pool` cores at once.
+        fixed = sum(b - (terms_d["compute"] + terms_d["elementwise"] + terms_d["recompute"])
+                    for b, terms_d in zip(busy, per_device))  # fmt: skip
+        work = (
+            layout.data_parallel
+            * t
+            * m
+            * (
+                sum(terms_d["work"] * (4 / 3 if layout.gc else 1) for terms_d in per_device)
+                + fixed / pool
+            )
+        )
+        terms["shared_pool"] = max(0.0, work - pipeline)
+        pipeline = max(pipeline, work)
+
+    terms["data_comm"] = _data_comm_s(result, layout, device, per_device[slowest])
+    terms["optimizer"], terms["offload"] = _update_s(result, layout, device)
+    terms["step_overhead"] = device.step_overhead_s
+    step = pipeline + terms["data_comm"] + terms["optimizer"] + terms["offload"]
+    step += device.step_overhead_s
+    model_flops = 3 * model.flops * layout.global_batch
+    peak = max(device_peak_bytes(result, layout.offload))
+    return Prediction(
+        layout=layout,
+        device=device.name,
+        step_time_s=step,
+        terms=terms,
+        model_flops=model_flops,
+        hardware_flops=model_flops * (4 / 3 if layout.gc else 1),
+        peak_memory_bytes=peak,
+        memory_bytes=device.memory_bytes,
+        peak_flops=device.peak_flops if layout.amp else device.peak_flops_fp32,
+    )
+
+
+def _data_comm_s(result, layout: Layout, device: DeviceSpec, last_backward: dict) -> float:
+    """Seconds of data-parallel communication the step waits for (the slowest stage's)."""
+    d = layout.data_parallel
+    if d == 1:
+        return 0.0
+    link = _group_bandwidth(device, d, _stride(layout, "dp"))
+    stages = result.stages
+    sent = max(s.comm_data_parallel for s in stages)
+    buckets = min(_GRADIENT_BUCKETS, max(s.nodes[1] - s.nodes[0] for s in stages))
+    seconds = sent / link + buckets * 2 * (d - 1) * device.latency_s
+    if layout.overlap_grad_reduce and not device.shares_compute:
+        # Buckets reduce while the last micro-batch's backward runs.
+        backward = (last_backward["compute"] + last_backward["elementwise"]) * 2 / 3
+        seconds = max(0.0, seconds - backward)
+    return seconds
+
+
+def _update_s(result, layout: Layout, device: DeviceSpec) -> tuple[float, float]:
+    """(optimizer update seconds, offload transfer seconds) of the slowest device."""
+    slots = OPTIMIZER_SLOTS[layout.optimizer]
+    moved_per_param = 4 * (3 + 2 * slots)  # read p, g, slots; write p, slots (float32)
+    per_device = [0.0] * layout.pipeline_parallel
+    for stage in result.stages:
+        # The device's share of the rows it updates: all of them, or 1/N with ZeRO.
+        owned = stage.params / (layout.data_parallel if layout.zero else 1)
+        per_device[stage.index % layout.pipeline_parallel] += owned
+    params = max(per_device)
+    if device.shares_compute:  # every device's update runs on the shared memory
+        params = sum(per_device) * layout.data_parallel * layout.tensor_parallel
+    bandwidth = device.host_memory_bandwidth if layout.offload else device.memory_bandwidth
+    update = params * moved_per_param / bandwidth
+    offload = 0.0
+    if layout.offload and math.isfinite(device.host_bandwidth):
+        width = 2 if layout.amp else 4
+        offload = 2 * params * width / device.host_bandwidth  # gradients down, weights up
+    return update, offload
