@@ -82,7 +82,7 @@ def _restore_after(damage):
 
 
 def _data_file(folder):
-    (name,) = [n for n in os.listdir(folder) if ".data-" in n]
+    (name,) = [n for n in os.listdir(folder) if n.endswith(".bin")]
     return os.path.join(folder, name)
 
 
@@ -92,7 +92,7 @@ def _truncate(folder):
 
 
 def _flip_bytes(folder):
-    # Same size, different content: only TensorFlow's own checksums can tell.
+    # Same size, different content: only the entries' hashes can tell.
     path = _data_file(folder)
     Path(path).write_bytes(bytes(b ^ 0xFF for b in Path(path).read_bytes()))
 
@@ -316,32 +316,33 @@ CASES = [
         CheckpointError,
         r"Checkpoint '.*ckpt-2' is in epl_trainer's checkpoint format 1 \(metadata\.json: lane "
         r"0's state under positional keys of the layout that wrote it\)\. This version reads "
-        r"format 2",
+        r"formats 2 and 3",
     ),
     (
         "data file truncated",
         _restore_after(_truncate),
         CheckpointError,
-        r"Checkpoint file '.*shard-0\.data-00000-of-00001' is truncated or corrupted: it has 8 "
+        r"Checkpoint file '.*shard-0\.bin' is truncated or corrupted: it has 8 "
         r"bytes, \d+ were written",
     ),
     (
         "data file missing",
         _restore_after(lambda d: os.remove(_data_file(d))),
         CheckpointError,
-        r"Checkpoint file '.*shard-0\.data-00000-of-00001' is missing",
+        r"Checkpoint file '.*shard-0\.bin' is missing",
     ),
     (
         "data file bytes flipped",
         _restore_after(_flip_bytes),
         CheckpointError,
-        r"Checkpoint data \['.*shard-0\.data-00000-of-00001', '.*shard-0\.index'\] is unreadable",
+        r"Checkpoint data '.*shard-0\.bin' is corrupted: 'dense.*' \(\d+ bytes at offset \d+\) "
+        r"does not match the hash it was written with",
     ),
     (
         "future format version",
         _restore_after(_edit_metadata(lambda m: m.update(format_version=99))),
         CheckpointError,
-        r"manifest\.json' has format_version 99; this version of epl_trainer reads 2",
+        r"manifest\.json' has format_version 99; this version of epl_trainer reads formats 2 and 3",
     ),
     (
         "checkpoint of a different model",

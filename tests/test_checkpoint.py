@@ -131,10 +131,10 @@ def test_corrupted_checkpoint_data_names_the_file(tmp_path):
     trainer.fit(_dataset(), epochs=1, verbose=0)
     path = trainer.save_checkpoint(str(tmp_path))
     for name in os.listdir(path):
-        if ".data-" in name:
+        if name.endswith(".bin"):
             with open(os.path.join(path, name), "r+b") as f:
                 f.truncate(10)
-    with pytest.raises(CheckpointError, match=r"shard-0\.data-.* is truncated or corrupted"):
+    with pytest.raises(CheckpointError, match=r"shard-0\.bin' is truncated or corrupted"):
         _trainer(mlp()).restore_checkpoint(str(tmp_path))
     assert os.path.isdir(path)  # never removed or overwritten by a failed restore
 
@@ -234,7 +234,7 @@ def test_damaged_newest_checkpoint_stops_auto_resume_and_is_kept(tmp_path):
     trainer = _trainer(mlp())
     trainer.fit(_dataset(), epochs=1, verbose=0)
     path = trainer.save_checkpoint(str(tmp_path))
-    (data,) = [os.path.join(path, n) for n in os.listdir(path) if ".data-" in n]
+    (data,) = [os.path.join(path, n) for n in os.listdir(path) if n.endswith(".bin")]
     with open(data, "r+b") as f:
         f.truncate(10)
     before = sorted(os.listdir(tmp_path)), sorted(os.listdir(path))
@@ -244,7 +244,7 @@ def test_damaged_newest_checkpoint_stops_auto_resume_and_is_kept(tmp_path):
         keras.optimizers.Adam(0.01),
         config={"cluster.virtual_devices": 2, "checkpoint.dir": str(tmp_path)},
     )
-    with pytest.raises(CheckpointError, match=r"shard-0\.data-00000-of-00001' is truncated"):
+    with pytest.raises(CheckpointError, match=r"shard-0\.bin' is truncated"):
         resumed.fit(_dataset(), epochs=2, verbose=0)
     assert (sorted(os.listdir(tmp_path)), sorted(os.listdir(path))) == before
     assert os.path.getsize(data) == 10
@@ -348,7 +348,7 @@ def test_a_torn_save_is_ignored_by_restore_and_named_in_warnings(tmp_path, caplo
                           capture_output=True, text=True, check=True)  # fmt: skip
     torn = tmp_path / f".tmp-ckpt-9-{int(dead.stdout)}"
     torn.mkdir()
-    (torn / "shard-0.data-00000-of-00001").write_bytes(b"half a shard")
+    (torn / "shard-0.bin").write_bytes(b"half a shard")
     restored = _trainer(mlp(seed=3))
     with caplog.at_level("WARNING", logger="epl_trainer"):
         path = restored.restore_checkpoint(str(tmp_path))

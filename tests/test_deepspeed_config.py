@@ -811,3 +811,20 @@ def test_lamb_weight_decay_and_coefficient_clamp_follow_deepspeeds_fused_lamb():
     expected = _fused_lamb_reference(mlp(seed=3), x, y, 3, 0.01, (0.9, 0.99), 1e-6, 0.01, 0.05, 0.5)
     for a, b in zip(model.get_weights(), expected):
         np.testing.assert_allclose(a, b, atol=2e-6)
+
+
+def test_the_decoupled_checkpoint_writer_is_async_save():
+    """DeepSpeed's `checkpoint.writer.decoupled` (its asynchronous checkpoint engine)."""
+
+    def translated(section):
+        return _translate({"train_micro_batch_size_per_gpu": 2, "checkpoint": section}).config
+
+    assert translated({"writer": {"decoupled": True, "type": "fast"}}).checkpoint.async_save
+    assert not translated({"writer": {"type": "python"}}).checkpoint.async_save
+    assert not translated({"load_universal": True, "tag_validation": "Fail"}).checkpoint.async_save
+    with pytest.raises(DeepSpeedConfigError, match="'mock' writer saves nothing"):
+        translated({"writer": {"type": "mock"}})
+    with pytest.raises(DeepSpeedConfigError, match=r"'decoupld'.*did you mean 'decoupled'"):
+        translated({"writer": {"decoupld": True}})
+    with pytest.raises(DeepSpeedConfigError, match="tag_validation='Ignore'"):
+        translated({"tag_validation": "Ignore"})

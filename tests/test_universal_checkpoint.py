@@ -231,11 +231,7 @@ def test_a_crash_between_the_shards_and_the_manifest_keeps_the_previous_latest(
     trainer.fit(x, y, batch_size=16, epochs=1, verbose=0, shuffle=False)
 
     def crash(folder):
-        assert sorted(os.listdir(folder))[:3] == [
-            "manifest.json",
-            "shard-0.data-00000-of-00001",
-            "shard-0.index",
-        ]
+        assert sorted(os.listdir(folder))[:2] == ["manifest.json", "shard-0.bin"]
         raise _Crash()
 
     monkeypatch.setattr(ckpt, "before_publish", crash)
@@ -285,20 +281,20 @@ def test_restore_reads_only_the_shards_its_entries_are_in(tmp_path):
     ckpt.write_shard(folder, 0, [("trainable/0", "a", tf.fill([2], 5.0))])
     ckpt.write_shard(folder, 1, [("slot/0/momentum", "a (momentum)", tf.ones([2]))])
     path = ckpt.publish(directory, folder, 3, 2, {}, ["trainable/0"])
-    with open(os.path.join(path, "shard-1.data-00000-of-00001"), "r+b") as f:
+    with open(os.path.join(path, "shard-1.bin"), "r+b") as f:
         f.truncate(1)
     manifest = ckpt.read_manifest(path)
     needed = {"trainable/0": _Expected("a", [2], "float32")}
     values = ckpt.read_entries(path, manifest, needed)
     np.testing.assert_array_equal(values["trainable/0"], [5.0, 5.0])
     needed["slot/0/momentum"] = _Expected("a (momentum)", [2], "float32")
-    with pytest.raises(CheckpointError, match=r"shard-1\.data-00000-of-00001' is truncated"):
+    with pytest.raises(CheckpointError, match=r"shard-1\.bin' is truncated"):
         ckpt.read_entries(path, manifest, needed)
 
 
 def test_a_worker_that_owns_nothing_writes_an_empty_shard(tmp_path):
     """Data parallelism over 2 workers: lane 0's worker owns every entry, the other's shard
-    is empty (TensorFlow cannot write a bundle of no tensors: only its record is written)."""
+    is empty (only its record is written)."""
     directory = str(tmp_path)
     ckpt.prepare(directory)
     folder = ckpt.temporary_folder(directory, 2, os.getpid())
@@ -307,8 +303,7 @@ def test_a_worker_that_owns_nothing_writes_an_empty_shard(tmp_path):
     path = ckpt.publish(directory, folder, 2, 2, {}, ["trainable/0"])
     assert sorted(os.listdir(path)) == [
         "manifest.json",
-        "shard-0.data-00000-of-00001",
-        "shard-0.index",
+        "shard-0.bin",
         "shard-0.json",
         "shard-1.json",
     ]

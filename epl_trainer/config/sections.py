@@ -268,6 +268,11 @@ class CheckpointConfig(_Section):
     dir: str = _str("", "Folder for fit's checkpoints; resume from its newest ('' = off).")
     save_steps: int = _int(0, "Save every N steps (0: at each epoch end).", minimum=0)
     keep_max: int = _int(5, "Newest checkpoints kept; older ones are deleted.", minimum=1)
+    async_save: bool = _bool(
+        False,
+        "Save in a background thread: the step hands a snapshot of the state to host "
+        "memory and goes on; at most one save in flight.",
+    )
 
 
 @_register("io")

@@ -150,7 +150,6 @@ _TOP_UNSUPPORTED = {
     "comms_logger",
     "aio",
     "nebula",
-    "checkpoint",
     "pipeline",
     "tensor_parallel",
     "compile",
@@ -176,6 +175,7 @@ _TRANSLATED = {
     "communication_data_type",
     "prescale_gradients",
     "gradient_predivide_factor",
+    "checkpoint",
 }
 TOP_LEVEL_KEYS = frozenset(_TRANSLATED | set(_TOP_DEFAULT_ONLY) | _TOP_NO_EFFECT | _TOP_UNSUPPORTED)
 
@@ -281,6 +281,7 @@ class DeepSpeedConfig:
         communication, prescale = _communication(values, base)
         overrides.update(communication)
         overrides.update(_flops_profiler(values, base))
+        overrides.update(_checkpoint_writer(values, base))
         optimizer, clip = _optimizer(values, trainer_optimizer, self)
         overrides["communication.clip_after_allreduce"] = clip is not None
         fp16 = overrides["amp.level"] == "O1" and overrides["amp.dtype"] == "float16"
@@ -307,6 +308,46 @@ def _check_top_level(values: Mapping) -> None:
             as_bool(values[key], key)
     if "bf16" in values and "bfloat16" in values:
         raise DeepSpeedConfigError("DeepSpeed config sets both 'bf16' and its alias 'bfloat16'.")
+
+
+_CHECKPOINT_KEYS = {"writer", "load_universal", "tag_validation"}
+_WRITER_KEYS = {
+    "type",
+    "decoupled",
+    "io_buffer_size",
+    "io_buffer_double",
+    "show_statistics",
+    "data_parallel",
+}
+
+
+def _checkpoint_writer(values: Mapping, base: Config) -> dict:
+    """checkpoint.writer.decoupled (DeepSpeed's asynchronous checkpoint engine) ->
+    checkpoint.async_save. The writer's buffer sizes tune DeepSpeed's file writers; here
+    TensorFlow's bundle writer writes. Every checkpoint restores into any layout, so
+    `load_universal` is accepted either way; tags are always validated (the chief's names
+    the folder), so `tag_validation` is accepted as "Warn" or "Fail"."""
+    section = values.get("checkpoint")
+    if section is None:
+        return {}
+    check_keys(section, _CHECKPOINT_KEYS, "'checkpoint'")
+    if "load_universal" in section:
+        as_bool(section["load_universal"], "checkpoint.load_universal")
+    tag_validation = section.get("tag_validation", "Warn")
+    if as_str(tag_validation, "checkpoint.tag_validation").upper() not in ("WARN", "FAIL"):
+        raise unsupported(
+            "checkpoint.tag_validation",
+            tag_validation,
+            "checkpoint tags are always validated (accepted: 'Warn', 'Fail')",
+        )
+    writer = section.get("writer") or {}
+    check_keys(writer, _WRITER_KEYS, "'checkpoint.writer'")
+    require_value(
+        writer, "type", ("python", "fast"), "checkpoint.writer", "the 'mock' writer saves nothing"
+    )
+    if "decoupled" not in writer:
+        return {"checkpoint.async_save": base.checkpoint.async_save}
+    return {"checkpoint.async_save": as_bool(writer["decoupled"], "checkpoint.writer.decoupled")}
 
 
 def _batch_value(values: Mapping, key: str) -> int | None:

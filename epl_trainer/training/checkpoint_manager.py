@@ -10,9 +10,11 @@ stage cuts, ZeRO levels, split widths, grouped apply or offload.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import time
+from collections.abc import Callable
 
 import numpy as np
 import tensorflow as tf
@@ -21,6 +23,8 @@ from epl_trainer.core.engine.checkpoint_content import CheckpointContent
 from epl_trainer.runtime import elastic
 from epl_trainer.training import checkpoint as ckpt
 from epl_trainer.training import model_fn as model_fn_lib
+from epl_trainer.training import shard_file
+from epl_trainer.training.checkpoint_writer import BackgroundWriter, SaveInFlight
 from epl_trainer.training.context import TrainerContext
 from epl_trainer.training.engine_runtime import EngineRuntime
 from epl_trainer.training.host_agreement import HostAgreement
@@ -74,6 +78,8 @@ class CheckpointManager:
         self._progress = progress
         self._agreement = agreement
         self._planner = planner
+        self._writer = BackgroundWriter()  # checkpoint.async_save's
+        self._staging = shard_file.StagingBuffer()  # its shard, assembled for the disk
 
     def save(
         self, directory: str, keep_max: int | None = None, tag: str | None = None
@@ -83,31 +89,92 @@ class CheckpointManager:
             raise ValueError("Nothing to save yet: call fit() (or restore) first.")
         if keep_max is not None and keep_max < 1:
             raise ValueError(f"keep_max must be >= 1 or None. Received: keep_max={keep_max}")
+        self.finish_pending()  # one save in flight at most; its failure stops this one
         cluster = self._context.cluster
         step = int(self._context.optimizer.iterations.numpy())
         ckpt.check_tag(tag, step)
         if cluster.is_chief:
             ckpt.prepare(directory)
-        token = os.getpid()
-        if cluster.worker_num > 1:
-            pairs = self._agreement.gather([os.getpid() if cluster.is_chief else 0, step])
-            token = pairs[0][0]
-            steps = sorted({s for _, s in pairs})
-            if len(steps) > 1:
-                raise ValueError(
-                    "Every worker must save the same step. Received steps by worker: "
-                    f"{[s for _, s in pairs]}"
-                )
-        folder = ckpt.temporary_folder(directory, step, token)
-        content = self._content()
-        failure = None
+        folder = ckpt.temporary_folder(directory, step, self._agreed_token(step))
+        asynchronous = self._context.config.checkpoint.async_save
+        values, failure = [], None
         try:
-            entries = content.entries_to_write()
-            with self._runtime.engine.state.gathered_reads():  # every worker, same order
-                values = [(e.key, e.name, e.read()) for e in entries]
-            ckpt.write_shard(folder, cluster.worker_index, values)
+            values = self._snapshot(to_host=asynchronous)
+            if not asynchronous:
+                ckpt.write_shard(folder, cluster.worker_index, values)
         except Exception as error:  # the peers must still meet this worker at the barrier
             failure = error
+        publish = self._publisher(directory, folder, step, keep_max, tag)
+        if asynchronous and failure is None:
+            path = ckpt.final_path(directory, step, tag) if cluster.is_chief else None
+            return self._submit(folder, path, step, values, publish)
+        self._agree_written(failure, step, folder)
+        return publish() if cluster.is_chief else None
+
+    def finish_pending(self) -> str | None:
+        """Waits for the asynchronous save in flight and publishes it where the main thread
+        does (a multi-worker job, once every worker has written its shard). Returns its
+        path on the chief (None: no save was in flight, or not the chief). Raises
+        CheckpointError when it failed on any worker. Every worker calls it at the same
+        point (the next save, a restore, the end of fit)."""
+        save = self._writer.join()
+        if save is None:
+            return None
+        if self._context.cluster.worker_num > 1:
+            self._agree_written(save.error, save.step, save.folder)
+            if save.path is not None and not save.published:
+                save.path, save.published = save.publish(), True
+        elif save.error is not None:
+            raise ckpt.CheckpointError(
+                f"The asynchronous save of step {save.step} into {save.folder!r} failed "
+                f"({type(save.error).__name__}: {save.error}); it is not published and "
+                "'latest' still names the checkpoint before it."
+            ) from save.error
+        return save.path
+
+    def wait_for_writer(self) -> None:
+        """Waits for the writer thread without meeting the other workers (fit is leaving on
+        an exception): a single worker's save is then published or failed (logged); a
+        multi-worker job's stays unpublished, a torn save the next save removes."""
+        save = self._writer.join()
+        if save is not None and not save.published and save.error is None:
+            logger.warning(
+                "The asynchronous save of step %d was written but not published: fit "
+                "stopped before the workers agreed that every shard is in.",
+                save.step,
+            )
+
+    def _agreed_token(self, step: int) -> int:
+        """The chief's pid, which names the temporary folder; every worker must save the
+        same step."""
+        cluster = self._context.cluster
+        if cluster.worker_num == 1:
+            return os.getpid()
+        pairs = self._agreement.gather([os.getpid() if cluster.is_chief else 0, step])
+        if len({s for _, s in pairs}) > 1:
+            raise ValueError(
+                "Every worker must save the same step. Received steps by worker: "
+                f"{[s for _, s in pairs]}"
+            )
+        return pairs[0][0]
+
+    def _snapshot(self, to_host: bool) -> list[tuple[str, str, tf.Tensor]]:
+        """This worker's entries [(key, name, value)] as they are now. `to_host`: values on
+        an accelerator are copied to host memory (an asynchronous save writes them while
+        training goes on; on CPU the read shares the buffer and the next update copies
+        it: checkpoint_writer.py)."""
+        entries = self._content().entries_to_write()
+        with self._runtime.engine.state.gathered_reads():  # every worker, same order
+            # Read now: an entry may be the variable itself, which training goes on updating.
+            values = [(e.key, e.name, tf.convert_to_tensor(e.read())) for e in entries]
+        if to_host:
+            values = [(key, name, _on_host(value)) for key, name, value in values]
+        return values
+
+    def _agree_written(self, failure: BaseException | None, step: int, folder: str) -> None:
+        """The barrier after writing: every worker says whether its shard is in. Raises
+        this worker's `failure`, or CheckpointError naming the workers that failed."""
+        cluster = self._context.cluster
         if cluster.worker_num > 1:
             written = [ok for ok, _ in self._agreement.gather([int(failure is None), 0])]
         else:
@@ -120,8 +187,10 @@ class CheckpointManager:
                 f"their shard of step {step} into {folder!r}; the checkpoint is not published "
                 "(see their logs for the reason)."
             )
-        if not cluster.is_chief:
-            return None
+
+    def _publisher(self, directory, folder, step, keep_max, tag) -> Callable[[], str]:
+        """The chief's publication of this save, with where training stands now (an
+        asynchronous save publishes later, after training went on)."""
         metadata = {
             "epochs_done": self._progress.epochs_done,
             # Inside fit: the position in the epoch in progress and in its data pass.
@@ -134,9 +203,33 @@ class CheckpointManager:
         model = self._context.model
         required = [f"trainable/{i}" for i in range(len(model.trainable_variables))]
         required += [f"non_trainable/{i}" for i in range(len(model.non_trainable_variables))]
-        return ckpt.publish(
-            directory, folder, step, cluster.worker_num, metadata, required, keep_max, tag
+        workers = self._context.cluster.worker_num
+        return functools.partial(
+            ckpt.publish, directory, folder, step, workers, metadata, required, keep_max, tag
         )
+
+    def _submit(self, folder, path, step, values, publish) -> str | None:
+        """Hands the snapshot to the writer thread; returns `path`, where the chief
+        publishes it."""
+        cluster = self._context.cluster
+        save = SaveInFlight(
+            step=step,
+            folder=folder,
+            path=path,
+            nbytes=sum(int(v.shape.num_elements()) * v.dtype.size for _, _, v in values),
+            publish=publish,
+        )
+        single_chief = cluster.worker_num == 1
+
+        def write():
+            ckpt.write_shard(folder, cluster.worker_index, values, self._staging)
+            values.clear()  # the snapshot's memory goes back as soon as it is written
+            if single_chief:
+                publish()
+                save.published = True
+
+        self._writer.submit(save, write)
+        return path
 
     def agreed_latest(self, directory: str) -> str | None:
         """The checkpoint a multi-worker job restores: the one the chief's `latest` names
@@ -191,6 +284,7 @@ class CheckpointManager:
 
     def restore(self, directory: str, features=None, tag: str | int | None = None) -> str:
         """`EPLTrainer.restore_checkpoint` (its docstring has the arguments)."""
+        self.finish_pending()  # a save in flight is the newest checkpoint once published
         if tag is None and self._context.cluster.worker_num > 1:
             tag = self.agreed_latest(directory)  # the chief's newest, confirmed by all
             if tag is None:
@@ -267,11 +361,23 @@ class CheckpointManager:
         self.save(config.checkpoint.dir, keep_max=config.checkpoint.keep_max)
         step = int(self._context.optimizer.iterations.numpy())
         workers = self._context.cluster.worker_num
-        elastic.stop_if_resize_requested(config, workers, self._agreement.gather, step)
+        try:
+            elastic.stop_if_resize_requested(config, workers, self._agreement.gather, step)
+        except elastic.ResizeExit:
+            self.finish_pending()  # every worker stops here: the restart resumes this save
+            raise
 
     def _content(self) -> CheckpointContent:
         context = self._context
         return CheckpointContent(self._runtime.engine, context.optimizer, context.cluster.is_chief)
+
+
+def _on_host(value: tf.Tensor) -> tf.Tensor:
+    """`value` in host memory: as is on a CPU device, else copied to the host's CPU."""
+    if "CPU" in (value.device or "CPU"):
+        return value
+    with tf.device("/CPU:0"):
+        return tf.identity(value)
 
 
 def _wait_until_readable(directory: str, name: str, seconds: float) -> str | None:

@@ -180,8 +180,12 @@ class FitLoop:
                 self._runtime.run_hook(callback_list, "on_epoch_end", epoch, logs)
                 if model.stop_training:
                     break
+        except BaseException:
+            self._checkpoints.wait_for_writer()  # no asynchronous save outlives fit
+            raise
         finally:  # the last pass's iterator is deleted off this thread (iterators.py)
             progress.batches = batches.close()
+        self._checkpoints.finish_pending()  # fit's last asynchronous save is published
         built = self._runtime.engine
         if built is not None:
             if len(epochs_run) and built.runs_user_steps:

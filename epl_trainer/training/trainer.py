@@ -495,8 +495,25 @@ class EPLTrainer:
         (all if None). `tag` names the folder, as DeepSpeed's `save_checkpoint(save_dir,
         tag)` (default `ckpt-<step>`; the chief's names it); `keep_max` never deletes a
         tagged one, and `latest` points at it as at any other.
+
+        With `checkpoint.async_save`, the state is snapshot into host memory and written
+        by a background thread while training goes on; the returned path is where the
+        checkpoint appears once written (`latest` moves only then). At most one save is in
+        flight: the next save, a restore and the end of `fit` wait for it (see
+        `wait_for_checkpoint`). A multi-worker job publishes it at that next point, once
+        every worker has written its shard.
         """
         return self.checkpoints.save(directory, keep_max, tag)
+
+    def wait_for_checkpoint(self) -> str | None:
+        """Waits for the asynchronous save in flight (`checkpoint.async_save`) and publishes
+        it; returns its path on the chief (None if no save was in flight, or on other
+        workers). Raises CheckpointError if it failed. Every worker must call it. `fit`
+        calls it at its end; call it after a `save_checkpoint` outside `fit` before
+        relying on the checkpoint (a single worker's save publishes itself; the process's
+        exit waits for the writer).
+        """
+        return self.checkpoints.finish_pending()
 
     def restore_checkpoint(
         self, directory: str, features=None, tag: str | int | None = None

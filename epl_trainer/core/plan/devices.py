@@ -20,6 +20,7 @@ microbenchmarks of `bench/plan_calibrate.py` and stored here with their date.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 
 __all__ = ["DEVICES", "DeviceSpec", "custom_device", "device_by_name", "sources_table"]
@@ -53,6 +54,8 @@ class DeviceSpec:
       shares_compute: the node's devices share one compute pool (logical CPU devices):
         their work adds up on its cores instead of running side by side.
       cores: cores of the shared pool (`shares_compute`).
+      pool_overhead: for a shared pool, measured (devices, seconds per layer for all of
+        them, seconds per step) points; `pool_overheads` interpolates them.
       sources: constant name -> where its value comes from.
     """
 
@@ -72,6 +75,7 @@ class DeviceSpec:
     step_overhead_s: float = 0.0
     shares_compute: bool = False
     cores: int = 1
+    pool_overhead: tuple = ()
     sources: dict = dataclasses.field(default_factory=dict, compare=False)
 
     def __post_init__(self):
@@ -84,6 +88,19 @@ class DeviceSpec:
                 "matmul_efficiency must be in (0, 1]. "
                 f"Received: matmul_efficiency={self.matmul_efficiency!r}"
             )
+
+    def pool_overheads(self, devices: int) -> tuple[float, float]:
+        """(seconds per layer for all `devices` together, seconds per step) on a shared
+        pool: the measured points interpolated linearly, extended by the last two."""
+        points = sorted(self.pool_overhead) or [(1, self.layer_overhead_s, self.step_overhead_s)]
+        if len(points) == 1:
+            _, layer, step = points[0]
+            return layer * devices, step
+        for (n0, l0, s0), (n1, l1, s1) in itertools.pairwise(points):
+            if devices <= n1 or (n1, l1, s1) == points[-1]:
+                share = (devices - n0) / (n1 - n0)
+                return l0 + share * (l1 - l0), s0 + share * (s1 - s0)
+        raise AssertionError(points)
 
     def flops_rate(self, amp: str) -> float:
         """FLOP/s of matmuls in the step's compute dtype (16-bit with AMP)."""
@@ -217,8 +234,8 @@ _CPU_MEASURED = {  # python bench/plan_calibrate.py, a shared 2-core AMD EPYC, T
     "memory_bandwidth": 15.22e9,
     "collective_bandwidth": 1.274e9,
     "collective_latency_s": 499e-6,  # a whole 2-member all-reduce: 2 ring steps
-    "layer_overhead_s": 165e-6,
-    "step_overhead_s": 1.05e-3,
+    # (devices, seconds per layer for all of them, seconds per step), plain ops
+    "pool_overhead": ((1, 119e-6, 0.74e-3), (2, 238e-6, 1.37e-3), (4, 489e-6, 1.79e-3)),
     "measured": "2026-11-28",
 }
 _CALIBRATED = "bench/plan_calibrate.py"
@@ -236,10 +253,11 @@ _add(
         latency_s=_CPU_MEASURED["collective_latency_s"] / 2,
         host_bandwidth=math.inf,
         host_memory_bandwidth=_CPU_MEASURED["memory_bandwidth"],
-        layer_overhead_s=_CPU_MEASURED["layer_overhead_s"],
-        step_overhead_s=_CPU_MEASURED["step_overhead_s"],
+        layer_overhead_s=_CPU_MEASURED["pool_overhead"][0][1],
+        step_overhead_s=_CPU_MEASURED["pool_overhead"][0][2],
         shares_compute=True,
         cores=2,
+        pool_overhead=_CPU_MEASURED["pool_overhead"],
         sources={
             "peak_flops": f"{_CALIBRATED}: float32 [512,512]x[512,2048] matmuls, all cores "
             f"({_CPU_MEASURED['measured']}); no fast 16-bit matmul on this CPU, so the "
@@ -250,8 +268,10 @@ _add(
             "logical devices (slope)",
             "latency_s": f"{_CALIBRATED}: the same all-reduces (intercept, over its 2 ring steps)",
             "layer_overhead_s": f"{_CALIBRATED}: EPLTrainer steps of Dense(8) stacks of 4 and "
-            "36 layers (slope per layer)",
+            "36 layers (slope per layer), on 1 device",
             "step_overhead_s": f"{_CALIBRATED}: the same steps (intercept)",
+            "pool_overhead": f"{_CALIBRATED}: the same, data-parallel on 1, 2 and 4 logical "
+            "devices: 119 / 238 / 489 us per layer, 0.74 / 1.37 / 1.79 ms per step",
             "shares_compute": "logical CPU devices share the process's cores "
             "(docs/architecture.md)",
         },

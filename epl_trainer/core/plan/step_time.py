@@ -151,22 +151,26 @@ class Layout:
         return ", ".join(parts)
 
     def config(self) -> dict:
-        """The trainer's config keys for this layout (what `--epl_config` reads). Tensor
-        parallelism has no key: it is a `keras.distribution` mesh's model axis."""
-        keys = {
-            "pipeline.num_stages": self.num_stages,
-            "pipeline.num_micro_batch": self.num_micro_batch,
-            "pipeline.strategy": self.schedule,
-            "pipeline.virtual_stages": self.virtual_stages,
-            "zero.level": self.zero,
-            "gradient_checkpoint.type": "auto" if self.gc else "",
-            "offload.level": "v0" if self.offload else "",
-            "amp.level": "O1" if self.amp else "",
-        }
-        if self.amp:
-            keys["amp.dtype"] = "bfloat16"
+        """The trainer's config keys for this layout (what `--epl_config` reads; keys at
+        their defaults left out). Tensor parallelism has no key: it is a
+        `keras.distribution` mesh's model axis."""
+        keys = {"pipeline.num_micro_batch": self.num_micro_batch}
         if self.num_stages > 1:
-            keys["auto.auto_parallel"] = True
+            keys.update({
+                "auto.auto_parallel": True,
+                "pipeline.num_stages": self.num_stages,
+                "pipeline.strategy": self.schedule,
+            })  # fmt: skip
+        if self.virtual_stages > 1:
+            keys["pipeline.virtual_stages"] = self.virtual_stages
+        if self.zero:
+            keys["zero.level"] = self.zero
+        if self.gc:
+            keys["gradient_checkpoint.type"] = "auto"
+        if self.offload:
+            keys["offload.level"] = "v0"
+        if self.amp:  # the trainer's AMP: float32 weights, bfloat16 compute
+            keys.update({"amp.level": "O1", "amp.dtype": "bfloat16"})
         return keys
 
 
@@ -420,28 +424,28 @@ def predict(model: ModelCost, layout: Layout, device: DeviceSpec) -> Prediction:
     pipeline = m * busy[slowest] / (1 - bubble)
     terms = {key: m * value for key, value in per_device[slowest].items() if key != "work"}
     terms["bubble"] = pipeline - m * busy[slowest]
+    step_overhead = device.step_overhead_s
     if device.shares_compute:
-        # The pool runs every device's work: compute at the pool's full rate, the rest
-        # (dispatch, copies) on `pool` cores at once.
-        fixed = sum(b - (terms_d["compute"] + terms_d["elementwise"] + terms_d["recompute"])
-                    for b, terms_d in zip(busy, per_device))  # fmt: skip
-        work = (
-            layout.data_parallel
-            * t
-            * m
-            * (
-                sum(terms_d["work"] * (4 / 3 if layout.gc else 1) for terms_d in per_device)
-                + fixed / pool
-            )
+        # The pool runs every device's work: compute at the pool's full rate, copies on
+        # `pool` cores at once, the runtime's per-layer cost as measured for this many
+        # devices at once (devices.DeviceSpec.pool_overheads).
+        per_layer, step_overhead = device.pool_overheads(layout.devices)
+        copies = sum(terms_d["tensor_comm"] + terms_d["pipeline_comm"] for terms_d in per_device)
+        replicas = layout.data_parallel * t
+        compute_work = sum(terms_d["work"] for terms_d in per_device)
+        work = m * (
+            replicas * compute_work * (4 / 3 if layout.gc else 1)
+            + replicas * copies / pool
+            + per_layer / layout.devices * replicas * len(shard.nodes)
         )
         terms["shared_pool"] = max(0.0, work - pipeline)
         pipeline = max(pipeline, work)
 
     terms["data_comm"] = _data_comm_s(result, layout, device, per_device[slowest])
     terms["optimizer"], terms["offload"] = _update_s(result, layout, device)
-    terms["step_overhead"] = device.step_overhead_s
+    terms["step_overhead"] = step_overhead
     step = pipeline + terms["data_comm"] + terms["optimizer"] + terms["offload"]
-    step += device.step_overhead_s
+    step += step_overhead
     model_flops = 3 * model.flops * layout.global_batch
     peak = max(device_peak_bytes(result, layout.offload))
     return Prediction(
