@@ -10,9 +10,12 @@ that `core/plan/devices.py` stores, with the date, in its "cpu" entry:
 * matmul_flops: float32 [512, 512] x [512, 2048] matmuls (the zoo's small models' sizes)
   on all cores, FLOP/s.
 * memory_bandwidth: an elementwise add over 2**22 float32 (3 x 16 MB moved), bytes/s.
-* layer_overhead_s / step_overhead_s: EPLTrainer steps of Dense(8) stacks of 4 and 36
-  layers, batch 8 (next to no FLOPs): the slope per layer (forward, backward, Adam update
-  of its two variables) and the intercept (the step's own cost).
+* pool_overhead: EPLTrainer steps (plain ops, `jit_compile=False`) of Dense(8) stacks of
+  4 and 36 layers, batch 8 per device (next to no FLOPs), data-parallel on 1, 2 and 4
+  logical devices: per device count, the slope per layer (every device's forward,
+  backward and Adam update of the layer's two variables, and its reduction) and the
+  intercept (the step's own cost). The 1-device values are layer_overhead_s and
+  step_overhead_s.
 * collective_bandwidth / collective_latency_s: all-reduces (`CollectiveGroup.all_reduce`)
   of 16 kB and 16 MB between 2 logical devices: the slope (bytes each member sends, a ring
   sends 2(N-1)/N of the buffer) and the intercept.
@@ -21,6 +24,7 @@ Nothing here depends on a configuration of bench/plan_accuracy.py: the constants
 machine's, the same for every row.
 """
 
+import argparse
 import json
 import os
 import sys
@@ -47,7 +51,8 @@ def measure(what):
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     from epl_trainer.runtime.cluster import configure_tensorflow
 
-    configure_tensorflow(2 if what == "collective" else 1)
+    what, devices = (what, 1) if isinstance(what, str) else what
+    configure_tensorflow(2 if what == "collective" else devices)
     import tensorflow as tf
 
     if what == "matmul":
@@ -98,25 +103,33 @@ def measure(what):
             keras.Model(inputs, h),
             keras.losses.MeanSquaredError(),
             keras.optimizers.Adam(1e-3),
-            config={"cluster.virtual_devices": 1},
+            config={"cluster.virtual_devices": devices},
+            jit_compile=False,
         )
-        x = np.ones((8, 8), "float32")
+        x = np.ones((8 * devices, 8), "float32")
         dataset = tf.data.Dataset.from_tensors((x, x)).repeat()
         trainer.fit(dataset, steps_per_epoch=2, verbose=0)
         return _best(lambda: trainer.fit(dataset, steps_per_epoch=20, verbose=0)) / 20
 
     few, many = step_seconds(4), step_seconds(36)
     per_layer = (many - few) / 32
-    return {"layer_overhead_s": per_layer, "step_overhead_s": max(0.0, few - 4 * per_layer)}
+    return {"pool_overhead": [[devices, per_layer, max(0.0, few - 4 * per_layer)]]}
 
 
 def main():
     if serve_child(measure):
         return
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--only", default="matmul,memory,collective,overhead")
+    chosen = parser.parse_args().only.split(",")
     result = {}
-    for what in ("matmul", "memory", "collective", "overhead"):
-        result.update(run_child(__file__, what))
-        print(what, "done", file=sys.stderr)
+    for what in ("matmul", "memory", "collective"):
+        if what in chosen:
+            result.update(run_child(__file__, what))
+    if "overhead" in chosen:
+        result["pool_overhead"] = [
+            run_child(__file__, ["overhead", devices])["pool_overhead"][0] for devices in (1, 2, 4)
+        ]
     result["measured"] = time.strftime("%Y-%m-%d")
     print(json.dumps(result))
 

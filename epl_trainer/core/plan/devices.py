@@ -262,6 +262,7 @@ _add(
             "peak_flops": f"{_CALIBRATED}: float32 [512,512]x[512,2048] matmuls, all cores "
             f"({_CPU_MEASURED['measured']}); no fast 16-bit matmul on this CPU, so the "
             "same rate with AMP",
+            "peak_flops_fp32": "the same measured float32 rate",
             "memory": f"{_CALIBRATED}: elementwise add of 2**22 float32; 16 GB assumed size",
             "matmul_efficiency": "1: the peak is itself a measured matmul rate",
             "intra_node_bandwidth": f"{_CALIBRATED}: all-reduce of 16 kB and 16 MB between 2 "

@@ -300,10 +300,13 @@ def device_peak_bytes(result: estimate_module.Estimate, offload: bool = False) -
     at once over its stages in the schedule's order, the largest workspace. With offload
     the parameters and optimizer state live in host memory."""
     plan, stages = result.plan, result.stages
-    orders = _device_orders(
-        plan.pipeline_strategy, len(stages), plan.num_micro_batch, plan.virtual_stages
-    )
-    alive = _alive(orders, [s.activations[s.selected] for s in stages])
+    if plan.virtual_stages == 1:  # one stage per device: the stage's own count
+        alive = [s.activations[s.selected] * s.inflight for s in stages]
+    else:
+        orders = _device_orders(
+            plan.pipeline_strategy, len(stages), plan.num_micro_batch, plan.virtual_stages
+        )
+        alive = _alive(orders, [s.activations[s.selected] for s in stages])
     peaks = []
     for device, activations in enumerate(alive):
         hosted = [s for s in stages if s.index % plan.pipeline_devices == device]
@@ -411,7 +414,8 @@ def predict(model: ModelCost, layout: Layout, device: DeviceSpec) -> Prediction:
             "tensor_comm": tensor_comm,
             "pipeline_comm": sends,
             "overhead": device.layer_overhead_s * len(nodes),
-            "work": 3 * forward * rate / full_rate,  # the same at the pool's full rate
+            # The same at the pool's full rate (the memory is the pool's too).
+            "work": 3 * (compute * rate / full_rate + forward - compute),
         })  # fmt: skip
     # Per micro-batch and device: the sum over the stages it runs.
     per_device = []

@@ -1,0 +1,197 @@
+"""epl-plan's predictions against published runs: Megatron-LM's weak scaling and ZeRO-100B.
+
+Usage: python bench/plan_published.py [--no_search] [--rows 1,10]
+
+Pure arithmetic (no TensorFlow, a minute or two with the searches). For each published
+row: the model from its sizes (`analytic.transformer`, Megatron's fused elementwise
+kernels), the layout the authors used (`step_time.Layout`), the device from the one
+table of constants (`core/plan/devices.py`, printed first); the predicted throughput per
+GPU in the paper's own FLOP convention next to the published one; which term would have
+to change to meet it; and what `search.search` picks for the same GPUs and batch.
+
+Megatron-LM (Narayanan et al. 2021, arXiv 2104.04473, Table 1; the README's weak-scaling
+table): GPT, sequence 2048, vocabulary 51,200, A100-80GB DGX nodes (8 GPUs, NVLink, 8 HDR
+InfiniBand adapters), mixed precision with float32 master weights, activation
+recomputation, micro-batch 1 (the table gives the global batch only). The paper counts
+F = 96 B s l h^2 (1 + s / 6h + V / 16lh) FLOPs per step (recomputation included). Its
+ranks lay tensor groups innermost, then data-parallel, then pipeline stages; its
+gradient all-reduce follows the backward (no overlap), and the schedule is 1F1B (the table
+does not name one; interleaving is a separate experiment of the paper).
+
+ZeRO (Rajbhandari et al. 2020, arXiv 1910.02054, section 10): a 100B-parameter GPT-2-like
+model (125 layers, hidden 8192, 64 heads, sequence 1024, vocabulary 50,257) on 400 V100s
+(25 DGX-2 nodes of 16, 800 Gb/s between nodes) with Megatron tensor parallelism 16 inside a
+node, ZeRO P_os+g over the 25 replicas, checkpointed activations: 15 PFLOP/s, 38 TFLOP/s
+per GPU. The batch per replica is not in the text we read: 32 (an assumption, printed).
+"""
+
+import argparse
+import dataclasses
+import os
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir))
+
+from epl_trainer.core.plan import analytic, devices, search, step_time
+
+TOLERANCE = 0.15
+SEQUENCE, VOCAB = 2048, 51200
+# (parameters B, heads, hidden, layers, tensor, pipeline, GPUs, batch, TFLOP/s per GPU)
+MEGATRON = [
+    (1.7, 24, 2304, 24, 1, 1, 32, 512, 137),
+    (3.6, 32, 3072, 30, 2, 1, 64, 512, 138),
+    (7.5, 32, 4096, 36, 4, 1, 128, 512, 142),
+    (18.4, 48, 6144, 40, 8, 1, 256, 1024, 135),
+    (39.1, 64, 8192, 48, 8, 2, 512, 1536, 138),
+    (76.1, 80, 10240, 60, 8, 4, 1024, 1792, 140),
+    (145.6, 96, 12288, 80, 8, 8, 1536, 2304, 148),
+    (310.1, 128, 16384, 96, 8, 16, 1920, 2160, 155),
+    (529.6, 128, 20480, 105, 8, 35, 2520, 2520, 163),
+    (1008.0, 160, 25600, 128, 8, 64, 3072, 3072, 163),
+]
+ZERO_100B = {"layers": 125, "hidden": 8192, "heads": 64, "seq": 1024, "vocab": 50257,
+             "tensor": 16, "replicas": 25, "replica_batch": 32, "tflops": 38}  # fmt: skip
+# What the search may choose for these rows: our engine's ZeRO levels without v0/v2 (the
+# published engines' choices are none and P_os+g), micro-batches of 1, 2 or 4.
+SPACE = search.SearchSpace(micro_batch_sizes=(1, 2, 4), zero=("", "v1"))
+
+
+def megatron_flops(batch, layers, hidden, seq=SEQUENCE, vocab=VOCAB):
+    """The paper's FLOPs per step, activation recomputation included."""
+    return (
+        96
+        * batch
+        * seq
+        * layers
+        * hidden**2
+        * (1 + seq / (6 * hidden) + vocab / (16 * layers * hidden))
+    )
+
+
+def row_case(row):
+    params, heads, hidden, layers, t, p, gpus, batch, published = row
+    model = analytic.transformer(
+        layers, hidden, heads, VOCAB, SEQUENCE, activation="gelu_tanh", fused=True,
+        name=f"GPT {params}B",
+    )  # fmt: skip
+    d = gpus // (t * p)
+    layout = step_time.Layout(
+        data_parallel=d, tensor_parallel=t, pipeline_parallel=p, num_micro_batch=batch // d,
+        micro_batch_size=1, amp="master", gc=True, overlap_grad_reduce=False,
+        rank_order="tp,dp,pp",
+    )  # fmt: skip
+    flops = megatron_flops(batch, layers, hidden)
+    return model, layout, devices.device_by_name("a100-80gb"), flops, published
+
+
+def zero_case():
+    z = ZERO_100B
+    model = analytic.transformer(
+        z["layers"], z["hidden"], z["heads"], z["vocab"], z["seq"], activation="gelu_tanh",
+        fused=True, name="ZeRO-100B",
+    )  # fmt: skip
+    batch = z["replicas"] * z["replica_batch"]
+    layout = step_time.Layout(
+        data_parallel=z["replicas"], tensor_parallel=z["tensor"],
+        num_micro_batch=z["replica_batch"], micro_batch_size=1, amp="master", gc=True,
+        zero="v1", overlap_grad_reduce=False, rank_order="tp,dp,pp",
+    )  # fmt: skip
+    flops = megatron_flops(batch, z["layers"], z["hidden"], z["seq"], z["vocab"])
+    return model, layout, devices.device_by_name("v100"), flops, z["tflops"]
+
+
+def implied_efficiency(prediction, device, flops, published):
+    """The matmul efficiency that would make the compute terms alone meet the published
+    time, the other terms as predicted."""
+    published_time = flops / (published * 1e12 * prediction.layout.devices)
+    terms = prediction.terms
+    compute = terms["compute"] + terms["recompute"]
+    others = prediction.step_time_s - compute - terms["bubble"]
+    # The bubble scales with the busy time it idles behind: keep its share.
+    share = 1 + terms["bubble"] / max(prediction.step_time_s - terms["bubble"], 1e-12)
+    needed = published_time / share - others
+    return device.matmul_efficiency * compute / needed if needed > 0 else float("nan")
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--no_search", action="store_true")
+    parser.add_argument("--rows", help="comma-separated Megatron rows (1-based); 11 = ZeRO-100B")
+    args = parser.parse_args()
+    chosen = [int(i) for i in args.rows.split(",")] if args.rows else range(1, 12)
+
+    print("Constants (one table, the same for every row; core/plan/devices.py):")
+    for name, key, value, source in devices.sources_table():
+        if name in ("a100-80gb", "v100"):
+            print(f"  {name:10} {key:22} {value:22} {source}")
+    print()
+    header = ["row", "model", "GPUs", "layout", "published", "predicted", "error", "largest terms",
+              "implied matmul eff.", "peak GB"]  # fmt: skip
+    table, searches = [header], []
+    for index in chosen:
+        model, layout, device, flops, published = (
+            zero_case() if index == 11 else row_case(MEGATRON[index - 1])
+        )
+        device = dataclasses.replace(device, devices_per_node=16 if index == 11 else 8)
+        prediction = step_time.predict(model, layout, device)
+        tflops = flops / prediction.step_time_s / layout.devices / 1e12
+        error = tflops / published - 1
+        terms = sorted(prediction.terms.items(), key=lambda kv: -kv[1])[:3]
+        share = ", ".join(f"{k} {v / prediction.step_time_s:.0%}" for k, v in terms)
+        efficiency = implied_efficiency(prediction, device, flops, published)
+        table.append([
+            str(index), model.name, str(layout.devices),
+            f"tp {layout.tensor_parallel} pp {layout.pipeline_parallel} dp {layout.data_parallel}",
+            f"{published}", f"{tflops:.0f}",
+            f"{error:+.0%}" + ("" if abs(error) <= TOLERANCE else " !"),
+            share, f"{efficiency:.2f} (table {device.matmul_efficiency:.2f})",
+            f"{prediction.peak_memory_bytes / 1e9:.0f}",
+        ])  # fmt: skip
+        if not args.no_search:
+            found = search.search(
+                model, device, layout.devices, layout.global_batch, SPACE, top=1,
+                amp="master", overlap_grad_reduce=False, rank_order="tp,dp,pp",
+            )  # fmt: skip
+            searches.append((index, model.name, prediction, found.best, flops))
+            print(f"row {index} searched ({found.evaluated} predictions)", file=sys.stderr)
+    print("Predicted TFLOP/s per GPU (the paper's FLOP count) against the published runs:")
+    _print(table)
+    if searches:
+        print("\nThe search on the same GPUs and batch (space: tp 1-8 within a node, any pipeline"
+              " depth, micro-batch 1/2/4, every schedule, zero none / v1, gc and offload as"
+              " needed):")  # fmt: skip
+        rows = [["row", "published layout (predicted)", "search's best", "predicted", "why"]]
+        for index, _name, published, best, flops in searches:
+            rows.append(_compare(index, published, best, flops))
+        _print(rows)
+
+
+def _compare(index, published, best, flops):
+    def tflops(p):
+        return flops / p.step_time_s / p.layout.devices / 1e12
+
+    same = best is not None and all(
+        getattr(best.layout, f) == getattr(published.layout, f)
+        for f in ("tensor_parallel", "pipeline_parallel", "gc")
+    )
+    if best is None:
+        return [str(index), published.layout.describe(), "nothing fits", "", ""]
+    if same or best.step_time_s >= published.step_time_s * 0.995:
+        why = "finds the published layout" if same else "no layout predicted faster"
+    else:
+        deltas = {k: published.terms.get(k, 0) - v for k, v in best.terms.items()}
+        saved = sorted(deltas.items(), key=lambda kv: -kv[1])[:2]
+        why = "faster: " + ", ".join(f"{k} -{v / published.step_time_s:.0%}" for k, v in saved)
+    return [str(index), f"{published.layout.describe()} ({tflops(published):.0f})",
+            best.layout.describe(), f"{tflops(best):.0f}", why]  # fmt: skip
+
+
+def _print(rows):
+    print("| " + " | ".join(rows[0]) + " |")
+    print("|" + "---|" * len(rows[0]))
+    for row in rows[1:]:
+        print("| " + " | ".join(row) + " |")
+
+
+if __name__ == "__main__":
+    main()
