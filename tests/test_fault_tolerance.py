@@ -133,11 +133,12 @@ def test_a_stuck_but_alive_worker_is_reported_as_stuck(tmp_path):
     assert expected in output, output
 
 
-def _killed_once_and_restarted(tmp_path, *args):
+def _killed_once_and_restarted(tmp_path, *args, resumed_step=4):
     """A 2-worker job under epl-launch --max_restarts 1 whose worker 1 gets kill -9 after
     step 5, and the same job without the fault. The restarted job must finish from the
-    newest checkpoint before the kill (save_steps=2: step 4) with the uninterrupted
-    weights, bit for bit. Returns the faulty job's output directory."""
+    newest checkpoint published before the kill (save_steps=2: step 4; `resumed_step`)
+    with the uninterrupted weights, bit for bit. Returns the faulty job's output
+    directory."""
     reference = _launch(tmp_path / "reference", *args)
     out, err = reference.communicate(timeout=300)
     assert reference.returncode == 0, out + err
@@ -155,8 +156,9 @@ def _killed_once_and_restarted(tmp_path, *args):
     assert job.returncode == 0, out + err
     assert "worker 1 was killed by SIGKILL (exit code 137)" in err
     assert "restart 1/1" in err
-    # The first batch worker 0 trains on after the restart is its half of global batch 4.
-    assert _samples(faulty, 0, attempt=1)[0] == [32, 33, 34, 35]
+    # The first batch worker 0 trains on after the restart is its half of that global batch.
+    first = resumed_step * train_ft.GLOBAL_BATCH
+    assert _samples(faulty, 0, attempt=1)[0] == list(range(first, first + 4))
     for worker in range(2):
         for got, want in zip(_weights(faulty, worker), _weights(tmp_path / "reference", worker)):
             np.testing.assert_array_equal(got, want)
@@ -164,13 +166,21 @@ def _killed_once_and_restarted(tmp_path, *args):
 
 
 @pytest.mark.combines("checkpoint+zero_v1+multi_worker", "checkpoint+one_device")
-def test_zero_across_workers_restarts_from_sharded_checkpoints_with_identical_weights(tmp_path):
+@pytest.mark.parametrize("asynchronous", [False, True], ids=["sync", "async"])
+def test_zero_across_workers_restarts_from_sharded_checkpoints_with_identical_weights(
+    tmp_path, asynchronous
+):
     """epl-launch --max_restarts finishes the job with the uninterrupted weights, with
     ZeRO v1 over 2 workers: each worker writes the optimizer slots it owns into its own
     shard; killed once and restarted, the job ends with the uninterrupted weights, and its
     checkpoint also restores into one device. (The same without ZeRO was a test of its
-    own; the resume tests below restart unsharded jobs.)"""
-    faulty = _killed_once_and_restarted(tmp_path, "--zero", "v1")
+    own; the resume tests below restart unsharded jobs.) With asynchronous saves the
+    workers agree that step 4's shards are in at step 6's save, which the kill after step
+    5 prevents: the job resumes from step 2."""
+    extra = ["--async_save"] if asynchronous else []
+    faulty = _killed_once_and_restarted(
+        tmp_path, "--zero", "v1", *extra, resumed_step=2 if asynchronous else 4
+    )
 
     ckpt_dir = faulty / "ckpt"
     manifest = json.loads((ckpt_dir / f"ckpt-{STEPS}" / "manifest.json").read_text())

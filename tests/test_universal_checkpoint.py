@@ -262,7 +262,7 @@ def test_a_shard_that_fails_to_write_stops_the_save_and_names_it(tmp_path, monke
     trainer.fit(x, y, batch_size=16, epochs=1, verbose=0, shuffle=False)
     trainer.save_checkpoint(str(tmp_path))
 
-    def full_disk(folder, worker, entries):
+    def full_disk(folder, worker, entries, *staging_and_inputs):
         raise OSError(f"No space left on device: {folder}")
 
     monkeypatch.setattr(ckpt, "write_shard", full_disk)

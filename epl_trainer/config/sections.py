@@ -273,6 +273,12 @@ class CheckpointConfig(_Section):
         "Save in a background thread: the step hands a snapshot of the state to host "
         "memory and goes on; at most one save in flight.",
     )
+    input_state: bool = _bool(
+        True,
+        "Save the tf.data iterator's state (position, shuffle buffers, seeds) with each "
+        "checkpoint, so a resume reads what the uninterrupted run would; off: a resume "
+        "skips the batches already taken (exact for a deterministic pipeline only).",
+    )
 
 
 @_register("io")

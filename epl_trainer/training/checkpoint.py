@@ -99,9 +99,11 @@ def write_shard(
     worker: int,
     entries: Iterable[tuple[str, str, tf.Tensor]],
     staging: shard_file.StagingBuffer | None = None,
+    inputs: dict | None = None,
 ) -> None:
     """Writes worker `worker`'s entries [(key, readable name, value)] into its shard file
-    (assembled in `staging`, a fresh buffer if None) and its record."""
+    (assembled in `staging`, a fresh buffer if None) and its record. `inputs`: the record
+    of its input iterator's state, already written in `folder` (input_state.py)."""
     gfile.makedirs(folder)
     entries = list(entries)
     files, placed = {}, []
@@ -110,8 +112,13 @@ def write_shard(
         arrays = [_as_array(value) for _, _, value in entries]
         placed = shard_file.write(data, arrays, staging or shard_file.StagingBuffer())
         files[f"shard-{worker}{_DATA}"] = gfile.stat(data).length
+    if inputs is not None and "prefix" in inputs:
+        for name in gfile.listdir(folder):
+            if name.startswith(f"{inputs['prefix']}."):
+                files[name] = gfile.stat(_join(folder, name)).length
     record = {
         "worker": worker,
+        "input": inputs,
         "files": files,
         "entries": {
             key: {"shape": list(value.shape), "dtype": _dtype_name(value), "name": name, **where}
@@ -156,6 +163,8 @@ def publish(
         record = _read_json(file, f"Shard {worker} of {folder!r}", "shard record")
         _check_files(folder, record["files"])
         shards[f"shard-{worker}"] = {"files": record["files"]}
+        if record.get("input") is not None:  # its input iterator's state (input_state.py)
+            shards[f"shard-{worker}"]["input"] = record["input"]
         for key, entry in record["entries"].items():
             if key in entries:
                 raise CheckpointError(
@@ -209,6 +218,11 @@ def _move_into_place(directory: str, folder: str, final: str, name: str) -> None
     for n in names:
         gfile.rename(_join(folder, n), _join(final, n), overwrite=True)
     gfile.rmtree(folder)
+
+
+def join_path(directory: str, name: str) -> str:
+    """`directory`/`name`, for local folders and object stores alike."""
+    return _join(directory, name)
 
 
 def final_path(directory: str, step: int, tag: str | None = None) -> str:

@@ -22,8 +22,8 @@ import tensorflow as tf
 from epl_trainer.core.engine.checkpoint_content import CheckpointContent
 from epl_trainer.runtime import elastic
 from epl_trainer.training import checkpoint as ckpt
+from epl_trainer.training import input_state, shard_file
 from epl_trainer.training import model_fn as model_fn_lib
-from epl_trainer.training import shard_file
 from epl_trainer.training.checkpoint_writer import BackgroundWriter, SaveInFlight
 from epl_trainer.training.context import TrainerContext
 from epl_trainer.training.engine_runtime import EngineRuntime
@@ -80,6 +80,7 @@ class CheckpointManager:
         self._planner = planner
         self._writer = BackgroundWriter()  # checkpoint.async_save's
         self._staging = shard_file.StagingBuffer()  # its shard, assembled for the disk
+        self._unsaved_input = None  # why the input state could not be saved (warned once)
 
     def save(
         self, directory: str, keep_max: int | None = None, tag: str | None = None
@@ -97,17 +98,18 @@ class CheckpointManager:
             ckpt.prepare(directory)
         folder = ckpt.temporary_folder(directory, step, self._agreed_token(step))
         asynchronous = self._context.config.checkpoint.async_save
-        values, failure = [], None
+        values, failure, inputs = [], None, None
         try:
             values = self._snapshot(to_host=asynchronous)
+            inputs = self._save_input_state(folder)  # now: the step's position
             if not asynchronous:
-                ckpt.write_shard(folder, cluster.worker_index, values)
+                ckpt.write_shard(folder, cluster.worker_index, values, None, inputs)
         except Exception as error:  # the peers must still meet this worker at the barrier
             failure = error
         publish = self._publisher(directory, folder, step, keep_max, tag)
         if asynchronous and failure is None:
             path = ckpt.final_path(directory, step, tag) if cluster.is_chief else None
-            return self._submit(folder, path, step, values, publish)
+            return self._submit(folder, path, step, values, inputs, publish)
         self._agree_written(failure, step, folder)
         return publish() if cluster.is_chief else None
 
@@ -171,6 +173,53 @@ class CheckpointManager:
             values = [(key, name, _on_host(value)) for key, name, value in values]
         return values
 
+    def _save_input_state(self, folder: str) -> dict | None:
+        """This worker's input iterator state, written beside its shard (input_state.py):
+        {"prefix", "position"}, {"unsaved": why}, or None outside fit."""
+        batches = self._progress.batches
+        if batches is None:
+            return None
+        if not self._context.config.checkpoint.input_state:
+            return {"unsaved": "checkpoint.input_state is off"}
+        iterator = batches.iterator_to_save()
+        if iterator is None:
+            return {"unsaved": "saved at the end of fit's last pass, which no pass follows"}
+        name = input_state.PREFIX.format(worker=self._context.cluster.worker_index)
+        ckpt.gfile.makedirs(folder)
+        why = input_state.save(iterator, ckpt.join_path(folder, name))
+        if why is None:
+            return {"prefix": name, "position": batches.position}
+        if why != self._unsaved_input:  # once per reason, not at every save
+            self._unsaved_input = why
+            logger.warning(
+                "The input pipeline's state cannot be saved with the checkpoint (%s): a "
+                "resume will skip the batches already taken, which reads the same samples "
+                "only if the pipeline gives the same batches in a fresh process.",
+                why,
+            )
+        return {"unsaved": why}
+
+    def _input_to_restore(self, path: str, manifest: dict):
+        """For the next fit's first pass: a callable restoring this worker's saved input
+        state, or why the checkpoint has none for it (a str)."""
+        cluster = self._context.cluster
+        shard = manifest["shards"].get(f"shard-{cluster.worker_index}", {})
+        saved_workers = manifest.get("layout", {}).get("worker_num", len(manifest["shards"]))
+        record = shard.get("input")
+        if saved_workers != cluster.worker_num:
+            return (
+                f"the checkpoint was written by {saved_workers} worker(s) and this job has "
+                f"{cluster.worker_num}: each worker's input differs"
+            )
+        if record is None:
+            return (
+                "the checkpoint holds no input state (saved outside fit, or by an earlier version)"
+            )
+        if "unsaved" in record:
+            return record["unsaved"]
+        prefix = ckpt.join_path(path, record["prefix"])
+        return lambda iterator: input_state.restore(iterator, prefix)
+
     def _agree_written(self, failure: BaseException | None, step: int, folder: str) -> None:
         """The barrier after writing: every worker says whether its shard is in. Raises
         this worker's `failure`, or CheckpointError naming the workers that failed."""
@@ -208,7 +257,7 @@ class CheckpointManager:
             ckpt.publish, directory, folder, step, workers, metadata, required, keep_max, tag
         )
 
-    def _submit(self, folder, path, step, values, publish) -> str | None:
+    def _submit(self, folder, path, step, values, inputs, publish) -> str | None:
         """Hands the snapshot to the writer thread; returns `path`, where the chief
         publishes it."""
         cluster = self._context.cluster
@@ -222,7 +271,7 @@ class CheckpointManager:
         single_chief = cluster.worker_num == 1
 
         def write():
-            ckpt.write_shard(folder, cluster.worker_index, values, self._staging)
+            ckpt.write_shard(folder, cluster.worker_index, values, self._staging, inputs)
             values.clear()  # the snapshot's memory goes back as soon as it is written
             if single_chief:
                 publish()
@@ -324,6 +373,7 @@ class CheckpointManager:
         content.assign({k: np.asarray(v) for k, v in values.items()}, expected)
         self._runtime.write_back()  # the Keras model holds the restored state too
         self._progress.restored_from(manifest)  # the next fit continues from there
+        self._progress.resume_input = self._input_to_restore(path, manifest)
         return path
 
     def auto_resume(self, dataset) -> bool:

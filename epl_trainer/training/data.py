@@ -405,9 +405,12 @@ class EpochBatches:
     `passes.dataset(k)`: the same batches in a new order.
 
     `position` counts the batches taken from the current pass. A checkpoint records it,
-    and a resumed run passes it back as `start_position`: the first pass then skips that
-    many batches, so a deterministic dataset (the same batches in the same order in a
-    fresh process) neither repeats nor skips a sample.
+    and a resumed run passes it back as `start_position`. With `restore_input`
+    (`restore_input(iterator)` restores a saved iterator state into the first pass's
+    iterator, returning None or why it could not: input_state.py), the first pass
+    continues from that state; otherwise it skips `start_position` batches, so a
+    deterministic dataset (the same batches in the same order in a fresh process)
+    neither repeats nor skips a sample.
     """
 
     def __init__(
@@ -418,6 +421,7 @@ class EpochBatches:
         passes: ReshuffledArrays | None = None,
         first_pass: int = 0,
         batches_per_pass: int | None = None,
+        restore_input=None,
     ):
         if steps_per_epoch is not None and (
             isinstance(steps_per_epoch, bool)
@@ -435,12 +439,28 @@ class EpochBatches:
         self._passes = passes
         self.pass_index = first_pass
         self.batches_per_pass = batches_per_pass
+        self._restore_input = restore_input
+        self._unstarted = False  # the iterator was made before its pass (iterator_to_save)
+        # Set by fit during its last epoch: no pass follows it, so none is made ahead.
+        self.last_epoch = False
 
     def close(self) -> None:
         """Ends the current pass: its iterator is deleted off this thread
         (iterators.py: a deletion can wait seconds for tf.data's autotuning)."""
         release(self._iterator)
         self._iterator = None
+
+    def iterator_to_save(self):
+        """The iterator the next step reads from, for a checkpoint: the pass's, or between
+        passes the next pass's, made now. Its state then holds the dataset's seed
+        generators as the next pass draws from them (the state of an exhausted iterator
+        restores them one pass ahead, measured), and the next epoch reads from it."""
+        if self._iterator is None:
+            if self.last_epoch:  # fit ends here: a pass made now would shift the next fit's
+                return None
+            self._iterator = self._new_pass()
+            self._unstarted = True
+        return self._iterator
 
     def _new_pass(self):
         skip, self._skip = self._skip, 0
@@ -449,6 +469,20 @@ class EpochBatches:
         if self._passes is not None:  # shuffle: each pass in its own order
             dataset = self._passes.dataset(self.pass_index)
         self.pass_index += 1
+        if self._restore_input is not None:  # a resumed pass: its iterator's saved state
+            restore, self._restore_input = self._restore_input, None
+            iterator = iter(dataset)
+            why = restore(iterator)
+            if why is None:
+                return iterator
+            logger.warning(
+                "Could not restore the input pipeline's saved state (%s); skipping the %d "
+                "batches already taken instead: a pipeline that reshuffles or draws random "
+                "numbers resumes on other samples.",
+                why,
+                skip,
+            )
+            release(iterator)
         return iter(dataset.skip(skip) if skip else dataset)
 
     def run_epoch(self, step_fn, first_step: int = 0, after_step=None, steps_per_call=1) -> int:
@@ -462,14 +496,15 @@ class EpochBatches:
         `position` counts that step's batch.
         """
         steps = first_step
-        if self.steps_per_epoch is None:
+        if self.steps_per_epoch is None and not self._unstarted:
             self.close()
         while self.steps_per_epoch is None or steps < self.steps_per_epoch:
             count = steps_per_call
             if self.steps_per_epoch is not None:
                 count = min(count, self.steps_per_epoch - steps)
-            fresh = self._iterator is None
-            if fresh:
+            fresh = self._iterator is None or self._unstarted
+            self._unstarted = False
+            if self._iterator is None:
                 # A resumed pass that is already used up is not a fresh (empty) dataset.
                 fresh = self._skip == 0
                 self._iterator = self._new_pass()

@@ -164,12 +164,30 @@ class FitLoop:
             )
         # Workers that agree on the end of the data (end_of_data.py) all take each step.
         known = fit_lib.num_batches(dataset) if context.end_of_data is None else None
+        restore_input = progress.take_resume_input()
+        if isinstance(restore_input, str):  # why the checkpoint has no input state for it
+            if passes is None and (position or progress.epochs_done):
+                logger.warning(
+                    "Resuming without the input pipeline's saved state (%s): skipping the "
+                    "%d batch(es) already taken of this pass instead, which reads the same "
+                    "samples only if the pipeline gives the same batches in a fresh process.",
+                    restore_input,
+                    position,
+                )
+            restore_input = None
         progress.batches = batches = data_lib.EpochBatches(
-            dataset, steps_per_epoch, position, passes, progress.epochs_done, known
+            dataset,
+            steps_per_epoch,
+            position,
+            passes,
+            progress.epochs_done,
+            known,
+            restore_input=restore_input,
         )
         logs = {}
         try:
             for epoch in epochs_run:
+                batches.last_epoch = epoch == epochs_run[-1]
                 self._runtime.run_hook(callback_list, "on_epoch_begin", epoch)
                 logs = self._run_epoch(batches, callback_list, write_back_each_step, first_step)
                 first_step = 0

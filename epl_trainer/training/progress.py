@@ -19,6 +19,8 @@ class TrainingProgress:
     resume_position: (step_in_epoch, input position) a restore left for the next fit.
     restored: a checkpoint was restored since the last fit (the next one continues the
       epoch count up to `epochs`).
+    resume_input: what a restore left for the first pass of the next fit: a callable
+      restoring the saved tf.data iterator state, or why there is none (a str).
     shuffle_seed: the job's seed for the order of shuffled numpy passes (DataFeeder draws
       it once); a checkpoint carries it, so a restored run reshuffles as the saved one
       did whatever the restoring process's random state.
@@ -30,6 +32,9 @@ class TrainingProgress:
     resume_position: tuple[int, int] = (0, 0)
     restored: bool = False
     shuffle_seed: int | None = None
+    # What a restore left for the next fit's first pass: `restore(iterator)` putting back
+    # the saved input state (input_state.py), or why the checkpoint cannot (a str).
+    resume_input: object = None
 
     @property
     def input_position(self) -> int:
@@ -55,3 +60,8 @@ class TrainingProgress:
         position, self.resume_position = self.resume_position, (0, 0)
         restored, self.restored = self.restored, False
         return position, restored
+
+    def take_resume_input(self):
+        """`resume_input` for the fit beginning now (consumed)."""
+        taken, self.resume_input = self.resume_input, None
+        return taken

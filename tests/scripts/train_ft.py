@@ -3,7 +3,7 @@
 Run under `epl-launch`, with TF_CONFIG set by a test, or alone (one worker). Usage:
   train_ft.py OUTPUT_DIR [--epochs E] [--save_steps K] [--keep_max M] [--timeout T]
               [--pause_worker W --pause_at_step N [--timeout_after_pause T2]]
-              [--kill_at_step N] [--kill_in_save N] [--zero LEVEL]
+              [--kill_at_step N] [--kill_in_save N] [--zero LEVEL] [--async_save]
 
 Checkpoints go to OUTPUT_DIR/ckpt (`checkpoint.dir`), so a second run of the same
 command resumes the first. Worker w writes:
@@ -123,6 +123,7 @@ def main():
     parser.add_argument("--kill_at_step", type=int, default=-1)
     parser.add_argument("--kill_in_save", type=int, default=-1)
     parser.add_argument("--zero", default="", help="zero.level (optimizer state sharded)")
+    parser.add_argument("--async_save", action="store_true", help="checkpoint.async_save")
     parser.add_argument("--resume_faults", action="store_true", help="see the docstring")
     args = parser.parse_args()
     attempt = int(os.environ.get("EPL_RESTART_ATTEMPT", "0"))
@@ -135,6 +136,7 @@ def main():
             "checkpoint.save_steps": args.save_steps,
             "checkpoint.keep_max": args.keep_max,
             "zero.level": args.zero,
+            "checkpoint.async_save": args.async_save,
             "io.auto_shard": "off",  # make_dataset gives each worker its own rows
         }
     )
