@@ -29,6 +29,7 @@ import xxhash
 
 ALIGN = 4096  # O_DIRECT's alignment of buffers, offsets and sizes (a page; any disk's block)
 _CHUNK = 64 << 20  # bytes per write call
+_O_DIRECT = getattr(os, "O_DIRECT", 0)  # Linux's; elsewhere an ordinary write and fsync
 gfile = tf.io.gfile
 
 
@@ -143,7 +144,7 @@ class _FileWriter:
     def _run_local(self):
         flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
         try:
-            descriptor = os.open(self._path, flags | os.O_DIRECT, 0o644)
+            descriptor = os.open(self._path, flags | _O_DIRECT, 0o644)
         except OSError as error:
             if error.errno != errno.EINVAL:  # EINVAL: this file system has no O_DIRECT
                 raise
