@@ -20,6 +20,17 @@ from epl_trainer.annotations.strategies import reset_annotations  # noqa: E402
 from epl_trainer.runtime.env import Env  # noqa: E402
 
 
+def pytest_collection_modifyitems(config, items):
+    """Tests marked `sweep` (hundreds of repetitions of what a default test shows a few
+    times, e.g. 200 kill points) run only with EPL_SWEEPS=1: CI's run stays within its time."""
+    if os.environ.get("EPL_SWEEPS") == "1":
+        return
+    skip = pytest.mark.skip(reason="a long sweep: run it with EPL_SWEEPS=1")
+    for item in items:
+        if "sweep" in item.keywords:
+            item.add_marker(skip)
+
+
 @pytest.fixture(autouse=True)
 def _fresh_process_state():
     """EPL semantics: after a `replicate` scope closes, new layers still join its TaskGraph,

@@ -6,8 +6,8 @@ the uninterrupted run had at that step; a save the kill tore is a hidden tempora
 restore reads (named in a warning, removed by the next save). A job that reaches its end
 through any number of kills ends with the uninterrupted run's weights, bit for bit.
 
-The default suite runs a handful of kills; the slow sweep 200 (100 per mode), two jobs at
-a time.
+The default suite runs a handful of kills; the sweep 200 (100 per mode, two jobs at a
+time, about half an hour on 2 cores): `EPL_SWEEPS=1 python -m pytest tests/test_kill_sweep.py`.
 """
 
 import concurrent.futures
@@ -136,6 +136,7 @@ def test_a_handful_of_kills_never_leave_a_latest_that_does_not_restore(tmp_path,
 
 
 @pytest.mark.slow
+@pytest.mark.sweep
 @pytest.mark.timeout(3600)
 def test_200_kills_never_leave_a_latest_that_does_not_restore(tmp_path, reference):
     counts = _sweep(tmp_path, reference, kills_per_mode=100, seed=1)
