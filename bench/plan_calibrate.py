@@ -18,7 +18,9 @@ that `core/plan/devices.py` stores, with the date, in its "cpu" entry:
   step_overhead_s.
 * collective_bandwidth / collective_latency_s: all-reduces (`CollectiveGroup.all_reduce`)
   of 16 kB and 16 MB between 2 logical devices: the slope (bytes each member sends, a ring
-  sends 2(N-1)/N of the buffer) and the intercept.
+  sends 2(N-1)/N of the buffer) and the intercept. collective_speed: the same for
+  reduce-scatters and all-gathers ((N-1)/N of the buffer), relative to the all-reduce
+  (TensorFlow's CPU collectives move the kinds at different rates).
 
 Nothing here depends on a configuration of bench/plan_accuracy.py: the constants are the
 machine's, the same for every row.
@@ -72,20 +74,34 @@ def measure(what):
 
         devices = tuple(d.name for d in tf.config.list_logical_devices("CPU")[:2])
         group = CollectiveGroup(devices, devices)
-        times = {}
-        for elements in (2**12, 2**22):
-            values = []
+
+        def values(elements):
+            made = []
             for device in devices:
                 with tf.device(device):
-                    values.append(tf.random.normal((elements,)))
-            fn = tf.function(lambda v=values: group.all_reduce(v, "sum"))
-            times[elements] = _best(lambda fn=fn: [t.numpy() for t in fn()], 10)
-        small, large = 4 * 2**12, 4 * 2**22
-        sent = 2 * (2 - 1) / 2  # ring all-reduce: bytes each member sends per buffer byte
-        slope = (times[2**22] - times[2**12]) / (sent * (large - small))
+                    made.append(tf.random.normal((elements,)))
+            return made
+
+        calls = {  # kind -> (call, bytes each member sends per buffer byte, buffer of n)
+            "all_reduce": (lambda v: group.all_reduce(v, "sum"), 1.0, lambda n: n),
+            "reduce_scatter": (lambda v: group.reduce_scatter(v, "sum"), 0.5, lambda n: n),
+            "all_gather": (group.all_gather, 0.5, lambda n: n // 2),
+        }
+        rates = {}
+        for kind, (call, sent, inputs) in calls.items():
+            times = {}
+            for elements in (2**12, 2**22):
+                buffers = values(inputs(elements))
+                fn = tf.function(lambda v=buffers, call=call: call(v))
+                times[elements] = _best(lambda fn=fn: [t.numpy() for t in fn()], 10)
+            slope = (times[2**22] - times[2**12]) / (sent * 4 * (2**22 - 2**12))
+            rates[kind] = (1 / slope, max(0.0, times[2**12] - sent * 4 * 2**12 * slope))
+        bandwidth, latency = rates["all_reduce"]
         return {
-            "collective_bandwidth": 1 / slope,
-            "collective_latency_s": max(0.0, times[2**12] - sent * small * slope),
+            "collective_bandwidth": bandwidth,
+            "collective_latency_s": latency,
+            # Bytes sent per second by each kind, relative to the all-reduce's.
+            "collective_speed": {kind: rate / bandwidth for kind, (rate, _) in rates.items()},
         }
     # "overhead": EPLTrainer steps of tiny Dense stacks
     import keras

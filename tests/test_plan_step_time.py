@@ -147,6 +147,16 @@ def test_data_parallel_all_reduce_within_and_across_nodes():
     assert overlapped.terms["data_comm"] < exposed.terms["data_comm"]
 
 
+@pytest.mark.parametrize("zero", ["", "v0", "v1", "v2"])
+@pytest.mark.parametrize("gc", [False, True])
+def test_data_parallel_collectives_by_kind_add_up_to_the_estimates_traffic(zero, gc):
+    layout = Layout(data_parallel=4, num_micro_batch=3, micro_batch_size=2, zero=zero, gc=gc)
+    result = step_time.estimate_layout(_transformer(), layout)
+    for stage in result.stages:
+        sent = sum(b for _, b, _ in step_time._data_collectives(stage, layout))
+        assert sent == pytest.approx(stage.comm_data_parallel, rel=1e-6)
+
+
 def test_zero_divides_the_update_and_offload_moves_it_to_the_host():
     model = _transformer()
     plain = predict(model, Layout(data_parallel=8, micro_batch_size=2), A100)
@@ -155,6 +165,7 @@ def test_zero_divides_the_update_and_offload_moves_it_to_the_host():
     assert zero.peak_memory_bytes < plain.peak_memory_bytes
     off = predict(model, Layout(micro_batch_size=2, offload=True), A100)
     on_device = predict(model, Layout(micro_batch_size=2), A100)
+    # The weights up for each of the 1 micro-batch(es), the gradients down.
     assert off.terms["offload"] == pytest.approx(2 * model.params * 4 / A100.host_bandwidth)
     assert off.terms["optimizer"] > on_device.terms["optimizer"]  # host memory is slower
     assert off.peak_memory_bytes < on_device.peak_memory_bytes

@@ -56,6 +56,9 @@ class DeviceSpec:
       cores: cores of the shared pool (`shares_compute`).
       pool_overhead: for a shared pool, measured (devices, seconds per layer for all of
         them, seconds per step) points; `pool_overheads` interpolates them.
+      collective_speed: a collective kind's ("reduce_scatter", "all_gather") bytes sent
+        per second relative to the all-reduce's (1 where not given: NCCL's rings move
+        every kind at the link's bandwidth).
       sources: constant name -> where its value comes from.
     """
 
@@ -76,6 +79,7 @@ class DeviceSpec:
     shares_compute: bool = False
     cores: int = 1
     pool_overhead: tuple = ()
+    collective_speed: dict = dataclasses.field(default_factory=dict, compare=False)
     sources: dict = dataclasses.field(default_factory=dict, compare=False)
 
     def __post_init__(self):
@@ -232,8 +236,10 @@ _add(
 _CPU_MEASURED = {  # python bench/plan_calibrate.py, a shared 2-core AMD EPYC, TF 2.21
     "matmul_flops": 135.7e9,
     "memory_bandwidth": 15.22e9,
-    "collective_bandwidth": 1.274e9,
-    "collective_latency_s": 499e-6,  # a whole 2-member all-reduce: 2 ring steps
+    "collective_bandwidth": 1.325e9,
+    "collective_latency_s": 466e-6,  # a whole 2-member all-reduce: 2 ring steps
+    # bytes sent per second relative to the all-reduce's
+    "collective_speed": {"reduce_scatter": 2.36, "all_gather": 0.668},
     # (devices, seconds per layer for all of them, seconds per step), plain ops
     "pool_overhead": ((1, 119e-6, 0.74e-3), (2, 238e-6, 1.37e-3), (4, 489e-6, 1.79e-3)),
     "measured": "2026-11-28",
@@ -251,13 +257,14 @@ _add(
         inter_node_bandwidth=_CPU_MEASURED["collective_bandwidth"],
         devices_per_node=64,
         latency_s=_CPU_MEASURED["collective_latency_s"] / 2,
-        host_bandwidth=math.inf,
+        host_bandwidth=_CPU_MEASURED["memory_bandwidth"],
         host_memory_bandwidth=_CPU_MEASURED["memory_bandwidth"],
         layer_overhead_s=_CPU_MEASURED["pool_overhead"][0][1],
         step_overhead_s=_CPU_MEASURED["pool_overhead"][0][2],
         shares_compute=True,
         cores=2,
         pool_overhead=_CPU_MEASURED["pool_overhead"],
+        collective_speed=_CPU_MEASURED["collective_speed"],
         sources={
             "peak_flops": f"{_CALIBRATED}: float32 [512,512]x[512,2048] matmuls, all cores "
             f"({_CPU_MEASURED['measured']}); no fast 16-bit matmul on this CPU, so the "
@@ -268,11 +275,14 @@ _add(
             "intra_node_bandwidth": f"{_CALIBRATED}: all-reduce of 16 kB and 16 MB between 2 "
             "logical devices (slope)",
             "latency_s": f"{_CALIBRATED}: the same all-reduces (intercept, over its 2 ring steps)",
+            "collective_speed": f"{_CALIBRATED}: reduce-scatters and all-gathers of the same "
+            "sizes: 2.36x and 0.668x the all-reduce's bytes per second",
             "layer_overhead_s": f"{_CALIBRATED}: EPLTrainer steps of Dense(8) stacks of 4 and "
             "36 layers (slope per layer), on 1 device",
             "step_overhead_s": f"{_CALIBRATED}: the same steps (intercept)",
             "pool_overhead": f"{_CALIBRATED}: the same, data-parallel on 1, 2 and 4 logical "
             "devices: 119 / 238 / 489 us per layer, 0.74 / 1.37 / 1.79 ms per step",
+            "host_bandwidth": "the host is the same memory: a copy at memory_bandwidth",
             "shares_compute": "logical CPU devices share the process's cores "
             "(docs/architecture.md)",
         },

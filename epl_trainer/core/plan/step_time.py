@@ -24,8 +24,8 @@ table (`devices.py`) and a count of the model (`estimate.ModelCost`), in this or
    communication engines.
 7. The optimizer update, bound by memory bandwidth (Adam reads the parameter, gradient
    and both slots and writes three: 28 bytes per float32 parameter), on the device's share
-   of the parameters (ZeRO divides it); with offload on host memory, plus the gradients'
-   and parameters' trip over the host link.
+   of the parameters (ZeRO divides it); with offload on host memory, plus the weights'
+   trip to the device for every micro-batch and the gradients' back over the host link.
 8. The step's own overhead.
 
 A collective over N members sends 2(N-1)/N of its buffer (all-reduce; the estimate
@@ -471,15 +471,38 @@ def _data_comm_s(result, layout: Layout, device: DeviceSpec, last_backward: dict
     if d == 1:
         return 0.0
     link = _group_bandwidth(device, d, _stride(layout, "dp"))
-    stages = result.stages
-    sent = max(s.comm_data_parallel for s in stages)
-    buckets = min(_GRADIENT_BUCKETS, max(s.nodes[1] - s.nodes[0] for s in stages))
-    seconds = sent / link + buckets * 2 * (d - 1) * device.latency_s
+    slowest = 0.0
+    for stage in result.stages:
+        buckets = min(_GRADIENT_BUCKETS, stage.nodes[1] - stage.nodes[0])
+        seconds = 0.0
+        for kind, sent, calls in _data_collectives(stage, layout):
+            seconds += sent / (link * device.collective_speed.get(kind, 1.0))
+            steps = 2 * (d - 1) if kind == "all_reduce" else d - 1
+            seconds += calls * buckets * steps * device.latency_s
+        slowest = max(slowest, seconds)
     if layout.overlap_grad_reduce and not device.shares_compute:
         # Buckets reduce while the last micro-batch's backward runs.
         backward = (last_backward["compute"] + last_backward["elementwise"]) * 2 / 3
-        seconds = max(0.0, seconds - backward)
-    return seconds
+        slowest = max(0.0, slowest - backward)
+    return slowest
+
+
+def _data_collectives(stage, layout: Layout) -> list[tuple[str, float, int]]:
+    """(kind, bytes each device sends per step, calls per bucket) of a stage's data-parallel
+    collectives: the estimate's traffic (`estimate._stage`) by kind."""
+    d, m = layout.data_parallel, layout.num_micro_batch
+    share = (d - 1) / d
+    wire = stage.full_gradients  # gradients travel in their own dtype
+    if layout.zero == "v2":
+        whole = stage.parameters * d  # the shards gathered whole
+        gathers = 2 * m if layout.gc else 1
+        return [("reduce_scatter", share * wire * m, m),
+                ("all_gather", gathers * share * whole, gathers)]  # fmt: skip
+    if layout.zero == "v1":
+        return [("reduce_scatter", share * wire, 1), ("all_gather", share * stage.parameters, 1)]
+    if layout.zero == "v0":
+        return [("all_reduce", 2 * share * wire, 1), ("all_gather", share * stage.parameters, 1)]
+    return [("all_reduce", 2 * share * wire, 1)]
 
 
 def _update_s(result, layout: Layout, device: DeviceSpec) -> tuple[float, float]:
@@ -497,7 +520,11 @@ def _update_s(result, layout: Layout, device: DeviceSpec) -> tuple[float, float]
     bandwidth = device.host_memory_bandwidth if layout.offload else device.memory_bandwidth
     update = params * moved_per_param / bandwidth
     offload = 0.0
-    if layout.offload and math.isfinite(device.host_bandwidth):
+    if layout.offload:
+        # Each micro-batch's weights up to the device when it uses them, the step's
+        # gradients down once (memory.md: "compute devices receive each weight when
+        # they use it").
         width = 2 if layout.amp else 4
-        offload = 2 * params * width / device.host_bandwidth  # gradients down, weights up
+        trips = layout.num_micro_batch + 1
+        offload = trips * params * width / device.host_bandwidth
     return update, offload

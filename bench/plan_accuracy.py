@@ -1,0 +1,258 @@
+"""epl-plan's predictions against measured runs: peak memory and step time, per layout.
+
+Usage: nice -n 10 python bench/plan_accuracy.py [--only 1,5,7] [--steps 5] [--json FILE]
+
+Each configuration is a `step_time.Layout` of one of two small models (the 4-layer
+transformer of tests/scripts/estimate_peak.py, and a 4 x Dense(1024) MLP), trained by
+EPLTrainer with the config keys `Layout.config()` gives (what `epl-plan --search
+--save_config` writes) on logical CPU devices, one fresh process per configuration, one
+at a time. The child traces one step, resets the allocator's peak, then runs 5 x `--steps`
+steps and keeps the fastest repeat's time per step (the machine is shared; the fastest is
+the least disturbed). The prediction is `step_time.predict` of the model's Keras graph
+(`auto_partition.model_cost`, what the automatic partition cuts) on the "cpu" device,
+whose constants are bench/plan_calibrate.py's microbenchmarks: nothing here is fitted to
+a configuration.
+
+Memory: on CPU the logical devices share one allocator, so the measured peak is the
+process's; the predicted one is the devices' peaks summed plus the host copy of the Keras
+model and its optimizer (`Estimate.host_bytes`), as tests/test_estimate.py compares them.
+The per-device column divides both by the devices. As there, steps run as plain ops
+(`jit_compile=False`): the estimate describes them.
+"""
+
+import argparse
+import json
+import os
+import sys
+
+from _fresh_process import run_child, serve_child
+
+ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir)
+sys.path.insert(0, ROOT)
+
+MEMORY_TOLERANCE, TIME_TOLERANCE = 0.10, 0.20
+REPEATS = 5  # timed repeats of --steps steps; the fastest counts
+
+# (model, samples per micro-batch, Layout fields): the transformer and the MLP under every
+# parallel mode the trainer runs on logical CPU devices.
+T, M = "transformer", "mlp"
+CONFIGS = [
+    (T, 32, {}),
+    (T, 32, {"gc": True}),
+    (T, 8, {"num_micro_batch": 4}),
+    (T, 16, {"data_parallel": 2}),
+    (T, 16, {"data_parallel": 2, "zero": "v1"}),
+    (T, 16, {"data_parallel": 2, "zero": "v2"}),
+    (T, 16, {"data_parallel": 2, "gc": True}),
+    (T, 8, {"data_parallel": 4}),
+    (T, 8, {"data_parallel": 4, "zero": "v0"}),
+    (T, 8, {"data_parallel": 4, "zero": "v1"}),
+    (T, 8, {"pipeline_parallel": 2, "num_micro_batch": 4}),
+    (T, 8, {"pipeline_parallel": 2, "num_micro_batch": 4, "schedule": "PreferForward"}),
+    (T, 8, {"pipeline_parallel": 2, "num_micro_batch": 4, "schedule": "ZeroBubbleH1"}),
+    (T, 8, {"pipeline_parallel": 2, "num_micro_batch": 4, "schedule": "Interleaved1F1B",
+            "virtual_stages": 2}),
+    (T, 8, {"pipeline_parallel": 2, "num_micro_batch": 4, "gc": True}),
+    (T, 8, {"pipeline_parallel": 4, "num_micro_batch": 8}),
+    (T, 8, {"pipeline_parallel": 4, "num_micro_batch": 8, "schedule": "PreferForward"}),
+    (T, 8, {"pipeline_parallel": 2, "data_parallel": 2, "num_micro_batch": 4}),
+    (T, 32, {"offload": True}),
+    (T, 8, {"data_parallel": 2, "num_micro_batch": 2, "zero": "v1", "gc": True}),
+    (M, 256, {}),
+    (M, 256, {"gc": True}),
+    (M, 128, {"data_parallel": 2}),
+    (M, 128, {"data_parallel": 2, "zero": "v0"}),
+    (M, 128, {"data_parallel": 2, "zero": "v1"}),
+    (M, 128, {"data_parallel": 2, "zero": "v2"}),
+    (M, 64, {"data_parallel": 4}),
+    (M, 64, {"data_parallel": 4, "zero": "v1"}),
+    (M, 64, {"data_parallel": 4, "zero": "v2"}),
+    (M, 64, {"pipeline_parallel": 2, "num_micro_batch": 4}),
+    (M, 64, {"pipeline_parallel": 2, "num_micro_batch": 4, "schedule": "ZeroBubbleH1"}),
+    (M, 128, {"data_parallel": 2, "offload": True}),
+]  # fmt: skip
+
+
+def build_model(kind):
+    sys.path.insert(0, os.path.join(ROOT, "tests", "scripts"))
+    from estimate_peak import build_model as build  # the models tests/test_estimate.py measures
+
+    return build(kind)
+
+
+def measure(arguments):
+    """Child: one configuration's measured peak and step time, and the prediction."""
+    kind, micro_batch_size, fields, steps = arguments
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    from epl_trainer.core.plan import step_time
+
+    layout = step_time.Layout(micro_batch_size=micro_batch_size, **fields)
+    from epl_trainer.runtime.cluster import configure_tensorflow
+
+    device_count = layout.data_parallel * layout.pipeline_parallel
+    configure_tensorflow(device_count)
+    import time
+
+    import keras
+    import numpy as np
+    import tensorflow as tf
+
+    import epl_trainer as epl
+    from epl_trainer.training.memory import allocator_memory, reset_peak_memory
+
+    model = build_model(kind)
+    config = layout.config()
+    trainer = epl.EPLTrainer(
+        model,
+        keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        keras.optimizers.Adam(1e-4),
+        config={"cluster.virtual_devices": device_count, **config},
+        jit_compile=False,
+    )
+    batch = layout.global_batch
+    rng = np.random.default_rng(0)
+    if kind == "transformer":
+        x = rng.integers(0, 1000, size=(batch, 64)).astype("int32")
+    else:
+        x = rng.normal(size=(batch, 512)).astype("float32")
+    y = rng.integers(0, 10, batch).astype("int32")
+    dataset = tf.data.Dataset.from_tensors((x, y)).repeat()
+    trainer.fit(dataset, steps_per_epoch=2, verbose=0)  # trace and build
+    reset_peak_memory()
+    best = float("inf")
+    for _ in range(REPEATS):
+        start = time.perf_counter()
+        trainer.fit(dataset, steps_per_epoch=steps, verbose=0)
+        best = min(best, (time.perf_counter() - start) / steps)
+    peak = allocator_memory()["peak"]
+    load = os.getloadavg()[0]
+
+    return {
+        "layout": layout.describe(),
+        "devices": device_count,
+        "measured_peak": peak,
+        "measured_step_s": best,
+        "load_average": load,
+    }
+
+
+def process_peak(cost, layout):
+    """The process's predicted peak: every device's (they share its memory), the Keras
+    model and its optimizer state, and with offload the model states offloaded once per
+    worker (docs/reference/memory.md) into the same memory."""
+    from epl_trainer.core.plan import step_time
+
+    result = step_time.estimate_layout(cost, layout)
+    peak = layout.data_parallel * sum(step_time.device_peak_bytes(result, layout.offload))
+    if layout.offload:
+        peak += sum(stage.parameters + stage.optimizer for stage in result.stages)
+    return peak + result.host_bytes
+
+
+def predict_rows(indices):
+    """Child: the predictions of the configurations `indices` (1-based), from the
+    models' Keras graphs, with the step-time model as it is now."""
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    from epl_trainer.core.graph.auto_partition import model_cost
+    from epl_trainer.core.plan import devices, step_time
+    from epl_trainer.runtime.cluster import configure_tensorflow
+
+    configure_tensorflow(1)
+    costs = {kind: model_cost(build_model(kind)) for kind in (T, M)}
+    cpu = devices.device_by_name("cpu")
+    rows = []
+    for index in indices:
+        kind, micro_batch_size, fields = CONFIGS[index - 1]
+        layout = step_time.Layout(micro_batch_size=micro_batch_size, **fields)
+        prediction = step_time.predict(costs[kind], layout, cpu)
+        rows.append({
+            "predicted_peak": process_peak(costs[kind], layout),
+            "predicted_step_s": prediction.step_time_s,
+            "terms_s": prediction.terms,
+        })  # fmt: skip
+    return rows
+
+
+def child(arguments):
+    if arguments[0] == "predict":
+        return predict_rows(arguments[1])
+    return measure(arguments)
+
+
+def print_table(rows):
+    header = ["#", "model", "layout", "dev", "peak MB meas", "pred", "err",
+              "step ms meas", "pred", "err", "load"]  # fmt: skip
+    lines = [header]
+    for index, (kind, row) in rows:
+        memory_error = row["predicted_peak"] / row["measured_peak"] - 1
+        time_error = row["predicted_step_s"] / row["measured_step_s"] - 1
+        lines.append([
+            str(index), kind, row["layout"], str(row["devices"]),
+            f"{row['measured_peak'] / 1e6:.1f}", f"{row['predicted_peak'] / 1e6:.1f}",
+            f"{memory_error:+.1%}" + ("" if abs(memory_error) <= MEMORY_TOLERANCE else " !"),
+            f"{row['measured_step_s'] * 1e3:.1f}", f"{row['predicted_step_s'] * 1e3:.1f}",
+            f"{time_error:+.1%}" + ("" if abs(time_error) <= TIME_TOLERANCE else " !"),
+            f"{row['load_average']:.1f}" if "load_average" in row else "",
+        ])  # fmt: skip
+    print("| " + " | ".join(lines[0]) + " |")
+    print("|" + "---|" * len(lines[0]))
+    for line in lines[1:]:
+        print("| " + " | ".join(line) + " |")
+    memory_ok = sum(abs(r["predicted_peak"] / r["measured_peak"] - 1) <= MEMORY_TOLERANCE
+                    for _, (_, r) in enumerate(x for _, x in rows))  # fmt: skip
+    time_ok = sum(abs(r["predicted_step_s"] / r["measured_step_s"] - 1) <= TIME_TOLERANCE
+                  for _, (_, r) in enumerate(x for _, x in rows))  # fmt: skip
+    print(
+        f"\nWithin {MEMORY_TOLERANCE:.0%} (peak): {memory_ok} of {len(rows)}; within "
+        f"{TIME_TOLERANCE:.0%} (step time): {time_ok} of {len(rows)} ('!' marks a miss)."
+    )
+
+
+def wait_for_quiet(limit=1.5, timeout=60):
+    """Waits (up to `timeout` seconds) until the 1-minute load average is below `limit`:
+    the machine is shared, and another process's work slows a step by up to 2x."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while os.getloadavg()[0] >= limit and time.monotonic() < deadline:
+        time.sleep(5)
+
+
+def main():
+    if serve_child(child):
+        return
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--only", help="comma-separated configuration numbers (1-based)")
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--json", help="also write the rows to this file")
+    parser.add_argument(
+        "--measured",
+        help="a --json file of an earlier run: predict again against its measurements "
+        "(no configuration runs)",
+    )
+    args = parser.parse_args()
+    chosen = [int(i) for i in args.only.split(",")] if args.only else range(1, len(CONFIGS) + 1)
+    rows = []
+    if args.measured:
+        with open(args.measured) as f:
+            saved = {row["index"]: row for row in json.load(f)}
+        rows = [(i, (saved[i]["model"], saved[i])) for i in chosen if i in saved]
+    for index in [] if args.measured else chosen:
+        wait_for_quiet()
+        kind, micro_batch_size, fields = CONFIGS[index - 1]
+        row = run_child(__file__, [kind, micro_batch_size, fields, args.steps], timeout=600)
+        rows.append((index, (kind, row)))
+        print(f"{index}: {row['layout']} done", file=sys.stderr)
+    # Every prediction by the model as it is now, in one child (the measuring children
+    # predicted too; a model changed since a run is applied to its measurements here).
+    predictions = run_child(__file__, ["predict", [index for index, _ in rows]])
+    for (_, (_, row)), prediction in zip(rows, predictions):
+        row.update(prediction)
+    print_table(rows)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump([{"index": i, "model": k, **r} for i, (k, r) in rows], f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
