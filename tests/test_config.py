@@ -62,6 +62,8 @@ EXPECTED_DEFAULTS = {
     "checkpoint.dir": "",
     "checkpoint.save_steps": 0,
     "checkpoint.keep_max": 5,
+    "checkpoint.async_save": False,
+    "checkpoint.input_state": True,
     "io.slicing": False,
     "io.unbalanced_io_slicing": False,
     "io.drop_last_files": False,
