@@ -32,15 +32,7 @@ def _dataset():
 
 
 def _values(path):
-    manifest = ckpt.read_manifest(path)
-    saved = manifest["entries"]
-
-    class _Wanted:
-        def __init__(self, entry):
-            self.name, self.shape, self.dtype = entry["name"], entry["shape"], entry["dtype"]
-            self.optional = False
-
-    return ckpt.read_entries(path, manifest, {k: _Wanted(e) for k, e in saved.items()})
+    return ckpt.read_all(path)[1]
 
 
 @pytest.fixture

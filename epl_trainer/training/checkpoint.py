@@ -27,6 +27,7 @@ read by TensorFlow's bundle reader) and the rest is JSON.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -403,6 +404,28 @@ def read_entries(path: str, manifest: dict, expected: Mapping, unexpected=()) ->
             flat = [np.reshape(values.pop(k), [-1]) for _, _, k in pieces[key]]
             values[key] = np.reshape(np.concatenate(flat), entry.shape)
     return values
+
+
+@dataclasses.dataclass(frozen=True)
+class _Saved:
+    """An entry as the manifest records it (read_all wants every entry as saved)."""
+
+    name: str
+    shape: list
+    dtype: str
+    optional: bool = False
+
+
+def read_all(path: str) -> tuple[dict, dict[str, np.ndarray]]:
+    """(manifest, {key: value}) of every entry of checkpoint `path` as it was saved (a
+    ZeRO piece as its piece): for tools and tests that read a checkpoint without building
+    a model. Every value is checked against its hash."""
+    manifest = read_manifest(path)
+    saved = {
+        key: _Saved(entry["name"], entry["shape"], entry["dtype"])
+        for key, entry in manifest["entries"].items()
+    }
+    return manifest, read_entries(path, manifest, saved)
 
 
 def _read_shard_file(path: str, shard: str, entries: dict) -> dict:
