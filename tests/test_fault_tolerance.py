@@ -254,6 +254,23 @@ def test_resume_after_kill_sees_every_sample_once_and_ends_with_identical_weight
         np.testing.assert_array_equal(got, want)
 
 
+def test_an_async_save_that_fails_on_one_worker_stops_both_naming_it(tmp_path):
+    """Worker 1's snapshot of step 4's asynchronous save raises. Both workers stop at the
+    next save (step 6), where they agree on step 4's shards: worker 1 with its error,
+    worker 0 naming worker 1, well within the peer timeout, and `latest` stays at step 2.
+    Before, worker 1 waited at the barrier at once while worker 0 trained on: both ended
+    after the timeout with a lost-worker error."""
+    start = time.monotonic()
+    _, workers = _two_workers(tmp_path, "--async_save", "--fail_snapshot", "4")
+    outputs = [process.communicate(timeout=240)[0] for process in workers]
+    assert all(process.returncode != 0 for process in workers), outputs
+    assert "snapshot of step 4 failed on worker 1" in outputs[1], outputs[1]
+    assert "Worker(s) [1] could not write their shard of step 4" in outputs[0], outputs[0]
+    assert "WorkerLostError" not in outputs[0] + outputs[1]
+    assert time.monotonic() - start < 120
+    assert (tmp_path / "ckpt" / "latest").read_text() == "ckpt-2"
+
+
 @pytest.mark.combines("checkpoint+multi_worker")
 def test_workers_resume_the_checkpoint_the_chief_chose_once_all_can_read_it(
     tmp_path, uninterrupted

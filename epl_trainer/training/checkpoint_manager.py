@@ -107,9 +107,12 @@ class CheckpointManager:
         except Exception as error:  # the peers must still meet this worker at the barrier
             failure = error
         publish = self._publisher(directory, folder, step, keep_max, tag)
-        if asynchronous and failure is None:
+        # A multi-worker job agrees on an asynchronous save where every worker meets next
+        # (finish_pending), so a worker whose snapshot failed reports it there too: were it
+        # to wait at the barrier now, its peers would be training on without it.
+        if asynchronous and (failure is None or cluster.worker_num > 1):
             path = ckpt.final_path(directory, step, tag) if cluster.is_chief else None
-            return self._submit(folder, path, step, values, inputs, publish)
+            return self._submit(folder, path, step, values, inputs, publish, failure)
         self._agree_written(failure, step, folder)
         return publish() if cluster.is_chief else None
 
@@ -257,9 +260,9 @@ class CheckpointManager:
             ckpt.publish, directory, folder, step, workers, metadata, required, keep_max, tag
         )
 
-    def _submit(self, folder, path, step, values, inputs, publish) -> str | None:
+    def _submit(self, folder, path, step, values, inputs, publish, failure) -> str | None:
         """Hands the snapshot to the writer thread; returns `path`, where the chief
-        publishes it."""
+        publishes it. `failure`: why the snapshot failed (the writer reports it)."""
         cluster = self._context.cluster
         save = SaveInFlight(
             step=step,
@@ -271,6 +274,8 @@ class CheckpointManager:
         single_chief = cluster.worker_num == 1
 
         def write():
+            if failure is not None:
+                raise failure
             ckpt.write_shard(folder, cluster.worker_index, values, self._staging, inputs)
             values.clear()  # the snapshot's memory goes back as soon as it is written
             if single_chief:

@@ -19,6 +19,7 @@ Fault injection, on the first attempt only (EPL_RESTART_ATTEMPT unset or 0):
   --kill_at_step N                     every worker SIGKILLs itself after step N
   --kill_in_save N                     worker 0 SIGKILLs itself while saving step N's
                                        checkpoint, between writing and publishing
+  --fail_snapshot N                    worker 1's snapshot of step N's checkpoint raises
 Storage faults on restarts (--resume_faults), as an eventually consistent object store
 shows them to worker 1:
   restart 1                            no checkpoint of the folder is readable to it
@@ -124,6 +125,7 @@ def main():
     parser.add_argument("--kill_in_save", type=int, default=-1)
     parser.add_argument("--zero", default="", help="zero.level (optimizer state sharded)")
     parser.add_argument("--async_save", action="store_true", help="checkpoint.async_save")
+    parser.add_argument("--fail_snapshot", type=int, default=-1, help="see the docstring")
     parser.add_argument("--resume_faults", action="store_true", help="see the docstring")
     args = parser.parse_args()
     attempt = int(os.environ.get("EPL_RESTART_ATTEMPT", "0"))
@@ -162,6 +164,18 @@ def main():
                 os.kill(os.getpid(), signal.SIGKILL)
 
         checkpoint.before_publish = die_before_publishing
+
+    if first_attempt and args.fail_snapshot >= 0 and worker == 1:
+        from epl_trainer.training.checkpoint_manager import CheckpointManager
+
+        snapshot = CheckpointManager._snapshot
+
+        def failing_snapshot(self, to_host):
+            if int(trainer.optimizer.iterations.numpy()) == args.fail_snapshot:
+                raise OSError(f"snapshot of step {args.fail_snapshot} failed on worker 1")
+            return snapshot(self, to_host)
+
+        CheckpointManager._snapshot = failing_snapshot
 
     class Faults(keras.callbacks.Callback):
         def on_train_batch_end(self, batch, logs=None):
