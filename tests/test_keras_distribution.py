@@ -554,3 +554,63 @@ def test_a_kerashub_tensor_parallel_checkpoint_restores_into_another_layout(
     rest = {k: v[16:] for k, v in x.items()}
     second.fit(rest, y[16:], batch_size=8, epochs=2, shuffle=False, verbose=0)
     assert max_weight_difference(reference, model) < ATOL_ADAM
+
+
+@pytest.mark.slow
+def test_a_keras_application_with_its_kernels_laid_out_trains_as_keras():
+    """keras.applications' MobileNetV3Small (a model we did not write: depthwise and 1x1
+    convolutions, squeeze-excite, a 1x1-conv classifier) on a (1, 2) mesh, every
+    convolution kernel laid out over 'model' on its output channels: each is held as its
+    block and gathered on use, and the run equals Keras's fit (SGD)."""
+    import re
+
+    from test_third_party_models import as_dataset, image_batches, mobilenet_v3_small
+
+    batches = image_batches()
+    reference = mobilenet_v3_small()
+    reference.compile(keras.optimizers.SGD(0.1), keras.losses.SparseCategoricalCrossentropy())
+    reference.fit(as_dataset(batches), verbose=0, shuffle=False)
+    model = mobilenet_v3_small()
+    layout_map = keras.distribution.LayoutMap(_mesh((1, 2)))
+    kernels = [
+        v.path
+        for v in model.trainable_variables
+        if v.path.endswith("/kernel") and len(v.shape) == 4 and v.shape[-1] % 2 == 0
+    ]
+    for path in kernels:
+        layout_map[re.escape(path)] = (None, None, None, "model")
+    strategy = keras.distribution.ModelParallel(layout_map=layout_map)
+    trainer = epl.EPLTrainer(
+        model,
+        keras.losses.SparseCategoricalCrossentropy(),
+        keras.optimizers.SGD(0.1),
+        strategy=strategy,
+    )
+    trainer.fit(as_dataset(batches), verbose=0)
+    assert len(kernels) > 30
+    gathered = trainer.plan.layouts_description.split("gathered on use: ")[1]
+    assert all(path in gathered for path in kernels)
+    assert max_weight_difference(reference, model) < 1e-5
+    whole = sum(v.numpy().nbytes for v in model.trainable_variables)
+    assert max(trainer.placement().values()) < 0.75 * whole  # the kernels are halved
+
+
+def test_a_compiled_model_brings_its_optimizer_loss_and_metrics_to_a_megatron_pair():
+    """A model compiled with its optimizer, loss and metrics, given to EPLTrainer with
+    only a ModelParallel strategy: its own objects train tensor-parallel as Keras's fit."""
+    x, y = mlp_data(BATCH * STEPS)
+
+    def compiled():
+        model = _mlp_pair()
+        model.compile(keras.optimizers.Adam(0.01), LOSS, metrics=["accuracy"])
+        return model
+
+    reference = compiled()
+    reference.fit(x, y, batch_size=BATCH, steps_per_epoch=STEPS, shuffle=False, verbose=0)
+    model = compiled()
+    strategy = keras.distribution.ModelParallel(layout_map=_pair_layouts(_mesh((1, 2))))
+    trainer = epl.EPLTrainer(model, strategy=strategy)
+    history = trainer.fit(x, y, batch_size=BATCH, steps_per_epoch=STEPS, shuffle=False, verbose=0)
+    assert "accuracy" in history.history
+    assert "Megatron pairs): up, down;" in trainer.plan.layouts_description
+    assert max_weight_difference(reference, model) < ATOL_ADAM
