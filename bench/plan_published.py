@@ -160,30 +160,32 @@ def main():
         print("\nThe search on the same GPUs and batch (space: tp 1-8 within a node, any pipeline"
               " depth, micro-batch 1/2/4, every schedule, zero none / v1, gc and offload as"
               " needed):")  # fmt: skip
-        rows = [["row", "published layout (predicted)", "search's best", "predicted", "why"]]
-        for index, _name, published, best, flops in searches:
-            rows.append(_compare(index, published, best, flops))
+        rows = [["row", "published layout", "step s", "search's best", "step s", "speed-up",
+                 "saved (share of the published step)"]]  # fmt: skip
+        for index, _name, published, best, _flops in searches:
+            rows.append(_compare(index, published, best))
         _print(rows)
 
 
-def _compare(index, published, best, flops):
-    def tflops(p):
-        return flops / p.step_time_s / p.layout.devices / 1e12
-
-    same = best is not None and all(
-        getattr(best.layout, f) == getattr(published.layout, f)
-        for f in ("tensor_parallel", "pipeline_parallel", "gc")
-    )
+def _compare(index, published, best):
+    """A row of the search table: the published layout's and the search's best predicted
+    step times; why the best is faster (the terms it saves most, as shares of the
+    published layout's step)."""
     if best is None:
-        return [str(index), published.layout.describe(), "nothing fits", "", ""]
+        return [str(index), published.layout.describe(), "", "nothing fits", "", "", ""]
+    same = all(getattr(best.layout, f) == getattr(published.layout, f)
+               for f in ("tensor_parallel", "pipeline_parallel", "schedule", "gc"))  # fmt: skip
     if same or best.step_time_s >= published.step_time_s * 0.995:
         why = "finds the published layout" if same else "no layout predicted faster"
     else:
         deltas = {k: published.terms.get(k, 0) - v for k, v in best.terms.items()}
         saved = sorted(deltas.items(), key=lambda kv: -kv[1])[:2]
-        why = "faster: " + ", ".join(f"{k} -{v / published.step_time_s:.0%}" for k, v in saved)
-    return [str(index), f"{published.layout.describe()} ({tflops(published):.0f})",
-            best.layout.describe(), f"{tflops(best):.0f}", why]  # fmt: skip
+        why = ", ".join(f"{k} -{v / published.step_time_s:.0%}" for k, v in saved)
+    return [
+        str(index), published.layout.describe(), f"{published.step_time_s:.3g}",
+        best.layout.describe(), f"{best.step_time_s:.3g}",
+        f"{published.step_time_s / best.step_time_s:.2f}x", why,
+    ]  # fmt: skip
 
 
 def _print(rows):

@@ -230,3 +230,42 @@ def test_cli_prints_and_returns_step_time_throughput_mfu_and_memory(capsys):
     with pytest.raises(SystemExit):
         plan_cli.main([*args[:-1], "--tensor_parallel", "3"])
     assert "tensor_parallel must be an int >= 1 dividing gpu_per_worker" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------ against measurement
+@pytest.mark.slow
+def test_predicted_peak_of_measured_runs():
+    """Two configurations of bench/plan_accuracy.py (one device; 2-way data parallelism
+    with ZeRO v1), each in a fresh process: the process's peak within 10% of the
+    prediction. Step times are printed, not asserted (they vary with the machine's load;
+    docs/benchmarks.md has the bench's table)."""
+    import os
+    import sys
+
+    bench = os.path.join(os.path.dirname(__file__), os.pardir, "bench")
+    sys.path.insert(0, bench)
+    from _fresh_process import run_child
+
+    script = os.path.join(bench, "plan_accuracy.py")
+    chosen = [1, 25]
+    measured = [run_child(script, [*plan_accuracy_config(i), 3], timeout=600) for i in chosen]
+    predicted = run_child(script, ["predict", chosen], timeout=600)
+    for index, row, prediction in zip(chosen, measured, predicted):
+        error = prediction["predicted_peak"] / row["measured_peak"] - 1
+        print(
+            f"\n{index}: {row['layout']}: peak {row['measured_peak'] / 1e6:.1f} MB measured, "
+            f"{prediction['predicted_peak'] / 1e6:.1f} predicted ({error:+.1%}); step "
+            f"{row['measured_step_s'] * 1e3:.1f} ms measured, "
+            f"{prediction['predicted_step_s'] * 1e3:.1f} predicted"
+        )
+        assert abs(error) <= 0.10
+
+
+def plan_accuracy_config(index):
+    import os
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir, "bench"))
+    import plan_accuracy
+
+    return plan_accuracy.CONFIGS[index - 1]
