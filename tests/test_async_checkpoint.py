@@ -64,6 +64,83 @@ def test_async_saves_hold_the_state_of_the_step_that_asked(tmp_path, slow_writer
     assert not [n for n in os.listdir(async_dir) if n.startswith(".")]
 
 
+def _pair_model(seed=0):
+    keras.utils.set_random_seed(seed)
+    inputs = keras.Input((6,), name="x")
+    h = keras.layers.Dense(16, activation="relu", name="up")(inputs)
+    h = keras.layers.Dense(8, activation="tanh", name="down")(h)
+    return keras.Model(inputs, keras.layers.Dense(3, name="logits")(h))
+
+
+def _tensor_parallel():
+    devices = [f"/job:localhost/replica:0/task:0/device:CPU:{i}" for i in range(2)]
+    mesh = keras.distribution.DeviceMesh((1, 2), ("batch", "model"), devices)
+    layout_map = keras.distribution.LayoutMap(mesh)
+    layout_map["up/kernel"] = (None, "model")
+    layout_map["down/kernel"] = ("model", None)
+    layout_map["logits/kernel"] = ("model", None)  # no pair: held as blocks, gathered
+    return keras.distribution.ModelParallel(layout_map=layout_map)
+
+
+MODES = {
+    "zero_v2": {"zero.level": "v2"},
+    "pipeline": {"auto.auto_parallel": True, "pipeline.num_stages": 2},
+    "pipeline_micro_batches": {
+        "auto.auto_parallel": True,
+        "pipeline.num_stages": 2,
+        "pipeline.num_micro_batch": 2,
+    },
+    "tensor_parallel": None,  # Keras's ModelParallel: a Megatron pair and gathered blocks
+}
+
+
+@pytest.mark.parametrize("mode", sorted(MODES))
+def test_async_saves_equal_sync_saves_in_other_modes(tmp_path, slow_writer, mode):
+    """ZeRO v2's pieces, pipeline stages and tensor-parallel blocks are snapshot at the
+    step too: every asynchronous checkpoint equals the synchronous run's, bit for bit."""
+    folders = {}
+    for asynchronous in (False, True):
+        folder = tmp_path / ("async" if asynchronous else "sync")
+        config = {
+            "checkpoint.dir": str(folder),
+            "checkpoint.save_steps": 1,
+            "checkpoint.keep_max": 100,
+            "checkpoint.async_save": asynchronous,
+        }
+        if MODES[mode] is None:
+            model, strategy = _pair_model(), _tensor_parallel()
+        else:
+            model, strategy = mlp(), None
+            config.update({"cluster.virtual_devices": 2, **MODES[mode]})
+        trainer = epl.EPLTrainer(
+            model, LOSS, keras.optimizers.Adam(0.01), config=config, strategy=strategy
+        )
+        x, y = mlp_data()
+        if MODES[mode] is None:
+            x = x[:, :6]
+        trainer.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0)
+        folders[asynchronous] = folder
+    steps = ckpt.list_checkpoints(str(folders[False]))
+    assert steps == ckpt.list_checkpoints(str(folders[True])) and len(steps) >= 4
+    for step in steps:
+        want = _values(os.path.join(folders[False], f"ckpt-{step}"))
+        got = _values(os.path.join(folders[True], f"ckpt-{step}"))
+        assert sorted(got) == sorted(want)
+        for key in want:
+            np.testing.assert_array_equal(got[key], want[key], err_msg=f"step {step} {key}")
+
+
+def test_an_accelerators_values_are_copied_to_host_memory_at_the_snapshot():
+    """On a GPU the snapshot copies each value to the host (the device's memory is the
+    training's); on CPU a read already is host memory and shares its buffer."""
+    from epl_trainer.training.checkpoint_manager import _needs_host_copy
+
+    assert _needs_host_copy("/job:worker/replica:0/task:1/device:GPU:0")
+    assert _needs_host_copy("/job:localhost/replica:0/task:0/device:TPU:3")
+    assert not _needs_host_copy("/job:localhost/replica:0/task:0/device:CPU:1")
+    assert not _needs_host_copy("")  # an eager tensor TensorFlow placed on the host
+
+
 def test_one_save_in_flight_and_latest_moves_only_when_it_is_written(tmp_path):
     """While the writer is held, `latest` names the previous checkpoint and the next save
     waits; released, the save is published."""

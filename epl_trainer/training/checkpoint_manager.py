@@ -429,10 +429,15 @@ class CheckpointManager:
 
 def _on_host(value: tf.Tensor) -> tf.Tensor:
     """`value` in host memory: as is on a CPU device, else copied to the host's CPU."""
-    if "CPU" in (value.device or "CPU"):
+    if not _needs_host_copy(value.device):
         return value
     with tf.device("/CPU:0"):
         return tf.identity(value)
+
+
+def _needs_host_copy(device: str) -> bool:
+    """Whether a tensor on `device` lives in an accelerator's memory ("" is the host)."""
+    return bool(device) and tf.DeviceSpec.from_string(device).device_type != "CPU"
 
 
 def _wait_until_readable(directory: str, name: str, seconds: float) -> str | None:
