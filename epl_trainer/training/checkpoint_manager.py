@@ -184,12 +184,12 @@ class CheckpointManager:
             return None
         if not self._context.config.checkpoint.input_state:
             return {"unsaved": "checkpoint.input_state is off"}
-        iterator = batches.iterator_to_save()
-        if iterator is None:
+        saver = batches.input_saver()
+        if saver is None:
             return {"unsaved": "saved at the end of fit's last pass, which no pass follows"}
         name = input_state.PREFIX.format(worker=self._context.cluster.worker_index)
         ckpt.gfile.makedirs(folder)
-        why = input_state.save(iterator, ckpt.join_path(folder, name))
+        why = input_state.save(saver, ckpt.join_path(folder, name))
         if why is None:
             return {"prefix": name, "position": batches.position}
         if why != self._unsaved_input:  # once per reason, not at every save

@@ -441,14 +441,27 @@ class EpochBatches:
         self.batches_per_pass = batches_per_pass
         self._restore_input = restore_input
         self._unstarted = False  # the iterator was made before its pass (iterator_to_save)
+        self._saver = None  # input_saver's checkpoint of the current iterator
         # Set by fit during its last epoch: no pass follows it, so none is made ahead.
         self.last_epoch = False
 
     def close(self) -> None:
         """Ends the current pass: its iterator is deleted off this thread
         (iterators.py: a deletion can wait seconds for tf.data's autotuning)."""
+        self._saver = None  # it holds the iterator
         release(self._iterator)
         self._iterator = None
+
+    def input_saver(self):
+        """A `tf.train.Checkpoint` of `iterator_to_save()`, made once per pass (making one
+        took 2.7 of the 6.7 ms a small pipeline's save took here), or None after fit's last
+        pass."""
+        iterator = self.iterator_to_save()
+        if iterator is None:
+            return None
+        if self._saver is None:
+            self._saver = tf.train.Checkpoint(iterator=iterator)
+        return self._saver
 
     def iterator_to_save(self):
         """The iterator the next step reads from, for a checkpoint: the pass's, or between

@@ -24,10 +24,11 @@ PREFIX = "input-{worker}"  # inside the checkpoint folder
 _ERRORS = (tf.errors.OpError, ValueError, TypeError, AttributeError, NotImplementedError)
 
 
-def save(iterator, prefix: str) -> str | None:
-    """Writes `iterator`'s state at `prefix`; None, or why it cannot be saved."""
+def save(saver: tf.train.Checkpoint, prefix: str) -> str | None:
+    """Writes the state of the iterator `saver` tracks (`EpochBatches.input_saver`) at
+    `prefix`; None, or why it cannot be saved."""
     try:
-        tf.train.Checkpoint(iterator=iterator).write(prefix)
+        saver.write(prefix)
     except _ERRORS as error:
         return _first_line(error)
     return None
