@@ -264,13 +264,7 @@ class CheckpointManager:
         """Hands the snapshot to the writer thread; returns `path`, where the chief
         publishes it. `failure`: why the snapshot failed (the writer reports it)."""
         cluster = self._context.cluster
-        save = SaveInFlight(
-            step=step,
-            folder=folder,
-            path=path,
-            nbytes=sum(int(v.shape.num_elements()) * v.dtype.size for _, _, v in values),
-            publish=publish,
-        )
+        save = SaveInFlight(step=step, folder=folder, path=path, publish=publish)
         single_chief = cluster.worker_num == 1
 
         def write():

@@ -1,14 +1,15 @@
 """Asynchronous checkpoint saves (`checkpoint.async_save`): one background writer thread.
 
-The step hands the writer a snapshot of the state in host memory and goes on. The snapshot
-costs no copy at the time it is taken on CPU: a TensorFlow tensor read from a variable
-shares the variable's buffer, and the next update of that variable copies it first
-(resource variables copy on write while a read is alive), so each variable's bytes are
-copied once, by the update that follows, and only for as long as the save is in flight.
-Values on an accelerator are copied to host memory when the snapshot is taken.
+The step hands the writer a snapshot of the state and goes on. The snapshot costs no copy
+at the time it is taken on CPU: a TensorFlow tensor read from a variable shares the
+variable's buffer, and an update of that variable while the read is alive copies it first
+(resource variables copy on write). The writer copies the snapshot into its staging
+buffer (shard_file.py) and writes that. Values on an accelerator are copied to host memory
+when the snapshot is taken.
 
-At most one save is in flight: `submit` first waits for the one before. The memory a save
-holds is therefore one copy of the worker's checkpoint shard (`SaveInFlight.nbytes`).
+At most one save is in flight: the caller joins the one before. The memory a save holds is
+therefore the staging buffer (one worker's shard, kept by `CheckpointManager`) plus the
+variables an update copies while the snapshot still reads them.
 
 What the background thread runs is the caller's (`CheckpointManager`): writing this
 worker's shard and syncing it to storage, and in a single-worker job publishing it (the
@@ -39,7 +40,6 @@ class SaveInFlight:
       step: the step it saves.
       folder: the temporary folder it writes into.
       path: where it is published (the chief's; None on other workers).
-      nbytes: the host memory its snapshot holds.
       error: why it failed (set by the writer thread), or None.
       publish: the chief's publication (the manifest, the folder moved into place, then
         `latest`); returns the published path.
@@ -50,7 +50,6 @@ class SaveInFlight:
     step: int
     folder: str
     path: str | None
-    nbytes: int
     publish: Callable[[], str]
     error: BaseException | None = None
     published: bool = False
@@ -63,11 +62,6 @@ class BackgroundWriter:
     def __init__(self):
         self._thread: threading.Thread | None = None
         self._save: SaveInFlight | None = None
-
-    @property
-    def in_flight(self) -> SaveInFlight | None:
-        """The save submitted last and not yet collected by `join`."""
-        return self._save
 
     def submit(self, save: SaveInFlight, write: Callable[[], None]) -> None:
         """Starts `write()` for `save` on the writer thread. The caller has joined the
