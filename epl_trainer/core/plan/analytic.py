@@ -42,11 +42,37 @@ compares whole peaks.
 from __future__ import annotations
 
 import numbers
+from typing import NamedTuple
 
 from epl_trainer.core.plan.estimate import ModelCost, NodeCost
 from epl_trainer.core.plan.ir import format_count
 
-__all__ = ["BERT_SIZES", "HEADS", "bert", "params_only", "resnet50", "transformer"]
+__all__ = ["BERT_SIZES", "HEADS", "Gemm", "bert", "params_only", "resnet50", "transformer"]
+
+
+class Gemm(NamedTuple):
+    """One forward matmul of a node per sample: a `rows` x `k` by `k` x `n` product,
+    `count` times (attention's batched matmuls: once per head).
+
+    `stacked`: a micro-batch's samples stack as rows of one matmul (a weight's product);
+    otherwise each sample runs its own `count` products (attention's scores and context).
+    `split` is what tensor parallelism divides (Megatron's layer): "n" the columns
+    (column-parallel: query/key/value, the first feed-forward matmul, the vocabulary
+    head), "k" the inner size (row-parallel: the attention output and second
+    feed-forward matmuls), "count" the heads, "" nothing.
+    """
+
+    rows: float
+    n: float
+    k: float
+    count: float = 1
+    split: str = ""
+    stacked: bool = True
+
+    @property
+    def flops(self) -> float:
+        return 2 * self.rows * self.n * self.k * self.count
+
 
 # layers, hidden, heads, ffn, position embeddings: model_zoo.bert_squad's presets. base
 # and large are the published sizes (Devlin et al. 2019, section 3); tiny is the zoo's
@@ -138,6 +164,18 @@ def transformer(
         replicated_moved = (3 + 3 + 3 + 3 + 4) * sh
         layer_moved = replicated_moved + 8 * sh + 3 * a * s * s
         layer_moved += _FFN_ELEMENTWISE[activation] * s * f
+    # The layer's matmuls (Megatron-LM 2021: [s, b, h] activations, strided batched matmuls
+    # over the heads; Narayanan et al., appendix): query/key/value, scores, context,
+    # output projection, the two feed-forward matmuls. Their FLOPs are `layer_flops`
+    # less the elementwise 5 a s^2 + 20 s h.
+    layer_gemms = (
+        Gemm(s, 3 * h, h, split="n"),
+        Gemm(s, s, h // a, a, split="count", stacked=False),
+        Gemm(s, h // a, s, a, split="count", stacked=False),
+        Gemm(s, h, h, split="k"),
+        Gemm(s, f, h, split="n"),
+        Gemm(s, h, f, split="k"),
+    )
     blocks = [
         NodeCost(
             f"layer_{i}",
@@ -151,6 +189,7 @@ def transformer(
             elementwise_bytes=round(_F32 * layer_moved),
             tp_replicated_bytes=_F32 * 6 * sh,
             tp_replicated_elementwise_bytes=round(_F32 * replicated_moved),
+            gemms=layer_gemms,
         )
         for i in range(layers)
     ]
@@ -168,6 +207,7 @@ def transformer(
         param_bytes=_F32 * head_params,
         largest_tensor_bytes=_F32 * max(sh, rows * outputs),
         float32_bytes=_F32 * 2 * sh if final_norm else 0,
+        gemms=(Gemm(rows, outputs, h, split="n"),),
     )
     nodes = (embed, *blocks, head_node)
     # Every block boundary passes the residual stream, s*h floats per sample.

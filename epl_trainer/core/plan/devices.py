@@ -39,8 +39,17 @@ class DeviceSpec:
         them by default, Ampere and later).
       memory_bytes: device memory.
       memory_bandwidth: bytes/s of the device memory (elementwise ops are bound by it).
-      matmul_efficiency: the share of the peak a large matmul reaches (a microbenchmark).
+      matmul_efficiency: the share of the peak a large matmul reaches (a microbenchmark of
+        the best shape: `step_time.py` lowers it for a shape's wave quantization).
+      sm_count: streaming multiprocessors, what a matmul's output tiles are spread over in
+        waves (0: no wave quantization, as on a CPU).
+      memory_efficiency: the share of `memory_bandwidth` a streaming kernel reaches (a
+        microbenchmark): elementwise ops, memory-bound matmuls and the optimizer run at it.
+      matmul_tiles: (rows, columns) of the output tiles the matmul library picks among (one
+        thread block each); `step_time.py` takes the one that wastes least of a wave.
       intra_node_bandwidth: bytes/s per device and direction between devices of a node.
+      intra_node_efficiency: the share of `intra_node_bandwidth` NCCL's collectives and
+        sends reach over it (its protocol overhead, nccl-tests' bus bandwidth).
       inter_node_bandwidth: bytes/s per node and direction over its network adapters.
       devices_per_node: devices per node (collectives within them use the intra link).
       latency_s: seconds per step of a ring collective or one send.
@@ -74,6 +83,10 @@ class DeviceSpec:
     latency_s: float
     host_bandwidth: float
     host_memory_bandwidth: float = 0.0
+    sm_count: int = 0
+    matmul_tiles: tuple = ()
+    memory_efficiency: float = 1.0
+    intra_node_efficiency: float = 1.0
     layer_overhead_s: float = 0.0
     step_overhead_s: float = 0.0
     shares_compute: bool = False
@@ -87,11 +100,13 @@ class DeviceSpec:
             value = getattr(self, key)
             if not (isinstance(value, int | float) and math.isfinite(value) and value > 0):
                 raise ValueError(f"{key} must be a positive number. Received: {key}={value!r}")
-        if not 0 < self.matmul_efficiency <= 1:
-            raise ValueError(
-                "matmul_efficiency must be in (0, 1]. "
-                f"Received: matmul_efficiency={self.matmul_efficiency!r}"
-            )
+        for key in ("matmul_efficiency", "memory_efficiency", "intra_node_efficiency"):
+            value = getattr(self, key)
+            if not 0 < value <= 1:
+                raise ValueError(f"{key} must be in (0, 1]. Received: {key}={value!r}")
+        sms = self.sm_count
+        if isinstance(sms, bool) or not isinstance(sms, int) or sms < 0:
+            raise ValueError(f"sm_count must be an int >= 0. Received: sm_count={sms!r}")
 
     def pool_overheads(self, devices: int) -> tuple[float, float]:
         """(seconds per layer for all `devices` together, seconds per step) on a shared
@@ -105,6 +120,17 @@ class DeviceSpec:
                 share = (devices - n0) / (n1 - n0)
                 return l0 + share * (l1 - l0), s0 + share * (s1 - s0)
         raise AssertionError(points)
+
+    @property
+    def streaming_bandwidth(self) -> float:
+        """Bytes/s a memory-bound kernel moves: the datasheet's bandwidth x the share a
+        streaming microbenchmark reaches."""
+        return self.memory_bandwidth * self.memory_efficiency
+
+    @property
+    def nvlink_bandwidth(self) -> float:
+        """Bytes/s per device and direction a collective or send moves within a node."""
+        return self.intra_node_bandwidth * self.intra_node_efficiency
 
     def flops_rate(self, amp: str) -> float:
         """FLOP/s of matmuls in the step's compute dtype (16-bit with AMP)."""
@@ -121,6 +147,23 @@ _MAMF = (
 )
 _NO_LAUNCH = "0: CUDA launches are asynchronous; kernels longer than a launch hide it"
 _PCIE4 = "PCIe 4.0 x16: 32 GB/s per direction (A100 SXM host link)"
+_TILES = ((256, 128), (128, 256), (128, 128))
+_TILES_SOURCE = (
+    "NVIDIA Matrix Multiplication Background User's Guide (DU-09799-001), 2.3 and 3: "
+    "cuBLAS's typical large tiles 256x128, 128x256 and 128x128 (smaller ones trade data "
+    "reuse for fewer idle SMs); each tile is a thread block, run in waves of one per SM "
+    "(3.2, wave quantization; its A100 example: 108 SMs, 256x128 tiles)"
+)
+_STREAM = (
+    "NVIDIA developer forum, 'Trouble to reach peak bandwidth of A100' (2025): a read "
+    "kernel on an A100 80GB SXM moves 1.80 of the datasheet's 2.04 TB/s (88%, Nsight "
+    "Compute agrees), and the GTC talk it cites finds no kernel above about 90%"
+)
+_NCCL_PROTOCOL = (
+    "NCCL's protocol overhead: ~20% of the NVLink line rate (NCCL maintainer, "
+    "nvidia/nccl-tests#212: 370 of H100's 450 GB/s); nccl-tests on 8 x A100-80GB over "
+    "NVLink measure an all-reduce bus bandwidth of ~200 of 300 GB/s (nvidia/nccl-tests#149)"
+)
 
 DEVICES: dict[str, DeviceSpec] = {}
 
@@ -143,8 +186,16 @@ _add(
         latency_s=5e-6,
         host_bandwidth=32 * GB,
         host_memory_bandwidth=2 * 204.8 * GB / 8,
+        sm_count=108,
+        matmul_tiles=_TILES,
+        memory_efficiency=0.88,
+        intra_node_efficiency=0.8,
         sources={
             "peak_flops": f"{_A100}: 312 TFLOP/s bf16/fp16 dense",
+            "sm_count": "NVIDIA A100 Tensor Core GPU Architecture whitepaper: 108 SMs",
+            "matmul_tiles": _TILES_SOURCE,
+            "memory_efficiency": f"0.88: {_STREAM}",
+            "intra_node_efficiency": f"0.8: {_NCCL_PROTOCOL}",
             "peak_flops_fp32": f"{_A100}: 156 TFLOP/s TF32 dense",
             "memory": f"{_A100}: 80 GB HBM2e, 2,039 GB/s",
             "matmul_efficiency": f"{_MAMF}: A100 SXM 267.9 of 312 TFLOP/s",
@@ -183,7 +234,16 @@ _add(
         latency_s=5e-6,
         host_bandwidth=64 * GB,
         host_memory_bandwidth=2 * 307.2 * GB / 8,
+        sm_count=132,
+        matmul_tiles=_TILES,
+        memory_efficiency=0.88,
+        intra_node_efficiency=0.8,
         sources={
+            "sm_count": f"{_H100}: 132 SMs",
+            "matmul_tiles": _TILES_SOURCE,
+            "memory_efficiency": "0.88: the A100's measured share (no H100 microbenchmark "
+            "found), an assumption",
+            "intra_node_efficiency": f"0.8: {_NCCL_PROTOCOL}",
             "peak_flops": f"{_H100}: 989 TFLOP/s bf16 dense (1,979 with sparsity)",
             "peak_flops_fp32": f"{_H100}: 494.5 TFLOP/s TF32 dense",
             "memory": f"{_H100}: 80 GB HBM3, 3.35 TB/s",
@@ -212,7 +272,16 @@ _add(
         latency_s=5e-6,
         host_bandwidth=16 * GB,
         host_memory_bandwidth=2 * 127.8 * GB / 16,
+        sm_count=80,
+        matmul_tiles=_TILES,
+        memory_efficiency=0.88,
+        intra_node_efficiency=0.8,
         sources={
+            "sm_count": f"{_V100}: 80 SMs",
+            "matmul_tiles": _TILES_SOURCE,
+            "memory_efficiency": "0.88: the A100's measured share (no V100 microbenchmark "
+            "found), an assumption",
+            "intra_node_efficiency": f"0.8: {_NCCL_PROTOCOL}",
             "peak_flops": f"{_V100}: 125 TFLOP/s fp16 tensor cores",
             "peak_flops_fp32": f"{_V100}: 15.7 TFLOP/s float32",
             "memory": f"{_V100}: 32 GB HBM2, 900 GB/s",
@@ -272,6 +341,9 @@ _add(
             "peak_flops_fp32": "the same measured float32 rate",
             "memory": f"{_CALIBRATED}: elementwise add of 2**22 float32; 16 GB assumed size",
             "matmul_efficiency": "1: the peak is itself a measured matmul rate",
+            "sm_count": "0: no wave quantization (the cores run a matmul's blocks in turn)",
+            "memory_efficiency": "1: the bandwidth is itself a measured elementwise rate",
+            "intra_node_efficiency": "1: the bandwidth is itself a measured all-reduce rate",
             "intra_node_bandwidth": f"{_CALIBRATED}: all-reduce of 16 kB and 16 MB between 2 "
             "logical devices (slope)",
             "latency_s": f"{_CALIBRATED}: the same all-reduces (intercept, over its 2 ring steps)",
@@ -333,6 +405,12 @@ def sources_table() -> list[tuple[str, str, str, str]]:
             "peak_flops_fp32": f"{spec.peak_flops_fp32 / 1e12:.4g} TFLOP/s",
             "memory": f"{spec.memory_bytes / GB:.4g} GB, {spec.memory_bandwidth / GB:.4g} GB/s",
             "matmul_efficiency": f"{spec.matmul_efficiency:.3f}",
+            "sm_count": f"{spec.sm_count}",
+            "matmul_tiles": " ".join(f"{r}x{c}" for r, c in spec.matmul_tiles),
+            "memory_efficiency": f"{spec.memory_efficiency:.2f} "
+            f"({spec.streaming_bandwidth / GB:.4g} GB/s)",
+            "intra_node_efficiency": f"{spec.intra_node_efficiency:.2f} "
+            f"({spec.nvlink_bandwidth / GB:.4g} GB/s)",
             "intra_node_bandwidth": f"{spec.intra_node_bandwidth / GB:.4g} GB/s",
             "inter_node_bandwidth": f"{spec.inter_node_bandwidth / GB:.4g} GB/s per node",
             "latency_s": f"{spec.latency_s * 1e6:.3g} us",

@@ -132,6 +132,8 @@ class NodeCost:
         (Megatron's layer: the normalisations' and the blocks' inputs); the rest splits.
       tp_replicated_elementwise_bytes: the part of `elementwise_bytes` every rank runs
         whole (normalisations, residual adds).
+      gemms: the node's forward matmuls by shape (`analytic.Gemm`), where known: the
+        step-time model times each (`step_time.py`); () times `flops` at the matmul rate.
     """
 
     name: str
@@ -146,6 +148,7 @@ class NodeCost:
     elementwise_bytes: int = 0
     tp_replicated_bytes: int = 0
     tp_replicated_elementwise_bytes: int = 0
+    gemms: tuple = ()
 
     @property
     def kept_bytes(self) -> int:

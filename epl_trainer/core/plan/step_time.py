@@ -47,6 +47,7 @@ import numbers
 
 from epl_trainer.core.plan import estimate as estimate_module
 from epl_trainer.core.plan import planner
+from epl_trainer.core.plan.analytic import Gemm
 from epl_trainer.core.plan.devices import DeviceSpec
 from epl_trainer.core.plan.estimate import OPTIMIZER_SLOTS, ModelCost, NodeCost, TrainOptions
 from epl_trainer.core.plan.ir import INTERLEAVED, PIPELINE_STRATEGIES, StrategySpec
@@ -260,7 +261,16 @@ def _split_node(node: NodeCost, t: int) -> NodeCost:
         largest_tensor_bytes=math.ceil(node.largest_tensor / t),
         float32_bytes=min(node.float32_bytes, round(kept)),
         elementwise_bytes=round(replicated + (moved - replicated) / t),
+        gemms=tuple(_split_gemm(gemm, t) for gemm in node.gemms),
     )
+
+
+def _split_gemm(gemm: Gemm, t: int) -> Gemm:
+    """One tensor rank's part of a matmul: Megatron's column-parallel matmuls keep 1/t of
+    the columns, row-parallel ones 1/t of the inner size, attention 1/t of the heads."""
+    if gemm.split in ("n", "k", "count"):
+        return gemm._replace(**{gemm.split: getattr(gemm, gemm.split) / t})
+    return gemm
 
 
 def _elementwise_bytes(node: NodeCost) -> float:
@@ -341,6 +351,58 @@ def _alive(orders, weights) -> list[float]:
     return peaks
 
 
+# ------------------------------------------------------------------ matmuls
+def wave_efficiency(device: DeviceSpec, rows: float, cols: float, count: float = 1) -> float:
+    """The share of the SMs' tile slots a `rows` x `cols` output (`count` times) fills:
+    the library cuts it into tiles, one thread block each, and runs them in waves of one
+    per SM; partial tiles and a last partial wave leave slots idle (the NVIDIA Matrix
+    Multiplication guide's tile and wave quantization). The best of the device's tiles
+    (the library's heuristic picks one). 1 on a device without SMs."""
+    if not device.sm_count or not device.matmul_tiles:
+        return 1.0
+    best = 0.0
+    for tile_rows, tile_cols in device.matmul_tiles:
+        tiles = math.ceil(math.ceil(rows / tile_rows) * math.ceil(cols / tile_cols) * count)
+        slots = math.ceil(tiles / device.sm_count) * device.sm_count * tile_rows * tile_cols
+        best = max(best, rows * cols * count / slots)
+    return best
+
+
+def matmul_s(device: DeviceSpec, rate: float, element_bytes: float, rows: float, cols: float,
+             inner: float, count: float = 1) -> float:  # fmt: skip
+    """Seconds of `count` (`rows` x `inner`) @ (`inner` x `cols`) products: their FLOPs at
+    `rate` x the wave efficiency, or their operands and result moved once at the streaming
+    bandwidth, whichever is longer (a roofline: attention's products with the head size
+    as inner dimension are memory-bound on a GPU)."""
+    flops = 2 * rows * cols * inner * count
+    math_s = flops / (rate * wave_efficiency(device, rows, cols, count))
+    moved = element_bytes * count * (rows * inner + inner * cols + rows * cols)
+    return max(math_s, moved / device.streaming_bandwidth)
+
+
+def node_compute_s(node: NodeCost, micro_batch: int, rate: float, device: DeviceSpec,
+                   element_bytes: float) -> tuple[float, float]:  # fmt: skip
+    """(forward, backward) matmul seconds of `node` for a micro-batch. With its matmuls
+    known (`NodeCost.gemms`), each by `matmul_s`, and backward as each matmul's two
+    products (input gradient: rows x inner over cols; weight gradient: inner x cols over
+    rows); the node's other FLOPs are elementwise, timed by their memory traffic. Else
+    its FLOPs at `rate`, backward twice forward."""
+    if not node.gemms:
+        forward = node.flops * micro_batch / rate
+        return forward, 2 * forward
+    forward = backward = 0.0
+    for gemm in node.gemms:
+        rows, count = gemm.rows, gemm.count
+        if gemm.stacked:
+            rows *= micro_batch
+        else:
+            count *= micro_batch
+        forward += matmul_s(device, rate, element_bytes, rows, gemm.n, gemm.k, count)
+        backward += matmul_s(device, rate, element_bytes, rows, gemm.k, gemm.n, count)
+        backward += matmul_s(device, rate, element_bytes, gemm.k, gemm.n, rows, count)
+    return forward, backward
+
+
 # ------------------------------------------------------------------ links
 def _stride(layout: Layout, axis: str) -> int:
     """Devices between neighbouring members of `axis`'s group in the rank order."""
@@ -358,9 +420,19 @@ def _group_bandwidth(device: DeviceSpec, members: int, stride: int) -> float:
     """Bytes/s each member of a group of `members`, `stride` devices apart, sends at."""
     per_node = device.devices_per_node
     if members * stride <= per_node or members == 1:
-        return device.intra_node_bandwidth
+        return device.nvlink_bandwidth
     in_node = max(1, min(members, per_node // stride))
-    return min(device.intra_node_bandwidth, device.inter_node_bandwidth * in_node / per_node)
+    return min(device.nvlink_bandwidth, device.inter_node_bandwidth * in_node / per_node)
+
+
+def _all_gather_s(device: DeviceSpec, buffer: float, members: int, stride: int) -> float:
+    """Seconds to gather a `buffer` from `members` shares: (N-1)/N of it over the link,
+    N-1 latency steps. Megatron's scatter / gather: a pipeline send crosses nodes as each
+    tensor rank's 1/t share, and the receiving tensor group gathers it whole."""
+    if members == 1 or buffer == 0:
+        return 0.0
+    sent = (members - 1) / members * buffer
+    return sent / _group_bandwidth(device, members, stride) + (members - 1) * device.latency_s
 
 
 def _all_reduce_s(device: DeviceSpec, buffer: float, members: int, stride: int) -> float:
@@ -386,13 +458,20 @@ def predict(model: ModelCost, layout: Layout, device: DeviceSpec) -> Prediction:
         rate = full_rate * max(1, device.cores // layout.devices) / device.cores
     mb = layout.micro_batch_size
 
+    element_bytes = 4 * width
+    bandwidth = device.streaming_bandwidth
     stage_terms = []
     for stage in result.stages:
         start, stop = stage.nodes
         nodes = shard.nodes[start:stop]
-        compute = sum(node.flops for node in nodes) * mb / rate
+        forward = backward = pool_compute = 0.0
+        for node in nodes:
+            node_forward, node_backward = node_compute_s(node, mb, rate, device, element_bytes)
+            forward, backward = forward + node_forward, backward + node_backward
+            if device.shares_compute:
+                pool_compute += sum(node_compute_s(node, mb, full_rate, device, element_bytes))
         moved = sum(_elementwise_bytes(node) for node in nodes) * mb * width
-        forward = compute + moved / device.memory_bandwidth
+        elementwise = moved / bandwidth
         syncs = [TENSOR_SPLIT_KINDS.get(node.kind, (0, 0)) for node in nodes]
         stream = [shard.crossing_bytes[i] or shard.crossing_bytes[i + 1]
                   for i in range(start, stop)]  # fmt: skip
@@ -405,17 +484,18 @@ def predict(model: ModelCost, layout: Layout, device: DeviceSpec) -> Prediction:
             link = _group_bandwidth(device, p, _stride(layout, "pp"))
             for boundary in (start, stop):
                 if 0 < boundary < len(shard.nodes):
-                    sends += shard.crossing_bytes[boundary] * mb * width / t / link
-                    sends += device.latency_s
+                    sent = shard.crossing_bytes[boundary] * mb * width
+                    sends += sent / t / link + device.latency_s
+                    sends += _all_gather_s(device, sent, t, _stride(layout, "tp"))
         stage_terms.append({
-            "compute": 3 * compute,
-            "elementwise": 3 * (forward - compute),
-            "recompute": forward if layout.gc else 0.0,
+            "compute": forward + backward,
+            "elementwise": 3 * elementwise,
+            "recompute": forward + elementwise if layout.gc else 0.0,
             "tensor_comm": tensor_comm,
             "pipeline_comm": sends,
             "overhead": device.layer_overhead_s * len(nodes),
             # The same at the pool's full rate (the memory is the pool's too).
-            "work": 3 * (compute * rate / full_rate + forward - compute),
+            "work": pool_compute + 3 * elementwise,
         })  # fmt: skip
     # Per micro-batch and device: the sum over the stages it runs.
     per_device = []
@@ -466,12 +546,14 @@ def predict(model: ModelCost, layout: Layout, device: DeviceSpec) -> Prediction:
 
 
 def _data_comm_s(result, layout: Layout, device: DeviceSpec, last_backward: dict) -> float:
-    """Seconds of data-parallel communication the step waits for (the slowest stage's)."""
+    """Seconds of data-parallel communication the step waits for: the slowest device's,
+    over the stages it runs (an interleaved pipeline's device reduces each of its
+    `virtual_stages` stages)."""
     d = layout.data_parallel
     if d == 1:
         return 0.0
     link = _group_bandwidth(device, d, _stride(layout, "dp"))
-    slowest = 0.0
+    per_device = [0.0] * layout.pipeline_parallel
     for stage in result.stages:
         buckets = min(_GRADIENT_BUCKETS, stage.nodes[1] - stage.nodes[0])
         seconds = 0.0
@@ -479,7 +561,8 @@ def _data_comm_s(result, layout: Layout, device: DeviceSpec, last_backward: dict
             seconds += sent / (link * device.collective_speed.get(kind, 1.0))
             steps = 2 * (d - 1) if kind == "all_reduce" else d - 1
             seconds += calls * buckets * steps * device.latency_s
-        slowest = max(slowest, seconds)
+        per_device[stage.index % layout.pipeline_parallel] += seconds
+    slowest = max(per_device)
     if layout.overlap_grad_reduce and not device.shares_compute:
         # Buckets reduce while the last micro-batch's backward runs.
         backward = (last_backward["compute"] + last_backward["elementwise"]) * 2 / 3
@@ -505,10 +588,25 @@ def _data_collectives(stage, layout: Layout) -> list[tuple[str, float, int]]:
     return [("all_reduce", 2 * share * wire, 1)]
 
 
+# Mixed precision with float32 master weights and loss scaling (amp "master": the ZeRO
+# paper's, DeepSpeed's and Megatron-LM's fp16 optimizers) adds per parameter and step:
+# the 16-bit gradient copied to float32 (read 2, write 4 bytes), unscaled and checked
+# for inf / nan in place (read 4, write 4), and the updated master weight copied back to
+# the 16-bit weight (read 4, write 2). Gradient clipping's norm is optional, not counted.
+_MASTER_COPY_BYTES = 6 + 8 + 6
+
+
+def update_bytes_per_param(optimizer: str, amp: str) -> int:
+    """Bytes the optimizer step reads and writes per parameter: the update reads the
+    float32 parameter, gradient and slots and writes the parameter and slots (Adam: 28),
+    plus the master-weight copies of amp "master"."""
+    slots = OPTIMIZER_SLOTS[optimizer]
+    return 4 * (3 + 2 * slots) + (_MASTER_COPY_BYTES if amp == "master" else 0)
+
+
 def _update_s(result, layout: Layout, device: DeviceSpec) -> tuple[float, float]:
     """(optimizer update seconds, offload transfer seconds) of the slowest device."""
-    slots = OPTIMIZER_SLOTS[layout.optimizer]
-    moved_per_param = 4 * (3 + 2 * slots)  # read p, g, slots; write p, slots (float32)
+    moved_per_param = update_bytes_per_param(layout.optimizer, layout.amp)
     per_device = [0.0] * layout.pipeline_parallel
     for stage in result.stages:
         # The device's share of the rows it updates: all of them, or 1/N with ZeRO.
@@ -517,7 +615,7 @@ def _update_s(result, layout: Layout, device: DeviceSpec) -> tuple[float, float]
     params = max(per_device)
     if device.shares_compute:  # every device's update runs on the shared memory
         params = sum(per_device) * layout.data_parallel * layout.tensor_parallel
-    bandwidth = device.host_memory_bandwidth if layout.offload else device.memory_bandwidth
+    bandwidth = device.host_memory_bandwidth if layout.offload else device.streaming_bandwidth
     update = params * moved_per_param / bandwidth
     offload = 0.0
     if layout.offload:
