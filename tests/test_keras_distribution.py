@@ -10,9 +10,12 @@ outputs) and what cannot be (an indivisible dimension, a device the worker lacks
 refused by name.
 """
 
+import collections
+
 import keras
 import numpy as np
 import pytest
+import tensorflow as tf
 from _models import LOSS, keras_reference, max_weight_difference, mlp, mlp_data
 
 import epl_trainer as epl
@@ -494,12 +497,14 @@ LM_LOSS = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
 )
 def test_kerashub_causal_lms_train_with_their_own_layout_maps_as_keras(kind, shape, optimizer):
     """`LlamaBackbone.get_layout_map` / `GemmaBackbone.get_layout_map` as KerasHub ships
-    them: attention kernels, the MLP (inside KerasHub's subclassed decoder blocks) and the
-    token embedding held in blocks over 'model' and 'batch' as the map says and gathered
-    on use; 4 steps end where Keras's `fit` on one device ends. A device holds 0.556 of
-    Llama's weights on (1, 2) (its reverse embedding stays whole), 0.330 on (1, 4) and
-    0.334 on (2, 2); of Gemma's 0.507, 0.260 and 0.261. The (2, 2) cells failed before
-    storage over the batch axis was held ("sharded over the batch axis")."""
+    them. Inside KerasHub's subclassed decoder blocks, attention computes by heads and
+    the MLP as a Megatron pair on each device's shares (decoder_blocks.py; before, every
+    kernel was gathered whole and computed replicated); Llama's query, key and value,
+    which its map lays out along the hidden dimension, are gathered whole and their
+    heads computed. Storage follows the map over 'model' and 'batch'. 4 steps end where
+    Keras's `fit` on one device ends. A device holds 0.556 of Llama's weights on (1, 2)
+    (its reverse embedding stays whole), 0.330 on (1, 4) and 0.334 on (2, 2); of
+    Gemma's 0.507, 0.260 and 0.261."""
     keras_hub = pytest.importorskip("keras_hub")
     kv_heads = shape[1]  # Gemma's key/value kernels are laid out by kv head
     x, y = _causal_lm_data()
@@ -510,6 +515,20 @@ def test_kerashub_causal_lms_train_with_their_own_layout_maps_as_keras(kind, sha
     backbone = type(model.backbone)
     strategy = keras.distribution.ModelParallel(layout_map=backbone.get_layout_map(_mesh(shape)))
     trainer = epl.EPLTrainer(model, LM_LOSS, OPTIMIZERS[optimizer](), strategy=strategy)
+    block, attention = (
+        ("transformer_layer", "self_attention")
+        if kind == "llama"
+        else ("decoder_block", "attention")
+    )
+    whole = "; query, key, value from the gathered whole" if kind == "llama" else ""
+    computed = [
+        part
+        for i in (1, 0)
+        for part in (f"{block}_{i} (MLP)", f"{block}_{i}/{attention} (attention by heads{whole})")
+    ]
+    assert trainer.plan.layouts_description.endswith(
+        "computed sharded in blocks: " + ", ".join(computed)
+    )
     trainer.fit(x, y, batch_size=8, shuffle=False, verbose=0)
     assert max_weight_difference(reference, model) < (ATOL_ADAM if optimizer == "adam" else 1e-5)
     total = sum(int(np.prod(v.shape)) * 4 for v in model.weights)
@@ -518,6 +537,84 @@ def test_kerashub_causal_lms_train_with_their_own_layout_maps_as_keras(kind, sha
     if shape == (1, 2):
         assert max(held.values()) <= 0.6 * total
     del keras_hub
+
+
+def _lane_collectives(trainer, x, y):
+    """{(op type, input shape, dtype): count} of the collectives lane 1 (CPU:1) runs in
+    one traced training step."""
+    from test_comm_options import all_ops
+
+    dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(8, drop_remainder=True)
+    graph = trainer.engine.program.train_on_iterator.get_concrete_function(iter(dataset)).graph
+    return collections.Counter(
+        (op.type, tuple(op.inputs[0].shape.as_list()), op.inputs[0].dtype.name)
+        for op in all_ops(graph)
+        if op.type.startswith("Collective") and op.device.endswith("CPU:1")
+    )
+
+
+def test_a_gemma_block_sends_the_rows_of_one_all_reduce_each_way_per_pair():
+    """Gemma (2 blocks, hidden 16, sequence 8) with its layout map on (1, 2), 8 rows a
+    step, 4 on each lane. Per block, forward: the hidden rows gathered into attention
+    (with the attention mask) and into the MLP, each pair's partial outputs
+    reduce-scattered back (an all-to-all); backward their adjoints. Together with the
+    token embedding's lookup those are all the rows that move; no kernel of a block is
+    gathered (before, every one was: attention and MLP kernels computed replicated)."""
+    pytest.importorskip("keras_hub")
+    x, y = _causal_lm_data()
+    model = _causal_lm("gemma")
+    layout_map = type(model.backbone).get_layout_map(_mesh((1, 2)))
+    trainer = epl.EPLTrainer(
+        model,
+        LM_LOSS,
+        OPTIMIZERS["sgd"](),
+        strategy=keras.distribution.ModelParallel(layout_map=layout_map),
+    )
+    trainer.fit(x, y, batch_size=8, steps_per_epoch=1, shuffle=False, verbose=0)
+    blocks = 2
+    assert _lane_collectives(trainer, x, y) == {
+        # rows into attention and the MLP forward, the pairs' output gradients backward,
+        # and the embedding lookup's output gradient
+        ("CollectiveGatherV2", (None, 8, 16), "float32"): 4 * blocks + 1,
+        # the pairs' outputs forward, their input gradients backward, the embedding's
+        # lookups forward
+        ("CollectiveAllToAllV2", (2, None), "float32"): 4 * blocks + 1,
+        ("CollectiveGatherV2", (None, 8, 8), "int32"): blocks,  # the attention masks
+        ("CollectiveGatherV2", (None, 8), "int32"): 1,  # the token ids into the lookup
+        # the tied table (64 x 16 in halves) read whole by the logits, and its gradient
+        ("CollectiveGatherV2", (32, 16), "float32"): 1,
+        ("CollectiveAllToAllV2", (2, 512), "float32"): 1,
+        # the norms' scales (2 a block and the final one) reduced as data parallelism
+        ("CollectiveReduceV2", (16,), "float32"): 2 * blocks + 1,
+        ("CollectiveReduceV2", (), "float32"): 1,  # the loss metric's total
+    }
+
+
+def test_a_block_whose_heads_the_axis_does_not_divide_is_computed_whole():
+    """Llama with 2 key/value heads on (1, 4): its map lays the key and value kernels out
+    along the hidden dimension (16, divisible), but 2 heads do not share over 4 lanes, so
+    attention is gathered and computed whole, said in the plan; the MLP still computes
+    sharded, and the step is Keras's."""
+    pytest.importorskip("keras_hub")
+    x, y = _causal_lm_data()
+    reference = _causal_lm("llama", kv_heads=2)
+    reference.compile(optimizer=OPTIMIZERS["sgd"](), loss=LM_LOSS)
+    reference.fit(x, y, batch_size=8, shuffle=False, verbose=0)
+    model = _causal_lm("llama", kv_heads=2)
+    layout_map = type(model.backbone).get_layout_map(_mesh((1, 4)))
+    strategy = keras.distribution.ModelParallel(layout_map=layout_map)
+    trainer = epl.EPLTrainer(model, LM_LOSS, OPTIMIZERS["sgd"](), strategy=strategy)
+    described = trainer.plan.layouts_description
+    assert (
+        "computed sharded in blocks: transformer_layer_1 (MLP), transformer_layer_0 (MLP)"
+        in described
+    )
+    assert (
+        "blocks computed whole: transformer_layer_1/self_attention (num_key_value_heads=2 is "
+        "not divisible by the model axis (4))" in described
+    )
+    trainer.fit(x, y, batch_size=8, shuffle=False, verbose=0)
+    assert max_weight_difference(reference, model) < 1e-5
 
 
 @pytest.mark.parametrize(

@@ -51,6 +51,7 @@ import numpy as np
 import tensorflow as tf
 
 from epl_trainer.core.engine import split
+from epl_trainer.core.engine.split import decoder_blocks
 from epl_trainer.core.plan.ir import SplitError
 
 _DEVICE = re.compile(r"(?:.*/device:)?(?P<type>[A-Za-z]+):(?P<index>\d+)")
@@ -221,16 +222,27 @@ class TensorParallel:
     layers: tuple[str, ...]
     gathered: dict[str, tuple[int | None, int | None]] = dataclasses.field(default_factory=dict)
     vocabulary: tuple[str, ...] = ()
+    # KerasHub blocks computed on each lane's shares (decoder_blocks.py), and the known
+    # blocks that are not, with why.
+    blocks: tuple = ()
+    unfit_blocks: dict[str, str] = dataclasses.field(default_factory=dict)
 
     def describe(self) -> str:
         computed = ", ".join(self.layers) or "none"
         vocabulary = ", ".join(self.vocabulary) or "none"
         gathered = ", ".join(self.gathered) or "none"
-        return (
+        text = (
             f"tensor parallel over {self.width} devices; computed sharded (Megatron pairs): "
             f"{computed}; vocabulary-parallel lookups: {vocabulary}; held sharded, gathered "
             f"on use: {gathered}"
         )
+        if self.blocks:
+            text += "; computed sharded in blocks: " + ", ".join(b.describe() for b in self.blocks)
+        if self.unfit_blocks:
+            text += "; blocks computed whole: " + ", ".join(
+                f"{path} ({why})" for path, why in self.unfit_blocks.items()
+            )
+        return text
 
 
 def plan(distribution, model) -> TensorParallel | None:
@@ -293,7 +305,10 @@ def plan(distribution, model) -> TensorParallel | None:
         if path not in computed and path not in vocabulary
     }
     width = sizes[axis] if axis is not None else 1
-    return TensorParallel(width, names, gathered, vocabulary)
+    blocks, unfit = decoder_blocks.find(model, gathered, width) if axis else ([], {})
+    for kernel in (k for block in blocks for k in block.kernels if k.from_block):
+        del gathered[kernel.path]  # read from the lane's block, never gathered whole
+    return TensorParallel(width, names, gathered, vocabulary, tuple(blocks), unfit)
 
 
 def _named(layout: VariableLayout) -> str:

@@ -165,6 +165,7 @@ class ModelPlanner:
             jit_compile=context.jit_compile,
             gathered=gathered,
             vocabulary=tensor_parallel.vocabulary if tensor_parallel else (),
+            blocks=tensor_parallel.blocks if tensor_parallel else (),
         )
         if tensor_parallel is not None:  # the plan says what the layouts run as
             context.engine_plan.plan = dataclasses.replace(

@@ -26,6 +26,7 @@ from epl_trainer.core.engine.gradient_check import check_stage_gradients
 from epl_trainer.core.engine.program import Program
 from epl_trainer.core.engine.split import (
     check_split_metrics,
+    computed_blocks,
     find_split_layers,
     gathered_variables,
     sparse_outputs,
@@ -93,6 +94,7 @@ def plan_engine(
     jit_compile: bool | str = False,
     gathered: Mapping[str, tuple] | None = None,
     vocabulary: Sequence[str] = (),
+    blocks: Sequence = (),
 ) -> EnginePlan:
     """Plans the engine for `model`.
 
@@ -114,9 +116,13 @@ def plan_engine(
         pairs: split/blocks.py).
       vocabulary: paths of Embedding tables held by vocabulary rows over each replica's
         lanes and looked up in place (split/layers.py `_vocab_call`).
+      blocks: KerasHub blocks computed on each lane's shares
+        (split/decoder_blocks.py `ComputedBlock`).
     """
     gathered = dict(gathered or {})
-    in_split = [*gathered, *vocabulary]  # split-like: their collectives run in the step
+    computed = [k.path for block in blocks for k in block.kernels if k.from_block]
+    # split-like: their collectives run in the step
+    in_split = [*gathered, *vocabulary, *computed]
     rules.check_config(config)
     auto = None
     if config.auto.auto_parallel:
@@ -180,6 +186,7 @@ def plan_engine(
     width = plan.taskgraphs[0].device_count
     split_layers += gathered_variables(model, gathered, width, plan.num_replicas)
     split_layers += vocabulary_parallel(model, set(vocabulary), width)
+    split_layers += computed_blocks(model, blocks, width, plan.num_replicas)
     in_job = {lane.index: lane for lanes in by_worker for lane in lanes}  # one view of each
     return EnginePlan(
         plan=plan,

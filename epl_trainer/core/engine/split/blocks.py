@@ -154,6 +154,29 @@ class LaidOutVariable(_Blocks):
 
         return gather(value)
 
+    def gather_batch(self, value, batch_comm):
+        """This lane's model-axis block, whole over the batch axis: what a layer computed
+        on the lane's share reads (split/decoder_blocks.py).
+
+        Gradient: this lane's block of the upstream summed over the replicas (the
+        all-gather's adjoint). The lanes of a replica hold different model-axis blocks,
+        so that is the sum over every lane of the job that `summed_over_job` promises.
+        """
+
+        @tf.custom_gradient
+        def gather(block):
+            with tf.device(batch_comm.device):
+                whole = batch_comm.join_blocks(block, self.batch_axis)
+
+            def grad(upstream):
+                with tf.device(batch_comm.device):
+                    upstream = tf.ensure_shape(upstream, whole.shape)
+                    return batch_comm.sum_own_block(upstream, self.batch_axis)
+
+            return whole, grad
+
+        return gather(value)
+
     def _rows_of_block(self, slices, block_shape, model_comm, batch_comm):
         indices, values = slices.indices, slices.values
         for group in (model_comm, batch_comm):  # every lane's pairs

@@ -69,6 +69,7 @@ from keras.src.backend.common.stateless_scope import StatelessScope
 
 from epl_trainer.core import comm
 from epl_trainer.core.engine import objective
+from epl_trainer.core.engine.split import decoder_blocks
 from epl_trainer.core.engine.split.blocks import LaidOutVariable, ShardedVariable
 from epl_trainer.core.plan.ir import SplitError
 
@@ -85,6 +86,9 @@ class SplitLayer:
     variables: tuple[ShardedVariable | LaidOutVariable, ...]
     output_index: int | None = None  # dense: which flat model output it produces
     softmax: bool = False  # dense: the layer applies softmax (fused into the loss)
+    # "attention" / "mlp": the KerasHub block computed on the lane's shares
+    # (decoder_blocks.py); `variables` are its kernels read from the lane's block.
+    block: object = None
 
 
 def is_moe(layer) -> bool:
@@ -318,6 +322,19 @@ def vocabulary_parallel(model, paths, width: int) -> list[SplitLayer]:
     return found
 
 
+def computed_blocks(model, blocks, width: int, replicas: int) -> list[SplitLayer]:
+    """An "attention" or "mlp" SplitLayer for each KerasHub block computed on the lanes'
+    shares (decoder_blocks.py), holding the specs of the kernels it reads from the
+    lane's block (stored as a Keras layout says, as `gathered_variables` holds them)."""
+    by_path = {layer.path: layer for layer in model._flatten_layers(include_self=False)}
+    found = []
+    for block in blocks:
+        own = {k.path: k.storage for k in block.kernels if k.from_block}
+        specs = tuple(s.variables[0] for s in gathered_variables(model, own, width, replicas))
+        found.append(SplitLayer(by_path[block.path], block.kind, specs, block=block))
+    return found
+
+
 def reads_table_whole(split: SplitLayer) -> bool:
     """A vocabulary-parallel table that its layer also reads whole (tied logits)."""
     return split.kind == "vocab" and bool(getattr(split.layer, "tie_weights", False))
@@ -378,7 +395,7 @@ class SplitRuntime:
         # Variables laid out over the batch axis gather over the lanes of the same rank
         # in every replica (the engine plans them only when the job is one process).
         self._batch_groups = []
-        if any(isinstance(spec, LaidOutVariable) for spec in self.gathered.values()):
+        if any(isinstance(spec, LaidOutVariable) for spec in self.sharded.values()):
             replicas = len(lanes_in_job) // width
             for lane in self.lanes:
                 rank = lane.index % width
@@ -497,6 +514,15 @@ def _replaced_calls(runtime, sharded_values, lane_comm, training):
                 fn = _row_call(split.layer, shards, lane_comm)
             elif split.kind == "vocab":
                 fn = _vocab_call(split.layer, shards[0], lane_comm)
+            elif split.kind in ("attention", "mlp"):
+                fn = decoder_blocks.block_call(
+                    split.layer,
+                    split.block,
+                    split.variables,
+                    shards,
+                    lane_comm,
+                    runtime.active_batch,
+                )
             else:
                 fn = _moe_call(split.layer, shards, lane_comm)
             object.__setattr__(split.layer, "call", fn)
