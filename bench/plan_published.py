@@ -15,14 +15,19 @@ InfiniBand adapters), mixed precision with float32 master weights, activation
 recomputation, micro-batch 1 (the table gives the global batch only). The paper counts
 F = 96 B s l h^2 (1 + s / 6h + V / 16lh) FLOPs per step (recomputation included). Its
 ranks lay tensor groups innermost, then data-parallel, then pipeline stages; its
-gradient all-reduce follows the backward (no overlap), and the schedule is 1F1B (the table
-does not name one; interleaving is a separate experiment of the paper).
+gradient all-reduce follows the backward (no overlap). Its section 5.1: "we use the
+interleaved pipeline schedule with the scatter/gather optimization enabled"; the chunks
+per device are not published: the smallest v >= 2 that divides a device's layers (2, or
+3 where they are odd), and the 1F1B prediction (v = 1) in a column of its own.
 
 ZeRO (Rajbhandari et al. 2020, arXiv 1910.02054, section 10): a 100B-parameter GPT-2-like
 model (125 layers, hidden 8192, 64 heads, sequence 1024, vocabulary 50,257) on 400 V100s
 (25 DGX-2 nodes of 16, 800 Gb/s between nodes) with Megatron tensor parallelism 16 inside a
 node, ZeRO P_os+g over the 25 replicas, checkpointed activations: 15 PFLOP/s, 38 TFLOP/s
-per GPU. The batch per replica is not in the text we read: 32 (an assumption, printed).
+per GPU. ZeRO-100B is ZeRO-DP's stages 1 and 2 plus all of ZeRO-R, whose P_a partitions
+each checkpointed activation over the tensor group and all-gathers it before the
+recomputed forward (`Layout.partition_activations`). The batch per replica is not in the
+text we read: 32 (an assumption, printed).
 """
 
 import argparse
@@ -80,6 +85,10 @@ def row_case(row):
         micro_batch_size=1, amp="master", gc=True, overlap_grad_reduce=False,
         rank_order="tp,dp,pp",
     )  # fmt: skip
+    if p > 1:  # section 5.1's interleaved schedule, the fewest chunks per device
+        per_device = layers // p
+        v = next(v for v in range(2, per_device + 1) if per_device % v == 0)
+        layout = dataclasses.replace(layout, schedule="Interleaved1F1B", virtual_stages=v)
     flops = megatron_flops(batch, layers, hidden)
     return model, layout, devices.device_by_name("a100-80gb"), flops, published
 
@@ -95,17 +104,21 @@ def zero_case():
         data_parallel=z["replicas"], tensor_parallel=z["tensor"],
         num_micro_batch=z["replica_batch"], micro_batch_size=1, amp="master", gc=True,
         zero="v1", overlap_grad_reduce=False, rank_order="tp,dp,pp",
+        partition_activations=True,
     )  # fmt: skip
     flops = megatron_flops(batch, z["layers"], z["hidden"], z["seq"], z["vocab"])
     return model, layout, devices.device_by_name("v100"), flops, z["tflops"]
 
 
 def implied_efficiency(prediction, device, flops, published):
-    """The matmul efficiency that would make the compute terms alone meet the published
-    time, the other terms as predicted."""
+    """The matmul efficiency that would make the matmul time alone meet the published
+    time, the other terms as predicted: the table's, scaled by how much longer (or
+    shorter) the matmuls would have to take (with their wave quantization and roofline)."""
     published_time = flops / (published * 1e12 * prediction.layout.devices)
     terms = prediction.terms
-    compute = terms["compute"] + terms["recompute"]
+    # The recomputed forward's matmuls: the recompute term less its elementwise third.
+    recomputed = terms["recompute"] - terms["elementwise"] / 3 if terms["recompute"] else 0.0
+    compute = terms["compute"] + recomputed
     others = prediction.step_time_s - compute - terms["bubble"]
     # The bubble scales with the busy time it idles behind: keep its share.
     share = 1 + terms["bubble"] / max(prediction.step_time_s - terms["bubble"], 1e-12)
@@ -125,8 +138,8 @@ def main():
         if name in ("a100-80gb", "v100"):
             print(f"  {name:10} {key:22} {value:22} {source}")
     print()
-    header = ["row", "model", "GPUs", "layout", "published", "predicted", "error", "largest terms",
-              "implied matmul eff.", "peak GB"]  # fmt: skip
+    header = ["row", "model", "GPUs", "layout", "published", "predicted", "error", "1F1B",
+              "largest terms", "implied matmul eff.", "peak GB"]  # fmt: skip
     table, searches = [header], []
     for index in chosen:
         model, layout, device, flops, published = (
@@ -136,14 +149,20 @@ def main():
         prediction = step_time.predict(model, layout, device)
         tflops = flops / prediction.step_time_s / layout.devices / 1e12
         error = tflops / published - 1
+        plain = dataclasses.replace(layout, schedule="PreferBackward", virtual_stages=1)
+        plain_tflops = flops / step_time.predict(model, plain, device).step_time_s
+        plain_tflops /= layout.devices * 1e12
         terms = sorted(prediction.terms.items(), key=lambda kv: -kv[1])[:3]
         share = ", ".join(f"{k} {v / prediction.step_time_s:.0%}" for k, v in terms)
         efficiency = implied_efficiency(prediction, device, flops, published)
         table.append([
             str(index), model.name, str(layout.devices),
-            f"tp {layout.tensor_parallel} pp {layout.pipeline_parallel} dp {layout.data_parallel}",
+            f"tp {layout.tensor_parallel} pp {layout.pipeline_parallel} dp {layout.data_parallel}"
+            + (f" v {layout.virtual_stages}" if layout.virtual_stages > 1 else ""),
             f"{published}", f"{tflops:.0f}",
             f"{error:+.0%}" + ("" if abs(error) <= TOLERANCE else " !"),
+            "" if layout.pipeline_parallel == 1 else
+            f"{plain_tflops:.0f} ({plain_tflops / published - 1:+.0%})",
             share, f"{efficiency:.2f} (table {device.matmul_efficiency:.2f})",
             f"{prediction.peak_memory_bytes / 1e9:.0f}",
         ])  # fmt: skip

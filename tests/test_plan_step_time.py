@@ -332,6 +332,21 @@ def test_an_interleaved_device_reduces_the_gradients_of_all_its_stages():
     )
 
 
+def test_partitioned_checkpoints_are_gathered_before_each_recompute():
+    """ZeRO-R's P_a: a layer's checkpointed input, split over the tensor group, is
+    all-gathered (3/4 of it over NVLink for t = 4) once per recomputed layer."""
+    model = analytic.transformer(4, 1024, 16, 1000, 512, name="t")
+    layout = Layout(tensor_parallel=4, gc=True, num_micro_batch=2, amp="O1")
+    plain = predict(model, layout, A100).terms["tensor_comm"]
+    partitioned = dataclasses.replace(layout, partition_activations=True)
+    gathered = 3 / 4 * 512 * 1024 * 2 / (0.8 * 300e9) + 3 * A100.latency_s
+    assert predict(model, partitioned, A100).terms["tensor_comm"] == pytest.approx(
+        plain + 2 * 4 * gathered  # 2 micro-batches, 4 layers
+    )
+    with pytest.raises(ValueError, match=r"needs gc=True and tensor_parallel > 1\. Received"):
+        Layout(tensor_parallel=4, partition_activations=True)
+
+
 # ------------------------------------------------------------------ the CLI
 def test_cli_prints_and_returns_step_time_throughput_mfu_and_memory(capsys):
     args = ["--model", "transformer", "--layers", "8", "--hidden", "512", "--heads", "8"]

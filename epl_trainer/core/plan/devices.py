@@ -404,14 +404,14 @@ def sources_table() -> list[tuple[str, str, str, str]]:
             "peak_flops": f"{spec.peak_flops / 1e12:.4g} TFLOP/s",
             "peak_flops_fp32": f"{spec.peak_flops_fp32 / 1e12:.4g} TFLOP/s",
             "memory": f"{spec.memory_bytes / GB:.4g} GB, {spec.memory_bandwidth / GB:.4g} GB/s",
+            "memory_efficiency": f"{spec.memory_efficiency:.2f} "
+            f"({spec.streaming_bandwidth / GB:.4g} GB/s)",
             "matmul_efficiency": f"{spec.matmul_efficiency:.3f}",
             "sm_count": f"{spec.sm_count}",
             "matmul_tiles": " ".join(f"{r}x{c}" for r, c in spec.matmul_tiles),
-            "memory_efficiency": f"{spec.memory_efficiency:.2f} "
-            f"({spec.streaming_bandwidth / GB:.4g} GB/s)",
+            "intra_node_bandwidth": f"{spec.intra_node_bandwidth / GB:.4g} GB/s",
             "intra_node_efficiency": f"{spec.intra_node_efficiency:.2f} "
             f"({spec.nvlink_bandwidth / GB:.4g} GB/s)",
-            "intra_node_bandwidth": f"{spec.intra_node_bandwidth / GB:.4g} GB/s",
             "inter_node_bandwidth": f"{spec.inter_node_bandwidth / GB:.4g} GB/s per node",
             "latency_s": f"{spec.latency_s * 1e6:.3g} us",
             "host_bandwidth": f"{spec.host_bandwidth / GB:.4g} GB/s",
@@ -420,6 +420,8 @@ def sources_table() -> list[tuple[str, str, str, str]]:
             "step_overhead_s": f"{spec.step_overhead_s * 1e3:.3g} ms",
             "shares_compute": f"{spec.shares_compute} ({spec.cores} cores)",
         }
-        for key, source in spec.sources.items():
-            rows.append((spec.name, key, values.get(key, ""), source))
+        # The table's order (a constant, then what refines it), then any other source.
+        order = list(values) + [key for key in spec.sources if key not in values]
+        for key in sorted(spec.sources, key=order.index):
+            rows.append((spec.name, key, values.get(key, ""), spec.sources[key]))
     return rows

@@ -87,6 +87,12 @@ class Layout:
     virtual_stages` stages. The job uses `data_parallel x tensor_parallel x
     pipeline_parallel` devices and its global batch is `data_parallel x num_micro_batch
     x micro_batch_size` (tensor ranks share their micro-batch).
+
+    `partition_activations` is ZeRO-R's P_a (Rajbhandari et al. 2020, section 6.1; the
+    ZeRO-100B runs): each tensor rank keeps 1/t of every checkpointed layer input, and
+    the tensor group all-gathers it before the layer's recomputed forward. It counts
+    that all-gather's time; the memory estimate keeps the checkpoints whole (an
+    overestimate). The trainer has no such option (`config()` has no key for it).
     """
 
     data_parallel: int = 1
@@ -103,6 +109,7 @@ class Layout:
     optimizer: str = "adam"
     overlap_grad_reduce: bool = True
     rank_order: str = "tp,pp,dp"
+    partition_activations: bool = False
 
     def __post_init__(self):
         for key in ("data_parallel", "tensor_parallel", "pipeline_parallel", "virtual_stages",
@@ -123,6 +130,12 @@ class Layout:
         if self.rank_order not in RANK_ORDERS:
             raise ValueError(
                 f"rank_order must be one of {RANK_ORDERS}. Received: {self.rank_order!r}"
+            )
+        if self.partition_activations and not (self.gc and self.tensor_parallel > 1):
+            raise ValueError(
+                "partition_activations splits checkpointed activations over a tensor group: "
+                f"it needs gc=True and tensor_parallel > 1. Received: gc={self.gc}, "
+                f"tensor_parallel={self.tensor_parallel}"
             )
         TrainOptions(zero=self.zero, amp=self.amp, optimizer=self.optimizer)  # validates
 
@@ -380,6 +393,7 @@ def matmul_s(device: DeviceSpec, rate: float, element_bytes: float, rows: float,
     return max(math_s, moved / device.streaming_bandwidth)
 
 
+@functools.lru_cache(maxsize=4096)  # a model's layers repeat: each shape timed once
 def node_compute_s(node: NodeCost, micro_batch: int, rate: float, device: DeviceSpec,
                    element_bytes: float) -> tuple[float, float]:  # fmt: skip
     """(forward, backward) matmul seconds of `node` for a micro-batch. With its matmuls
@@ -479,6 +493,12 @@ def predict(model: ModelCost, layout: Layout, device: DeviceSpec) -> Prediction:
             (f * (2 if layout.gc else 1) + b) * _all_reduce_s(device, s * mb * width, t, 1)
             for (f, b), s in zip(syncs, stream)
         )
+        if layout.partition_activations:  # gather each layer's checkpoint before recompute
+            tensor_comm += sum(
+                _all_gather_s(device, s * mb * width, t, 1)
+                for node, s in zip(nodes, stream)
+                if node.kind == "TransformerLayer"
+            )
         sends = 0.0
         if p > 1:
             link = _group_bandwidth(device, p, _stride(layout, "pp"))
