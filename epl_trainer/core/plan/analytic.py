@@ -34,6 +34,10 @@ paper's implementation): LayerNormalizations 2 s*h each, two bias-dropout-adds 3
 each (a one-byte dropout mask), scale-mask-softmax 2 a*s^2, the attention dropout
 2.5 a*s^2, bias-GELU 2 s*f.
 
+A transformer layer's six matmuls and the head's are given by shape (`Gemm`:
+query/key/value, attention's per-head scores and context, the output projection, the
+two feed-forward matmuls), for `step_time.py` to time each by its shape.
+
 The counts stay close to what trained transformers' peaks show per layer
 (docs/benchmarks.md#memory-estimates-against-measured-peaks); `tests/test_estimate.py`
 compares whole peaks.

@@ -3,15 +3,23 @@
 The time of one training step is built from terms, each from a constant of the device
 table (`devices.py`) and a count of the model (`estimate.ModelCost`), in this order:
 
-1. Compute per micro-batch and device: each node's forward FLOPs x the micro-batch /
-   the matmul rate (peak x matmul efficiency, 16-bit with AMP), and its elementwise bytes
-   / the memory bandwidth; backward twice the forward; with gradient checkpointing the
-   forward once more. Tensor parallelism (`tensor_parallel_model`) divides the nodes it
-   splits (transformer layers, vocabulary-parallel embeddings and heads).
+1. Compute per micro-batch and device: where a node's matmuls are known by shape
+   (`NodeCost.gemms`, the analytic models), each forward matmul and its two backward
+   products (input and weight gradients) by `matmul_s`: FLOPs / (the matmul rate x the
+   wave efficiency over the device's SMs), or operands and result / the streaming
+   bandwidth, whichever is longer; otherwise the node's forward FLOPs x the micro-batch /
+   the matmul rate (peak x matmul efficiency, 16-bit with AMP), backward twice that. The
+   elementwise bytes / the streaming bandwidth (the memory bandwidth x the share a
+   streaming kernel reaches), backward twice the forward; with gradient checkpointing
+   the forward once more. Tensor parallelism (`tensor_parallel_model`) divides the nodes
+   it splits (transformer layers, vocabulary-parallel embeddings and heads) and their
+   matmuls as Megatron does (columns, inner size or heads).
 2. Tensor-parallel all-reduces: Megatron's layer sums its activations twice in forward
-   and twice in backward (again in a recomputed forward), over the tensor group's link.
+   and twice in backward (again in a recomputed forward), over the tensor group's link;
+   with ZeRO-R's partitioned checkpoints an all-gather of each layer's checkpoint too.
 3. Pipeline sends: each micro-batch's boundary activations forward and their gradients
-   back (each tensor rank sends its 1/t share, Megatron's scatter / gather).
+   back (each tensor rank sends its 1/t share, and the receiving group all-gathers it:
+   Megatron's scatter / gather).
 4. Per-layer overhead (kernel launches, the runtime's per-op cost) per micro-batch.
 5. The schedule: `m` micro-batches on the slowest device plus the bubble of
    `schedule.bubble_fraction` (GPipe and 1F1B (p-1)/(m+p-1), interleaved
@@ -22,20 +30,22 @@ table (`devices.py`) and a count of the model (`estimate.ModelCost`), in this or
    reduce-scatter and all-gathers) over the data group's link; overlapped with the last
    micro-batch's backward where the engine overlaps it and the device has separate
    communication engines.
-7. The optimizer update, bound by memory bandwidth (Adam reads the parameter, gradient
-   and both slots and writes three: 28 bytes per float32 parameter), on the device's share
-   of the parameters (ZeRO divides it); with offload on host memory, plus the weights'
-   trip to the device for every micro-batch and the gradients' back over the host link.
+7. The optimizer update, bound by the streaming bandwidth (Adam reads the parameter,
+   gradient and both slots and writes three: 28 bytes per float32 parameter; amp
+   "master" adds its float32 gradient copy, unscaling and 16-bit weight copy: 48), on the
+   device's share of the parameters (ZeRO divides it); with offload on host memory, plus
+   the weights' trip to the device for every micro-batch and the gradients' back over
+   the host link.
 8. The step's own overhead.
 
 A collective over N members sends 2(N-1)/N of its buffer (all-reduce; the estimate
 counts ZeRO's halves) at the link's bandwidth and takes 2(N-1) latency steps. Its link:
-within a node the device's intra-node bandwidth; across nodes the node's network
-bandwidth shared by the groups that cross it at once (a group with g members per node
-of n devices gets g / n of it). Which groups are within a node follows `rank_order`:
-the engine lays out tensor ranks innermost, then a replica's pipeline stages, then the
-replicas ("tp,pp,dp"); Megatron-LM puts data-parallel ranks inside pipeline stages
-("tp,dp,pp").
+within a node the device's intra-node bandwidth at the share NCCL reaches; across nodes
+the node's network bandwidth shared by the groups that cross it at once (a group with g
+members per node of n devices gets g / n of it). Which groups are within a node
+follows `rank_order`: the engine lays out tensor ranks innermost, then a replica's
+pipeline stages, then the replicas ("tp,pp,dp"); Megatron-LM puts data-parallel ranks
+inside pipeline stages ("tp,dp,pp").
 """
 
 from __future__ import annotations
