@@ -526,8 +526,11 @@ def test_kerashub_causal_lms_train_with_their_own_layout_maps_as_keras(kind, sha
         for i in (1, 0)
         for part in (f"{block}_{i} (MLP)", f"{block}_{i}/{attention} (attention by heads{whole})")
     ]
+    logits = ""
+    if kind == "gemma" and shape[0] == 1:  # its tied table, by vocabulary over 'model' only
+        logits = "; vocabulary-parallel logits (sharded cross-entropy): token_embedding/embeddings"
     assert trainer.plan.layouts_description.endswith(
-        "computed sharded in blocks: " + ", ".join(computed)
+        "computed sharded in blocks: " + ", ".join(computed) + logits
     )
     trainer.fit(x, y, batch_size=8, shuffle=False, verbose=0)
     assert max_weight_difference(reference, model) < (ATOL_ADAM if optimizer == "adam" else 1e-5)
@@ -540,26 +543,31 @@ def test_kerashub_causal_lms_train_with_their_own_layout_maps_as_keras(kind, sha
 
 
 def _lane_collectives(trainer, x, y):
-    """{(op type, input shape, dtype): count} of the collectives lane 1 (CPU:1) runs in
-    one traced training step."""
+    """({(op type, input shape, dtype): count} of the collectives lane 1 (CPU:1) runs in
+    one traced training step, every op of that step)."""
     from test_comm_options import all_ops
 
     dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(8, drop_remainder=True)
     graph = trainer.engine.program.train_on_iterator.get_concrete_function(iter(dataset)).graph
-    return collections.Counter(
+    ops = list(all_ops(graph))
+    counts = collections.Counter(
         (op.type, tuple(op.inputs[0].shape.as_list()), op.inputs[0].dtype.name)
-        for op in all_ops(graph)
+        for op in ops
         if op.type.startswith("Collective") and op.device.endswith("CPU:1")
     )
+    return counts, ops
 
 
 def test_a_gemma_block_sends_the_rows_of_one_all_reduce_each_way_per_pair():
-    """Gemma (2 blocks, hidden 16, sequence 8) with its layout map on (1, 2), 8 rows a
-    step, 4 on each lane. Per block, forward: the hidden rows gathered into attention
-    (with the attention mask) and into the MLP, each pair's partial outputs
-    reduce-scattered back (an all-to-all); backward their adjoints. Together with the
-    token embedding's lookup those are all the rows that move; no kernel of a block is
-    gathered (before, every one was: attention and MLP kernels computed replicated)."""
+    """Gemma (2 blocks, hidden 16, sequence 8, vocabulary 64) with its layout map on
+    (1, 2), 8 rows a step, 4 on each lane. Per block, forward: the hidden rows gathered
+    into attention (with the attention mask) and into the MLP, each pair's partial
+    outputs reduce-scattered back (an all-to-all); backward their adjoints. The tied
+    table looks up in place and computes each lane's vocabulary slice of the logits for
+    the sharded cross-entropy. Those are all the rows that move; no kernel of a block is
+    gathered (before, every one was: attention and MLP kernels computed replicated), nor
+    the table (before, its logits read it whole), and no tensor of a whole vocabulary's
+    logits exists on a lane."""
     pytest.importorskip("keras_hub")
     x, y = _causal_lm_data()
     model = _causal_lm("gemma")
@@ -572,22 +580,69 @@ def test_a_gemma_block_sends_the_rows_of_one_all_reduce_each_way_per_pair():
     )
     trainer.fit(x, y, batch_size=8, steps_per_epoch=1, shuffle=False, verbose=0)
     blocks = 2
-    assert _lane_collectives(trainer, x, y) == {
-        # rows into attention and the MLP forward, the pairs' output gradients backward,
-        # and the embedding lookup's output gradient
-        ("CollectiveGatherV2", (None, 8, 16), "float32"): 4 * blocks + 1,
-        # the pairs' outputs forward, their input gradients backward, the embedding's
-        # lookups forward
-        ("CollectiveAllToAllV2", (2, None), "float32"): 4 * blocks + 1,
+    collectives, graph = _lane_collectives(trainer, x, y)
+    assert collectives == {
+        # rows into attention and the MLP and into the logits forward; the pairs' and the
+        # lookup's output gradients backward
+        ("CollectiveGatherV2", (None, 8, 16), "float32"): 4 * blocks + 2,
+        # the pairs' and the lookup's outputs forward; the pairs' and the logits' input
+        # gradients backward; the accuracy's argmax (each lane's best logit)
+        ("CollectiveAllToAllV2", (2, None), "float32"): 4 * blocks + 3,
         ("CollectiveGatherV2", (None, 8, 8), "int32"): blocks,  # the attention masks
         ("CollectiveGatherV2", (None, 8), "int32"): 1,  # the token ids into the lookup
-        # the tied table (64 x 16 in halves) read whole by the logits, and its gradient
-        ("CollectiveGatherV2", (32, 16), "float32"): 1,
-        ("CollectiveAllToAllV2", (2, 512), "float32"): 1,
+        ("CollectiveGatherV2", (None,), "int32"): 1,  # the labels into the cross-entropy
+        # the cross-entropy's row maximum, and its sums of exponentials and targets
+        ("CollectiveReduceV2", (None,), "float32"): 1,
+        ("CollectiveReduceV2", (None, 3), "float32"): 1,
         # the norms' scales (2 a block and the final one) reduced as data parallelism
         ("CollectiveReduceV2", (16,), "float32"): 2 * blocks + 1,
         ("CollectiveReduceV2", (), "float32"): 1,  # the loss metric's total
+        # KerasHub compiles its tasks with token accuracy as a weighted metric: the
+        # sample weights gathered for the cross-entropy, and the distributed argmax's
+        # all-to-all of each lane's best class
+        ("CollectiveGatherV2", (None, 8), "float32"): 1,
+        ("CollectiveAllToAllV2", (2, None), "int64"): 1,
     }
+    whole_vocabulary = [
+        (op.name, out.shape)
+        for op in graph
+        for out in op.outputs
+        if out.dtype.is_floating and out.shape.rank and out.shape[-1] == 64
+    ]
+    assert not whole_vocabulary
+
+
+@pytest.mark.parametrize("sharded", [True, False])
+def test_gemmas_tied_logits_by_vocabulary_give_keras_loss_accuracy_and_predictions(sharded):
+    """Gemma on (1, 2) with token accuracy as a weighted metric: the loss and accuracy
+    `fit` reports, the weights and `predict`'s logits (joined from the lanes' vocabulary
+    slices) equal Keras's. A loss the sharded cross-entropy does not compute (one that
+    ignores a class) leaves the logits to the whole table, gathered on use, and still
+    equals Keras."""
+    pytest.importorskip("keras_hub")
+    loss = LM_LOSS if sharded else keras.losses.SparseCategoricalCrossentropy(True, ignore_class=0)
+    metrics = ["sparse_categorical_accuracy"]
+    x, y = _causal_lm_data()
+    reference = _causal_lm("gemma")
+    reference.compile(optimizer=OPTIMIZERS["sgd"](), loss=loss, weighted_metrics=metrics)
+    expected = reference.fit(x, y, batch_size=8, shuffle=False, verbose=0).history
+    model = _causal_lm("gemma")
+    layout_map = type(model.backbone).get_layout_map(_mesh((1, 2)))
+    trainer = epl.EPLTrainer(
+        model,
+        loss,
+        OPTIMIZERS["sgd"](),
+        weighted_metrics=metrics,
+        strategy=keras.distribution.ModelParallel(layout_map=layout_map),
+    )
+    assert ("vocabulary-parallel logits" in trainer.plan.layouts_description) == sharded
+    history = trainer.fit(x, y, batch_size=8, shuffle=False, verbose=0).history
+    for name in ("loss", "sparse_categorical_accuracy"):
+        np.testing.assert_allclose(history[name], expected[name], rtol=1e-6)
+    assert max_weight_difference(reference, model) < 1e-6
+    logits = trainer.predict(x, batch_size=8, verbose=0)
+    assert logits.shape == (32, 8, 64)
+    np.testing.assert_allclose(logits, reference.predict(x, verbose=0), atol=1e-5)
 
 
 def test_a_block_whose_heads_the_axis_does_not_divide_is_computed_whole():

@@ -258,6 +258,14 @@ def test_a_loss_that_is_not_cross_entropy_is_refused():
     assert "cross-entropy" in message and "head" in message
 
 
+def test_a_cross_entropy_that_ignores_class_zero_is_refused():
+    """ignore_class=0 was taken for "off" (0 turns label smoothing off) and the sharded
+    cross-entropy computed class 0's rows too, silently."""
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True, ignore_class=0)
+    message = _error(lambda: split_trainer(head_model(), 2, loss=loss))
+    assert "plain cross-entropy" in message and "'ignore_class': 0" in message
+
+
 def test_from_logits_must_match_the_activation():
     message = _error(lambda: split_trainer(head_model(activation="softmax"), 2, loss=LOSS))
     assert "from_logits=True" in message

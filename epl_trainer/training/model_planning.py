@@ -168,8 +168,18 @@ class ModelPlanner:
             blocks=tensor_parallel.blocks if tensor_parallel else (),
         )
         if tensor_parallel is not None:  # the plan says what the layouts run as
+            description = tensor_parallel.describe()
+            logits = [  # decided by the engine: the output's loss must be a cross-entropy
+                s.layer.embeddings.path
+                for s in context.engine_plan.split_layers
+                if s.kind == "vocab" and s.output_index is not None
+            ]
+            if logits:
+                description += "; vocabulary-parallel logits (sharded cross-entropy): " + ", ".join(
+                    logits
+                )
             context.engine_plan.plan = dataclasses.replace(
-                context.engine_plan.plan, layouts_description=tensor_parallel.describe()
+                context.engine_plan.plan, layouts_description=description
             )
         if context.deepspeed is not None:  # accumulation steps may follow from the lane count
             context.config, context.engine_plan.plan = context.deepspeed.resolve_plan(

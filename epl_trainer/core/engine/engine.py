@@ -185,7 +185,17 @@ def plan_engine(
         )
     width = plan.taskgraphs[0].device_count
     split_layers += gathered_variables(model, gathered, width, plan.num_replicas)
-    split_layers += vocabulary_parallel(model, set(vocabulary), width)
+    if vocabulary and loss is not None:  # a tied table's logits may be a split output
+        if not loss.built:
+            loss.build_from_outputs(model.outputs)
+        if not metrics.built:
+            metrics.build(model.outputs, model.outputs)
+        outputs = len(tree.flatten(model.outputs))
+        split_layers += vocabulary_parallel(
+            model, set(vocabulary), width, loss.losses_for(outputs), list(metrics)
+        )
+    else:
+        split_layers += vocabulary_parallel(model, set(vocabulary), width)
     split_layers += computed_blocks(model, blocks, width, plan.num_replicas)
     in_job = {lane.index: lane for lanes in by_worker for lane in lanes}  # one view of each
     return EnginePlan(

@@ -128,7 +128,7 @@ class SplitLanes(ReplicatedLanes):
             pieces = [f[index] for f in flat]
             if index in split_outputs:
                 replicas = [
-                    tf.concat(pieces[r : r + width], axis=1) for r in range(0, len(pieces), width)
+                    tf.concat(pieces[r : r + width], axis=-1) for r in range(0, len(pieces), width)
                 ]
                 value = tf.concat(replicas, axis=0)
                 if split_outputs[index].softmax:

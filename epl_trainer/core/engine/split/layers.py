@@ -305,10 +305,22 @@ def gathered_variables(model, dims_by_path, width: int, replicas: int) -> list[S
     return found
 
 
-def vocabulary_parallel(model, paths, width: int) -> list[SplitLayer]:
+def vocabulary_parallel(model, paths, width: int, losses=(), metrics=()) -> list[SplitLayer]:
     """A "vocab" SplitLayer for each Embedding whose table's path is in `paths`: the table
-    held as `width` slices of vocabulary rows, looked up in place (`_vocab_call`)."""
+    held as `width` slices of vocabulary rows, looked up in place (`_vocab_call`).
+
+    A tied table whose reverse call (KerasHub's `ReversibleEmbedding(tie_weights=True)`)
+    produces a model output computes that output's logits by vocabulary slice too, for
+    the sharded cross-entropy (its `output_index`), when the output's loss is a plain
+    cross-entropy from logits and its metrics are accuracies; otherwise that call reads
+    the table gathered whole (`reads_table_whole`).
+
+    Args:
+      losses: the Keras loss of each flat model output (None: none).
+      metrics: (flat output index, metric) pairs.
+    """
     index_of = {id(v): i for i, v in enumerate(model.trainable_variables)}
+    outputs = tree.flatten(model.outputs)
     found = []
     for layer in model._flatten_layers(include_self=False):
         if isinstance(layer, keras.layers.Embedding) and layer.embeddings.path in paths:
@@ -318,8 +330,39 @@ def vocabulary_parallel(model, paths, width: int) -> list[SplitLayer]:
                     f"{width} devices of a replica cannot share evenly."
                 )
             spec = ShardedVariable(index_of[id(layer.embeddings)], 0, width)
-            found.append(SplitLayer(layer, "vocab", (spec,)))
+            index = _logits_output(layer, outputs, losses, metrics)
+            found.append(SplitLayer(layer, "vocab", (spec,), output_index=index))
     return found
+
+
+def _logits_output(layer, outputs, losses, metrics) -> int | None:
+    """The flat output index of `layer`'s tied reverse call (its logits) when the sharded
+    cross-entropy can compute its loss and metrics, else None."""
+    if not getattr(layer, "tie_weights", False):
+        return None
+    for index, tensor in enumerate(outputs):
+        history = getattr(tensor, "_keras_history", None)
+        if history is None or history.operation is not layer:
+            continue
+        node = layer._inbound_nodes[history.node_index]
+        if not node.arguments.kwargs.get("reverse"):
+            continue
+        loss = losses[index] if index < len(losses) else None
+        readers = [m for i, m in metrics if i == index]
+        if _sharded_cross_entropy_computes(loss) and all(isinstance(m, _ACCURACY) for m in readers):
+            return index
+    return None
+
+
+def _sharded_cross_entropy_computes(loss) -> bool:
+    """A sparse or dense cross-entropy from logits, plain and mean over the batch."""
+    kind = _cross_entropy_kind(loss) if loss is not None else None
+    if kind is None:
+        return False
+    config = kind[1]
+    plain = not _cross_entropy_options(config)
+    reduction = getattr(loss, "reduction", "sum_over_batch_size")
+    return plain and bool(config.get("from_logits")) and reduction in ("sum_over_batch_size", None)
 
 
 def computed_blocks(model, blocks, width: int, replicas: int) -> list[SplitLayer]:
@@ -336,8 +379,10 @@ def computed_blocks(model, blocks, width: int, replicas: int) -> list[SplitLayer
 
 
 def reads_table_whole(split: SplitLayer) -> bool:
-    """A vocabulary-parallel table that its layer also reads whole (tied logits)."""
-    return split.kind == "vocab" and bool(getattr(split.layer, "tie_weights", False))
+    """A vocabulary-parallel table that its layer also reads whole (tied logits the
+    sharded cross-entropy does not compute)."""
+    tied = bool(getattr(split.layer, "tie_weights", False))
+    return split.kind == "vocab" and tied and split.output_index is None
 
 
 def gather_whole(value, spec, lane_comm, batch_comm=None):
@@ -457,8 +502,13 @@ class SplitRuntime:
 
 
 def dense_outputs(split_layers: Sequence[SplitLayer]) -> dict[int, SplitLayer]:
-    """{flat model output index: the split Dense producing it}."""
-    return {s.output_index: s for s in split_layers if s.kind == "dense"}
+    """{flat model output index: the split layer producing it by class slices (a split
+    Dense, or a tied table's vocabulary-parallel logits)}."""
+    return {
+        s.output_index: s
+        for s in split_layers
+        if s.kind == "dense" or (s.kind == "vocab" and s.output_index is not None)
+    }
 
 
 def split_stage_call(model, runtime: SplitRuntime, training_kwargs):
@@ -513,7 +563,7 @@ def _replaced_calls(runtime, sharded_values, lane_comm, training):
             elif split.kind == "row":
                 fn = _row_call(split.layer, shards, lane_comm)
             elif split.kind == "vocab":
-                fn = _vocab_call(split.layer, shards[0], lane_comm)
+                fn = _vocab_call(split.layer, shards[0], lane_comm, split.output_index is not None)
             elif split.kind in ("attention", "mlp"):
                 fn = decoder_blocks.block_call(
                     split.layer,
@@ -578,16 +628,22 @@ def _row_call(layer, shards, lane_comm):
     return call
 
 
-def _vocab_call(layer, table, lane_comm):
+def _vocab_call(layer, table, lane_comm, sharded_logits: bool):
     """An Embedding's lookup from this lane's vocabulary rows of the table, for every row
-    of the replica, summed over the lanes back to each lane's own rows. The reverse call
-    of a tied table (logits) is the layer's own, on the whole table gathered into the
+    of the replica, summed over the lanes back to each lane's own rows.
+
+    The reverse call of a tied table (logits): with `sharded_logits`, this lane's
+    vocabulary slice of the logits for every row of the replica (the rows gathered in;
+    Megatron's vocabulary-parallel output layer), which only the sharded cross-entropy
+    and accuracy read; else the layer's own, on the whole table gathered into the
     scope's mapping."""
     original = type(layer).call
 
     def call(inputs, *args, **kwargs):
         if kwargs.get("reverse") or (args and args[0]):
-            return original(layer, inputs, *args, **kwargs)
+            if not sharded_logits:
+                return original(layer, inputs, *args, **kwargs)
+            return _logits_slice(layer, table, lane_comm.gather_rows(inputs))
         ids = inputs if inputs.dtype in (tf.int32, tf.int64) else tf.cast(inputs, tf.int32)
         ids = lane_comm.gather_rows(ids)
         rows = table.shape[0]
@@ -598,6 +654,14 @@ def _vocab_call(layer, table, lane_comm):
         return lane_comm.reduce_scatter_rows(tf.cast(found, layer.compute_dtype))
 
     return call
+
+
+def _logits_slice(layer, table, rows):
+    """`ReversibleEmbedding.call(reverse=True)` on this lane's rows of the table."""
+    dtype = layer.reverse_dtype or rows.dtype
+    logits = keras.ops.matmul(tf.cast(rows, dtype), tf.transpose(tf.cast(table, dtype)))
+    cap = layer.logit_soft_cap
+    return logits if cap is None else keras.ops.tanh(logits / cap) * cap
 
 
 def _moe_call(layer, shards, lane_comm):
@@ -729,6 +793,16 @@ def _cross_entropy_kind(loss) -> tuple[str, dict] | None:
     return None
 
 
+# The options the sharded cross-entropy does not compute, with the values that turn them
+# off (ignore_class=0 ignores class 0: only None is off).
+_OFF = {"label_smoothing": (0, 0.0, None), "ignore_class": (None,), "axis": (-1, None)}
+
+
+def _cross_entropy_options(config: dict) -> dict:
+    """The options of a cross-entropy's `config` that are on and not computed sharded."""
+    return {k: v for k, v in config.items() if k in _OFF and v not in _OFF[k]}
+
+
 def sparse_outputs(losses, split_layers: Sequence[SplitLayer]) -> dict[int, bool]:
     """{split output index: sparse labels?}, checking each split output's loss."""
     found = {}
@@ -750,11 +824,7 @@ def sparse_outputs(losses, split_layers: Sequence[SplitLayer]) -> dict[int, bool
                 f"from_logits={from_logits}; use softmax with from_logits=False or a linear "
                 "activation with from_logits=True."
             )
-        unsupported = {
-            k: v
-            for k, v in config.items()
-            if k in ("label_smoothing", "ignore_class", "axis") and v not in (0, 0.0, None, -1)
-        }
+        unsupported = _cross_entropy_options(config)
         if unsupported or getattr(loss, "reduction", "sum_over_batch_size") not in (
             "sum_over_batch_size",
             None,
@@ -800,11 +870,17 @@ class SplitLoss:
                     objective.keras_loss_term(entry.loss, t, p, sample_weight, weight, real_rows)
                 )
                 continue
-            if sample_weight is not None and sample_weight.shape.rank != 1:
+            sequence = p.shape.rank > 2  # [rows, tokens..., classes]: every token a row
+            if sequence and not self.sparse[index]:
                 raise ValueError(
-                    "A split classifier's sharded cross-entropy takes one sample weight per "
-                    "row; per-element weights (a weight per token) are not supported. "
-                    f"Received: sample_weight of shape {sample_weight.shape}"
+                    "The sharded cross-entropy of logits per token takes sparse labels (class "
+                    f"ids). Received: labels of shape {t.shape} for logits of shape {p.shape}"
+                )
+            if sample_weight is not None and sample_weight.shape.rank not in (1, t.shape.rank):
+                raise ValueError(
+                    "A split output's sharded cross-entropy takes one sample weight per row "
+                    f"(or per label). Received: sample_weight of shape {sample_weight.shape} "
+                    f"for labels of shape {t.shape}"
                 )
             with tf.device(lane_comm.device):
                 labels = (
@@ -812,11 +888,15 @@ class SplitLoss:
                     if self.sparse[index]
                     else gather_dense_labels(t, lane_comm)
                 )
-                weights = (
-                    None
-                    if sample_weight is None
-                    else lane_comm.gather_rows(tf.cast(sample_weight, tf.float32))
-                )
+                weights = None
+                if sample_weight is not None:
+                    weights = tf.cast(sample_weight, tf.float32)
+                    if sequence:  # a row's weight for each of its tokens
+                        shape = [-1] + [1] * (t.shape.rank - weights.shape.rank)
+                        weights = tf.broadcast_to(tf.reshape(weights, shape), tf.shape(t))
+                    weights = tf.reshape(lane_comm.gather_rows(weights), [-1])
+                if sequence:  # rank-major rows stay rank-major tokens
+                    p = tf.reshape(p, [-1, p.shape[-1]])
                 mean = sharded_cross_entropy(p, labels, lane_comm, self.sparse[index], weights)
                 rows = tf.cast(tf.shape(t)[0], tf.float32)
                 total = mean * rows
@@ -844,11 +924,13 @@ def check_split_metrics(metrics, split_layers: Sequence[SplitLayer]) -> None:
 def update_split_accuracy(metric, labels, logits, lane_comm, sample_weight=None) -> None:
     """Updates an accuracy metric from this lane's rows, predicted by `sharded_argmax`."""
     with tf.device(lane_comm.device):
-        predicted = sharded_argmax(logits, lane_comm)
+        predicted = sharded_argmax(tf.reshape(logits, [-1, logits.shape[-1]]), lane_comm)
         if isinstance(metric, keras.metrics.CategoricalAccuracy):
             truth = tf.argmax(labels, axis=-1)
         else:
             truth = tf.cast(tf.reshape(labels, [-1]), tf.int64)
         matches = tf.cast(tf.equal(truth, predicted), tf.float32)
+        if logits.shape.rank > 2:  # per token, as Keras's metric sees them
+            matches = tf.reshape(matches, tf.shape(truth if truth.shape.rank > 1 else labels))
     # Skip the wrapper's own function (it would need the full logits) and feed the mean.
     keras.metrics.Mean.update_state(metric, matches, sample_weight=sample_weight)
