@@ -475,6 +475,9 @@ def _causal_lm(kind, query_heads=4, kv_heads=2):
     if kind == "llama":
         backbone = keras_hub.models.LlamaBackbone(**size)
         return keras_hub.models.LlamaCausalLM(backbone, preprocessor=None)
+    if kind == "qwen":  # Llama's blocks with biases on query, key and value
+        backbone = keras_hub.models.QwenBackbone(**size)
+        return keras_hub.models.QwenCausalLM(backbone, preprocessor=None)
     backbone = keras_hub.models.GemmaBackbone(**size, head_dim=4)
     return keras_hub.models.GemmaCausalLM(backbone, preprocessor=None)
 
@@ -493,6 +496,8 @@ LM_LOSS = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
         ("gemma", (1, 2), "sgd"),
         ("gemma", (1, 4), "sgd"),
         ("gemma", (2, 2), "sgd"),
+        ("qwen", (1, 2), "sgd"),
+        ("qwen", (2, 2), "adam"),
     ],
 )
 def test_kerashub_causal_lms_train_with_their_own_layout_maps_as_keras(kind, shape, optimizer):
@@ -504,7 +509,8 @@ def test_kerashub_causal_lms_train_with_their_own_layout_maps_as_keras(kind, sha
     heads computed. Storage follows the map over 'model' and 'batch'. 4 steps end where
     Keras's `fit` on one device ends. A device holds 0.556 of Llama's weights on (1, 2)
     (its reverse embedding stays whole), 0.330 on (1, 4) and 0.334 on (2, 2); of
-    Gemma's 0.507, 0.260 and 0.261."""
+    Gemma's 0.507, 0.260 and 0.261. Qwen's blocks are Llama's with biases on query, key
+    and value, shared by heads."""
     keras_hub = pytest.importorskip("keras_hub")
     kv_heads = shape[1]  # Gemma's key/value kernels are laid out by kv head
     x, y = _causal_lm_data()
@@ -515,19 +521,18 @@ def test_kerashub_causal_lms_train_with_their_own_layout_maps_as_keras(kind, sha
     backbone = type(model.backbone)
     strategy = keras.distribution.ModelParallel(layout_map=backbone.get_layout_map(_mesh(shape)))
     trainer = epl.EPLTrainer(model, LM_LOSS, OPTIMIZERS[optimizer](), strategy=strategy)
+    llama_like = kind in ("llama", "qwen")
     block, attention = (
-        ("transformer_layer", "self_attention")
-        if kind == "llama"
-        else ("decoder_block", "attention")
+        ("transformer_layer", "self_attention") if llama_like else ("decoder_block", "attention")
     )
-    whole = "; query, key, value from the gathered whole" if kind == "llama" else ""
+    whole = "; query, key, value from the gathered whole" if llama_like else ""
     computed = [
         part
         for i in (1, 0)
         for part in (f"{block}_{i} (MLP)", f"{block}_{i}/{attention} (attention by heads{whole})")
     ]
     logits = ""
-    if kind == "gemma" and shape[0] == 1:  # its tied table, by vocabulary over 'model' only
+    if kind != "llama" and shape[0] == 1:  # a tied table, by vocabulary over 'model' only
         logits = "; vocabulary-parallel logits (sharded cross-entropy): token_embedding/embeddings"
     assert trainer.plan.layouts_description.endswith(
         "computed sharded in blocks: " + ", ".join(computed) + logits

@@ -4,9 +4,10 @@ over the model axis.
 
 KerasHub's transformers are subclassed layers, so the functional-graph search for
 Megatron pairs (`layers.megatron_pairs`) cannot see inside them. This module knows the
-blocks KerasHub ships layout maps for (`ATTENTIONS`, `MLPS`: each class's sub-layer
-attributes, einsum equations and the kernel dimension a lane's share is taken along),
-and computes a block sharded when every kernel of it is laid out over the model axis:
+blocks of the KerasHub families that ship layout maps (Llama, Qwen, Gemma): for each
+class (`ATTENTIONS`, `MLPS`) its sub-layer attributes, einsum equations and the kernel
+dimension a lane's share is taken along. It computes a block sharded when every kernel
+of it is laid out over the model axis:
 
 * **Attention by heads.** The lane all-gathers the replica's rows of the hidden states
   (and of the attention mask), computes query, key and value for its heads only, runs
@@ -30,10 +31,10 @@ as its block and gathered whole on use as before, and the lane computes its head
 the whole. Either way the gradient of each lane's share reaches the block that holds it
 (the gathers' adjoints), and the step is the replicated one.
 
-A block that does not qualify (another class, a LoRA or quantized sub-layer, biases, an
-einsum equation other than the one this module knows, a head count the axis does not
-divide, a kernel not laid out over the model axis) is left to the gathered path, and the
-plan says why.
+A block that does not qualify (another class, a LoRA or quantized sub-layer, a bias this
+module does not know how to share, an einsum equation other than the one it knows, a
+head count the axis does not divide, a kernel not laid out over the model axis) is left
+to the gathered path, and the plan says why.
 """
 
 from __future__ import annotations
@@ -57,6 +58,9 @@ class Member:
     equation: str | None
     dim: int
     role: str  # "column": a share of its outputs; "row": a partial sum over its inputs
+    # A column's bias dimension along which the lane takes its share (None: the member
+    # has no bias). A row's bias is added whole after the sum, as Megatron adds it.
+    bias_dim: int | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,19 +96,34 @@ _GEMMA_ATTENTION = Adapter(
     # off: both shrink together.
     heads=("num_query_heads", "num_key_value_heads", "hidden_dim"),
 )
+# Qwen's attention is Llama's with biases on query, key and value (shaped (heads,
+# head_dim): bias_axes "uh" / "vh").
+_QWEN_ATTENTION = Adapter(
+    "attention",
+    (
+        Member("_query_dense", "bqm,muh->bquh", 1, "column", bias_dim=0),
+        Member("_key_dense", "bkm,mvh->bkvh", 1, "column", bias_dim=0),
+        Member("_value_dense", "bkm,mvh->bkvh", 1, "column", bias_dim=0),
+        Member("_output_dense", "bquh,uhm->bqm", 0, "row"),
+    ),
+    heads=("num_query_heads", "num_key_value_heads"),
+)
+_LLAMA_MLP = Adapter(
+    "mlp",
+    (
+        Member("_feedforward_gate_dense", None, 1, "column"),
+        Member("_feedforward_intermediate_dense", None, 1, "column"),
+        Member("_feedforward_output_dense", None, 0, "row"),
+    ),
+)
 ATTENTIONS = {
     "keras_hub.src.models.llama.llama_attention.LlamaAttention": _LLAMA_ATTENTION,
+    "keras_hub.src.models.qwen.qwen_attention.QwenAttention": _QWEN_ATTENTION,
     "keras_hub.src.models.gemma.gemma_attention.CachedGemmaAttention": _GEMMA_ATTENTION,
 }
 MLPS = {
-    "keras_hub.src.models.llama.llama_decoder.LlamaTransformerDecoder": Adapter(
-        "mlp",
-        (
-            Member("_feedforward_gate_dense", None, 1, "column"),
-            Member("_feedforward_intermediate_dense", None, 1, "column"),
-            Member("_feedforward_output_dense", None, 0, "row"),
-        ),
-    ),
+    "keras_hub.src.models.llama.llama_decoder.LlamaTransformerDecoder": _LLAMA_MLP,
+    "keras_hub.src.models.qwen.qwen_decoder.QwenTransformerDecoder": _LLAMA_MLP,
     "keras_hub.src.models.gemma.gemma_decoder_block.GemmaDecoderBlock": Adapter(
         "mlp",
         (
@@ -192,8 +211,14 @@ def _unfit(layer, adapter: Adapter, model_dim_of, width: int) -> str | None:
             return f"{member.attribute} is not a {expected.__name__}"
         if member.equation is not None and sub.equation != member.equation:
             return f"{sub.path} computes {sub.equation!r}, not {member.equation!r}"
-        if getattr(sub, "bias", None) is not None:
+        has_bias = getattr(sub, "bias", None) is not None
+        if has_bias and member.role == "column" and member.bias_dim is None:
             return f"{sub.path} has a bias"
+        if has_bias and member.role == "column" and sub.bias.shape[member.bias_dim] % width:
+            return (
+                f"{sub.bias.path} {tuple(sub.bias.shape)}: dimension {member.bias_dim} is not "
+                f"divisible by the model axis ({width})"
+            )
         if getattr(sub, "lora_enabled", False) or getattr(sub, "quantization_mode", None):
             return f"{sub.path} is LoRA or quantized"
         if model_dim_of.get(sub.kernel.path) is None:
@@ -300,6 +325,11 @@ def _member_call(layer, kernel: ComputedKernel, value, lane_comm, gather):
             outputs = keras.ops.einsum(equation, inputs, local)
         if kernel.member.role == "row":
             outputs = lane_comm.reduce_scatter_rows(outputs)
+        if getattr(sub, "bias", None) is not None:  # read whole from the call's mapping
+            bias = sub.bias.value
+            if kernel.member.role == "column":
+                bias = _slice(bias, kernel.member.bias_dim, lane_comm.size, lane_comm.rank)
+            outputs = outputs + tf.cast(bias, outputs.dtype)
         return sub.activation(outputs) if sub.activation is not None else outputs
 
     return call
