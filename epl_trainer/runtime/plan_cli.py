@@ -3,13 +3,16 @@
     epl-plan --model bert --size large --num_workers 64 --gpu_per_worker 8 \\
         --num_stages 4 --num_micro_batch 8 --micro_batch_size 4 --zero v1 --amp O1 --gc
     epl-plan --params 7.5e9 --num_workers 8 --gpu_per_worker 8 --amp master --zero v0
+    epl-plan --layout_map llama --layers 32 --hidden 4096 --heads 32 --ffn 11008 \\
+        --vocab 32000 --mesh 2,4
 
 Nothing is built or run and TensorFlow is never imported: the model comes from its sizes
 (`core/plan/analytic.py`), the cluster is a list of virtual device names planned by the same
 planner the trainer uses, and the numbers are `core/plan/estimate.py`'s arithmetic. Stages
 are cut by `estimate.partition_stages`, as `auto.auto_parallel` cuts them. Settings not
 given as flags come from `--epl_config` / `--epl_set` / `EPL_*` (the trainer's config
-keys), then from the defaults.
+keys), then from the defaults. `--layout_map` is the exception: it asks KerasHub for its
+family's layout map (`core/plan/kerashub_layouts.py`), which imports Keras and its backend.
 """
 
 from __future__ import annotations
@@ -20,10 +23,19 @@ import itertools
 import json
 import math
 import os
+import re
 import sys
 
 from epl_trainer.config.sections import Config, ConfigError
-from epl_trainer.core.plan import analytic, devices, estimate, planner, search, step_time
+from epl_trainer.core.plan import (
+    analytic,
+    devices,
+    estimate,
+    kerashub_layouts,
+    planner,
+    search,
+    step_time,
+)
 from epl_trainer.core.plan.ir import (
     INTERLEAVED,
     PIPELINE_STRATEGIES,
@@ -137,8 +149,38 @@ def build_parser() -> argparse.ArgumentParser:
     search.add_argument(
         "--save_config", help="write the best layout's config keys to this JSON file"
     )
+    layouts = parser.add_argument_group(
+        "KerasHub layout map (instead of --model / --params: what each device holds)"
+    )
+    layouts.add_argument(
+        "--layout_map",
+        choices=sorted(kerashub_layouts.FAMILIES),
+        help="a KerasHub family described by --layers --hidden --heads --ffn (its "
+        "intermediate_dim) --vocab [--kv_heads --head_dim --tie_embeddings], laid out by its "
+        "own <Family>Backbone.get_layout_map (imports keras and keras_hub)",
+    )
+    layouts.add_argument(
+        "--mesh", type=_mesh_shape, help="the DeviceMesh's (batch, model) sizes, e.g. 2,4"
+    )
+    layouts.add_argument("--kv_heads", type=int, help="num_key_value_heads (default --heads)")
+    layouts.add_argument("--head_dim", type=int, help="Gemma's head_dim")
+    layouts.add_argument(
+        "--tie_embeddings",
+        action=argparse.BooleanOptionalAction,
+        help="tie_word_embeddings (default: the family's; Gemma always ties)",
+    )
     parser.add_argument("--json", action="store_true", help="print the numbers as JSON")
     return parser
+
+
+def _mesh_shape(text: str) -> tuple[int, int]:
+    try:
+        shape = tuple(int(n) for n in text.split(","))
+        return kerashub_layouts.check_mesh(shape)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"a mesh is its (batch, model) sizes, e.g. 2,4. Received: {text!r}"
+        ) from None
 
 
 # Which model flags each model takes (the others would be silently ignored: refused).
@@ -663,9 +705,122 @@ def _search_section(found: search.SearchResult) -> list[str]:
     return [*lines, ""]
 
 
+_LAYOUT_FLAGS = {"layout_map", "mesh", "kv_heads", "head_dim", "tie_embeddings"}
+# What --layout_map reads; every other flag given with it would be ignored: refused.
+_LAYOUT_MODE_FLAGS = _LAYOUT_FLAGS | {"layers", "hidden", "heads", "ffn", "vocab"} | {
+    "optimizer", "device_memory", "json"}  # fmt: skip
+
+
+def layout_placement(args, parser) -> kerashub_layouts.Placement:
+    """The placement `--layout_map` asks for, its flags checked."""
+    ignored = sorted(
+        dest for dest, value in vars(args).items()
+        if dest not in _LAYOUT_MODE_FLAGS and value != parser.get_default(dest)
+    )  # fmt: skip
+    if ignored:
+        parser.error(f"--layout_map does not take {' '.join('--' + f for f in ignored)}")
+    needed = ("layers", "hidden", "heads", "ffn", "vocab", "mesh")
+    missing = [f"--{name}" for name in needed if getattr(args, name) is None]
+    if args.layout_map == "gemma" and args.head_dim is None:
+        missing.append("--head_dim")
+    if missing:
+        parser.error(f"--layout_map {args.layout_map} needs {' '.join(missing)}")
+    sizes = kerashub_layouts.DecoderSizes(
+        layers=args.layers,
+        hidden=args.hidden,
+        heads=args.heads,
+        kv_heads=args.kv_heads or args.heads,
+        intermediate=args.ffn,
+        vocab=args.vocab,
+        head_dim=args.head_dim,
+        tie_embeddings=args.tie_embeddings,
+    )
+    return kerashub_layouts.kerashub_placement(args.layout_map, sizes, args.mesh)
+
+
+def _grouped_variables(placement: kerashub_layouts.Placement) -> list[tuple]:
+    """(path with the layer index as *, shape, layout, bytes per device, count) in order:
+    a layer's variables once for all layers."""
+    groups = {}
+    for v in placement.variables:
+        key = (re.sub(r"^([^/]*?)_\d+/", r"\1_*/", v.path), v.shape, v.axes, v.bytes_per_device)
+        groups[key] = groups.get(key, 0) + 1
+    return [(*key, count) for key, count in groups.items()]
+
+
+def render_layout_placement(
+    placement: kerashub_layouts.Placement, optimizer: str, device_memory: int | None
+) -> str:
+    family = kerashub_layouts.FAMILIES[placement.family]
+    batch, model = placement.mesh
+    rows = []
+    for path, shape, axes, per_device, count in _grouped_variables(placement):
+        layout = "replicated" if axes is None else "(" + ", ".join(map(str, axes)) + ")"
+        held = fmt(per_device) + (f" x {count}" if count > 1 else "")
+        rows.append([path, str(shape), layout, held])
+    lines = [
+        f"KerasHub {family.backbone}.get_layout_map on a DeviceMesh (batch, model) = "
+        f"({batch}, {model}), {placement.devices} devices; float32 variables:",
+        *_table(["variable", "shape", "layout", "per device (each)"], rows),
+        "",
+    ]
+    slots = estimate.OPTIMIZER_SLOTS[optimizer]
+    states = placement.states_per_device(slots)
+    header = ["devices", "variables", "gradients", f"optimizer ({optimizer}, {slots} slots)"]
+    cells = [f"0-{placement.devices - 1}" if placement.devices > 1 else "0"]
+    cells += [fmt(states[key]) for key in ("variables", "gradients", "optimizer")]
+    header.append("total")
+    cells.append(fmt(states["total"]))
+    if device_memory:
+        header.append(f"of {fmt(device_memory)}")
+        too_big = " (too big)" if states["total"] > device_memory else ""
+        cells.append(f"{states['total'] / device_memory:.0%}{too_big}")
+    share = placement.bytes_per_device / placement.model_bytes
+    lines += [
+        "Per device (every device holds the same; gradients and optimizer slots are laid "
+        "out as their variable):",
+        *_table(header, [cells]),
+        f"  the whole model: {format_count(placement.parameters)} parameters, "
+        f"{fmt(placement.model_bytes)}; a device holds {share:.3f} of it, "
+        f"{placement.bytes_per_device:,} bytes of variables (what EPLTrainer.placement() "
+        "reports)",
+    ]
+    return "\n".join(lines)
+
+
+def layout_main(args, parser) -> int:
+    """`epl-plan --layout_map ...`: what each device of the mesh holds."""
+    try:
+        placement = layout_placement(args, parser)
+        device_memory = parse_bytes(args.device_memory) if args.device_memory else None
+    except ValueError as error:
+        parser.error(str(error))
+    slots = estimate.OPTIMIZER_SLOTS[args.optimizer]
+    if args.json:
+        data = {"layout_map": placement.to_dict(slots), "device_memory": device_memory}
+        text = json.dumps(data, indent=1)
+    else:
+        text = render_layout_placement(placement, args.optimizer, device_memory)
+    return _print(text)
+
+
+def _print(text: str) -> int:
+    try:
+        print(text)
+    except BrokenPipeError:  # `epl-plan ... | head`: the reader left; exit quietly
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
+    return 0
+
+
 def main(argv=None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.layout_map:
+        return layout_main(args, parser)
+    given = sorted(flag for flag in _LAYOUT_FLAGS if getattr(args, flag) is not None)
+    if given:
+        parser.error(f"{' '.join('--' + f for f in given)} describe a --layout_map")
     try:
         model = model_from_args(args, parser)
         options, request = options_from_args(args)
@@ -714,12 +869,7 @@ def main(argv=None) -> int:
             text += "\n" + "\n".join(_prediction_section(prediction, device))
         if found is not None:
             text += "\n" + "\n".join(_search_section(found))
-    try:
-        print(text)
-    except BrokenPipeError:  # `epl-plan ... | head`: the reader left; exit quietly
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        return 1
-    return 0
+    return _print(text)
 
 
 if __name__ == "__main__":
