@@ -3,7 +3,9 @@
 Usage: python bench/soak.py [--steps 50000] [--batch 16] [--devices 2] [--config JSON]
 
 `--config` adds config keys to EPLTrainer's, e.g. '{"zero.level": "v1",
-"pipeline.num_micro_batch": 2}' for a ZeRO soak.
+"pipeline.num_micro_batch": 2}' for a ZeRO soak, or '{"checkpoint.dir": "/tmp/soak",
+"checkpoint.save_steps": 10, "checkpoint.async_save": true}' for asynchronous saves
+every 10 steps (the checkpoint folder's contents are printed at the end).
 
 One process. A small model trains `--steps` steps with EPLTrainer on `--devices`
 logical CPU devices (data parallel), then the same number with plain Keras `fit`.
@@ -73,9 +75,18 @@ def main():
     rows = [
         measure(
             f"EPLTrainer, {trainer.plan.num_replicas} replicas" + (" +config" if extra else ""),
-            lambda n: trainer.fit(data, steps_per_epoch=n, verbose=0),
+            # The next epoch on every call: with checkpoint.dir each fit resumes from
+            # the newest checkpoint, whose epoch count is fit's initial epoch.
+            lambda n: trainer.fit(
+                data,
+                steps_per_epoch=n,
+                initial_epoch=trainer.epochs_done,
+                epochs=trainer.epochs_done + 1,
+                verbose=0,
+            ),
         )
     ]
+    folder = extra.get("checkpoint.dir")
     reference = model()
     reference.compile(keras.optimizers.Adam(1e-3), loss)
     rows.append(
@@ -90,6 +101,9 @@ def main():
           f"{'RSS start MiB':>14} {'RSS end MiB':>12}")  # fmt: skip
     for name, rate, (t0, r0), (t1, r1) in rows:
         print(f"{name:<26} {rate:>8.0f} {t0:>14} {t1:>12} {r0:>14.1f} {r1:>12.1f}")
+    if folder:
+        every = extra.get("checkpoint.save_steps", 0)
+        print(f"checkpoints every {every} steps; {folder} holds {sorted(os.listdir(folder))}")
 
 
 if __name__ == "__main__":
