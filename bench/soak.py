@@ -57,14 +57,26 @@ def main():
     y = x[:, :4].argmax(axis=1).astype("int32")
     data = tf.data.Dataset.from_tensor_slices((x, y)).batch(args.batch).repeat()
 
+    class Samples(keras.callbacks.Callback):
+        """Threads and RSS at each fifth of the run: flat means no growth per step."""
+
+        def __init__(self):
+            super().__init__()
+            self.taken = []
+
+        def on_train_batch_end(self, batch, logs=None):
+            if (batch + 1) % max(args.steps // 5, 1) == 0:
+                self.taken.append((threads(), round(rss_mib())))
+
     def measure(name, fit):
-        fit(200)  # warm-up: traces the step
+        fit(200, [])  # warm-up: traces the step
         start = (threads(), rss_mib())
+        samples = Samples()
         began = time.perf_counter()
-        fit(args.steps)
+        fit(args.steps, [samples])
         seconds = time.perf_counter() - began
         end = (threads(), rss_mib())
-        return name, args.steps / seconds, start, end
+        return name, args.steps / seconds, start, end, samples.taken
 
     trainer = epl.EPLTrainer(
         model(),
@@ -77,11 +89,12 @@ def main():
             f"EPLTrainer, {trainer.plan.num_replicas} replicas" + (" +config" if extra else ""),
             # The next epoch on every call: with checkpoint.dir each fit resumes from
             # the newest checkpoint, whose epoch count is fit's initial epoch.
-            lambda n: trainer.fit(
+            lambda n, callbacks: trainer.fit(
                 data,
                 steps_per_epoch=n,
                 initial_epoch=trainer.epochs_done,
                 epochs=trainer.epochs_done + 1,
+                callbacks=callbacks,
                 verbose=0,
             ),
         )
@@ -92,15 +105,20 @@ def main():
     rows.append(
         measure(
             "Keras fit, 1 device",
-            lambda n: reference.fit(data, steps_per_epoch=n, verbose=0),
+            lambda n, callbacks: reference.fit(
+                data, steps_per_epoch=n, callbacks=callbacks, verbose=0
+            ),
         )
     )
 
     print(f"\n{args.steps} steps of batch {args.batch} after a 200-step warm-up")
     print(f"{'run':<26} {'steps/s':>8} {'threads start':>14} {'threads end':>12} "
           f"{'RSS start MiB':>14} {'RSS end MiB':>12}")  # fmt: skip
-    for name, rate, (t0, r0), (t1, r1) in rows:
+    for name, rate, (t0, r0), (t1, r1), _ in rows:
         print(f"{name:<26} {rate:>8.0f} {t0:>14} {t1:>12} {r0:>14.1f} {r1:>12.1f}")
+    print("\n(threads, RSS MiB) at each fifth of the run:")
+    for name, *_, taken in rows:
+        print(f"{name:<26} {taken}")
     if folder:
         every = extra.get("checkpoint.save_steps", 0)
         print(f"checkpoints every {every} steps; {folder} holds {sorted(os.listdir(folder))}")
