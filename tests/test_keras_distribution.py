@@ -650,6 +650,36 @@ def test_gemmas_tied_logits_by_vocabulary_give_keras_loss_accuracy_and_predictio
     np.testing.assert_allclose(logits, reference.predict(x, verbose=0), atol=1e-5)
 
 
+@pytest.mark.parametrize(
+    "config, atol",
+    [
+        pytest.param({"zero.level": "v1"}, 1e-5, marks=pytest.mark.combines("split+zero_v1")),
+        pytest.param({"zero.level": "v2"}, 1e-5, marks=pytest.mark.combines("split+zero_v2")),
+        # bfloat16 compute against Keras's float32: 1.2e-5 after 4 steps
+        pytest.param({"amp.level": "O1"}, 5e-5, marks=pytest.mark.combines("split+amp")),
+    ],
+)
+def test_kerashub_blocks_computed_sharded_combine_with_zero_and_amp(config, atol):
+    """Llama's layout map on (2, 2), its blocks computed sharded over 'model': ZeRO shards
+    the replicated variables over 'batch' (v2 holds 9,808 bytes per device, v1 13,120),
+    and mixed precision computes the blocks in bfloat16; each run ends where Keras's
+    does."""
+    pytest.importorskip("keras_hub")
+    x, y = _causal_lm_data()
+    reference = _causal_lm("llama")
+    reference.compile(optimizer=OPTIMIZERS["sgd"](), loss=LM_LOSS)
+    reference.fit(x, y, batch_size=8, shuffle=False, verbose=0)
+    model = _causal_lm("llama")
+    layout_map = type(model.backbone).get_layout_map(_mesh((2, 2)))
+    strategy = keras.distribution.ModelParallel(layout_map=layout_map)
+    trainer = epl.EPLTrainer(model, LM_LOSS, OPTIMIZERS["sgd"](), strategy=strategy, config=config)
+    assert "computed sharded in blocks" in trainer.plan.layouts_description
+    trainer.fit(x, y, batch_size=8, shuffle=False, verbose=0)
+    assert max_weight_difference(reference, model) < atol
+    if config.get("zero.level") == "v2":
+        assert max(trainer.placement().values()) < 13_120
+
+
 def test_a_block_whose_heads_the_axis_does_not_divide_is_computed_whole():
     """Llama with 2 key/value heads on (1, 4): its map lays the key and value kernels out
     along the hidden dimension (16, divisible), but 2 heads do not share over 4 lanes, so
