@@ -308,31 +308,6 @@ def test_storage_over_the_batch_axis_follows_the_layout(shape, layout, optimizer
     assert set(trainer.placement().values()) == {(kernels // parts + biases) * 4}
 
 
-def test_storage_over_the_batch_axis_across_workers_is_refused_by_name():
-    """Blocks over the batch axis are gathered within one process in this version; a
-    plan whose replicas sit on 2 workers names the variables."""
-    from epl_trainer.annotations.strategies import resolve_trainer_annotation
-    from epl_trainer.config import Config
-    from epl_trainer.core import engine
-    from epl_trainer.core.plan.ir import PlanError
-
-    model = _square_mlp()
-    annotation = resolve_trainer_annotation(
-        model, False, epl.Strategy(epl.replicate(2)), None, None
-    )
-    workers = [[f"/job:worker/replica:0/task:{t}/device:CPU:{d}" for d in range(2)] for t in (0, 1)]
-    with pytest.raises(PlanError, match=r"laid out over the batch axis \['dense_in/kernel'\]"):
-        engine.plan_engine(
-            model,
-            Config({"cluster.colocate_split_and_replicate": True}),
-            workers,
-            0,
-            taskgraphs=annotation.taskgraphs,
-            node_taskgraph=annotation.node_taskgraph,
-            gathered={"dense_in/kernel": (1, 0)},
-        )
-
-
 def test_an_indivisible_dimension_names_the_variable_shape_axis_and_size():
     layout_map = keras.distribution.LayoutMap(_mesh((1, 2)))
     layout_map["logits/kernel"] = (None, "model")  # 3 logits over 2 devices
@@ -388,6 +363,7 @@ def test_bad_meshes_and_strategies_are_named():
     [
         ("--keras_data_parallel", 4, "make_model", "make_data"),
         ("--keras_gathered", 2, "make_embedding_model", "make_tied_data"),
+        ("--keras_batch_blocks", 2, "make_embedding_model", "make_tied_data"),
     ],
 )
 def test_two_workers_train_as_one_process(flag, replicas, make_model, make_data, tmp_path):
@@ -396,7 +372,12 @@ def test_two_workers_train_as_one_process(flag, replicas, make_model, make_data,
     --keras_gathered: the job's (2, 2) mesh holds an embedding table and two kernels as
     halves over each worker's devices, gathered on use; the batch axis spans the 2
     workers, whose replicas sum the slices' gradients (the table's as (index, row) pairs)
-    across processes: the weights of one process on the global batch."""
+    across processes: the weights of one process on the global batch.
+    --keras_batch_blocks (Adam): the table and a kernel laid out over both axes of the
+    job's (2, 2) mesh, so each device holds a quarter and the blocks over the batch axis
+    sit on different workers, gathered across the processes on use (refused before);
+    the checkpoint each worker saved holds its replicas' slabs, and restored into one
+    process's data parallelism it gives the same weights and Adam slots."""
     import os
     import sys
 
@@ -406,17 +387,45 @@ def test_two_workers_train_as_one_process(flag, replicas, make_model, make_data,
     import train_dp
 
     script = os.path.join(SCRIPTS, "train_dp.py")
-    result = run_launch(script, tmp_path, 2, 2, flag, timeout=200)
+    blocks = flag == "--keras_batch_blocks"
+    checkpoint = str(tmp_path / "checkpoint")
+    flags = [flag, "--adam", "--checkpoint_dir", checkpoint] if blocks else [flag]
+    result = run_launch(script, tmp_path, 2, 2, *flags, timeout=200)
     assert result.returncode == 0, result.stdout + result.stderr
     assert f"worker 0/2 devices=2 replicas={replicas}" in result.stdout
     model = getattr(train_dp, make_model)()
-    trainer = epl.EPLTrainer(model, LOSS, keras.optimizers.SGD(0.1))
+    optimizer = keras.optimizers.Adam(0.01) if blocks else keras.optimizers.SGD(0.1)
+    trainer = epl.EPLTrainer(model, LOSS, optimizer)
     x, y = getattr(train_dp, make_data)()
     trainer.fit(x, y, batch_size=16, steps_per_epoch=3, verbose=0, shuffle=False)
     for worker in range(2):
         saved = np.load(tmp_path / "out" / f"weights_{worker}.npz")
         for i, value in enumerate(model.get_weights()):
             np.testing.assert_allclose(saved[f"arr_{i}"], value, atol=1e-5)
+    if blocks:
+        import epl_trainer.training.checkpoint as ckpt
+
+        manifest, _ = ckpt.read_all(ckpt.latest(checkpoint))
+        assert "trainable/0@dim1=0:4" in manifest["entries"]  # the table's slab on worker 0
+        restored = train_dp.make_embedding_model()
+        into = epl.EPLTrainer(
+            restored,
+            LOSS,
+            keras.optimizers.Adam(0.01),
+            strategy=keras.distribution.DataParallel(devices=_devices(2)),
+        )
+        into.restore_checkpoint(checkpoint)
+        for mine, theirs in zip(restored.get_weights(), model.get_weights()):
+            np.testing.assert_allclose(mine, theirs, atol=1e-5)
+
+        def state(optimizer):  # by name within the optimizer (its own name differs)
+            return {v.path.split("/", 1)[1]: v.numpy() for v in optimizer.variables}
+
+        expected = state(model.optimizer)
+        found = state(restored.optimizer)
+        assert sorted(found) == sorted(expected) and len(found) > 2
+        for name, value in found.items():
+            np.testing.assert_allclose(value, expected[name], atol=1e-5, err_msg=name)
 
 
 def _embedding_model(mask_zero):

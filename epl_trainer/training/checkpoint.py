@@ -37,7 +37,7 @@ from collections.abc import Callable, Iterable, Mapping
 import numpy as np
 import tensorflow as tf
 
-from epl_trainer.core.engine.checkpoint_content import PIECE_MARK
+from epl_trainer.core.engine.checkpoint_content import PIECE_MARK, SLAB_MARK, entry_of
 from epl_trainer.training import shard_file
 
 FORMAT_VERSION = 3  # 3: raw shard files (shard_file.py); 2: TF tensor bundles, still read
@@ -173,7 +173,8 @@ def publish(
                     f"shard-{worker}) into {folder!r}; not published."
                 )
             entries[key] = {**entry, "shard": f"shard-{worker}"}
-    missing = [key for key in required if key not in entries]
+    held = {entry_of(key) for key in entries}  # whole, or in pieces or slabs
+    missing = [key for key in required if key not in held]
     if missing:
         raise CheckpointError(
             f"No shard of {folder!r} holds {missing[:5]}; not published (an ownership bug)."
@@ -352,8 +353,11 @@ def read_entries(path: str, manifest: dict, expected: Mapping, unexpected=()) ->
     """
     saved = manifest["entries"]
     pieces = _row_pieces(saved)  # key -> [(first row, end row, piece key)] of ZeRO pieces
+    slabs = _slabs(saved)  # key -> (dimension, [(start, stop, slab key)]) of batch-axis slabs
     missing = [
-        e.name for k, e in expected.items() if k not in saved and k not in pieces and not e.optional
+        e.name
+        for k, e in expected.items()
+        if k not in saved and k not in pieces and k not in slabs and not e.optional
     ]
     if missing or unexpected:
         raise CheckpointError(
@@ -377,6 +381,14 @@ def read_entries(path: str, manifest: dict, expected: Mapping, unexpected=()) ->
                     )
                 _check_entry(path, found, entry, found["shape"])
                 by_shard.setdefault(found["shard"], []).append(piece_key)
+        elif key in slabs:
+            dim, found_slabs = slabs[key]
+            _check_slabs_cover(path, dim, found_slabs, entry)
+            for start, stop, slab in found_slabs:
+                shape = list(entry.shape)
+                shape[dim] = stop - start
+                _check_entry(path, saved[slab], entry, shape)
+                by_shard.setdefault(saved[slab]["shard"], []).append(slab)
     values = {}
     for shard, keys in sorted(by_shard.items()):
         files = manifest["shards"][shard]["files"]
@@ -403,6 +415,9 @@ def read_entries(path: str, manifest: dict, expected: Mapping, unexpected=()) ->
         if key not in saved and key in pieces:  # elements joined, in order
             flat = [np.reshape(values.pop(k), [-1]) for _, _, k in pieces[key]]
             values[key] = np.reshape(np.concatenate(flat), entry.shape)
+        elif key not in saved and key in slabs:  # slabs joined along their dimension
+            dim, found_slabs = slabs[key]
+            values[key] = np.concatenate([values.pop(k) for _, _, k in found_slabs], axis=dim)
     return values
 
 
@@ -446,6 +461,36 @@ def _row_pieces(saved: Mapping) -> dict[str, list[tuple[int, int, str]]]:
             start, _, stop = rows.partition(":")
             pieces.setdefault(base, []).append((int(start), int(stop), key))
     return {base: sorted(found) for base, found in pieces.items()}
+
+
+def _slabs(saved: Mapping) -> dict[str, tuple[int, list[tuple[int, int, str]]]]:
+    """{entry: (dimension, [(start, stop, slab key)] in order)} of the slabs saved."""
+    found: dict[str, tuple[int, list]] = {}
+    for key in saved:
+        entry, mark, rest = key.partition(SLAB_MARK)
+        if not mark:
+            continue
+        dim, _, span = rest.partition("=")
+        start, _, stop = span.partition(":")
+        dims_and_slabs = found.setdefault(entry, (int(dim), []))
+        if dims_and_slabs[0] != int(dim):
+            raise CheckpointError(
+                f"Checkpoint entry {entry!r} is saved in slabs along two dimensions: "
+                f"{dims_and_slabs[0]} and {dim}."
+            )
+        dims_and_slabs[1].append((int(start), int(stop), key))
+    return {entry: (dim, sorted(slabs)) for entry, (dim, slabs) in found.items()}
+
+
+def _check_slabs_cover(path: str, dim: int, found: list, entry) -> None:
+    """The slabs of an entry cover its dimension `dim` exactly once, in order."""
+    size = int(entry.shape[dim])
+    edges = [0] + [edge for start, stop, _ in found for edge in (start, stop)] + [size]
+    if any(a != b for a, b in zip(edges[::2], edges[1::2])):
+        raise CheckpointError(
+            f"Checkpoint {path!r} holds slabs of {entry.name!r} that do not cover its "
+            f"dimension {dim} ({size}) once: {[(a, b) for a, b, _ in found]}"
+        )
 
 
 def _check_entry(path: str, found: dict, entry, shape) -> None:

@@ -86,6 +86,21 @@ def gathered_layouts():
     return keras.distribution.ModelParallel(layout_map=layout_map)
 
 
+def batch_axis_layouts():
+    """The job's (workers, 2) mesh (Keras's `list_devices()` lists every worker's
+    devices), with the table and a kernel laid out over both axes: blocks over the batch
+    axis sit on different workers, gathered on use across them."""
+    import keras
+
+    devices = keras.distribution.list_devices()
+    mesh = keras.distribution.DeviceMesh((len(devices) // 2, 2), ["batch", "model"], devices)
+    layout_map = keras.distribution.LayoutMap(mesh)
+    layout_map["embed/embeddings"] = ("model", "batch")  # (14, 8): 7 x 4 per device
+    layout_map["block/kernel"] = ("batch", "model")  # (8, 8): 4 x 4 per device
+    layout_map["logits/kernel"] = ("model", None)
+    return keras.distribution.ModelParallel(layout_map=layout_map)
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("output_dir")
@@ -122,6 +137,13 @@ def main():
         action="store_true",
         help="an embedding model, its variables laid out over each worker's (1, 2) mesh",
     )
+    parser.add_argument(
+        "--keras_batch_blocks",
+        action="store_true",
+        help="an embedding model laid out over the job's (workers, 2) mesh's both axes",
+    )
+    parser.add_argument("--adam", action="store_true", help="Adam(0.01) instead of SGD(0.1)")
+    parser.add_argument("--checkpoint_dir", default="", help="save_checkpoint there at the end")
     args = parser.parse_args()
     env = epl.init(
         {
@@ -136,7 +158,7 @@ def main():
     import keras
 
     cluster = env.cluster
-    if args.keras_gathered:
+    if args.keras_gathered or args.keras_batch_blocks:
         model = make_embedding_model()
     elif args.tied:
         model = make_tied_model()
@@ -145,7 +167,7 @@ def main():
     trainer = epl.EPLTrainer(
         model,
         keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-        keras.optimizers.SGD(0.1),
+        keras.optimizers.Adam(0.01) if args.adam else keras.optimizers.SGD(0.1),
         stages=TIED_STAGES if args.tied else STAGES if args.two_stages else None,
         steps_per_execution=args.steps_per_execution,
         # One replica per worker: features replicate(n) and logits split(n) on its devices.
@@ -156,10 +178,13 @@ def main():
             if args.keras_data_parallel
             else gathered_layouts()
             if args.keras_gathered
+            else batch_axis_layouts()
+            if args.keras_batch_blocks
             else None
         ),
     )
-    x, y = make_tied_data() if args.tied or args.keras_gathered else make_data()
+    tokens = args.tied or args.keras_gathered or args.keras_batch_blocks
+    x, y = make_tied_data() if tokens else make_data()
     per_worker = args.global_batch // cluster.worker_num
     if args.evaluate_first:
         import tensorflow as tf
@@ -205,6 +230,8 @@ def main():
             verbose=0,
             shuffle=False,
         )
+    if args.checkpoint_dir:
+        trainer.save_checkpoint(args.checkpoint_dir)
     os.makedirs(args.output_dir, exist_ok=True)
     np.savez(
         os.path.join(args.output_dir, f"weights_{cluster.worker_index}.npz"),

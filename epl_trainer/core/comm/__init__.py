@@ -25,6 +25,7 @@ from epl_trainer.core.comm.keys import (
     length_keyed_instance,
     next_instance_key,
     ordering_token,
+    reserve_instance_keys,
     reserve_local_instance_keys,
 )
 from epl_trainer.core.comm.lanes import LaneCollectives, rows_in_block
@@ -45,6 +46,7 @@ __all__ = [
     "ordering_token",
     "plan_buckets",
     "reduce_scatter",
+    "reserve_instance_keys",
     "reserve_local_instance_keys",
     "rows_in_block",
 ]

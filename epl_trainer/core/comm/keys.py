@@ -74,6 +74,16 @@ def next_instance_key(group: int) -> int:
     return key
 
 
+def reserve_instance_keys(group: int, count: int) -> int:
+    """The first of `count` consecutive counted instance keys for the group with key
+    `group` (`next_instance_key`'s, so every member reserving in the same order gets the
+    same block)."""
+    first = next_instance_key(group)
+    for _ in range(count - 1):
+        next_instance_key(group)
+    return first
+
+
 def length_keyed_instance(length: tf.Tensor, group: int, unit: int = 1) -> tf.Tensor:
     """An int32 instance key for a collective of the group with key `group` whose length
     changes from step to step.

@@ -131,10 +131,13 @@ def build_engine(
         config,
         split=bool(split_layers),
     )
-    if layout.spans_workers:
+    partial = frozenset(state.blocks_elsewhere())
+    if layout.spans_workers or partial:
         group = host_group(devices_by_worker, hosts[plan.worker_index])
         first_lane = engine_plan.lanes_in_job[0]
-        state.exchange = WeightExchange(state, first_lane, group, plan.worker_index)
+        state.exchange = WeightExchange(
+            state, first_lane, group, plan.worker_index, layout.spans_workers, partial
+        )
     calls = [stateless_stage_call(stage.model) for stage in staged.stages]
     hooks = StepHooks(stage_calls=calls, eval_stage_calls=list(calls), loss_fn=loss_fn)
     if split_layers:

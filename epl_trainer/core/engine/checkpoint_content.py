@@ -11,6 +11,12 @@ Entries (the "universal" content, as DeepSpeed's universal checkpoints):
                             elements [a, b) of that slot (flattened), when ZeRO cut
                             variable i into pieces held by different lanes (the reader
                             joins the pieces)
+  trainable/<i>@dim<d>=<a>:<b>, slot/<i>/<slot name>@dim<d>=<a>:<b>
+                            the slab [a, b) along dimension d of a variable (or its
+                            slot) that a Keras layout lays out over the batch axis when
+                            the replicas sit on several workers: each worker writes its
+                            replicas' slabs (their model-axis blocks joined), and the
+                            reader joins the slabs
   optimizer/iterations      the training step (the user's optimizer's counter)
   optimizer/applied_steps   updates the optimizers applied (less than the step after
                             skipped non-finite steps; Adam's bias correction counts these)
@@ -88,6 +94,16 @@ def local_position(local_lanes: Sequence[Lane], lane: Lane, stage: int) -> int |
 
 
 PIECE_MARK = "@elements="  # slot/<i>/<name>@elements=<a>:<b>: a ZeRO piece of a slot
+SLAB_MARK = "@dim"  # <entry>@dim<d>=<a>:<b>: a slab along dimension d (batch-axis blocks)
+
+
+def entry_of(key: str) -> str:
+    """The whole entry a saved key holds (itself, or the entry a piece or slab is of)."""
+    return key.split(PIECE_MARK)[0].split(SLAB_MARK)[0]
+
+
+def slab_key(entry: str, dim: int, start: int, stop: int) -> str:
+    return f"{entry}{SLAB_MARK}{dim}={start}:{stop}"
 
 
 def _whole(value):
@@ -125,6 +141,9 @@ class CheckpointContent:
         state = self.state
         entries = []
         for i, v in enumerate(state.model_trainable):
+            if self._held_across_workers(i):
+                entries += self._slabs(f"trainable/{i}", v.path, i, state.trainable)
+                continue
             read = self._owned_read(i, state.trainable_stage[i], state.trainable)
             if read is not None:
                 entries.append(Entry(f"trainable/{i}", v.path, read))
@@ -151,6 +170,41 @@ class CheckpointContent:
         spec = self.state.sharded[i]
         shards = self._holder_positions(li, spec)
         return lambda: spec.join([copies[p][i].value for p in shards])
+
+    def _held_across_workers(self, i: int) -> bool:
+        """Trainable i is held in blocks some of which are on other workers (a Keras
+        layout over the batch axis, whose replicas sit on several workers)."""
+        spec = self.state.sharded.get(i)
+        if spec is None or not self.state.lanes:
+            return False
+        local = {lane.index for lane in self.state.lanes}
+        return not set(spec.holders(self.state.lanes[0].index)) <= local
+
+    def _slabs(self, key: str, name: str, i: int, copies) -> list[Entry]:
+        """The slabs along the batch-axis dimension of this worker's replicas: each
+        replica's model-axis blocks joined (`copies[p][i]` the block of local lane p)."""
+        spec = self.state.sharded[i]
+        size = int(self.state.model_trainable[i].shape[spec.batch_axis])
+        rows = size // spec.replicas
+        position = {lane.index: p for p, lane in enumerate(self.state.lanes)}
+        parts = spec.width if spec.model_axis is not None else 1
+        entries = []
+        for replica in sorted({lane.index // spec.width for lane in self.state.lanes}):
+            held = [position[replica * spec.width + rank] for rank in range(parts)]
+
+            def read(held=held):
+                blocks = [copies[p][i].value for p in held]
+                return tf.concat(blocks, spec.model_axis) if len(blocks) > 1 else blocks[0]
+
+            start = replica * rows
+            entries.append(
+                Entry(
+                    slab_key(key, spec.batch_axis, start, start + rows),
+                    f"{name} (rows {start}:{start + rows})",
+                    read,
+                )
+            )
+        return entries
 
     def _holder_positions(self, li: int, spec) -> list[int]:
         """Local positions of the lanes holding `spec`'s blocks that lane li joins with,
@@ -208,6 +262,9 @@ class CheckpointContent:
         for key, held in by_key.items():
             held.sort(key=lambda item: item[0])
             i = held[0][2]
+            if self._held_across_workers(i):  # this worker's replicas' slabs
+                entries += self._slot_slabs(key, held, i)
+                continue
             slots = [slot for _, slot, _ in held]
             slot_name, _, span = key.split("/", 2)[2].partition(PIECE_MARK)
             span = f", elements {span}" if span else ""
@@ -222,6 +279,27 @@ class CheckpointContent:
             entries.append(
                 Entry("optimizer/applied_steps", "updates applied", lambda: applied_read.value)
             )
+        return entries
+
+    def _slot_slabs(self, key: str, held: list, i: int) -> list[Entry]:
+        """A slot's slabs along the batch-axis dimension, one per local replica (its
+        lanes' blocks of the slot joined along the model axis)."""
+        spec = self.state.sharded[i]
+        size = int(self.state.model_trainable[i].shape[spec.batch_axis])
+        rows = size // spec.replicas
+        by_replica: dict[int, list] = {}
+        for lane_index, slot, _ in held:
+            by_replica.setdefault(lane_index // spec.width, []).append(slot)
+        path = f"{self.state.model_trainable[i].path} ({key.split('/', 2)[2]})"
+        entries = []
+        for replica, slots in sorted(by_replica.items()):
+
+            def read(slots=slots):
+                blocks = [slot.value for slot in slots]
+                return tf.concat(blocks, spec.model_axis) if len(blocks) > 1 else blocks[0]
+
+            start = replica * rows
+            entries.append(Entry(slab_key(key, spec.batch_axis, start, start + rows), path, read))
         return entries
 
     def _applied_steps_owner(self) -> tuple[int, int] | None:
@@ -339,7 +417,7 @@ class CheckpointContent:
         extra = []
         for key in saved_keys:
             kind, _, rest = key.partition("/")
-            if key in expected or key.split(PIECE_MARK)[0] in expected:
+            if key in expected or entry_of(key) in expected:
                 continue
             if kind in in_model:
                 if not rest.isdigit() or int(rest) >= in_model[kind]:

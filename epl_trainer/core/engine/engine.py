@@ -176,13 +176,6 @@ def plan_engine(
     else:
         staged = partition_model(model, node_taskgraph, len(plan.taskgraphs))
     by_worker = [lanes_for_worker(plan, w) for w in range(len(devices_by_worker))]
-    over_replicas = [path for path, (_, batch_dim) in gathered.items() if batch_dim is not None]
-    if over_replicas and len(devices_by_worker) > 1 and plan.num_replicas > 1:
-        raise PlanError(
-            f"Variables laid out over the batch axis {over_replicas[:6]} are held across "
-            "the replicas, which this version gathers within one process; over "
-            f"{len(devices_by_worker)} workers, lay them out over the model axis only."
-        )
     width = plan.taskgraphs[0].device_count
     split_layers += gathered_variables(model, gathered, width, plan.num_replicas)
     if vocabulary and loss is not None:  # a tied table's logits may be a split output

@@ -279,16 +279,33 @@ class EngineState:
     def full_value(self, index: int):
         """Trainable variable `index` as the model sees it: sharded ones are joined from
         the lanes of this worker's first replica (laid out over the batch axis too: from
-        the replicas'); None if another worker holds it."""
+        the replicas'); None if another worker holds it. A variable with blocks on other
+        workers (`blocks_elsewhere`) is joined from the blocks held here, zeros for the
+        others: the write-back's exchange sums the workers' parts (pipeline/exchange.py)."""
         if index not in self.sharded:
             copy = self.local_copy(index)
             return None if copy is None else copy.value
         spec = self.sharded[index]
         position = {lane.index: p for p, lane in enumerate(self.lanes)}
         holders = spec.holders(self.lanes[0].index)
-        blocks = [self.trainable[position[lane]][index].value for lane in holders]
+        local = next(self.trainable[position[h]][index] for h in holders if h in position)
+        blocks = [
+            self.trainable[position[lane]][index].value
+            if lane in position
+            else tf.zeros(local.shape, local.dtype)
+            for lane in holders
+        ]
         with tf.device(self.model_trainable[index].value.device):
             return spec.join(blocks)
+
+    def blocks_elsewhere(self) -> list[int]:
+        """Trainable indices held in blocks some of which are on other workers only (a
+        Keras layout over a batch axis whose replicas sit on several workers)."""
+        if not self.lanes:
+            return []
+        local = {lane.index for lane in self.lanes}
+        first = self.lanes[0].index
+        return [i for i, spec in self.sharded.items() if not set(spec.holders(first)) <= local]
 
     @contextlib.contextmanager
     def gathered_reads(self):

@@ -438,14 +438,18 @@ class SplitRuntime:
                     "whose collective order follows their index."
                 )
         # Variables laid out over the batch axis gather over the lanes of the same rank
-        # in every replica (the engine plans them only when the job is one process).
+        # in every replica, which may sit on other workers.
         self._batch_groups = []
+        self._batch_groups_span_workers = False
         if any(isinstance(spec, LaidOutVariable) for spec in self.sharded.values()):
             replicas = len(lanes_in_job) // width
             for lane in self.lanes:
                 rank = lane.index % width
-                members = tuple(by_index[r * width + rank].devices[0] for r in range(replicas))
-                self._batch_groups.append(comm.CollectiveGroup(members, (lane.devices[0],)))
+                members = [by_index[r * width + rank] for r in range(replicas)]
+                devices = tuple(member.devices[0] for member in members)
+                self._batch_groups.append(comm.CollectiveGroup(devices, (lane.devices[0],)))
+                if len({member.worker for member in members}) > 1:
+                    self._batch_groups_span_workers = True
         self.comms: list[comm.LaneCollectives] = []
         self.batch_comms: list[comm.LaneCollectives] = []
         self._active: int | None = None
@@ -455,20 +459,39 @@ class SplitRuntime:
         """Fresh instance keys (a block per local replica, and per rank for the batch
         groups) for the next traced function.
 
-        A replica never spans workers, and batch groups exist only in a one-process job,
-        so these keys are process-local (`comm.reserve_local_instance_keys`)."""
+        A replica never spans workers, so its keys are process-local
+        (`comm.reserve_local_instance_keys`). Batch groups whose replicas sit on several
+        workers take their keys from the group's counter, which every member advances in
+        the same order (`comm.reserve_instance_keys`), as ZeRO's gathers across workers
+        do."""
         keys = comm.KEYS_PER_LANE_GROUP
         replicas = sorted({lane.index // self.width for lane in self.lanes})
         ranks = sorted({lane.index % self.width for lane in self.lanes})
-        count = len(replicas) + (len(ranks) if self._batch_groups else 0)
-        first = comm.reserve_local_instance_keys(keys * count)
+        local_ranks = (
+            len(ranks) if self._batch_groups and not self._batch_groups_span_workers else 0
+        )
+        first = comm.reserve_local_instance_keys(keys * (len(replicas) + local_ranks))
         self.comms = [
             comm.LaneCollectives(g, first + replicas.index(lane.index // self.width) * keys, keys)
             for g, lane in zip(self._groups, self.lanes)
         ]
         first += len(replicas) * keys
+        if self._batch_groups_span_workers:  # one block per rank's group, in rank order
+            by_rank = {}
+            for g, lane in sorted(
+                zip(self._batch_groups, self.lanes), key=lambda item: item[1].index % self.width
+            ):
+                rank = lane.index % self.width
+                if rank not in by_rank:
+                    by_rank[rank] = comm.reserve_instance_keys(g.key, keys)
+            starts = {lane.index: by_rank[lane.index % self.width] for lane in self.lanes}
+        else:
+            starts = {
+                lane.index: first + ranks.index(lane.index % self.width) * keys
+                for lane in self.lanes
+            }
         self.batch_comms = [
-            comm.LaneCollectives(g, first + ranks.index(lane.index % self.width) * keys, keys)
+            comm.LaneCollectives(g, starts[lane.index], keys)
             for g, lane in zip(self._batch_groups, self.lanes)
         ]
 

@@ -43,6 +43,15 @@ def written(variables) -> list:
     return [tf.reshape(v.value.read_value(), [-1])[:1] for v in variables]
 
 
+def blocks_span_workers(layout) -> bool:
+    """Some sharded variable has blocks held only on other workers (split/blocks.py)."""
+    if not layout.lanes:
+        return False
+    local = {lane.index for lane in layout.lanes}
+    first = layout.lanes[0].index
+    return any(not set(spec.holders(first)) <= local for spec in layout.state.sharded.values())
+
+
 class ReplicatedUpdate:
     """All-reduce, optional global-norm clip, then apply on every lane (or on the host).
 
@@ -177,8 +186,10 @@ class ReplicatedUpdate:
     @property
     def state_spans_workers(self) -> bool:
         """Whether some optimizer state lives only on other workers: a stage's, when a
-        replica's stages are on several workers (master_state.py exchanges it)."""
-        return self.layout.spans_workers
+        replica's stages are on several workers, or a block's of a variable laid out
+        over a batch axis whose replicas are on several workers (master_state.py
+        exchanges it)."""
+        return self.layout.spans_workers or blocks_span_workers(self.layout)
 
     def gradient_bytes(self) -> dict[str, int]:
         """Bytes of reduced gradients per compute device (every lane holds its full stage)."""
