@@ -428,6 +428,39 @@ def test_two_workers_train_as_one_process(flag, replicas, make_model, make_data,
             np.testing.assert_allclose(value, expected[name], atol=1e-5, err_msg=name)
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+@pytest.mark.combines("split+multi_worker")
+def test_kerashub_llama_on_a_mesh_over_two_workers_trains_as_keras(tmp_path):
+    """KerasHub's Llama map on the job's (2, 2) mesh, a worker per batch coordinate: the
+    decoder blocks compute tensor parallel within each worker, the map's blocks over the
+    batch axis are gathered across the workers, and 4 Adam steps end where Keras's `fit`
+    on one device ends, on both workers."""
+    import os
+    import sys
+
+    from _launch import SCRIPTS, run_launch
+
+    pytest.importorskip("keras_hub")
+    sys.path.insert(0, SCRIPTS)
+    import train_kerashub_mesh
+
+    result = run_launch(
+        os.path.join(SCRIPTS, "train_kerashub_mesh.py"), tmp_path, 2, 2, timeout=200
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "worker 0 replicas=2" in result.stdout
+    assert "computed sharded in blocks: transformer_layer_1 (MLP)" in result.stdout
+    reference = train_kerashub_mesh.make_llama()
+    reference.compile(optimizer=OPTIMIZERS["adam"](), loss=LM_LOSS)
+    x, y = train_kerashub_mesh.make_data()
+    reference.fit(x, y, batch_size=8, shuffle=False, verbose=0)
+    for worker in range(2):
+        saved = np.load(tmp_path / "out" / f"weights_{worker}.npz")
+        for i, value in enumerate(reference.get_weights()):
+            np.testing.assert_allclose(saved[f"arr_{i}"], value, atol=ATOL_ADAM)
+
+
 def _embedding_model(mask_zero):
     keras.utils.set_random_seed(0)
     tokens = keras.Input((5,), dtype="int32")
