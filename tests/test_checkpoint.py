@@ -110,7 +110,7 @@ def test_a_tagged_save_is_kept_by_keep_max_and_restored_by_its_tag(tmp_path):
     trainer.save_checkpoint(str(tmp_path), keep_max=1)
     trainer.fit(_dataset(), epochs=1, verbose=0)
     trainer.save_checkpoint(str(tmp_path), keep_max=1)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["best", "ckpt-12", "latest"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".spare", "best", "ckpt-12", "latest"]
     model = mlp(seed=5)
     restored = _trainer(model)
     assert restored.restore_checkpoint(str(tmp_path), tag="best") == str(tmp_path / "best")
@@ -181,7 +181,41 @@ def test_keep_max_keeps_only_the_newest(tmp_path):
     for _ in range(3):
         trainer.fit(_dataset(), epochs=1, verbose=0)
         trainer.save_checkpoint(str(tmp_path), keep_max=2)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt-12", "ckpt-8", "latest"]
+    # beside them, the dropped checkpoint's data file as the next save's (.spare)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".spare", "ckpt-12", "ckpt-8", "latest"]
+
+
+def test_a_dropped_checkpoints_file_is_written_over_by_the_next_save(tmp_path):
+    """keep_max=1: the data file of the checkpoint a save drops is kept as the worker's
+    spare and the next save writes over it in place (the same inode: no deletion or
+    allocation of a checkpoint's size per save), and every kept checkpoint restores
+    exactly. A smaller model's save into the same folder cuts the recycled file to its
+    own length."""
+    directory = str(tmp_path)
+    trainer = _trainer(mlp())
+    for _ in range(2):
+        trainer.fit(_dataset(), epochs=1, verbose=0)
+        trainer.save_checkpoint(directory, keep_max=1)
+    spare = os.path.join(directory, ".spare", "shard-0.bin")
+    assert sorted(os.listdir(directory)) == [".spare", "ckpt-8", "latest"]
+    inode = os.stat(spare).st_ino
+    trainer.fit(_dataset(), epochs=1, verbose=0)
+    path = trainer.save_checkpoint(directory, keep_max=1)
+    assert os.stat(os.path.join(path, "shard-0.bin")).st_ino == inode
+    restored_model = mlp(seed=7)
+    _trainer(restored_model).restore_checkpoint(directory)
+    assert max_weight_difference(trainer.model, restored_model) == 0.0
+    # A smaller model's checkpoint in the same folder: the recycled file is cut to size.
+    small = keras.Sequential([keras.Input((6,)), keras.layers.Dense(3)])
+    small_trainer = _trainer(small)
+    small_trainer.fit(_dataset(), epochs=1, verbose=0)
+    before = os.path.getsize(spare)
+    path = small_trainer.save_checkpoint(directory, keep_max=1)
+    assert os.path.getsize(os.path.join(path, "shard-0.bin")) < before
+    restored_small = keras.Sequential([keras.Input((6,)), keras.layers.Dense(3)])
+    _trainer(restored_small).restore_checkpoint(directory)
+    for a, b in zip(restored_small.get_weights(), small.get_weights()):
+        np.testing.assert_array_equal(a, b)
 
 
 def test_stale_temporary_folders_of_dead_saves_are_removed(tmp_path):

@@ -234,8 +234,10 @@ def test_resume_after_kill_sees_every_sample_once_and_ends_with_identical_weight
     killed = _run_alone(tmp_path, "--kill_at_step", "11", "--keep_max", "2")
     assert killed.returncode == -signal.SIGKILL
     ckpt_dir = tmp_path / "ckpt"
-    # Step 8 (an epoch end) and step 9 (save_steps=3) are the 2 newest; 3 and 6 were deleted.
-    assert sorted(p.name for p in ckpt_dir.iterdir()) == ["ckpt-8", "ckpt-9", "latest"]
+    # Step 8 (an epoch end) and step 9 (save_steps=3) are the 2 newest; 3 and 6 were
+    # deleted (the data file of one kept as the next save's spare).
+    names = sorted(p.name for p in ckpt_dir.iterdir())
+    assert names == [".spare", "ckpt-8", "ckpt-9", "latest"]
     metadata = json.loads((ckpt_dir / "ckpt-9" / "manifest.json").read_text())
     assert (metadata["epochs_done"], metadata["step_in_epoch"], metadata["input_position"]) == (
         1,

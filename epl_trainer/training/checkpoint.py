@@ -43,6 +43,7 @@ from epl_trainer.training import shard_file
 FORMAT_VERSION = 3  # 3: raw shard files (shard_file.py); 2: TF tensor bundles, still read
 _READABLE_VERSIONS = (2, 3)
 _DATA = ".bin"
+_SHARD_DATA = re.compile(r"shard-(\d+)\.bin")
 MANIFEST = "manifest.json"
 _OLD_METADATA = "metadata.json"  # format 1: one layout's positional keys
 _LATEST = "latest"
@@ -110,6 +111,7 @@ def write_shard(
     files, placed = {}, []
     if entries:  # a worker may own nothing (data parallelism: lane 0's worker owns all)
         data = _join(folder, f"shard-{worker}{_DATA}")
+        _take_spare(folder, worker, data)
         arrays = [_as_array(value) for _, _, value in entries]
         placed = shard_file.write(data, arrays, staging or shard_file.StagingBuffer())
         files[f"shard-{worker}{_DATA}"] = gfile.stat(data).length
@@ -542,10 +544,53 @@ def _check_files(path: str, sizes: Mapping[str, int]) -> None:
 
 
 def _delete_old(directory: str, newest: int, keep_max: int) -> None:
-    """Deletes published checkpoints older than the `keep_max` newest (up to `newest`)."""
+    """Deletes published checkpoints older than the `keep_max` newest (up to `newest`).
+
+    On a local disk each worker's shard data file of the first one deleted is kept as
+    that worker's spare (`spare_path`), which its next save writes over in place
+    (`write_shard`): deleting a file of a checkpoint's size and allocating the next one
+    cost the step time on file systems that trim deleted blocks at once (mounted with
+    `discard`: docs/reference/checkpoints.md). The folder itself, its manifest and
+    records go; a spare is never a checkpoint, and the disk holds at most one spare per
+    worker beside the `keep_max` checkpoints (what it holds while a save is written)."""
     published = [s for s in list_checkpoints(directory) if s <= newest]
     for step in published[:-keep_max]:
-        gfile.rmtree(_join(directory, f"ckpt-{step}"))
+        folder = _join(directory, f"ckpt-{step}")
+        if "://" not in directory:
+            _keep_spares(directory, folder)
+        gfile.rmtree(folder)
+
+
+_SPARES = ".spare"
+
+
+def spare_path(directory: str, worker: int) -> str:
+    """Where worker `worker`'s spare shard data file waits for its next save."""
+    return _join(_join(directory, _SPARES), f"shard-{worker}{_DATA}")
+
+
+def _keep_spares(directory: str, folder: str) -> None:
+    """Moves `folder`'s shard data files to the spares a worker has none of (atomic
+    renames: a crash leaves each file a spare or in the folder being deleted)."""
+    os.makedirs(_join(directory, _SPARES), exist_ok=True)
+    for name in os.listdir(folder):
+        match = _SHARD_DATA.fullmatch(name)
+        if match:
+            spare = spare_path(directory, int(match.group(1)))
+            if not os.path.exists(spare):
+                os.replace(os.path.join(folder, name), spare)
+
+
+def _take_spare(folder: str, worker: int, data: str) -> None:
+    """Puts worker `worker`'s spare (if any) where its shard data file is written, to
+    be written over in place (shard_file.write never truncates before writing)."""
+    if "://" in folder:
+        return
+    spare = spare_path(os.path.dirname(folder.rstrip("/")), worker)
+    try:
+        os.replace(spare, data)
+    except FileNotFoundError:
+        pass
 
 
 def _process_alive(pid: int) -> bool:

@@ -142,7 +142,9 @@ class _FileWriter:
             f.write(self._buffer[:last].tobytes())
 
     def _run_local(self):
-        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
+        # No O_TRUNC: a recycled file (checkpoint.py's spare) is written over in place,
+        # its blocks neither freed nor allocated again; its length is set at the end.
+        flags = os.O_WRONLY | os.O_CREAT
         try:
             descriptor = os.open(self._path, flags | _O_DIRECT, 0o644)
         except OSError as error:
@@ -155,6 +157,7 @@ class _FileWriter:
                 while written < end:
                     stop = min(end, written + _CHUNK)
                     written += os.pwrite(descriptor, self._buffer[written:stop], written)
+            os.ftruncate(descriptor, written)  # a longer recycled file's tail goes
             os.fsync(descriptor)  # the file's size and, without O_DIRECT, its data
         finally:
             os.close(descriptor)
