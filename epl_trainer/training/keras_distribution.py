@@ -52,6 +52,7 @@ import tensorflow as tf
 
 from epl_trainer.core.engine import split
 from epl_trainer.core.engine.split import decoder_blocks
+from epl_trainer.core.plan import mesh as mesh_plan
 from epl_trainer.core.plan.ir import SplitError
 
 _DEVICE = re.compile(r"(?:.*/device:)?(?P<type>[A-Za-z]+):(?P<index>\d+)")
@@ -173,23 +174,8 @@ def variable_layouts(distribution, model) -> list[VariableLayout]:
     for variable in model.variables:
         shape = tuple(int(d) for d in variable.shape)
         axes = tuple(distribution.get_variable_layout(variable).axes)
-        if len(axes) != len(shape):
-            raise ValueError(
-                f"Variable {variable.path!r} of shape {shape} is laid out {axes}: a layout "
-                f"names one mesh axis or None per dimension ({len(shape)})."
-            )
-        sharded = []
-        for dim, axis in enumerate(axes):
-            if axis is None or sizes[axis] == 1:
-                continue
-            if shape[dim] % sizes[axis]:
-                raise ValueError(
-                    f"Variable {variable.path!r} of shape {shape} is laid out {axes}: "
-                    f"dimension {dim} ({shape[dim]}) is not divisible by mesh axis {axis!r} "
-                    f"of size {sizes[axis]}."
-                )
-            sharded.append(dim)
-        layouts.append(VariableLayout(variable.path, shape, axes, tuple(sharded)))
+        sharded = mesh_plan.sharded_dimensions(variable.path, shape, axes, sizes)
+        layouts.append(VariableLayout(variable.path, shape, axes, sharded))
     return layouts
 
 

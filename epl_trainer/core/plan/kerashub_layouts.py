@@ -20,6 +20,8 @@ import dataclasses
 import math
 from collections.abc import Callable
 
+from epl_trainer.core.plan import mesh as mesh_plan
+
 FLOAT32_BYTES = 4  # KerasHub's backbones hold float32 variables unless given another dtype
 MESH_AXES = ("batch", "model")  # the axis names KerasHub's get_layout_map defaults to
 
@@ -258,30 +260,12 @@ class Placement:
 
 def _piece(path: str, shape: Shape, axes: tuple | None, sizes: dict[str, int]) -> int:
     """The divisor of a variable's bytes on each device, checked as the trainer checks
-    (training/keras_distribution.py, `variable_layouts`, whose words these are)."""
+    (`mesh.sharded_dimensions`, the trainer's words)."""
     if axes is None:
         return 1
-    if len(axes) != len(shape):
-        raise ValueError(
-            f"Variable {path!r} of shape {shape} is laid out {axes}: a layout "
-            f"names one mesh axis or None per dimension ({len(shape)})."
-        )
     divisor = 1
-    for dim, axis in enumerate(axes):
-        if axis is not None and axis not in sizes:
-            raise ValueError(
-                f"Variable {path!r} of shape {shape} is laid out {axes}: {axis!r} is not an "
-                f"axis of the mesh {sizes}."
-            )
-        if axis is None or sizes[axis] == 1:
-            continue
-        if shape[dim] % sizes[axis]:
-            raise ValueError(
-                f"Variable {path!r} of shape {shape} is laid out {axes}: "
-                f"dimension {dim} ({shape[dim]}) is not divisible by mesh axis {axis!r} "
-                f"of size {sizes[axis]}."
-            )
-        divisor *= sizes[axis]
+    for dim in mesh_plan.sharded_dimensions(path, tuple(shape), tuple(axes), sizes):
+        divisor *= sizes[axes[dim]]
     return divisor
 
 

@@ -169,6 +169,41 @@ class LaidOut:
                 )
 
 
+def sharded_dimensions(
+    path: str, shape: tuple[int, ...], axes: tuple, sizes: dict[str, int]
+) -> tuple[int, ...]:
+    """The dimensions of a variable laid out `axes` on a mesh of `sizes` that are sharded
+    (over an axis of size > 1), checked against its shape: the trainer's words
+    (training/keras_distribution.py) and epl-plan's (kerashub_layouts.py).
+
+    Raises:
+      ValueError: a layout of another rank, an axis the mesh lacks, or a dimension its
+        axis does not divide, naming the variable, its shape, the axis and its size.
+    """
+    if len(axes) != len(shape):
+        raise ValueError(
+            f"Variable {path!r} of shape {shape} is laid out {axes}: a layout "
+            f"names one mesh axis or None per dimension ({len(shape)})."
+        )
+    sharded = []
+    for dim, axis in enumerate(axes):
+        if axis is not None and axis not in sizes:
+            raise ValueError(
+                f"Variable {path!r} of shape {shape} is laid out {axes}: {axis!r} is not an "
+                f"axis of the mesh {sizes}."
+            )
+        if axis is None or sizes[axis] == 1:
+            continue
+        if shape[dim] % sizes[axis]:
+            raise ValueError(
+                f"Variable {path!r} of shape {shape} is laid out {axes}: "
+                f"dimension {dim} ({shape[dim]}) is not divisible by mesh axis {axis!r} "
+                f"of size {sizes[axis]}."
+            )
+        sharded.append(dim)
+    return tuple(sharded)
+
+
 def block_shape(laid_out: LaidOut, mesh: MeshSpec) -> tuple[int, ...]:
     """The shape of the block each device holds: `dim / size(axis)` on sharded dims."""
     laid_out.check(mesh)

@@ -97,16 +97,13 @@ _GEMMA_ATTENTION = Adapter(
     heads=("num_query_heads", "num_key_value_heads", "hidden_dim"),
 )
 # Qwen's attention is Llama's with biases on query, key and value (shaped (heads,
-# head_dim): bias_axes "uh" / "vh").
-_QWEN_ATTENTION = Adapter(
-    "attention",
-    (
-        Member("_query_dense", "bqm,muh->bquh", 1, "column", bias_dim=0),
-        Member("_key_dense", "bkm,mvh->bkvh", 1, "column", bias_dim=0),
-        Member("_value_dense", "bkm,mvh->bkvh", 1, "column", bias_dim=0),
-        Member("_output_dense", "bquh,uhm->bqm", 0, "row"),
+# head_dim): bias_axes "uh" / "vh"), shared by heads.
+_QWEN_ATTENTION = dataclasses.replace(
+    _LLAMA_ATTENTION,
+    members=tuple(
+        dataclasses.replace(m, bias_dim=0) if m.role == "column" else m
+        for m in _LLAMA_ATTENTION.members
     ),
-    heads=("num_query_heads", "num_key_value_heads"),
 )
 _LLAMA_MLP = Adapter(
     "mlp",
