@@ -13,7 +13,7 @@ import pytest
 
 import epl_trainer as epl
 from epl_trainer.core.plan import kerashub_layouts
-from epl_trainer.runtime import plan_cli
+from epl_trainer.runtime import kerashub_maps, plan_cli
 
 keras_hub = pytest.importorskip("keras_hub")
 
@@ -81,7 +81,7 @@ def test_bytes_per_device_are_what_the_trainer_holds(family, mesh):
     as after a step) under KerasHub's layout map: variables and gradients equal ours on
     every device, its Adam state our 2 slots plus the optimizer's scalar counters
     (iteration and learning rate, 16 bytes at most)."""
-    planned = kerashub_layouts.kerashub_placement(family, _sizes(family), mesh)
+    planned = kerashub_maps.kerashub_placement(family, _sizes(family), mesh)
     model = _causal_lm(family)
     devices = keras.distribution.list_devices()[: mesh[0] * mesh[1]]
     layout_map = type(model.backbone).get_layout_map(
@@ -164,7 +164,7 @@ def test_an_indivisible_layout_names_the_variable_as_the_trainer_does(capsys):
         "'model' of size 3."
     )
     with pytest.raises(ValueError) as planned:
-        kerashub_layouts.kerashub_placement("llama", _sizes("llama", vocabulary_size=63), (1, 3))
+        kerashub_maps.kerashub_placement("llama", _sizes("llama", vocabulary_size=63), (1, 3))
     assert str(planned.value) == expected
     backbone = _backbone("llama", vocabulary_size=63)
     mesh = keras.distribution.DeviceMesh((1, 3), ("batch", "model"),

@@ -12,7 +12,7 @@ planner the trainer uses, and the numbers are `core/plan/estimate.py`'s arithmet
 are cut by `estimate.partition_stages`, as `auto.auto_parallel` cuts them. Settings not
 given as flags come from `--epl_config` / `--epl_set` / `EPL_*` (the trainer's config
 keys), then from the defaults. `--layout_map` is the exception: it asks KerasHub for its
-family's layout map (`core/plan/kerashub_layouts.py`), which imports Keras and its backend.
+family's layout map (`runtime/kerashub_maps.py`), which imports Keras and its backend.
 """
 
 from __future__ import annotations
@@ -44,6 +44,7 @@ from epl_trainer.core.plan.ir import (
     format_count,
 )
 from epl_trainer.core.plan.schedule import device_peak_in_flight, make_schedule
+from epl_trainer.runtime import kerashub_maps
 
 MODELS = ("transformer", "bert", "resnet50")
 _TRANSFORMER_SIZES = ("layers", "hidden", "heads", "vocab", "seq_len")
@@ -735,7 +736,7 @@ def layout_placement(args, parser) -> kerashub_layouts.Placement:
         head_dim=args.head_dim,
         tie_embeddings=args.tie_embeddings,
     )
-    return kerashub_layouts.kerashub_placement(args.layout_map, sizes, args.mesh)
+    return kerashub_maps.kerashub_placement(args.layout_map, sizes, args.mesh)
 
 
 def _grouped_variables(placement: kerashub_layouts.Placement) -> list[tuple]:

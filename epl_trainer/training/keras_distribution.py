@@ -51,7 +51,6 @@ import numpy as np
 import tensorflow as tf
 
 from epl_trainer.core.engine import split
-from epl_trainer.core.engine.split import decoder_blocks
 from epl_trainer.core.plan import mesh as mesh_plan
 from epl_trainer.core.plan.ir import SplitError
 
@@ -291,7 +290,7 @@ def plan(distribution, model) -> TensorParallel | None:
         if path not in computed and path not in vocabulary
     }
     width = sizes[axis] if axis is not None else 1
-    blocks, unfit = decoder_blocks.find(model, gathered, width) if axis else ([], {})
+    blocks, unfit = split.find_computed_blocks(model, gathered, width) if axis else ([], {})
     for kernel in (k for block in blocks for k in block.kernels if k.from_block):
         del gathered[kernel.path]  # read from the lane's block, never gathered whole
     return TensorParallel(width, names, gathered, vocabulary, tuple(blocks), unfit)

@@ -1,17 +1,13 @@
-"""KerasHub's decoder-only families by their sizes, and what each device holds under the
-family's own layout map.
+"""KerasHub's decoder-only families by their sizes, and what each device holds under a
+layout.
 
 `variables(family, sizes)` lists a backbone's model variables, (path, shape), exactly as
 KerasHub 0.32 builds and names them (`keras_hub/src/models/{llama,gemma,qwen}/`): pure
-Python, so a 7B model is described without building it. `kerashub_layout(family, mesh)`
-asks KerasHub itself for the layouts: it calls the backbone's `get_layout_map` on a
-`keras.distribution.DeviceMesh` of device names that need not exist (Keras checks only
-their count) and looks each path up the way Keras does (`layout_map[path]`: the exact key,
-else the one regex that fully matches; no match is replicated). Its regexes are not copied
-here, so a new KerasHub release's map is the one planned. `place` divides each variable
+Python, so a 7B model is described without building it. `place` divides each variable
 over the mesh axes its layout names, as `EPLTrainer.placement()` reports storage
-(training/keras_distribution.py, `variable_layouts`); keras (and with it the backend) is
-imported only by `kerashub_layout`.
+(training/keras_distribution.py, `variable_layouts`). The layouts come from KerasHub's
+own `get_layout_map` (runtime/kerashub_maps.py, which imports keras: this module never
+does).
 """
 
 from __future__ import annotations
@@ -176,26 +172,6 @@ def device_names(mesh_shape) -> list[str]:
     return [f"gpu:{i}" for i in range(math.prod(check_mesh(mesh_shape)))]
 
 
-def kerashub_layout(family: str, mesh_shape) -> Callable[[str], tuple | None]:
-    """path -> the layout's axes (None: replicated) under KerasHub's own layout map.
-
-    Imports keras and keras_hub (and the Keras backend). The mesh's devices are names
-    only: Keras's DeviceMesh checks their count, not that they exist.
-    """
-    import keras
-    import keras_hub
-
-    shape = check_mesh(mesh_shape)
-    mesh = keras.distribution.DeviceMesh(shape, MESH_AXES, devices=device_names(shape))
-    layout_map = getattr(keras_hub.models, _family(family).backbone).get_layout_map(mesh)
-
-    def layout_of(path: str):
-        layout = layout_map[path]  # Keras's lookup: exact key, else one fullmatch
-        return None if layout is None else tuple(layout.axes)
-
-    return layout_of
-
-
 @dataclasses.dataclass(frozen=True)
 class VariablePlacement:
     path: str
@@ -277,7 +253,7 @@ def place(
     value_bytes: int = FLOAT32_BYTES,
 ) -> Placement:
     """The bytes of each of `listed`'s variables that each device of `mesh_shape` holds
-    under `layout_of` (e.g. `kerashub_layout(family, mesh_shape)`)."""
+    under `layout_of` (e.g. runtime/kerashub_maps.py's `kerashub_layout`)."""
     mesh = check_mesh(mesh_shape)
     sizes = dict(zip(MESH_AXES, mesh))
     placed = []
@@ -288,9 +264,3 @@ def place(
             VariablePlacement(path, shape, axes, whole, whole // _piece(path, shape, axes, sizes))
         )
     return Placement(family, mesh, tuple(placed))
-
-
-def kerashub_placement(family: str, sizes: DecoderSizes, mesh_shape) -> Placement:
-    """The family's variables placed by its own KerasHub layout map on `mesh_shape`."""
-    listed = variables(family, sizes)  # size errors before keras is imported
-    return place(family, listed, kerashub_layout(family, mesh_shape), mesh_shape)

@@ -10,6 +10,7 @@ __getattr__, __dir__, __all__ = lazy_surface(
         "apply_split": "lanes",
         "check_split_metrics": "layers",
         "computed_blocks": "layers",
+        "find_computed_blocks": "decoder_blocks",
         "find_split_layers": "layers",
         "gathered_variables": "layers",
         "megatron_pairs": "layers",

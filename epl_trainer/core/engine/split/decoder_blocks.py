@@ -170,7 +170,9 @@ class ComputedBlock:
         return f"{self.path} (attention by heads{note})"
 
 
-def find(model, storage_of, width: int) -> tuple[list[ComputedBlock], dict[str, str]]:
+def find_computed_blocks(
+    model, storage_of, width: int
+) -> tuple[list[ComputedBlock], dict[str, str]]:
     """The blocks of `model` computed tensor parallel over `width` lanes, and
     {layer path: why not} for the known blocks that are not.
 

@@ -319,8 +319,11 @@ def vocabulary_parallel(model, paths, width: int, losses=(), metrics=()) -> list
       losses: the Keras loss of each flat model output (None: none).
       metrics: (flat output index, metric) pairs.
     """
+    if not paths:
+        return []
     index_of = {id(v): i for i, v in enumerate(model.trainable_variables)}
-    outputs = tree.flatten(model.outputs)
+    # A subclassed model has no symbolic outputs: its tied logits are read whole.
+    outputs = tree.flatten(getattr(model, "outputs", None) or [])
     found = []
     for layer in model._flatten_layers(include_self=False):
         if isinstance(layer, keras.layers.Embedding) and layer.embeddings.path in paths:
