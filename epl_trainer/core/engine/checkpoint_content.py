@@ -128,6 +128,9 @@ class CheckpointContent:
         # id(ZeRO piece variable) -> (local lane position, trainable index, rows a, b)
         self._piece_spans = getattr(self.update, "piece_spans", dict)()
         # id(engine copy or shard) -> (local lane position, trainable index)
+        # Trainables held in blocks some of which are only on other workers: saved as
+        # this worker's slabs.
+        self._elsewhere = set(self.state.blocks_elsewhere())
         self._copy_of = {}
         for li, lane_vars in enumerate(self.state.trainable):
             for i, v in enumerate(lane_vars):
@@ -141,7 +144,7 @@ class CheckpointContent:
         state = self.state
         entries = []
         for i, v in enumerate(state.model_trainable):
-            if self._held_across_workers(i):
+            if i in self._elsewhere:
                 entries += self._slabs(f"trainable/{i}", v.path, i, state.trainable)
                 continue
             read = self._owned_read(i, state.trainable_stage[i], state.trainable)
@@ -171,39 +174,33 @@ class CheckpointContent:
         shards = self._holder_positions(li, spec)
         return lambda: spec.join([copies[p][i].value for p in shards])
 
-    def _held_across_workers(self, i: int) -> bool:
-        """Trainable i is held in blocks some of which are on other workers (a Keras
-        layout over the batch axis, whose replicas sit on several workers)."""
-        spec = self.state.sharded.get(i)
-        if spec is None or not self.state.lanes:
-            return False
-        local = {lane.index for lane in self.state.lanes}
-        return not set(spec.holders(self.state.lanes[0].index)) <= local
-
     def _slabs(self, key: str, name: str, i: int, copies) -> list[Entry]:
-        """The slabs along the batch-axis dimension of this worker's replicas: each
-        replica's model-axis blocks joined (`copies[p][i]` the block of local lane p)."""
+        """Trainable i's slabs of this worker's replicas (`copies[p][i]`: local lane p's
+        block)."""
         spec = self.state.sharded[i]
-        size = int(self.state.model_trainable[i].shape[spec.batch_axis])
-        rows = size // spec.replicas
-        position = {lane.index: p for p, lane in enumerate(self.state.lanes)}
         parts = spec.width if spec.model_axis is not None else 1
+        position = {lane.index: p for p, lane in enumerate(self.state.lanes)}
+        by_replica = {
+            replica: [copies[position[replica * spec.width + rank]][i] for rank in range(parts)]
+            for replica in {lane.index // spec.width for lane in self.state.lanes}
+        }
+        return self._slab_entries(key, name, i, by_replica)
+
+    def _slab_entries(self, key: str, name: str, i: int, by_replica: dict) -> list[Entry]:
+        """One entry per replica: the slab along trainable i's batch-axis dimension that
+        its variables (its model-axis blocks, or their slots, in rank order) make."""
+        spec = self.state.sharded[i]
+        rows = int(self.state.model_trainable[i].shape[spec.batch_axis]) // spec.replicas
         entries = []
-        for replica in sorted({lane.index // spec.width for lane in self.state.lanes}):
-            held = [position[replica * spec.width + rank] for rank in range(parts)]
+        for replica, held in sorted(by_replica.items()):
 
             def read(held=held):
-                blocks = [copies[p][i].value for p in held]
+                blocks = [v.value for v in held]
                 return tf.concat(blocks, spec.model_axis) if len(blocks) > 1 else blocks[0]
 
             start = replica * rows
-            entries.append(
-                Entry(
-                    slab_key(key, spec.batch_axis, start, start + rows),
-                    f"{name} (rows {start}:{start + rows})",
-                    read,
-                )
-            )
+            slab = slab_key(key, spec.batch_axis, start, start + rows)
+            entries.append(Entry(slab, f"{name} (rows {start}:{start + rows})", read))
         return entries
 
     def _holder_positions(self, li: int, spec) -> list[int]:
@@ -262,7 +259,7 @@ class CheckpointContent:
         for key, held in by_key.items():
             held.sort(key=lambda item: item[0])
             i = held[0][2]
-            if self._held_across_workers(i):  # this worker's replicas' slabs
+            if i in self._elsewhere:  # this worker's replicas' slabs
                 entries += self._slot_slabs(key, held, i)
                 continue
             slots = [slot for _, slot, _ in held]
@@ -282,25 +279,13 @@ class CheckpointContent:
         return entries
 
     def _slot_slabs(self, key: str, held: list, i: int) -> list[Entry]:
-        """A slot's slabs along the batch-axis dimension, one per local replica (its
-        lanes' blocks of the slot joined along the model axis)."""
+        """A slot's slabs, one per local replica (`held`: (lane, slot, i) by lane)."""
         spec = self.state.sharded[i]
-        size = int(self.state.model_trainable[i].shape[spec.batch_axis])
-        rows = size // spec.replicas
         by_replica: dict[int, list] = {}
         for lane_index, slot, _ in held:
             by_replica.setdefault(lane_index // spec.width, []).append(slot)
         path = f"{self.state.model_trainable[i].path} ({key.split('/', 2)[2]})"
-        entries = []
-        for replica, slots in sorted(by_replica.items()):
-
-            def read(slots=slots):
-                blocks = [slot.value for slot in slots]
-                return tf.concat(blocks, spec.model_axis) if len(blocks) > 1 else blocks[0]
-
-            start = replica * rows
-            entries.append(Entry(slab_key(key, spec.batch_axis, start, start + rows), path, read))
-        return entries
+        return self._slab_entries(key, path, i, by_replica)
 
     def _applied_steps_owner(self) -> tuple[int, int] | None:
         """(lane, stage): the lowest global lane that holds an optimizer (ZeRO: owns some

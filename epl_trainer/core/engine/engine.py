@@ -178,17 +178,15 @@ def plan_engine(
     by_worker = [lanes_for_worker(plan, w) for w in range(len(devices_by_worker))]
     width = plan.taskgraphs[0].device_count
     split_layers += gathered_variables(model, gathered, width, plan.num_replicas)
+    losses, metric_pairs = (), ()
     if vocabulary and loss is not None:  # a tied table's logits may be a split output
         if not loss.built:
             loss.build_from_outputs(model.outputs)
         if not metrics.built:
             metrics.build(model.outputs, model.outputs)
-        outputs = len(tree.flatten(model.outputs))
-        split_layers += vocabulary_parallel(
-            model, set(vocabulary), width, loss.losses_for(outputs), list(metrics)
-        )
-    else:
-        split_layers += vocabulary_parallel(model, set(vocabulary), width)
+        losses = loss.losses_for(len(tree.flatten(model.outputs)))
+        metric_pairs = list(metrics)
+    split_layers += vocabulary_parallel(model, set(vocabulary), width, losses, metric_pairs)
     split_layers += computed_blocks(model, blocks, width, plan.num_replicas)
     in_job = {lane.index: lane for lanes in by_worker for lane in lanes}  # one view of each
     return EnginePlan(

@@ -272,7 +272,14 @@ def _moe_layer(layer, index_of, width) -> SplitLayer:
 
 def gathered_variables(model, dims_by_path, width: int, replicas: int) -> list[SplitLayer]:
     """One "gathered" SplitLayer per trainable variable `dims_by_path` names, held in
-    blocks and gathered whole on use.
+    blocks and gathered whole on use (`storage_specs`)."""
+    specs = storage_specs(model, dims_by_path, width, replicas)
+    return [SplitLayer(None, "gathered", (spec,)) for spec in specs]
+
+
+def storage_specs(model, dims_by_path, width: int, replicas: int) -> list:
+    """How each trainable variable `dims_by_path` names is held in blocks (blocks.py), in
+    its order.
 
     Args:
       dims_by_path: {variable path: (dimension sliced over a replica's `width` lanes or
@@ -298,10 +305,9 @@ def gathered_variables(model, dims_by_path, width: int, replicas: int) -> list[S
                 )
         index = index_of[path]
         if batch_dim is None:
-            spec = ShardedVariable(index, model_dim, width)
+            found.append(ShardedVariable(index, model_dim, width))
         else:
-            spec = LaidOutVariable(index, model_dim, batch_dim, width, replicas)
-        found.append(SplitLayer(None, "gathered", (spec,)))
+            found.append(LaidOutVariable(index, model_dim, batch_dim, width, replicas))
     return found
 
 
@@ -371,12 +377,12 @@ def _sharded_cross_entropy_computes(loss) -> bool:
 def computed_blocks(model, blocks, width: int, replicas: int) -> list[SplitLayer]:
     """An "attention" or "mlp" SplitLayer for each KerasHub block computed on the lanes'
     shares (decoder_blocks.py), holding the specs of the kernels it reads from the
-    lane's block (stored as a Keras layout says, as `gathered_variables` holds them)."""
+    lane's block (stored as a Keras layout says: `storage_specs`)."""
     by_path = {layer.path: layer for layer in model._flatten_layers(include_self=False)}
     found = []
     for block in blocks:
         own = {k.path: k.storage for k in block.kernels if k.from_block}
-        specs = tuple(s.variables[0] for s in gathered_variables(model, own, width, replicas))
+        specs = tuple(storage_specs(model, own, width, replicas))
         found.append(SplitLayer(by_path[block.path], block.kind, specs, block=block))
     return found
 
@@ -480,21 +486,14 @@ class SplitRuntime:
         ]
         first += len(replicas) * keys
         if self._batch_groups_span_workers:  # one block per rank's group, in rank order
-            by_rank = {}
-            for g, lane in sorted(
-                zip(self._batch_groups, self.lanes), key=lambda item: item[1].index % self.width
-            ):
-                rank = lane.index % self.width
-                if rank not in by_rank:
-                    by_rank[rank] = comm.reserve_instance_keys(g.key, keys)
-            starts = {lane.index: by_rank[lane.index % self.width] for lane in self.lanes}
-        else:
-            starts = {
-                lane.index: first + ranks.index(lane.index % self.width) * keys
-                for lane in self.lanes
+            group_of = {
+                lane.index % self.width: g for g, lane in zip(self._batch_groups, self.lanes)
             }
+            start_of = {r: comm.reserve_instance_keys(group_of[r].key, keys) for r in ranks}
+        else:
+            start_of = {r: first + position * keys for position, r in enumerate(ranks)}
         self.batch_comms = [
-            comm.LaneCollectives(g, starts[lane.index], keys)
+            comm.LaneCollectives(g, start_of[lane.index % self.width], keys)
             for g, lane in zip(self._batch_groups, self.lanes)
         ]
 

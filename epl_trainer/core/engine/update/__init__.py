@@ -14,7 +14,6 @@ __getattr__, __dir__, __all__ = lazy_surface(
         "sum_over_lane": "reduce",
         "ReplicatedUpdate": "update",
         "balanced_groups": "update",
-        "blocks_span_workers": "update",
         "written": "update",
         "OptimizerStep": "apply",
         "MasterState": "master_state",

@@ -43,15 +43,6 @@ def written(variables) -> list:
     return [tf.reshape(v.value.read_value(), [-1])[:1] for v in variables]
 
 
-def blocks_span_workers(layout) -> bool:
-    """Some sharded variable has blocks held only on other workers (split/blocks.py)."""
-    if not layout.lanes:
-        return False
-    local = {lane.index for lane in layout.lanes}
-    first = layout.lanes[0].index
-    return any(not set(spec.holders(first)) <= local for spec in layout.state.sharded.values())
-
-
 class ReplicatedUpdate:
     """All-reduce, optional global-norm clip, then apply on every lane (or on the host).
 
@@ -189,7 +180,7 @@ class ReplicatedUpdate:
         replica's stages are on several workers, or a block's of a variable laid out
         over a batch axis whose replicas are on several workers (master_state.py
         exchanges it)."""
-        return self.layout.spans_workers or blocks_span_workers(self.layout)
+        return self.layout.spans_workers or bool(self.layout.state.blocks_elsewhere())
 
     def gradient_bytes(self) -> dict[str, int]:
         """Bytes of reduced gradients per compute device (every lane holds its full stage)."""

@@ -40,7 +40,6 @@ from epl_trainer.core.engine.precision import unscale_gradients
 from epl_trainer.core.engine.update import (
     OptimizerStep,
     balanced_groups,
-    blocks_span_workers,
     scaled,
     sum_over_lane,
     written,
@@ -542,7 +541,7 @@ class ZeroUpdate:
         group with members there, or a stage there (master_state.py exchanges it)."""
         groups = self.layout.stage_groups
         spans = any(set(group.local_devices) != set(group.devices) for group in groups)
-        return spans or self.layout.spans_workers or blocks_span_workers(self.layout)
+        return spans or self.layout.spans_workers or bool(self.layout.state.blocks_elsewhere())
 
     def piece_spans(self) -> dict[int, tuple[int, int, int | None, int | None]]:
         """{id(piece variable): (local lane position, trainable index, first element, end
