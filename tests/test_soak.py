@@ -7,6 +7,8 @@ A per-collective timer thread once made every run longer than a few minutes abor
 two workers, whose watchdog probes its peer, runs on two hosts (test_hosts.py).
 """
 
+import collections
+import glob
 import os
 import subprocess
 import sys
@@ -30,6 +32,14 @@ RSS_WARMUP_MIB = 16.0
 # TF's inter-op and tf.data pools start and retire a few threads as they please; the bug
 # this guards against added ~20 threads per step (100,000 over the run).
 THREAD_SLACK = 8
+# TF runs collectives on an unbounded work queue (its threads named "collective_ops"): a
+# collective waiting for its peers holds a thread, and an idle thread is kept for reuse.
+# So the pool grows to the most collectives ever pending at once, which contention decides
+# (CI, beside another test: 16 -> 26 threads by step 4,000; alone: 7 -> 9 collective
+# threads). A step can at most have all its collectives pending, and what ran before the
+# soak (the start's broadcast) may have set a higher peak: the pool is checked against the
+# larger of the two; every other thread against THREAD_SLACK.
+COLLECTIVE_POOL = "collective_ops"
 
 
 # The soak runs in a fresh process. In the suite's own process (5.3 GB after 1,200 tests)
@@ -83,6 +93,36 @@ def _tensor_parallel_layouts():
     return keras.distribution.ModelParallel(layout_map=layout_map)
 
 
+def thread_names():
+    """This process's threads by name (Linux: /proc/self/task/*/comm)."""
+    names = collections.Counter()
+    for path in glob.glob("/proc/self/task/*/comm"):
+        try:
+            with open(path) as comm:
+                names[comm.read().strip()] += 1
+        except FileNotFoundError:  # the thread ended while we listed them
+            pass
+    return names
+
+
+def collectives_per_step(trainer, dataset):
+    """Collective ops one traced step launches, on all lanes, its called functions included."""
+
+    def operations(graph):
+        for op in graph.get_operations():
+            yield op
+            for attr in ("f", "then_branch", "else_branch", "body", "cond"):
+                try:
+                    function = graph._get_function(op.get_attr(attr).name)
+                except (ValueError, AttributeError):
+                    continue
+                if function is not None and hasattr(function, "graph"):
+                    yield from operations(function.graph)
+
+    graph = trainer.engine.program.train_on_iterator.get_concrete_function(iter(dataset)).graph
+    return sum(op.type.startswith("Collective") for op in operations(graph))
+
+
 def _soak(model_class, tensor_parallel=False):
     keras.utils.set_random_seed(0)
     inputs = keras.Input((8,))
@@ -105,21 +145,30 @@ def _soak(model_class, tensor_parallel=False):
     else:
         assert trainer.plan.num_replicas == 2
     trainer.fit(dataset, epochs=1, steps_per_epoch=200, verbose=0)  # warm up
-    threads, rss = process_threads(), process_rss_mib()
-    samples = []  # (step, threads, RSS) every 1000 steps
+    names = thread_names()
+    collective_bound = max(collectives_per_step(trainer, dataset), names[COLLECTIVE_POOL])
+    assert collective_bound > 0
+    threads, rss = process_threads() - names[COLLECTIVE_POOL], process_rss_mib()
+    samples = []  # (step, threads outside the collective pool, its threads, RSS) every 1000 steps
 
     def sample(batch, logs):
         if (batch + 1) % 1000 == 0:
-            samples.append((batch + 1, process_threads(), process_rss_mib()))
+            pool = thread_names()[COLLECTIVE_POOL]
+            samples.append((batch + 1, process_threads() - pool, pool, process_rss_mib()))
 
     probe = keras.callbacks.LambdaCallback(on_train_batch_end=sample)
     history = trainer.fit(dataset, epochs=1, steps_per_epoch=STEPS, verbose=0, callbacks=[probe])
-    print(f"baseline: {threads} threads, {rss:.1f} MiB; (step, threads, MiB): {samples}")
+    print(
+        f"baseline: {threads} threads and {names[COLLECTIVE_POOL]} collective ones (bound "
+        f"{collective_bound}), {rss:.1f} MiB; (step, threads, collective, MiB): {samples}"
+    )
     assert len(samples) == STEPS // 1000
-    first = samples[0][2]
+    first = samples[0][3]
     assert first - rss < RSS_WARMUP_MIB, f"RSS grew {first - rss:.1f} MiB in 1000 steps"
-    for step, count, resident in samples:
+    for step, count, pool, resident in samples:
         assert count <= threads + THREAD_SLACK, f"{count} threads at step {step} (from {threads})"
+        bound = collective_bound
+        assert pool <= bound, f"{pool} collective threads at step {step} (bound {bound})"
         grown = resident - first
         assert grown < RSS_SLACK_MIB, f"RSS grew {grown:.1f} MiB from step 1000 to {step}"
     assert history.history["loss"][0] < 1.0  # it trained
