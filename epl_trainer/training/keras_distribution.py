@@ -211,8 +211,17 @@ class TensorParallel:
     # blocks that are not, with why.
     blocks: tuple = ()
     unfit_blocks: dict[str, str] = dataclasses.field(default_factory=dict)
+    # The model's own train_step reads its variables through Keras's call, which the
+    # engine's sharded computations do not replace: every sharded variable is gathered.
+    own_steps: bool = False
 
     def describe(self) -> str:
+        if self.own_steps:
+            return (
+                f"tensor parallel over {self.width} devices; the model's own steps read every "
+                f"sharded variable gathered on use (held sharded): "
+                + (", ".join(self.gathered) or "none")
+            )
         computed = ", ".join(self.layers) or "none"
         vocabulary = ", ".join(self.vocabulary) or "none"
         gathered = ", ".join(self.gathered) or "none"
@@ -230,11 +239,12 @@ class TensorParallel:
         return text
 
 
-def plan(distribution, model) -> TensorParallel | None:
+def plan(distribution, model, own_steps: bool = False) -> TensorParallel | None:
     """How the run follows `distribution`: None for data parallelism over every mesh
     device (no variable is sharded), else the tensor parallelism its layouts give:
     Megatron pairs of Dense layers where the layouts make them, every other sharded
-    variable gathered on use.
+    variable gathered on use. With `own_steps` (a model running its own train_step:
+    core/engine/user_steps.py) every sharded variable is gathered on use.
 
     Raises:
       ValueError: a layout this version does not train, naming it: a mesh with two
@@ -273,23 +283,26 @@ def plan(distribution, model) -> TensorParallel | None:
     ]
     if twice:
         raise ValueError(f"Layouts name one mesh axis for two dimensions: {twice[:6]}")
+
+    def dimension(layout, mesh_axis):
+        return next((d for d in layout.sharded if layout.axes[d] == mesh_axis), None)
+
+    width = sizes[axis] if axis is not None else 1
+    if own_steps:
+        every = {path: (dimension(v, axis), dimension(v, batch)) for path, v in sharded.items()}
+        return TensorParallel(width, (), every, own_steps=True)
     roles = _pair_roles(model, layouts, axis, sizes) if axis is not None else {}
     paired = _paired_layers(model, {layer: role for layer, role in roles.values()})
     names = tuple(
         name for name in dict.fromkeys(layer for layer, _ in roles.values()) if name in paired
     )
     computed = {path for path, (layer, _) in roles.items() if layer in paired}
-
-    def dimension(layout, mesh_axis):
-        return next((d for d in layout.sharded if layout.axes[d] == mesh_axis), None)
-
     vocabulary = tuple(_vocabulary_parallel(model, layouts, axis, sizes)) if axis else ()
     gathered = {
         path: (dimension(v, axis), dimension(v, batch))
         for path, v in sharded.items()
         if path not in computed and path not in vocabulary
     }
-    width = sizes[axis] if axis is not None else 1
     blocks, unfit = split.find_computed_blocks(model, gathered, width) if axis else ([], {})
     for kernel in (k for block in blocks for k in block.kernels if k.from_block):
         del gathered[kernel.path]  # read from the lane's block, never gathered whole

@@ -21,7 +21,7 @@ from keras import tree
 from epl_trainer.annotations import strategies
 from epl_trainer.annotations.strategies import Strategy, replicate
 from epl_trainer.core import engine
-from epl_trainer.core.engine import ema
+from epl_trainer.core.engine import ema, user_steps
 from epl_trainer.core.plan import rules
 from epl_trainer.training import compiled, keras_distribution
 from epl_trainer.training import data as data_lib
@@ -202,7 +202,8 @@ class ModelPlanner:
         replica as wide as the model axis, its Megatron pairs split layers, whose lanes
         share the devices of the replicated layers."""
         context = self._context
-        tensor_parallel = keras_distribution.plan(context.distribution, model)
+        own_steps = bool(user_steps.overridden_steps(model))
+        tensor_parallel = keras_distribution.plan(context.distribution, model, own_steps)
         if tensor_parallel is None:
             return strategy, None
         logger.info("Keras layouts: %s", tensor_parallel.describe())

@@ -233,6 +233,8 @@ def _user_steps_factory(model, state, layout):
             layout.stage_groups[0],
             layout.host,
             store_non_trainable=program._store_non_trainable,
+            # A Keras layout's blocks: read through the split pass's lane collectives.
+            runtime=getattr(program.hooks.lanes, "runtime", None),
         )
 
     return make

@@ -142,7 +142,7 @@ def plan_engine(
         cut_description=auto.cut_description if auto else None,
     )
     user = user_steps.overridden_steps(model)
-    rules.check_user_steps(user, plan, config, steps_per_execution, jit_compile, in_split)
+    rules.check_user_steps(user, plan, config, steps_per_execution, jit_compile)
     if user:  # the user's step runs as written, in plain ops (user_steps.py)
         jit_compile = False
     synchronized = bool(synchronized_layers(model, config.batch_norm.synchronized))
@@ -304,6 +304,8 @@ class Engine:
         self.state.write_back()
         if self.optimizer_state is not None:
             self.optimizer_state.write()
+        if self.program.user_steps is not None:
+            self.program.user_steps.write_optimizer_state()
 
     def load_from_model(self, optimizer: bool = True) -> None:
         """Copies the Keras model's values into every lane (e.g. after set_weights), and

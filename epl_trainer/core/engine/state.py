@@ -140,13 +140,15 @@ class EngineState:
 
     def _own_first_lane(self) -> None:
         """The first local lane's copies become the model's variables; its seed state
-        takes that lane's seed (only worker 0's first lane keeps the model's own)."""
-        for copies, originals in (
-            (self.trainable[0], self.model_trainable),
-            (self.non_trainable[0], self.model_non_trainable),
+        takes that lane's seed (only worker 0's first lane keeps the model's own). A
+        variable held in blocks keeps the lane's block: the model's variable gets the
+        joined value at the write-back."""
+        for copies, originals, sharded in (
+            (self.trainable[0], self.model_trainable, self.sharded),
+            (self.non_trainable[0], self.model_non_trainable, {}),
         ):
             for i, (copy, original) in enumerate(zip(copies, originals)):
-                if copy is None:
+                if copy is None or i in sharded:
                     continue
                 if is_seed_state(original):
                     original.assign(copy.value)

@@ -29,9 +29,23 @@ method, called once per lane on the lane's rows:
 * **Non-trainable floats** (BatchNorm's moving statistics) are averaged over the lanes
   after the step, as in the engine's own step.
 
-Only plain data parallelism runs a user's step: layouts that cut the model or its update
-(pipeline stages, split layers, ZeRO, offload, micro-batches, the engine's AMP, gradient
-checkpointing) are refused by name (core/plan/rules.py, `check_user_steps`).
+* **Variables held in blocks** (a Keras layout map: `ModelParallel`, KerasHub's
+  `get_layout_map`): each lane holds its block (split/blocks.py), as under the engine's
+  own step. While a lane's step is traced, such a variable is backed by `_GatheredRead`:
+  a read gathers the whole value from the lanes' blocks, and the tape records the read
+  of the lane's block, so `tape.gradient(loss, model.trainable_variables)` gives the
+  block's gradient, summed over every lane of the job by the gather's adjoint (each
+  lane's upstream weighted by its row share first: the same sum `_reduce` makes). The
+  lanes' optimizers are all copies of the user's (lane 0's too: it holds blocks), and
+  the user's optimizer takes their state, blocks joined, at every write-back
+  (`write_optimizer_state`), its `iterations` after every step. The user's code runs
+  as written, so the engine's sharded computations (Megatron pairs, KerasHub blocks,
+  vocabulary-parallel lookups) do not apply: every sharded variable is gathered on use.
+
+Only data parallelism (with those layouts) runs a user's step: layouts that cut the
+model or its update (pipeline stages, split layers, ZeRO, offload, micro-batches, the
+engine's AMP, gradient checkpointing) are refused by name (core/plan/rules.py,
+`check_user_steps`).
 """
 
 from __future__ import annotations
@@ -45,7 +59,9 @@ from keras import tree
 
 from epl_trainer.core import comm
 from epl_trainer.core.comm.keys import next_instance_key, ordering_token
+from epl_trainer.core.engine import split
 from epl_trainer.core.engine.step_batch import unpack_element
+from epl_trainer.core.engine.update import is_factored, recording_class, slots_of
 
 # The methods whose override makes the step the user's (keras.Model's own are Keras's
 # default step, which the engine computes itself).
@@ -93,6 +109,63 @@ def _lane_storage(pairs):
     finally:
         for variable, storage in saved:
             variable._value = storage
+
+
+class _GatheredRead:
+    """A lane's storage of a variable held in blocks, while the lane's step is traced
+    (module doc): reads give the whole value, gathered from the lanes' blocks; the
+    tape sees the block's handle, so gradients are the block's."""
+
+    def __init__(self, block: tf.Variable, read_whole, cut, original: tf.Variable):
+        self._block = block
+        self._read_whole = read_whole  # () -> the whole value, gathered
+        self._cut = cut  # whole value -> this lane's block
+        self._original = original  # the model variable's own storage
+
+    @property
+    def handle(self):
+        return self._block.handle
+
+    @property
+    def _unique_id(self):
+        """The user's optimizer keys its per-variable settings (weight decay exclusions)
+        by the model variable's own storage."""
+        return self._original._unique_id
+
+    @property
+    def dtype(self):
+        return self._block.dtype
+
+    def __tf_tensor__(self, dtype=None, name=None):
+        return tf.convert_to_tensor(self._read_whole(), dtype=dtype, name=name)
+
+    def read_value(self):
+        return self._read_whole()
+
+    def value(self):
+        return self._read_whole()
+
+    def assign(self, value, **kwargs):
+        """The user's step assigned the whole variable: this lane keeps its block."""
+        return self._block.assign(self._cut(tf.convert_to_tensor(value, self._block.dtype)))
+
+
+def _weighted_upstream(whole, share):
+    """`whole`, whose gradient is multiplied by `share` (a lane's row share, 0 for a
+    lane without rows even when its loss is NaN) before the gather's adjoint sums the
+    lanes'."""
+
+    @tf.custom_gradient
+    def weigh(x):
+        def grad(upstream):
+            if isinstance(upstream, tf.IndexedSlices):
+                values = tf.math.multiply_no_nan(upstream.values, tf.cast(share, x.dtype))
+                return tf.IndexedSlices(values, upstream.indices, upstream.dense_shape)
+            return tf.math.multiply_no_nan(upstream, tf.cast(share, upstream.dtype))
+
+        return tf.identity(x), grad
+
+    return weigh(whole)
 
 
 def _row_ranges(rows, num_lanes: int):
@@ -166,9 +239,12 @@ class UserSteps:
       host: this worker's host device (the metrics live there).
       store_non_trainable: averages lanes' float non-trainable values and assigns them
         (`Program._store_non_trainable`).
+      runtime: the split runtime (split/layers.py `SplitRuntime`: each lane's
+        collectives) when a Keras layout holds variables in blocks (`state.sharded`),
+        else None.
     """
 
-    def __init__(self, model, state, lanes, group, host, store_non_trainable):
+    def __init__(self, model, state, lanes, group, host, store_non_trainable, runtime=None):
         self.model = model
         self.state = state
         self.lanes = list(lanes)
@@ -176,26 +252,48 @@ class UserSteps:
         self._store_non_trainable = store_non_trainable
         self._reduction = _LaneReduction(group)
         self._index = {id(v): i for i, v in enumerate(state.model_trainable)}
-        # (id(user optimizer), lane position) -> that lane's copy of it.
         # (id(user optimizer), lane position) -> (that lane's copy of it, the pairs of
-        # (user's variable, the copy's) that hold state: all but the shared learning rate).
+        # (user's variable, the copy's, the cut of the user's value the copy holds: None
+        # for the whole) that hold state: all but the shared learning rate).
         self._replicas: dict[tuple[int, int], tuple] = {}
         self._optimizers = model_optimizers(model)
         self._applying = False  # inside a reduced apply (a wrapper's inner optimizer)
+        self._runtime = runtime
+        self._sharded = dict(state.sharded) if runtime is not None else {}
+        if state.sharded and runtime is None:
+            raise ValueError("Variables held in blocks need the split runtime (internal error).")
+        if state.blocks_elsewhere():
+            raise ValueError(
+                "A model's own train_step with a Keras layout whose blocks sit on other "
+                "workers (sharded over a batch axis that spans workers) is not trained in this "
+                "version. Received: variables "
+                f"{[state.model_trainable[i].path for i in state.blocks_elsewhere()][:4]}; lay "
+                "them out over the model axis only, or train on one worker."
+            )
+        # Variables sliced over a replica's lanes only: their gather's adjoint sums the
+        # replica's lanes, and these groups (the lanes of one rank in every replica) the
+        # replicas'.
+        self._rank_reductions = {}
+        if any(not spec.summed_over_job for spec in self._sharded.values()):
+            width = runtime.width
+            for rank in sorted({lane.index % width for lane in self.lanes}):
+                members = tuple(d for p, d in enumerate(group.devices) if p % width == rank)
+                local = tuple(lane.devices[0] for lane in self.lanes if lane.index % width == rank)
+                self._rank_reductions[rank] = _LaneReduction(comm.CollectiveGroup(members, local))
 
     # ---- lanes' storage ----------------------------------------------------------------
 
     def _variable_pairs(self, li: int) -> list:
         state = self.state
         pairs = []
-        for originals, copies in (
-            (state.model_trainable, state.trainable[li]),
-            (state.model_non_trainable, state.non_trainable[li]),
+        for originals, copies, sharded in (
+            (state.model_trainable, state.trainable[li], self._sharded),
+            (state.model_non_trainable, state.non_trainable[li], {}),
         ):
             pairs.extend(
                 (original, copy._value)
-                for original, copy in zip(originals, copies)
-                if copy is not None and copy is not original
+                for i, (original, copy) in enumerate(zip(originals, copies))
+                if copy is not None and copy is not original and i not in sharded
             )
         return pairs
 
@@ -203,7 +301,31 @@ class UserSteps:
         pairs = []
         for optimizer in self._optimizers:
             _, state_pairs = self._replicas.get((id(optimizer), li), (None, ()))
-            pairs.extend((mine, theirs._value) for mine, theirs in state_pairs)
+            pairs.extend((mine, theirs._value) for mine, theirs, cut in state_pairs if cut is None)
+        return pairs
+
+    def _gathered_pairs(self, li: int, share) -> list:
+        """(the model's variable, a `_GatheredRead` of lane li's block) for each variable
+        held in blocks."""
+        device = self.lanes[li].devices[0]
+        runtime = self._runtime
+        lane_comm = runtime.comms[li]
+        batch_comm = runtime.batch_comms[li] if runtime.batch_comms else None
+        pairs = []
+        for i, spec in self._sharded.items():
+            block = self.state.trainable[li][i]._value
+
+            def read_whole(block=block, spec=spec):
+                with tf.device(device):
+                    value = tf.convert_to_tensor(block)  # the tape records this read
+                    whole = split.gather_whole(value, spec, lane_comm, batch_comm)
+                    return _weighted_upstream(whole, share)
+
+            def cut(whole, spec=spec, lane=self.lanes[li].index):
+                return spec.block_of_id(whole, spec.block_id(lane))
+
+            variable = self.state.model_trainable[i]
+            pairs.append((variable, _GatheredRead(block, read_whole, cut, variable._value)))
         return pairs
 
     @contextlib.contextmanager
@@ -214,6 +336,8 @@ class UserSteps:
             if li > 0:
                 stack.enter_context(_lane_storage(self._variable_pairs(li)))
                 stack.enter_context(_lane_storage(self._optimizer_pairs(li)))
+            if self._sharded:
+                stack.enter_context(_lane_storage(self._gathered_pairs(li, share)))
             for optimizer in self._optimizers:
                 stack.enter_context(self._reducing(optimizer, li, share))
             yield
@@ -231,14 +355,16 @@ class UserSteps:
             if not optimizer.built:  # its slots made outside the step, as Keras's fit does
                 with tf.init_scope():
                     optimizer.build(variables)
-            reduced = self._reduce(li, grads, share)
+            reduced = self._reduce(li, grads, share, variables)
             self._applying = True
             try:
-                if li == 0:
+                if li == 0 and not self._sharded:
                     return user_apply(reduced, variables)
-                return self._replica(optimizer, li, variables).apply(
-                    reduced, [self._lane_copy(li, v) for v in variables]
-                )
+                replica = self._replica(optimizer, li, variables)
+                applied = replica.apply(reduced, [self._lane_copy(li, v) for v in variables])
+                if li == 0:  # the user's optimizer counts the steps (schedules, callbacks)
+                    optimizer.iterations.assign(replica.iterations)
+                return applied
             finally:
                 self._applying = False
 
@@ -266,30 +392,95 @@ class UserSteps:
                 originals = list(optimizer._trainable_variables)
                 copies = [self._lane_copy(li, v) for v in originals]
                 replica, pairs = _replica(optimizer, self.lanes[li].devices[0], copies, originals)
-                for theirs, mine in pairs:
-                    mine.assign(theirs)
+                pairs = [(theirs, mine, self._cut_of(li, replica, mine)) for theirs, mine in pairs]
+                for theirs, mine, cut in pairs:
+                    mine.assign(theirs.value if cut is None else cut(theirs.value))
             self._replicas[key] = (replica, pairs)
         return self._replicas[key][0]
+
+    def _cut_of(self, li: int, replica, state_variable):
+        """None when lane li's optimizer copy holds `state_variable` whole, else the cut
+        of the user's value it holds: the block of a slot of a variable held in blocks."""
+        if not self._sharded:
+            return None
+        of_copy = {id(copy): i for i, copy in enumerate(self.state.trainable[li])}
+        for slot, reference, name in slots_of(replica):
+            if slot is not state_variable:
+                continue
+            i = of_copy.get(id(reference))
+            if i not in self._sharded:
+                return None
+            if is_factored(name):
+                raise ValueError(
+                    f"{type(replica).__name__} keeps factored moments ({name}) of "
+                    f"{self.state.model_trainable[i].path}, which a Keras layout holds in "
+                    "blocks: a block's factors are not a block of the whole variable's. Use an "
+                    "element-wise optimizer (Adam, AdamW, SGD, Lion, ...) with the model's own "
+                    "train_step, or lay the variable out replicated."
+                )
+            spec, lane = self._sharded[i], self.lanes[li].index
+            return lambda whole: spec.block_of_id(whole, spec.block_id(lane))
+        return None
 
     def load_optimizer_state(self) -> None:
         """Every lane's optimizer copy takes the user's optimizer's state (after the user
         or a callback changed it between steps)."""
         for _, pairs in self._replicas.values():
-            for theirs, mine in pairs:
-                mine.assign(theirs)
+            for theirs, mine, cut in pairs:
+                mine.assign(theirs.value if cut is None else cut(theirs.value))
 
-    def _reduce(self, li: int, grads, share):
-        """The gradients summed over the lanes, each lane's weighted by its row share."""
+    def write_optimizer_state(self) -> None:
+        """With variables held in blocks: each user optimizer takes its lane copies' state
+        (the first lane's, a block variable's slots joined from their holders'), as
+        `model.save` and Keras's callbacks read it. Without, lane 0 applies with the user's
+        optimizer itself, which holds the state already."""
+        if not self._sharded:
+            return
+        position = {lane.index: li for li, lane in enumerate(self.lanes)}
+        for optimizer in self._optimizers:
+            first = self._replicas.get((id(optimizer), 0))
+            if first is None:  # never applied yet
+                continue
+            of_copy = {id(copy): i for i, copy in enumerate(self.state.trainable[0])}
+            owner = {id(slot): of_copy.get(id(ref)) for slot, ref, _ in slots_of(first[0])}
+            for p, (theirs, mine, cut) in enumerate(first[1]):
+                if cut is None:
+                    theirs.assign(mine.value)
+                    continue
+                spec = self._sharded[owner[id(mine)]]
+                blocks = [
+                    self._replicas[(id(optimizer), position[h])][1][p][1].value
+                    for h in spec.holders(self.lanes[0].index)
+                ]
+                with tf.device(self.host):
+                    theirs.assign(spec.join(blocks))
+
+    def _reduce(self, li: int, grads, share, variables):
+        """The gradients summed over the lanes, each lane's weighted by its row share.
+        A variable held in blocks arrives as its block's, weighted and summed by the
+        gather's adjoint (over the replica's lanes only for one sliced over them: summed
+        over the replicas here)."""
         device = self.lanes[li].devices[0]
-        present = [i for i, g in enumerate(grads) if g is not None]
+        present = []
+        reduced = list(grads)
+        for position, (g, v) in enumerate(zip(grads, variables)):
+            spec = self._sharded.get(self._index.get(id(v)))
+            if g is None:
+                continue
+            if spec is None:
+                present.append(position)
+            elif not spec.summed_over_job and self._rank_reductions:
+                rank = self.lanes[li].index % self._runtime.width
+                with tf.device(device):
+                    dense = tf.convert_to_tensor(g)
+                    reduced[position] = self._rank_reductions[rank].sum(li, device, dense)
         if not present:
-            return grads
+            return reduced
         with tf.device(device):
             dense = [tf.convert_to_tensor(grads[i]) for i in present]
             by_dtype: dict = {}
             for position, g in zip(present, dense):
                 by_dtype.setdefault(g.dtype, []).append((position, g))
-            reduced = list(grads)
             for dtype, members in sorted(by_dtype.items(), key=lambda item: item[0].name):
                 flat = tf.concat([tf.reshape(g, [-1]) for _, g in members], axis=0)
                 # multiply_no_nan: a lane without rows contributes 0, even a NaN mean.
@@ -357,6 +548,10 @@ class UserSteps:
     def _run_lanes(self, method: str, data) -> tuple[list, list]:
         """Each lane's row share and what the model's `method` returned on its rows."""
         self._reduction.begin_trace()
+        for reduction in self._rank_reductions.values():
+            reduction.begin_trace()
+        if self._runtime is not None:
+            self._runtime.begin_trace()
         ranges, shares = self._lane_shares(data)
         outputs = []
         for li, (start, end) in enumerate(ranges):
@@ -424,8 +619,8 @@ def _replica(optimizer, device: str, copies: list, originals: list):
       state: iterations, slots, moving averages; both built on corresponding variables,
       in the same order).
     """
-    with tf.device(device):
-        replica = type(optimizer).from_config(optimizer.get_config())
+    with tf.device(device):  # recording: which variable each slot is of (`slots_of`)
+        replica = recording_class(type(optimizer)).from_config(optimizer.get_config())
         excluded = [c for c, o in zip(copies, originals) if not optimizer._use_weight_decay(o)]
         replica.exclude_from_weight_decay(var_list=excluded)
         replica.build(copies)

@@ -190,7 +190,8 @@ REFUSALS = {
         "a layout that cuts the model, its batch into micro-batches or its update, or "
         "replaces its precision or its memory, would have to run a different step.",
         "Train it data-parallel (local devices and workers), with Keras's own "
-        "LossScaleOptimizer, ModelCheckpoint or BackupAndRestore where you need them; or "
+        "LossScaleOptimizer, ModelCheckpoint or BackupAndRestore where you need them, or "
+        "with a Keras layout map to hold its variables sharded (read gathered on use); or "
         "remove the override to use the engine's step (then every layout applies).",
     ),
 }  # fmt: skip
@@ -299,15 +300,15 @@ def check_user_steps(
     config,
     steps_per_execution: int = 1,
     jit_compile: bool = False,
-    gathered: Sequence[str] = (),
 ) -> None:
-    """A model overriding `methods` (user_steps.py) runs only plain data parallelism."""
+    """A model overriding `methods` (user_steps.py) runs data parallelism, where a Keras
+    layout map may hold variables sharded (its own steps read them gathered on use)."""
     if not methods:
         return
     refused = []
     if len(plan.taskgraphs) > 1:
         refused.append(f"{len(plan.taskgraphs)} pipeline stages")
-    split = _split_parts(plan, gathered)
+    split = [tg.name for tg in plan.taskgraphs if tg.kind == "split"]
     if split:
         refused.append(f"split TaskGraphs {split}")
     if plan.num_micro_batch > 1:

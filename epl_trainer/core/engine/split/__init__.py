@@ -12,6 +12,7 @@ __getattr__, __dir__, __all__ = lazy_surface(
         "computed_blocks": "layers",
         "find_computed_blocks": "decoder_blocks",
         "find_split_layers": "layers",
+        "gather_whole": "layers",
         "gathered_variables": "layers",
         "megatron_pairs": "layers",
         "sparse_outputs": "layers",
