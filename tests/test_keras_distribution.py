@@ -193,11 +193,10 @@ def test_zero_shards_over_the_batch_axis_of_a_tensor_parallel_mesh(level):
 
 
 @pytest.mark.combines("data_parallel+pipeline")
-def test_stages_with_a_data_parallel_mesh_train_and_with_sharded_layouts_are_refused():
+def test_stages_with_a_data_parallel_mesh_train():
     """A DataParallel over 4 devices with 2 stages is 2 replicas of a 2-stage pipeline,
-    equal to Keras. A map that shards variables with stages is refused by name (before,
-    a gathered kernel with stages planned a pipeline whose split lanes it could not
-    run, and a pair met "matches several patterns")."""
+    equal to Keras. (A map that shards variables with stages trains on batch x model x
+    stages devices: test_keras_distribution_stages.py.)"""
     x, y = mlp_data(BATCH * STEPS)
     reference = _mlp_pair()
     keras_reference(reference, x, y, OPTIMIZERS["sgd"](), BATCH, STEPS)
@@ -208,19 +207,6 @@ def test_stages_with_a_data_parallel_mesh_train_and_with_sharded_layouts_are_ref
     assert (len(trainer.plan.taskgraphs), trainer.plan.num_replicas) == (2, 2)
     _fit(trainer, x, y)
     assert max_weight_difference(reference, model) < ATOL
-    layout_map = keras.distribution.LayoutMap(_mesh((1, 2)))
-    layout_map["logits/kernel"] = ("model", None)
-    strategy = keras.distribution.ModelParallel(layout_map=layout_map)
-    with pytest.raises(ValueError, match=r"not combined with pipeline stages.*stages=\{'up'"):
-        epl.EPLTrainer(_mlp_pair(), LOSS, "sgd", strategy=strategy, stages=stages)
-    with pytest.raises(ValueError, match=r"not combined with pipeline stages.*auto\.auto_parallel"):
-        epl.EPLTrainer(
-            _mlp_pair(),
-            LOSS,
-            "sgd",
-            strategy=strategy,
-            config={"auto.auto_parallel": True, "pipeline.num_stages": 2},
-        )
 
 
 def test_a_gated_mlp_laid_out_as_llamas_trains_tensor_parallel():

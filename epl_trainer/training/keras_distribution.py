@@ -37,6 +37,13 @@ What runs in this version:
     use, its gradient reduce-scattered back to the blocks (split/blocks.py): storage
     follows the layout, the computation is the replicated one.
 
+Pipeline stages (a stage map, `epl.replicate` stage scopes, or `auto.auto_parallel`)
+stay a third dimension: the run trains on batch x model x stages devices, the mesh's
+devices running stage 0 and each later stage the next group of the worker's devices,
+laid out as the mesh (`stage_cluster`); each stage's sharded variables are held and its
+sharded layers computed among its own devices (a Megatron pair a stage boundary cuts is
+gathered on use).
+
 Layouts of layer outputs, and blocks over the batch axis with replicas on several
 workers, are refused by name rather than trained replicated.
 """
@@ -214,6 +221,9 @@ class TensorParallel:
     # The model's own train_step reads its variables through Keras's call, which the
     # engine's sharded computations do not replace: every sharded variable is gathered.
     own_steps: bool = False
+    # {variable path: (model-axis dimension, batch-axis dimension)} of the pairs'
+    # laid-out variables: under pipeline stages a pair a stage boundary cuts is gathered.
+    pair_storage: dict[str, tuple[int | None, int | None]] = dataclasses.field(default_factory=dict)
 
     def describe(self) -> str:
         if self.own_steps:
@@ -306,7 +316,70 @@ def plan(distribution, model, own_steps: bool = False) -> TensorParallel | None:
     blocks, unfit = split.find_computed_blocks(model, gathered, width) if axis else ([], {})
     for kernel in (k for block in blocks for k in block.kernels if k.from_block):
         del gathered[kernel.path]  # read from the lane's block, never gathered whole
-    return TensorParallel(width, names, gathered, vocabulary, tuple(blocks), unfit)
+    pair_storage = {path: (dimension(sharded[path], axis), None) for path in computed}
+    return TensorParallel(
+        width, names, gathered, vocabulary, tuple(blocks), unfit, pair_storage=pair_storage
+    )
+
+
+def stage_cluster(distribution, cluster, num_stages: int, width: int, settings: dict):
+    """`cluster` (the mesh's devices: `mesh_cluster`) with the devices of `num_stages`
+    pipeline stages: the mesh's run stage 0 as laid out, and stage k the next group of
+    batch x model devices of the worker, laid out as the mesh (the worker's devices of
+    the cluster's type that the mesh does not name, in index order). Replica b's devices
+    are its mesh row, then its row of each later stage: the planner cuts them into
+    stages of `width` devices, lane j of the replica holding device j of every stage.
+
+    Args:
+      width: the model axis's size (`TensorParallel.width`).
+      settings: {setting: value} of the run that pipelines over a mesh do not train
+        (refused by name when on).
+
+    Raises:
+      ValueError: several workers, a setting in `settings` that is on, or a worker with
+        fewer devices than batch x model x stages.
+    """
+    mesh = distribution.device_mesh
+    sizes = dict(zip(mesh.axis_names, mesh.shape))
+    refused = {name: value for name, value in settings.items() if value}
+    if cluster.worker_num > 1:
+        refused["workers"] = cluster.worker_num
+    if refused:
+        raise ValueError(
+            f"Pipeline stages over a Keras layout map that shards variables (mesh {sizes}, "
+            f"{num_stages} stages) run on one worker, with pipeline.virtual_stages=1 (no "
+            "interleaved schedule), without zero.level, amp.level or global_clipnorm in "
+            f"this version. Received: {refused}. Remove those settings, or train the layouts "
+            "without stages."
+        )
+    mesh_devices = list(cluster.local_devices)
+    prefix = mesh_devices[0].rsplit("/device:", 1)[0]
+    worker = [
+        f"{prefix}/device:{cluster.device_type}:{int(d.name.rsplit(':', 1)[1])}"
+        for d in tf.config.list_logical_devices(cluster.device_type)
+    ]
+    others = [d for d in worker if d not in mesh_devices]
+    size = len(mesh_devices)
+    needed = size * num_stages
+    if size + len(others) < needed:
+        raise ValueError(
+            f"A mesh {sizes} with {num_stages} pipeline stages trains on batch x model x "
+            f"stages = {' x '.join(str(v) for v in sizes.values())} x {num_stages} = {needed} "
+            f"devices: the mesh's {size} run stage 0 and each later stage takes {size} more "
+            f"of the worker's {cluster.device_type} devices, of which it has {len(others)} "
+            f"besides the mesh's ({len(worker)} in all). Received mesh devices: "
+            f"{mesh_devices}"
+        )
+    rows = [mesh_devices[i : i + width] for i in range(0, size, width)]
+    later = [others[(k - 1) * size : k * size] for k in range(1, num_stages)]
+    ordered = [
+        device
+        for b, row in enumerate(rows)
+        for device in (*row, *(d for stage in later for d in stage[b * width : (b + 1) * width]))
+    ]
+    return dataclasses.replace(
+        cluster, local_devices=tuple(ordered), devices_by_worker=(tuple(ordered),)
+    )
 
 
 def _named(layout: VariableLayout) -> str:

@@ -126,20 +126,12 @@ class ModelPlanner:
             if chosen is not None:
                 context.optimizer = keras.optimizers.get(chosen)
         context.model = model
-        gathered, tensor_parallel = {}, None
+        gathered, tensor_parallel, staged = {}, None, False
         if context.distribution is not None:  # Keras's layouts: data or tensor parallel
-            strategy, tensor_parallel = self._tensor_parallel_strategy(model, strategy)
+            strategy, tensor_parallel, staged = self._tensor_parallel_strategy(
+                model, strategy, stages
+            )
             gathered = tensor_parallel.gathered if tensor_parallel else {}
-            staged = stages is not None or context.config.auto.auto_parallel
-            if tensor_parallel is not None and staged:
-                raise ValueError(
-                    "A Keras layout map that shards variables (tensor parallel over "
-                    f"{tensor_parallel.width} devices) is not combined with pipeline stages "
-                    "in this version. Received: "
-                    + (f"stages={stages!r}" if stages is not None else "auto.auto_parallel=True")
-                    + ". Train the layouts without stages, or the stages with a "
-                    "DataParallel or a map that shards nothing."
-                )
         objectives = dict(
             loss=first(loss, spec.loss, given.get("loss")),
             metrics=first(metrics, spec.metrics, given.get("metrics")),
@@ -166,6 +158,8 @@ class ModelPlanner:
             gathered=gathered,
             vocabulary=tensor_parallel.vocabulary if tensor_parallel else (),
             blocks=tensor_parallel.blocks if tensor_parallel else (),
+            stage_width=tensor_parallel.width if staged else None,
+            staged_pairs=tensor_parallel.pair_storage if staged else None,
         )
         if tensor_parallel is not None:  # the plan says what the layouts run as
             description = tensor_parallel.describe()
@@ -178,6 +172,8 @@ class ModelPlanner:
                 description += "; vocabulary-parallel logits (sharded cross-entropy): " + ", ".join(
                     logits
                 )
+            if staged:
+                description += _staged_description(tensor_parallel, context.engine_plan)
             context.engine_plan.plan = dataclasses.replace(
                 context.engine_plan.plan, layouts_description=description
             )
@@ -196,22 +192,72 @@ class ModelPlanner:
             rules.check_ema(context.config.zero)
         self._take_start_state()  # worker 0's values (start_state.py)
 
-    def _tensor_parallel_strategy(self, model, strategy):
-        """(`strategy` (None: data parallelism over the mesh), None), or the Strategy a
-        Keras layout map makes and its `TensorParallel` (keras_distribution.py): each
-        replica as wide as the model axis, its Megatron pairs split layers, whose lanes
-        share the devices of the replicated layers."""
+    def _tensor_parallel_strategy(self, model, strategy, stages):
+        """(`strategy` (None: data parallelism over the mesh), None, False), or the
+        Strategy a Keras layout map makes, its `TensorParallel` (keras_distribution.py)
+        and whether pipeline stages cut the model.
+
+        Without stages each replica is as wide as the model axis, its Megatron pairs
+        split layers, whose lanes share the devices of the replicated layers. With
+        stages (a stage map, stage scopes, or `auto.auto_parallel`) the stages stay the
+        annotation's, each on its own group of model-axis devices (the run's devices
+        become batch x model x stages: `keras_distribution.stage_cluster`)."""
         context = self._context
         own_steps = bool(user_steps.overridden_steps(model))
         tensor_parallel = keras_distribution.plan(context.distribution, model, own_steps)
         if tensor_parallel is None:
-            return strategy, None
+            return strategy, None, False
         logger.info("Keras layouts: %s", tensor_parallel.describe())
+        num_stages = _stage_count(model, stages, context.config)
+        if num_stages > 1:
+            config = context.config
+            context.cluster = keras_distribution.stage_cluster(
+                context.distribution,
+                context.cluster,
+                num_stages,
+                tensor_parallel.width,
+                {
+                    "pipeline.virtual_stages": config.pipeline.virtual_stages > 1
+                    and config.pipeline.virtual_stages,
+                    "zero.level": config.zero.level,
+                    "amp.level": config.amp.level,
+                    "global_clipnorm": context.optimizer.global_clipnorm,
+                },
+            )
+            return strategy, tensor_parallel, True
         context.config = context.config.replace({"cluster.colocate_split_and_replicate": True})
         patterns = [re.escape(name) for name in tensor_parallel.layers]
         width = tensor_parallel.width
         chosen = Strategy(default=replicate(width), split=patterns or None)
-        return chosen, tensor_parallel
+        return chosen, tensor_parallel, False
+
+
+def _staged_description(tensor_parallel, engine_plan) -> str:
+    """What pipeline stages add to the layouts' description: each stage's devices, and
+    the pairs a stage boundary cuts (gathered on use instead)."""
+    plan = engine_plan.plan
+    computed = {s.layer.name for s in engine_plan.split_layers if s.kind in ("column", "row")}
+    cut = [name for name in tensor_parallel.layers if name not in computed]
+    text = (
+        f"; {len(plan.taskgraphs)} pipeline stages, each on its own {tensor_parallel.width} devices"
+    )
+    if cut:
+        text += "; Megatron pairs cut by a stage boundary, gathered on use: " + ", ".join(cut)
+    return text
+
+
+def _stage_count(model, stages, config) -> int:
+    """The pipeline stages the run cuts the model in: `auto.auto_parallel`'s
+    `pipeline.num_stages`, a stage map's, or the stage scopes' (`epl.replicate` scopes
+    the model was built in); 1 without any."""
+    if config.auto.auto_parallel:
+        return config.pipeline.num_stages
+    if stages is not None:
+        return Strategy(stages=stages).num_stages
+    if not isinstance(model, keras.Model) or needs_data_to_build(model):
+        return 1
+    annotation = strategies.resolve_annotation(model)  # a subclassed model: the default
+    return len(annotation.taskgraphs) if annotation.source == "scopes" else 1
 
 
 def needs_data_to_build(model) -> bool:

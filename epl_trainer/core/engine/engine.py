@@ -29,7 +29,9 @@ from epl_trainer.core.engine.split import (
     computed_blocks,
     find_split_layers,
     gathered_variables,
+    laid_out_pairs,
     sparse_outputs,
+    staged_megatron_pairs,
     vocabulary_parallel,
 )
 from epl_trainer.core.engine.state import EngineState, Lane, lanes_for_worker
@@ -38,7 +40,7 @@ from epl_trainer.core.engine.update import MasterState
 from epl_trainer.core.graph.auto_partition import auto_partition
 from epl_trainer.core.graph.partition import StagedModel, partition_model, whole_model
 from epl_trainer.core.plan import planner, rules
-from epl_trainer.core.plan.ir import Plan, PlanError
+from epl_trainer.core.plan.ir import Plan, PlanError, StrategySpec
 
 logger = logging.getLogger(__name__)
 
@@ -95,6 +97,8 @@ def plan_engine(
     gathered: Mapping[str, tuple] | None = None,
     vocabulary: Sequence[str] = (),
     blocks: Sequence = (),
+    stage_width: int | None = None,
+    staged_pairs: Mapping[str, tuple] | None = None,
 ) -> EnginePlan:
     """Plans the engine for `model`.
 
@@ -118,17 +122,25 @@ def plan_engine(
         lanes and looked up in place (split/layers.py `_vocab_call`).
       blocks: KerasHub blocks computed on each lane's shares
         (split/decoder_blocks.py `ComputedBlock`).
+      stage_width: a Keras mesh's model axis under pipeline stages: every stage runs on
+        its own group of this many devices (lane j of a replica holds device j of each
+        stage), its sharded variables held and its split layers run there.
+      staged_pairs: with `stage_width`, {variable path: (model-axis dimension,
+        batch-axis dimension)} of the Megatron pairs a Keras layout makes: computed
+        sharded inside one stage, gathered on use when a stage boundary cuts them.
     """
     gathered = dict(gathered or {})
     computed = [k.path for block in blocks for k in block.kernels if k.from_block]
     # split-like: their collectives run in the step
-    in_split = [*gathered, *vocabulary, *computed]
+    in_split = [*gathered, *vocabulary, *computed, *(staged_pairs or {})]
     rules.check_config(config)
     auto = None
     if config.auto.auto_parallel:
         auto = auto_partition(model, config.pipeline.num_stages)
         logger.info("Automatic pipeline partition:\n%s", auto.describe())
         taskgraphs, node_taskgraph = auto.taskgraph_specs(), auto.node_stage
+    if stage_width is not None:
+        taskgraphs = stages_on_mesh(taskgraphs, stage_width)
     plan = planner.build_plan(
         taskgraphs,
         devices_by_worker,
@@ -157,6 +169,8 @@ def plan_engine(
         split=any(tg.kind == "split" for tg in plan.taskgraphs) or bool(in_split),
     )
     split_layers = []
+    # Found on the model's own graph: cutting stages adds calls to the layers.
+    pairs = laid_out_pairs(model, staged_pairs) if staged_pairs else []
     if any(tg.kind == "split" for tg in plan.taskgraphs):
         # Colocated TaskGraphs share every device of a lane: one stage, whose split
         # layers run on the lane's shards (split.py).
@@ -177,6 +191,12 @@ def plan_engine(
         staged = partition_model(model, node_taskgraph, len(plan.taskgraphs))
     by_worker = [lanes_for_worker(plan, w) for w in range(len(devices_by_worker))]
     width = plan.taskgraphs[0].device_count
+    if staged_pairs:
+        computed, cut = staged_megatron_pairs(
+            model, staged_pairs, pairs, width, _stage_finder(staged)
+        )
+        split_layers += computed
+        gathered.update(cut)
     split_layers += gathered_variables(model, gathered, width, plan.num_replicas)
     losses, metric_pairs = (), ()
     if vocabulary and loss is not None:  # a tied table's logits may be a split output
@@ -200,6 +220,36 @@ def plan_engine(
         jit=jit,
         user_steps=user,
     )
+
+
+def _stage_finder(staged: StagedModel):
+    """layer -> the first stage whose sub-model holds it."""
+    stage_of = {}
+    for k, stage in enumerate(staged.stages):
+        for layer in stage.model._flatten_layers(include_self=False):
+            stage_of.setdefault(id(layer), k)
+    return lambda layer: stage_of[id(layer)]
+
+
+def stages_on_mesh(taskgraphs, width: int) -> list[StrategySpec]:
+    """The pipeline stages' TaskGraphs, each on `width` devices (a Keras mesh's model
+    axis): what a stage map, stage scopes or `auto.auto_parallel` asked for.
+
+    Raises:
+      PlanError: a split TaskGraph, or a stage given another device count than 1 or
+        `width`.
+    """
+    specs = []
+    for index, spec in enumerate(taskgraphs):
+        name = spec.name or f"stage_{index}"
+        if spec.kind != "replicate" or spec.device_count not in (None, 1, width):
+            raise PlanError(
+                "Under a Keras layout map, pipeline stages run on the mesh's model axis: "
+                f"replicate TaskGraphs of 1 or {width} devices. Received: {name} "
+                f"({spec.kind}, device_count={spec.device_count})"
+            )
+        specs.append(StrategySpec("replicate", width, name))
+    return specs
 
 
 _ANNOUNCED: set[str] = set()

@@ -100,6 +100,17 @@ class StepLayout:
             spans_workers=any(lane.spans_workers for lane in lanes_in_job),
         )
 
+    def unread_idx(self, k: int) -> frozenset[int]:
+        """The trainable indices stage k's sub-model takes but its forward does not read
+        (a variable of a layer several stages call, which another stage reads: state.py
+        `_stages_of_variables`): their gradient there is no gradient, not a zero."""
+        state = self.state
+        return frozenset(
+            i
+            for i in self.read_idx[k]
+            if state.trainable_stage[i] != k and k not in state.tied.get(i, ())
+        )
+
     def stage_variables(self, li: int, k: int) -> list:
         """The variables local lane li's stage k reads, in `read_idx[k]` order."""
         return self.state.stage_variables(li, k, self.read_idx[k])

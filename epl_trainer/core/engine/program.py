@@ -165,6 +165,7 @@ class Program(InferenceLoops):
                 position=li,
                 stage_variables=[layout.stage_variables(li, k) for k in range(layout.num_stages)],
                 chains=chains,
+                unread_idx=[layout.unread_idx(k) for k in range(layout.num_stages)],
             )
             for li, lane in enumerate(layout.lanes)
         ]

@@ -30,6 +30,7 @@ from collections.abc import Mapping, Sequence
 import keras
 import numpy as np
 import tensorflow as tf
+from keras.src.backend.common.stateless_scope import StatelessScope
 
 from epl_trainer.core.engine.zero import eager_reads, is_gathered
 from epl_trainer.core.graph.partition import StagedModel
@@ -389,14 +390,47 @@ def is_seed_state(variable) -> bool:
 
 
 def _stages_of_variables(staged: StagedModel, variables) -> list[tuple[int, ...]]:
-    """Per variable, the stages whose sub-models use it (stage 0 if none does)."""
+    """Per variable, the stages whose sub-models use it (stage 0 if none does).
+
+    A layer several stages call holds variables each call may not read: KerasHub's
+    untied `ReversibleEmbedding` reads `embeddings` to look tokens up (in the backbone's
+    stage) and `reverse_embeddings` for the logits (in the last). A variable in several
+    sub-models belongs to the stages whose forward reads it (`_variables_read`), so only
+    a weight used by several stages is tied (state.py's module doc)."""
     users: dict[int, list[int]] = {}
     for stage in staged.stages:
         for v in stage.model.variables:
             stages = users.setdefault(id(v), [])
             if stage.index not in stages:
                 stages.append(stage.index)
+    shared = {id(v) for v in variables if len(users.get(id(v), ())) > 1}
+    if shared:
+        reads = [_variables_read(stage.model) for stage in staged.stages]
+        for key in shared:
+            readers = [k for k in users[key] if key in reads[k]]
+            users[key] = readers or users[key]
     return [tuple(users.get(id(v), [0])) for v in variables]
+
+
+class _RecordedReads(StatelessScope):
+    """A stateless scope that records which variables are read (and changes none)."""
+
+    def __init__(self):
+        super().__init__()
+        self.read: set[int] = set()
+
+    def get_current_value(self, variable):
+        self.read.add(id(variable))
+        return super().get_current_value(variable)
+
+
+def _variables_read(model) -> set[int]:
+    """The ids of the variables a stage's sub-model reads in a training forward, traced
+    once on placeholders of its inputs' shapes (nothing runs)."""
+    with tf.__internal__.FuncGraph("stage_reads").as_default(), _RecordedReads() as reads:
+        inputs = [tf.compat.v1.placeholder(x.dtype, x.shape) for x in model.inputs]
+        model(inputs, training=True)
+    return reads.read
 
 
 def _stage_of_variables(staged: StagedModel, variables) -> list[int]:

@@ -309,8 +309,8 @@ class UserSteps:
         held in blocks."""
         device = self.lanes[li].devices[0]
         runtime = self._runtime
-        lane_comm = runtime.comms[li]
-        batch_comm = runtime.batch_comms[li] if runtime.batch_comms else None
+        lane_comm = runtime.comms[li][0]  # a model's own steps run as one stage
+        batch_comm = runtime.batch_comms[li][0] if runtime.batch_comms else None
         pairs = []
         for i, spec in self._sharded.items():
             block = self.state.trainable[li][i]._value

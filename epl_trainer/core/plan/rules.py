@@ -269,7 +269,10 @@ def check_plan(
             f"split TaskGraphs {split}, pipeline.strategy={plan.pipeline_strategy!r}, "
             f"pipeline.virtual_stages={plan.virtual_stages}"
         )
-    if not plan.colocate_split_and_replicate:
+    split_taskgraphs = any(tg.kind == "split" for tg in plan.taskgraphs)
+    # A Keras layout's sharded variables under pipeline stages run on each stage's
+    # devices: only split TaskGraphs need the replicated ones' devices.
+    if split_taskgraphs and not plan.colocate_split_and_replicate:
         raise SplitError(
             f"split TaskGraphs {split} need cluster.colocate_split_and_replicate=True (the "
             "split layers then share the devices of the replicated ones, EPL's documented "

@@ -111,6 +111,9 @@ class LaneExecutor:
         `variables`. A tied weight's gradients from its stages add up in `grads`.
       chains: per stage, whose order its tasks follow (`schedule.stage_chains`: the
         schedule's device of the stage); None: each stage its own.
+      unread_idx: per stage, the indices of `trainable_idx[k]` the stage does not read
+        (layout.py `unread_idx`): their zero gradient is not accumulated, so a table's
+        rows (IndexedSlices) from the stage that reads it stay rows.
     """
 
     def __init__(
@@ -130,8 +133,10 @@ class LaneExecutor:
         position: int = 0,
         stage_variables=None,
         chains=None,
+        unread_idx=None,
     ):
         self.staged = staged
+        self.unread_idx = unread_idx or [frozenset()] * len(staged.stages)
         self.chains = tuple(chains) if chains is not None else tuple(range(len(staged.stages)))
         self.stage_variables = stage_variables or [
             [variables[i] for i in idx] for idx in trainable_idx
@@ -483,6 +488,8 @@ class LaneExecutor:
         if run.positions is not None:
             variable_grads = self._by_position(k, run.positions, variable_grads)
         for i, g in zip(self.trainable_idx[k], variable_grads):
+            if i in self.unread_idx[k]:
+                continue
             if sink is not None and i in sink.covered and not _is_slices(g):
                 handed[i] = g  # reduced per micro-batch (ZeRO v1), never accumulated
             else:

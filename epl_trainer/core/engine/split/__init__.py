@@ -14,8 +14,10 @@ __getattr__, __dir__, __all__ = lazy_surface(
         "find_split_layers": "layers",
         "gather_whole": "layers",
         "gathered_variables": "layers",
+        "laid_out_pairs": "layers",
         "megatron_pairs": "layers",
         "sparse_outputs": "layers",
+        "staged_megatron_pairs": "layers",
         "vocabulary_parallel": "layers",
     },
 )

@@ -9,6 +9,8 @@ predictions joined from the lanes' class slices.
 
 from __future__ import annotations
 
+import itertools
+
 import tensorflow as tf
 from keras import tree
 
@@ -53,22 +55,26 @@ class SplitLanes(ReplicatedLanes):
         # Laid out over the batch axis too: their gather's gradient summed every lane's.
         job_summed = [i for i, spec in layout.state.sharded.items() if spec.summed_over_job]
         sharded = [i for i in sorted(layout.state.sharded) if i not in job_summed]
+        stage_of = layout.state.trainable_stage
         for li, grads in enumerate(lane_grads):
             for i in job_summed:
-                with tf.device(layout.lanes[li].devices[0]):
+                with tf.device(layout.lanes[li].devices[stage_of[i]]):
                     reduced[li][i] = scaled(grads[i], scale) if mean else grads[i]
-        for rank in range(runtime.width):
+        for rank, k in itertools.product(range(runtime.width), range(layout.num_stages)):
             members = [li for li in range(len(layout.lanes)) if runtime.shard_rank(li) == rank]
-            if not members:
+            of_stage = [i for i in sharded if stage_of[i] == k]
+            if not members or not of_stage:
                 continue
+            # Stage k's devices of every lane of the job (its group's), rank `rank`'s.
+            stage_devices = layout.stage_groups[k].devices
             job_devices = tuple(
-                d for position, d in enumerate(everyone.devices) if position % runtime.width == rank
+                d for position, d in enumerate(stage_devices) if position % runtime.width == rank
             )
             group = comm.CollectiveGroup(
-                job_devices, tuple(layout.lanes[li].devices[0] for li in members)
+                job_devices, tuple(layout.lanes[li].devices[k] for li in members)
             )
             first = lane_grads[members[0]]
-            dense = [i for i in sharded if not isinstance(first[i], tf.IndexedSlices)]
+            dense = [i for i in of_stage if not isinstance(first[i], tf.IndexedSlices)]
             per_member = [[lane_grads[li][i] for i in dense] for li in members]
             buckets = comm.plan_buckets(
                 [_num_bytes(g) for g in per_member[0]],
@@ -80,14 +86,14 @@ class SplitLanes(ReplicatedLanes):
             )
             for li, grads in zip(members, results):
                 for i, g in zip(dense, grads):
-                    with tf.device(layout.lanes[li].devices[0]):
+                    with tf.device(layout.lanes[li].devices[k]):
                         reduced[li][i] = g * tf.cast(scale, g.dtype) if mean else g
-            for i in sorted(set(sharded) - set(dense)):
+            for i in sorted(set(of_stage) - set(dense)):
                 gathered = comm.all_gather_slices(
                     group, [lane_grads[li][i] for li in members], "sum"
                 )
                 for li, g in zip(members, gathered):
-                    with tf.device(layout.lanes[li].devices[0]):
+                    with tf.device(layout.lanes[li].devices[k]):
                         reduced[li][i] = scaled(g, scale) if mean else g
 
     def shard_norm_squares(self, li: int, grads: list) -> list:
@@ -104,7 +110,8 @@ class SplitLanes(ReplicatedLanes):
             for i, spec in specs.items()
             if spec.summed_over_job and spec.holder_of_id(spec.block_id(lane)) == lane
         ]
-        with self.lane(li), tf.device(self.layout.lanes[li].devices[0]):
+        # Outside a stage the runtime's collectives are the last stage's (SplitRuntime).
+        with self.lane(li), tf.device(self.runtime.active.device):
             total = self.runtime.active.reduce(_sum_of_squares(grads, own), "sum")
             if any(spec.summed_over_job for spec in specs.values()):
                 blocks = self.runtime.active.reduce(_sum_of_squares(grads, held), "sum")
@@ -143,7 +150,9 @@ def apply_split(
     hooks: StepHooks, layout: StepLayout, split_layers, lanes_in_job, width: int, communication
 ) -> None:
     """Split layers run on the lane's shards; split outputs get the sharded loss."""
-    runtime = split.SplitRuntime(split_layers, layout.lanes, lanes_in_job, width)
+    runtime = split.SplitRuntime(
+        split_layers, layout.lanes, lanes_in_job, width, num_stages=layout.num_stages
+    )
     hooks.lanes = SplitLanes(runtime, layout, communication)
     # A split layer's collectives get their instance keys while tracing (split.py), one
     # per traced call: a loop over micro-batches would reuse them on every iteration.
@@ -152,7 +161,9 @@ def apply_split(
     num_outputs = len(tree.flatten(layout.staged.model.outputs))
     hooks.loss_fn = split.SplitLoss(hooks.loss_fn, runtime, num_outputs)
     for k, stage in enumerate(layout.staged.stages):
-        call = split.split_stage_call(stage.model, runtime, training_kwargs)
+        call = split.split_stage_call(
+            stage.model, runtime, training_kwargs, stage=k, indices=layout.read_idx[k]
+        )
         hooks.stage_calls[k] = call
         hooks.eval_stage_calls[k] = call
 

@@ -259,6 +259,45 @@ def _row_layer(layer, index_of, width) -> SplitLayer:
     return SplitLayer(layer, "row", (ShardedVariable(index_of[id(layer.kernel)], 0, width),))
 
 
+def laid_out_pairs(model, storage) -> list[tuple]:
+    """The Megatron pairs (`megatron_pairs`) among the Dense layers whose kernels
+    `storage` names: found on the model's own graph, before a stage cut adds calls."""
+    laid_out = [
+        layer
+        for layer in model._flatten_layers(include_self=False)
+        if isinstance(layer, keras.layers.Dense) and layer.kernel.path in storage
+    ]
+    return megatron_pairs(laid_out)
+
+
+def staged_megatron_pairs(model, storage, pairs, width: int, stage_of) -> tuple[list, dict]:
+    """The "column" and "row" SplitLayers of the Megatron pairs a Keras layout makes,
+    for a model cut in pipeline stages (no split TaskGraph names them there).
+
+    Args:
+      storage: {variable path: its layout's (model-axis, batch-axis) dimensions} of the
+        pairs' laid-out variables (training/keras_distribution.py `TensorParallel`).
+      pairs: `laid_out_pairs(model, storage)`, found before the cut.
+      stage_of: a layer -> the pipeline stage computing it.
+
+    Returns:
+      (the SplitLayers of the pairs inside one stage, {path: dimensions} of every other
+      variable of `storage`, a pair's that a stage boundary cuts: held as laid out,
+      gathered on use).
+    """
+    index_of = {id(v): i for i, v in enumerate(model.trainable_variables)}
+    found, computed = [], set()
+    for columns, row in pairs:
+        members = (*columns, row)
+        if len({stage_of(layer) for layer in members}) > 1:
+            continue
+        found += [_column_layer(column, index_of, width) for column in columns]
+        found.append(_row_layer(row, index_of, width))
+        computed.update(v.path for layer in members for v in layer.trainable_variables)
+    gathered = {path: dims for path, dims in storage.items() if path not in computed}
+    return found, gathered
+
+
 def _moe_layer(layer, index_of, width) -> SplitLayer:
     if layer.num_experts % width:
         raise SplitError(
@@ -409,10 +448,14 @@ def _expert_weights(layer) -> list:
 
 
 class SplitRuntime:
-    """The split layers of a program and each local lane's collectives.
+    """The split layers of a program and each local lane's collectives, per stage.
 
     `lane(li)` makes lane li current while its forward, backward, loss and metrics are
-    traced; `begin_trace()` gives every lane fresh instance keys for a new trace.
+    traced, and `stage(k)` stage k while a stage's forward is (the split stage call
+    enters it): a lane's split layers of stage k run among the replica's devices of
+    stage k. Outside a stage (the loss, metrics, gradient norms) the last stage is
+    current: the model's outputs are computed there. `begin_trace()` gives every lane
+    fresh instance keys for a new trace.
     """
 
     def __init__(
@@ -421,9 +464,11 @@ class SplitRuntime:
         lanes,
         lanes_in_job,
         width: int,
+        num_stages: int = 1,
     ):
         self.layers = list(split_layers)
         self.width = width
+        self.num_stages = num_stages
         self.sharded = {sv.index: sv for s in self.layers for sv in s.variables}
         self.gathered = {
             sv.index: sv
@@ -433,19 +478,28 @@ class SplitRuntime:
         }
         self.lanes = list(lanes)
         by_index = {lane.index: lane for lane in lanes_in_job}
+        stages = range(num_stages)
+        # _groups[li][k]: lane li's replica's devices of stage k (one per rank).
         self._groups = []
         for lane in self.lanes:
             first = lane.index - lane.index % width
-            members = tuple(by_index[first + j].devices[0] for j in range(width))
-            self._groups.append(comm.CollectiveGroup(members, (lane.devices[0],)))
-        self.ranks = [g.rank_of(g.local_devices[0]) for g in self._groups]
-        for lane, rank in zip(self.lanes, self.ranks):
-            if rank != lane.index % width:
-                raise SplitError(
-                    f"Lane {lane.index} on {lane.devices[0]} has collective rank {rank}, not "
-                    f"its position {lane.index % width} in the replica; split needs devices "
-                    "whose collective order follows their index."
-                )
+            members = [by_index[first + j] for j in range(width)]
+            self._groups.append(
+                [
+                    comm.CollectiveGroup(tuple(m.devices[k] for m in members), (lane.devices[k],))
+                    for k in stages
+                ]
+            )
+        self.ranks = [groups[0].rank_of(groups[0].local_devices[0]) for groups in self._groups]
+        for lane, groups in zip(self.lanes, self._groups):
+            for k, group in enumerate(groups):
+                rank = group.rank_of(group.local_devices[0])
+                if rank != lane.index % width:
+                    raise SplitError(
+                        f"Lane {lane.index} on {lane.devices[k]} has collective rank {rank}, "
+                        f"not its position {lane.index % width} in the replica; split needs "
+                        "devices whose collective order follows their index."
+                    )
         # Variables laid out over the batch axis gather over the lanes of the same rank
         # in every replica, which may sit on other workers.
         self._batch_groups = []
@@ -455,46 +509,71 @@ class SplitRuntime:
             for lane in self.lanes:
                 rank = lane.index % width
                 members = [by_index[r * width + rank] for r in range(replicas)]
-                devices = tuple(member.devices[0] for member in members)
-                self._batch_groups.append(comm.CollectiveGroup(devices, (lane.devices[0],)))
+                self._batch_groups.append(
+                    [
+                        comm.CollectiveGroup(
+                            tuple(member.devices[k] for member in members), (lane.devices[k],)
+                        )
+                        for k in stages
+                    ]
+                )
                 if len({member.worker for member in members}) > 1:
                     self._batch_groups_span_workers = True
-        self.comms: list[comm.LaneCollectives] = []
-        self.batch_comms: list[comm.LaneCollectives] = []
+        self.comms: list[list[comm.LaneCollectives]] = []
+        self.batch_comms: list[list[comm.LaneCollectives]] = []
         self._active: int | None = None
+        self._stage: int | None = None
         self.begin_trace()
 
     def begin_trace(self) -> None:
-        """Fresh instance keys (a block per local replica, and per rank for the batch
-        groups) for the next traced function.
+        """Fresh instance keys (a block per local replica and stage, and per rank and
+        stage for the batch groups) for the next traced function.
 
         A replica never spans workers, so its keys are process-local
         (`comm.reserve_local_instance_keys`). Batch groups whose replicas sit on several
-        workers take their keys from the group's counter, which every member advances in
-        the same order (`comm.reserve_instance_keys`), as ZeRO's gathers across workers
-        do."""
+        workers (one stage: pipelines over a mesh run on one worker) take their keys
+        from the group's counter, which every member advances in the same order
+        (`comm.reserve_instance_keys`), as ZeRO's gathers across workers do."""
         keys = comm.KEYS_PER_LANE_GROUP
+        stages = self.num_stages
         replicas = sorted({lane.index // self.width for lane in self.lanes})
         ranks = sorted({lane.index % self.width for lane in self.lanes})
         local_ranks = (
             len(ranks) if self._batch_groups and not self._batch_groups_span_workers else 0
         )
-        first = comm.reserve_local_instance_keys(keys * (len(replicas) + local_ranks))
+        first = comm.reserve_local_instance_keys(keys * stages * (len(replicas) + local_ranks))
+
+        def block(start: int, position: int, k: int) -> int:
+            return start + (position * stages + k) * keys
+
         self.comms = [
-            comm.LaneCollectives(g, first + replicas.index(lane.index // self.width) * keys, keys)
-            for g, lane in zip(self._groups, self.lanes)
+            [
+                comm.LaneCollectives(
+                    g, block(first, replicas.index(lane.index // self.width), k), keys
+                )
+                for k, g in enumerate(groups)
+            ]
+            for groups, lane in zip(self._groups, self.lanes)
         ]
-        first += len(replicas) * keys
+        batch_first = first + len(replicas) * stages * keys
         if self._batch_groups_span_workers:  # one block per rank's group, in rank order
             group_of = {
-                lane.index % self.width: g for g, lane in zip(self._batch_groups, self.lanes)
+                lane.index % self.width: groups[0]
+                for groups, lane in zip(self._batch_groups, self.lanes)
             }
-            start_of = {r: comm.reserve_instance_keys(group_of[r].key, keys) for r in ranks}
+            start_of = {(r, 0): comm.reserve_instance_keys(group_of[r].key, keys) for r in ranks}
         else:
-            start_of = {r: first + position * keys for position, r in enumerate(ranks)}
+            start_of = {
+                (r, k): block(batch_first, position, k)
+                for position, r in enumerate(ranks)
+                for k in range(stages)
+            }
         self.batch_comms = [
-            comm.LaneCollectives(g, start_of[lane.index % self.width], keys)
-            for g, lane in zip(self._batch_groups, self.lanes)
+            [
+                comm.LaneCollectives(g, start_of[(lane.index % self.width, k)], keys)
+                for k, g in enumerate(groups)
+            ]
+            for groups, lane in zip(self._batch_groups, self.lanes)
         ]
 
     @contextlib.contextmanager
@@ -505,11 +584,24 @@ class SplitRuntime:
         finally:
             self._active = previous
 
+    @contextlib.contextmanager
+    def stage(self, k: int):
+        """Stage k's collectives are the current lane's while its forward is traced."""
+        previous, self._stage = self._stage, k
+        try:
+            yield
+        finally:
+            self._stage = previous
+
+    @property
+    def _current_stage(self) -> int:
+        return self.num_stages - 1 if self._stage is None else self._stage
+
     @property
     def active(self) -> comm.LaneCollectives:
         if self._active is None:
             raise RuntimeError("A split layer ran outside a lane (internal error).")
-        return self.comms[self._active]
+        return self.comms[self._active][self._current_stage]
 
     @property
     def active_batch(self) -> comm.LaneCollectives | None:
@@ -517,7 +609,9 @@ class SplitRuntime:
         (None without variables laid out over the batch axis)."""
         if self._active is None:
             raise RuntimeError("A split layer ran outside a lane (internal error).")
-        return self.batch_comms[self._active] if self.batch_comms else None
+        if not self.batch_comms:
+            return None
+        return self.batch_comms[self._active][self._current_stage]
 
     def shard_rank(self, li: int) -> int:
         return self.ranks[li]
@@ -536,20 +630,31 @@ def dense_outputs(split_layers: Sequence[SplitLayer]) -> dict[int, SplitLayer]:
     }
 
 
-def split_stage_call(model, runtime: SplitRuntime, training_kwargs):
-    """A stage call (see pipeline.py) that runs split layers on the lane's shards.
+def split_stage_call(model, runtime: SplitRuntime, training_kwargs, stage: int = 0, indices=None):
+    """A stage call (see pipeline.py) that runs split layers on the lane's shards, their
+    collectives among the replica's devices of stage `stage`.
 
     Keras's `stateless_call` insists on a full-shape value for every variable; sharded
     variables are left out of the mapping here and read only by the replacement calls.
+
+    Args:
+      model: the stage's sub-model (the whole model with one stage).
+      indices: the model-order index of each variable the call takes, in the order it
+        takes them (layout.py's `read_idx[stage]`); None: the model's own order.
     """
     trainable = list(model.trainable_variables)
     non_trainable = list(model.non_trainable_variables)
+    indices = list(range(len(trainable))) if indices is None else list(indices)
 
     def call(variables, non_trainable_values, args, training):
+        with runtime.stage(stage):
+            return stage_call(variables, non_trainable_values, args, training)
+
+    def stage_call(variables, non_trainable_values, args, training):
         lane_comm = runtime.active
         sharded_values = {}
         mapping = []
-        for i, (variable, value) in enumerate(zip(trainable, variables)):
+        for i, variable, value in zip(indices, trainable, variables):
             if i in runtime.gathered:  # read whole (a tied table also by its lookups)
                 spec = runtime.gathered[i]
                 with tf.device(lane_comm.device):
@@ -577,6 +682,8 @@ def _replaced_calls(runtime, sharded_values, lane_comm, training):
         for split in runtime.layers:
             if split.kind == "gathered":  # read whole through the mapping
                 continue
+            if any(sv.index not in sharded_values for sv in split.variables):
+                continue  # a layer of another pipeline stage
             if split.kind == "row":  # its input is this lane's slice of the hidden units
                 specs.append((split.layer, split.layer.input_spec))
                 object.__setattr__(split.layer, "input_spec", None)
