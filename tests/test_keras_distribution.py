@@ -516,15 +516,15 @@ LM_LOSS = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
 @pytest.mark.parametrize(
     "kind, shape, optimizer",
     [
+        # Adam once per attention form, on (2, 2): Llama's query/key/value read from the
+        # gathered whole (Qwen's, with biases) and Gemma's read from the lane's heads.
+        # Llama's own Adam cells repeated its SGD cells with another optimizer.
         ("llama", (1, 2), "sgd"),
-        ("llama", (1, 2), "adam"),
         ("llama", (1, 4), "sgd"),
         ("llama", (2, 2), "sgd"),
-        ("llama", (2, 2), "adam"),
         ("gemma", (1, 2), "sgd"),
         ("gemma", (1, 4), "sgd"),
-        ("gemma", (2, 2), "sgd"),
-        ("qwen", (1, 2), "sgd"),
+        ("gemma", (2, 2), "adam"),
         ("qwen", (2, 2), "adam"),
     ],
 )
