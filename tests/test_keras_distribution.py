@@ -350,6 +350,7 @@ def test_bad_meshes_and_strategies_are_named():
         ("--keras_data_parallel", 4, "make_model", "make_data"),
         ("--keras_gathered", 2, "make_embedding_model", "make_tied_data"),
         ("--keras_batch_blocks", 2, "make_embedding_model", "make_tied_data"),
+        ("--keras_gathered --own_step", 2, "make_embedding_model", "make_tied_data"),
     ],
 )
 def test_two_workers_train_as_one_process(flag, replicas, make_model, make_data, tmp_path):
@@ -363,7 +364,10 @@ def test_two_workers_train_as_one_process(flag, replicas, make_model, make_data,
     job's (2, 2) mesh, so each device holds a quarter and the blocks over the batch axis
     sit on different workers, gathered across the processes on use (refused before);
     the checkpoint each worker saved holds its replicas' slabs, and restored into one
-    process's data parallelism it gives the same weights and Adam slots."""
+    process's data parallelism it gives the same weights and Adam slots.
+    --own_step: --keras_gathered's run of a model with its own train_step, which reads the
+    halves gathered on use (user_steps.py); the replicas' sums of the halves' gradients
+    cross the processes."""
     import os
     import sys
 
@@ -375,11 +379,13 @@ def test_two_workers_train_as_one_process(flag, replicas, make_model, make_data,
     script = os.path.join(SCRIPTS, "train_dp.py")
     blocks = flag == "--keras_batch_blocks"
     checkpoint = str(tmp_path / "checkpoint")
-    flags = [flag, "--adam", "--checkpoint_dir", checkpoint] if blocks else [flag]
+    flags = [flag, "--adam", "--checkpoint_dir", checkpoint] if blocks else flag.split()
     result = run_launch(script, tmp_path, 2, 2, *flags, timeout=200)
     assert result.returncode == 0, result.stdout + result.stderr
     assert f"worker 0/2 devices=2 replicas={replicas}" in result.stdout
     model = getattr(train_dp, make_model)()
+    if "--own_step" in flag:
+        model = train_dp.with_own_step(model)
     optimizer = keras.optimizers.Adam(0.01) if blocks else keras.optimizers.SGD(0.1)
     trainer = epl.EPLTrainer(model, LOSS, optimizer)
     x, y = getattr(train_dp, make_data)()

@@ -70,6 +70,25 @@ def make_embedding_model():
     return keras.Model(tokens, keras.layers.Dense(13, name="logits")(h))
 
 
+def with_own_step(model):
+    """`model` as a model with its own train_step (Keras's guide's, gradients halved: the
+    default step would give another result)."""
+    import keras
+    import tensorflow as tf
+
+    class HalvedGradients(keras.Model):
+        def train_step(self, data):
+            x, y = data
+            with tf.GradientTape() as tape:
+                loss = self.compute_loss(x=x, y=y, y_pred=self(x, training=True))
+            grads = tape.gradient(loss, self.trainable_variables)
+            halved = [tf.math.scalar_mul(0.5, g) for g in grads]  # rows stay rows
+            self.optimizer.apply_gradients(zip(halved, self.trainable_variables))
+            return {"loss": loss}
+
+    return HalvedGradients(model.inputs, model.outputs)
+
+
 def gathered_layouts():
     """The job's (workers, 2) mesh (Keras's `list_devices()` lists every worker's
     devices); every kernel and the embedding table laid out over 'model' without making
@@ -143,6 +162,7 @@ def main():
         help="an embedding model laid out over the job's (workers, 2) mesh's both axes",
     )
     parser.add_argument("--adam", action="store_true", help="Adam(0.01) instead of SGD(0.1)")
+    parser.add_argument("--own_step", action="store_true", help="the model's own train_step")
     parser.add_argument("--checkpoint_dir", default="", help="save_checkpoint there at the end")
     args = parser.parse_args()
     env = epl.init(
@@ -164,6 +184,8 @@ def main():
         model = make_tied_model()
     else:
         model = make_model(classes=4 if args.split else 3)
+    if args.own_step:
+        model = with_own_step(model)
     trainer = epl.EPLTrainer(
         model,
         keras.losses.SparseCategoricalCrossentropy(from_logits=True),
