@@ -256,6 +256,42 @@ def test_a_sharded_layout_outside_a_pair_is_gathered_on_use(shape, caplog):
     assert set(trainer.placement().values()) == {(sliced // width + whole) * 4}
 
 
+class SubclassedMLP(keras.Model):
+    """mlp()'s layers in a subclassed model: no layer graph, no `outputs`."""
+
+    def __init__(self):
+        super().__init__()
+        self.dense_in = keras.layers.Dense(16, activation="relu", name="dense_in")
+        self.logits = keras.layers.Dense(3, name="logits")
+
+    def call(self, x):
+        return self.logits(self.dense_in(x))
+
+
+def test_a_subclassed_model_with_sharded_layouts_trains_as_keras():
+    """Its kernels held in blocks, gathered on use, on (1, 2). Before, the split pass read
+    `model.outputs`, which a subclassed model lacks: AttributeError at the first step."""
+    x, y = mlp_data(BATCH * STEPS)
+
+    def make():
+        keras.utils.set_random_seed(0)
+        model = SubclassedMLP()
+        model(x[:1])  # its layers built: variables to lay out
+        return model
+
+    reference = make()
+    keras_reference(reference, x, y, OPTIMIZERS["sgd"](), BATCH, STEPS)
+    layout_map = keras.distribution.LayoutMap(_mesh((1, 2)))
+    layout_map[".*dense_in/kernel"] = (None, "model")  # paths start with the model's name
+    layout_map[".*logits/kernel"] = ("model", None)
+    model = make()
+    strategy = keras.distribution.ModelParallel(layout_map=layout_map)
+    trainer = epl.EPLTrainer(model, LOSS, OPTIMIZERS["sgd"](), strategy=strategy)
+    assert "/dense_in/kernel, subclassed_mlp" in str(trainer.plan)  # gathered on use
+    _fit(trainer, x, y)
+    assert max_weight_difference(reference, model) < ATOL
+
+
 def _square_mlp():
     keras.utils.set_random_seed(0)
     inputs = keras.Input((8,))

@@ -185,3 +185,32 @@ def test_a_kerashub_causal_lm_with_its_own_compute_loss_and_layout_map_equals_ke
     assert _max_difference(reference.get_weights(), model.get_weights()) < 1e-5
     total = sum(int(np.prod(v.shape)) * 4 for v in model.trainable_variables)
     assert max(trainer.placement().values()) < 0.5 * total
+
+
+def test_a_gan_with_two_optimizers_under_a_layout_map_equals_keras():
+    """Keras's GAN pattern (test_user_steps.py's GAN): the generator's kernel laid out by
+    column, the critic's by row, on (1, 2). Each optimizer's lane copies update their
+    blocks, and both user optimizers end with Keras's step counts and Adam slots."""
+    from test_user_steps import _gan
+
+    rng = np.random.default_rng(2)
+    noise = rng.normal(size=(32, 4)).astype("float32")
+    real = rng.normal(size=(32, 6)).astype("float32")
+    reference = _gan("adam")
+    reference.fit(noise, real, batch_size=8, epochs=2, shuffle=False, verbose=0)
+    gan = _gan("adam")
+    devices = keras.distribution.list_devices()[:2]
+    layout_map = keras.distribution.LayoutMap(
+        keras.distribution.DeviceMesh((1, 2), ["batch", "model"], devices)
+    )
+    layout_map[gan.generator.layers[0].kernel.path] = (None, "model")
+    layout_map[gan.critic.layers[0].kernel.path] = ("model", None)
+    trainer = epl.EPLTrainer(gan, strategy=keras.distribution.ModelParallel(layout_map=layout_map))
+    trainer.fit(noise, real, batch_size=8, epochs=2, shuffle=False, verbose=0)
+    assert "gathered on use (held sharded)" in str(trainer.plan)
+    assert _max_difference(reference.get_weights(), gan.get_weights()) < ATOL["adam"]
+    for name in ("c_optimizer", "g_optimizer"):
+        # In build order (the two models' layers are named apart).
+        expected, got = _slots(getattr(reference, name)), _slots(getattr(gan, name))
+        assert int(getattr(gan, name).iterations) == 8 and len(got) == len(expected) > 2
+        assert _max_difference(list(expected.values()), list(got.values())) < ATOL["adam"]

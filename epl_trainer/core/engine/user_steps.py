@@ -260,6 +260,10 @@ class UserSteps:
         self._applying = False  # inside a reduced apply (a wrapper's inner optimizer)
         self._runtime = runtime
         self._sharded = dict(state.sharded) if runtime is not None else {}
+        # (model variable, its own storage) of the variables held in blocks.
+        self._own_storage = [
+            (state.model_trainable[i], state.model_trainable[i]._value) for i in self._sharded
+        ]
         if state.sharded and runtime is None:
             raise ValueError("Variables held in blocks need the split runtime (internal error).")
         if state.blocks_elsewhere():
@@ -353,7 +357,9 @@ class UserSteps:
             grads = list(grads)
             variables = list(trainable_variables or optimizer._trainable_variables)
             if not optimizer.built:  # its slots made outside the step, as Keras's fit does
-                with tf.init_scope():
+                # on the variables' own storage: Keras places each slot with its variable,
+                # and reading a block's whole value there would gather on one lane alone.
+                with tf.init_scope(), _lane_storage(self._own_storage):
                     optimizer.build(variables)
             reduced = self._reduce(li, grads, share, variables)
             self._applying = True

@@ -158,7 +158,9 @@ def apply_split(
     # per traced call: a loop over micro-batches would reuse them on every iteration.
     hooks.micro_batch_loop = False
     hooks.fixed_batch_shape = True  # the lanes gather rows: one shape per collective key
-    num_outputs = len(tree.flatten(layout.staged.model.outputs))
+    # A subclassed model has no `outputs` (and no split output: those need its graph).
+    outputs = getattr(layout.staged.model, "outputs", None)
+    num_outputs = len(tree.flatten(outputs)) if outputs is not None else 0
     hooks.loss_fn = split.SplitLoss(hooks.loss_fn, runtime, num_outputs)
     for k, stage in enumerate(layout.staged.stages):
         call = split.split_stage_call(

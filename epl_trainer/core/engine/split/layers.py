@@ -980,7 +980,9 @@ class SplitLoss:
         self.compiled_loss = compiled_loss
         self.trackers = compiled_loss.trackers
         self.flat_labels = compiled_loss.flat_labels
-        self.sparse = sparse_outputs(compiled_loss.losses_for(num_outputs), runtime.layers)
+        self.sparse = {}  # {split output index: sparse labels?}: none without split outputs
+        if dense_outputs(runtime.layers):
+            self.sparse = sparse_outputs(compiled_loss.losses_for(num_outputs), runtime.layers)
 
     def __call__(self, y_true, y_pred, sample_weight=None):
         """The micro-batch's loss (Keras's value on this lane's rows)."""
