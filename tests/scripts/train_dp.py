@@ -84,9 +84,12 @@ def with_own_step(model):
             grads = tape.gradient(loss, self.trainable_variables)
             halved = [tf.math.scalar_mul(0.5, g) for g in grads]  # rows stay rows
             self.optimizer.apply_gradients(zip(halved, self.trainable_variables))
-            return {"loss": loss}
+            self.compiled_loss_tracker.update_state(loss)
+            return {"loss": self.compiled_loss_tracker.result()}
 
-    return HalvedGradients(model.inputs, model.outputs)
+    own = HalvedGradients(model.inputs, model.outputs)
+    own.compiled_loss_tracker = keras.metrics.Mean(name="loss")
+    return own
 
 
 def gathered_layouts():
