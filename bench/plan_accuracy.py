@@ -5,19 +5,21 @@ Usage: nice -n 10 python bench/plan_accuracy.py [--only 1,5,7] [--steps 5] [--js
 Each configuration is a `step_time.Layout` of one of two small models (the 4-layer
 transformer of tests/scripts/estimate_peak.py, and a 4 x Dense(1024) MLP), trained by
 EPLTrainer with the config keys `Layout.config()` gives (what `epl-plan --search
---save_config` writes) on logical CPU devices, one fresh process per configuration, one
-at a time. The child traces one step, resets the allocator's peak, then runs 5 x `--steps`
-steps and keeps the fastest repeat's time per step (the machine is shared; the fastest is
-the least disturbed). The prediction is `step_time.predict` of the model's Keras graph
+--save_config` writes) on logical CPU devices with the trainer's threads per op
+(`configure_trainer_threads`), one fresh process per configuration, one at a time. The
+child traces one step, resets the allocator's peak, then runs 5 x `--steps` steps and
+keeps the fastest repeat's time per step (the machine is shared; the fastest is the least
+disturbed). The prediction is `step_time.predict` of the model's Keras graph
 (`auto_partition.model_cost`, what the automatic partition cuts) on the "cpu" device,
 whose constants are bench/plan_calibrate.py's microbenchmarks: nothing here is fitted to
 a configuration.
 
 Memory: on CPU the logical devices share one allocator, so the measured peak is the
-process's; the predicted one is the devices' peaks summed plus the host copy of the Keras
-model and its optimizer (`Estimate.host_bytes`), as tests/test_estimate.py compares them.
-The per-device column divides both by the devices. As there, steps run as plain ops
-(`jit_compile=False`): the estimate describes them.
+process's, and the prediction is too (`step_time.process_peak_bytes`: the host copy of
+the model and its optimizer, every replica's states, and the replicas' activations as
+the runtime runs them, `cores` at a time). The per-device column divides both by the
+devices. As in tests/test_estimate.py, steps run as plain ops (`jit_compile=False`): the
+estimate describes them.
 """
 
 import argparse
@@ -80,6 +82,22 @@ def build_model(kind):
     return build(kind)
 
 
+def configure_trainer_threads(device_count):
+    """The logical devices and thread pools the trainer gives `device_count` devices
+    (`runtime/cluster.build_cluster`: cores // devices threads per op), made before the
+    model is built (which starts TensorFlow, after which the trainer cannot set them).
+    Without the threads, every op of every device would take all the cores: not what a
+    job runs, and 1.2-1.3x slower for 4 data-parallel devices and a 2-stage GPipe."""
+    from epl_trainer.runtime.cluster import (
+        available_cores,
+        configure_tensorflow,
+        default_intra_op_threads,
+    )
+
+    threads = default_intra_op_threads(device_count, available_cores())
+    configure_tensorflow(device_count, intra_op_threads=threads)
+
+
 def measure(arguments):
     """Child: one configuration's measured peak and step time, and the prediction."""
     kind, micro_batch_size, fields, steps = arguments
@@ -87,10 +105,8 @@ def measure(arguments):
     from epl_trainer.core.plan import step_time
 
     layout = step_time.Layout(micro_batch_size=micro_batch_size, **fields)
-    from epl_trainer.runtime.cluster import configure_tensorflow
-
     device_count = layout.data_parallel * layout.pipeline_parallel
-    configure_tensorflow(device_count)
+    configure_trainer_threads(device_count)
     import time
 
     import keras
@@ -137,16 +153,12 @@ def measure(arguments):
 
 
 def process_peak(cost, layout):
-    """The process's predicted peak: every device's (they share its memory), the Keras
-    model and its optimizer state, and with offload the model states offloaded once per
-    worker (docs/reference/memory.md) into the same memory."""
-    from epl_trainer.core.plan import step_time
+    """The process's predicted peak (`step_time.process_peak_bytes` on the "cpu" device:
+    its logical devices share one allocator)."""
+    from epl_trainer.core.plan import devices, step_time
 
     result = step_time.estimate_layout(cost, layout)
-    peak = layout.data_parallel * sum(step_time.device_peak_bytes(result, layout.offload))
-    if layout.offload:
-        peak += sum(stage.parameters + stage.optimizer for stage in result.stages)
-    return peak + result.host_bytes
+    return step_time.process_peak_bytes(result, layout, devices.device_by_name("cpu"))
 
 
 def predict_rows(indices):

@@ -4,12 +4,16 @@ Usage: nice -n 10 python bench/plan_calibrate.py
 
 Each quantity is measured in a fresh process with the thread pools the trainer gives one
 logical device per core count (`runtime/cluster.py`), takes the best of a few repeats
-(the machine is shared: the best is the least disturbed), and is printed as one JSON line
+(the machine is shared: the best is the least disturbed); the whole is run `--runs`
+times (3) and each number's median kept. The result is printed as one JSON line
 that `core/plan/devices.py` stores, with the date, in its "cpu" entry:
 
 * matmul_flops: float32 [512, 512] x [512, 2048] matmuls (the zoo's small models' sizes)
-  on all cores, FLOP/s.
-* memory_bandwidth: an elementwise add over 2**22 float32 (3 x 16 MB moved), bytes/s.
+  on one device (all cores in each op), FLOP/s; pool_matmul_flops: the same on 1, 2 and 4
+  logical devices side by side, each with the trainer's one thread per op, all of them
+  together (two single-threaded matmuls outrun one matmul over two threads).
+* memory_bandwidth: an elementwise add over 2**22 float32 (3 x 16 MB moved), bytes/s;
+  pool_memory_bandwidth: the same on 1, 2 and 4 devices side by side.
 * pool_overhead: EPLTrainer steps (plain ops, `jit_compile=False`) of Dense(8) stacks of
   4 and 36 layers, batch 8 per device (next to no FLOPs), data-parallel on 1, 2 and 4
   logical devices: per device count, the slope per layer (every device's forward,
@@ -29,6 +33,7 @@ machine's, the same for every row.
 import argparse
 import json
 import os
+import statistics
 import sys
 import time
 
@@ -36,9 +41,14 @@ from _fresh_process import run_child, serve_child
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir)
 REPEATS = 5
+POOL_DEVICES = (1, 2, 4)  # logical devices measured side by side
 
 
 def _best(run, repeats=REPEATS):
+    """The fastest of `repeats` calls of `run` (a `tf.function`: eager calls return once
+    it has run, so nothing is read back). Reading the results back (`.numpy()`) copied
+    every output inside the timed call: the adds measured 13 GB/s with it against 41
+    without, a 16 MB all-reduce 14 ms against 8, and a step reads none of its tensors."""
     run()  # warm-up: thread pools, kernels, tracing
     best = float("inf")
     for _ in range(repeats):
@@ -48,27 +58,54 @@ def _best(run, repeats=REPEATS):
     return best
 
 
+def _devices(tf, count):
+    return [d.name for d in tf.config.list_logical_devices("CPU")[:count]]
+
+
+def _on(tf, device, make):
+    with tf.device(device):
+        return make()
+
+
 def measure(what):
     sys.path.insert(0, ROOT)
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-    from epl_trainer.runtime.cluster import configure_tensorflow
+    from plan_accuracy import configure_trainer_threads
 
     what, devices = (what, 1) if isinstance(what, str) else what
-    configure_tensorflow(2 if what == "collective" else devices)
+    configure_trainer_threads(2 if what == "collective" else devices)
     import tensorflow as tf
 
-    if what == "matmul":
-        a = tf.random.normal((512, 512))
-        b = tf.random.normal((512, 2048))
-        fn = tf.function(lambda: tf.reduce_sum(a @ b @ tf.transpose(b) @ b))
-        seconds = _best(lambda: fn().numpy())
-        return {"matmul_flops": 3 * 2 * 512 * 512 * 2048 / seconds}
+    if what == "matmul":  # on each of `devices` side by side, each with its own operands
+        places = _devices(tf, devices)
+        shapes = ((512, 512), (512, 2048))
+        operands = [_on(tf, d, lambda: tuple(tf.random.normal(s) for s in shapes)) for d in places]
+
+        def chains():
+            sums = []
+            for d, (a, b) in zip(places, operands):
+                with tf.device(d):
+                    sums.append(tf.reduce_sum(a @ b @ tf.transpose(b) @ b))
+            return sums
+
+        fn = tf.function(chains)
+        seconds = _best(fn)
+        return {"matmul_flops": devices * 3 * 2 * 512 * 512 * 2048 / seconds}
     if what == "memory":
-        x = tf.random.normal((2**22,))
-        y = tf.random.normal((2**22,))
-        fn = tf.function(lambda: x + y)
-        seconds = _best(lambda: fn().numpy())
-        return {"memory_bandwidth": 3 * 4 * 2**22 / seconds}
+        places = _devices(tf, devices)
+        operands = [_on(tf, d, lambda: (tf.random.normal((2**22,)), tf.random.normal((2**22,))))
+                    for d in places]  # fmt: skip
+
+        def adds():
+            outputs = []
+            for d, (x, y) in zip(places, operands):
+                with tf.device(d):
+                    outputs.append(x + y)
+            return outputs
+
+        fn = tf.function(adds)
+        seconds = _best(fn)
+        return {"memory_bandwidth": devices * 3 * 4 * 2**22 / seconds}
     if what == "collective":
         from epl_trainer.core.comm.group import CollectiveGroup
 
@@ -93,7 +130,7 @@ def measure(what):
             for elements in (2**12, 2**22):
                 buffers = values(inputs(elements))
                 fn = tf.function(lambda v=buffers, call=call: call(v))
-                times[elements] = _best(lambda fn=fn: [t.numpy() for t in fn()], 10)
+                times[elements] = _best(fn, 10)
             slope = (times[2**22] - times[2**12]) / (sent * 4 * (2**22 - 2**12))
             rates[kind] = (1 / slope, max(0.0, times[2**12] - sent * 4 * 2**12 * slope))
         bandwidth, latency = rates["all_reduce"]
@@ -137,17 +174,42 @@ def main():
         return
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--only", default="matmul,memory,collective,overhead")
-    chosen = parser.parse_args().only.split(",")
+    parser.add_argument("--runs", type=int, default=3, help="fresh runs; each number's median")
+    args = parser.parse_args()
+    chosen = args.only.split(",")
+    runs = [calibrate_once(chosen) for _ in range(args.runs)]
+    result = median_of(runs)
+    result["measured"] = time.strftime("%Y-%m-%d")
+    result["runs"] = args.runs
+    print(json.dumps(result))
+
+
+def calibrate_once(chosen):
     result = {}
-    for what in ("matmul", "memory", "collective"):
+    for what, key in (("matmul", "matmul_flops"), ("memory", "memory_bandwidth")):
         if what in chosen:
-            result.update(run_child(__file__, what))
+            rates = [[n, run_child(__file__, [what, n])[key]] for n in POOL_DEVICES]
+            result[key] = rates[0][1]
+            result[f"pool_{key}"] = rates
+    if "collective" in chosen:
+        result.update(run_child(__file__, "collective"))
     if "overhead" in chosen:
         result["pool_overhead"] = [
-            run_child(__file__, ["overhead", devices])["pool_overhead"][0] for devices in (1, 2, 4)
+            run_child(__file__, ["overhead", devices])["pool_overhead"][0]
+            for devices in POOL_DEVICES
         ]
-    result["measured"] = time.strftime("%Y-%m-%d")
-    print(json.dumps(result))
+    return result
+
+
+def median_of(runs):
+    """Each number's median over the runs (the same structure in each): one run's best
+    of REPEATS still moves by 10-30% between runs on this shared machine."""
+    first = runs[0]
+    if isinstance(first, dict):
+        return {key: median_of([run[key] for run in runs]) for key in first}
+    if isinstance(first, list):
+        return [median_of(list(items)) for items in zip(*runs)]
+    return statistics.median(runs)
 
 
 if __name__ == "__main__":
