@@ -110,6 +110,37 @@ def test_in_flight_micro_batches_follow_the_schedule():
     assert sends == [8 * boundary, 16 * boundary, 16 * boundary, 8 * boundary]
 
 
+@pytest.mark.parametrize(
+    "devices, micro_batches, zero", [(1, 4, ""), (1, 1, ""), (2, 4, "v0"), (2, 4, "v1")]
+)
+def test_the_estimate_loops_micro_batches_where_the_engine_does(devices, micro_batches, zero):
+    """A looped stage keeps two micro-batches alive (`estimate.loops_micro_batches`): the
+    estimate's rule is the engine's (`Program.loops_micro_batches`)."""
+    import keras
+    import numpy as np
+    import tensorflow as tf
+
+    import epl_trainer as epl
+
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((8,))
+    model = keras.Model(inputs, keras.layers.Dense(4)(keras.layers.Dense(8)(inputs)))
+    config = {"cluster.virtual_devices": devices, "pipeline.num_micro_batch": micro_batches}
+    if zero:
+        config["zero.level"] = zero
+    trainer = epl.EPLTrainer(model, "mse", keras.optimizers.Adam(), config=config)
+    x = np.ones((8 * devices * micro_batches, 8), "float32")
+    dataset = tf.data.Dataset.from_tensor_slices((x, x[:, :4])).batch(len(x))
+    program = trainer.runtime.ensure_for(dataset).program
+    assert program.loops_micro_batches == estimate.loops_micro_batches(1, micro_batches, zero)
+    result = estimate.estimate(
+        model_cost(model),
+        _plan(1, per_worker=devices, num_micro_batch=micro_batches),
+        TrainOptions(zero=zero),
+    )
+    assert result.stages[0].inflight == (2 if program.loops_micro_batches else 1)
+
+
 # ------------------------------------------------------------------ memory options
 def test_gradient_checkpointing_and_amp_shrink_activations():
     model = analytic.bert("base", seq_len=128)

@@ -406,3 +406,131 @@ def plan_accuracy_config(index):
     import plan_accuracy
 
     return plan_accuracy.CONFIGS[index - 1]
+
+
+# ------------------------------------------------------------------ memory over the schedule
+def _weights_heavy(layers=4):
+    """A transformer whose gradients outweigh a micro-batch's activations (sequence 8)."""
+    return analytic.transformer(layers, 512, 8, 1000, 8, name="weights")
+
+
+def test_accumulated_gradients_stay_alive_until_the_last_backward():
+    """Unrolled gradient accumulation: TensorFlow's graph optimizer rewrites the chain of
+    adds into one AddN that waits for every micro-batch's gradients, so after its j-th
+    backward a stage holds j gradient sets (bench/plan_accuracy.py row 30: 30 MB lower
+    with grappler's arithmetic optimizer off; one gradient set more per micro-batch)."""
+    model = _weights_heavy()
+    layout = Layout(pipeline_parallel=2, num_micro_batch=4, micro_batch_size=2)
+    result = step_time.estimate_layout(model, layout)
+    stage = result.stages[0]
+    activation, gradients = stage.activations[stage.selected], stage.full_gradients
+    # Device 0 of a 2-stage 1F1B: F0 F1 B0 F2 B1 F3 B2 B3, as (alive, done) after each.
+    walk = [(1, 0), (2, 0), (1, 1), (2, 1), (1, 2), (2, 2), (1, 3), (0, 4)]
+    during = max(a * activation + d * gradients for a, d in walk)
+    assert during == 4 * gradients  # the weights outweigh two micro-batches' activations
+    fixed, phase, end = step_time.device_phase_bytes(result)[0]
+    extra = step_time.backward_crossover_bytes(result, stage)
+    assert phase == pytest.approx(during + extra + stage.workspace + stage.recompute)
+    assert fixed == stage.parameters + stage.optimizer
+    assert end == stage.full_gradients + stage.comm_buffers
+    # One micro-batch per step: no sum, and no gradients before the backward ends.
+    single = step_time.estimate_layout(model, dataclasses.replace(layout, num_micro_batch=1))
+    assert step_time.device_phase_bytes(single)[0][1] == pytest.approx(
+        activation + extra + stage.workspace
+    )
+
+
+def test_activations_peak_before_any_gradient_exists():
+    """GPipe runs every forward before a backward: its activation peak holds no gradient,
+    however many micro-batches accumulate later."""
+    model = _transformer(layers=4, seq_len=512)  # activations outweigh the weights
+    layout = Layout(pipeline_parallel=2, num_micro_batch=4, micro_batch_size=2,
+                    schedule="PreferForward")  # fmt: skip
+    result = step_time.estimate_layout(model, layout)
+    for (_, during, _), stage in zip(step_time.device_phase_bytes(result), result.stages):
+        activations = 4 * stage.activations[stage.selected]
+        assert activations > 4 * stage.full_gradients
+        assert during == pytest.approx(
+            activations + step_time.backward_crossover_bytes(result, stage)
+            + stage.workspace
+        )  # fmt: skip
+
+
+def test_a_looped_stage_keeps_two_micro_batches_and_its_sums():
+    """One stage with several micro-batches runs them as a loop and the last one after
+    it, with no order between them: two micro-batches' activations and the loop's
+    running sums. ZeRO v1 / v2 reduce each micro-batch in turn instead."""
+    from epl_trainer.core.plan import estimate
+
+    model = _transformer(layers=4, seq_len=256)
+    looped = step_time.estimate_layout(model, Layout(num_micro_batch=4, micro_batch_size=2))
+    assert looped.stages[0].inflight == 2
+    stage = looped.stages[0]
+    _, during, _ = step_time.device_phase_bytes(looped)[0]
+    assert during == pytest.approx(
+        2 * stage.activations["fp32"] + stage.full_gradients
+        + step_time.backward_crossover_bytes(looped, stage) + stage.workspace
+    )  # fmt: skip
+    for fields in ({"num_micro_batch": 1}, {"num_micro_batch": 4, "zero": "v1",
+                                            "data_parallel": 2}):  # fmt: skip
+        result = step_time.estimate_layout(model, Layout(micro_batch_size=2, **fields))
+        assert result.stages[0].inflight == 1
+    assert estimate.loops_micro_batches(1, 4, "v0")
+    assert not estimate.loops_micro_batches(2, 4, "")
+
+
+def test_backward_holds_later_layers_gradients_with_earlier_layers_activations():
+    """Backward frees a layer's activations as it makes the layer's gradients: before
+    layer i it holds the activations of the layers before i and the gradients of i and
+    the layers after it."""
+    from epl_trainer.core.plan.estimate import ModelCost, NodeCost
+
+    nodes = tuple(NodeCost(f"n{i}", params=p, flops=1, activation_bytes=a)
+                  for i, (p, a) in enumerate([(100, 300), (1000, 50), (10, 400)]))  # fmt: skip
+    model = ModelCost("m", nodes, cut_positions=(1, 2), crossing_bytes=(0, 0, 0, 0))
+    result = step_time.estimate_layout(model, Layout(micro_batch_size=1))
+    # float32 Adam: 4 gradient bytes per parameter. Before layer i: sum(a[:i]) + 4 * sum(p[i:]).
+    held = [4 * 1110, 300 + 4 * 1010, 350 + 4 * 10, 750]
+    expected = max(held) - 750
+    assert step_time.backward_crossover_bytes(result, result.stages[0]) == expected
+
+
+def test_the_process_peak_runs_replicas_cores_at_a_time():
+    """Logical CPU devices share one allocator: the prediction is the process's peak,
+    with `cores` replicas' activations at once and the finished ones' gradients."""
+    model = _transformer(layers=2, hidden=128, seq_len=64)
+    for replicas in (2, 4):
+        layout = Layout(data_parallel=replicas, micro_batch_size=8)
+        result = step_time.estimate_layout(model, layout)
+        (fixed, during, end), = step_time.device_phase_bytes(result)  # fmt: skip
+        running = min(replicas, CPU.cores)
+        expected = (result.host_bytes + replicas * fixed + running * max(during, end)
+                    + (replicas - running) * end)  # fmt: skip
+        assert step_time.process_peak_bytes(result, layout, CPU) == pytest.approx(expected)
+        assert predict(model, layout, CPU).peak_memory_bytes == pytest.approx(expected)
+        # A GPU's peak is its own.
+        assert predict(model, layout, A100).peak_memory_bytes == pytest.approx(fixed + max(
+            during, end))  # fmt: skip
+
+
+def test_the_pool_runs_side_by_side_devices_at_its_measured_rates():
+    """From two logical devices on, each op runs on one thread: the devices together
+    reach the pool's measured matmul rate, one of them a core's share of it."""
+    for count, flops in CPU.pool_matmul_flops:
+        assert CPU.pool_rates(count)[0] == pytest.approx(flops)
+    assert CPU.pool_rates(8) == CPU.pool_rates(CPU.pool_matmul_flops[-1][0])
+    model = _without_matmul_shapes(_transformer(layers=2, hidden=128, seq_len=64))
+    two = predict(model, Layout(data_parallel=2, micro_batch_size=8), CPU)
+    flops, _ = CPU.pool_rates(2)
+    assert two.terms["compute"] == pytest.approx(3 * model.flops * 8 / (flops / 2))
+
+
+def test_offload_on_a_shared_pool_updates_the_replicas_shared_copy_once():
+    """With offload the replicas of a worker share one host copy of the variables, which
+    the worker updates once (update.py, `shared_variables`)."""
+    model = _transformer(layers=2, hidden=128, seq_len=64)
+    _, bandwidth = CPU.pool_rates(2)
+    plain = predict(model, Layout(data_parallel=2, micro_batch_size=8), CPU)
+    off = predict(model, Layout(data_parallel=2, micro_batch_size=8, offload=True), CPU)
+    assert plain.terms["optimizer"] == pytest.approx(2 * 28 * model.params / bandwidth)
+    assert off.terms["optimizer"] == pytest.approx(28 * model.params / (bandwidth / 2))

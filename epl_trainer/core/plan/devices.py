@@ -65,6 +65,9 @@ class DeviceSpec:
       cores: cores of the shared pool (`shares_compute`).
       pool_overhead: for a shared pool, measured (devices, seconds per layer for all of
         them, seconds per step) points; `pool_overheads` interpolates them.
+      pool_matmul_flops, pool_memory_bandwidth: for a shared pool, measured (devices,
+        FLOP/s or bytes/s of all of them side by side) points, each device with the
+        trainer's threads per op (`pool_rates`); the first point is one device's.
       collective_speed: a collective kind's ("reduce_scatter", "all_gather") bytes sent
         per second relative to the all-reduce's (1 where not given: NCCL's rings move
         every kind at the link's bandwidth).
@@ -92,6 +95,8 @@ class DeviceSpec:
     shares_compute: bool = False
     cores: int = 1
     pool_overhead: tuple = ()
+    pool_matmul_flops: tuple = ()
+    pool_memory_bandwidth: tuple = ()
     collective_speed: dict = dataclasses.field(default_factory=dict, compare=False)
     sources: dict = dataclasses.field(default_factory=dict, compare=False)
 
@@ -115,11 +120,21 @@ class DeviceSpec:
         if len(points) == 1:
             _, layer, step = points[0]
             return layer * devices, step
-        for (n0, l0, s0), (n1, l1, s1) in itertools.pairwise(points):
-            if devices <= n1 or (n1, l1, s1) == points[-1]:
-                share = (devices - n0) / (n1 - n0)
-                return l0 + share * (l1 - l0), s0 + share * (s1 - s0)
-        raise AssertionError(points)
+        return _interpolated(points, devices)
+
+    def pool_rates(self, devices: int) -> tuple[float, float]:
+        """(matmul FLOP/s, streaming bytes/s) of `devices` logical devices side by side on
+        a shared pool, all of them together: the measured points interpolated, and beyond
+        the last one its rates (the pool is full). Without points: one device's rates,
+        shared."""
+        one = (self.flops_rate(""), self.streaming_bandwidth)
+        flops = sorted(self.pool_matmul_flops) or [(1, one[0])]
+        bandwidth = sorted(self.pool_memory_bandwidth) or [(1, one[1])]
+        return tuple(
+            _interpolated(points, min(devices, points[-1][0]))[0] if len(points) > 1
+            else points[0][1]
+            for points in (flops, bandwidth)
+        )  # fmt: skip
 
     @property
     def streaming_bandwidth(self) -> float:
@@ -135,6 +150,16 @@ class DeviceSpec:
     def flops_rate(self, amp: str) -> float:
         """FLOP/s of matmuls in the step's compute dtype (16-bit with AMP)."""
         return self.matmul_efficiency * (self.peak_flops if amp else self.peak_flops_fp32)
+
+
+def _interpolated(points, devices: float) -> tuple:
+    """The values of sorted (devices, *values) points at `devices`: linear between two
+    points, extended by the last two beyond them."""
+    for (n0, *v0), (n1, *v1) in itertools.pairwise(points):
+        if devices <= n1 or n1 == points[-1][0]:
+            share = (devices - n0) / (n1 - n0)
+            return tuple(a + share * (b - a) for a, b in zip(v0, v1))
+    raise AssertionError(points)
 
 
 # ----------------------------------------------------------------- sources
@@ -302,16 +327,19 @@ _add(
 
 # This machine (bench/plan_calibrate.py). Logical CPU devices share the cores: a
 # collective between them is a copy in the same memory, a host "transfer" is free.
-_CPU_MEASURED = {  # python bench/plan_calibrate.py, a shared 2-core AMD EPYC, TF 2.21
-    "matmul_flops": 135.7e9,
-    "memory_bandwidth": 15.22e9,
-    "collective_bandwidth": 1.325e9,
-    "collective_latency_s": 466e-6,  # a whole 2-member all-reduce: 2 ring steps
+_CPU_MEASURED = {  # python bench/plan_calibrate.py: medians of 3 runs, a shared 2-core AMD EPYC
+    "matmul_flops": 159.3e9,
+    "memory_bandwidth": 31.23e9,
+    "collective_bandwidth": 2.730e9,
+    "collective_latency_s": 581e-6,  # a whole 2-member all-reduce: 2 ring steps
     # bytes sent per second relative to the all-reduce's
-    "collective_speed": {"reduce_scatter": 2.36, "all_gather": 0.668},
+    "collective_speed": {"reduce_scatter": 2.00, "all_gather": 0.872},
     # (devices, seconds per layer for all of them, seconds per step), plain ops
-    "pool_overhead": ((1, 119e-6, 0.74e-3), (2, 238e-6, 1.37e-3), (4, 489e-6, 1.79e-3)),
-    "measured": "2026-11-28",
+    "pool_overhead": ((1, 134e-6, 0.74e-3), (2, 221e-6, 1.34e-3), (4, 464e-6, 1.68e-3)),
+    # (devices, FLOP/s or bytes/s of all of them side by side)
+    "pool_matmul_flops": ((1, 159.3e9), (2, 195.0e9), (4, 208.3e9)),
+    "pool_memory_bandwidth": ((1, 31.23e9), (2, 22.00e9), (4, 24.77e9)),
+    "measured": "2026-11-28, the trainer's threads per op",
 }
 _CALIBRATED = "bench/plan_calibrate.py"
 _add(
@@ -333,6 +361,8 @@ _add(
         shares_compute=True,
         cores=2,
         pool_overhead=_CPU_MEASURED["pool_overhead"],
+        pool_matmul_flops=_CPU_MEASURED["pool_matmul_flops"],
+        pool_memory_bandwidth=_CPU_MEASURED["pool_memory_bandwidth"],
         collective_speed=_CPU_MEASURED["collective_speed"],
         sources={
             "peak_flops": f"{_CALIBRATED}: float32 [512,512]x[512,2048] matmuls, all cores "
@@ -348,15 +378,29 @@ _add(
             "logical devices (slope)",
             "latency_s": f"{_CALIBRATED}: the same all-reduces (intercept, over its 2 ring steps)",
             "collective_speed": f"{_CALIBRATED}: reduce-scatters and all-gathers of the same "
-            "sizes: 2.36x and 0.668x the all-reduce's bytes per second",
+            "sizes: {reduce_scatter}x and {all_gather}x the all-reduce's bytes per second".format(
+                **_CPU_MEASURED["collective_speed"]
+            ),
             "layer_overhead_s": f"{_CALIBRATED}: EPLTrainer steps of Dense(8) stacks of 4 and "
             "36 layers (slope per layer), on 1 device",
             "step_overhead_s": f"{_CALIBRATED}: the same steps (intercept)",
             "pool_overhead": f"{_CALIBRATED}: the same, data-parallel on 1, 2 and 4 logical "
-            "devices: 119 / 238 / 489 us per layer, 0.74 / 1.37 / 1.79 ms per step",
+            "devices: "
+            + " / ".join(f"{layer * 1e6:.0f}" for _, layer, _ in _CPU_MEASURED["pool_overhead"])
+            + " us per layer, "
+            + " / ".join(f"{step * 1e3:.2f}" for _, _, step in _CPU_MEASURED["pool_overhead"])
+            + " ms per step",
             "host_bandwidth": "the host is the same memory: a copy at memory_bandwidth",
-            "shares_compute": "logical CPU devices share the process's cores "
+            "shares_compute": "logical CPU devices share the process's cores and memory "
             "(docs/architecture.md)",
+            "pool_matmul_flops": f"{_CALIBRATED}: the matmuls on 1, 2 and 4 logical devices "
+            "side by side, one thread per op from 2 on: "
+            + " / ".join(f"{f / 1e9:.0f}" for _, f in _CPU_MEASURED["pool_matmul_flops"])
+            + " GFLOP/s together",
+            "pool_memory_bandwidth": f"{_CALIBRATED}: the adds on 1, 2 and 4 logical devices "
+            "side by side: "
+            + " / ".join(f"{b / 1e9:.1f}" for _, b in _CPU_MEASURED["pool_memory_bandwidth"])
+            + " GB/s together",
         },
     )
 )

@@ -37,6 +37,10 @@ recomputed in backward. A stage keeps `inflight` micro-batches alive: all M with
 (PreferForward), min(S - s, M) for stage s with 1F1B (PreferBackward), read from the
 schedule itself (`core/plan/schedule.py`). The bubble is GPipe's (S - 1) / (M + S - 1), the
 same for both schedules; ZB-H1's (S - 1) / (3M + S - 1), whose stages keep min(S, M).
+One stage with M > 1 (gradient accumulation) keeps two: the engine runs all but the
+last micro-batch as a loop and the last one after it (`LaneExecutor.run_in_loop`), with
+no order between the loop and the last one's forward, so the runtime runs them side by
+side (`loops_micro_batches`; ZeRO v1 and v2 reduce each micro-batch in turn instead).
 
 Peak per device = parameters + optimizer state + the stage's full gradients (ZeRO v1 no
 longer accumulates them, but each micro-batch's gradients exist in full until their
@@ -536,11 +540,26 @@ def estimate(
     # The schedule the trainer runs, as data: how many micro-batches each stage keeps.
     m, v = plan.num_micro_batch, plan.virtual_stages
     in_flight = _in_flight(plan.pipeline_strategy, num_stages, m, v)
+    if loops_micro_batches(num_stages, m, options.zero):
+        in_flight = (LOOPED_IN_FLIGHT,)
     stages = tuple(
         _stage(model, plan, options, k, start, stop, in_flight)
         for k, (start, stop) in enumerate(itertools.pairwise(bounds))
     )
     return Estimate(model, plan, options, stages, plan.num_replicas, tuple(cuts))
+
+
+# Micro-batches a looped stage keeps alive: the loop's current one and the last one.
+LOOPED_IN_FLIGHT = 2
+
+
+def loops_micro_batches(num_stages: int, num_micro_batch: int, zero: str) -> bool:
+    """Whether the engine runs the micro-batches as a loop (`Program.loops_micro_batches`):
+    one stage, several micro-batches, and no ZeRO level that reduces each micro-batch's
+    gradients as its backward makes them (v1, v2: the micro-batches then run in turn).
+    Synchronized BatchNorm and split layers also turn the loop off; the estimate has
+    neither."""
+    return num_stages == 1 and num_micro_batch > 1 and zero not in ("v1", "v2")
 
 
 @functools.lru_cache(maxsize=256)
@@ -577,7 +596,7 @@ def _stage(model, plan: Plan, options: TrainOptions, k, start, stop, in_flight):
     stage_input = model.input_bytes if k == 0 else model.crossing_bytes[start]
     plain = sum(node.kept_bytes for node in nodes)
     # Under AMP the activations are 16-bit except what layers keep in float32.
-    plain_amp = sum(_amp_bytes(node, low) for node in nodes)
+    plain_amp = sum(amp_bytes(node, low) for node in nodes)
     kept, segment, segment_amp, segment_params = _checkpointed(model, start, stop, low)
     # A later stage's input is an activation (16-bit under AMP); the first stage's is data.
     low_input = stage_input * (low if k > 0 else 1)
@@ -652,12 +671,13 @@ def _checkpointed(model: ModelCost, start: int, stop: int, low: float):
     edges = list(itertools.pairwise([start, *inner, stop]))
     nodes = model.nodes
     segment = max(sum(node.kept_bytes for node in nodes[a:b]) for a, b in edges)
-    segment_amp = max(sum(_amp_bytes(node, low) for node in nodes[a:b]) for a, b in edges)
+    segment_amp = max(sum(amp_bytes(node, low) for node in nodes[a:b]) for a, b in edges)
     # Parameters of two neighbouring segments (one gathered while the other computes).
     per_segment = [sum(node.params for node in nodes[a:b]) for a, b in edges]
     pairs = [a + b for a, b in itertools.pairwise(per_segment)] or per_segment
     return kept, segment, segment_amp, max(pairs)
 
 
-def _amp_bytes(node: NodeCost, low: float) -> float:
+def amp_bytes(node: NodeCost, low: float) -> float:
+    """A node's kept bytes per sample under AMP: 16-bit but for its float32 part."""
     return (node.kept_bytes - node.float32_bytes) * low + node.float32_bytes

@@ -55,6 +55,8 @@ import functools
 import math
 import numbers
 
+import numpy as np
+
 from epl_trainer.core.plan import estimate as estimate_module
 from epl_trainer.core.plan import planner
 from epl_trainer.core.plan.analytic import Gemm
@@ -76,8 +78,10 @@ __all__ = [
     "Layout",
     "Prediction",
     "device_peak_bytes",
+    "device_phase_bytes",
     "estimate_layout",
     "predict",
+    "process_peak_bytes",
     "tensor_parallel_model",
 ]
 
@@ -208,7 +212,7 @@ class Prediction:
     terms: dict
     model_flops: float  # per step: 3 x forward FLOPs x global batch (MFU's numerator)
     hardware_flops: float  # per step, with a recomputed forward under gc
-    peak_memory_bytes: float  # the largest device's
+    peak_memory_bytes: float  # the largest device's; on a shared pool the process's
     memory_bytes: float  # the device's capacity
     peak_flops: float  # one device's peak in the step's compute dtype
 
@@ -329,49 +333,141 @@ _cuts = functools.lru_cache(maxsize=1024)(estimate_module.partition_stages)
 
 
 def device_peak_bytes(result: estimate_module.Estimate, offload: bool = False) -> list[float]:
-    """Peak bytes of each device of a pipeline: its stages' states, the activations alive
-    at once over its stages in the schedule's order, the largest workspace. With offload
-    the parameters and optimizer state live in host memory."""
+    """Peak bytes of each device of a pipeline: its stages' parameters and optimizer state
+    (in host memory with offload), plus the larger of two phases (`device_phase_bytes`)."""
+    return [fixed + max(during, end) for fixed, during, end in device_phase_bytes(result, offload)]
+
+
+def device_phase_bytes(result: estimate_module.Estimate, offload: bool = False) -> list[tuple]:
+    """Per device of a pipeline, (fixed, during, end) bytes:
+
+    * fixed: its stages' parameters and optimizer state (not with offload);
+    * during the schedule: the activations alive at once over its stages in the
+      schedule's order, with the gradients alive then, plus the largest backward
+      workspace and recomputed segment. Gradients: none before a stage's first backward
+      with one micro-batch per step; with several, the engine adds each micro-batch's
+      gradients to the sum of the ones before, a chain of adds TensorFlow's graph
+      optimizer (grappler's arithmetic optimizer) rewrites into one AddN that waits
+      for all of them, so every backward done so far keeps its gradients
+      (measured: `bench/plan_accuracy.py` row 30 peaks 30 MB lower with that rewrite
+      off, and grows by one gradient set per micro-batch); a
+      looped stage holds its running sums from the start; under gradient checkpointing
+      a micro-batch's own gradients exist by its first segment's recompute;
+    * at the end: the gradients, the reduction's buffers and ZeRO v2's gathered
+      parameters, once the activations are freed.
+    """
     plan, stages = result.plan, result.stages
-    if plan.virtual_stages == 1:  # one stage per device: the stage's own count
-        alive = [s.activations[s.selected] * s.inflight for s in stages]
-    else:
-        orders = _device_orders(
-            plan.pipeline_strategy, len(stages), plan.num_micro_batch, plan.virtual_stages
-        )
-        alive = _alive(orders, [s.activations[s.selected] for s in stages])
-    peaks = []
-    for device, activations in enumerate(alive):
-        hosted = [s for s in stages if s.index % plan.pipeline_devices == device]
-        states = sum(s.peak - s.activation_peak - s.workspace for s in hosted)
+    options, m = result.options, plan.num_micro_batch
+    looped = estimate_module.loops_micro_batches(len(stages), m, options.zero)
+    sharded = options.zero in ("v1", "v2")  # micro-batches' gradients reduce-scattered
+    activation = [s.activations[s.selected] for s in stages]
+    # Bytes one finished backward leaves until the AddN: its gradients, or the reduced
+    # shard of them ZeRO v1 / v2 sums over the micro-batches.
+    kept = [(s.gradients if sharded else s.full_gradients) if m > 1 and not looped else 0
+            for s in stages]  # fmt: skip
+    states = _schedule_states(plan.pipeline_strategy, len(stages), m, plan.virtual_stages)
+    phases = []
+    for hosted, counts in states:
+        hosted_stages = [stages[k] for k in hosted]
+        weights = [activation[k] for k in hosted] + [kept[k] for k in hosted]
+        during = float(np.max(counts @ np.array(weights, dtype=np.float64)))
+        if looped:  # the loop's micro-batch and the last one, the loop's running sums
+            during = sum(s.inflight * activation[s.index] + s.full_gradients
+                         for s in hosted_stages)  # fmt: skip
+        if options.gc:
+            during += sum(s.full_gradients for s in hosted_stages)
+        else:  # one backward at a time on a device
+            during += max(backward_crossover_bytes(result, s) for s in hosted_stages)
+        during += max(s.workspace for s in hosted_stages)
+        during += max(s.recompute for s in hosted_stages)
+        end = sum(max(s.gradients, s.full_gradients) + s.comm_buffers + s.gathered
+                  for s in hosted_stages)  # fmt: skip
+        fixed = sum(s.parameters + s.optimizer for s in hosted_stages)
         if offload:
-            states -= sum(s.parameters + s.optimizer for s in hosted)
-        workspace = max(s.workspace for s in hosted) + max(s.recompute for s in hosted)
-        peaks.append(states + activations + workspace)
-    return peaks
+            fixed = 0
+        phases.append((fixed, during, end))
+    return phases
+
+
+def process_peak_bytes(result: estimate_module.Estimate, layout: Layout, device: DeviceSpec):
+    """The peak of one process whose logical devices share its memory (`shares_compute`:
+    the "cpu" device, whose devices share one allocator, so only the process's peak can
+    be measured or run out): the host copy of the model and its optimizer
+    (`Estimate.host_bytes`; with offload the offloaded states too, once per worker),
+    every replica's parameters and optimizer state, and the replicas' activations as
+    the runtime runs them: `cores` at a time. TensorFlow's executor runs a ready op's
+    successor on the thread that ran the op, so each of its `cores` inter-op threads
+    follows one replica, and the rest wait; a replica that has finished keeps its
+    gradients and reduction buffers until the last one reduces (a trace of 4 replicas
+    on 2 cores: two run forward and backward, then the other two). A pipeline's devices
+    count with their own peaks, summed."""
+    phases = device_phase_bytes(result, layout.offload)
+    fixed = sum(f for f, _, _ in phases)
+    busy = sum(max(during, end) for _, during, end in phases)
+    done = sum(end for _, _, end in phases)
+    replicas = layout.data_parallel * layout.tensor_parallel
+    running = min(replicas, device.cores)
+    peak = result.host_bytes + replicas * fixed + running * busy + (replicas - running) * done
+    if layout.offload:
+        peak += sum(stage.parameters + stage.optimizer for stage in result.stages)
+    return peak
+
+
+def backward_crossover_bytes(result: estimate_module.Estimate, stage) -> float:
+    """Bytes a micro-batch's backward holds beyond its activations: backward runs the
+    stage's layers last to first, freeing each layer's activations and making its weight
+    gradients, so before layer i it holds the activations of the layers before i and the
+    gradients of i and the ones after; the most over i, less all activations (0 where
+    the activations outweigh the gradients, as in a transformer; most of the gradients
+    where the weights do, as in an MLP)."""
+    model, options = result.model, result.options
+    start, stop = stage.nodes
+    nodes = model.nodes[start:stop]
+    low = 2 / model.activation_dtype_bytes
+    per_sample = [estimate_module.amp_bytes(n, low) if options.amp else n.kept_bytes
+                  for n in nodes]  # fmt: skip
+    activations = [b * options.micro_batch_size for b in per_sample]
+    per_param = stage.full_gradients / stage.params if stage.params else 0.0
+    gradients = [n.params * per_param for n in nodes]
+    before, after = 0.0, sum(gradients)
+    most = after
+    for kept, made in zip(activations, gradients):
+        before, after = before + kept, after - made
+        most = max(most, before + after)
+    return max(0.0, most - sum(activations))
+
+
+@functools.lru_cache(maxsize=256)
+def _schedule_states(strategy: str, num_stages: int, num_micro_batch: int, virtual_stages: int):
+    """Per device: (the stages it hosts, the distinct counts after each task of the
+    schedule as an array's rows: for each hosted stage its micro-batches alive, then its
+    backwards done), built once per schedule shape (a search weighs them thousands of
+    times)."""
+    orders = _device_orders(strategy, num_stages, num_micro_batch, virtual_stages)
+    result = []
+    for pairs in orders:
+        hosted = tuple(sorted({stage for stage, _ in pairs}))
+        position = {k: i for i, k in enumerate(hosted)}
+        alive, done = [0] * len(hosted), [0] * len(hosted)
+        counts = {(0,) * (2 * len(hosted))}
+        for stage, change in pairs:
+            alive[position[stage]] += change
+            done[position[stage]] += change < 0
+            counts.add((*alive, *done))
+        result.append((hosted, np.array(sorted(counts), dtype=np.float64)))
+    return tuple(result)
 
 
 @functools.lru_cache(maxsize=256)
 def _device_orders(strategy: str, num_stages: int, num_micro_batch: int, virtual_stages: int):
-    """Each device's (stage, kind) order of the schedule, built and checked once."""
+    """Each device's (stage, kind) order of the schedule, built and checked once: +1 when
+    a micro-batch's forward keeps its activations, -1 when its last backward task (B, or
+    W in a split backward) frees them and leaves its weight gradients."""
     schedule = make_schedule(strategy, num_stages, num_micro_batch, virtual_stages)
     last = WEIGHT if splits_backward(schedule) else BACKWARD
     step = {FORWARD: 1, last: -1}
     return tuple(tuple((stage, step.get(task.kind, 0)) for stage, task in pairs)
                  for pairs in device_orders(schedule))  # fmt: skip
-
-
-def _alive(orders, weights) -> list[float]:
-    """`schedule.device_peak_in_flight` over cached orders: per device, the most weighted
-    activation sets alive at once."""
-    peaks = []
-    for pairs in orders:
-        alive = peak = 0.0
-        for stage, change in pairs:
-            alive += change * weights[stage]
-            peak = max(peak, alive)
-        peaks.append(peak)
-    return peaks
 
 
 # ------------------------------------------------------------------ matmuls
@@ -477,13 +573,17 @@ def predict(model: ModelCost, layout: Layout, device: DeviceSpec) -> Prediction:
     width = 0.5 if layout.amp else 1.0  # 16-bit activations and traffic under AMP
     full_rate = device.flops_rate(layout.amp)
     rate, pool = full_rate, 1
-    if device.shares_compute:  # cores // devices threads per op (runtime/cluster.py)
+    bandwidth = pool_bandwidth = device.streaming_bandwidth
+    if device.shares_compute:
+        # Each device's ops run on cores // devices threads (runtime/cluster.py): from two
+        # devices on, one thread per op. Side by side the devices reach the pool's
+        # measured rates; one device on its own, a thread's share of them.
         pool = min(layout.devices, device.cores)
-        rate = full_rate * max(1, device.cores // layout.devices) / device.cores
+        full_rate, pool_bandwidth = device.pool_rates(layout.devices)
+        rate, bandwidth = full_rate / pool, pool_bandwidth / pool
     mb = layout.micro_batch_size
 
     element_bytes = 4 * width
-    bandwidth = device.streaming_bandwidth
     stage_terms = []
     for stage in result.stages:
         start, stop = stage.nodes
@@ -524,8 +624,8 @@ def predict(model: ModelCost, layout: Layout, device: DeviceSpec) -> Prediction:
             "tensor_comm": tensor_comm,
             "pipeline_comm": sends,
             "overhead": device.layer_overhead_s * len(nodes),
-            # The same at the pool's full rate (the memory is the pool's too).
-            "work": pool_compute + 3 * elementwise,
+            # The same at the pool's rates.
+            "work": pool_compute + 3 * moved / pool_bandwidth,
         })  # fmt: skip
     # Per micro-batch and device: the sum over the stages it runs.
     per_device = []
@@ -562,6 +662,8 @@ def predict(model: ModelCost, layout: Layout, device: DeviceSpec) -> Prediction:
     step += step_overhead
     model_flops = 3 * model.flops * layout.global_batch
     peak = max(device_peak_bytes(result, layout.offload))
+    if device.shares_compute:  # one allocator for the process's devices
+        peak = process_peak_bytes(result, layout, device)
     return Prediction(
         layout=layout,
         device=device.name,
@@ -643,9 +745,17 @@ def _update_s(result, layout: Layout, device: DeviceSpec) -> tuple[float, float]
         owned = stage.params / (layout.data_parallel if layout.zero else 1)
         per_device[stage.index % layout.pipeline_parallel] += owned
     params = max(per_device)
-    if device.shares_compute:  # every device's update runs on the shared memory
-        params = sum(per_device) * layout.data_parallel * layout.tensor_parallel
     bandwidth = device.host_memory_bandwidth if layout.offload else device.streaming_bandwidth
+    if device.shares_compute:
+        # Every device's update runs on the shared memory, side by side at the pool's
+        # bandwidth. With offload (no ZeRO) the devices of a worker share one host copy
+        # of the variables, updated once (update.py, `shared_variables`), on one
+        # device's share of the pool.
+        pool = min(layout.devices, device.cores)
+        bandwidth = device.pool_rates(layout.devices)[1]
+        params = sum(per_device) * layout.data_parallel * layout.tensor_parallel
+        if layout.offload and not layout.zero:
+            params, bandwidth = sum(per_device), bandwidth / pool
     update = params * moved_per_param / bandwidth
     offload = 0.0
     if layout.offload:
