@@ -163,7 +163,8 @@ def process_peak(cost, layout):
 
 def predict_rows(indices):
     """Child: the predictions of the configurations `indices` (1-based), from the
-    models' Keras graphs, with the step-time model as it is now."""
+    models' Keras graphs, with the step-time model as it is now; the transformer's also
+    from its sizes (`sizes_` keys: what `epl-plan --model transformer` describes)."""
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     from epl_trainer.core.graph.auto_partition import model_cost
     from epl_trainer.core.plan import devices, step_time
@@ -171,18 +172,38 @@ def predict_rows(indices):
 
     configure_tensorflow(1)
     costs = {kind: model_cost(build_model(kind)) for kind in (T, M)}
+    sizes = transformer_from_sizes()
     cpu = devices.device_by_name("cpu")
     rows = []
     for index in indices:
         kind, micro_batch_size, fields = CONFIGS[index - 1]
         layout = step_time.Layout(micro_batch_size=micro_batch_size, **fields)
         prediction = step_time.predict(costs[kind], layout, cpu)
-        rows.append({
+        row = {
             "predicted_peak": process_peak(costs[kind], layout),
             "predicted_step_s": prediction.step_time_s,
             "terms_s": prediction.terms,
-        })  # fmt: skip
+        }
+        if kind == T:
+            by_sizes = step_time.predict(sizes, layout, cpu)
+            row.update(
+                sizes_predicted_peak=process_peak(sizes, layout),
+                sizes_predicted_step_s=by_sizes.step_time_s,
+                sizes_terms_s=by_sizes.terms,
+            )
+        rows.append(row)
     return rows
+
+
+def transformer_from_sizes():
+    """The zoo's transformer as epl-plan describes it from its sizes (`analytic`: each
+    layer's matmuls by shape, its normalisations, softmax and activations by bytes)."""
+    sys.path.insert(0, os.path.join(ROOT, "tests", "scripts"))
+    from estimate_peak import TRANSFORMER
+
+    from epl_trainer.core.plan import analytic
+
+    return analytic.transformer(**TRANSFORMER, max_position=0, head="pool", num_classes=10)
 
 
 def child(arguments):
@@ -191,9 +212,17 @@ def child(arguments):
     return measure(arguments)
 
 
+def _from_sizes(row):
+    """The transformer's step time predicted from its sizes, and its error."""
+    if "sizes_predicted_step_s" not in row:
+        return ""
+    error = row["sizes_predicted_step_s"] / row["measured_step_s"] - 1
+    return f"{row['sizes_predicted_step_s'] * 1e3:.1f} ({error:+.0%})"
+
+
 def print_table(rows):
     header = ["#", "model", "layout", "dev", "peak MB meas", "pred", "err",
-              "step ms meas", "pred", "err", "load"]  # fmt: skip
+              "step ms meas", "pred", "err", "from sizes", "load"]  # fmt: skip
     lines = [header]
     for index, (kind, row) in rows:
         memory_error = row["predicted_peak"] / row["measured_peak"] - 1
@@ -204,6 +233,7 @@ def print_table(rows):
             f"{memory_error:+.1%}" + ("" if abs(memory_error) <= MEMORY_TOLERANCE else " !"),
             f"{row['measured_step_s'] * 1e3:.1f}", f"{row['predicted_step_s'] * 1e3:.1f}",
             f"{time_error:+.1%}" + ("" if abs(time_error) <= TIME_TOLERANCE else " !"),
+            _from_sizes(row),
             f"{row['load_average']:.1f}" if "load_average" in row else "",
         ])  # fmt: skip
     print("| " + " | ".join(lines[0]) + " |")
@@ -218,6 +248,17 @@ def print_table(rows):
         f"\nWithin {MEMORY_TOLERANCE:.0%} (peak): {memory_ok} of {len(rows)}; within "
         f"{TIME_TOLERANCE:.0%} (step time): {time_ok} of {len(rows)} ('!' marks a miss)."
     )
+    by_sizes = [r for _, (_, r) in rows if "sizes_predicted_peak" in r]
+    if by_sizes:
+        memory_ok = sum(abs(r["sizes_predicted_peak"] / r["measured_peak"] - 1)
+                        <= MEMORY_TOLERANCE for r in by_sizes)  # fmt: skip
+        time_ok = sum(abs(r["sizes_predicted_step_s"] / r["measured_step_s"] - 1)
+                      <= TIME_TOLERANCE for r in by_sizes)  # fmt: skip
+        print(
+            f"The transformer's {len(by_sizes)} rows predicted from its sizes (epl-plan "
+            f"--model transformer) instead: peak within {MEMORY_TOLERANCE:.0%} in "
+            f"{memory_ok}, step time within {TIME_TOLERANCE:.0%} in {time_ok}."
+        )
 
 
 def wait_for_quiet(limit=1.5, timeout=60):

@@ -14,6 +14,9 @@ that `core/plan/devices.py` stores, with the date, in its "cpu" entry:
   together (two single-threaded matmuls outrun one matmul over two threads).
 * memory_bandwidth: an elementwise add over 2**22 float32 (3 x 16 MB moved), bytes/s;
   pool_memory_bandwidth: the same on 1, 2 and 4 devices side by side.
+* thread_matmul_flops, thread_memory_bandwidth: the same on one device with one thread
+  per op: what one of several devices runs at while the others idle (a pipeline's
+  warm-up).
 * pool_overhead: EPLTrainer steps (plain ops, `jit_compile=False`) of Dense(8) stacks of
   4 and 36 layers, batch 8 per device (next to no FLOPs), data-parallel on 1, 2 and 4
   logical devices: per device count, the slope per layer (every device's forward,
@@ -72,8 +75,13 @@ def measure(what):
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     from plan_accuracy import configure_trainer_threads
 
-    what, devices = (what, 1) if isinstance(what, str) else what
-    configure_trainer_threads(2 if what == "collective" else devices)
+    what, devices, *threads = (what, 1) if isinstance(what, str) else what
+    if threads:  # a device with this many threads per op, as it runs beside others
+        from epl_trainer.runtime.cluster import configure_tensorflow
+
+        configure_tensorflow(devices, intra_op_threads=threads[0])
+    else:
+        configure_trainer_threads(2 if what == "collective" else devices)
     import tensorflow as tf
 
     if what == "matmul":  # on each of `devices` side by side, each with its own operands
@@ -191,6 +199,7 @@ def calibrate_once(chosen):
             rates = [[n, run_child(__file__, [what, n])[key]] for n in POOL_DEVICES]
             result[key] = rates[0][1]
             result[f"pool_{key}"] = rates
+            result[f"thread_{key}"] = run_child(__file__, [what, 1, 1])[key]
     if "collective" in chosen:
         result.update(run_child(__file__, "collective"))
     if "overhead" in chosen:

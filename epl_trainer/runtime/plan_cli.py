@@ -676,7 +676,9 @@ def _prediction_section(prediction: step_time.Prediction, device: devices.Device
         f"  step {prediction.step_time_s * 1e3:.4g} ms = {terms} (ms)",
         f"  {prediction.samples_per_second:.4g} samples/s, {prediction.tflops_per_device:.4g} "
         f"TFLOP/s per device of model FLOPs, MFU {prediction.mfu:.1%}",
-        f"  peak memory {fmt(prediction.peak_memory_bytes)} per device: {fits}",
+        f"  peak memory {fmt(prediction.peak_memory_bytes)} "
+        f"{'per process (shared by its devices)' if device.shares_compute else 'per device'}: "
+        f"{fits}",
         "",
     ]
 

@@ -68,6 +68,9 @@ class DeviceSpec:
       pool_matmul_flops, pool_memory_bandwidth: for a shared pool, measured (devices,
         FLOP/s or bytes/s of all of them side by side) points, each device with the
         trainer's threads per op (`pool_rates`); the first point is one device's.
+      thread_matmul_flops, thread_memory_bandwidth: for a shared pool, the rates of one
+        device with one thread per op (what each of several devices runs at while the
+        others idle: `device_rates`); 0: its share of the pool's.
       collective_speed: a collective kind's ("reduce_scatter", "all_gather") bytes sent
         per second relative to the all-reduce's (1 where not given: NCCL's rings move
         every kind at the link's bandwidth).
@@ -97,6 +100,8 @@ class DeviceSpec:
     pool_overhead: tuple = ()
     pool_matmul_flops: tuple = ()
     pool_memory_bandwidth: tuple = ()
+    thread_matmul_flops: float = 0.0
+    thread_memory_bandwidth: float = 0.0
     collective_speed: dict = dataclasses.field(default_factory=dict, compare=False)
     sources: dict = dataclasses.field(default_factory=dict, compare=False)
 
@@ -160,6 +165,18 @@ def _interpolated(points, devices: float) -> tuple:
             share = (devices - n0) / (n1 - n0)
             return tuple(a + share * (b - a) for a, b in zip(v0, v1))
     raise AssertionError(points)
+
+
+def device_rates(spec: DeviceSpec, devices: int) -> tuple[float, float]:
+    """(matmul FLOP/s, streaming bytes/s) of one of `devices` logical devices of a shared
+    pool when it runs on its own: the whole pool's for one device (all cores in each op),
+    one thread's from two devices on (cores // devices threads per op)."""
+    flops, bandwidth = spec.pool_rates(devices)
+    if devices == 1:
+        return flops, bandwidth
+    share = min(devices, spec.cores)
+    return (spec.thread_matmul_flops or flops / share,
+            spec.thread_memory_bandwidth or bandwidth / share)  # fmt: skip
 
 
 # ----------------------------------------------------------------- sources
@@ -328,18 +345,21 @@ _add(
 # This machine (bench/plan_calibrate.py). Logical CPU devices share the cores: a
 # collective between them is a copy in the same memory, a host "transfer" is free.
 _CPU_MEASURED = {  # python bench/plan_calibrate.py: medians of 3 runs, a shared 2-core AMD EPYC
-    "matmul_flops": 159.3e9,
-    "memory_bandwidth": 31.23e9,
-    "collective_bandwidth": 2.730e9,
-    "collective_latency_s": 581e-6,  # a whole 2-member all-reduce: 2 ring steps
+    "matmul_flops": 151.9e9,
+    "memory_bandwidth": 28.96e9,
+    "collective_bandwidth": 2.472e9,
+    "collective_latency_s": 398e-6,  # a whole 2-member all-reduce: 2 ring steps
     # bytes sent per second relative to the all-reduce's
-    "collective_speed": {"reduce_scatter": 2.00, "all_gather": 0.872},
+    "collective_speed": {"reduce_scatter": 1.86, "all_gather": 1.24},
     # (devices, seconds per layer for all of them, seconds per step), plain ops
-    "pool_overhead": ((1, 134e-6, 0.74e-3), (2, 221e-6, 1.34e-3), (4, 464e-6, 1.68e-3)),
+    "pool_overhead": ((1, 133e-6, 0.73e-3), (2, 224e-6, 1.48e-3), (4, 494e-6, 1.55e-3)),
     # (devices, FLOP/s or bytes/s of all of them side by side)
-    "pool_matmul_flops": ((1, 159.3e9), (2, 195.0e9), (4, 208.3e9)),
-    "pool_memory_bandwidth": ((1, 31.23e9), (2, 22.00e9), (4, 24.77e9)),
-    "measured": "2026-11-28, the trainer's threads per op",
+    "pool_matmul_flops": ((1, 151.9e9), (2, 193.1e9), (4, 206.9e9)),
+    "pool_memory_bandwidth": ((1, 28.96e9), (2, 26.90e9), (4, 28.21e9)),
+    # one device, one thread per op
+    "thread_matmul_flops": 93.6e9,
+    "thread_memory_bandwidth": 23.04e9,
+    "measured": "2026-11-29, the trainer's threads per op",
 }
 _CALIBRATED = "bench/plan_calibrate.py"
 _add(
@@ -363,6 +383,8 @@ _add(
         pool_overhead=_CPU_MEASURED["pool_overhead"],
         pool_matmul_flops=_CPU_MEASURED["pool_matmul_flops"],
         pool_memory_bandwidth=_CPU_MEASURED["pool_memory_bandwidth"],
+        thread_matmul_flops=_CPU_MEASURED["thread_matmul_flops"],
+        thread_memory_bandwidth=_CPU_MEASURED["thread_memory_bandwidth"],
         collective_speed=_CPU_MEASURED["collective_speed"],
         sources={
             "peak_flops": f"{_CALIBRATED}: float32 [512,512]x[512,2048] matmuls, all cores "
@@ -401,6 +423,10 @@ _add(
             "side by side: "
             + " / ".join(f"{b / 1e9:.1f}" for _, b in _CPU_MEASURED["pool_memory_bandwidth"])
             + " GB/s together",
+            "thread_matmul_flops": f"{_CALIBRATED}: the matmuls on one device with one thread "
+            f"per op: {_CPU_MEASURED['thread_matmul_flops'] / 1e9:.1f} GFLOP/s",
+            "thread_memory_bandwidth": f"{_CALIBRATED}: the adds on one device with one thread "
+            f"per op: {_CPU_MEASURED['thread_memory_bandwidth'] / 1e9:.1f} GB/s",
         },
     )
 )

@@ -60,7 +60,7 @@ import numpy as np
 from epl_trainer.core.plan import estimate as estimate_module
 from epl_trainer.core.plan import planner
 from epl_trainer.core.plan.analytic import Gemm
-from epl_trainer.core.plan.devices import DeviceSpec
+from epl_trainer.core.plan.devices import DeviceSpec, device_rates
 from epl_trainer.core.plan.estimate import OPTIMIZER_SLOTS, ModelCost, NodeCost, TrainOptions
 from epl_trainer.core.plan.ir import INTERLEAVED, PIPELINE_STRATEGIES, StrategySpec
 from epl_trainer.core.plan.schedule import (
@@ -577,10 +577,10 @@ def predict(model: ModelCost, layout: Layout, device: DeviceSpec) -> Prediction:
     if device.shares_compute:
         # Each device's ops run on cores // devices threads (runtime/cluster.py): from two
         # devices on, one thread per op. Side by side the devices reach the pool's
-        # measured rates; one device on its own, a thread's share of them.
+        # measured rates; one device on its own, one thread's.
         pool = min(layout.devices, device.cores)
         full_rate, pool_bandwidth = device.pool_rates(layout.devices)
-        rate, bandwidth = full_rate / pool, pool_bandwidth / pool
+        rate, bandwidth = device_rates(device, layout.devices)
     mb = layout.micro_batch_size
 
     element_bytes = 4 * width
@@ -736,27 +736,43 @@ def update_bytes_per_param(optimizer: str, amp: str) -> int:
     return 4 * (3 + 2 * slots) + (_MASTER_COPY_BYTES if amp == "master" else 0)
 
 
+# `optimizer.jit_compile="auto"` (core/engine/update/apply.py) compiles an update of at
+# least 1M parameters with XLA; a smaller one runs as Keras's plain ops, about ten passes
+# over memory per variable instead of one fused loop: Adam on 25M parameters took 59.2 ms
+# as plain ops against 20.3 compiled (bench/optim.py, docs/benchmarks.md).
+COMPILED_UPDATE_MIN_PARAMS = 1_000_000
+PLAIN_UPDATE_SLOWDOWN = 59.2 / 20.3
+
+
 def _update_s(result, layout: Layout, device: DeviceSpec) -> tuple[float, float]:
     """(optimizer update seconds, offload transfer seconds) of the slowest device."""
     moved_per_param = update_bytes_per_param(layout.optimizer, layout.amp)
+    shared_copy = device.shares_compute and layout.offload and not layout.zero
     per_device = [0.0] * layout.pipeline_parallel
+    moved_params = [0.0] * layout.pipeline_parallel  # uncompiled updates weigh more
     for stage in result.stages:
         # The device's share of the rows it updates: all of them, or 1/N with ZeRO.
         owned = stage.params / (layout.data_parallel if layout.zero else 1)
+        update_size = stage.params if shared_copy else owned
+        plain = update_size < COMPILED_UPDATE_MIN_PARAMS
         per_device[stage.index % layout.pipeline_parallel] += owned
+        moved_params[stage.index % layout.pipeline_parallel] += owned * (
+            PLAIN_UPDATE_SLOWDOWN if plain else 1.0
+        )
     params = max(per_device)
+    moved = max(moved_params)
     bandwidth = device.host_memory_bandwidth if layout.offload else device.streaming_bandwidth
     if device.shares_compute:
         # Every device's update runs on the shared memory, side by side at the pool's
         # bandwidth. With offload (no ZeRO) the devices of a worker share one host copy
-        # of the variables, updated once (update.py, `shared_variables`), on one
-        # device's share of the pool.
-        pool = min(layout.devices, device.cores)
+        # of the variables, updated once (update.py, `shared_variables`), by one thread.
         bandwidth = device.pool_rates(layout.devices)[1]
-        params = sum(per_device) * layout.data_parallel * layout.tensor_parallel
-        if layout.offload and not layout.zero:
-            params, bandwidth = sum(per_device), bandwidth / pool
-    update = params * moved_per_param / bandwidth
+        replicas = layout.data_parallel * layout.tensor_parallel
+        params, moved = sum(per_device) * replicas, sum(moved_params) * replicas
+        if shared_copy:
+            params, moved = sum(per_device), sum(moved_params)
+            bandwidth = device_rates(device, layout.devices)[1]
+    update = moved * moved_per_param / bandwidth
     offload = 0.0
     if layout.offload:
         # Each micro-batch's weights up to the device when it uses them, the step's
