@@ -25,7 +25,9 @@ table (`devices.py`) and a count of the model (`estimate.ModelCost`), in this or
    `schedule.bubble_fraction` (GPipe and 1F1B (p-1)/(m+p-1), interleaved
    (p-1)/(vm+p-1), ZB-H1 (p-1)/(3m+p-1)). Devices that share one compute pool (logical
    CPU devices) cannot hide a bubble behind idle cores: their step is at least the sum
-   of all devices' work on the pool.
+   of all devices' work on the pool, at the rates measured for that many devices side
+   by side (`DeviceSpec.pool_rates`); a device on its own runs at one thread's
+   (`devices.device_rates`: cores // devices threads per op).
 6. Data-parallel communication (`StageEstimate.comm_data_parallel`: all-reduce, ZeRO's
    reduce-scatter and all-gathers) over the data group's link; overlapped with the last
    micro-batch's backward where the engine overlaps it and the device has separate
@@ -33,9 +35,14 @@ table (`devices.py`) and a count of the model (`estimate.ModelCost`), in this or
 7. The optimizer update, bound by the streaming bandwidth (Adam reads the parameter,
    gradient and both slots and writes three: 28 bytes per float32 parameter; amp
    "master" adds its float32 gradient copy, unscaling and 16-bit weight copy: 48), on the
-   device's share of the parameters (ZeRO divides it); with offload on host memory, plus
-   the weights' trip to the device for every micro-batch and the gradients' back over
-   the host link.
+   device's share of the parameters (ZeRO divides it); an update below 1M parameters
+   runs as plain ops, `PLAIN_UPDATE_SLOWDOWN` times longer; with offload on host memory,
+   plus the weights' trip to the device for every micro-batch and the gradients' back
+   over the host link (logical CPU devices share one host copy, updated once).
+
+Peak memory: `device_phase_bytes` walks the schedule (activations and the gradients
+alive at once, then the reduction); on a shared pool the prediction is the process's
+(`process_peak_bytes`).
 8. The step's own overhead.
 
 A collective over N members sends 2(N-1)/N of its buffer (all-reduce; the estimate
