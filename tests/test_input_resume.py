@@ -146,3 +146,63 @@ def test_a_generator_pipeline_says_why_it_resumes_by_skipping(tmp_path, caplog):
     assert "skipping the 1 batch(es) already taken" in caplog.text
     assert resumed_seen == seen  # a deterministic generator: skipping is exact here
     assert os.path.isdir(tmp_path / "ckpt")
+
+
+def test_the_input_state_is_stored_in_the_shard_and_a_damaged_one_is_skipped(tmp_path, caplog):
+    """The iterator's state is bytes in the worker's shard file, hashed like every entry
+    (no files beside it): a flipped byte is caught, named in a warning, and the resume
+    skips the batches already taken instead of restoring a wrong state."""
+    from epl_trainer.training import checkpoint as ckpt
+
+    folder = tmp_path / "ckpt"
+    _fit(tmp_path, "tf.data reshuffling", "killed", folder, STOP_AT)
+    latest = ckpt.latest(str(folder))
+    assert sorted(os.listdir(latest)) == ["manifest.json", "shard-0.bin", "shard-0.json"]
+    where = ckpt.read_manifest(latest)["shards"]["shard-0"]["input"]["state"]
+    assert where["nbytes"] > 0
+    with open(os.path.join(latest, "shard-0.bin"), "r+b") as f:
+        f.seek(where["offset"] + where["nbytes"] // 2)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    with caplog.at_level("WARNING", logger="epl_trainer"):
+        _, after = _fit(tmp_path, "tf.data reshuffling", "resumed", folder)
+    assert "'input state'" in caplog.text and "does not match the hash" in caplog.text
+    assert "skipping the 1 batch(es) already taken" in caplog.text
+    assert len(after) == EPOCHS * 8 - 9
+
+
+def test_a_checkpoint_with_the_input_state_beside_its_shard_still_resumes_exactly(
+    tmp_path, monkeypatch
+):
+    """Saves before the state went into the shard wrote a TensorFlow checkpoint of the
+    iterator beside it (`input-<w>.index`, the record's "prefix"); such a checkpoint
+    still resumes on the uninterrupted run's samples."""
+    from epl_trainer.training import checkpoint as ckpt
+    from epl_trainer.training import checkpoint_manager
+
+    def save_beside(self):  # the earlier CheckpointManager._save_input_state
+        iterator = self._progress.batches.iterator_to_save()
+        saving[0] = iterator
+        return {"position": self._progress.batches.position, "pending": True}
+
+    saving = [None]
+    real_write_shard = ckpt.write_shard
+
+    def write_shard(folder, worker, entries, staging=None, inputs=None):
+        if inputs is not None and inputs.pop("pending", False):
+            name = f"input-{worker}"
+            tf.train.Checkpoint(iterator=saving[0]).write(os.path.join(folder, name))
+            inputs["prefix"] = name
+        real_write_shard(folder, worker, entries, staging, inputs)
+
+    _, seen = _fit(tmp_path, "tf.data reshuffling", "uninterrupted")
+    with monkeypatch.context() as patch:
+        patch.setattr(checkpoint_manager.CheckpointManager, "_save_input_state", save_beside)
+        patch.setattr(ckpt, "write_shard", write_shard)
+        folder = tmp_path / "ckpt"
+        _, before = _fit(tmp_path, "tf.data reshuffling", "killed", folder, STOP_AT)
+    latest = ckpt.latest(str(folder))
+    assert "input-0.index" in os.listdir(latest)
+    _, after = _fit(tmp_path, "tf.data reshuffling", "resumed", folder)
+    assert before[:9] + after == seen

@@ -105,20 +105,22 @@ def write_shard(
 ) -> None:
     """Writes worker `worker`'s entries [(key, readable name, value)] into its shard file
     (assembled in `staging`, a fresh buffer if None) and its record. `inputs`: the record
-    of its input iterator's state, already written in `folder` (input_state.py)."""
+    of its input iterator's state (input_state.py); its "state" bytes go into the shard
+    file after the entries, and the record says where."""
     gfile.makedirs(folder)
     entries = list(entries)
+    inputs = dict(inputs) if inputs is not None else None
+    arrays = [_as_array(value) for _, _, value in entries]
+    if inputs is not None and "state" in inputs:
+        arrays.append(inputs["state"])
     files, placed = {}, []
-    if entries:  # a worker may own nothing (data parallelism: lane 0's worker owns all)
+    if arrays:  # a worker may own nothing (data parallelism: lane 0's worker owns all)
         data = _join(folder, f"shard-{worker}{_DATA}")
         _take_spare(folder, worker, data)
-        arrays = [_as_array(value) for _, _, value in entries]
         placed = shard_file.write(data, arrays, staging or shard_file.StagingBuffer())
         files[f"shard-{worker}{_DATA}"] = gfile.stat(data).length
-    if inputs is not None and "prefix" in inputs:
-        for name in gfile.listdir(folder):
-            if name.startswith(f"{inputs['prefix']}."):
-                files[name] = gfile.stat(_join(folder, name)).length
+    if inputs is not None and "state" in inputs:
+        inputs["state"] = placed.pop()  # {"offset", "nbytes", "xxh3"} in the shard file
     record = {
         "worker": worker,
         "input": inputs,
@@ -443,6 +445,13 @@ def read_all(path: str) -> tuple[dict, dict[str, np.ndarray]]:
         for key, entry in manifest["entries"].items()
     }
     return manifest, read_entries(path, manifest, saved)
+
+
+def read_input_state(path: str, worker: int, where: Mapping) -> np.ndarray:
+    """Worker `worker`'s input iterator state saved in checkpoint `path`'s shard (`where`:
+    its {"offset", "nbytes", "xxh3"}), checked against its hash."""
+    entry = {**where, "shape": [where["nbytes"]], "dtype": "uint8", "name": "input state"}
+    return _read_shard_file(path, f"shard-{worker}", {"input": entry})["input"]
 
 
 def _read_shard_file(path: str, shard: str, entries: dict) -> dict:

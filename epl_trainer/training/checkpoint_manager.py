@@ -101,7 +101,7 @@ class CheckpointManager:
         values, failure, inputs = [], None, None
         try:
             values = self._snapshot(to_host=asynchronous)
-            inputs = self._save_input_state(folder)  # now: the step's position
+            inputs = self._save_input_state()  # now: the step's position
             if not asynchronous:
                 ckpt.write_shard(folder, cluster.worker_index, values, None, inputs)
         except Exception as error:  # the peers must still meet this worker at the barrier
@@ -176,31 +176,30 @@ class CheckpointManager:
             values = [(key, name, _on_host(value)) for key, name, value in values]
         return values
 
-    def _save_input_state(self, folder: str) -> dict | None:
-        """This worker's input iterator state, written beside its shard (input_state.py):
-        {"prefix", "position"}, {"unsaved": why}, or None outside fit."""
+    def _save_input_state(self) -> dict | None:
+        """This worker's input iterator state as it stands now (input_state.py):
+        {"position", "state": its bytes, which write_shard stores in the shard},
+        {"unsaved": why}, or None outside fit."""
         batches = self._progress.batches
         if batches is None:
             return None
         if not self._context.config.checkpoint.input_state:
             return {"unsaved": "checkpoint.input_state is off"}
-        saver = batches.input_saver()
-        if saver is None:
+        iterator = batches.iterator_to_save()
+        if iterator is None:
             return {"unsaved": "saved at the end of fit's last pass, which no pass follows"}
-        name = input_state.PREFIX.format(worker=self._context.cluster.worker_index)
-        ckpt.gfile.makedirs(folder)
-        why = input_state.save(saver, ckpt.join_path(folder, name))
-        if why is None:
-            return {"prefix": name, "position": batches.position}
-        if why != self._unsaved_input:  # once per reason, not at every save
-            self._unsaved_input = why
+        state = input_state.capture(iterator)
+        if not isinstance(state, str):
+            return {"position": batches.position, "state": state}
+        if state != self._unsaved_input:  # once per reason, not at every save
+            self._unsaved_input = state
             logger.warning(
                 "The input pipeline's state cannot be saved with the checkpoint (%s): a "
                 "resume will skip the batches already taken, which reads the same samples "
                 "only if the pipeline gives the same batches in a fresh process.",
-                why,
+                state,
             )
-        return {"unsaved": why}
+        return {"unsaved": state}
 
     def _input_to_restore(self, path: str, manifest: dict):
         """For the next fit's first pass: a callable restoring this worker's saved input
@@ -220,8 +219,14 @@ class CheckpointManager:
             )
         if "unsaved" in record:
             return record["unsaved"]
-        prefix = ckpt.join_path(path, record["prefix"])
-        return lambda iterator: input_state.restore(iterator, prefix)
+        if "prefix" in record:  # a TensorFlow checkpoint beside the shard (saved before)
+            prefix = ckpt.join_path(path, record["prefix"])
+            return lambda iterator: input_state.restore_checkpoint(iterator, prefix)
+        try:
+            state = ckpt.read_input_state(path, cluster.worker_index, record["state"])
+        except ckpt.CheckpointError as error:
+            return str(error)
+        return lambda iterator: input_state.restore(iterator, state)
 
     def _agree_written(self, failure: BaseException | None, step: int, folder: str) -> None:
         """The barrier after writing: every worker says whether its shard is in. Raises

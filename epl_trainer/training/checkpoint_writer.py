@@ -3,13 +3,13 @@
 The step hands the writer a snapshot of the state and goes on. The snapshot costs no copy
 at the time it is taken on CPU: a TensorFlow tensor read from a variable shares the
 variable's buffer, and an update of that variable while the read is alive copies it first
-(resource variables copy on write). The writer copies the snapshot into its staging
-buffer (shard_file.py) and writes that. Values on an accelerator are copied to host memory
-when the snapshot is taken.
+(resource variables copy on write).
+The writer writes the snapshot's whole pages straight from its memory (shard_file.py).
+Values on an accelerator are copied to host memory when the snapshot is taken.
 
 At most one save is in flight: the caller joins the one before. The memory a save holds is
-therefore the staging buffer (one worker's shard, kept by `CheckpointManager`) plus the
-variables an update copies while the snapshot still reads them.
+therefore one snapshot of this worker's state, until its shard is written, plus a few
+staging pages (kept by `CheckpointManager`).
 
 What the background thread runs is the caller's (`CheckpointManager`): writing this
 worker's shard and syncing it to storage, and in a single-worker job publishing it (the

@@ -440,23 +440,20 @@ class EpochBatches:
         self.pass_index = first_pass
         self.batches_per_pass = batches_per_pass
         self._restore_input = restore_input
-        self._unstarted = False  # the iterator was made before its pass (input_saver)
-        self._saver = None  # input_saver's checkpoint of the current iterator
+        self._unstarted = False  # the iterator was made before its pass (iterator_to_save)
         # Set by fit during its last epoch: no pass follows it, so none is made ahead.
         self.last_epoch = False
 
     def close(self) -> None:
         """Ends the current pass: its iterator is deleted off this thread
         (iterators.py: a deletion can wait seconds for tf.data's autotuning)."""
-        self._saver = None  # it holds the iterator
         release(self._iterator)
         self._iterator = None
 
-    def input_saver(self):
-        """A `tf.train.Checkpoint` of the iterator the next step reads from, for a
-        checkpoint (None after fit's last pass: a pass made then would shift the seeds of
-        the next fit's passes). Made once per pass: making one took 2.7 of the 6.7 ms a
-        small pipeline's save took here.
+    def iterator_to_save(self):
+        """The iterator the next step reads from, whose state a checkpoint saves (None
+        after fit's last pass: a pass made then would shift the seeds of the next fit's
+        passes).
 
         Between passes the next pass's iterator is made now, and the next epoch reads from
         it: its state holds the dataset's seed generators as that pass draws from them (the
@@ -466,9 +463,7 @@ class EpochBatches:
                 return None
             self._iterator = self._new_pass()
             self._unstarted = True
-        if self._saver is None:
-            self._saver = tf.train.Checkpoint(iterator=self._iterator)
-        return self._saver
+        return self._iterator
 
     def _new_pass(self):
         skip, self._skip = self._skip, 0
