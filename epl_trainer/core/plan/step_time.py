@@ -353,11 +353,12 @@ def device_phase_bytes(result: estimate_module.Estimate, offload: bool = False) 
       schedule's order, with the gradients alive then, plus the largest backward
       workspace and recomputed segment. Gradients: none before a stage's first backward
       with one micro-batch per step; with several, the engine adds each micro-batch's
-      gradients to the sum of the ones before, a chain of adds TensorFlow's graph
-      optimizer (grappler's arithmetic optimizer) rewrites into one AddN that waits
-      for all of them, so every backward done so far keeps its gradients
-      (measured: `bench/plan_accuracy.py` row 30 peaks 30 MB lower with that rewrite
-      off, and grows by one gradient set per micro-batch); a
+      gradients to a running sum, which the stage keeps from its first backward on
+      (one set, ZeRO v1 / v2 its reduced shard), with the next backward's gradients
+      (its crossover) while they are added: the stage's next backward waits for the
+      sum, so grappler's arithmetic optimizer does not rewrite the adds into one AddN
+      over every micro-batch's gradients (executor.py; `bench/plan_accuracy.py` row
+      30's peak no longer grows with the micro-batches); a
       looped stage holds its running sums from the start; under gradient checkpointing
       a micro-batch's own gradients exist by its first segment's recompute;
     * at the end: the gradients, the reduction's buffers and ZeRO v2's gathered
@@ -368,8 +369,8 @@ def device_phase_bytes(result: estimate_module.Estimate, offload: bool = False) 
     looped = estimate_module.loops_micro_batches(len(stages), m, options.zero)
     sharded = options.zero in ("v1", "v2")  # micro-batches' gradients reduce-scattered
     activation = [s.activations[s.selected] for s in stages]
-    # Bytes one finished backward leaves until the AddN: its gradients, or the reduced
-    # shard of them ZeRO v1 / v2 sums over the micro-batches.
+    # The running sum a stage keeps from its first backward on: its gradients, or the
+    # reduced shard of them ZeRO v1 / v2 sums over the micro-batches.
     kept = [(s.gradients if sharded else s.full_gradients) if m > 1 and not looped else 0
             for s in stages]  # fmt: skip
     states = _schedule_states(plan.pipeline_strategy, len(stages), m, plan.virtual_stages)
@@ -377,7 +378,8 @@ def device_phase_bytes(result: estimate_module.Estimate, offload: bool = False) 
     for hosted, counts in states:
         hosted_stages = [stages[k] for k in hosted]
         weights = [activation[k] for k in hosted] + [kept[k] for k in hosted]
-        during = float(np.max(counts @ np.array(weights, dtype=np.float64)))
+        summed = np.hstack([counts[:, : len(hosted)], np.minimum(counts[:, len(hosted) :], 1)])
+        during = float(np.max(summed @ np.array(weights, dtype=np.float64)))
         if looped:  # the loop's micro-batch and the last one, the loop's running sums
             during = sum(s.inflight * activation[s.index] + s.full_gradients
                          for s in hosted_stages)  # fmt: skip

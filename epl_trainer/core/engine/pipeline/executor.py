@@ -11,6 +11,12 @@ of the same stage (of the same device, when a device runs several stages: interl
 as its backward has run. With stages on other workers, a W (which no stage waits for)
 also waits for its stage's sends since its previous W, so that its ops do not delay
 them (docs/reference/pipelines.md).
+
+A stage adds each micro-batch's weight gradients to running sums, and its next backward
+(W of a split one) waits for those sums. Without that wait, grappler's arithmetic
+optimizer rewrites the chain of adds into one AddN over every micro-batch's gradients,
+which runs after the last backward: the stage would hold a full set of gradients per
+micro-batch until then. An add that drives a control dependency is left as it is.
 """
 
 from __future__ import annotations
@@ -155,6 +161,9 @@ class LaneExecutor:
         self.embedding_tables = embedding_tables
         self.num_stages = len(staged.stages)
         self.splits_backward = any(task.kind == WEIGHT for _, task in order)
+        self.one_chain_idx = _accumulated_by_one_chain(
+            self.trainable_idx, self.unread_idx, self.chains
+        )
 
     def run(self, parts: list, non_trainable: list, rows, task_scope=None):
         """Emits every task of the schedule for this lane.
@@ -185,6 +194,9 @@ class LaneExecutor:
         # micro-batches (ZeRO v2: the gather of the stage's parameters).
         self._read_values: dict[int, list] = {}
         grads: list = [None] * len(self.variables)
+        # Per chain: the running sums its last accumulation made, which its next one
+        # waits for (the module docstring: no AddN over every micro-batch's gradients).
+        self._running_sums: dict = {}
         previous: dict = {}  # per chain (a device of the schedule): tensors ending its last task
         sent_since_w: dict = {}  # per chain: its sends to other workers since its last W
         collecting = self.boundaries is not None and self.splits_backward  # for Ws to wait
@@ -198,6 +210,8 @@ class LaneExecutor:
             after = previous.get(chain, [])
             if task.kind == WEIGHT:
                 after = [*after, *sent_since_w.pop(chain, [])]
+            if self._accumulates(task):
+                after = [*after, *self._running_sums.pop(chain, [])]
             name = f"{task_scope or 'lane'}_stage{stage}_{task.kind}{task.micro_batch}"
             if self.lane is not None and not self.lane.is_local(stage):
                 # Another worker computes this task; build this side of its transfers.
@@ -231,6 +245,11 @@ class LaneExecutor:
             clock.finish(self.position)
         return grads, non_trainable, micro_batches
 
+    def _accumulates(self, task: Task) -> bool:
+        """Whether the task adds weight gradients to the running sums (W of a split
+        backward, else B)."""
+        return task.kind == WEIGHT or (task.kind == BACKWARD and not self.splits_backward)
+
     def _task_inputs(self, k: int, task: Task, mb: MicroBatch) -> list:
         """What a task reads from other stages (F: activations; B: output gradients)."""
         if task.kind == FORWARD:
@@ -259,6 +278,7 @@ class LaneExecutor:
           `data_share` then covers every micro-batch of the lane).
         """
         self.rows = rows
+        self._running_sums = {}  # the last micro-batch's sums: nothing waits for them
         stacked = tf.nest.map_structure(lambda *xs: None if xs[0] is None else tf.stack(xs), *parts)
         self._read_values = {}
         owned = self.trainable_idx[0]
@@ -492,8 +512,13 @@ class LaneExecutor:
                 continue
             if sink is not None and i in sink.covered and not _is_slices(g):
                 handed[i] = g  # reduced per micro-batch (ZeRO v1), never accumulated
+            elif grads[i] is None:
+                grads[i] = g
             else:
-                grads[i] = g if grads[i] is None else accumulate(grads[i], g)
+                grads[i] = accumulate(grads[i], g)
+                if i in self.one_chain_idx:
+                    chain = self.chains[k]
+                    self._running_sums.setdefault(chain, []).extend(_sum_tensors(grads[i]))
         if handed:
             sink.add(self.position, k, handed)
         return computed
@@ -568,6 +593,24 @@ def _with_variable_shape(gradient, shape):
     if _is_slices(gradient) or gradient.shape.is_fully_defined():
         return gradient
     return tf.reshape(gradient, shape)
+
+
+def _accumulated_by_one_chain(trainable_idx, unread_idx, chains) -> frozenset:
+    """Model-order indices of the variables whose gradients the stages of one chain
+    accumulate. A tied weight read on several devices also gets its other stages'
+    gradients: its running sum is not waited for, as a stage would then wait for
+    another's backward."""
+    chains_of: dict = {}
+    for k, idx in enumerate(trainable_idx):
+        for i in idx:
+            if i not in unread_idx[k]:
+                chains_of.setdefault(i, set()).add(chains[k])
+    return frozenset(i for i, owners in chains_of.items() if len(owners) == 1)
+
+
+def _sum_tensors(total) -> list:
+    """The tensors of a running sum (an IndexedSlices's rows and indices)."""
+    return [total.values, total.indices] if _is_slices(total) else [total]
 
 
 def accumulate(total, gradient):

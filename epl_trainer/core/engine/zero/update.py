@@ -59,7 +59,10 @@ class MicroBatchGradients:
     lane has, the program calls `flush(stage)`, which reduce-scatters them over the stage
     group at once and sums each member's pieces into its running total (`take` gives
     the totals to the update). `flush` returns, per lane, tensors the stage's next task
-    waits for, so a micro-batch's full gradients are freed before the next backward.
+    waits for, so a micro-batch's full gradients are freed before the next backward:
+    the running totals, whose adds then drive a control dependency, which grappler's
+    arithmetic optimizer leaves as they are (it rewrites a chain of adds nothing waits
+    for into one AddN over every micro-batch's pieces, run after the last backward).
 
     Args:
       reduce_micro_batch: `(stage, per-member {index: gradient}) -> per-member
@@ -97,7 +100,9 @@ class MicroBatchGradients:
             for key, value in pieces.items():
                 with tf.device(value.device):
                     total[key] = value if key not in total else total[key] + value
-        return {li: list(pieces.values()) for li, pieces in zip(lanes, reduced)}
+        return {
+            li: [total[key] for key in pieces] for li, total, pieces in zip(lanes, totals, reduced)
+        }
 
     def take(self, stage: int) -> list[dict] | None:
         return self.totals.pop(stage, None)
