@@ -98,6 +98,33 @@ def configure_trainer_threads(device_count):
     configure_tensorflow(device_count, intra_op_threads=threads)
 
 
+def fit_step_seconds(trainer, dataset, steps):
+    """Seconds per step of one `trainer.fit` of `steps` steps (>= 2), from the end of its
+    first step to the end of its last: a step as a long job runs it, without what a
+    fit call does once. Each call copies the Keras model's weights into the trainer
+    (and the optimizer's state) at its start and back at its end, eager ops per
+    variable; timed whole and divided by 5 steps, row 6 (ZeRO v2, whose copies cut and
+    join every variable's pieces) measured 218 ms a step against 125 over 25 steps, its
+    copies taking 83 and 22 ms."""
+    import time
+
+    import keras
+
+    class StepClock(keras.callbacks.Callback):
+        reads_logs_only = True  # no write-back of the weights after each step
+
+        def __init__(self):
+            super().__init__()
+            self.ends = []
+
+        def on_train_batch_end(self, batch, logs=None):
+            self.ends.append(time.perf_counter())
+
+    clock = StepClock()
+    trainer.fit(dataset, steps_per_epoch=steps, verbose=0, callbacks=[clock])
+    return (clock.ends[-1] - clock.ends[0]) / (len(clock.ends) - 1)
+
+
 def measure(arguments):
     """Child: one configuration's measured peak and step time, and the prediction."""
     kind, micro_batch_size, fields, steps = arguments
@@ -107,8 +134,6 @@ def measure(arguments):
     layout = step_time.Layout(micro_batch_size=micro_batch_size, **fields)
     device_count = layout.data_parallel * layout.pipeline_parallel
     configure_trainer_threads(device_count)
-    import time
-
     import keras
     import numpy as np
     import tensorflow as tf
@@ -135,11 +160,7 @@ def measure(arguments):
     dataset = tf.data.Dataset.from_tensors((x, y)).repeat()
     trainer.fit(dataset, steps_per_epoch=2, verbose=0)  # trace and build
     reset_peak_memory()
-    best = float("inf")
-    for _ in range(REPEATS):
-        start = time.perf_counter()
-        trainer.fit(dataset, steps_per_epoch=steps, verbose=0)
-        best = min(best, (time.perf_counter() - start) / steps)
+    best = min(fit_step_seconds(trainer, dataset, steps) for _ in range(REPEATS))
     peak = allocator_memory()["peak"]
     load = os.getloadavg()[0]
 
@@ -166,12 +187,11 @@ def predict_rows(indices):
     models' Keras graphs, with the step-time model as it is now; the transformer's also
     from its sizes (`sizes_` keys: what `epl-plan --model transformer` describes)."""
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-    from epl_trainer.core.graph.auto_partition import model_cost
     from epl_trainer.core.plan import devices, step_time
     from epl_trainer.runtime.cluster import configure_tensorflow
 
     configure_tensorflow(1)
-    costs = {kind: model_cost(build_model(kind)) for kind in (T, M)}
+    costs = {kind: graph_cost(kind) for kind in (T, M)}
     sizes = transformer_from_sizes()
     cpu = devices.device_by_name("cpu")
     rows = []
@@ -193,6 +213,25 @@ def predict_rows(indices):
             )
         rows.append(row)
     return rows
+
+
+def graph_cost(kind):
+    """The model's costs from its Keras graph (`auto_partition.model_cost`), each layer's
+    elementwise bytes counted from the ops of its traced training step
+    (`core/graph/traffic.py`)."""
+    import keras
+    import tensorflow as tf
+
+    from epl_trainer.core.graph import traffic
+    from epl_trainer.core.graph.auto_partition import model_cost
+
+    model = build_model(kind)
+    inputs = tf.TensorSpec((1, 64), tf.int32) if kind == T else tf.TensorSpec((1, 512))
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    counts = traffic.elementwise_traffic(
+        model, inputs, tf.TensorSpec((1,), tf.int32), lambda y, p, w: loss(y, p)
+    )
+    return traffic.with_elementwise_traffic(model_cost(model), counts)
 
 
 def transformer_from_sizes():
@@ -261,14 +300,38 @@ def print_table(rows):
         )
 
 
-def wait_for_quiet(limit=1.5, timeout=60):
-    """Waits (up to `timeout` seconds) until the 1-minute load average is below `limit`:
-    the machine is shared, and another process's work slows a step by up to 2x."""
+def idle_share(seconds=3.0):
+    """The share of the machine's CPU time that was idle over the last `seconds`
+    (/proc/stat; 1.0 where it cannot be read)."""
+    import time
+
+    def read():
+        try:
+            with open("/proc/stat") as f:
+                values = [int(v) for v in f.readline().split()[1:]]
+        except OSError:
+            return None
+        return values[3] + values[4], sum(values)  # idle + iowait, all
+
+    before = read()
+    time.sleep(seconds)
+    after = read()
+    if before is None or after is None or after[1] == before[1]:
+        return 1.0
+    return (after[0] - before[0]) / (after[1] - before[1])
+
+
+def wait_for_quiet(idle=0.75, timeout=900):
+    """Waits (up to `timeout` seconds) until at least `idle` of the cores were idle over
+    3 seconds: the machine is shared, and another process on one of its two cores slows a
+    step by up to 1.8x (the zoo transformer's forward and backward: 91-99 ms quiet, 172
+    with one core taken). The 1-minute load average lags by a minute and counted the
+    bench's own finished child."""
     import time
 
     deadline = time.monotonic() + timeout
-    while os.getloadavg()[0] >= limit and time.monotonic() < deadline:
-        time.sleep(5)
+    while idle_share() < idle and time.monotonic() < deadline:
+        pass
 
 
 def main():
