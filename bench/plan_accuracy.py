@@ -6,13 +6,16 @@ Each configuration is a `step_time.Layout` of one of two small models (the 4-lay
 transformer of tests/scripts/estimate_peak.py, and a 4 x Dense(1024) MLP), trained by
 EPLTrainer with the config keys `Layout.config()` gives (what `epl-plan --search
 --save_config` writes) on logical CPU devices with the trainer's threads per op
-(`configure_trainer_threads`), one fresh process per configuration, one at a time. The
-child traces one step, resets the allocator's peak, then runs 5 x `--steps` steps and
-keeps the fastest repeat's time per step (the machine is shared; the fastest is the least
-disturbed). The prediction is `step_time.predict` of the model's Keras graph
-(`auto_partition.model_cost`, what the automatic partition cuts) on the "cpu" device,
-whose constants are bench/plan_calibrate.py's microbenchmarks: nothing here is fitted to
-a configuration.
+(`configure_trainer_threads`), one fresh process per configuration, one at a time, each
+started once the machine is quiet (`wait_for_quiet`). The child traces one step, resets
+the allocator's peak, then runs 5 fit calls of `--steps` steps and keeps the fastest
+call's time per step, timed from the end of its first step to the end of its last
+(`fit_step_seconds`: not the weight copies each fit call makes once; the machine is
+shared, the fastest is the least disturbed). The prediction is `step_time.predict` of the
+model's Keras graph (`auto_partition.model_cost`, what the automatic partition cuts; each
+layer's elementwise bytes counted from its traced step's ops, `core/graph/traffic.py`)
+on the "cpu" device, whose constants are bench/plan_calibrate.py's microbenchmarks:
+nothing here is fitted to a configuration.
 
 Memory: on CPU the logical devices share one allocator, so the measured peak is the
 process's, and the prediction is too (`step_time.process_peak_bytes`: the host copy of
@@ -33,7 +36,7 @@ ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir)
 sys.path.insert(0, ROOT)
 
 MEMORY_TOLERANCE, TIME_TOLERANCE = 0.10, 0.20
-REPEATS = 5  # timed repeats of --steps steps; the fastest counts
+REPEATS = 5  # timed fit calls of --steps steps; the fastest counts
 
 # (model, samples per micro-batch, Layout fields): the transformer and the MLP under every
 # parallel mode the trainer runs on logical CPU devices.
@@ -103,9 +106,9 @@ def fit_step_seconds(trainer, dataset, steps):
     first step to the end of its last: a step as a long job runs it, without what a
     fit call does once. Each call copies the Keras model's weights into the trainer
     (and the optimizer's state) at its start and back at its end, eager ops per
-    variable; timed whole and divided by 5 steps, row 6 (ZeRO v2, whose copies cut and
-    join every variable's pieces) measured 218 ms a step against 125 over 25 steps, its
-    copies taking 83 and 22 ms."""
+    variable. Timed whole and divided by 5 steps, row 6 (ZeRO v2, whose copies cut and
+    join every variable's pieces: 83 ms in, 22 out) measured 141-148 ms a step where its
+    steps took 80-98; row 1 (no ZeRO) 111-121 where they took 96-100."""
     import time
 
     import keras

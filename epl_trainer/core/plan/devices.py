@@ -442,14 +442,15 @@ _add(
             "memory_efficiency": "1: the bandwidth is itself a measured elementwise rate",
             "intra_node_efficiency": "1: the bandwidth is itself a measured all-reduce rate",
             "intra_node_bandwidth": f"{_CALIBRATED}: all-reduce of 16 kB and 16 MB between 2 "
-            "logical devices (slope)",
+            "logical devices (slope; the calibration before this one's, --only collective)",
             "latency_s": f"{_CALIBRATED}: the same all-reduces (intercept, over its 2 ring steps)",
             "collective_speed": f"{_CALIBRATED}: reduce-scatters and all-gathers of the same "
             "sizes: {reduce_scatter}x and {all_gather}x the all-reduce's bytes per second".format(
                 **_CPU_MEASURED["collective_speed"]
             ),
             "layer_overhead_s": f"{_CALIBRATED}: EPLTrainer steps of Dense(8) stacks of 4 and "
-            "36 layers (slope per layer), on 1 device",
+            "36 layers (slope per layer), on 1 device, each step timed on its own (not the "
+            "fit call's copies of every weight: 133 us with them)",
             "step_overhead_s": f"{_CALIBRATED}: the same steps (intercept)",
             "pool_overhead": f"{_CALIBRATED}: the same, data-parallel on 1, 2 and 4 logical "
             "devices: "
@@ -534,6 +535,7 @@ def sources_table() -> list[tuple[str, str, str, str]]:
             "memory_efficiency": f"{spec.memory_efficiency:.2f} "
             f"({spec.streaming_bandwidth / GB:.4g} GB/s)",
             "matmul_efficiency": f"{spec.matmul_efficiency:.3f}",
+            "batched_matmul_efficiency": f"{spec.batched_matmul_efficiency:.3f}",
             "sm_count": f"{spec.sm_count}",
             "matmul_tiles": " ".join(f"{r}x{c}" for r, c in spec.matmul_tiles),
             "intra_node_bandwidth": f"{spec.intra_node_bandwidth / GB:.4g} GB/s",
@@ -546,6 +548,7 @@ def sources_table() -> list[tuple[str, str, str, str]]:
             "layer_overhead_s": f"{spec.layer_overhead_s * 1e6:.3g} us",
             "step_overhead_s": f"{spec.step_overhead_s * 1e3:.3g} ms",
             "shares_compute": f"{spec.shares_compute} ({spec.cores} cores)",
+            "elementwise_speedups": " / ".join(f"{f:.2f}" for _, f in spec.elementwise_speedups),
         }
         # The table's order (a constant, then what refines it), then any other source.
         order = list(values) + [key for key in spec.sources if key not in values]

@@ -7,13 +7,17 @@ table (`devices.py`) and a count of the model (`estimate.ModelCost`), in this or
    (`NodeCost.gemms`, the analytic models), each forward matmul and its two backward
    products (input and weight gradients) by `matmul_s`: FLOPs / (the matmul rate x the
    wave efficiency over the device's SMs), or operands and result / the streaming
-   bandwidth, whichever is longer; otherwise the node's forward FLOPs x the micro-batch /
-   the matmul rate (peak x matmul efficiency, 16-bit with AMP), backward twice that. The
-   elementwise bytes / the streaming bandwidth (the memory bandwidth x the share a
-   streaming kernel reaches), backward twice the forward; with gradient checkpointing
-   the forward once more. Tensor parallelism (`tensor_parallel_model`) divides the nodes
-   it splits (transformer layers, vocabulary-parallel embeddings and heads) and their
-   matmuls as Megatron does (columns, inner size or heads).
+   bandwidth, whichever is longer (each sample's own small products, attention's per
+   head, at `DeviceSpec.batched_matmul_efficiency` of the rate); otherwise the node's
+   forward FLOPs x the micro-batch / the matmul rate (peak x matmul efficiency, 16-bit
+   with AMP), backward twice that. The elementwise bytes / the streaming bandwidth (the
+   memory bandwidth x the share a streaming kernel reaches; on a shared pool x
+   `DeviceSpec.elementwise_factor`, a layer's ops reading from the caches), backward as
+   counted (`NodeCost.elementwise_backward_bytes`, a traced step's ops) or twice the
+   forward; with gradient checkpointing the forward once more. Tensor parallelism
+   (`tensor_parallel_model`) divides the nodes it splits (transformer layers,
+   vocabulary-parallel embeddings and heads) and their matmuls as Megatron does
+   (columns, inner size or heads).
 2. Tensor-parallel all-reduces: Megatron's layer sums its activations twice in forward
    and twice in backward (again in a recomputed forward), over the tensor group's link;
    with ZeRO-R's partitioned checkpoints an all-gather of each layer's checkpoint too.
