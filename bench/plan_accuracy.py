@@ -6,13 +6,16 @@ Each configuration is a `step_time.Layout` of one of two small models (the 4-lay
 transformer of tests/scripts/estimate_peak.py, and a 4 x Dense(1024) MLP), trained by
 EPLTrainer with the config keys `Layout.config()` gives (what `epl-plan --search
 --save_config` writes) on logical CPU devices with the trainer's threads per op
-(`configure_trainer_threads`), one fresh process per configuration, one at a time. The
-child traces one step, resets the allocator's peak, then runs 5 x `--steps` steps and
-keeps the fastest repeat's time per step (the machine is shared; the fastest is the least
-disturbed). The prediction is `step_time.predict` of the model's Keras graph
-(`auto_partition.model_cost`, what the automatic partition cuts) on the "cpu" device,
-whose constants are bench/plan_calibrate.py's microbenchmarks: nothing here is fitted to
-a configuration.
+(`configure_trainer_threads`), one fresh process per configuration, one at a time, each
+started once the machine is quiet (`wait_for_quiet`). The child traces one step, resets
+the allocator's peak, then runs 5 fit calls of `--steps` steps and keeps the fastest
+call's time per step, timed from the end of its first step to the end of its last
+(`fit_step_seconds`: not the weight copies each fit call makes once; the machine is
+shared, the fastest is the least disturbed). The prediction is `step_time.predict` of the
+model's Keras graph (`auto_partition.model_cost`, what the automatic partition cuts; each
+layer's elementwise bytes counted from its traced step's ops, `core/graph/traffic.py`)
+on the "cpu" device, whose constants are bench/plan_calibrate.py's microbenchmarks:
+nothing here is fitted to a configuration.
 
 Memory: on CPU the logical devices share one allocator, so the measured peak is the
 process's, and the prediction is too (`step_time.process_peak_bytes`: the host copy of
@@ -33,7 +36,7 @@ ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir)
 sys.path.insert(0, ROOT)
 
 MEMORY_TOLERANCE, TIME_TOLERANCE = 0.10, 0.20
-REPEATS = 5  # timed repeats of --steps steps; the fastest counts
+REPEATS = 5  # timed fit calls of --steps steps; the fastest counts
 
 # (model, samples per micro-batch, Layout fields): the transformer and the MLP under every
 # parallel mode the trainer runs on logical CPU devices.
@@ -98,6 +101,33 @@ def configure_trainer_threads(device_count):
     configure_tensorflow(device_count, intra_op_threads=threads)
 
 
+def fit_step_seconds(trainer, dataset, steps):
+    """Seconds per step of one `trainer.fit` of `steps` steps (>= 2), from the end of its
+    first step to the end of its last: a step as a long job runs it, without what a
+    fit call does once. Each call copies the Keras model's weights into the trainer
+    (and the optimizer's state) at its start and back at its end, eager ops per
+    variable. Timed whole and divided by 5 steps, row 6 (ZeRO v2, whose copies cut and
+    join every variable's pieces: 83 ms in, 22 out) measured 141-148 ms a step where its
+    steps took 80-98; row 1 (no ZeRO) 111-121 where they took 96-100."""
+    import time
+
+    import keras
+
+    class StepClock(keras.callbacks.Callback):
+        reads_logs_only = True  # no write-back of the weights after each step
+
+        def __init__(self):
+            super().__init__()
+            self.ends = []
+
+        def on_train_batch_end(self, batch, logs=None):
+            self.ends.append(time.perf_counter())
+
+    clock = StepClock()
+    trainer.fit(dataset, steps_per_epoch=steps, verbose=0, callbacks=[clock])
+    return (clock.ends[-1] - clock.ends[0]) / (len(clock.ends) - 1)
+
+
 def measure(arguments):
     """Child: one configuration's measured peak and step time, and the prediction."""
     kind, micro_batch_size, fields, steps = arguments
@@ -107,8 +137,6 @@ def measure(arguments):
     layout = step_time.Layout(micro_batch_size=micro_batch_size, **fields)
     device_count = layout.data_parallel * layout.pipeline_parallel
     configure_trainer_threads(device_count)
-    import time
-
     import keras
     import numpy as np
     import tensorflow as tf
@@ -135,11 +163,7 @@ def measure(arguments):
     dataset = tf.data.Dataset.from_tensors((x, y)).repeat()
     trainer.fit(dataset, steps_per_epoch=2, verbose=0)  # trace and build
     reset_peak_memory()
-    best = float("inf")
-    for _ in range(REPEATS):
-        start = time.perf_counter()
-        trainer.fit(dataset, steps_per_epoch=steps, verbose=0)
-        best = min(best, (time.perf_counter() - start) / steps)
+    best = min(fit_step_seconds(trainer, dataset, steps) for _ in range(REPEATS))
     peak = allocator_memory()["peak"]
     load = os.getloadavg()[0]
 
@@ -166,12 +190,11 @@ def predict_rows(indices):
     models' Keras graphs, with the step-time model as it is now; the transformer's also
     from its sizes (`sizes_` keys: what `epl-plan --model transformer` describes)."""
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-    from epl_trainer.core.graph.auto_partition import model_cost
     from epl_trainer.core.plan import devices, step_time
     from epl_trainer.runtime.cluster import configure_tensorflow
 
     configure_tensorflow(1)
-    costs = {kind: model_cost(build_model(kind)) for kind in (T, M)}
+    costs = {kind: graph_cost(kind) for kind in (T, M)}
     sizes = transformer_from_sizes()
     cpu = devices.device_by_name("cpu")
     rows = []
@@ -193,6 +216,25 @@ def predict_rows(indices):
             )
         rows.append(row)
     return rows
+
+
+def graph_cost(kind):
+    """The model's costs from its Keras graph (`auto_partition.model_cost`), each layer's
+    elementwise bytes counted from the ops of its traced training step
+    (`core/graph/traffic.py`)."""
+    import keras
+    import tensorflow as tf
+
+    from epl_trainer.core.graph import traffic
+    from epl_trainer.core.graph.auto_partition import model_cost
+
+    model = build_model(kind)
+    inputs = tf.TensorSpec((1, 64), tf.int32) if kind == T else tf.TensorSpec((1, 512))
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    counts = traffic.elementwise_traffic(
+        model, inputs, tf.TensorSpec((1,), tf.int32), lambda y, p, w: loss(y, p)
+    )
+    return traffic.with_elementwise_traffic(model_cost(model), counts)
 
 
 def transformer_from_sizes():
@@ -261,14 +303,38 @@ def print_table(rows):
         )
 
 
-def wait_for_quiet(limit=1.5, timeout=60):
-    """Waits (up to `timeout` seconds) until the 1-minute load average is below `limit`:
-    the machine is shared, and another process's work slows a step by up to 2x."""
+def idle_share(seconds=3.0):
+    """The share of the machine's CPU time that was idle over the last `seconds`
+    (/proc/stat; 1.0 where it cannot be read)."""
+    import time
+
+    def read():
+        try:
+            with open("/proc/stat") as f:
+                values = [int(v) for v in f.readline().split()[1:]]
+        except OSError:
+            return None
+        return values[3] + values[4], sum(values)  # idle + iowait, all
+
+    before = read()
+    time.sleep(seconds)
+    after = read()
+    if before is None or after is None or after[1] == before[1]:
+        return 1.0
+    return (after[0] - before[0]) / (after[1] - before[1])
+
+
+def wait_for_quiet(idle=0.75, timeout=900):
+    """Waits (up to `timeout` seconds) until at least `idle` of the cores were idle over
+    3 seconds: the machine is shared, and another process on one of its two cores slows a
+    step by up to 1.8x (the zoo transformer's forward and backward: 91-99 ms quiet, 172
+    with one core taken). The 1-minute load average lags by a minute and counted the
+    bench's own finished child."""
     import time
 
     deadline = time.monotonic() + timeout
-    while os.getloadavg()[0] >= limit and time.monotonic() < deadline:
-        time.sleep(5)
+    while idle_share() < idle and time.monotonic() < deadline:
+        pass
 
 
 def main():

@@ -14,12 +14,22 @@ that `core/plan/devices.py` stores, with the date, in its "cpu" entry:
   together (two single-threaded matmuls outrun one matmul over two threads).
 * memory_bandwidth: an elementwise add over 2**22 float32 (3 x 16 MB moved), bytes/s;
   pool_memory_bandwidth: the same on 1, 2 and 4 devices side by side.
+* batched_matmul_efficiency: attention's per-head products as Keras's MultiHeadAttention
+  runs them (its two einsums with their gradients, at the zoo's transformer's sizes: 32
+  samples, 64 positions, 4 heads of 32), FLOP/s over the matmuls' on the same devices
+  measured just before (`attention_share`); the median over 1, 2 and 4 devices.
+* pool_layer_norm_bandwidth: a LayerNormalization's forward and backward on a [32, 64,
+  128] activation (its bytes counted from its traced ops, as `core/graph/traffic.py`
+  counts a model's), bytes/s on 1, 2 and 4 devices side by side (`layer_norm_share`): a
+  layer's ops read what the op before wrote, from the caches; devices.py divides them by
+  the adds' (pool_memory_bandwidth).
 * thread_matmul_flops, thread_memory_bandwidth: the same on one device with one thread
   per op: what one of several devices runs at while the others idle (a pipeline's
   warm-up).
-* pool_overhead: EPLTrainer steps (plain ops, `jit_compile=False`) of Dense(8) stacks of
-  4 and 36 layers, batch 8 per device (next to no FLOPs), data-parallel on 1, 2 and 4
-  logical devices: per device count, the slope per layer (every device's forward,
+* pool_overhead: EPLTrainer steps (plain ops, `jit_compile=False`; each step timed by a
+  callback, not the fit call's copies of the weights) of Dense(8) stacks of 4 and 36
+  layers, batch 8 per device (next to no FLOPs), data-parallel on 1, 2 and 4 logical
+  devices: per device count, the slope per layer (every device's forward,
   backward and Adam update of the layer's two variables, and its reduction) and the
   intercept (the step's own cost). The 1-device values are layer_overhead_s and
   step_overhead_s.
@@ -30,7 +40,7 @@ that `core/plan/devices.py` stores, with the date, in its "cpu" entry:
   (TensorFlow's CPU collectives move the kinds at different rates).
 
 Nothing here depends on a configuration of bench/plan_accuracy.py: the constants are the
-machine's, the same for every row.
+machine's, the same for every row (measured at the zoo's small models' sizes).
 """
 
 import argparse
@@ -73,7 +83,7 @@ def _on(tf, device, make):
 def measure(what):
     sys.path.insert(0, ROOT)
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-    from plan_accuracy import configure_trainer_threads
+    from plan_accuracy import configure_trainer_threads, fit_step_seconds
 
     what, devices, *threads = (what, 1) if isinstance(what, str) else what
     if threads:  # a device with this many threads per op, as it runs beside others
@@ -99,6 +109,12 @@ def measure(what):
         fn = tf.function(chains)
         seconds = _best(fn)
         return {"matmul_flops": devices * 3 * 2 * 512 * 512 * 2048 / seconds}
+    if what == "attention":  # the same devices: the big matmuls, then attention's
+        places = _devices(tf, devices)
+        return attention_share(tf, places)
+    if what == "layer_norm":
+        places = _devices(tf, devices)
+        return layer_norm_share(tf, places)
     if what == "memory":
         places = _devices(tf, devices)
         operands = [_on(tf, d, lambda: (tf.random.normal((2**22,)), tf.random.normal((2**22,))))
@@ -170,18 +186,118 @@ def measure(what):
         x = np.ones((8 * devices, 8), "float32")
         dataset = tf.data.Dataset.from_tensors((x, x)).repeat()
         trainer.fit(dataset, steps_per_epoch=2, verbose=0)
-        return _best(lambda: trainer.fit(dataset, steps_per_epoch=20, verbose=0)) / 20
+        # A step as a long job runs it: not what each fit call does once (copying the
+        # weights in and out, plan_accuracy.fit_step_seconds).
+        return min(fit_step_seconds(trainer, dataset, 20) for _ in range(REPEATS))
 
     few, many = step_seconds(4), step_seconds(36)
     per_layer = (many - few) / 32
     return {"pool_overhead": [[devices, per_layer, max(0.0, few - 4 * per_layer)]]}
 
 
+def _side_by_side(tf, places, make, body):
+    """Seconds of `body(*operands)` on every device of `places` at once (a `tf.function`
+    over each device's own operands from `make()`), the fastest of REPEATS."""
+    operands = [_on(tf, d, make) for d in places]
+
+    def run():
+        outputs = []
+        for d, args in zip(places, operands):
+            with tf.device(d):
+                outputs.append(body(*args))
+        return outputs
+
+    return _best(tf.function(run))
+
+
+def _chained_matmuls(a, b):
+    import tensorflow as tf
+
+    return tf.reduce_sum(a @ b @ tf.transpose(b) @ b)
+
+
+# The zoo's transformer (tests/scripts/estimate_peak.py) at 32 samples per micro-batch:
+# 64 positions, 4 heads of 32, hidden 128.
+_BATCH, _POSITIONS, _HEADS, _HEAD_SIZE = 32, 64, 4, 32
+
+
+def attention_share(tf, places):
+    """The rate of attention's per-head products as Keras's MultiHeadAttention runs them
+    (its two einsums, scores and context, at the zoo's transformer's sizes) with their
+    gradients, over the rate of the [512, 512] x [512, 2048] matmuls on the same devices,
+    measured one after the other (a share the machine's load leaves alike)."""
+    big = 3 * 2 * 512 * 512 * 2048 / _side_by_side(
+        tf, places, lambda: (tf.random.normal((512, 512)), tf.random.normal((512, 2048))),
+        _chained_matmuls)  # fmt: skip
+    shape = (_BATCH, _POSITIONS, _HEADS, _HEAD_SIZE)
+
+    def forward_and_backward(query, key, value):
+        with tf.GradientTape() as tape:
+            tape.watch([query, key, value])
+            scores = tf.einsum("aecd,abcd->acbe", key, query)  # Keras's equations
+            context = tf.einsum("acbe,aecd->abcd", scores, value)
+        return tape.gradient(context, [query, key, value])
+
+    products = 2 * 2 * _BATCH * _HEADS * _POSITIONS * _POSITIONS * _HEAD_SIZE  # both, forward
+    seconds = _side_by_side(
+        tf, places, lambda: tuple(tf.random.normal(shape) for _ in range(3)), forward_and_backward
+    )
+    attention = 3 * products / seconds
+    return {"attention_flops": len(places) * attention, "matmul_flops": len(places) * big,
+            "batched_matmul_efficiency": attention / big}  # fmt: skip
+
+
+def layer_norm_share(tf, places):
+    """The bytes per second of a Keras LayerNormalization's forward and backward ops (an
+    activation of the zoo's transformer, [32, 64, 128] float32, 1 MB: the ops of a layer
+    read what the one before wrote, from the caches), its bytes counted from its traced
+    ops as `core/graph/traffic.py` counts a model's, over the adds' bandwidth of 2**22
+    float32 on the same devices."""
+    import keras
+
+    from epl_trainer.core.graph import flops as flops_module
+    from epl_trainer.core.graph import traffic
+
+    adds = len(places) * 3 * 4 * 2**22 / _side_by_side(
+        tf, places, lambda: (tf.random.normal((2**22,)), tf.random.normal((2**22,))),
+        lambda x, y: x + y)  # fmt: skip
+    shape = (_BATCH, _POSITIONS, _HEADS * _HEAD_SIZE)
+    layers = [_on(tf, d, keras.layers.LayerNormalization) for d in places]
+
+    def make():
+        return tf.random.normal(shape), tf.random.normal(shape)
+
+    def forward_and_backward(layer, x, upstream):
+        with tf.GradientTape() as tape:
+            tape.watch(x)
+            y = layer(x)
+        return tape.gradient(y, [x, *layer.trainable_weights], output_gradients=upstream)
+
+    operands = [_on(tf, d, make) for d in places]
+    for layer, (x, _) in zip(layers, operands):
+        layer(x)  # build
+
+    def run():
+        outputs = []
+        for d, layer, (x, upstream) in zip(places, layers, operands):
+            with tf.device(d):
+                outputs.append(forward_and_backward(layer, x, upstream))
+        return outputs
+
+    function = tf.function(run)
+    graph = function.get_concrete_function().graph
+    walker = traffic._TrafficWalker(flops_module._LayerTree(None), set(), {})
+    moved = sum(op.moved_bytes for op in walker.walk(graph, "", 1))
+    rate = moved / _best(function)
+    return {"layer_norm_bandwidth": rate, "memory_bandwidth": adds,
+            "elementwise_speedup": rate / adds}  # fmt: skip
+
+
 def main():
     if serve_child(measure):
         return
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--only", default="matmul,memory,collective,overhead")
+    parser.add_argument("--only", default="matmul,memory,attention,layer_norm,collective,overhead")
     parser.add_argument("--runs", type=int, default=3, help="fresh runs; each number's median")
     args = parser.parse_args()
     chosen = args.only.split(",")
@@ -192,20 +308,36 @@ def main():
     print(json.dumps(result))
 
 
+def _measured(arguments):
+    """One measurement in a fresh process, started once the machine is quiet."""
+    from plan_accuracy import wait_for_quiet
+
+    wait_for_quiet()
+    return run_child(__file__, arguments)
+
+
 def calibrate_once(chosen):
     result = {}
     for what, key in (("matmul", "matmul_flops"), ("memory", "memory_bandwidth")):
         if what in chosen:
-            rates = [[n, run_child(__file__, [what, n])[key]] for n in POOL_DEVICES]
+            rates = [[n, _measured([what, n])[key]] for n in POOL_DEVICES]
             result[key] = rates[0][1]
             result[f"pool_{key}"] = rates
-            result[f"thread_{key}"] = run_child(__file__, [what, 1, 1])[key]
+            result[f"thread_{key}"] = _measured([what, 1, 1])[key]
+    if "attention" in chosen:  # on 1, 2 and 4 devices; the constant is their median
+        key = "batched_matmul_efficiency"
+        shares = [[n, _measured(["attention", n])[key]] for n in POOL_DEVICES]
+        result[f"pool_{key}"] = shares
+        result[key] = statistics.median(share for _, share in shares)
+    if "layer_norm" in chosen:  # bytes/s on 1, 2 and 4 devices side by side
+        result["pool_layer_norm_bandwidth"] = [
+            [n, _measured(["layer_norm", n])["layer_norm_bandwidth"]] for n in POOL_DEVICES
+        ]
     if "collective" in chosen:
-        result.update(run_child(__file__, "collective"))
+        result.update(_measured("collective"))
     if "overhead" in chosen:
         result["pool_overhead"] = [
-            run_child(__file__, ["overhead", devices])["pool_overhead"][0]
-            for devices in POOL_DEVICES
+            _measured(["overhead", devices])["pool_overhead"][0] for devices in POOL_DEVICES
         ]
     return result
 

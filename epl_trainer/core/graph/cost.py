@@ -69,6 +69,7 @@ import keras
 import numpy as np
 
 from epl_trainer.core.graph.partition import compute_nodes
+from epl_trainer.core.plan.analytic import Gemm
 from epl_trainer.core.plan.estimate import NodeCost
 from epl_trainer.core.plan.ir import format_count
 
@@ -233,6 +234,60 @@ def _node_cost(node, label: str, seen: set[int]) -> NodeCost:
         param_bytes=param_bytes,
         internal_bytes=internal,
         float32_bytes=float32,
+        gemms=_gemms(node),
+    )
+
+
+def _gemms(node) -> tuple:
+    """The node's forward matmuls by shape (`analytic.Gemm`, per sample), for the layers
+    whose products are known: Dense, EinsumDense, MultiHeadAttention (its projections,
+    and per head its scores and context: each sample's own products). () for the rest,
+    which are timed by their FLOPs."""
+    operation = node.operation
+    inputs = list(node.input_tensors)
+    if isinstance(operation, keras.layers.MultiHeadAttention):
+        return _attention_gemms(operation, node)
+    if isinstance(operation, keras.layers.EinsumDense):
+        return (_einsum_dense_gemm(operation.equation, inputs[0].shape, operation.kernel.shape),)
+    if isinstance(operation, keras.layers.Dense) and inputs:
+        shape = inputs[0].shape
+        return (Gemm(_rows(shape), operation.units, shape[-1] or 1),)
+    return ()
+
+
+def _einsum_dense_gemm(equation: str, input_shape, kernel_shape) -> Gemm:
+    """An EinsumDense as one product: the input's indices that the kernel lacks are its
+    rows (the batch's first excluded), the kernel's it shares with the input the inner
+    size, the kernel's in the output its columns."""
+    operands, _, output = equation.replace(" ", "").partition("->")
+    source, _, kernel = operands.partition(",")
+    sizes = dict(zip(kernel, (1 if d is None else d for d in kernel_shape), strict=False))
+    dims = [1 if d is None else d for d in tuple(input_shape)]
+    for index, (letter, size) in enumerate(zip(source, dims, strict=False)):
+        sizes.setdefault(letter, 1 if index == 0 else size)
+    rows = math.prod(sizes[c] for c in source if c not in kernel and c in output)
+    inner = math.prod(sizes[c] for c in kernel if c in source and c not in output)
+    cols = math.prod(sizes[c] for c in kernel if c in output and c not in source)
+    return Gemm(rows, cols, inner)
+
+
+def _attention_gemms(layer, node) -> tuple:
+    args, kwargs = node.arguments.args, node.arguments.kwargs
+    query = args[0] if args else kwargs["query"]
+    value = args[1] if len(args) > 1 else kwargs["value"]
+    key = args[2] if len(args) > 2 else kwargs.get("key")
+    key = value if key is None else key
+    heads, key_dim = layer.num_heads, layer.key_dim
+    value_dim = layer.value_dim or key_dim
+    q_len, k_len, v_len = _rows(query.shape), _rows(key.shape), _rows(value.shape)
+    out_dim = node.output_tensors[0].shape[-1] or 1
+    return (
+        Gemm(q_len, heads * key_dim, query.shape[-1] or 1),
+        Gemm(k_len, heads * key_dim, key.shape[-1] or 1),
+        Gemm(v_len, heads * value_dim, value.shape[-1] or 1),
+        Gemm(q_len, k_len, key_dim, heads, stacked=False),
+        Gemm(q_len, value_dim, k_len, heads, stacked=False),
+        Gemm(q_len, out_dim, heads * value_dim),
     )
 
 

@@ -41,10 +41,18 @@ class DeviceSpec:
       memory_bandwidth: bytes/s of the device memory (elementwise ops are bound by it).
       matmul_efficiency: the share of the peak a large matmul reaches (a microbenchmark of
         the best shape: `step_time.py` lowers it for a shape's wave quantization).
+      batched_matmul_efficiency: the share of the matmul rate that each sample's own
+        small products reach (attention's per head, `analytic.Gemm` with stacked=False),
+        forward and backward, beyond what the roofline and waves count (1: none).
       sm_count: streaming multiprocessors, what a matmul's output tiles are spread over in
         waves (0: no wave quantization, as on a CPU).
       memory_efficiency: the share of `memory_bandwidth` a streaming kernel reaches (a
         microbenchmark): elementwise ops, memory-bound matmuls and the optimizer run at it.
+      elementwise_speedups: for a shared pool, measured (devices, factor) points: the
+        bytes per second a layer's elementwise ops move over its activations, relative to
+        the streaming rates of that many devices (`elementwise_factor`; no points: 1, a
+        GPU's activations outgrow its caches). On a CPU whose caches hold a layer's
+        activations, its ops read what the op before wrote.
       matmul_tiles: (rows, columns) of the output tiles the matmul library picks among (one
         thread block each); `step_time.py` takes the one that wastes least of a wave.
       intra_node_bandwidth: bytes/s per device and direction between devices of a node.
@@ -92,6 +100,8 @@ class DeviceSpec:
     sm_count: int = 0
     matmul_tiles: tuple = ()
     memory_efficiency: float = 1.0
+    batched_matmul_efficiency: float = 1.0
+    elementwise_speedups: tuple = ()
     intra_node_efficiency: float = 1.0
     layer_overhead_s: float = 0.0
     step_overhead_s: float = 0.0
@@ -110,10 +120,16 @@ class DeviceSpec:
             value = getattr(self, key)
             if not (isinstance(value, int | float) and math.isfinite(value) and value > 0):
                 raise ValueError(f"{key} must be a positive number. Received: {key}={value!r}")
-        for key in ("matmul_efficiency", "memory_efficiency", "intra_node_efficiency"):
+        for key in ("matmul_efficiency", "memory_efficiency", "batched_matmul_efficiency",
+                    "intra_node_efficiency"):  # fmt: skip
             value = getattr(self, key)
             if not 0 < value <= 1:
                 raise ValueError(f"{key} must be in (0, 1]. Received: {key}={value!r}")
+        if any(not factor > 0 for _, factor in self.elementwise_speedups):
+            raise ValueError(
+                "elementwise_speedups must be (devices, factor > 0) points. Received: "
+                f"elementwise_speedups={self.elementwise_speedups!r}"
+            )
         sms = self.sm_count
         if isinstance(sms, bool) or not isinstance(sms, int) or sms < 0:
             raise ValueError(f"sm_count must be an int >= 0. Received: sm_count={sms!r}")
@@ -140,6 +156,17 @@ class DeviceSpec:
             else points[0][1]
             for points in (flops, bandwidth)
         )  # fmt: skip
+
+    def elementwise_factor(self, devices: int) -> float:
+        """How much faster than the streaming rates `devices` devices' elementwise ops
+        move a layer's activations: the measured points interpolated, beyond the last one
+        its factor; 1 without points."""
+        points = sorted(self.elementwise_speedups)
+        if not points:
+            return 1.0
+        if len(points) == 1:
+            return points[0][1]
+        return _interpolated(points, min(devices, points[-1][0]))[0]
 
     @property
     def streaming_bandwidth(self) -> float:
@@ -345,23 +372,39 @@ _add(
 # This machine (bench/plan_calibrate.py). Logical CPU devices share the cores: a
 # collective between them is a copy in the same memory, a host "transfer" is free.
 _CPU_MEASURED = {  # python bench/plan_calibrate.py: medians of 3 runs, a shared 2-core AMD EPYC
-    "matmul_flops": 151.9e9,
-    "memory_bandwidth": 28.96e9,
+    "matmul_flops": 164.7e9,
+    "memory_bandwidth": 28.69e9,
+    # The collectives as calibrated before (2026-11-29, --only collective; unchanged since).
     "collective_bandwidth": 2.472e9,
     "collective_latency_s": 398e-6,  # a whole 2-member all-reduce: 2 ring steps
     # bytes sent per second relative to the all-reduce's
     "collective_speed": {"reduce_scatter": 1.86, "all_gather": 1.24},
-    # (devices, seconds per layer for all of them, seconds per step), plain ops
-    "pool_overhead": ((1, 133e-6, 0.73e-3), (2, 224e-6, 1.48e-3), (4, 494e-6, 1.55e-3)),
+    # (devices, seconds per layer for all of them, seconds per step), plain ops, each step
+    # timed on its own (not the fit call's copies of the weights: 133 / 224 / 494 us per
+    # layer with them)
+    "pool_overhead": ((1, 40.0e-6, 0.57e-3), (2, 89.5e-6, 1.01e-3), (4, 216.8e-6, 1.32e-3)),
     # (devices, FLOP/s or bytes/s of all of them side by side)
-    "pool_matmul_flops": ((1, 151.9e9), (2, 193.1e9), (4, 206.9e9)),
-    "pool_memory_bandwidth": ((1, 28.96e9), (2, 26.90e9), (4, 28.21e9)),
+    "pool_matmul_flops": ((1, 164.7e9), (2, 192.2e9), (4, 207.2e9)),
+    "pool_memory_bandwidth": ((1, 28.69e9), (2, 27.51e9), (4, 39.35e9)),
     # one device, one thread per op
-    "thread_matmul_flops": 93.6e9,
-    "thread_memory_bandwidth": 23.04e9,
+    "thread_matmul_flops": 96.65e9,
+    "thread_memory_bandwidth": 27.70e9,
+    # attention's per-head products over the matmuls, on 1, 2 and 4 devices
+    "pool_batched_matmul_efficiency": ((1, 0.336), (2, 0.324), (4, 0.290)),
+    "batched_matmul_efficiency": 0.324,  # their median
+    # a layer normalisation's forward and backward, bytes per second on 1, 2 and 4
+    # devices side by side (medians of 5 runs)
+    "pool_layer_norm_bandwidth": ((1, 33.59e9), (2, 50.63e9), (4, 61.22e9)),
     "measured": "2026-11-29, the trainer's threads per op",
 }
 _CALIBRATED = "bench/plan_calibrate.py"
+# A layer's elementwise ops against the adds of 2**22 float32, on as many devices.
+_CPU_ELEMENTWISE = tuple(
+    (n, layer_norm / adds)
+    for (n, layer_norm), (_, adds) in zip(
+        _CPU_MEASURED["pool_layer_norm_bandwidth"], _CPU_MEASURED["pool_memory_bandwidth"]
+    )
+)
 _add(
     DeviceSpec(
         name="cpu",
@@ -386,6 +429,8 @@ _add(
         thread_matmul_flops=_CPU_MEASURED["thread_matmul_flops"],
         thread_memory_bandwidth=_CPU_MEASURED["thread_memory_bandwidth"],
         collective_speed=_CPU_MEASURED["collective_speed"],
+        batched_matmul_efficiency=_CPU_MEASURED["batched_matmul_efficiency"],
+        elementwise_speedups=_CPU_ELEMENTWISE,
         sources={
             "peak_flops": f"{_CALIBRATED}: float32 [512,512]x[512,2048] matmuls, all cores "
             f"({_CPU_MEASURED['measured']}); no fast 16-bit matmul on this CPU, so the "
@@ -397,14 +442,15 @@ _add(
             "memory_efficiency": "1: the bandwidth is itself a measured elementwise rate",
             "intra_node_efficiency": "1: the bandwidth is itself a measured all-reduce rate",
             "intra_node_bandwidth": f"{_CALIBRATED}: all-reduce of 16 kB and 16 MB between 2 "
-            "logical devices (slope)",
+            "logical devices (slope; the calibration before this one's, --only collective)",
             "latency_s": f"{_CALIBRATED}: the same all-reduces (intercept, over its 2 ring steps)",
             "collective_speed": f"{_CALIBRATED}: reduce-scatters and all-gathers of the same "
             "sizes: {reduce_scatter}x and {all_gather}x the all-reduce's bytes per second".format(
                 **_CPU_MEASURED["collective_speed"]
             ),
             "layer_overhead_s": f"{_CALIBRATED}: EPLTrainer steps of Dense(8) stacks of 4 and "
-            "36 layers (slope per layer), on 1 device",
+            "36 layers (slope per layer), on 1 device, each step timed on its own (not the "
+            "fit call's copies of every weight: 133 us with them)",
             "step_overhead_s": f"{_CALIBRATED}: the same steps (intercept)",
             "pool_overhead": f"{_CALIBRATED}: the same, data-parallel on 1, 2 and 4 logical "
             "devices: "
@@ -423,6 +469,18 @@ _add(
             "side by side: "
             + " / ".join(f"{b / 1e9:.1f}" for _, b in _CPU_MEASURED["pool_memory_bandwidth"])
             + " GB/s together",
+            "batched_matmul_efficiency": f"{_CALIBRATED}: attention's per-head products as "
+            "Keras's MultiHeadAttention runs them (its two einsums and their gradients; 32 "
+            "samples, 64 positions, 4 heads of 32) over the matmuls on the same devices: "
+            + " / ".join(f"{v:.2f}" for _, v in _CPU_MEASURED["pool_batched_matmul_efficiency"])
+            + " on 1, 2 and 4 devices, their median",
+            "elementwise_speedups": f"{_CALIBRATED}: a LayerNormalization's forward and "
+            "backward on a [32, 64, 128] float32 activation on 1, 2 and 4 devices side by "
+            "side (bytes counted from its traced ops): "
+            + " / ".join(f"{b / 1e9:.1f}" for _, b in _CPU_MEASURED["pool_layer_norm_bandwidth"])
+            + " GB/s, over the adds' (pool_memory_bandwidth): "
+            + " / ".join(f"{v:.2f}" for _, v in _CPU_ELEMENTWISE)
+            + " (a layer's ops read what the op before wrote, from the caches)",
             "thread_matmul_flops": f"{_CALIBRATED}: the matmuls on one device with one thread "
             f"per op: {_CPU_MEASURED['thread_matmul_flops'] / 1e9:.1f} GFLOP/s",
             "thread_memory_bandwidth": f"{_CALIBRATED}: the adds on one device with one thread "
@@ -477,6 +535,7 @@ def sources_table() -> list[tuple[str, str, str, str]]:
             "memory_efficiency": f"{spec.memory_efficiency:.2f} "
             f"({spec.streaming_bandwidth / GB:.4g} GB/s)",
             "matmul_efficiency": f"{spec.matmul_efficiency:.3f}",
+            "batched_matmul_efficiency": f"{spec.batched_matmul_efficiency:.3f}",
             "sm_count": f"{spec.sm_count}",
             "matmul_tiles": " ".join(f"{r}x{c}" for r, c in spec.matmul_tiles),
             "intra_node_bandwidth": f"{spec.intra_node_bandwidth / GB:.4g} GB/s",
@@ -489,6 +548,7 @@ def sources_table() -> list[tuple[str, str, str, str]]:
             "layer_overhead_s": f"{spec.layer_overhead_s * 1e6:.3g} us",
             "step_overhead_s": f"{spec.step_overhead_s * 1e3:.3g} ms",
             "shares_compute": f"{spec.shares_compute} ({spec.cores} cores)",
+            "elementwise_speedups": " / ".join(f"{f:.2f}" for _, f in spec.elementwise_speedups),
         }
         # The table's order (a constant, then what refines it), then any other source.
         order = list(values) + [key for key in spec.sources if key not in values]

@@ -132,6 +132,8 @@ class NodeCost:
       elementwise_bytes: bytes the node's elementwise ops (normalisations, softmax,
         activations, bias adds, residual adds) read and write in its forward, batch 1, in
         float32 (0: not counted; `step_time.py` then takes twice `activation_bytes`).
+      elementwise_backward_bytes: the same of its backward (None: twice the forward's);
+        counted from a traced step's ops by `core/graph/traffic.py`.
       tp_replicated_bytes: the part of `kept_bytes` every tensor-parallel rank keeps whole
         (Megatron's layer: the normalisations' and the blocks' inputs); the rest splits.
       tp_replicated_elementwise_bytes: the part of `elementwise_bytes` every rank runs
@@ -150,6 +152,7 @@ class NodeCost:
     float32_bytes: int = 0
     internal_bytes: int = 0
     elementwise_bytes: int = 0
+    elementwise_backward_bytes: int | None = None
     tp_replicated_bytes: int = 0
     tp_replicated_elementwise_bytes: int = 0
     gemms: tuple = ()

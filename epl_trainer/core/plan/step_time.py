@@ -7,13 +7,17 @@ table (`devices.py`) and a count of the model (`estimate.ModelCost`), in this or
    (`NodeCost.gemms`, the analytic models), each forward matmul and its two backward
    products (input and weight gradients) by `matmul_s`: FLOPs / (the matmul rate x the
    wave efficiency over the device's SMs), or operands and result / the streaming
-   bandwidth, whichever is longer; otherwise the node's forward FLOPs x the micro-batch /
-   the matmul rate (peak x matmul efficiency, 16-bit with AMP), backward twice that. The
-   elementwise bytes / the streaming bandwidth (the memory bandwidth x the share a
-   streaming kernel reaches), backward twice the forward; with gradient checkpointing
-   the forward once more. Tensor parallelism (`tensor_parallel_model`) divides the nodes
-   it splits (transformer layers, vocabulary-parallel embeddings and heads) and their
-   matmuls as Megatron does (columns, inner size or heads).
+   bandwidth, whichever is longer (each sample's own small products, attention's per
+   head, at `DeviceSpec.batched_matmul_efficiency` of the rate); otherwise the node's
+   forward FLOPs x the micro-batch / the matmul rate (peak x matmul efficiency, 16-bit
+   with AMP), backward twice that. The elementwise bytes / the streaming bandwidth (the
+   memory bandwidth x the share a streaming kernel reaches; on a shared pool x
+   `DeviceSpec.elementwise_factor`, a layer's ops reading from the caches), backward as
+   counted (`NodeCost.elementwise_backward_bytes`, a traced step's ops) or twice the
+   forward; with gradient checkpointing the forward once more. Tensor parallelism
+   (`tensor_parallel_model`) divides the nodes it splits (transformer layers,
+   vocabulary-parallel embeddings and heads) and their matmuls as Megatron does
+   (columns, inner size or heads).
 2. Tensor-parallel all-reduces: Megatron's layer sums its activations twice in forward
    and twice in backward (again in a recomputed forward), over the tensor group's link;
    with ZeRO-R's partitioned checkpoints an all-gather of each layer's checkpoint too.
@@ -285,6 +289,10 @@ def _split_node(node: NodeCost, t: int) -> NodeCost:
     kept = node.tp_replicated_bytes + (node.kept_bytes - node.tp_replicated_bytes) / t
     moved = _elementwise_bytes(node)
     replicated = node.tp_replicated_elementwise_bytes
+    forward = replicated + (moved - replicated) / t
+    backward = node.elementwise_backward_bytes
+    if backward is not None:  # split as the forward is
+        backward = round(backward * forward / moved) if moved else backward
     return dataclasses.replace(
         node,
         params=math.ceil(node.params / t),
@@ -294,7 +302,8 @@ def _split_node(node: NodeCost, t: int) -> NodeCost:
         internal_bytes=0,
         largest_tensor_bytes=math.ceil(node.largest_tensor / t),
         float32_bytes=min(node.float32_bytes, round(kept)),
-        elementwise_bytes=round(replicated + (moved - replicated) / t),
+        elementwise_bytes=round(forward),
+        elementwise_backward_bytes=backward,
         gemms=tuple(_split_gemm(gemm, t) for gemm in node.gemms),
     )
 
@@ -311,6 +320,14 @@ def _elementwise_bytes(node: NodeCost) -> float:
     # Not counted (a Keras graph's layer): the layer reads and writes its output-sized
     # tensors once besides its matmul.
     return node.elementwise_bytes or 2 * node.activation_bytes
+
+
+def _elementwise_backward_bytes(node: NodeCost) -> float:
+    # Not counted: backward moves twice the forward's bytes (each op's gradient reads
+    # its upstream gradient and its saved input, and writes its input's gradient).
+    if node.elementwise_backward_bytes is None:
+        return 2 * _elementwise_bytes(node)
+    return node.elementwise_backward_bytes
 
 
 # ------------------------------------------------------------------ memory
@@ -521,14 +538,15 @@ def node_compute_s(node: NodeCost, micro_batch: int, rate: float, device: Device
         return forward, 2 * forward
     forward = backward = 0.0
     for gemm in node.gemms:
-        rows, count = gemm.rows, gemm.count
+        rows, count, gemm_rate = gemm.rows, gemm.count, rate
         if gemm.stacked:
             rows *= micro_batch
-        else:
+        else:  # each sample's own small products (attention's, per head)
             count *= micro_batch
-        forward += matmul_s(device, rate, element_bytes, rows, gemm.n, gemm.k, count)
-        backward += matmul_s(device, rate, element_bytes, rows, gemm.k, gemm.n, count)
-        backward += matmul_s(device, rate, element_bytes, gemm.k, gemm.n, rows, count)
+            gemm_rate = rate * device.batched_matmul_efficiency
+        forward += matmul_s(device, gemm_rate, element_bytes, rows, gemm.n, gemm.k, count)
+        backward += matmul_s(device, gemm_rate, element_bytes, rows, gemm.k, gemm.n, count)
+        backward += matmul_s(device, gemm_rate, element_bytes, gemm.k, gemm.n, rows, count)
     return forward, backward
 
 
@@ -590,6 +608,10 @@ def predict(model: ModelCost, layout: Layout, device: DeviceSpec) -> Prediction:
         pool = min(layout.devices, device.cores)
         full_rate, pool_bandwidth = device.pool_rates(layout.devices)
         rate, bandwidth = device_rates(device, layout.devices)
+    # A layer's elementwise ops read what the op before wrote: from the caches where they
+    # hold a layer's activations (`DeviceSpec.elementwise_factor`).
+    bandwidth *= device.elementwise_factor(layout.devices)
+    pool_bandwidth *= device.elementwise_factor(layout.devices)
     mb = layout.micro_batch_size
 
     element_bytes = 4 * width
@@ -603,8 +625,8 @@ def predict(model: ModelCost, layout: Layout, device: DeviceSpec) -> Prediction:
             forward, backward = forward + node_forward, backward + node_backward
             if device.shares_compute:
                 pool_compute += sum(node_compute_s(node, mb, full_rate, device, element_bytes))
-        moved = sum(_elementwise_bytes(node) for node in nodes) * mb * width
-        elementwise = moved / bandwidth
+        moved_forward = sum(_elementwise_bytes(node) for node in nodes) * mb * width
+        moved = moved_forward + sum(_elementwise_backward_bytes(n) for n in nodes) * mb * width
         syncs = [TENSOR_SPLIT_KINDS.get(node.kind, (0, 0)) for node in nodes]
         stream = [shard.crossing_bytes[i] or shard.crossing_bytes[i + 1]
                   for i in range(start, stop)]  # fmt: skip
@@ -628,13 +650,13 @@ def predict(model: ModelCost, layout: Layout, device: DeviceSpec) -> Prediction:
                     sends += _all_gather_s(device, sent, t, _stride(layout, "tp"))
         stage_terms.append({
             "compute": forward + backward,
-            "elementwise": 3 * elementwise,
-            "recompute": forward + elementwise if layout.gc else 0.0,
+            "elementwise": moved / bandwidth,
+            "recompute": forward + moved_forward / bandwidth if layout.gc else 0.0,
             "tensor_comm": tensor_comm,
             "pipeline_comm": sends,
             "overhead": device.layer_overhead_s * len(nodes),
             # The same at the pool's rates.
-            "work": pool_compute + 3 * moved / pool_bandwidth,
+            "work": pool_compute + moved / pool_bandwidth,
         })  # fmt: skip
     # Per micro-batch and device: the sum over the stages it runs.
     per_device = []
