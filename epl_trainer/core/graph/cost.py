@@ -271,14 +271,19 @@ def _einsum_dense_gemm(equation: str, input_shape, kernel_shape) -> Gemm:
     return Gemm(rows, cols, inner)
 
 
-def _attention_gemms(layer, node) -> tuple:
+def _attention_sizes(layer, node) -> tuple:
+    """(query, key, value, heads, key_dim, value_dim) of a MultiHeadAttention call (key
+    defaults to value, as Keras's does)."""
     args, kwargs = node.arguments.args, node.arguments.kwargs
     query = args[0] if args else kwargs["query"]
     value = args[1] if len(args) > 1 else kwargs["value"]
     key = args[2] if len(args) > 2 else kwargs.get("key")
     key = value if key is None else key
-    heads, key_dim = layer.num_heads, layer.key_dim
-    value_dim = layer.value_dim or key_dim
+    return query, key, value, layer.num_heads, layer.key_dim, layer.value_dim or layer.key_dim
+
+
+def _attention_gemms(layer, node) -> tuple:
+    query, key, value, heads, key_dim, value_dim = _attention_sizes(layer, node)
     q_len, k_len, v_len = _rows(query.shape), _rows(key.shape), _rows(value.shape)
     out_dim = node.output_tensors[0].shape[-1] or 1
     return (
@@ -381,13 +386,7 @@ def _submodel_flops(model, inputs, outputs) -> float:
 
 
 def _attention_flops(layer, node) -> float:
-    args, kwargs = node.arguments.args, node.arguments.kwargs
-    query = args[0] if args else kwargs["query"]
-    value = args[1] if len(args) > 1 else kwargs["value"]
-    key = args[2] if len(args) > 2 else kwargs.get("key")
-    key = value if key is None else key
-    heads, key_dim = layer.num_heads, layer.key_dim
-    value_dim = layer.value_dim or key_dim
+    query, key, value, heads, key_dim, value_dim = _attention_sizes(layer, node)
     q_len, k_len, v_len = _rows(query.shape), _rows(key.shape), _rows(value.shape)
     projections = (
         2
