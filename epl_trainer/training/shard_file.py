@@ -115,8 +115,11 @@ def _placed(raw: np.ndarray) -> _Entry:
 
 
 class _Entry:
-    """One array's region of the file: where it starts (`offset`), how many bytes it
-    spans (`region`) and of staging memory it needs (`staged`)."""
+    """One array's region of the file: it begins at `region_start` (aligned), the array's
+    bytes at `start` (`shift` bytes in), and it spans `region` bytes; it needs `staged`
+    bytes of staging memory from `staging_start`."""
+
+    shift = 0  # where the array's bytes start inside its region
 
     def __init__(self, raw: np.ndarray):
         self.raw = raw
@@ -125,8 +128,6 @@ class _Entry:
     def place(self, region_start: int, staging_start: int) -> None:
         self.region_start, self.staging_start = region_start, staging_start
         self.start = region_start + self.shift
-
-    shift = 0  # where the entry starts inside its region
 
     @property
     def region(self) -> int:
