@@ -1,6 +1,6 @@
 """epl-plan's predictions against published runs: Megatron-LM's weak scaling and ZeRO-100B.
 
-Usage: python bench/plan_published.py [--no_search] [--rows 1,10]
+Usage: python bench/plan_published.py [--no_search] [--rows 1,10] [--ablations]
 
 Pure arithmetic (no TensorFlow, about three minutes with the searches). For each published
 row: the model from its sizes (`analytic.transformer`, Megatron's fused elementwise
@@ -130,8 +130,15 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--no_search", action="store_true")
     parser.add_argument("--rows", help="comma-separated Megatron rows (1-based); 11 = ZeRO-100B")
+    parser.add_argument(
+        "--ablations", action="store_true",
+        help="only each term's share of the miss: every row's error with one term taken out",
+    )  # fmt: skip
     args = parser.parse_args()
     chosen = [int(i) for i in args.rows.split(",")] if args.rows else range(1, 12)
+    if args.ablations:
+        _print(ablations(chosen))
+        return
 
     print("Constants (one table, the same for every row; core/plan/devices.py):")
     for name, key, value, source in devices.sources_table():
@@ -142,10 +149,7 @@ def main():
               "largest terms", "implied matmul eff.", "peak GB"]  # fmt: skip
     table, searches = [header], []
     for index in chosen:
-        model, layout, device, flops, published = (
-            zero_case() if index == 11 else row_case(MEGATRON[index - 1])
-        )
-        device = dataclasses.replace(device, devices_per_node=16 if index == 11 else 8)
+        model, layout, device, flops, published = _case(index)
         prediction = step_time.predict(model, layout, device)
         tflops = flops / prediction.step_time_s / layout.devices / 1e12
         error = tflops / published - 1
@@ -184,6 +188,63 @@ def main():
         for index, _name, published, best, _flops in searches:
             rows.append(_compare(index, published, best))
         _print(rows)
+
+
+def _case(index):
+    """(model, layout, device with its node size, paper FLOPs, published TFLOP/s)."""
+    model, layout, device, flops, published = (
+        zero_case() if index == 11 else row_case(MEGATRON[index - 1])
+    )
+    device = dataclasses.replace(device, devices_per_node=16 if index == 11 else 8)
+    return model, layout, device, flops, published
+
+
+def _error(model, layout, device, flops, published):
+    tflops = flops / step_time.predict(model, layout, device).step_time_s
+    return tflops / (layout.devices * 1e12) / published - 1
+
+
+# Each variant takes one term out: (label, device fields replaced, layout fields replaced,
+# whether the gradient accumulation pass is left out).
+_SMALLER_TILES = ((128, 64), (64, 128), (64, 64))
+_ABLATIONS = [
+    ("all terms", {}, {}, False),
+    ("no gradient accumulation pass", {}, {}, True),
+    ("no wave quantization (sm_count 0)", {"sm_count": 0}, {}, False),
+    ("memory at the datasheet's rate", {"memory_efficiency": 1.0}, {}, False),
+    ("NVLink at line rate", {"intra_node_efficiency": 1.0}, {}, False),
+    ("no ZeRO-R partitioned checkpoints", {}, {"partition_activations": False}, False),
+]
+
+
+def ablations(chosen):
+    """A table of each row's error with one term of the model taken out at a time (the
+    wave term also with cuBLAS's smaller tiles among the ones a matmul may pick)."""
+    rows = [["variant", *(str(i) for i in chosen)]]
+    variants = list(_ABLATIONS)
+    variants.insert(3, ("also cuBLAS's smaller tiles", {"tiles+": _SMALLER_TILES}, {}, False))
+    original = step_time.accumulation_bytes
+    for label, device_fields, layout_fields, no_accumulation in variants:
+        line = [label]
+        for index in chosen:
+            model, layout, device, flops, published = _case(index)
+            if layout_fields and not any(getattr(layout, k) != v
+                                         for k, v in layout_fields.items()):  # fmt: skip
+                line.append("")  # the term is not in this row
+                continue
+            fields = dict(device_fields)
+            if "tiles+" in fields:
+                fields = {"matmul_tiles": device.matmul_tiles + fields.pop("tiles+")}
+            device = dataclasses.replace(device, **fields)
+            layout = dataclasses.replace(layout, **layout_fields)
+            if no_accumulation:
+                step_time.accumulation_bytes = lambda stage, layout: 0.0
+            try:
+                line.append(f"{_error(model, layout, device, flops, published):+.0%}")
+            finally:
+                step_time.accumulation_bytes = original
+        rows.append(line)
+    return rows
 
 
 def _compare(index, published, best):

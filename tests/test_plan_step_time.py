@@ -103,6 +103,22 @@ def test_checkpointing_recomputes_one_forward():
     assert gc.peak_memory_bytes < predict(model, Layout(micro_batch_size=8), A100).peak_memory_bytes
 
 
+def test_each_micro_batch_after_the_first_adds_its_gradients_to_the_running_sum():
+    # One streaming pass over the gradients per added micro-batch (read the sum and the
+    # new gradients, write the sum): Megatron-LM 2021's main_grad hook and the engine's
+    # running sums. ZeRO v2 sums its reduced shards.
+    model = _transformer()
+    one = predict(model, Layout(micro_batch_size=2), A100)
+    assert one.terms["accumulate"] == 0.0
+    layout = Layout(micro_batch_size=2, num_micro_batch=8, data_parallel=4)
+    grads = step_time.estimate_layout(model, layout).stages[0].full_gradients
+    summed = predict(model, layout, A100)
+    assert summed.terms["accumulate"] == pytest.approx(3 * grads * 7 / A100.streaming_bandwidth)
+    v2 = predict(model, dataclasses.replace(layout, zero="v2"), A100)
+    assert v2.terms["accumulate"] == pytest.approx(summed.terms["accumulate"] / 4, rel=1e-3)
+    assert v2.step_time_s - v2.terms["accumulate"] > 0
+
+
 @pytest.mark.parametrize(
     "schedule, virtual", [("PreferBackward", 1), ("PreferForward", 1), ("ZeroBubbleH1", 1),
                           ("Interleaved1F1B", 2)]
@@ -114,7 +130,7 @@ def test_the_bubble_is_the_schedules_idle_share(schedule, virtual):
     result = predict(model, layout, A100)
     busy = sum(v for k, v in result.terms.items()
                if k in ("compute", "elementwise", "recompute", "tensor_comm", "pipeline_comm",
-                        "overhead"))  # fmt: skip
+                        "overhead", "accumulate"))  # fmt: skip
     idle = bubble_fraction(4 * virtual, 8, schedule, virtual)
     assert result.terms["bubble"] == pytest.approx(busy * idle / (1 - idle))
     assert result.terms["pipeline_comm"] > 0

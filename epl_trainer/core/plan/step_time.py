@@ -17,7 +17,9 @@ table (`devices.py`) and a count of the model (`estimate.ModelCost`), in this or
    forward; with gradient checkpointing the forward once more. Tensor parallelism
    (`tensor_parallel_model`) divides the nodes it splits (transformer layers,
    vocabulary-parallel embeddings and heads) and their matmuls as Megatron does
-   (columns, inner size or heads).
+   (columns, inner size or heads). From a stage's second micro-batch on, each backward
+   adds its weight gradients to the running sum: one streaming pass over them
+   (`accumulation_bytes`).
 2. Tensor-parallel all-reduces: Megatron's layer sums its activations twice in forward
    and twice in backward (again in a recomputed forward), over the tensor group's link;
    with ZeRO-R's partitioned checkpoints an all-gather of each layer's checkpoint too.
@@ -608,6 +610,8 @@ def predict(model: ModelCost, layout: Layout, device: DeviceSpec) -> Prediction:
         pool = min(layout.devices, device.cores)
         full_rate, pool_bandwidth = device.pool_rates(layout.devices)
         rate, bandwidth = device_rates(device, layout.devices)
+    # Sums of whole gradient sets stream from memory (no cache holds them).
+    sum_bandwidth, pool_sum_bandwidth = bandwidth, pool_bandwidth
     # A layer's elementwise ops read what the op before wrote: from the caches where they
     # hold a layer's activations (`DeviceSpec.elementwise_factor`).
     bandwidth *= device.elementwise_factor(layout.devices)
@@ -648,6 +652,7 @@ def predict(model: ModelCost, layout: Layout, device: DeviceSpec) -> Prediction:
                     sent = shard.crossing_bytes[boundary] * mb * width
                     sends += sent / t / link + device.latency_s
                     sends += _all_gather_s(device, sent, t, _stride(layout, "tp"))
+        accumulated = accumulation_bytes(stage, layout) / m
         stage_terms.append({
             "compute": forward + backward,
             "elementwise": moved / bandwidth,
@@ -655,8 +660,9 @@ def predict(model: ModelCost, layout: Layout, device: DeviceSpec) -> Prediction:
             "tensor_comm": tensor_comm,
             "pipeline_comm": sends,
             "overhead": device.layer_overhead_s * len(nodes),
+            "accumulate": accumulated / sum_bandwidth,
             # The same at the pool's rates.
-            "work": pool_compute + moved / pool_bandwidth,
+            "work": pool_compute + moved / pool_bandwidth + accumulated / pool_sum_bandwidth,
         })  # fmt: skip
     # Per micro-batch and device: the sum over the stages it runs.
     per_device = []
@@ -706,6 +712,22 @@ def predict(model: ModelCost, layout: Layout, device: DeviceSpec) -> Prediction:
         memory_bytes=device.memory_bytes,
         peak_flops=device.peak_flops if layout.amp else device.peak_flops_fp32,
     )
+
+
+def accumulation_bytes(stage, layout: Layout) -> float:
+    """Bytes a stage's gradient accumulation reads and writes per step on one device.
+
+    From its second micro-batch on, each backward adds its weight gradients to the
+    stage's running sum: the sum and the new gradients read, the sum written, one
+    streaming pass over the gradients in their own dtype (ZeRO v2 sums its reduced
+    shards). The engine's running sums (core/engine/pipeline/executor.py) and
+    Megatron-LM's (its DDP's hook on each parameter adds the micro-batch's `param.grad`
+    to `main_grad`) both run this pass as an op of its own; only a weight-gradient GEMM
+    that accumulates in place (Megatron's later `--gradient-accumulation-fusion`) saves
+    it.
+    """
+    summed = stage.gradients if layout.zero == "v2" else stage.full_gradients
+    return 3 * summed * (layout.num_micro_batch - 1)
 
 
 def _data_comm_s(result, layout: Layout, device: DeviceSpec, last_backward: dict) -> float:
