@@ -133,16 +133,24 @@ def test_a_stuck_but_alive_worker_is_reported_as_stuck(tmp_path):
     assert expected in output, output
 
 
-def _killed_once_and_restarted(tmp_path, *args, resumed_step=4):
-    """A 2-worker job under epl-launch --max_restarts 1 whose worker 1 gets kill -9 after
-    step 5, and the same job without the fault. The restarted job must finish from the
-    newest checkpoint published before the kill (save_steps=2: step 4; `resumed_step`)
-    with the uninterrupted weights, bit for bit. Returns the faulty job's output
-    directory."""
-    reference = _launch(tmp_path / "reference", *args)
-    out, err = reference.communicate(timeout=300)
-    assert reference.returncode == 0, out + err
+@pytest.fixture(scope="module")
+def zero_v1_uninterrupted(tmp_path_factory):
+    """The 2-worker ZeRO v1 job under epl-launch without faults, saving synchronously: the
+    weights both the sync and the async restarted jobs must end with (how a checkpoint is
+    saved changes no weight; one reference run, not one per variant: the two took 44 s
+    alone, 34 s with it)."""
+    out = tmp_path_factory.mktemp("zero_v1_uninterrupted")
+    reference = _launch(out, "--zero", "v1")
+    stdout, stderr = reference.communicate(timeout=300)
+    assert reference.returncode == 0, stdout + stderr
+    return out
 
+
+def _killed_once_and_restarted(tmp_path, reference, *args, resumed_step=4):
+    """A 2-worker job under epl-launch --max_restarts 1 whose worker 1 gets kill -9 after
+    step 5. The restarted job must finish from the newest checkpoint published before the
+    kill (save_steps=2: step 4; `resumed_step`) with the weights of `reference`, the same
+    job run without the fault, bit for bit. Returns the faulty job's output directory."""
     faulty = tmp_path / "faulty"
     job = _launch(faulty, *args, "--pause_worker", "1", "--pause_at_step", "5", max_restarts=1)
     try:
@@ -160,7 +168,7 @@ def _killed_once_and_restarted(tmp_path, *args, resumed_step=4):
     first = resumed_step * train_ft.GLOBAL_BATCH
     assert _samples(faulty, 0, attempt=1)[0] == list(range(first, first + 4))
     for worker in range(2):
-        for got, want in zip(_weights(faulty, worker), _weights(tmp_path / "reference", worker)):
+        for got, want in zip(_weights(faulty, worker), _weights(reference, worker)):
             np.testing.assert_array_equal(got, want)
     return faulty
 
@@ -168,7 +176,7 @@ def _killed_once_and_restarted(tmp_path, *args, resumed_step=4):
 @pytest.mark.combines("checkpoint+zero_v1+multi_worker", "checkpoint+one_device")
 @pytest.mark.parametrize("asynchronous", [False, True], ids=["sync", "async"])
 def test_zero_across_workers_restarts_from_sharded_checkpoints_with_identical_weights(
-    tmp_path, asynchronous
+    tmp_path, zero_v1_uninterrupted, asynchronous
 ):
     """epl-launch --max_restarts finishes the job with the uninterrupted weights, with
     ZeRO v1 over 2 workers: each worker writes the optimizer slots it owns into its own
@@ -179,7 +187,12 @@ def test_zero_across_workers_restarts_from_sharded_checkpoints_with_identical_we
     5 prevents: the job resumes from step 2."""
     extra = ["--async_save"] if asynchronous else []
     faulty = _killed_once_and_restarted(
-        tmp_path, "--zero", "v1", *extra, resumed_step=2 if asynchronous else 4
+        tmp_path,
+        zero_v1_uninterrupted,
+        "--zero",
+        "v1",
+        *extra,
+        resumed_step=2 if asynchronous else 4,
     )
 
     ckpt_dir = faulty / "ckpt"
@@ -197,7 +210,7 @@ def test_zero_across_workers_restarts_from_sharded_checkpoints_with_identical_we
         config={"cluster.virtual_devices": 1},
     )
     alone.restore_checkpoint(str(ckpt_dir))
-    for got, want in zip(alone.model.get_weights(), _weights(tmp_path / "reference")):
+    for got, want in zip(alone.model.get_weights(), _weights(zero_v1_uninterrupted)):
         np.testing.assert_array_equal(got, want)
 
 

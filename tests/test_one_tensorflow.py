@@ -16,14 +16,20 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 TENSORFLOW_NAME = re.compile(
     r"(tensorflow|tf[-_.]nightly|intel[-_.]tensorflow)([-_.](cpu|gpu|intel|macos|aarch64|rocm))?"
 )
+TENSORFLOW_INIT = "tensorflow/__init__.py"
 # A distribution in an extra: its name before any extras, version bound or marker.
 REQUIREMENT_NAME = re.compile(r'"([A-Za-z0-9][A-Za-z0-9._-]*)')
 
 
 def installs_tensorflow(dist: importlib.metadata.Distribution) -> bool:
     """Whether `dist` is a build of TensorFlow: it installs `tensorflow/__init__.py`."""
+    record = dist.read_text("RECORD")
+    if record is not None:
+        # The file list as text, one "path,hash,size" a line: `dist.files` builds a path
+        # object for each of every distribution's files (TensorFlow alone has ~20,000).
+        return any(line.split(",", 1)[0] == TENSORFLOW_INIT for line in record.splitlines())
     if dist.files is not None:
-        return any(str(file) == "tensorflow/__init__.py" for file in dist.files)
+        return any(str(file) == TENSORFLOW_INIT for file in dist.files)
     return TENSORFLOW_NAME.fullmatch(dist.metadata["Name"].lower()) is not None
 
 
