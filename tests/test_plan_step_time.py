@@ -103,6 +103,33 @@ def test_checkpointing_recomputes_one_forward():
     assert gc.peak_memory_bytes < predict(model, Layout(micro_batch_size=8), A100).peak_memory_bytes
 
 
+def test_a_recomputed_segment_runs_only_the_forward_its_backward_reads():
+    """TensorFlow prunes the recomputed ops whose outputs nothing reads: a segment
+    ending in a linear projection and a residual add (a transformer block's feed-forward
+    half) recomputes neither; a ReLU layer, whose gradient reads its output, runs again
+    at a segment's end."""
+    from epl_trainer.core.plan.estimate import ModelCost, NodeCost, recomputed_nodes
+
+    def node(name, reads_output=True, reads_inputs=True):
+        return NodeCost(
+            name, 0, 10**9, 4096, elementwise_bytes=4096,
+            backward_reads_output=reads_output, backward_reads_inputs=reads_inputs,
+        )  # fmt: skip
+
+    block = (node("norm"), node("up", reads_output=False), node("down", reads_output=False),
+             node("add", reads_output=False, reads_inputs=False))  # fmt: skip
+    model = ModelCost("m", (*block, node("relu")), cut_positions=(4,), crossing_bytes=(0,) * 6)
+    assert recomputed_nodes(model, 0, 5) == [0, 1, 4]
+    plain = predict(model, Layout(micro_batch_size=8), A100).terms
+    gc = predict(model, Layout(micro_batch_size=8, gc=True), A100).terms
+    per_node = (plain["compute"] + plain["elementwise"]) / 5 / 3  # forward: 1/3 of each
+    assert gc["recompute"] == pytest.approx(3 * per_node)
+    # On a shared pool the pool's work carries the same three forwards.
+    one = predict(model, Layout(micro_batch_size=8), CPU).terms
+    again = predict(model, Layout(micro_batch_size=8, gc=True), CPU).terms
+    assert again["recompute"] == pytest.approx(3 / 5 / 3 * (one["compute"] + one["elementwise"]))
+
+
 @pytest.mark.parametrize(
     "schedule, virtual", [("PreferBackward", 1), ("PreferForward", 1), ("ZeroBubbleH1", 1),
                           ("Interleaved1F1B", 2)]

@@ -14,7 +14,9 @@ table (`devices.py`) and a count of the model (`estimate.ModelCost`), in this or
    memory bandwidth x the share a streaming kernel reaches; on a shared pool x
    `DeviceSpec.elementwise_factor`, a layer's ops reading from the caches), backward as
    counted (`NodeCost.elementwise_backward_bytes`, a traced step's ops) or twice the
-   forward; with gradient checkpointing the forward once more. Tensor parallelism
+   forward; with gradient checkpointing the forward once more, but for the nodes whose
+   outputs no backward reads (`estimate.recomputed_nodes`: TensorFlow prunes them; a
+   transformer block's last projection and residual add). Tensor parallelism
    (`tensor_parallel_model`) divides the nodes it splits (transformer layers,
    vocabulary-parallel embeddings and heads) and their matmuls as Megatron does
    (columns, inner size or heads).
@@ -620,11 +622,21 @@ def predict(model: ModelCost, layout: Layout, device: DeviceSpec) -> Prediction:
         start, stop = stage.nodes
         nodes = shard.nodes[start:stop]
         forward = backward = pool_compute = 0.0
-        for node in nodes:
+        again = set(estimate_module.recomputed_nodes(shard, start, stop)) if layout.gc else set()
+        recompute = pool_recompute = 0.0  # the forward a checkpointed backward runs again
+        for index, node in enumerate(nodes, start):
             node_forward, node_backward = node_compute_s(node, mb, rate, device, element_bytes)
             forward, backward = forward + node_forward, backward + node_backward
+            moved_again = _elementwise_bytes(node) * mb * width if index in again else 0.0
+            if index in again:
+                recompute += node_forward + moved_again / bandwidth
             if device.shares_compute:
-                pool_compute += sum(node_compute_s(node, mb, full_rate, device, element_bytes))
+                pool_forward, pool_backward = node_compute_s(
+                    node, mb, full_rate, device, element_bytes
+                )
+                pool_compute += pool_forward + pool_backward
+                if index in again:
+                    pool_recompute += pool_forward + moved_again / pool_bandwidth
         moved_forward = sum(_elementwise_bytes(node) for node in nodes) * mb * width
         moved = moved_forward + sum(_elementwise_backward_bytes(n) for n in nodes) * mb * width
         syncs = [TENSOR_SPLIT_KINDS.get(node.kind, (0, 0)) for node in nodes]
@@ -651,12 +663,12 @@ def predict(model: ModelCost, layout: Layout, device: DeviceSpec) -> Prediction:
         stage_terms.append({
             "compute": forward + backward,
             "elementwise": moved / bandwidth,
-            "recompute": forward + moved_forward / bandwidth if layout.gc else 0.0,
+            "recompute": recompute,
             "tensor_comm": tensor_comm,
             "pipeline_comm": sends,
             "overhead": device.layer_overhead_s * len(nodes),
-            # The same at the pool's rates.
-            "work": pool_compute + moved / pool_bandwidth,
+            # The same at the pool's rates, with the recomputed forward.
+            "work": pool_compute + moved / pool_bandwidth + pool_recompute,
         })  # fmt: skip
     # Per micro-batch and device: the sum over the stages it runs.
     per_device = []
@@ -679,7 +691,7 @@ def predict(model: ModelCost, layout: Layout, device: DeviceSpec) -> Prediction:
         replicas = layout.data_parallel * t
         compute_work = sum(terms_d["work"] for terms_d in per_device)
         work = m * (
-            replicas * compute_work * (4 / 3 if layout.gc else 1)
+            replicas * compute_work
             + replicas * copies / pool
             + per_layer / layout.devices * replicas * len(shard.nodes)
         )
