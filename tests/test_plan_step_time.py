@@ -103,6 +103,30 @@ def test_checkpointing_recomputes_one_forward():
     assert gc.peak_memory_bytes < predict(model, Layout(micro_batch_size=8), A100).peak_memory_bytes
 
 
+def test_a_pool_devices_input_and_weight_gradients_run_side_by_side():
+    """A backward's input and weight gradients depend only on the upstream gradient: a
+    logical CPU device with one thread per op runs them side by side on the inter-op
+    threads, at the measured `thread_pair_matmul_flops`; one device's ops already use
+    every core; ZB-H1 runs them as separate tasks (B and W)."""
+    from epl_trainer.core.plan.analytic import Gemm
+    from epl_trainer.core.plan.estimate import ModelCost, NodeCost
+
+    rate = devices.device_rates(CPU, 2)[0]
+    pair = devices.device_pair_rate(CPU, 2)
+    assert pair == CPU.thread_pair_matmul_flops > rate
+    assert devices.device_pair_rate(CPU, 1) == devices.device_rates(CPU, 1)[0]
+    node = NodeCost("up", 0, 0, 0, gemms=(Gemm(64, 512, 128),))
+    flops = 2 * (64 * 8) * 512 * 128  # one product, micro-batch 8
+    forward, backward = step_time.node_compute_s(node, 8, rate, CPU, 4, pair)
+    assert (forward, backward) == pytest.approx((flops / rate, 2 * flops / pair))
+    model = ModelCost("m", (node, node), cut_positions=(1,), crossing_bytes=(0, 0, 0))
+    layout = Layout(pipeline_parallel=2, num_micro_batch=4, micro_batch_size=8)
+    terms = predict(model, layout, CPU).terms
+    assert terms["compute"] == pytest.approx(4 * (flops / rate + 2 * flops / pair))
+    split = predict(model, dataclasses.replace(layout, schedule="ZeroBubbleH1"), CPU).terms
+    assert split["compute"] == pytest.approx(4 * 3 * flops / rate)
+
+
 def test_a_recomputed_segment_runs_only_the_forward_its_backward_reads():
     """TensorFlow prunes the recomputed ops whose outputs nothing reads: a segment
     ending in a linear projection and a residual add (a transformer block's feed-forward
