@@ -25,7 +25,10 @@ that `core/plan/devices.py` stores, with the date, in its "cpu" entry:
   the adds' (pool_memory_bandwidth).
 * thread_matmul_flops, thread_memory_bandwidth: the same on one device with one thread
   per op: what one of several devices runs at while the others idle (a pipeline's
-  warm-up).
+  warm-up). thread_pair_matmul_flops: a backward's input and weight gradients of the
+  zoo's models' Dense layers (`_DENSE_SHAPES`), which depend on nothing but the upstream
+  gradient, on one device with one thread per op, the others idle: the runtime's
+  inter-op threads run the two side by side, on both cores.
 * pool_overhead: EPLTrainer steps (plain ops, `jit_compile=False`; each step timed by a
   callback, not the fit call's copies of the weights) of Dense(8) stacks of 4 and 36
   layers, batch 8 per device (next to no FLOPs), data-parallel on 1, 2 and 4 logical
@@ -109,6 +112,10 @@ def measure(what):
         fn = tf.function(chains)
         seconds = _best(fn)
         return {"matmul_flops": devices * 3 * 2 * 512 * 512 * 2048 / seconds}
+    if what == "gradient_pairs":  # each device's input and weight gradients side by side
+        places = _devices(tf, devices)
+        seconds = _side_by_side(tf, places, _dense_operands(tf), _gradient_pairs)
+        return {"matmul_flops": devices * _PAIR_FLOPS / seconds}
     if what == "attention":  # the same devices: the big matmuls, then attention's
         places = _devices(tf, devices)
         return attention_share(tf, places)
@@ -216,6 +223,34 @@ def _chained_matmuls(a, b):
     return tf.reduce_sum(a @ b @ tf.transpose(b) @ b)
 
 
+# A backward's two products of a Dense layer of the zoo's models (tests/scripts/
+# estimate_peak.py): the input gradient dy @ W^T and the weight gradient x^T @ dy, which
+# depend on nothing but dy, at the transformer's feed-forward shapes (32 x 64 tokens,
+# 128 -> 512 and 512 -> 128) and the MLP's hidden layer (256 samples, 1024 -> 1024).
+_DENSE_SHAPES = ((2048, 128, 512), (2048, 512, 128), (256, 1024, 1024))
+_PAIR_FLOPS = sum(2 * 2 * rows * inner * cols for rows, inner, cols in _DENSE_SHAPES)
+
+
+def _dense_operands(tf):
+    def make():
+        return tuple((tf.random.normal((rows, inner)), tf.random.normal((inner, cols)),
+                      tf.random.normal((rows, cols)))
+                     for rows, inner, cols in _DENSE_SHAPES)  # fmt: skip
+
+    return make
+
+
+def _gradient_pairs(*layers):
+    """Each layer's input and weight gradients: independent products, which the
+    runtime's inter-op threads run side by side."""
+    import tensorflow as tf
+
+    outputs = []
+    for x, w, dy in layers:
+        outputs += [tf.matmul(dy, w, transpose_b=True), tf.matmul(x, dy, transpose_a=True)]
+    return outputs
+
+
 # The zoo's transformer (tests/scripts/estimate_peak.py) at 32 samples per micro-batch:
 # 64 positions, 4 heads of 32, hidden 128.
 _BATCH, _POSITIONS, _HEADS, _HEAD_SIZE = 32, 64, 4, 32
@@ -297,7 +332,10 @@ def main():
     if serve_child(measure):
         return
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--only", default="matmul,memory,attention,layer_norm,collective,overhead")
+    parser.add_argument(
+        "--only",
+        default="matmul,memory,gradient_pairs,attention,layer_norm,collective,overhead",
+    )
     parser.add_argument("--runs", type=int, default=3, help="fresh runs; each number's median")
     args = parser.parse_args()
     chosen = args.only.split(",")
@@ -324,6 +362,8 @@ def calibrate_once(chosen):
             result[key] = rates[0][1]
             result[f"pool_{key}"] = rates
             result[f"thread_{key}"] = _measured([what, 1, 1])[key]
+    if "gradient_pairs" in chosen:  # one device, one thread per op, the others idle
+        result["thread_pair_matmul_flops"] = _measured(["gradient_pairs", 1, 1])["matmul_flops"]
     if "attention" in chosen:  # on 1, 2 and 4 devices; the constant is their median
         key = "batched_matmul_efficiency"
         shares = [[n, _measured(["attention", n])[key]] for n in POOL_DEVICES]

@@ -3,6 +3,7 @@ matmuls by shape (core/graph/cost.py) and its elementwise bytes counted from the
 its traced training step (core/graph/traffic.py); and how bench/plan_accuracy.py times a
 step."""
 
+import dataclasses
 import os
 import sys
 import time
@@ -14,7 +15,7 @@ import tensorflow as tf
 
 from epl_trainer.core.graph import traffic
 from epl_trainer.core.graph.auto_partition import model_cost
-from epl_trainer.core.plan import devices, step_time
+from epl_trainer.core.plan import devices, estimate, step_time
 
 CPU = devices.device_by_name("cpu")
 _LOSS = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
@@ -123,6 +124,27 @@ def test_einsum_dense_is_one_product_of_its_equation():
     (node,) = model_cost(keras.Model(x, y)).nodes
     assert [(g.rows, g.n, g.k) for g in node.gemms] == [(10, 24, 24)]
     assert sum(g.flops for g in node.gemms) == node.flops
+
+
+def test_a_residual_blocks_recompute_skips_its_last_projection_and_add():
+    """What a layer's backward reads (core/graph/cost.py): a linear or GELU Dense's
+    backward reads its input, not its output; a ReLU's reads its output; an add's reads
+    neither. So a pre-LN feed-forward block recomputed as one segment runs its norm and
+    its up-projection again, not its down-projection or the residual add."""
+    keras.utils.set_random_seed(0)
+    x = keras.Input((8, 32))
+    h = keras.layers.LayerNormalization(name="norm")(x)
+    h = keras.layers.Dense(64, activation="gelu", name="up")(h)
+    h = keras.layers.Dense(32, name="down")(h)
+    h = keras.layers.Add(name="add")([x, h])
+    y = keras.layers.Dense(16, activation="relu", name="relu")(h)
+    cost = model_cost(keras.Model(x, y))
+    reads = {n.name: (n.backward_reads_output, n.backward_reads_inputs) for n in cost.nodes}
+    assert reads == {"norm": (True, True), "up": (False, True), "down": (False, True),
+                     "add": (False, False), "relu": (True, True)}  # fmt: skip
+    single = dataclasses.replace(cost, checkpoint_positions=(4,))
+    names = [cost.nodes[i].name for i in estimate.recomputed_nodes(single, 0, len(cost.nodes))]
+    assert names == ["norm", "up", "relu"]
 
 
 # ------------------------------------------------------------------ the bench's step clock

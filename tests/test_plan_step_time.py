@@ -119,6 +119,57 @@ def test_each_micro_batch_after_the_first_adds_its_gradients_to_the_running_sum(
     assert v2.step_time_s - v2.terms["accumulate"] > 0
 
 
+def test_a_pool_devices_input_and_weight_gradients_run_side_by_side():
+    """A backward's input and weight gradients depend only on the upstream gradient: a
+    logical CPU device with one thread per op runs them side by side on the inter-op
+    threads, at the measured `thread_pair_matmul_flops`; one device's ops already use
+    every core; ZB-H1 runs them as separate tasks (B and W)."""
+    from epl_trainer.core.plan.analytic import Gemm
+    from epl_trainer.core.plan.estimate import ModelCost, NodeCost
+
+    rate = devices.device_rates(CPU, 2)[0]
+    pair = devices.device_pair_rate(CPU, 2)
+    assert pair == CPU.thread_pair_matmul_flops > rate
+    assert devices.device_pair_rate(CPU, 1) == devices.device_rates(CPU, 1)[0]
+    node = NodeCost("up", 0, 0, 0, gemms=(Gemm(64, 512, 128),))
+    flops = 2 * (64 * 8) * 512 * 128  # one product, micro-batch 8
+    forward, backward = step_time.node_compute_s(node, 8, rate, CPU, 4, pair)
+    assert (forward, backward) == pytest.approx((flops / rate, 2 * flops / pair))
+    model = ModelCost("m", (node, node), cut_positions=(1,), crossing_bytes=(0, 0, 0))
+    layout = Layout(pipeline_parallel=2, num_micro_batch=4, micro_batch_size=8)
+    terms = predict(model, layout, CPU).terms
+    assert terms["compute"] == pytest.approx(4 * (flops / rate + 2 * flops / pair))
+    split = predict(model, dataclasses.replace(layout, schedule="ZeroBubbleH1"), CPU).terms
+    assert split["compute"] == pytest.approx(4 * 3 * flops / rate)
+
+
+def test_a_recomputed_segment_runs_only_the_forward_its_backward_reads():
+    """TensorFlow prunes the recomputed ops whose outputs nothing reads: a segment
+    ending in a linear projection and a residual add (a transformer block's feed-forward
+    half) recomputes neither; a ReLU layer, whose gradient reads its output, runs again
+    at a segment's end."""
+    from epl_trainer.core.plan.estimate import ModelCost, NodeCost, recomputed_nodes
+
+    def node(name, reads_output=True, reads_inputs=True):
+        return NodeCost(
+            name, 0, 10**9, 4096, elementwise_bytes=4096,
+            backward_reads_output=reads_output, backward_reads_inputs=reads_inputs,
+        )  # fmt: skip
+
+    block = (node("norm"), node("up", reads_output=False), node("down", reads_output=False),
+             node("add", reads_output=False, reads_inputs=False))  # fmt: skip
+    model = ModelCost("m", (*block, node("relu")), cut_positions=(4,), crossing_bytes=(0,) * 6)
+    assert recomputed_nodes(model, 0, 5) == [0, 1, 4]
+    plain = predict(model, Layout(micro_batch_size=8), A100).terms
+    gc = predict(model, Layout(micro_batch_size=8, gc=True), A100).terms
+    per_node = (plain["compute"] + plain["elementwise"]) / 5 / 3  # forward: 1/3 of each
+    assert gc["recompute"] == pytest.approx(3 * per_node)
+    # On a shared pool the pool's work carries the same three forwards.
+    one = predict(model, Layout(micro_batch_size=8), CPU).terms
+    again = predict(model, Layout(micro_batch_size=8, gc=True), CPU).terms
+    assert again["recompute"] == pytest.approx(3 / 5 / 3 * (one["compute"] + one["elementwise"]))
+
+
 @pytest.mark.parametrize(
     "schedule, virtual", [("PreferBackward", 1), ("PreferForward", 1), ("ZeroBubbleH1", 1),
                           ("Interleaved1F1B", 2)]

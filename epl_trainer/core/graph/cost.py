@@ -235,7 +235,41 @@ def _node_cost(node, label: str, seen: set[int]) -> NodeCost:
         internal_bytes=internal,
         float32_bytes=float32,
         gemms=_gemms(node),
+        backward_reads_output=_backward_reads_output(operation),
+        backward_reads_inputs=_backward_reads_inputs(operation),
     )
+
+
+# Layers whose backward reads neither their inputs nor their output: an add's, a
+# concatenation's and an average's gradients are the upstream gradient, split or scaled.
+_GRADIENT_PASSES_THROUGH = (
+    keras.layers.Add,
+    keras.layers.Subtract,
+    keras.layers.Average,
+    keras.layers.Concatenate,
+    keras.layers.GlobalAveragePooling1D,
+    keras.layers.GlobalAveragePooling2D,
+)
+# Activations whose gradient reads the activation's input (inside the layer), not its
+# output: a linear layer's backward reads only its inputs and weights.
+_INPUT_READING_ACTIVATIONS = ("linear", "gelu")
+
+
+def _backward_reads_output(operation) -> bool:
+    """Whether the layer's backward reads its forward output (conservative: True unless
+    known not to). A Dense or EinsumDense layer's does only through its activation (a
+    ReLU's, sigmoid's or tanh's gradient reads the activation's output)."""
+    if isinstance(operation, _GRADIENT_PASSES_THROUGH):
+        return False
+    if isinstance(operation, (keras.layers.Dense, keras.layers.EinsumDense)):
+        activation = getattr(operation.activation, "__name__", "")
+        return activation not in _INPUT_READING_ACTIVATIONS
+    return True
+
+
+def _backward_reads_inputs(operation) -> bool:
+    """Whether the layer's backward reads its forward inputs (True unless known not to)."""
+    return not isinstance(operation, _GRADIENT_PASSES_THROUGH)
 
 
 def _gemms(node) -> tuple:

@@ -79,6 +79,10 @@ class DeviceSpec:
       thread_matmul_flops, thread_memory_bandwidth: for a shared pool, the rates of one
         device with one thread per op (what each of several devices runs at while the
         others idle: `device_rates`); 0: its share of the pool's.
+      thread_pair_matmul_flops: for a shared pool, FLOP/s of a backward's input and
+        weight gradients (independent products) on one device with one thread per op,
+        the others idle: the runtime's inter-op threads run the two side by side
+        (`device_pair_rate`); 0: `thread_matmul_flops`.
       collective_speed: a collective kind's ("reduce_scatter", "all_gather") bytes sent
         per second relative to the all-reduce's (1 where not given: NCCL's rings move
         every kind at the link's bandwidth).
@@ -112,6 +116,7 @@ class DeviceSpec:
     pool_memory_bandwidth: tuple = ()
     thread_matmul_flops: float = 0.0
     thread_memory_bandwidth: float = 0.0
+    thread_pair_matmul_flops: float = 0.0
     collective_speed: dict = dataclasses.field(default_factory=dict, compare=False)
     sources: dict = dataclasses.field(default_factory=dict, compare=False)
 
@@ -204,6 +209,19 @@ def device_rates(spec: DeviceSpec, devices: int) -> tuple[float, float]:
     share = min(devices, spec.cores)
     return (spec.thread_matmul_flops or flops / share,
             spec.thread_memory_bandwidth or bandwidth / share)  # fmt: skip
+
+
+def device_pair_rate(spec: DeviceSpec, devices: int) -> float:
+    """FLOP/s of a backward's two independent products (input and weight gradients) on
+    one of `devices` logical devices of a shared pool running on its own: from two
+    devices on (one thread per op) the inter-op threads run the two side by side
+    (`thread_pair_matmul_flops`); one device's ops already use every core, and two side
+    by side went no faster (the same products on one device, the trainer's threads,
+    timed one after the other and side by side: 155-186 and 156-172 GFLOP/s)."""
+    rate = device_rates(spec, devices)[0]
+    if devices == 1 or not spec.thread_pair_matmul_flops:
+        return rate
+    return max(rate, spec.thread_pair_matmul_flops)
 
 
 # ----------------------------------------------------------------- sources
@@ -372,7 +390,10 @@ _add(
 # This machine (bench/plan_calibrate.py). Logical CPU devices share the cores: a
 # collective between them is a copy in the same memory, a host "transfer" is free.
 _CPU_MEASURED = {  # python bench/plan_calibrate.py: medians of 3 runs, a shared 2-core AMD EPYC
-    "matmul_flops": 164.7e9,
+    # The matmuls, attention's share and the layer normalisation recalibrated together
+    # (--only matmul,attention,layer_norm, the machine quiet; the run before: 164.7 GFLOP/s,
+    # pool 165 / 192 / 207, one thread 96.7, attention 0.336 / 0.324 / 0.290).
+    "matmul_flops": 156.4e9,
     "memory_bandwidth": 28.69e9,
     # The collectives as calibrated before (2026-11-29, --only collective; unchanged since).
     "collective_bandwidth": 2.472e9,
@@ -384,17 +405,22 @@ _CPU_MEASURED = {  # python bench/plan_calibrate.py: medians of 3 runs, a shared
     # layer with them)
     "pool_overhead": ((1, 40.0e-6, 0.57e-3), (2, 89.5e-6, 1.01e-3), (4, 216.8e-6, 1.32e-3)),
     # (devices, FLOP/s or bytes/s of all of them side by side)
-    "pool_matmul_flops": ((1, 164.7e9), (2, 192.2e9), (4, 207.2e9)),
+    "pool_matmul_flops": ((1, 156.4e9), (2, 191.8e9), (4, 208.8e9)),
     "pool_memory_bandwidth": ((1, 28.69e9), (2, 27.51e9), (4, 39.35e9)),
     # one device, one thread per op
-    "thread_matmul_flops": 96.65e9,
+    "thread_matmul_flops": 92.76e9,
+    # a backward's input and weight gradients of the zoo's Dense layers side by side, one
+    # device with one thread per op (--only gradient_pairs)
+    "thread_pair_matmul_flops": 170.7e9,
     "thread_memory_bandwidth": 27.70e9,
     # attention's per-head products over the matmuls, on 1, 2 and 4 devices
-    "pool_batched_matmul_efficiency": ((1, 0.336), (2, 0.324), (4, 0.290)),
-    "batched_matmul_efficiency": 0.324,  # their median
+    "pool_batched_matmul_efficiency": ((1, 0.348), (2, 0.327), (4, 0.325)),
+    "batched_matmul_efficiency": 0.325,  # their median
     # a layer normalisation's forward and backward, bytes per second on 1, 2 and 4
-    # devices side by side (medians of 5 runs)
-    "pool_layer_norm_bandwidth": ((1, 33.59e9), (2, 50.63e9), (4, 61.22e9)),
+    # devices side by side (medians of 3 runs, recalibrated on a quiet machine: the runs
+    # before, medians of 5, measured 33.6 / 50.6 / 61.2 GB/s, and the zoo transformer's
+    # LayerNormalization layers ran at 39-52 GB/s on one device timed alone)
+    "pool_layer_norm_bandwidth": ((1, 42.60e9), (2, 53.17e9), (4, 68.42e9)),
     "measured": "2026-11-29, the trainer's threads per op",
 }
 _CALIBRATED = "bench/plan_calibrate.py"
@@ -428,6 +454,7 @@ _add(
         pool_memory_bandwidth=_CPU_MEASURED["pool_memory_bandwidth"],
         thread_matmul_flops=_CPU_MEASURED["thread_matmul_flops"],
         thread_memory_bandwidth=_CPU_MEASURED["thread_memory_bandwidth"],
+        thread_pair_matmul_flops=_CPU_MEASURED["thread_pair_matmul_flops"],
         collective_speed=_CPU_MEASURED["collective_speed"],
         batched_matmul_efficiency=_CPU_MEASURED["batched_matmul_efficiency"],
         elementwise_speedups=_CPU_ELEMENTWISE,
@@ -483,6 +510,12 @@ _add(
             + " (a layer's ops read what the op before wrote, from the caches)",
             "thread_matmul_flops": f"{_CALIBRATED}: the matmuls on one device with one thread "
             f"per op: {_CPU_MEASURED['thread_matmul_flops'] / 1e9:.1f} GFLOP/s",
+            "thread_pair_matmul_flops": f"{_CALIBRATED}: a backward's input and weight "
+            "gradients (independent products) of the zoo's Dense layers ([2048,128]x[128,512], "
+            "[2048,512]x[512,128], [256,1024]x[1024,1024]) on one device with one thread per "
+            "op, the others idle: "
+            f"{_CPU_MEASURED['thread_pair_matmul_flops'] / 1e9:.1f} GFLOP/s (the runtime's "
+            "inter-op threads run the two side by side)",
             "thread_memory_bandwidth": f"{_CALIBRATED}: the adds on one device with one thread "
             f"per op: {_CPU_MEASURED['thread_memory_bandwidth'] / 1e9:.1f} GB/s",
         },

@@ -89,9 +89,11 @@ __all__ = [
     "TrainOptions",
     "balanced_cuts",
     "bubble_fraction",
+    "checkpoint_segments",
     "estimate",
     "model_state_bytes",
     "partition_stages",
+    "recomputed_nodes",
     "virtual_cluster",
 ]
 
@@ -140,6 +142,11 @@ class NodeCost:
         whole (normalisations, residual adds).
       gemms: the node's forward matmuls by shape (`analytic.Gemm`), where known: the
         step-time model times each (`step_time.py`); () times `flops` at the matmul rate.
+      backward_reads_output, backward_reads_inputs: whether the node's backward reads
+        its forward output (a ReLU's gradient does; a linear or GELU Dense's, an add's
+        do not) and its inputs (a matmul's weight gradient does; an add's does not).
+        A recomputed segment's forward runs only the ops whose outputs its backward
+        reads (TensorFlow prunes the rest): `recomputed_nodes`.
     """
 
     name: str
@@ -156,6 +163,8 @@ class NodeCost:
     tp_replicated_bytes: int = 0
     tp_replicated_elementwise_bytes: int = 0
     gemms: tuple = ()
+    backward_reads_output: bool = True
+    backward_reads_inputs: bool = True
 
     @property
     def kept_bytes(self) -> int:
@@ -667,11 +676,8 @@ def _checkpointed(model: ModelCost, start: int, stop: int, low: float):
     """(bytes kept at checkpoint boundaries inside [start, stop), largest segment's
     activation bytes, the same under AMP, per sample; the most parameters two
     neighbouring segments hold)."""
-    positions = model.checkpoint_positions
-    positions = model.cut_positions if positions is None else positions
-    inner = sorted(p for p in positions if start < p < stop)
-    kept = sum(model.crossing_bytes[p] for p in inner)
-    edges = list(itertools.pairwise([start, *inner, stop]))
+    edges = checkpoint_segments(model, start, stop)
+    kept = sum(model.crossing_bytes[a] for a, _ in edges[1:])
     nodes = model.nodes
     segment = max(sum(node.kept_bytes for node in nodes[a:b]) for a, b in edges)
     segment_amp = max(sum(amp_bytes(node, low) for node in nodes[a:b]) for a, b in edges)
@@ -679,6 +685,36 @@ def _checkpointed(model: ModelCost, start: int, stop: int, low: float):
     per_segment = [sum(node.params for node in nodes[a:b]) for a, b in edges]
     pairs = [a + b for a, b in itertools.pairwise(per_segment)] or per_segment
     return kept, segment, segment_amp, max(pairs)
+
+
+def checkpoint_segments(model: ModelCost, start: int, stop: int) -> list[tuple[int, int]]:
+    """(first, end) node indices of the gradient-checkpointing segments of the stage
+    [start, stop): cut at `model.checkpoint_positions` (default: `cut_positions`)."""
+    positions = model.checkpoint_positions
+    positions = model.cut_positions if positions is None else positions
+    inner = sorted(p for p in positions if start < p < stop)
+    return list(itertools.pairwise([start, *inner, stop]))
+
+
+def recomputed_nodes(model: ModelCost, start: int, stop: int) -> list[int]:
+    """Indices of the nodes of the stage [start, stop) whose forward a checkpointed
+    backward runs again. Each segment's backward differentiates its recomputed forward,
+    and TensorFlow runs only the ops whose outputs something reads: a node's forward
+    runs again if its own backward reads its output, or the node after it (in a
+    segment's order; the segment's output itself is the next segment's kept input)
+    reads its input or runs again. A transformer block ending in a residual add skips
+    the add and the linear projection before it (`bench/plan_accuracy.py` rows 2, 7,
+    15, 20)."""
+    again = []
+    for first, end in checkpoint_segments(model, start, stop):
+        read_after = False  # whether the nodes after this one read its output
+        for index in range(end - 1, first - 1, -1):
+            node = model.nodes[index]
+            runs = node.backward_reads_output or read_after
+            if runs:
+                again.append(index)
+            read_after = runs or node.backward_reads_inputs
+    return sorted(again)
 
 
 def amp_bytes(node: NodeCost, low: float) -> float:

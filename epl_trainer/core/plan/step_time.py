@@ -14,7 +14,9 @@ table (`devices.py`) and a count of the model (`estimate.ModelCost`), in this or
    memory bandwidth x the share a streaming kernel reaches; on a shared pool x
    `DeviceSpec.elementwise_factor`, a layer's ops reading from the caches), backward as
    counted (`NodeCost.elementwise_backward_bytes`, a traced step's ops) or twice the
-   forward; with gradient checkpointing the forward once more. Tensor parallelism
+   forward; with gradient checkpointing the forward once more, but for the nodes whose
+   outputs no backward reads (`estimate.recomputed_nodes`: TensorFlow prunes them; a
+   transformer block's last projection and residual add). Tensor parallelism
    (`tensor_parallel_model`) divides the nodes it splits (transformer layers,
    vocabulary-parallel embeddings and heads) and their matmuls as Megatron does
    (columns, inner size or heads). From a stage's second micro-batch on, each backward
@@ -33,7 +35,9 @@ table (`devices.py`) and a count of the model (`estimate.ModelCost`), in this or
    CPU devices) cannot hide a bubble behind idle cores: their step is at least the sum
    of all devices' work on the pool, at the rates measured for that many devices side
    by side (`DeviceSpec.pool_rates`); a device on its own runs at one thread's
-   (`devices.device_rates`: cores // devices threads per op).
+   (`devices.device_rates`: cores // devices threads per op), but for a backward's input
+   and weight gradients, which its inter-op threads run side by side
+   (`devices.device_pair_rate`; not where the schedule splits them, ZB-H1's B and W).
 6. Data-parallel communication (`StageEstimate.comm_data_parallel`: all-reduce, ZeRO's
    reduce-scatter and all-gathers) over the data group's link; overlapped with the last
    micro-batch's backward where the engine overlaps it and the device has separate
@@ -73,7 +77,7 @@ import numpy as np
 from epl_trainer.core.plan import estimate as estimate_module
 from epl_trainer.core.plan import planner
 from epl_trainer.core.plan.analytic import Gemm
-from epl_trainer.core.plan.devices import DeviceSpec, device_rates
+from epl_trainer.core.plan.devices import DeviceSpec, device_pair_rate, device_rates
 from epl_trainer.core.plan.estimate import OPTIMIZER_SLOTS, ModelCost, NodeCost, TrainOptions
 from epl_trainer.core.plan.ir import INTERLEAVED, PIPELINE_STRATEGIES, StrategySpec
 from epl_trainer.core.plan.schedule import (
@@ -487,6 +491,11 @@ def _schedule_states(strategy: str, num_stages: int, num_micro_batch: int, virtu
 
 
 @functools.lru_cache(maxsize=256)
+def _splits_backward(strategy: str, num_stages: int, num_micro_batch: int, virtual_stages: int):
+    return splits_backward(make_schedule(strategy, num_stages, num_micro_batch, virtual_stages))
+
+
+@functools.lru_cache(maxsize=256)
 def _device_orders(strategy: str, num_stages: int, num_micro_batch: int, virtual_stages: int):
     """Each device's (stage, kind) order of the schedule, built and checked once: +1 when
     a micro-batch's forward keeps its activations, -1 when its last backward task (B, or
@@ -529,11 +538,14 @@ def matmul_s(device: DeviceSpec, rate: float, element_bytes: float, rows: float,
 
 @functools.lru_cache(maxsize=4096)  # a model's layers repeat: each shape timed once
 def node_compute_s(node: NodeCost, micro_batch: int, rate: float, device: DeviceSpec,
-                   element_bytes: float) -> tuple[float, float]:  # fmt: skip
+                   element_bytes: float,
+                   pair_rate: float = 0.0) -> tuple[float, float]:  # fmt: skip
     """(forward, backward) matmul seconds of `node` for a micro-batch. With its matmuls
     known (`NodeCost.gemms`), each by `matmul_s`, and backward as each matmul's two
     products (input gradient: rows x inner over cols; weight gradient: inner x cols over
-    rows); the node's other FLOPs are elementwise, timed by their memory traffic. Else
+    rows), which depend only on the upstream gradient, so a shared pool's device running
+    on its own runs them side by side at `pair_rate` (`devices.device_pair_rate`; 0:
+    `rate`); the node's other FLOPs are elementwise, timed by their memory traffic. Else
     its FLOPs at `rate`, backward twice forward."""
     if not node.gemms:
         forward = node.flops * micro_batch / rate
@@ -541,14 +553,15 @@ def node_compute_s(node: NodeCost, micro_batch: int, rate: float, device: Device
     forward = backward = 0.0
     for gemm in node.gemms:
         rows, count, gemm_rate = gemm.rows, gemm.count, rate
+        gradient_rate = pair_rate or rate
         if gemm.stacked:
             rows *= micro_batch
         else:  # each sample's own small products (attention's, per head)
             count *= micro_batch
-            gemm_rate = rate * device.batched_matmul_efficiency
+            gemm_rate = gradient_rate = rate * device.batched_matmul_efficiency
         forward += matmul_s(device, gemm_rate, element_bytes, rows, gemm.n, gemm.k, count)
-        backward += matmul_s(device, gemm_rate, element_bytes, rows, gemm.k, gemm.n, count)
-        backward += matmul_s(device, gemm_rate, element_bytes, gemm.k, gemm.n, rows, count)
+        backward += matmul_s(device, gradient_rate, element_bytes, rows, gemm.k, gemm.n, count)
+        backward += matmul_s(device, gradient_rate, element_bytes, gemm.k, gemm.n, rows, count)
     return forward, backward
 
 
@@ -601,7 +614,7 @@ def predict(model: ModelCost, layout: Layout, device: DeviceSpec) -> Prediction:
                   layout.virtual_stages)  # fmt: skip
     width = 0.5 if layout.amp else 1.0  # 16-bit activations and traffic under AMP
     full_rate = device.flops_rate(layout.amp)
-    rate, pool = full_rate, 1
+    rate, pool, pair_rate = full_rate, 1, 0.0
     bandwidth = pool_bandwidth = device.streaming_bandwidth
     if device.shares_compute:
         # Each device's ops run on cores // devices threads (runtime/cluster.py): from two
@@ -610,6 +623,10 @@ def predict(model: ModelCost, layout: Layout, device: DeviceSpec) -> Prediction:
         pool = min(layout.devices, device.cores)
         full_rate, pool_bandwidth = device.pool_rates(layout.devices)
         rate, bandwidth = device_rates(device, layout.devices)
+        # A backward's input and weight gradients side by side, unless the schedule runs
+        # them as separate tasks (ZB-H1's B and W).
+        if not (p > 1 and _splits_backward(layout.schedule, layout.num_stages, m, v)):
+            pair_rate = device_pair_rate(device, layout.devices)
     # Sums of whole gradient sets stream from memory (no cache holds them).
     sum_bandwidth, pool_sum_bandwidth = bandwidth, pool_bandwidth
     # A layer's elementwise ops read what the op before wrote: from the caches where they
@@ -624,11 +641,23 @@ def predict(model: ModelCost, layout: Layout, device: DeviceSpec) -> Prediction:
         start, stop = stage.nodes
         nodes = shard.nodes[start:stop]
         forward = backward = pool_compute = 0.0
-        for node in nodes:
-            node_forward, node_backward = node_compute_s(node, mb, rate, device, element_bytes)
+        again = set(estimate_module.recomputed_nodes(shard, start, stop)) if layout.gc else set()
+        recompute = pool_recompute = 0.0  # the forward a checkpointed backward runs again
+        for index, node in enumerate(nodes, start):
+            node_forward, node_backward = node_compute_s(
+                node, mb, rate, device, element_bytes, pair_rate
+            )
             forward, backward = forward + node_forward, backward + node_backward
+            moved_again = _elementwise_bytes(node) * mb * width if index in again else 0.0
+            if index in again:
+                recompute += node_forward + moved_again / bandwidth
             if device.shares_compute:
-                pool_compute += sum(node_compute_s(node, mb, full_rate, device, element_bytes))
+                pool_forward, pool_backward = node_compute_s(
+                    node, mb, full_rate, device, element_bytes
+                )
+                pool_compute += pool_forward + pool_backward
+                if index in again:
+                    pool_recompute += pool_forward + moved_again / pool_bandwidth
         moved_forward = sum(_elementwise_bytes(node) for node in nodes) * mb * width
         moved = moved_forward + sum(_elementwise_backward_bytes(n) for n in nodes) * mb * width
         syncs = [TENSOR_SPLIT_KINDS.get(node.kind, (0, 0)) for node in nodes]
@@ -656,13 +685,14 @@ def predict(model: ModelCost, layout: Layout, device: DeviceSpec) -> Prediction:
         stage_terms.append({
             "compute": forward + backward,
             "elementwise": moved / bandwidth,
-            "recompute": forward + moved_forward / bandwidth if layout.gc else 0.0,
+            "recompute": recompute,
             "tensor_comm": tensor_comm,
             "pipeline_comm": sends,
             "overhead": device.layer_overhead_s * len(nodes),
             "accumulate": accumulated / sum_bandwidth,
-            # The same at the pool's rates.
-            "work": pool_compute + moved / pool_bandwidth + accumulated / pool_sum_bandwidth,
+            # The same at the pool's rates, with the recomputed forward.
+            "work": pool_compute + moved / pool_bandwidth + pool_recompute
+            + accumulated / pool_sum_bandwidth,
         })  # fmt: skip
     # Per micro-batch and device: the sum over the stages it runs.
     per_device = []
@@ -685,7 +715,7 @@ def predict(model: ModelCost, layout: Layout, device: DeviceSpec) -> Prediction:
         replicas = layout.data_parallel * t
         compute_work = sum(terms_d["work"] for terms_d in per_device)
         work = m * (
-            replicas * compute_work * (4 / 3 if layout.gc else 1)
+            replicas * compute_work
             + replicas * copies / pool
             + per_layer / layout.devices * replicas * len(shard.nodes)
         )
