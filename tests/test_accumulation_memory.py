@@ -88,5 +88,9 @@ def test_peak_does_not_grow_with_the_micro_batches(layout):
         f"\n{layout}: step peak {few / 1e6:.1f} MB (4 micro-batches), {many / 1e6:.1f} MB "
         f"(12); one gradient set {gradient_set / 1e6:.1f} MB"
     )
-    # Before: 8 more micro-batches held about 8 more sets (ZeRO v1: 12).
-    assert many - few < gradient_set / 2
+    # Before: 8 more micro-batches held about 8 more sets (ZeRO v1: 12). Now a step's
+    # peak may still catch one stage's sum being replaced (the old sum, the new gradients
+    # and the new sum alive at once): CI with oneDNN on under -n 2 measured 25.4 and 33.9
+    # MB for 1F1B, 8.5 MB apart, stage 0's gradients (8.4 MB). Less than one whole set
+    # still fails 8 more sets by 8x.
+    assert many - few < gradient_set
