@@ -99,18 +99,11 @@ def measure(what):
 
     if what == "matmul":  # on each of `devices` side by side, each with its own operands
         places = _devices(tf, devices)
-        shapes = ((512, 512), (512, 2048))
-        operands = [_on(tf, d, lambda: tuple(tf.random.normal(s) for s in shapes)) for d in places]
-
-        def chains():
-            sums = []
-            for d, (a, b) in zip(places, operands):
-                with tf.device(d):
-                    sums.append(tf.reduce_sum(a @ b @ tf.transpose(b) @ b))
-            return sums
-
-        fn = tf.function(chains)
-        seconds = _best(fn)
+        seconds = _side_by_side(
+            tf, places,
+            lambda: (tf.random.normal((512, 512)), tf.random.normal((512, 2048))),
+            lambda a, b: tf.reduce_sum(a @ b @ tf.transpose(b) @ b),
+        )  # fmt: skip
         return {"matmul_flops": devices * 3 * 2 * 512 * 512 * 2048 / seconds}
     if what == "gradient_pairs":  # each device's input and weight gradients side by side
         places = _devices(tf, devices)
@@ -123,20 +116,7 @@ def measure(what):
         places = _devices(tf, devices)
         return layer_norm_share(tf, places)
     if what == "memory":
-        places = _devices(tf, devices)
-        operands = [_on(tf, d, lambda: (tf.random.normal((2**22,)), tf.random.normal((2**22,))))
-                    for d in places]  # fmt: skip
-
-        def adds():
-            outputs = []
-            for d, (x, y) in zip(places, operands):
-                with tf.device(d):
-                    outputs.append(x + y)
-            return outputs
-
-        fn = tf.function(adds)
-        seconds = _best(fn)
-        return {"memory_bandwidth": devices * 3 * 4 * 2**22 / seconds}
+        return {"memory_bandwidth": _adds_bandwidth(tf, _devices(tf, devices))}
     if what == "collective":
         from epl_trainer.core.comm.group import CollectiveGroup
 
@@ -200,6 +180,17 @@ def measure(what):
     few, many = step_seconds(4), step_seconds(36)
     per_layer = (many - few) / 32
     return {"pool_overhead": [[devices, per_layer, max(0.0, few - 4 * per_layer)]]}
+
+
+def _adds_bandwidth(tf, places):
+    """Bytes per second of elementwise adds over 2**22 float32 (3 x 16 MB moved) on every
+    device of `places` at once, all of them together."""
+    seconds = _side_by_side(
+        tf, places,
+        lambda: (tf.random.normal((2**22,)), tf.random.normal((2**22,))),
+        lambda x, y: x + y,
+    )  # fmt: skip
+    return len(places) * 3 * 4 * 2**22 / seconds
 
 
 def _side_by_side(tf, places, make, body):
@@ -293,9 +284,7 @@ def layer_norm_share(tf, places):
     from epl_trainer.core.graph import flops as flops_module
     from epl_trainer.core.graph import traffic
 
-    adds = len(places) * 3 * 4 * 2**22 / _side_by_side(
-        tf, places, lambda: (tf.random.normal((2**22,)), tf.random.normal((2**22,))),
-        lambda x, y: x + y)  # fmt: skip
+    adds = _adds_bandwidth(tf, places)
     shape = (_BATCH, _POSITIONS, _HEADS * _HEAD_SIZE)
     layers = [_on(tf, d, keras.layers.LayerNormalization) for d in places]
 

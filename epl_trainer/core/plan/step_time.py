@@ -648,16 +648,16 @@ def predict(model: ModelCost, layout: Layout, device: DeviceSpec) -> Prediction:
                 node, mb, rate, device, element_bytes, pair_rate
             )
             forward, backward = forward + node_forward, backward + node_backward
-            moved_again = _elementwise_bytes(node) * mb * width if index in again else 0.0
-            if index in again:
-                recompute += node_forward + moved_again / bandwidth
+            pool_forward = 0.0  # the pool's rates: only a shared pool's step uses them
             if device.shares_compute:
                 pool_forward, pool_backward = node_compute_s(
                     node, mb, full_rate, device, element_bytes
                 )
                 pool_compute += pool_forward + pool_backward
-                if index in again:
-                    pool_recompute += pool_forward + moved_again / pool_bandwidth
+            if index in again:
+                moved_again = _elementwise_bytes(node) * mb * width
+                recompute += node_forward + moved_again / bandwidth
+                pool_recompute += pool_forward + moved_again / pool_bandwidth
         moved_forward = sum(_elementwise_bytes(node) for node in nodes) * mb * width
         moved = moved_forward + sum(_elementwise_backward_bytes(n) for n in nodes) * mb * width
         syncs = [TENSOR_SPLIT_KINDS.get(node.kind, (0, 0)) for node in nodes]
