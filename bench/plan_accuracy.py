@@ -132,7 +132,7 @@ def measure(arguments):
     """Child: one configuration's measured peak and step time, and the prediction."""
     kind, micro_batch_size, fields, steps = arguments
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-    from epl_trainer.core.plan import step_time
+    from epl_trainer.core.plan import devices, step_time
 
     layout = step_time.Layout(micro_batch_size=micro_batch_size, **fields)
     device_count = layout.data_parallel * layout.pipeline_parallel
@@ -169,6 +169,7 @@ def measure(arguments):
 
     return {
         "layout": layout.describe(),
+        "machine": devices.this_cpu(),
         "devices": device_count,
         "measured_peak": peak,
         "measured_step_s": best,
@@ -286,9 +287,13 @@ def print_table(rows):
                     for _, (_, r) in enumerate(x for _, x in rows))  # fmt: skip
     time_ok = sum(abs(r["predicted_step_s"] / r["measured_step_s"] - 1) <= TIME_TOLERANCE
                   for _, (_, r) in enumerate(x for _, x in rows))  # fmt: skip
+    both_ok = sum(abs(r["predicted_peak"] / r["measured_peak"] - 1) <= MEMORY_TOLERANCE
+                  and abs(r["predicted_step_s"] / r["measured_step_s"] - 1) <= TIME_TOLERANCE
+                  for _, (_, r) in rows)  # fmt: skip
     print(
         f"\nWithin {MEMORY_TOLERANCE:.0%} (peak): {memory_ok} of {len(rows)}; within "
-        f"{TIME_TOLERANCE:.0%} (step time): {time_ok} of {len(rows)} ('!' marks a miss)."
+        f"{TIME_TOLERANCE:.0%} (step time): {time_ok} of {len(rows)}; both: {both_ok} "
+        "('!' marks a miss)."
     )
     by_sizes = [r for _, (_, r) in rows if "sizes_predicted_peak" in r]
     if by_sizes:
@@ -301,6 +306,20 @@ def print_table(rows):
             f"--model transformer) instead: peak within {MEMORY_TOLERANCE:.0%} in "
             f"{memory_ok}, step time within {TIME_TOLERANCE:.0%} in {time_ok}."
         )
+
+
+def warn_of_other_machines(rows):
+    """The step times are predicted with the "cpu" device's rates: say so where they
+    were calibrated on another kind of CPU than the one that ran the rows."""
+    from epl_trainer.core.plan import devices
+
+    calibrated = devices.read_cpu_calibration()["machine"]
+    ran = [row.get("machine") for row in rows]
+    if any(machine != calibrated for machine in ran):
+        names = sorted({m["cpu"] if m else "a CPU not recorded" for m in ran})
+        print(f"\nWarning: the rows ran on {', '.join(names)}; the \"cpu\" device's rates "
+              f"were measured on {calibrated['cpu']} (bench/plan_calibrate.py --write there "
+              "recalibrates).")  # fmt: skip
 
 
 def idle_share(seconds=3.0):
@@ -368,6 +387,7 @@ def main():
     for (_, (_, row)), prediction in zip(rows, predictions):
         row.update(prediction)
     print_table(rows)
+    warn_of_other_machines([row for _, (_, row) in rows])
     if args.json:
         with open(args.json, "w") as f:
             json.dump([{"index": i, "model": k, **r} for i, (k, r) in rows], f, indent=1)

@@ -1,17 +1,21 @@
 """Microbenchmarks behind epl-plan's "cpu" device (core/plan/devices.py): this machine's rates.
 
-Usage: nice -n 10 python bench/plan_calibrate.py
+Usage: python bench/plan_calibrate.py [--only matmul,attention] [--runs 3] [--write]
 
 Each quantity is measured in a fresh process with the thread pools the trainer gives one
 logical device per core count (`runtime/cluster.py`), takes the best of a few repeats
-(the machine is shared: the best is the least disturbed); the whole is run `--runs`
-times (3) and each number's median kept. The result is printed as one JSON line
-that `core/plan/devices.py` stores, with the date, in its "cpu" entry:
+(the machine is shared: the best is the least disturbed) of one and of 4 copies of its
+body run one after the other, and keeps the slope (`_side_by_side`: not the function
+call's own cost, which a step pays once); the whole is run `--runs`
+times (3) and each number's median kept. The result is printed as one JSON line;
+`--write` stores it, with the date and this CPU, in the file behind the "cpu" device
+(`core/plan/cpu_calibration.json`; a part alone only on the CPU the rest was measured on):
 
-* matmul_flops: float32 [512, 512] x [512, 2048] matmuls (the zoo's small models' sizes)
-  on one device (all cores in each op), FLOP/s; pool_matmul_flops: the same on 1, 2 and 4
-  logical devices side by side, each with the trainer's one thread per op, all of them
-  together (two single-threaded matmuls outrun one matmul over two threads).
+* matmul_flops: float32 forward products of the zoo's models' Dense layers
+  (`_DENSE_SHAPES`, each with an input and a weight of its own) on one device (all cores
+  in each op), FLOP/s; pool_matmul_flops: the same on 1, 2 and 4 logical devices side by
+  side, each with the trainer's one thread per op, all of them together (two
+  single-threaded matmuls outrun one matmul over two threads).
 * memory_bandwidth: an elementwise add over 2**22 float32 (3 x 16 MB moved), bytes/s;
   pool_memory_bandwidth: the same on 1, 2 and 4 devices side by side.
 * batched_matmul_efficiency: attention's per-head products as Keras's MultiHeadAttention
@@ -58,6 +62,8 @@ from _fresh_process import run_child, serve_child
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir)
 REPEATS = 5
 POOL_DEVICES = (1, 2, 4)  # logical devices measured side by side
+COPIES = 4  # a body run this many times over against once: _side_by_side's slope
+PARTS = ("matmul", "memory", "gradient_pairs", "attention", "layer_norm", "collective", "overhead")
 
 
 def _best(run, repeats=REPEATS):
@@ -98,13 +104,7 @@ def measure(what):
     import tensorflow as tf
 
     if what == "matmul":  # on each of `devices` side by side, each with its own operands
-        places = _devices(tf, devices)
-        seconds = _side_by_side(
-            tf, places,
-            lambda: (tf.random.normal((512, 512)), tf.random.normal((512, 2048))),
-            lambda a, b: tf.reduce_sum(a @ b @ tf.transpose(b) @ b),
-        )  # fmt: skip
-        return {"matmul_flops": devices * 3 * 2 * 512 * 512 * 2048 / seconds}
+        return {"matmul_flops": _dense_forward_rate(tf, _devices(tf, devices))}
     if what == "gradient_pairs":  # each device's input and weight gradients side by side
         places = _devices(tf, devices)
         seconds = _side_by_side(tf, places, _dense_operands(tf), _gradient_pairs)
@@ -194,24 +194,29 @@ def _adds_bandwidth(tf, places):
 
 
 def _side_by_side(tf, places, make, body):
-    """Seconds of `body(*operands)` on every device of `places` at once (a `tf.function`
-    over each device's own operands from `make()`), the fastest of REPEATS."""
-    operands = [_on(tf, d, make) for d in places]
+    """Seconds of `body(*operands)` on every device of `places` at once, each device with
+    operands of its own from `make()`: the slope between a `tf.function` that runs one
+    copy on each device and one that runs COPIES, each copy with its own operands after
+    the copy before. The slope leaves out the function call's own cost, which a step
+    pays once (`step_overhead_s`), not per layer: 50-100 us here, 3-10% of a body of
+    1-3 ms (the Dense layers' products measured 318 GFLOP/s timed whole, where each of
+    them alone ran at 380-441)."""
+    operands = [[_on(tf, d, make) for _ in range(COPIES)] for d in places]
 
-    def run():
-        outputs = []
-        for d, args in zip(places, operands):
+    def run(copies):
+        outputs = []  # every copy's: the runtime prunes ops that are only control inputs
+        for d, own in zip(places, operands):
             with tf.device(d):
-                outputs.append(body(*args))
+                previous = []
+                for args in own[:copies]:
+                    with tf.control_dependencies(previous):
+                        previous = tf.nest.flatten(body(*args))
+                    outputs.append(previous)
         return outputs
 
-    return _best(tf.function(run))
-
-
-def _chained_matmuls(a, b):
-    import tensorflow as tf
-
-    return tf.reduce_sum(a @ b @ tf.transpose(b) @ b)
+    one = _best(tf.function(lambda: run(1)))
+    many = _best(tf.function(lambda: run(COPIES)))
+    return (many - one) / (COPIES - 1)
 
 
 # A backward's two products of a Dense layer of the zoo's models (tests/scripts/
@@ -219,7 +224,8 @@ def _chained_matmuls(a, b):
 # depend on nothing but dy, at the transformer's feed-forward shapes (32 x 64 tokens,
 # 128 -> 512 and 512 -> 128) and the MLP's hidden layer (256 samples, 1024 -> 1024).
 _DENSE_SHAPES = ((2048, 128, 512), (2048, 512, 128), (256, 1024, 1024))
-_PAIR_FLOPS = sum(2 * 2 * rows * inner * cols for rows, inner, cols in _DENSE_SHAPES)
+_FORWARD_FLOPS = sum(2 * rows * inner * cols for rows, inner, cols in _DENSE_SHAPES)
+_PAIR_FLOPS = 2 * _FORWARD_FLOPS
 
 
 def _dense_operands(tf):
@@ -229,6 +235,31 @@ def _dense_operands(tf):
                      for rows, inner, cols in _DENSE_SHAPES)  # fmt: skip
 
     return make
+
+
+def _dense_forward(*layers):
+    """The Dense layers' forward products one after the other, as a model's forward runs
+    them: the transformer's feed-forward up and down, then the MLP's hidden layer on an
+    input of its own. One product at a time: independent products would run side by
+    side on the runtime's inter-op threads, and one device with one thread per op
+    measured 322 GFLOP/s as three of them, its 2 cores' rate."""
+    import tensorflow as tf
+
+    (x, up, _), (_, down, _), (inputs, weight, _) = layers
+    hidden = x @ up @ down
+    with tf.control_dependencies([hidden]):
+        return [hidden, inputs @ weight]
+
+
+def _dense_forward_rate(tf, places):
+    """FLOP/s of the Dense layers' forward products (`_DENSE_SHAPES`) on every device of
+    `places` at once, all of them together. It replaced a chain a @ b @ b^T @ b of
+    [512, 512] x [512, 2048] products, which measured 152 GFLOP/s where the same shapes,
+    each product with operands of its own, ran at 198-200 and a grid of shapes (rows
+    128-8192, inner and columns 128-2048) at 167-221: that chain was what ran slow, and
+    every rate measured against it (attention's share, the pools) with it."""
+    seconds = _side_by_side(tf, places, _dense_operands(tf), _dense_forward)
+    return len(places) * _FORWARD_FLOPS / seconds
 
 
 def _gradient_pairs(*layers):
@@ -250,11 +281,9 @@ _BATCH, _POSITIONS, _HEADS, _HEAD_SIZE = 32, 64, 4, 32
 def attention_share(tf, places):
     """The rate of attention's per-head products as Keras's MultiHeadAttention runs them
     (its two einsums, scores and context, at the zoo's transformer's sizes) with their
-    gradients, over the rate of the [512, 512] x [512, 2048] matmuls on the same devices,
+    gradients, over the rate of the Dense layers' forward products on the same devices,
     measured one after the other (a share the machine's load leaves alike)."""
-    big = 3 * 2 * 512 * 512 * 2048 / _side_by_side(
-        tf, places, lambda: (tf.random.normal((512, 512)), tf.random.normal((512, 2048))),
-        _chained_matmuls)  # fmt: skip
+    big = _dense_forward_rate(tf, places) / len(places)
     shape = (_BATCH, _POSITIONS, _HEADS, _HEAD_SIZE)
 
     def forward_and_backward(query, key, value):
@@ -286,10 +315,11 @@ def layer_norm_share(tf, places):
 
     adds = _adds_bandwidth(tf, places)
     shape = (_BATCH, _POSITIONS, _HEADS * _HEAD_SIZE)
-    layers = [_on(tf, d, keras.layers.LayerNormalization) for d in places]
 
     def make():
-        return tf.random.normal(shape), tf.random.normal(shape)
+        layer, x = keras.layers.LayerNormalization(), tf.random.normal(shape)
+        layer(x)  # built outside the timed functions
+        return layer, x, tf.random.normal(shape)
 
     def forward_and_backward(layer, x, upstream):
         with tf.GradientTape() as tape:
@@ -297,22 +327,12 @@ def layer_norm_share(tf, places):
             y = layer(x)
         return tape.gradient(y, [x, *layer.trainable_weights], output_gradients=upstream)
 
-    operands = [_on(tf, d, make) for d in places]
-    for layer, (x, _) in zip(layers, operands):
-        layer(x)  # build
-
-    def run():
-        outputs = []
-        for d, layer, (x, upstream) in zip(places, layers, operands):
-            with tf.device(d):
-                outputs.append(forward_and_backward(layer, x, upstream))
-        return outputs
-
-    function = tf.function(run)
-    graph = function.get_concrete_function().graph
+    seconds = _side_by_side(tf, places, make, forward_and_backward)
+    one = _on(tf, places[0], make)
+    graph = tf.function(lambda: forward_and_backward(*one)).get_concrete_function().graph
     walker = traffic._TrafficWalker(flops_module._LayerTree(None), set(), {})
-    moved = sum(op.moved_bytes for op in walker.walk(graph, "", 1))
-    rate = moved / _best(function)
+    moved = len(places) * sum(op.moved_bytes for op in walker.walk(graph, "", 1))
+    rate = moved / seconds
     return {"layer_norm_bandwidth": rate, "memory_bandwidth": adds,
             "elementwise_speedup": rate / adds}  # fmt: skip
 
@@ -323,16 +343,68 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
         "--only",
-        default="matmul,memory,gradient_pairs,attention,layer_norm,collective,overhead",
+        default=",".join(PARTS),
+        help="comma-separated parts to measure (default: all)",
     )
     parser.add_argument("--runs", type=int, default=3, help="fresh runs; each number's median")
+    parser.add_argument(
+        "--write", action="store_true",
+        help="store the result in the \"cpu\" device's calibration file "
+        "(epl_trainer/core/plan/cpu_calibration.json), replacing what it measured",
+    )  # fmt: skip
     args = parser.parse_args()
     chosen = args.only.split(",")
+    unknown = sorted(set(chosen) - set(PARTS))
+    if unknown:
+        parser.error(f"unknown --only parts {unknown}; known: {','.join(PARTS)}")
+    if args.write:
+        check_writable(chosen)
     runs = [calibrate_once(chosen) for _ in range(args.runs)]
     result = median_of(runs)
+    check_rates(result)
     result["measured"] = time.strftime("%Y-%m-%d")
     result["runs"] = args.runs
     print(json.dumps(result))
+    if args.write:
+        write_calibration(result)
+
+
+def check_rates(result):
+    """Every rate and share must be positive: a slope of 0 or less means the copies of
+    a body did not run one after the other (pruned, or the machine busier for one)."""
+    for key, value in result.items():
+        if not key.endswith(("flops", "bandwidth", "efficiency")):
+            continue
+        pairs = value if isinstance(value, list) else [[None, value]]
+        bad = [rate for _, rate in pairs if not rate > 0]
+        if bad:
+            sys.exit(f"{key} measured {bad}: not a rate; rerun on a quiet machine")
+
+
+def check_writable(chosen):
+    """A calibration file describes one machine: a part of a calibration may replace its
+    values only on the CPU the rest was measured on."""
+    from epl_trainer.core.plan import devices
+
+    stale = devices.stale_cpu_calibration()
+    if stale and set(chosen) != set(PARTS):
+        sys.exit(f"--write with --only {','.join(chosen)}: {stale}. Calibrate every part "
+                 "here (no --only) so that no rate of the other machine stays.")  # fmt: skip
+
+
+def write_calibration(result):
+    """Replace the file's values with `result`'s, keep the rest, and record this CPU."""
+    from epl_trainer.core.plan import devices
+
+    with open(devices.CPU_CALIBRATION_FILE) as f:
+        stored = json.load(f)
+    stored.update(result, machine=devices.this_cpu())
+    text = ",\n".join(f" {json.dumps(key)}: {json.dumps(value)}" for key, value in stored.items())
+    temporary = devices.CPU_CALIBRATION_FILE + ".tmp"
+    with open(temporary, "w") as f:
+        f.write("{\n" + text + "\n}\n")
+    os.replace(temporary, devices.CPU_CALIBRATION_FILE)  # never a half-written file
+    print(f"wrote {devices.CPU_CALIBRATION_FILE}", file=sys.stderr)
 
 
 def _measured(arguments):

@@ -679,8 +679,16 @@ def _prediction_section(prediction: step_time.Prediction, device: devices.Device
         f"  peak memory {fmt(prediction.peak_memory_bytes)} "
         f"{'per process (shared by its devices)' if device.shares_compute else 'per device'}: "
         f"{fits}",
+        *_calibration_warning(device),
         "",
     ]
+
+
+def _calibration_warning(device: devices.DeviceSpec) -> list[str]:
+    """The "cpu" device's rates are one machine's: a line saying so where this is
+    another kind of CPU (its step times could be 2x off)."""
+    stale = devices.stale_cpu_calibration() if device.name == "cpu" else ""
+    return [f"  warning: {stale}"] if stale else []
 
 
 def _search_section(found: search.SearchResult) -> list[str]:

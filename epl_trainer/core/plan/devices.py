@@ -13,15 +13,21 @@ node's total divided over its devices' rings. Ring collectives send 2(N-1)/N of 
 (all-reduce) or (N-1)/N (reduce-scatter, all-gather) per device, and take 2(N-1) or N-1
 latency-bound steps.
 
-The "cpu" entry is this machine (logical CPU devices share its cores), calibrated by the
-microbenchmarks of `bench/plan_calibrate.py` and stored here with their date.
+The "cpu" entry is a machine of logical CPU devices sharing its cores: the rates the
+microbenchmarks of `bench/plan_calibrate.py` measured, which `--write` stores with their
+date and the CPU they ran on in `cpu_calibration.json` beside this file. A CPU of another
+kind runs at other rates (a Zen 5 core ran the zoo's transformer twice as fast as the
+core calibrated before it): recalibrate there before trusting the "cpu" step times.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
+import json
 import math
+import os
 
 __all__ = ["DEVICES", "DeviceSpec", "custom_device", "device_by_name", "sources_table"]
 
@@ -389,40 +395,51 @@ _add(
 
 # This machine (bench/plan_calibrate.py). Logical CPU devices share the cores: a
 # collective between them is a copy in the same memory, a host "transfer" is free.
-_CPU_MEASURED = {  # python bench/plan_calibrate.py: medians of 3 runs, a shared 2-core AMD EPYC
-    # The matmuls, attention's share and the layer normalisation recalibrated together
-    # (--only matmul,attention,layer_norm, the machine quiet; the run before: 164.7 GFLOP/s,
-    # pool 165 / 192 / 207, one thread 96.7, attention 0.336 / 0.324 / 0.290).
-    "matmul_flops": 156.4e9,
-    "memory_bandwidth": 28.69e9,
-    # The collectives as calibrated before (2026-11-29, --only collective; unchanged since).
-    "collective_bandwidth": 2.472e9,
-    "collective_latency_s": 398e-6,  # a whole 2-member all-reduce: 2 ring steps
-    # bytes sent per second relative to the all-reduce's
-    "collective_speed": {"reduce_scatter": 1.86, "all_gather": 1.24},
-    # (devices, seconds per layer for all of them, seconds per step), plain ops, each step
-    # timed on its own (not the fit call's copies of the weights: 133 / 224 / 494 us per
-    # layer with them)
-    "pool_overhead": ((1, 40.0e-6, 0.57e-3), (2, 89.5e-6, 1.01e-3), (4, 216.8e-6, 1.32e-3)),
-    # (devices, FLOP/s or bytes/s of all of them side by side)
-    "pool_matmul_flops": ((1, 156.4e9), (2, 191.8e9), (4, 208.8e9)),
-    "pool_memory_bandwidth": ((1, 28.69e9), (2, 27.51e9), (4, 39.35e9)),
-    # one device, one thread per op
-    "thread_matmul_flops": 92.76e9,
-    # a backward's input and weight gradients of the zoo's Dense layers side by side, one
-    # device with one thread per op (--only gradient_pairs)
-    "thread_pair_matmul_flops": 170.7e9,
-    "thread_memory_bandwidth": 27.70e9,
-    # attention's per-head products over the matmuls, on 1, 2 and 4 devices
-    "pool_batched_matmul_efficiency": ((1, 0.348), (2, 0.327), (4, 0.325)),
-    "batched_matmul_efficiency": 0.325,  # their median
-    # a layer normalisation's forward and backward, bytes per second on 1, 2 and 4
-    # devices side by side (medians of 3 runs, recalibrated on a quiet machine: the runs
-    # before, medians of 5, measured 33.6 / 50.6 / 61.2 GB/s, and the zoo transformer's
-    # LayerNormalization layers ran at 39-52 GB/s on one device timed alone)
-    "pool_layer_norm_bandwidth": ((1, 42.60e9), (2, 53.17e9), (4, 68.42e9)),
-    "measured": "2026-11-29, the trainer's threads per op",
-}
+CPU_CALIBRATION_FILE = os.path.join(os.path.dirname(__file__), "cpu_calibration.json")
+
+
+def read_cpu_calibration(path: str = CPU_CALIBRATION_FILE) -> dict:
+    """`bench/plan_calibrate.py --write`'s measurements: each rate, the pools' (devices,
+    rate) pairs as tuples, the date ("measured") and the CPU ("machine")."""
+
+    def frozen(value):
+        return tuple(frozen(v) for v in value) if isinstance(value, list) else value
+
+    with open(path) as f:
+        return {key: frozen(value) for key, value in json.load(f).items()}
+
+
+def this_cpu() -> dict:
+    """What kind of CPU this is: /proc/cpuinfo's model name, family and model on Linux
+    (the name alone does not tell an AMD EPYC's generations apart), `platform`'s
+    elsewhere; and its cores."""
+    import platform
+
+    fields = {}
+    with contextlib.suppress(OSError), open("/proc/cpuinfo") as f:
+        for line in f:
+            key, _, value = line.partition(":")
+            if not line.strip():
+                break  # the first processor's block describes them all
+            fields.setdefault(key.strip(), value.strip())
+    name = fields.get("model name") or platform.processor() or platform.machine()
+    if "cpu family" in fields:
+        name += f" (family {fields['cpu family']}, model {fields.get('model', '?')})"
+    return {"cpu": name, "cores": os.cpu_count()}
+
+
+def stale_cpu_calibration() -> str:
+    """Why the "cpu" entry may not describe this machine ('' when it does): its rates
+    were measured on another kind of CPU or core count."""
+    here, there = this_cpu(), _CPU_MEASURED["machine"]
+    if here == there:
+        return ""
+    return (f"the \"cpu\" device was calibrated on {there['cpu']} with {there['cores']} cores, "
+            f"this is {here['cpu']} with {here['cores']}: its step times describe that "
+            "machine (python bench/plan_calibrate.py --write recalibrates)")
+
+
+_CPU_MEASURED = read_cpu_calibration()
 _CALIBRATED = "bench/plan_calibrate.py"
 # A layer's elementwise ops against the adds of 2**22 float32, on as many devices.
 _CPU_ELEMENTWISE = tuple(
@@ -459,9 +476,10 @@ _add(
         batched_matmul_efficiency=_CPU_MEASURED["batched_matmul_efficiency"],
         elementwise_speedups=_CPU_ELEMENTWISE,
         sources={
-            "peak_flops": f"{_CALIBRATED}: float32 [512,512]x[512,2048] matmuls, all cores "
-            f"({_CPU_MEASURED['measured']}); no fast 16-bit matmul on this CPU, so the "
-            "same rate with AMP",
+            "peak_flops": f"{_CALIBRATED}: float32 forward products of the zoo's Dense layers "
+            "([2048,128]x[128,512], [2048,512]x[512,128], [256,1024]x[1024,1024]), all cores "
+            f"({_CPU_MEASURED['measured']}, {_CPU_MEASURED['machine']['cpu']}); the same "
+            "rate with AMP (TensorFlow's CPU matmuls in 16 bits are no faster)",
             "peak_flops_fp32": "the same measured float32 rate",
             "memory": f"{_CALIBRATED}: elementwise add of 2**22 float32; 16 GB assumed size",
             "matmul_efficiency": "1: the peak is itself a measured matmul rate",
@@ -469,7 +487,7 @@ _add(
             "memory_efficiency": "1: the bandwidth is itself a measured elementwise rate",
             "intra_node_efficiency": "1: the bandwidth is itself a measured all-reduce rate",
             "intra_node_bandwidth": f"{_CALIBRATED}: all-reduce of 16 kB and 16 MB between 2 "
-            "logical devices (slope; the calibration before this one's, --only collective)",
+            "logical devices (slope)",
             "latency_s": f"{_CALIBRATED}: the same all-reduces (intercept, over its 2 ring steps)",
             "collective_speed": f"{_CALIBRATED}: reduce-scatters and all-gathers of the same "
             "sizes: {reduce_scatter}x and {all_gather}x the all-reduce's bytes per second".format(
@@ -488,8 +506,8 @@ _add(
             "host_bandwidth": "the host is the same memory: a copy at memory_bandwidth",
             "shares_compute": "logical CPU devices share the process's cores and memory "
             "(docs/architecture.md)",
-            "pool_matmul_flops": f"{_CALIBRATED}: the matmuls on 1, 2 and 4 logical devices "
-            "side by side, one thread per op from 2 on: "
+            "pool_matmul_flops": f"{_CALIBRATED}: the Dense layers' products on 1, 2 and 4 "
+            "logical devices side by side, one thread per op from 2 on: "
             + " / ".join(f"{f / 1e9:.0f}" for _, f in _CPU_MEASURED["pool_matmul_flops"])
             + " GFLOP/s together",
             "pool_memory_bandwidth": f"{_CALIBRATED}: the adds on 1, 2 and 4 logical devices "
@@ -508,8 +526,8 @@ _add(
             + " GB/s, over the adds' (pool_memory_bandwidth): "
             + " / ".join(f"{v:.2f}" for _, v in _CPU_ELEMENTWISE)
             + " (a layer's ops read what the op before wrote, from the caches)",
-            "thread_matmul_flops": f"{_CALIBRATED}: the matmuls on one device with one thread "
-            f"per op: {_CPU_MEASURED['thread_matmul_flops'] / 1e9:.1f} GFLOP/s",
+            "thread_matmul_flops": f"{_CALIBRATED}: the Dense layers' products on one device "
+            f"with one thread per op: {_CPU_MEASURED['thread_matmul_flops'] / 1e9:.1f} GFLOP/s",
             "thread_pair_matmul_flops": f"{_CALIBRATED}: a backward's input and weight "
             "gradients (independent products) of the zoo's Dense layers ([2048,128]x[128,512], "
             "[2048,512]x[512,128], [256,1024]x[1024,1024]) on one device with one thread per "
