@@ -132,6 +132,7 @@ class RecomputedStage:
         values = dict(zip(staged.input_keys, flat))
         non_trainable = list(non_trainable_variables)
         losses: list = []
+        backwards: dict = {}  # segment index -> its backward's weight gradients, once built
         for part, recompute in zip(staged.stages, self.recomputed):
             t_idx, nt_idx = self._trainable_idx[part.index], self._non_trainable_idx[part.index]
             regather = None
@@ -144,7 +145,14 @@ class RecomputedStage:
             nt_values = [non_trainable[i] for i in nt_idx]
             if recompute:
                 outputs, new_state, part_losses = _recomputed_call(
-                    part.model, variables, nt_values, args, training, regather
+                    part.model,
+                    variables,
+                    nt_values,
+                    args,
+                    training,
+                    regather,
+                    backwards=backwards,
+                    index=part.index,
                 )
             else:
                 outputs, new_state, part_losses = _plain_call(
@@ -266,7 +274,9 @@ def _plain_call(model, variables, non_trainable, args, training):
     return tree.flatten(outputs), state, list(losses)
 
 
-def _recomputed_call(model, variables, non_trainable, args, training, regather=None):
+def _recomputed_call(
+    model, variables, non_trainable, args, training, regather=None, backwards=None, index=0
+):
     """One segment as a custom-gradient op whose backward reruns its forward.
 
     Float inputs and variable values are the op's differentiable arguments. Int inputs
@@ -283,6 +293,18 @@ def _recomputed_call(model, variables, non_trainable, args, training, regather=N
     parameters again instead of reading the op's inputs, so the forward's gathered
     values are freed after the forward; the gradients of the gathered values are the
     gradients of the op's variable inputs.
+
+    `backwards`: None, or a dict shared by the segments of one stage call, in which the
+    backward of segment `index` records its weight gradients; the recompute of segment
+    `index` waits for those of segment `index + 1` as well as for its upstream gradient.
+    Nothing else waits for weight gradients until the reduction after the whole
+    backward, so without that edge TensorFlow's executor follows the input-gradient
+    chain and defers ops such as the FFN's `BiasAddGrad`, the attention's weight matmuls
+    and the normalisations' sums, each of which holds an activation-sized gradient of a
+    recomputed segment: a 2-replica trace of the 4-layer transformer
+    (`bench/plan_accuracy.py` row 7) held three later segments' 2.1 MB FFN gradients
+    per replica while the first segment recomputed, until those ops ran after the
+    backward (docs/benchmarks.md#recompute-waits-for-the-weight-gradients-after-it).
     """
     if not any(_is_float(t.dtype) for t in model.outputs):
         return _plain_call(model, variables, non_trainable, args, training)  # no gradient
@@ -324,7 +346,9 @@ def _recomputed_call(model, variables, non_trainable, args, training, regather=N
             wanted = [
                 (i, tf.convert_to_tensor(dy)) for i, dy in enumerate(upstream) if dy is not None
             ]
-            dependency = None if tf.executing_eagerly() or not wanted else _after(wanted[0][1])
+            graph = not tf.executing_eagerly()
+            later = (backwards or {}).get(index + 1, []) if graph else []
+            dependency = _after(wanted[0][1], *later) if graph and wanted else None
             inputs = list(differentiable)
             if regather is not None:
                 inputs[count:] = regather(dependency)
@@ -333,12 +357,19 @@ def _recomputed_call(model, variables, non_trainable, args, training, regather=N
                 again, _, again_losses = run(inputs[:count], inputs[count:], dependency)
                 logits = [_logits_of(again[i]) for i in with_logits]
                 targets = [again[i] for i in float_out] + logits + again_losses
-            return tape.gradient(
+            gradients = tape.gradient(
                 [targets[i] for i, _ in wanted],
                 inputs,
                 output_gradients=[dy for _, dy in wanted],
                 unconnected_gradients=tf.UnconnectedGradients.ZERO,
             )
+            if backwards is not None and graph:
+                backwards[index] = [
+                    g.values if isinstance(g, tf.IndexedSlices) else g
+                    for g in gradients[count:]
+                    if g is not None
+                ]
+            return gradients
 
         logits = [_logits_of(flat[i]) for i in with_logits]
         return [flat[i] for i in float_out] + logits + losses, grad
@@ -358,18 +389,21 @@ def _logits_of(tensor):
     return getattr(tensor, "_keras_logits", None)
 
 
-def _after(upstream):
-    """A scalar 0 that depends on `upstream` (NaN if its first element is NaN).
+def _after(*tensors):
+    """A scalar 0 that exists only once every one of `tensors` does.
 
     Added to the recompute's inputs inside a tf.function, it keeps grappler from
     merging the recomputed ops with the identical forward ops (which would keep the
     forward activations alive) and keeps the runtime from recomputing before the
-    backward reaches the segment. The same device as tf.recompute_grad's; a data edge,
-    because XLA ignores control edges.
+    backward reaches the segment (the upstream gradient) and before the later segment's
+    weight gradients are done (`_recomputed_call`'s `backwards`). The same device as
+    tf.recompute_grad's; a data edge, because XLA ignores control edges. It reads one
+    element of each tensor, as a bool, so it is 0 whatever the values (NaN included):
+    the recompute's inputs are unchanged.
     """
-    first = tf.reduce_max(tf.reshape(upstream, [-1])[:1])
-    first = tf.cast(first, tf.bool)
-    return tf.where(tf.equal(first, first), 0.0, float("nan"))
+    firsts = [tf.cast(tf.reshape(t, [-1])[:1], tf.bool) for t in tensors]
+    first = tf.concat(firsts, 0) if len(firsts) > 1 else firsts[0]
+    return tf.where(tf.reduce_all(tf.equal(first, first)), 0.0, float("nan"))
 
 
 def _is_float(dtype) -> bool:
