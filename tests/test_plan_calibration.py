@@ -12,7 +12,7 @@ from epl_trainer.core.plan import devices
 from epl_trainer.runtime import plan_cli
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir, "bench"))
-import plan_calibrate  # noqa: E402
+import plan_calibrate
 
 
 def test_the_cpu_entry_is_the_calibration_file():

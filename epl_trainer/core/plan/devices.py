@@ -490,9 +490,8 @@ _add(
             "logical devices (slope)",
             "latency_s": f"{_CALIBRATED}: the same all-reduces (intercept, over its 2 ring steps)",
             "collective_speed": f"{_CALIBRATED}: reduce-scatters and all-gathers of the same "
-            "sizes: {reduce_scatter:.2f}x and {all_gather:.2f}x the all-reduce's bytes per second".format(
-                **_CPU_MEASURED["collective_speed"]
-            ),
+            "sizes: {reduce_scatter:.2f}x and {all_gather:.2f}x the all-reduce's bytes per "
+            "second".format(**_CPU_MEASURED["collective_speed"]),
             "layer_overhead_s": f"{_CALIBRATED}: EPLTrainer steps of Dense(8) stacks of 4 and "
             "36 layers (slope per layer), on 1 device, each step timed on its own (not the "
             "fit call's copies of every weight)",
