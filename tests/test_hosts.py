@@ -20,7 +20,7 @@ from test_elastic import BATCH, STEPS, _report, _run_alone, _steps_trained, _wei
 from test_fault_tolerance import check_resumed_at_step_4, uninterrupted  # noqa: F401 (fixture)
 from test_multiworker import check_short_last_batches
 from test_soak import RSS_SLACK_MIB, RSS_WARMUP_MIB, THREAD_SLACK
-from test_span_workers import _check_workers, _keras_reference
+from test_span_workers import TIMEOUT_AFTER_PAUSE, _check_workers, _keras_reference
 
 UNAVAILABLE = unavailable_reason()
 pytestmark = [
@@ -102,8 +102,11 @@ def test_an_unreachable_host_is_named_within_the_watchdog_bound(tmp_path, hosts,
     """Worker 1 (stage 1) pauses after step 2 while worker 0 waits in step 3's
     collectives; then its cable is unplugged, or its process frozen (SIGSTOP). Worker 0
     stops with a WorkerLostError naming worker 1 by address as unreachable (a merely
-    paused peer still answers and would be reported as stuck, after the timeout)."""
+    paused peer still answers and would be reported as stuck, after the timeout). From
+    the pause on both run with TIMEOUT_AFTER_PAUSE (the first step's tracing keeps
+    TIMEOUT)."""
     args = ["--steps", 50, "--timeout", TIMEOUT, "--pause_worker", 1, "--pause_at_step", 2]
+    args += ["--timeout_after_pause", TIMEOUT_AFTER_PAUSE]  # the watchdog polls every 2 s
     workers = start_workers(hosts, SPAN, tmp_path / "out", *args)
     survivor, victim = workers
     try:

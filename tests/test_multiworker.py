@@ -1,5 +1,6 @@
 """Real worker processes on 127.0.0.1 under epl-launch."""
 
+import functools
 import os
 import sys
 import time
@@ -22,6 +23,7 @@ def _launch(tmp_path, num_workers, devices_per_worker, *script_args):
     return run_launch(SCRIPT, tmp_path, num_workers, devices_per_worker, *script_args, timeout=200)
 
 
+@functools.cache  # the same weights for every test that asks for them (read only)
 def _single_process_weights(steps=3, global_batch=16, classes=3):
     model = train_dp.make_model(classes)
     trainer = epl.EPLTrainer(
@@ -35,12 +37,21 @@ def _single_process_weights(steps=3, global_batch=16, classes=3):
     return model.get_weights()
 
 
-def test_two_workers_end_with_identical_weights_equal_to_one_process(tmp_path):
-    """One device per worker (two per worker: the short-last-batch tests)."""
-    devices_per_worker = 1
-    result = _launch(tmp_path, 2, devices_per_worker)
+@pytest.fixture(scope="module")
+def evaluated_then_trained(tmp_path_factory):
+    """2 workers x 1 device that evaluate first (worker 1 on no data), then train 3 steps:
+    one job for the two tests below (evaluate changes no weight: the training must equal
+    one process's as it does without the evaluate)."""
+    tmp_path = tmp_path_factory.mktemp("evaluated_then_trained")
+    result = _launch(tmp_path, 2, 1, "--evaluate_first")
     assert result.returncode == 0, result.stdout + result.stderr
-    assert f"worker 0/2 devices={devices_per_worker}" in result.stdout
+    return tmp_path, result
+
+
+def test_two_workers_end_with_identical_weights_equal_to_one_process(evaluated_then_trained):
+    """One device per worker (two per worker: the short-last-batch tests)."""
+    tmp_path, result = evaluated_then_trained
+    assert "worker 0/2 devices=1" in result.stdout
     weights = [np.load(tmp_path / "out" / f"weights_{w}.npz") for w in range(2)]
     expected = _single_process_weights()
     for w in range(2):
@@ -48,6 +59,15 @@ def test_two_workers_end_with_identical_weights_equal_to_one_process(tmp_path):
             np.testing.assert_allclose(weights[w][f"arr_{i}"], value, atol=1e-5)
     for key in weights[0]:
         np.testing.assert_array_equal(weights[0][key], weights[1][key])
+
+
+def test_evaluate_where_one_worker_has_no_data_then_train(evaluated_then_trained):
+    """Regression: the metric all-reduce took a different instance key on a worker that
+    had built no program (its tf.function traced twice), and the job hung."""
+    tmp_path, _ = evaluated_then_trained
+    logs = "".join(p.read_text() for p in (tmp_path / "logs").rglob("worker_*.log"))
+    losses = [line.split("loss=")[1] for line in logs.splitlines() if "evaluate loss=" in line]
+    assert len(losses) == 2 and losses[0] == losses[1]  # both report the job-wide loss
 
 
 def test_a_failing_worker_stops_the_job_with_its_error(tmp_path):
@@ -108,19 +128,6 @@ def test_split_classifier_per_worker_with_data_parallelism_between_workers(tmp_p
     for w in range(2):
         for i, value in enumerate(expected):
             np.testing.assert_allclose(weights[w][f"arr_{i}"], value, atol=1e-5)
-
-
-def test_evaluate_where_one_worker_has_no_data_then_train(tmp_path):
-    """Regression: the metric all-reduce took a different instance key on a worker that
-    had built no program (its tf.function traced twice), and the job hung."""
-    result = _launch(tmp_path, 2, 1, "--evaluate_first")
-    assert result.returncode == 0, result.stdout + result.stderr
-    logs = "".join(p.read_text() for p in (tmp_path / "logs").rglob("worker_*.log"))
-    losses = [line.split("loss=")[1] for line in logs.splitlines() if "evaluate loss=" in line]
-    assert len(losses) == 2 and losses[0] == losses[1]  # both report the job-wide loss
-    weights = [np.load(tmp_path / "out" / f"weights_{w}.npz") for w in range(2)]
-    for key in weights[0]:
-        np.testing.assert_array_equal(weights[0][key], weights[1][key])
 
 
 @pytest.mark.parametrize(

@@ -5,6 +5,7 @@ weights every worker's Keras model holds after `fit`, the epoch loss, evaluate a
 predict.
 """
 
+import functools
 import json
 import os
 import signal
@@ -25,12 +26,15 @@ sys.path.insert(0, SCRIPTS)
 import train_span  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+# communication.timeout_seconds once a worker has paused (the fault tests; test_hosts.py)
+TIMEOUT_AFTER_PAUSE = 8
 
 
 def _launch(tmp_path, num_workers, devices_per_worker, *script_args):
     return run_launch(SCRIPT, tmp_path, num_workers, devices_per_worker, *script_args)
 
 
+@functools.cache  # the same reference for every test that asks for it (read only)
 def _keras_reference(optimizer="sgd", steps=3, clipnorm=None):
     """Plain Keras on one device: weights, loss, evaluate and predict."""
     model = train_span.make_model()
@@ -183,10 +187,15 @@ def test_workers_started_by_hand_save_a_checkpoint_that_restores_into_one_device
     ids=["in_a_step", "before_the_write_back", "before_predict"],
 )
 def test_kill_of_a_stage_worker_stops_the_other_with_the_named_error(tmp_path, pause):
+    """The first step (tracing) runs with a 20 s timeout; from the pause on, both workers
+    run with 8 s, so the watchdog polls every 2 s instead of 5 (the kill is seen sooner,
+    and 8 s still leaves the test ample time to kill the paused worker before a live peer
+    could be reported as stuck)."""
     timeout = 20
     ports, processes = start_workers_by_hand(
         SCRIPT, tmp_path / "out", "--steps", 50 if pause[0] == "--pause_at_step" else 3,
         "--timeout", timeout, "--pause_worker", 1, *pause,
+        "--timeout_after_pause", TIMEOUT_AFTER_PAUSE,
     )  # fmt: skip
     survivor, victim = processes
     try:

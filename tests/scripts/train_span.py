@@ -5,7 +5,8 @@ Usage:
   train_span.py OUTPUT_DIR [--stages 2|4] [--num_micro_batch M] [--optimizer sgd|adam]
                 [--schedule PreferBackward|PreferForward|...] [--virtual_stages V]
                 [--straddle] [--steps N]
-                [--recompute] [--clipnorm C] [--pause_worker W --pause_at_step N]
+                [--recompute] [--clipnorm C] [--timeout T]
+                [--pause_worker W --pause_at_step N [--timeout_after_pause T2]]
                 [--save_dir DIR] [--zero v0|v1|v2]
 Worker w writes OUTPUT_DIR/weights_<w>.npz (its Keras model's weights after fit) and
 OUTPUT_DIR/result_<w>.json (losses, evaluate and predict results).
@@ -16,6 +17,10 @@ OUTPUT_DIR/result_<w>.json (losses, evaluate and predict results).
               after step N and sleeps (a test kills it).
   --pause_worker W --pause_in epoch_end|predict: the same at the end of the last epoch
               (before fit's last write-back to the Keras model), or before predict.
+  --timeout_after_pause T2: from that point on, every worker's trainer runs with
+              communication.timeout_seconds=T2 (the first step, whose tracing the
+              timeout also bounds, keeps T); the watchdog polls every T2/4 then, so a
+              fault after the pause is seen sooner.
 """
 
 import argparse
@@ -87,6 +92,7 @@ def main():
     parser.add_argument("--pause_worker", type=int, default=-1)
     parser.add_argument("--pause_at_step", type=int, default=-1)
     parser.add_argument("--pause_in", choices=["step", "epoch_end", "predict"], default="step")
+    parser.add_argument("--timeout_after_pause", type=float, default=0.0)
     parser.add_argument("--offload", action="store_true", help="offload.level v0")
     args = parser.parse_args()
     config = {
@@ -119,7 +125,13 @@ def main():
     print(trainer.plan.summary(), flush=True)
 
     def pause_if(where: str) -> None:
-        if worker == args.pause_worker and args.pause_in == where:
+        if args.pause_in != where:
+            return
+        if args.timeout_after_pause:  # every worker: the watchdog reads it at each phase
+            trainer.config = trainer.config.replace(
+                {"communication.timeout_seconds": args.timeout_after_pause}
+            )
+        if worker == args.pause_worker:
             with open(os.path.join(args.output_dir, f"paused_{worker}"), "w") as f:
                 f.write(str(os.getpid()))
             time.sleep(3600)
