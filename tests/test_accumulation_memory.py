@@ -20,9 +20,9 @@ temporaries, not the gradients a step holds.
 import keras
 import numpy as np
 import pytest
+from _memory import median_step_peak
 
 import epl_trainer as epl
-from epl_trainer.training.memory import allocator_memory, reset_peak_memory
 
 WIDTH, LAYERS, ROWS = 1024, 4, 4  # rows per micro-batch
 STAGES = {"dense_0|dense_1": 0, "dense_2|dense_3|head": 1}
@@ -59,13 +59,7 @@ def _step_peak(layout: dict, num_micro_batch: int, steps: int = 5) -> tuple[int,
     x = rng.normal(size=(batch, WIDTH)).astype("float32")
     y = rng.integers(0, 8, batch).astype("int32")
     trainer.train_on_batch(x, y)  # trace and build
-    peaks = []
-    for _ in range(steps):
-        reset_peak_memory()
-        base = allocator_memory()["current"]
-        trainer.train_on_batch(x, y)
-        peaks.append(allocator_memory()["peak"] - base)
-    return int(np.median(peaks)), _gradient_bytes(model)
+    return median_step_peak(trainer, x, y, steps), _gradient_bytes(model)
 
 
 @pytest.mark.slow

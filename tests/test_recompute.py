@@ -12,13 +12,13 @@ configuration in a fresh process: `python tests/test_recompute.py dense|transfor
 import concurrent.futures
 import json
 import os
-import subprocess
 import sys
 
 import keras
 import numpy as np
 import pytest
 import tensorflow as tf
+from _memory import run_fresh
 
 from epl_trainer.annotations import checkpoints as collection
 from epl_trainer.core.engine import gradient_check
@@ -512,15 +512,7 @@ def test_memory_and_time(kind):
     test: `python tests/test_recompute.py {dense,transformer} time` prints them."""
 
     def child(*args):
-        out = subprocess.run(
-            [sys.executable, __file__, kind, *args],
-            capture_output=True,
-            text=True,
-            timeout=600,
-            env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"},
-            check=True,
-        )
-        return json.loads(out.stdout.strip().splitlines()[-1])
+        return run_fresh(__file__, kind, *args)
 
     # Plain and recompute only: a keep_last peak would be a third fresh process for a number
     # nothing asserts (`python tests/test_recompute.py KIND memory keep_last` prints it).

@@ -22,11 +22,10 @@ step, the median of a few steps, in a fresh process with the threads the trainer
 """
 
 import json
-import os
-import subprocess
 import sys
 
 import pytest
+from _memory import median_step_peak, run_fresh
 
 WIDTH, FFN, LENGTH, ROWS = 128, 512, 64, 16  # ROWS per replica
 REPLICAS = 2
@@ -58,7 +57,6 @@ def _step_peak(blocks: int, steps: int = 5) -> int:
     import numpy as np
 
     import epl_trainer as epl
-    from epl_trainer.training.memory import allocator_memory, reset_peak_memory
 
     trainer = epl.EPLTrainer(
         _model(blocks),
@@ -72,19 +70,13 @@ def _step_peak(blocks: int, steps: int = 5) -> int:
     y = rng.integers(0, 8, ROWS * REPLICAS).astype("int32")
     trainer.train_on_batch(x, y)  # trace and build
     assert len(trainer.engine.recomputed[0].segments) >= blocks  # a segment per block
-    peaks = []
-    for _ in range(steps):
-        reset_peak_memory()
-        base = allocator_memory()["current"]
-        trainer.train_on_batch(x, y)
-        peaks.append(allocator_memory()["peak"] - base)
-    return int(np.median(peaks))
+    return median_step_peak(trainer, x, y, steps)
 
 
 @pytest.mark.slow
 @pytest.mark.onednn
 def test_checkpointed_data_parallel_peak_does_not_grow_by_a_segment_per_block():
-    few, many = _child_peak(2), _child_peak(6)
+    few, many = run_fresh(__file__, 2), run_fresh(__file__, 6)
     ffn_bytes = ROWS * LENGTH * FFN * 4  # one FFN activation (or its gradient), one replica
     print(
         f"\nstep peak {few / 1e6:.1f} MB (2 blocks), {many / 1e6:.1f} MB (6 blocks); "
@@ -94,18 +86,6 @@ def test_checkpointed_data_parallel_peak_does_not_grow_by_a_segment_per_block():
     # its FFN-sized gradients until after the backward, in both replicas (12.7-21.4 MB). Less
     # than one FFN activation per added block, counted once, separates the two.
     assert many - few < 4 * ffn_bytes
-
-
-def _child_peak(blocks: int) -> int:
-    out = subprocess.run(
-        [sys.executable, __file__, str(blocks)],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"},
-        check=True,
-    )
-    return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 if __name__ == "__main__":
