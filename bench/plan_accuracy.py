@@ -259,8 +259,21 @@ def _from_sizes(row):
     """The transformer's step time predicted from its sizes, and its error."""
     if "sizes_predicted_step_s" not in row:
         return ""
-    error = row["sizes_predicted_step_s"] / row["measured_step_s"] - 1
+    _, error = _errors(row, "sizes_")
     return f"{row['sizes_predicted_step_s'] * 1e3:.1f} ({error:+.0%})"
+
+
+def _errors(row, prefix=""):
+    """(peak error, step-time error) of a row's prediction (`prefix` "sizes_": the one
+    from the transformer's sizes)."""
+    return (row[f"{prefix}predicted_peak"] / row["measured_peak"] - 1,
+            row[f"{prefix}predicted_step_s"] / row["measured_step_s"] - 1)  # fmt: skip
+
+
+def _within(row, prefix=""):
+    """(peak within MEMORY_TOLERANCE, step time within TIME_TOLERANCE)."""
+    memory_error, time_error = _errors(row, prefix)
+    return abs(memory_error) <= MEMORY_TOLERANCE, abs(time_error) <= TIME_TOLERANCE
 
 
 def print_table(rows):
@@ -268,14 +281,13 @@ def print_table(rows):
               "step ms meas", "pred", "err", "from sizes", "load"]  # fmt: skip
     lines = [header]
     for index, (kind, row) in rows:
-        memory_error = row["predicted_peak"] / row["measured_peak"] - 1
-        time_error = row["predicted_step_s"] / row["measured_step_s"] - 1
+        (memory_error, time_error), (memory_ok, time_ok) = _errors(row), _within(row)
         lines.append([
             str(index), kind, row["layout"], str(row["devices"]),
             f"{row['measured_peak'] / 1e6:.1f}", f"{row['predicted_peak'] / 1e6:.1f}",
-            f"{memory_error:+.1%}" + ("" if abs(memory_error) <= MEMORY_TOLERANCE else " !"),
+            f"{memory_error:+.1%}" + ("" if memory_ok else " !"),
             f"{row['measured_step_s'] * 1e3:.1f}", f"{row['predicted_step_s'] * 1e3:.1f}",
-            f"{time_error:+.1%}" + ("" if abs(time_error) <= TIME_TOLERANCE else " !"),
+            f"{time_error:+.1%}" + ("" if time_ok else " !"),
             _from_sizes(row),
             f"{row['load_average']:.1f}" if "load_average" in row else "",
         ])  # fmt: skip
@@ -283,28 +295,19 @@ def print_table(rows):
     print("|" + "---|" * len(lines[0]))
     for line in lines[1:]:
         print("| " + " | ".join(line) + " |")
-    memory_ok = sum(abs(r["predicted_peak"] / r["measured_peak"] - 1) <= MEMORY_TOLERANCE
-                    for _, (_, r) in enumerate(x for _, x in rows))  # fmt: skip
-    time_ok = sum(abs(r["predicted_step_s"] / r["measured_step_s"] - 1) <= TIME_TOLERANCE
-                  for _, (_, r) in enumerate(x for _, x in rows))  # fmt: skip
-    both_ok = sum(abs(r["predicted_peak"] / r["measured_peak"] - 1) <= MEMORY_TOLERANCE
-                  and abs(r["predicted_step_s"] / r["measured_step_s"] - 1) <= TIME_TOLERANCE
-                  for _, (_, r) in rows)  # fmt: skip
+    within = [_within(row) for _, (_, row) in rows]
     print(
-        f"\nWithin {MEMORY_TOLERANCE:.0%} (peak): {memory_ok} of {len(rows)}; within "
-        f"{TIME_TOLERANCE:.0%} (step time): {time_ok} of {len(rows)}; both: {both_ok} "
-        "('!' marks a miss)."
+        f"\nWithin {MEMORY_TOLERANCE:.0%} (peak): {sum(m for m, _ in within)} of {len(rows)}; "
+        f"within {TIME_TOLERANCE:.0%} (step time): {sum(t for _, t in within)} of {len(rows)}; "
+        f"both: {sum(m and t for m, t in within)} ('!' marks a miss)."
     )
-    by_sizes = [r for _, (_, r) in rows if "sizes_predicted_peak" in r]
+    by_sizes = [_within(r, "sizes_") for _, (_, r) in rows if "sizes_predicted_peak" in r]
     if by_sizes:
-        memory_ok = sum(abs(r["sizes_predicted_peak"] / r["measured_peak"] - 1)
-                        <= MEMORY_TOLERANCE for r in by_sizes)  # fmt: skip
-        time_ok = sum(abs(r["sizes_predicted_step_s"] / r["measured_step_s"] - 1)
-                      <= TIME_TOLERANCE for r in by_sizes)  # fmt: skip
         print(
             f"The transformer's {len(by_sizes)} rows predicted from its sizes (epl-plan "
             f"--model transformer) instead: peak within {MEMORY_TOLERANCE:.0%} in "
-            f"{memory_ok}, step time within {TIME_TOLERANCE:.0%} in {time_ok}."
+            f"{sum(m for m, _ in by_sizes)}, step time within {TIME_TOLERANCE:.0%} in "
+            f"{sum(t for _, t in by_sizes)}."
         )
 
 
