@@ -11,14 +11,19 @@ to change to meet it; and what `search.search` picks for the same GPUs and batch
 
 Megatron-LM (Narayanan et al. 2021, arXiv 2104.04473, Table 1; the README's weak-scaling
 table): GPT, sequence 2048, vocabulary 51,200, A100-80GB DGX nodes (8 GPUs, NVLink, 8 HDR
-InfiniBand adapters), mixed precision with float32 master weights, activation
-recomputation, micro-batch 1 (the table gives the global batch only). The paper counts
+InfiniBand adapters), mixed precision with float32 master weights (`--fp16`), activation
+recomputation of every layer (`--checkpoint-activations`). The paper counts
 F = 96 B s l h^2 (1 + s / 6h + V / 16lh) FLOPs per step (recomputation included). Its
-ranks lay tensor groups innermost, then data-parallel, then pipeline stages; its
-gradient all-reduce follows the backward (no overlap). Its section 5.1: "we use the
-interleaved pipeline schedule with the scatter/gather optimization enabled"; the chunks
-per device are not published: the smallest v >= 2 that divides a device's layers (2, or
-3 where they are odd), and the 1F1B prediction (v = 1) in a column of its own.
+ranks lay tensor groups innermost, then data-parallel, then pipeline stages. Each row's
+layout is the one the authors ran: their scripts for the paper's figures and table
+(Megatron-LM's examples/sc21/run_table_1.sh, commit de7dc40f88 of 2021-08-10, in the
+nvcr.io pytorch:20.12 container) give each row's micro-batch size, its layers per
+interleaved chunk (`--num-layers-per-virtual-pipeline-stage`; where none is given, plain
+1F1B) and its data-parallel implementation: PyTorch's DDP (`--DDP-impl torch`, buckets
+all-reduced during the backward) for the rows without a pipeline, Megatron's own
+(`local`: one all-reduce after the backward) for the others. Pipeline sends use the
+scatter / gather optimization (on by default there). The 1F1B prediction of an
+interleaved row is in a column of its own.
 
 ZeRO (Rajbhandari et al. 2020, arXiv 1910.02054, section 10): a 100B-parameter GPT-2-like
 model (125 layers, hidden 8192, 64 heads, sequence 1024, vocabulary 50,257) on 400 V100s
@@ -43,24 +48,29 @@ from epl_trainer.core.plan import analytic, devices, search, step_time
 
 TOLERANCE = 0.15
 SEQUENCE, VOCAB = 2048, 51200
-# (parameters B, heads, hidden, layers, tensor, pipeline, GPUs, batch, TFLOP/s per GPU)
+# (parameters B, heads, hidden, layers, tensor, pipeline, GPUs, batch, TFLOP/s per GPU,
+#  then from run_table_1.sh: micro-batch size, layers per interleaved chunk (None: 1F1B),
+#  data-parallel implementation)
 MEGATRON = [
-    (1.7, 24, 2304, 24, 1, 1, 32, 512, 137),
-    (3.6, 32, 3072, 30, 2, 1, 64, 512, 138),
-    (7.5, 32, 4096, 36, 4, 1, 128, 512, 142),
-    (18.4, 48, 6144, 40, 8, 1, 256, 1024, 135),
-    (39.1, 64, 8192, 48, 8, 2, 512, 1536, 138),
-    (76.1, 80, 10240, 60, 8, 4, 1024, 1792, 140),
-    (145.6, 96, 12288, 80, 8, 8, 1536, 2304, 148),
-    (310.1, 128, 16384, 96, 8, 16, 1920, 2160, 155),
-    (529.6, 128, 20480, 105, 8, 35, 2520, 2520, 163),
-    (1008.0, 160, 25600, 128, 8, 64, 3072, 3072, 163),
+    (1.7, 24, 2304, 24, 1, 1, 32, 512, 137, 16, None, "torch"),
+    (3.6, 32, 3072, 30, 2, 1, 64, 512, 138, 16, None, "torch"),
+    (7.5, 32, 4096, 36, 4, 1, 128, 512, 142, 16, None, "torch"),
+    (18.4, 48, 6144, 40, 8, 1, 256, 1024, 135, 8, None, "torch"),
+    (39.1, 64, 8192, 48, 8, 2, 512, 1536, 138, 4, None, "local"),
+    (76.1, 80, 10240, 60, 8, 4, 1024, 1792, 140, 2, 5, "local"),
+    (145.6, 96, 12288, 80, 8, 8, 1536, 2304, 148, 2, 5, "local"),
+    (310.1, 128, 16384, 96, 8, 16, 1920, 2160, 155, 1, 3, "local"),
+    (529.6, 128, 20480, 105, 8, 35, 2520, 2520, 163, 1, 1, "local"),
+    (1008.0, 160, 25600, 128, 8, 64, 3072, 3072, 163, 1, None, "local"),
 ]
 ZERO_100B = {"layers": 125, "hidden": 8192, "heads": 64, "seq": 1024, "vocab": 50257,
              "tensor": 16, "replicas": 25, "replica_batch": 32, "tflops": 38}  # fmt: skip
 # What the search may choose for these rows: our engine's ZeRO levels without v0/v2 (the
-# published engines' choices are none and P_os+g), micro-batches of 1, 2 or 4.
-SPACE = search.SearchSpace(micro_batch_sizes=(1, 2, 4), zero=("", "v1"))
+# published engines' choices are none and P_os+g), the published runs' micro-batch sizes
+# and interleaved chunks per device.
+SPACE = search.SearchSpace(
+    micro_batch_sizes=(1, 2, 4, 8, 16), virtual_stages=(2, 3), zero=("", "v1")
+)
 
 
 def megatron_flops(batch, layers, hidden, seq=SEQUENCE, vocab=VOCAB):
@@ -76,20 +86,19 @@ def megatron_flops(batch, layers, hidden, seq=SEQUENCE, vocab=VOCAB):
 
 
 def row_case(row):
-    params, heads, hidden, layers, t, p, gpus, batch, published = row
+    params, heads, hidden, layers, t, p, gpus, batch, published, mbs, chunk, ddp = row
     model = analytic.transformer(
         layers, hidden, heads, VOCAB, SEQUENCE, activation="gelu_tanh", fused=True,
         name=f"GPT {params}B",
     )  # fmt: skip
     d = gpus // (t * p)
     layout = step_time.Layout(
-        data_parallel=d, tensor_parallel=t, pipeline_parallel=p, num_micro_batch=batch // d,
-        micro_batch_size=1, amp="master", gc=True, overlap_grad_reduce=False,
-        rank_order="tp,dp,pp",
+        data_parallel=d, tensor_parallel=t, pipeline_parallel=p,
+        num_micro_batch=batch // (d * mbs), micro_batch_size=mbs, amp="master", gc=True,
+        overlap_grad_reduce=ddp == "torch", rank_order="tp,dp,pp",
     )  # fmt: skip
-    if p > 1:  # section 5.1's interleaved schedule, the fewest chunks per device
-        per_device = layers // p
-        v = next(v for v in range(2, per_device + 1) if per_device % v == 0)
+    if chunk:  # --num-layers-per-virtual-pipeline-stage: interleaved, layers / p / chunk
+        v = layers // p // chunk
         layout = dataclasses.replace(layout, schedule="Interleaved1F1B", virtual_stages=v)
     flops = megatron_flops(batch, layers, hidden)
     return model, layout, devices.device_by_name("a100-80gb"), flops, published
@@ -167,7 +176,7 @@ def main():
             + (f" v {layout.virtual_stages}" if layout.virtual_stages > 1 else ""),
             f"{published}", f"{tflops:.0f}",
             f"{error:+.0%}" + ("" if abs(error) <= TOLERANCE else " !"),
-            "" if layout.pipeline_parallel == 1 else
+            "" if layout.virtual_stages == 1 else
             f"{plain_tflops:.0f} ({plain_tflops / published - 1:+.0%})",
             share, f"{efficiency:.2f} (table {device.matmul_efficiency:.2f})",
             f"{prediction.peak_memory_bytes / 1e9:.0f}",
@@ -175,7 +184,8 @@ def main():
         if not args.no_search:
             found = search.search(
                 model, device, layout.devices, layout.global_batch, SPACE, top=1,
-                amp="master", overlap_grad_reduce=False, rank_order="tp,dp,pp",
+                amp="master", overlap_grad_reduce=layout.overlap_grad_reduce,
+                rank_order="tp,dp,pp",
             )  # fmt: skip
             searches.append((index, model.name, prediction, found.best, flops))
             print(f"row {index} searched ({found.evaluated} predictions)", file=sys.stderr)
@@ -183,8 +193,8 @@ def main():
     _print(table)
     if searches:
         print("\nThe search on the same GPUs and batch (space: tp 1-8 within a node, any pipeline"
-              " depth, micro-batch 1/2/4, every schedule, zero none / v1, gc and offload as"
-              " needed):")  # fmt: skip
+              " depth, micro-batch 1-16, every schedule (2 or 3 interleaved chunks), zero none /"
+              " v1, gc and offload as needed):")  # fmt: skip
         rows = [["row", "published layout", "step s", "search's best", "step s", "speed-up",
                  "saved (share of the published step)"]]  # fmt: skip
         for index, _name, published, best, _flops in searches:
