@@ -2,7 +2,7 @@
 
 Usage: python bench/plan_published.py [--no_search] [--rows 1,10] [--ablations]
 
-Pure arithmetic (no TensorFlow, about three minutes with the searches). For each published
+Pure arithmetic (no TensorFlow, about five and a half minutes with the searches). For each published
 row: the model from its sizes (`analytic.transformer`, Megatron's fused elementwise
 kernels), the layout the authors used (`step_time.Layout`), the device from the one
 table of constants (`core/plan/devices.py`, printed first); the predicted throughput per
