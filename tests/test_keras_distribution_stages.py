@@ -23,7 +23,9 @@ from test_keras_distribution import (
     STEPS,
     _causal_lm,
     _causal_lm_data,
+    _causal_lm_reference,
     _devices,
+    _difference_from,
     _fit,
     _mesh,
     _mlp_pair,
@@ -124,9 +126,7 @@ def test_kerashub_llama_with_its_layout_map_trains_in_two_pipeline_stages_as_ker
     both stages (before, both were, and tied weights are not held in blocks)."""
     keras_hub = pytest.importorskip("keras_hub")
     x, y = _causal_lm_data()
-    reference = _causal_lm("llama")
-    reference.compile(optimizer=OPTIMIZERS["sgd"](), loss=LM_LOSS)
-    reference.fit(x, y, batch_size=8, shuffle=False, verbose=0)
+    reference = _causal_lm_reference("llama", optimizer="sgd")
     model = _causal_lm("llama")
     layout_map = keras_hub.models.LlamaBackbone.get_layout_map(_mesh((1, 2)))
     trainer = epl.EPLTrainer(
@@ -138,7 +138,7 @@ def test_kerashub_llama_with_its_layout_map_trains_in_two_pipeline_stages_as_ker
         config=PIPELINE,
     )
     trainer.fit(x, y, batch_size=8, shuffle=False, verbose=0)
-    assert max_weight_difference(reference, model) < ATOL
+    assert _difference_from(reference, model) < ATOL
     # 21,824 bytes a device on (1, 2) without stages: the reverse embedding's 4,096
     # (16 x 64 floats) move to stage 1's devices.
     placement = {_short(d): size for d, size in trainer.placement().items()}
@@ -149,9 +149,7 @@ def test_kerashub_llama_in_an_automatic_pipeline_over_its_layout_map_trains_as_k
     """The same with `auto.auto_parallel` and `pipeline.num_stages=2`, Adam."""
     keras_hub = pytest.importorskip("keras_hub")
     x, y = _causal_lm_data()
-    reference = _causal_lm("llama")
-    reference.compile(optimizer=OPTIMIZERS["adam"](), loss=LM_LOSS)
-    reference.fit(x, y, batch_size=8, shuffle=False, verbose=0)
+    reference = _causal_lm_reference("llama", optimizer="adam")
     model = _causal_lm("llama")
     layout_map = keras_hub.models.LlamaBackbone.get_layout_map(_mesh((1, 2)))
     trainer = epl.EPLTrainer(
@@ -162,7 +160,7 @@ def test_kerashub_llama_in_an_automatic_pipeline_over_its_layout_map_trains_as_k
         config={**PIPELINE, "auto.auto_parallel": True, "pipeline.num_stages": 2},
     )
     trainer.fit(x, y, batch_size=8, shuffle=False, verbose=0)
-    assert max_weight_difference(reference, model) < ATOL_ADAM
+    assert _difference_from(reference, model) < ATOL_ADAM
     assert set(trainer.placement().values()) == {17_728, 4_096}
 
 

@@ -6,6 +6,7 @@ micro-batch j of every replica is normalised together. Without it each replica
 normalises over its own rows, and training differs from one-device Keras.
 """
 
+import functools
 import os
 import sys
 
@@ -33,6 +34,23 @@ _data = train_sync_bn.make_data
 def _keras_fit(model, x, y, optimizer, batch=BATCH):
     model.compile(optimizer=optimizer, loss=SPARSE_CE)
     model.fit(x, y, batch_size=batch, epochs=1, verbose=0, shuffle=False)
+
+
+@functools.cache  # the same weights for every test that asks for them (read only)
+def _keras_weights():
+    """_bn_model() after one-device Keras `fit` on _data() with SGD(0.1): its weights,
+    moving statistics included."""
+    reference = _bn_model()
+    x, y = _data()
+    _keras_fit(reference, x, y, keras.optimizers.SGD(train_sync_bn.LEARNING_RATE))
+    return tuple(reference.get_weights())
+
+
+def _keras_sgd_reference():
+    """A fresh _bn_model() holding `_keras_weights()`."""
+    reference = _bn_model()
+    reference.set_weights(_keras_weights())
+    return reference
 
 
 def _epl_fit(model, x, y, optimizer, config, stages=None, batch=BATCH, **kwargs):
@@ -64,8 +82,12 @@ def test_two_replicas_equal_keras_on_one_device(optimizer):
     """Synchronized: equal to one-device Keras. The default normalises over each
     replica's rows, and differs (so the option is what changes the step)."""
     x, y = _data()
-    reference, model, unsynchronized = _bn_model(), _bn_model(), _bn_model()
-    _keras_fit(reference, x, y, OPTIMIZERS[optimizer]())
+    model, unsynchronized = _bn_model(), _bn_model()
+    if optimizer == "sgd":
+        reference = _keras_sgd_reference()
+    else:
+        reference = _bn_model()
+        _keras_fit(reference, x, y, OPTIMIZERS[optimizer]())
     _epl_fit(model, x, y, OPTIMIZERS[optimizer](), SYNC)
     assert max_weight_difference(reference, model) < ATOL
     assert _moving_difference(reference, model) < ATOL
@@ -109,8 +131,7 @@ def test_layer_argument_synchronizes_that_layer():
 )
 def test_memory_features_keep_keras_semantics(layout):
     x, y = _data()
-    reference, model = _bn_model(), _bn_model()
-    _keras_fit(reference, x, y, keras.optimizers.SGD(0.1))
+    reference, model = _keras_sgd_reference(), _bn_model()
     _epl_fit(model, x, y, keras.optimizers.SGD(0.1), {**SYNC, **layout})
     assert max_weight_difference(reference, model) < ATOL
     assert _moving_difference(reference, model) < ATOL
@@ -131,8 +152,7 @@ def test_rows_filling_an_odd_batch_do_not_count():
 @pytest.mark.combines("sync_batch_norm+steps_per_execution+data_parallel")
 def test_steps_per_execution():
     x, y = _data()
-    reference, model = _bn_model(), _bn_model()
-    _keras_fit(reference, x, y, keras.optimizers.SGD(0.1))
+    reference, model = _keras_sgd_reference(), _bn_model()
     _epl_fit(model, x, y, keras.optimizers.SGD(0.1), SYNC, steps_per_execution=3)
     assert max_weight_difference(reference, model) < ATOL
     assert _moving_difference(reference, model) < ATOL
@@ -181,8 +201,26 @@ def test_pipeline_normalises_over_the_replicas_of_each_stage():
     assert _moving_difference(reference, model) < ATOL
 
 
+MULTI_WORKER_LAYOUTS = ("data_parallel", "pipelines", "straddle")
+
+
+@pytest.fixture(scope="module")
+def multi_worker_job(tmp_path_factory):
+    """One job of 2 worker processes x 2 devices (epl-launch) that trains each layout of
+    tests/scripts/train_sync_bn.py in turn, a trainer each (one job, not one per layout:
+    the three took 25.5 s, most of it starting processes). Returns its output folder."""
+    tmp_path = tmp_path_factory.mktemp("sync_bn_workers")
+    script = os.path.join(SCRIPTS, "train_sync_bn.py")
+    layouts = ["--layout", *MULTI_WORKER_LAYOUTS]
+    result = run_launch(script, tmp_path, 2, 2, *layouts, timeout=300)
+    assert result.returncode == 0, result.stdout + result.stderr
+    for layout in MULTI_WORKER_LAYOUTS:
+        assert f"worker 0/2 {layout} devices=2" in result.stdout, result.stdout
+    return tmp_path / "out"
+
+
 @pytest.mark.slow
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(360)
 @pytest.mark.parametrize(
     "layout",
     [
@@ -201,23 +239,16 @@ def test_pipeline_normalises_over_the_replicas_of_each_stage():
         ),
     ],
 )
-def test_two_workers_of_two_devices_equal_keras_on_one_device(tmp_path, layout):
+def test_two_workers_of_two_devices_equal_keras_on_one_device(multi_worker_job, layout):
     """2 worker processes x 2 devices (epl-launch; layouts in tests/scripts/train_sync_bn.py).
     data_parallel: 4 replicas, statistics summed over the lanes of both workers.
     pipelines: a 2-stage replica per worker, each stage's statistics summed over the
     workers. straddle: 2 replicas that each span both workers, a worker computing one
     stage of each (it builds no collective of the stage it does not hold); before the
     lanes were emitted in lockstep this one hung."""
-    script = os.path.join(SCRIPTS, "train_sync_bn.py")
-    result = run_launch(script, tmp_path, 2, 2, "--layout", layout, timeout=200)
-    assert result.returncode == 0, result.stdout + result.stderr
-    assert "worker 0/2 devices=2" in result.stdout
-    reference = _bn_model()
-    x, y = _data()
-    _keras_fit(reference, x, y, keras.optimizers.SGD(train_sync_bn.LEARNING_RATE))
-    expected = reference.get_weights()  # moving statistics included
+    expected = _keras_weights()  # moving statistics included
     for w in range(2):
-        saved = np.load(tmp_path / "out" / f"weights_{w}.npz")
+        saved = np.load(multi_worker_job / f"{layout}_{w}.npz")
         for i, value in enumerate(expected):
             np.testing.assert_allclose(saved[f"arr_{i}"], value, atol=ATOL)
 
@@ -228,8 +259,7 @@ def test_mixed_precision_keeps_float32_statistics():
     float32 and they are summed over the replicas in float32; measured 6.6e-4 from
     float32 Keras on one device, 0.47 without synchronization."""
     x, y = _data()
-    reference = _bn_model()
-    _keras_fit(reference, x, y, keras.optimizers.SGD(0.1))
+    reference = _keras_sgd_reference()
     amp = {"amp.level": "O1", "amp.dtype": "float16", "amp.loss_scale": 128}
     differences = {}
     for synchronized in (True, False):

@@ -3,8 +3,9 @@ trained optimizer state, also where parts of it live only on other workers (ZeRO
 over the workers, pipeline stages on different workers: master_state.py's exchange).
 
 Run under `epl-launch`. Usage:
-  train_optimizer_state.py OUTPUT_DIR [--zero v1] [--stages 2]
-Worker w writes OUTPUT_DIR/optimizer_<w>.npz: its model optimizer's variables, in order.
+  train_optimizer_state.py OUTPUT_DIR RUN [RUN ...]
+RUNS names the runs, a trainer each, in turn in the same job. Worker w writes
+OUTPUT_DIR/optimizer_<run>_<w>.npz: its model optimizer's variables, in order.
 """
 
 import argparse
@@ -21,40 +22,44 @@ import train_span
 import epl_trainer as epl
 
 STEPS = 3
+# run -> (its config keys, its stage count): ZeRO v1 shards every slot over the two
+# workers; two stages put each stage's slots on one worker.
+RUNS = {
+    "zero_v1_over_workers": ({"zero.level": "v1"}, 1),
+    "stages_on_two_workers": ({"pipeline.num_micro_batch": 2}, 2),
+}
 
 
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("output_dir")
-    parser.add_argument("--zero", default="", help="zero.level")
-    parser.add_argument("--stages", type=int, default=1)
+    parser.add_argument("runs", nargs="+", choices=sorted(RUNS))
     args = parser.parse_args()
-    config = {"communication.timeout_seconds": 60.0}
-    if args.zero:
-        config["zero.level"] = args.zero
-    if args.stages > 1:
-        config["pipeline.num_micro_batch"] = 2
-    env = epl.init(config)
+    env = epl.init({"communication.timeout_seconds": 60.0})
     import keras
 
-    trainer = epl.EPLTrainer(
-        train_span.make_model(),
-        keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-        train_span.make_optimizer("adam"),
-        stages=train_span.STAGE_MAPS[args.stages],
-    )
-    x, y = train_span.make_data()
-    trainer.fit(
-        x,
-        y,
-        batch_size=train_span.GLOBAL_BATCH // trainer.data_shards,
-        steps_per_epoch=STEPS,
-        verbose=0,
-        shuffle=False,
-    )
     os.makedirs(args.output_dir, exist_ok=True)
-    values = [v.numpy() for v in trainer.model.optimizer.variables]
-    np.savez(os.path.join(args.output_dir, f"optimizer_{env.cluster.worker_index}.npz"), *values)
+    x, y = train_span.make_data()
+    for run in args.runs:
+        config, stages = RUNS[run]
+        trainer = epl.EPLTrainer(
+            train_span.make_model(),
+            keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+            train_span.make_optimizer("adam"),
+            stages=train_span.STAGE_MAPS[stages],
+            config=config,
+        )
+        trainer.fit(
+            x,
+            y,
+            batch_size=train_span.GLOBAL_BATCH // trainer.data_shards,
+            steps_per_epoch=STEPS,
+            verbose=0,
+            shuffle=False,
+        )
+        values = [v.numpy() for v in trainer.model.optimizer.variables]
+        name = f"optimizer_{run}_{env.cluster.worker_index}.npz"
+        np.savez(os.path.join(args.output_dir, name), *values)
 
 
 if __name__ == "__main__":

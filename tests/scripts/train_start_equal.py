@@ -4,10 +4,12 @@ Each worker seeds Keras with its own seed on purpose (what an unseeded job gets)
 its frozen BatchNormalization statistics (non-trainable state that the forward reads) its
 own random values, and moves its optimizer's step counter, then
 trains one short epoch of SGD. Usage:
-  train_start_equal.py OUTPUT_DIR [--mode dp|zero1|span|subclassed] [--steps N]
-Worker w writes OUTPUT_DIR/own_<w>.npz (its weights before the trainer ran),
-OUTPUT_DIR/start_<w>.npz (its Keras model's weights at the first step, after the engine
-was built), OUTPUT_DIR/weights_<w>.npz (after fit) and OUTPUT_DIR/result_<w>.json.
+  train_start_equal.py OUTPUT_DIR [--mode MODE [MODE ...]] [--steps N]
+Each mode is one trainer, in turn in the same job. Worker w writes, per mode,
+OUTPUT_DIR/<mode>/own_<w>.npz (its weights before the trainer ran),
+OUTPUT_DIR/<mode>/start_<w>.npz (its Keras model's weights at the first step, after the
+engine was built), OUTPUT_DIR/<mode>/weights_<w>.npz (after fit) and
+OUTPUT_DIR/<mode>/result_<w>.json (with what start_state.py logged for that trainer).
   dp:    data parallel, one replica per worker;
   zero1: the same with zero.level="v1";
   span:  a pipeline of 2 stages, stage 0 on worker 0 and stage 1 on worker 1;
@@ -91,31 +93,51 @@ def own_model(mode, seed, x):
     return make_subclassed(seed), twin.get_weights()
 
 
+class Messages(logging.Handler):
+    """The messages logged while it is attached."""
+
+    def __init__(self):
+        super().__init__()
+        self.messages = []
+
+    def emit(self, record):
+        self.messages.append(record.getMessage())
+
+
 def main():
     parser = argparse.ArgumentParser()
+    modes = ["dp", "zero1", "span", "subclassed"]
     parser.add_argument("output_dir")
-    parser.add_argument("--mode", default="dp", choices=["dp", "zero1", "span", "subclassed"])
+    parser.add_argument("--mode", nargs="+", default=["dp"], choices=modes)
     parser.add_argument("--steps", type=int, default=3)
     args = parser.parse_args()
     logging.basicConfig(format="%(name)s %(levelname)s: %(message)s")
-    logging.getLogger("epl_trainer.training.start_state").setLevel(logging.INFO)  # its checksum
-    config = {"zero.level": "v1"} if args.mode == "zero1" else {}
-    cluster = epl.init(config).cluster
-    worker = cluster.worker_index
+    start_log = logging.getLogger("epl_trainer.training.start_state")
+    start_log.setLevel(logging.INFO)  # its checksum
+    cluster = epl.init().cluster
+    for mode in args.mode:
+        messages = Messages()
+        start_log.addHandler(messages)
+        train(mode, cluster.worker_index, os.path.join(args.output_dir, mode), args.steps, messages)
+        start_log.removeHandler(messages)
+
+
+def train(mode, worker, output_dir, steps, messages):
     import keras
 
     x, y = make_data()
     # A different initialisation on every worker.
-    model, own = own_model(args.mode, seed=100 + worker, x=x)
+    model, own = own_model(mode, seed=100 + worker, x=x)
     optimizer = keras.optimizers.SGD(LEARNING_RATE)
     optimizer.iterations.assign(7 * worker)  # worker 0's counter (0) must win
-    os.makedirs(args.output_dir, exist_ok=True)
-    np.savez(os.path.join(args.output_dir, f"own_{worker}.npz"), *own)
+    os.makedirs(output_dir, exist_ok=True)
+    np.savez(os.path.join(output_dir, f"own_{worker}.npz"), *own)
     trainer = epl.EPLTrainer(
         model,
         keras.losses.SparseCategoricalCrossentropy(from_logits=True),
         optimizer,
-        stages=STAGES if args.mode == "span" else None,
+        stages=STAGES if mode == "span" else None,
+        config={"zero.level": "v1"} if mode == "zero1" else None,
     )
 
     class SaveStart(keras.callbacks.Callback):
@@ -123,7 +145,7 @@ def main():
 
         def on_train_batch_begin(self, batch, logs=None):
             if batch == 0:
-                path = os.path.join(args.output_dir, f"start_{worker}.npz")
+                path = os.path.join(output_dir, f"start_{worker}.npz")
                 np.savez(path, *model.get_weights())
 
     # Workers of one replica (span) read the same batches; otherwise each reads its share.
@@ -133,20 +155,21 @@ def main():
         y,
         batch_size=per_worker,
         epochs=1,
-        steps_per_epoch=args.steps,
+        steps_per_epoch=steps,
         callbacks=[SaveStart()],
         verbose=0,
         shuffle=False,
     )
-    np.savez(os.path.join(args.output_dir, f"weights_{worker}.npz"), *model.get_weights())
+    np.savez(os.path.join(output_dir, f"weights_{worker}.npz"), *model.get_weights())
     result = {
         "loss": history.history["loss"][-1],
         "iterations": int(optimizer.iterations.numpy()),
         "data_shards": trainer.data_shards,
+        "start_state_log": messages.messages,
     }
-    with open(os.path.join(args.output_dir, f"result_{worker}.json"), "w") as f:
+    with open(os.path.join(output_dir, f"result_{worker}.json"), "w") as f:
         json.dump(result, f)
-    print(f"worker {worker} done loss={result['loss']:.6f}", flush=True)
+    print(f"worker {worker} {mode} done loss={result['loss']:.6f}", flush=True)
 
 
 if __name__ == "__main__":

@@ -2,8 +2,9 @@
 `batch_norm.synchronized=True`, saves its weights and moving statistics.
 
 Run under `epl-launch` (TF_CONFIG set). Usage:
-  train_sync_bn.py OUTPUT_DIR [--layout data_parallel|pipelines|straddle]
-Worker w writes OUTPUT_DIR/weights_<w>.npz (the model's `get_weights()`). On 2 workers x 2
+  train_sync_bn.py OUTPUT_DIR [--layout LAYOUT [LAYOUT ...]]
+Each layout (data_parallel, pipelines, straddle) is one trainer, in turn in the same job;
+worker w writes OUTPUT_DIR/<layout>_<w>.npz (the model's `get_weights()`). On 2 workers x 2
 devices:
   data_parallel: 4 replicas of the whole model (each layer's group spans both workers);
   pipelines: two stages; worker w holds replica w (stage k on its device k): each
@@ -63,31 +64,35 @@ def make_model(seed=7, synchronized=False):
 
 def main():
     parser = argparse.ArgumentParser()
-    parser.add_argument("output_dir")
     parser.add_argument(
-        "--layout", default="data_parallel", choices=["data_parallel", "pipelines", "straddle"]
+        "--layout",
+        nargs="+",
+        default=["data_parallel"],
+        choices=["data_parallel", "pipelines", "straddle"],
     )
+    parser.add_argument("output_dir")
     args = parser.parse_args()
-    config = {"batch_norm.synchronized": True}
-    if args.layout == "straddle":
-        config["cluster.device_place_prefer_intra_node"] = False
-    cluster = epl.init(config).cluster
+    cluster = epl.init({"batch_norm.synchronized": True}).cluster
     import keras
 
-    trainer = epl.EPLTrainer(
-        make_model(),
-        keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-        keras.optimizers.SGD(LEARNING_RATE),
-        stages=None if args.layout == "data_parallel" else STAGES,
-    )
-    x, y = make_data()
-    batch = BATCH // trainer.data_shards  # workers computing the same replicas share a batch
-    trainer.fit(x, y, batch_size=batch, epochs=1, verbose=0, shuffle=False)
     os.makedirs(args.output_dir, exist_ok=True)
-    path = os.path.join(args.output_dir, f"weights_{cluster.worker_index}.npz")
-    np.savez(path, *trainer.model.get_weights())
-    print(f"worker {cluster.worker_index}/{cluster.worker_num} "
-          f"devices={len(cluster.local_devices)}", flush=True)  # fmt: skip
+    x, y = make_data()
+    for layout in args.layout:
+        # straddle's placement is its trainer's own config (as in train_modes.py).
+        config = {"cluster.device_place_prefer_intra_node": False} if layout == "straddle" else {}
+        trainer = epl.EPLTrainer(
+            make_model(),
+            keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+            keras.optimizers.SGD(LEARNING_RATE),
+            stages=None if layout == "data_parallel" else STAGES,
+            config=config,
+        )
+        batch = BATCH // trainer.data_shards  # workers computing the same replicas share one
+        trainer.fit(x, y, batch_size=batch, epochs=1, verbose=0, shuffle=False)
+        path = os.path.join(args.output_dir, f"{layout}_{cluster.worker_index}.npz")
+        np.savez(path, *trainer.model.get_weights())
+        print(f"worker {cluster.worker_index}/{cluster.worker_num} {layout} "
+              f"devices={len(cluster.local_devices)}", flush=True)  # fmt: skip
 
 
 if __name__ == "__main__":
