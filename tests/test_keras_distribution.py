@@ -379,18 +379,50 @@ def test_bad_meshes_and_strategies_are_named():
         epl.EPLTrainer(mlp(), LOSS, "sgd", strategy=object())
 
 
+# The 2-worker runs of tests/scripts/train_dp.py: name -> (its flags, replicas in the job).
+TWO_WORKER_RUNS = {
+    "keras_data_parallel": ("--keras_data_parallel", 4),
+    "keras_gathered": ("--keras_gathered", 2),
+    "keras_batch_blocks": ("--keras_batch_blocks --adam --checkpoint_dir {checkpoint}", 2),
+    "keras_gathered_own_step": ("--keras_gathered --own_step", 2),
+}
+
+
+@pytest.fixture(scope="module")
+def two_worker_job(tmp_path_factory):
+    """One job of 2 worker processes x 2 devices (epl-launch) that trains each run of
+    TWO_WORKER_RUNS in turn, a trainer each with its flags' config (one job, not one per
+    run: the four took 22.6 s, most of it starting processes; one takes 7.2 s). Returns
+    its folder: the runs' weights in out/<name>/, the checkpoint in checkpoint/."""
+    import os
+
+    from _launch import SCRIPTS, run_launch
+
+    tmp_path = tmp_path_factory.mktemp("keras_distribution_workers")
+    checkpoint = tmp_path / "checkpoint"
+    runs = [
+        f"--run={name}={flags.format(checkpoint=checkpoint)}"
+        for name, (flags, _) in TWO_WORKER_RUNS.items()
+    ]
+    result = run_launch(os.path.join(SCRIPTS, "train_dp.py"), tmp_path, 2, 2, *runs, timeout=300)
+    assert result.returncode == 0, result.stdout + result.stderr
+    for name, (_, replicas) in TWO_WORKER_RUNS.items():
+        assert f"[{name}] worker 0/2 devices=2 replicas={replicas}" in result.stdout
+    return tmp_path
+
+
 @pytest.mark.slow
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(360)
 @pytest.mark.parametrize(
-    "flag, replicas, make_model, make_data",
+    "run, make_model, make_data",
     [
-        ("--keras_data_parallel", 4, "make_model", "make_data"),
-        ("--keras_gathered", 2, "make_embedding_model", "make_tied_data"),
-        ("--keras_batch_blocks", 2, "make_embedding_model", "make_tied_data"),
-        ("--keras_gathered --own_step", 2, "make_embedding_model", "make_tied_data"),
+        ("keras_data_parallel", "make_model", "make_data"),
+        ("keras_gathered", "make_embedding_model", "make_tied_data"),
+        ("keras_batch_blocks", "make_embedding_model", "make_tied_data"),
+        ("keras_gathered_own_step", "make_embedding_model", "make_tied_data"),
     ],
 )
-def test_two_workers_train_as_one_process(flag, replicas, make_model, make_data, tmp_path):
+def test_two_workers_train_as_one_process(run, make_model, make_data, two_worker_job):
     """--keras_data_parallel: each worker's `DataParallel(devices=list_devices())` is its
     2 devices; the job's 4 lanes train as one process on the global batch.
     --keras_gathered: the job's (2, 2) mesh holds an embedding table and two kernels as
@@ -404,31 +436,25 @@ def test_two_workers_train_as_one_process(flag, replicas, make_model, make_data,
     process's data parallelism it gives the same weights and Adam slots.
     --own_step: --keras_gathered's run of a model with its own train_step, which reads the
     halves gathered on use (user_steps.py); the replicas' sums of the halves' gradients
-    cross the processes."""
-    import os
+    cross the processes. (The runs train in turn in one job: two_worker_job.)"""
     import sys
 
-    from _launch import SCRIPTS, run_launch
+    from _launch import SCRIPTS
 
     sys.path.insert(0, SCRIPTS)
     import train_dp
 
-    script = os.path.join(SCRIPTS, "train_dp.py")
-    blocks = flag == "--keras_batch_blocks"
-    checkpoint = str(tmp_path / "checkpoint")
-    flags = [flag, "--adam", "--checkpoint_dir", checkpoint] if blocks else flag.split()
-    result = run_launch(script, tmp_path, 2, 2, *flags, timeout=200)
-    assert result.returncode == 0, result.stdout + result.stderr
-    assert f"worker 0/2 devices=2 replicas={replicas}" in result.stdout
+    blocks = run == "keras_batch_blocks"
+    checkpoint = str(two_worker_job / "checkpoint")
     model = getattr(train_dp, make_model)()
-    if "--own_step" in flag:
+    if "--own_step" in TWO_WORKER_RUNS[run][0]:
         model = train_dp.with_own_step(model)
     optimizer = keras.optimizers.Adam(0.01) if blocks else keras.optimizers.SGD(0.1)
     trainer = epl.EPLTrainer(model, LOSS, optimizer)
     x, y = getattr(train_dp, make_data)()
     trainer.fit(x, y, batch_size=16, steps_per_epoch=3, verbose=0, shuffle=False)
     for worker in range(2):
-        saved = np.load(tmp_path / "out" / f"weights_{worker}.npz")
+        saved = np.load(two_worker_job / "out" / run / f"weights_{worker}.npz")
         for i, value in enumerate(model.get_weights()):
             np.testing.assert_allclose(saved[f"arr_{i}"], value, atol=1e-5)
     if blocks:

@@ -37,22 +37,61 @@ def _single_process_weights(steps=3, global_batch=16, classes=3):
     return model.get_weights()
 
 
-@pytest.fixture(scope="module")
-def evaluated_then_trained(tmp_path_factory):
-    """2 workers x 1 device that evaluate first (worker 1 on no data), then train 3 steps:
-    one job for the two tests below (evaluate changes no weight: the training must equal
-    one process's as it does without the evaluate)."""
-    tmp_path = tmp_path_factory.mktemp("evaluated_then_trained")
-    result = _launch(tmp_path, 2, 1, "--evaluate_first")
+def _job(tmp_path_factory, devices_per_worker, runs):
+    """One job of 2 workers x `devices_per_worker` devices that trains each of `runs`
+    (name -> train_dp.py flags) in turn, a trainer each with its flags' config (one job,
+    not one per run: starting the processes is most of a run's time). Returns its folder."""
+    tmp_path = tmp_path_factory.mktemp("runs")
+    args = [f"--run={name}={flags}" for name, flags in runs.items()]
+    result = run_launch(SCRIPT, tmp_path, 2, devices_per_worker, *args, timeout=300)
     assert result.returncode == 0, result.stdout + result.stderr
-    return tmp_path, result
+    for name in runs:
+        assert f"[{name}] worker 0/2 devices={devices_per_worker}" in result.stdout
+    return tmp_path
 
 
-def test_two_workers_end_with_identical_weights_equal_to_one_process(evaluated_then_trained):
-    """One device per worker (two per worker: the short-last-batch tests)."""
-    tmp_path, result = evaluated_then_trained
-    assert "worker 0/2 devices=1" in result.stdout
-    weights = [np.load(tmp_path / "out" / f"weights_{w}.npz") for w in range(2)]
+def _run(job, name):
+    """A run of `job`: (its output folder, the lines its workers printed, what
+    epl_trainer logged on its workers while it ran)."""
+    logs = "".join(p.read_text() for p in (job / "logs").rglob("worker_*.log"))
+    lines = "".join(f"{line}\n" for line in logs.splitlines() if f"[{name}] " in line)
+    messages = "".join(p.read_text() for p in (job / "out" / name).glob("messages_*.txt"))
+    return job / "out" / name, lines, messages
+
+
+# Evaluated first, so that its worker 1 has built no program when it evaluates.
+ONE_DEVICE_RUNS = {
+    "evaluated_then_trained": "--evaluate_first",
+    "uneven_1": "--uneven --steps_per_execution 1",
+    "uneven_3": "--uneven --steps_per_execution 3",
+}
+TWO_DEVICE_RUNS = {
+    "two_stages": "--two_stages --num_micro_batch 2",
+    "tied": "--tied --num_micro_batch 2",
+    "split": "--split",
+    "short_last": "--short_last --steps_per_execution 2",
+    "short_last_v2": "--short_last --steps_per_execution 2 --zero v2",
+}
+
+
+@pytest.fixture(scope="module")
+def one_device_job(tmp_path_factory):
+    """ONE_DEVICE_RUNS in one job of 2 workers x 1 device (the three took 15.0 s, one 7.1 s)."""
+    return _job(tmp_path_factory, 1, ONE_DEVICE_RUNS)
+
+
+@pytest.fixture(scope="module")
+def two_device_job(tmp_path_factory):
+    """TWO_DEVICE_RUNS in one job of 2 workers x 2 devices (the five took 27.4 s, one 8.5 s)."""
+    return _job(tmp_path_factory, 2, TWO_DEVICE_RUNS)
+
+
+@pytest.mark.timeout(360)
+def test_two_workers_end_with_identical_weights_equal_to_one_process(one_device_job):
+    """One device per worker (two per worker: the short-last-batch tests); evaluate
+    first, which changes no weight."""
+    out, _, _ = _run(one_device_job, "evaluated_then_trained")
+    weights = [np.load(out / f"weights_{w}.npz") for w in range(2)]
     expected = _single_process_weights()
     for w in range(2):
         for i, value in enumerate(expected):
@@ -61,12 +100,12 @@ def test_two_workers_end_with_identical_weights_equal_to_one_process(evaluated_t
         np.testing.assert_array_equal(weights[0][key], weights[1][key])
 
 
-def test_evaluate_where_one_worker_has_no_data_then_train(evaluated_then_trained):
+@pytest.mark.timeout(360)
+def test_evaluate_where_one_worker_has_no_data_then_train(one_device_job):
     """Regression: the metric all-reduce took a different instance key on a worker that
     had built no program (its tf.function traced twice), and the job hung."""
-    tmp_path, _ = evaluated_then_trained
-    logs = "".join(p.read_text() for p in (tmp_path / "logs").rglob("worker_*.log"))
-    losses = [line.split("loss=")[1] for line in logs.splitlines() if "evaluate loss=" in line]
+    _, lines, _ = _run(one_device_job, "evaluated_then_trained")
+    losses = [line.split("loss=")[1] for line in lines.splitlines() if "evaluate loss=" in line]
     assert len(losses) == 2 and losses[0] == losses[1]  # both report the job-wide loss
 
 
@@ -80,23 +119,23 @@ def test_a_failing_worker_stops_the_job_with_its_error(tmp_path):
     assert elapsed < 60
 
 
-def test_two_stages_per_worker_with_data_parallelism_between_workers(tmp_path):
-    result = _launch(tmp_path, 2, 2, "--two_stages", "--num_micro_batch", "2")
-    assert result.returncode == 0, result.stdout + result.stderr
-    weights = [np.load(tmp_path / "out" / f"weights_{w}.npz") for w in range(2)]
+@pytest.mark.timeout(360)
+def test_two_stages_per_worker_with_data_parallelism_between_workers(two_device_job):
+    out, _, _ = _run(two_device_job, "two_stages")
+    weights = [np.load(out / f"weights_{w}.npz") for w in range(2)]
     for w in range(2):
         for i, value in enumerate(_single_process_weights()):
             np.testing.assert_allclose(weights[w][f"arr_{i}"], value, atol=1e-5)
 
 
+@pytest.mark.timeout(360)
 @pytest.mark.combines("tied_weights+pipeline+multi_worker")
-def test_a_tied_weight_in_two_stages_per_worker_with_data_parallelism(tmp_path):
+def test_a_tied_weight_in_two_stages_per_worker_with_data_parallelism(two_device_job):
     """Each worker runs one 2-stage pipeline whose stages both use the embedding (tied
     logits): the lane sums the stages' gradients, the workers all-reduce the owner's, the
     copies follow. Both workers end at plain Keras `fit`'s weights on the global batch."""
-    result = _launch(tmp_path, 2, 2, "--tied", "--num_micro_batch", "2")
-    assert result.returncode == 0, result.stdout + result.stderr
-    weights = [np.load(tmp_path / "out" / f"weights_{w}.npz") for w in range(2)]
+    out, _, _ = _run(two_device_job, "tied")
+    weights = [np.load(out / f"weights_{w}.npz") for w in range(2)]
     model = train_dp.make_tied_model()
     model.compile(
         optimizer=keras.optimizers.SGD(0.1),
@@ -118,12 +157,12 @@ def test_a_tied_weight_in_a_replica_spanning_workers_is_refused_by_name(tmp_path
     assert "(stages 0, 1) with a replica's stages on several workers" in result.stderr
 
 
-def test_split_classifier_per_worker_with_data_parallelism_between_workers(tmp_path):
+@pytest.mark.timeout(360)
+def test_split_classifier_per_worker_with_data_parallelism_between_workers(two_device_job):
     """replicate(2) + split(2) on each worker: two replicas, one per worker; each shard's
     gradient is reduced across the workers."""
-    result = _launch(tmp_path, 2, 2, "--split")
-    assert result.returncode == 0, result.stdout + result.stderr
-    weights = [np.load(tmp_path / "out" / f"weights_{w}.npz") for w in range(2)]
+    out, _, _ = _run(two_device_job, "split")
+    weights = [np.load(out / f"weights_{w}.npz") for w in range(2)]
     expected = _single_process_weights(classes=4)
     for w in range(2):
         for i, value in enumerate(expected):
@@ -134,19 +173,20 @@ def test_split_classifier_per_worker_with_data_parallelism_between_workers(tmp_p
     "steps_per_execution",
     [1, pytest.param(3, marks=pytest.mark.combines("steps_per_execution+multi_worker"))],
 )
-def test_a_worker_that_runs_out_first_ends_the_epoch_everywhere(tmp_path, steps_per_execution):
+@pytest.mark.timeout(360)
+def test_a_worker_that_runs_out_first_ends_the_epoch_everywhere(
+    one_device_job, steps_per_execution
+):
     """Worker 1 has 2 batches, worker 0 has 4: both stop after 2 steps (a warning names
     worker 1) instead of worker 0 waiting in a collective for a partner that never comes.
     With 3 steps per call the workers agree inside the compiled loop: the call ends
     after its second step everywhere."""
-    result = _launch(tmp_path, 2, 1, "--uneven", "--steps_per_execution", steps_per_execution)
-    assert result.returncode == 0, result.stdout + result.stderr
-    logs = "".join(p.read_text() for p in (tmp_path / "logs").rglob("worker_*.log"))
-    assert logs.count("steps=2") == 2, logs
-    assert "Worker(s) [1] ran out of data at step 2" in logs, logs
+    out, lines, messages = _run(one_device_job, f"uneven_{steps_per_execution}")
+    assert lines.count("steps=2") == 2, lines
+    assert "Worker(s) [1] ran out of data at step 2" in messages, messages
     expected = _single_process_weights(steps=2)
     for w in range(2):
-        weights = np.load(tmp_path / "out" / f"weights_{w}.npz")
+        weights = np.load(out / f"weights_{w}.npz")
         for i, value in enumerate(expected):
             np.testing.assert_allclose(weights[f"arr_{i}"], value, atol=1e-5)
 
@@ -156,7 +196,8 @@ def test_a_worker_that_runs_out_first_ends_the_epoch_everywhere(tmp_path, steps_
     ["", pytest.param("v2", marks=pytest.mark.combines("zero_v2+multi_worker+data_parallel"))],
 )
 @pytest.mark.combines("steps_per_execution+multi_worker+data_parallel")
-def test_a_worker_whose_last_batch_is_shorter_trains_with_its_peer(tmp_path, zero):
+@pytest.mark.timeout(360)
+def test_a_worker_whose_last_batch_is_shorter_trains_with_its_peer(two_device_job, zero):
     """1001 samples sharded over 2 workers, then batched by 167: worker 0's three batches
     are full, worker 1's last one has 166 rows. Its step no longer retraces alone (which
     gave its collectives other keys than its peer's, and the job hung until the watchdog
@@ -165,11 +206,8 @@ def test_a_worker_whose_last_batch_is_shorter_trains_with_its_peer(tmp_path, zer
     per call: the batches are taken and agreed on inside the compiled loop (one step per
     call, where each is agreed on before the call: test_hosts.py). With ZeRO v2 the
     parameters, sharded over both workers, are all-gathered inside the compiled loop."""
-    args = ["--short_last", "--steps_per_execution", 2, *(["--zero", zero] if zero else [])]
-    result = _launch(tmp_path, 2, 2, *args)
-    assert result.returncode == 0, result.stdout + result.stderr
-    logs = "".join(p.read_text() for p in (tmp_path / "logs").rglob("worker_*.log"))
-    check_short_last_batches(tmp_path / "out", logs)
+    out, lines, _ = _run(two_device_job, f"short_last_{zero}" if zero else "short_last")
+    check_short_last_batches(out, lines)
 
 
 def check_short_last_batches(out, logs):

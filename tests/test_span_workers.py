@@ -84,38 +84,49 @@ def test_two_stages_on_two_workers_equal_single_device_keras(tmp_path):
     _check_workers(tmp_path / "out", 2, _keras_reference("adam"))
 
 
-@pytest.mark.combines("gradient_checkpoint+pipeline+stages_across_workers")
-def test_one_four_stage_replica_over_two_workers_of_two_devices(tmp_path):
-    """Stages 0-1 on worker 0, 2-3 on worker 1, each with gradient checkpointing."""
-    result = _launch(
-        tmp_path,
-        2,
-        2,
-        "--stages",
-        "4",
-        "--optimizer",
-        "adam",
-        "--num_micro_batch",
-        "4",
-        "--recompute",
-    )
+# The runs of two_device_job: name -> train_span.py flags.
+TWO_DEVICE_RUNS = {
+    "four_stages": "--stages 4 --optimizer adam --num_micro_batch 4 --recompute",
+    "straddle": "--straddle --zero v1 --optimizer adam --clipnorm 0.05",
+    "zero_v2_sgd": "--zero v2 --optimizer sgd",
+    "zero_v2_adam": "--zero v2 --optimizer adam",
+    "zero_v2_adam_offload": "--zero v2 --optimizer adam --offload",
+}
+
+
+@pytest.fixture(scope="module")
+def two_device_job(tmp_path_factory):
+    """One job of 2 workers x 2 devices (epl-launch) that trains each of TWO_DEVICE_RUNS
+    in turn, a trainer each with its flags' config (one job, not one per run: the five
+    took 33.5 s, most of it starting processes). Returns its folder: run NAME's results
+    in out/NAME/."""
+    tmp_path = tmp_path_factory.mktemp("span_runs")
+    runs = [f"--run={name}={flags}" for name, flags in TWO_DEVICE_RUNS.items()]
+    result = run_launch(SCRIPT, tmp_path, 2, 2, *runs, timeout=400)
     assert result.returncode == 0, result.stdout + result.stderr
-    logs = "".join(p.read_text() for p in (tmp_path / "logs").rglob("worker_0.log"))
-    assert "w0:CPU:0" in logs and "w1:CPU:1" in logs, logs
-    _check_workers(tmp_path / "out", 2, _keras_reference("adam"))
+    return tmp_path
 
 
+@pytest.mark.timeout(480)
+@pytest.mark.combines("gradient_checkpoint+pipeline+stages_across_workers")
+def test_one_four_stage_replica_over_two_workers_of_two_devices(two_device_job):
+    """Stages 0-1 on worker 0, 2-3 on worker 1, each with gradient checkpointing."""
+    logs = "".join(p.read_text() for p in (two_device_job / "logs").rglob("worker_0.log"))
+    lines = [line for line in logs.splitlines() if line.startswith("[four_stages] ")]
+    assert any("w0:CPU:0" in line for line in lines), logs
+    assert any("w1:CPU:1" in line for line in lines), logs
+    _check_workers(two_device_job / "out" / "four_stages", 2, _keras_reference("adam"))
+
+
+@pytest.mark.timeout(480)
 @pytest.mark.combines("zero_v1+pipeline+stages_across_workers+data_parallel")
-def test_two_replicas_whose_stages_straddle_the_workers(tmp_path):
+def test_two_replicas_whose_stages_straddle_the_workers(two_device_job):
     """2 workers x 2 devices, --straddle: replica r = (stage 0 on w0:CPU:r, stage 1 on
     w1:CPU:r): data parallelism between replicas that each span both workers, with ZeRO
     v1 (each stage's Adam state sharded over its two replicas, on one worker) and
     global-norm clipping after the reduction (the norm sums both workers' stages)."""
-    result = _launch(
-        tmp_path, 2, 2, "--straddle", "--zero", "v1", "--optimizer", "adam", "--clipnorm", "0.05"
-    )
-    assert result.returncode == 0, result.stdout + result.stderr
-    _check_workers(tmp_path / "out", 2, _keras_reference("adam", clipnorm=0.05))
+    out = two_device_job / "out" / "straddle"
+    _check_workers(out, 2, _keras_reference("adam", clipnorm=0.05))
 
 
 @pytest.mark.combines("checkpoint+pipeline+stages_across_workers", "checkpoint+one_device")
@@ -221,22 +232,24 @@ def test_kill_of_a_stage_worker_stops_the_other_with_the_named_error(tmp_path, p
 
 
 @pytest.mark.parametrize(
-    ("optimizer", "extra"),
+    ("optimizer", "run"),
     [
-        ("sgd", []),
-        ("adam", []),
+        ("sgd", "zero_v2_sgd"),
+        ("adam", "zero_v2_adam"),
         pytest.param(
-            "adam", ["--offload"], marks=pytest.mark.combines("offload+pipeline+multi_worker")
+            "adam",
+            "zero_v2_adam_offload",
+            marks=pytest.mark.combines("offload+pipeline+multi_worker"),
         ),
     ],
 )
+@pytest.mark.timeout(480)
 @pytest.mark.combines("zero_v2+pipeline+multi_worker")
-def test_zero_v2_with_stage_groups_across_workers_equals_keras(tmp_path, optimizer, extra):
+def test_zero_v2_with_stage_groups_across_workers_equals_keras(two_device_job, optimizer, run):
     """2 workers x 2 devices, 2 stages: replica w on worker w, so each stage's group has
     a member on each worker. ZeRO v2 holds each parameter only as pieces spread over both
     workers: every read (each lane's forward, evaluate, predict, the write-back, the
     checkpoint) is an all-gather across them. Equal to Keras (before: refused). With
     offload, the pieces and their optimizer state live on each worker's host."""
-    result = _launch(tmp_path, 2, 2, "--zero", "v2", "--optimizer", optimizer, *extra)
-    assert result.returncode == 0, result.stdout + result.stderr
-    _check_workers(tmp_path / "out", 2, _keras_reference(optimizer), data_shards=2)
+    out = two_device_job / "out" / run
+    _check_workers(out, 2, _keras_reference(optimizer), data_shards=2)

@@ -1,12 +1,19 @@
 """Worker script for multi-worker tests: trains a small model, saves its weights.
 
 Run under `epl-launch` (TF_CONFIG set) or alone (one worker). Usage:
-  train_dp.py OUTPUT_DIR [--steps N] [--fail_worker K] [--global_batch B]
+  train_dp.py OUTPUT_DIR [--steps N] [--fail_worker K] [--global_batch B] [...]
+  train_dp.py OUTPUT_DIR --run NAME=FLAGS [--run NAME=FLAGS ...]
 Worker w writes OUTPUT_DIR/weights_<w>.npz. With --fail_worker K, worker K raises
-after its first step.
+after its first step. Each --run is one trainer of its own FLAGS (the flags above,
+space-separated), trained in turn in the same job (one job, not one per run: starting
+the processes is most of a run's time): its flags' config (zero.level, ...; epl.init's
+for a single run) is that trainer's config; worker w writes OUTPUT_DIR/NAME/weights_<w>.npz
+and OUTPUT_DIR/NAME/messages_<w>.txt (what epl_trainer logged during the run), and its
+lines begin with [NAME].
 """
 
 import argparse
+import logging
 import os
 import sys
 
@@ -123,7 +130,18 @@ def batch_axis_layouts():
     return keras.distribution.ModelParallel(layout_map=layout_map)
 
 
-def main():
+class Messages(logging.Handler):
+    """The messages logged while it is attached."""
+
+    def __init__(self):
+        super().__init__()
+        self.messages = []
+
+    def emit(self, record):
+        self.messages.append(record.getMessage())
+
+
+def make_parser():
     parser = argparse.ArgumentParser()
     parser.add_argument("output_dir")
     parser.add_argument("--steps", type=int, default=3)
@@ -167,20 +185,26 @@ def main():
     parser.add_argument("--adam", action="store_true", help="Adam(0.01) instead of SGD(0.1)")
     parser.add_argument("--own_step", action="store_true", help="the model's own train_step")
     parser.add_argument("--checkpoint_dir", default="", help="save_checkpoint there at the end")
-    args = parser.parse_args()
-    env = epl.init(
-        {
-            "zero.level": args.zero,
-            "pipeline.num_micro_batch": args.num_micro_batch,
-            "cluster.colocate_split_and_replicate": args.split,
-            "io.auto_shard": "off",  # --uneven / --short_last build each worker's own batches
-            # A step that hangs fails within a minute (the test's bound), not 600 s.
-            **({"communication.timeout_seconds": 60} if args.short_last else {}),
-        }
-    )
+    return parser
+
+
+def run_config(args) -> dict:
+    """The config of a run's flags: epl.init's for a single run, else its trainer's."""
+    return {
+        "zero.level": args.zero,
+        "pipeline.num_micro_batch": args.num_micro_batch,
+        "cluster.colocate_split_and_replicate": args.split,
+        "io.auto_shard": "off",  # --uneven / --short_last build each worker's own batches
+        # A step that hangs fails within a minute (the test's bound), not 600 s.
+        **({"communication.timeout_seconds": 60} if args.short_last else {}),
+    }
+
+
+def train(args, cluster, output_dir, label="", config=None):
+    """Trains one run of `args` (a trainer of its own, with `config`) and saves its
+    weights in output_dir."""
     import keras
 
-    cluster = env.cluster
     if args.keras_gathered or args.keras_batch_blocks:
         model = make_embedding_model()
     elif args.tied:
@@ -195,6 +219,7 @@ def main():
         keras.optimizers.Adam(0.01) if args.adam else keras.optimizers.SGD(0.1),
         stages=TIED_STAGES if args.tied else STAGES if args.two_stages else None,
         steps_per_execution=args.steps_per_execution,
+        config=config,
         # One replica per worker: features replicate(n) and logits split(n) on its devices.
         strategy=(
             epl.Strategy(default=epl.replicate(len(cluster.local_devices)), split=["logits"])
@@ -218,7 +243,7 @@ def main():
         logs = trainer.evaluate(
             data.take(0) if cluster.worker_index == 1 else data, return_dict=True
         )
-        print(f"worker {cluster.worker_index} evaluate loss={logs['loss']:.6f}", flush=True)
+        print(f"{label}worker {cluster.worker_index} evaluate loss={logs['loss']:.6f}", flush=True)
 
     class FailAfterFirstStep(keras.callbacks.Callback):
         def on_train_batch_end(self, batch, logs=None):
@@ -236,14 +261,14 @@ def main():
             (np.stack(rows[:batches]), np.stack(labels[:batches]))
         )
         history = trainer.fit(data, epochs=1, verbose=0)
-        print(f"worker {cluster.worker_index} steps={int(trainer.optimizer.iterations)}")
+        print(f"{label}worker {cluster.worker_index} steps={int(trainer.optimizer.iterations)}")
     elif args.short_last:
         import tensorflow as tf
 
         x, y = make_data(SHORT_LAST_SAMPLES)
         data = tf.data.Dataset.from_tensor_slices((x, y)).shard(2, cluster.worker_index)
         history = trainer.fit(data.batch(SHORT_LAST_BATCH), epochs=1, verbose=0)
-        print(f"worker {cluster.worker_index} steps={int(trainer.optimizer.iterations)}")
+        print(f"{label}worker {cluster.worker_index} steps={int(trainer.optimizer.iterations)}")
     else:
         history = trainer.fit(
             x,
@@ -257,17 +282,58 @@ def main():
         )
     if args.checkpoint_dir:
         trainer.save_checkpoint(args.checkpoint_dir)
-    os.makedirs(args.output_dir, exist_ok=True)
+    os.makedirs(output_dir, exist_ok=True)
     np.savez(
-        os.path.join(args.output_dir, f"weights_{cluster.worker_index}.npz"),
+        os.path.join(output_dir, f"weights_{cluster.worker_index}.npz"),
         *trainer.model.get_weights(),
     )
     print(
-        f"worker {cluster.worker_index}/{cluster.worker_num} devices={len(cluster.local_devices)} "
+        f"{label}worker {cluster.worker_index}/{cluster.worker_num} "
+        f"devices={len(cluster.local_devices)} "
         f"replicas={trainer.plan.num_replicas} "
         f"loss={history.history['loss'][-1]:.6f}",
         flush=True,
     )
+    return trainer
+
+
+def main():
+    parser = make_parser()
+    parser.add_argument(
+        "--run",
+        action="append",
+        default=[],
+        metavar="NAME=FLAGS",
+        help="a run of its own FLAGS, into OUTPUT_DIR/NAME (repeat: the runs in turn)",
+    )
+    args = parser.parse_args()
+    if not args.run:
+        train(args, epl.init(run_config(args)).cluster, args.output_dir)
+        return
+    cluster = epl.init({"io.auto_shard": "off"}).cluster
+    log = logging.getLogger("epl_trainer")
+    defaults = run_config(parser.parse_args([args.output_dir]))
+    for run in args.run:
+        name, _, flags = run.partition("=")
+        own = parser.parse_args([args.output_dir, *flags.split()])
+        output_dir = os.path.join(args.output_dir, name)
+        messages = Messages()
+        log.addHandler(messages)
+        config = run_config(own)
+        try:
+            trainer = train(own, cluster, output_dir, f"[{name}] ", config=config)
+        finally:
+            log.removeHandler(messages)
+        for key, value in config.items():  # what the run asks for took effect in its trainer
+            section, field = key.split(".")
+            if (
+                value != defaults.get(key)
+                and getattr(getattr(trainer.config, section), field) != value
+            ):
+                raise RuntimeError(f"[{name}] the trainer's {key} is not {value!r}")
+        path = os.path.join(output_dir, f"messages_{cluster.worker_index}.txt")
+        with open(path, "w") as f:
+            f.write("".join(f"{message}\n" for message in messages.messages))
 
 
 if __name__ == "__main__":

@@ -21,6 +21,10 @@ OUTPUT_DIR/result_<w>.json (losses, evaluate and predict results).
               communication.timeout_seconds=T2 (the first step, whose tracing the
               timeout also bounds, keeps T); the watchdog polls every T2/4 then, so a
               fault after the pause is seen sooner.
+  --run NAME=FLAGS (repeat): each run of its own FLAGS (the flags above, space-separated)
+              is a trainer with its flags' config (epl.init's for a single run), in turn
+              in the same job (one job, not one per run: starting the processes is most
+              of a run's time); it writes OUTPUT_DIR/NAME/..., its lines begin with [NAME].
 """
 
 import argparse
@@ -74,7 +78,7 @@ def make_optimizer(name, clipnorm=None):
     return keras.optimizers.SGD(0.1, global_clipnorm=clipnorm)
 
 
-def main():
+def make_parser():
     parser = argparse.ArgumentParser()
     parser.add_argument("output_dir")
     parser.add_argument("--stages", type=int, default=2)
@@ -94,7 +98,11 @@ def main():
     parser.add_argument("--pause_in", choices=["step", "epoch_end", "predict"], default="step")
     parser.add_argument("--timeout_after_pause", type=float, default=0.0)
     parser.add_argument("--offload", action="store_true", help="offload.level v0")
-    args = parser.parse_args()
+    return parser
+
+
+def run_config(args) -> dict:
+    """The config of a run's flags: epl.init's for a single run, else its trainer's."""
     config = {
         "pipeline.num_micro_batch": args.num_micro_batch,
         "pipeline.strategy": args.schedule,
@@ -110,10 +118,14 @@ def main():
         config["gradient_checkpoint.type"] = "auto"
     if args.offload:
         config["offload.level"] = "v0"
-    env = epl.init(config)
+    return config
+
+
+def train(args, cluster, output_dir, label="", config=None):
+    """Trains, evaluates and predicts one run of `args` (a trainer of its own, with
+    `config`); writes its results in output_dir. Returns the trainer."""
     import keras
 
-    cluster = env.cluster
     worker = cluster.worker_index
     trainer = epl.EPLTrainer(
         make_model(),
@@ -121,8 +133,9 @@ def main():
         make_optimizer(args.optimizer, args.clipnorm),
         metrics=["accuracy"],
         stages=STAGE_MAPS[args.stages],
+        config=config,
     )
-    print(trainer.plan.summary(), flush=True)
+    print("".join(f"{label}{line}\n" for line in trainer.plan.summary().splitlines()), flush=True)
 
     def pause_if(where: str) -> None:
         if args.pause_in != where:
@@ -132,7 +145,7 @@ def main():
                 {"communication.timeout_seconds": args.timeout_after_pause}
             )
         if worker == args.pause_worker:
-            with open(os.path.join(args.output_dir, f"paused_{worker}"), "w") as f:
+            with open(os.path.join(output_dir, f"paused_{worker}"), "w") as f:
                 f.write(str(os.getpid()))
             time.sleep(3600)
 
@@ -144,7 +157,7 @@ def main():
         def on_epoch_end(self, epoch, logs=None):
             pause_if("epoch_end")
 
-    os.makedirs(args.output_dir, exist_ok=True)
+    os.makedirs(output_dir, exist_ok=True)
     x, y = make_data()
     history = trainer.fit(
         x,
@@ -163,8 +176,8 @@ def main():
     )
     pause_if("predict")
     predicted = trainer.predict(x[:8], batch_size=8)
-    np.savez(os.path.join(args.output_dir, f"weights_{worker}.npz"), *trainer.model.get_weights())
-    with open(os.path.join(args.output_dir, f"result_{worker}.json"), "w") as f:
+    np.savez(os.path.join(output_dir, f"weights_{worker}.npz"), *trainer.model.get_weights())
+    with open(os.path.join(output_dir, f"result_{worker}.json"), "w") as f:
         json.dump(
             {
                 "loss": history.history["loss"][-1],
@@ -174,9 +187,38 @@ def main():
             },
             f,
         )
-    print(
-        f"worker {worker}/{cluster.worker_num} loss={history.history['loss'][-1]:.6f}", flush=True
+    loss = history.history["loss"][-1]
+    print(f"{label}worker {worker}/{cluster.worker_num} loss={loss:.6f}", flush=True)
+    return trainer
+
+
+def main():
+    parser = make_parser()
+    parser.add_argument(
+        "--run",
+        action="append",
+        default=[],
+        metavar="NAME=FLAGS",
+        help="a run of its own FLAGS, into OUTPUT_DIR/NAME (repeat: the runs in turn)",
     )
+    args = parser.parse_args()
+    if not args.run:
+        train(args, epl.init(run_config(args)).cluster, args.output_dir)
+        return
+    cluster = epl.init().cluster
+    defaults = run_config(parser.parse_args([args.output_dir]))
+    for run in args.run:
+        name, _, flags = run.partition("=")
+        own = parser.parse_args([args.output_dir, *flags.split()])
+        config = run_config(own)
+        trainer = train(own, cluster, os.path.join(args.output_dir, name), f"[{name}] ", config)
+        for key, value in config.items():  # what the run asks for took effect in its trainer
+            section, field = key.split(".")
+            if (
+                value != defaults.get(key)
+                and getattr(getattr(trainer.config, section), field) != value
+            ):
+                raise RuntimeError(f"[{name}] the trainer's {key} is not {value!r}")
 
 
 if __name__ == "__main__":
