@@ -22,6 +22,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir, os.pardir)
 sys.path.insert(1, os.path.join(os.path.dirname(__file__), os.pardir))  # tests/: _models
 
 import numpy as np
+from _runs import Messages, add_run_argument, check_config_took_effect, runs
 
 import epl_trainer as epl
 
@@ -128,17 +129,6 @@ def batch_axis_layouts():
     layout_map["block/kernel"] = ("batch", "model")  # (8, 8): 4 x 4 per device
     layout_map["logits/kernel"] = ("model", None)
     return keras.distribution.ModelParallel(layout_map=layout_map)
-
-
-class Messages(logging.Handler):
-    """The messages logged while it is attached."""
-
-    def __init__(self):
-        super().__init__()
-        self.messages = []
-
-    def emit(self, record):
-        self.messages.append(record.getMessage())
 
 
 def make_parser():
@@ -299,13 +289,7 @@ def train(args, cluster, output_dir, label="", config=None):
 
 def main():
     parser = make_parser()
-    parser.add_argument(
-        "--run",
-        action="append",
-        default=[],
-        metavar="NAME=FLAGS",
-        help="a run of its own FLAGS, into OUTPUT_DIR/NAME (repeat: the runs in turn)",
-    )
+    add_run_argument(parser)
     args = parser.parse_args()
     if not args.run:
         train(args, epl.init(run_config(args)).cluster, args.output_dir)
@@ -313,10 +297,7 @@ def main():
     cluster = epl.init({"io.auto_shard": "off"}).cluster
     log = logging.getLogger("epl_trainer")
     defaults = run_config(parser.parse_args([args.output_dir]))
-    for run in args.run:
-        name, _, flags = run.partition("=")
-        own = parser.parse_args([args.output_dir, *flags.split()])
-        output_dir = os.path.join(args.output_dir, name)
+    for name, own, output_dir in runs(parser, args):
         messages = Messages()
         log.addHandler(messages)
         config = run_config(own)
@@ -324,13 +305,7 @@ def main():
             trainer = train(own, cluster, output_dir, f"[{name}] ", config=config)
         finally:
             log.removeHandler(messages)
-        for key, value in config.items():  # what the run asks for took effect in its trainer
-            section, field = key.split(".")
-            if (
-                value != defaults.get(key)
-                and getattr(getattr(trainer.config, section), field) != value
-            ):
-                raise RuntimeError(f"[{name}] the trainer's {key} is not {value!r}")
+        check_config_took_effect(name, config, defaults, trainer)
         path = os.path.join(output_dir, f"messages_{cluster.worker_index}.txt")
         with open(path, "w") as f:
             f.write("".join(f"{message}\n" for message in messages.messages))

@@ -37,6 +37,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir, os.pardir))
 
 import numpy as np
+from _runs import add_run_argument, check_config_took_effect, runs
 
 import epl_trainer as epl
 
@@ -194,31 +195,17 @@ def train(args, cluster, output_dir, label="", config=None):
 
 def main():
     parser = make_parser()
-    parser.add_argument(
-        "--run",
-        action="append",
-        default=[],
-        metavar="NAME=FLAGS",
-        help="a run of its own FLAGS, into OUTPUT_DIR/NAME (repeat: the runs in turn)",
-    )
+    add_run_argument(parser)
     args = parser.parse_args()
     if not args.run:
         train(args, epl.init(run_config(args)).cluster, args.output_dir)
         return
     cluster = epl.init().cluster
     defaults = run_config(parser.parse_args([args.output_dir]))
-    for run in args.run:
-        name, _, flags = run.partition("=")
-        own = parser.parse_args([args.output_dir, *flags.split()])
+    for name, own, output_dir in runs(parser, args):
         config = run_config(own)
-        trainer = train(own, cluster, os.path.join(args.output_dir, name), f"[{name}] ", config)
-        for key, value in config.items():  # what the run asks for took effect in its trainer
-            section, field = key.split(".")
-            if (
-                value != defaults.get(key)
-                and getattr(getattr(trainer.config, section), field) != value
-            ):
-                raise RuntimeError(f"[{name}] the trainer's {key} is not {value!r}")
+        trainer = train(own, cluster, output_dir, f"[{name}] ", config)
+        check_config_took_effect(name, config, defaults, trainer)
 
 
 if __name__ == "__main__":

@@ -27,6 +27,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir, os.pardir))
 
 import numpy as np
+from _runs import Messages
 
 import epl_trainer as epl
 
@@ -91,17 +92,6 @@ def own_model(mode, seed, x):
     twin = make_subclassed(seed)
     twin(x[:1])
     return make_subclassed(seed), twin.get_weights()
-
-
-class Messages(logging.Handler):
-    """The messages logged while it is attached."""
-
-    def __init__(self):
-        super().__init__()
-        self.messages = []
-
-    def emit(self, record):
-        self.messages.append(record.getMessage())
 
 
 def main():
