@@ -37,19 +37,19 @@ def _keras_fit(model, x, y, optimizer, batch=BATCH):
 
 
 @functools.cache  # the same weights for every test that asks for them (read only)
-def _keras_weights():
-    """_bn_model() after one-device Keras `fit` on _data() with SGD(0.1): its weights,
-    moving statistics included."""
+def _keras_weights(optimizer="sgd"):
+    """_bn_model() after one-device Keras `fit` on _data() with OPTIMIZERS[optimizer]
+    (SGD: train_sync_bn.py's rate, 0.1): its weights, moving statistics included."""
     reference = _bn_model()
     x, y = _data()
-    _keras_fit(reference, x, y, keras.optimizers.SGD(train_sync_bn.LEARNING_RATE))
+    _keras_fit(reference, x, y, OPTIMIZERS[optimizer]())
     return tuple(reference.get_weights())
 
 
-def _keras_sgd_reference():
-    """A fresh _bn_model() holding `_keras_weights()`."""
+def _keras_reference(optimizer="sgd"):
+    """A fresh _bn_model() holding `_keras_weights(optimizer)`."""
     reference = _bn_model()
-    reference.set_weights(_keras_weights())
+    reference.set_weights(_keras_weights(optimizer))
     return reference
 
 
@@ -70,7 +70,7 @@ def _moving_difference(a, b) -> float:
 
 
 OPTIMIZERS = {
-    "sgd": lambda: keras.optimizers.SGD(0.1),
+    "sgd": lambda: keras.optimizers.SGD(train_sync_bn.LEARNING_RATE),
     "adam": lambda: keras.optimizers.Adam(0.01),
 }
 SYNC = {"cluster.virtual_devices": 2, "batch_norm.synchronized": True}
@@ -82,12 +82,7 @@ def test_two_replicas_equal_keras_on_one_device(optimizer):
     """Synchronized: equal to one-device Keras. The default normalises over each
     replica's rows, and differs (so the option is what changes the step)."""
     x, y = _data()
-    model, unsynchronized = _bn_model(), _bn_model()
-    if optimizer == "sgd":
-        reference = _keras_sgd_reference()
-    else:
-        reference = _bn_model()
-        _keras_fit(reference, x, y, OPTIMIZERS[optimizer]())
+    reference, model, unsynchronized = _keras_reference(optimizer), _bn_model(), _bn_model()
     _epl_fit(model, x, y, OPTIMIZERS[optimizer](), SYNC)
     assert max_weight_difference(reference, model) < ATOL
     assert _moving_difference(reference, model) < ATOL
@@ -131,7 +126,7 @@ def test_layer_argument_synchronizes_that_layer():
 )
 def test_memory_features_keep_keras_semantics(layout):
     x, y = _data()
-    reference, model = _keras_sgd_reference(), _bn_model()
+    reference, model = _keras_reference(), _bn_model()
     _epl_fit(model, x, y, keras.optimizers.SGD(0.1), {**SYNC, **layout})
     assert max_weight_difference(reference, model) < ATOL
     assert _moving_difference(reference, model) < ATOL
@@ -152,7 +147,7 @@ def test_rows_filling_an_odd_batch_do_not_count():
 @pytest.mark.combines("sync_batch_norm+steps_per_execution+data_parallel")
 def test_steps_per_execution():
     x, y = _data()
-    reference, model = _keras_sgd_reference(), _bn_model()
+    reference, model = _keras_reference(), _bn_model()
     _epl_fit(model, x, y, keras.optimizers.SGD(0.1), SYNC, steps_per_execution=3)
     assert max_weight_difference(reference, model) < ATOL
     assert _moving_difference(reference, model) < ATOL
@@ -259,7 +254,7 @@ def test_mixed_precision_keeps_float32_statistics():
     float32 and they are summed over the replicas in float32; measured 6.6e-4 from
     float32 Keras on one device, 0.47 without synchronization."""
     x, y = _data()
-    reference = _keras_sgd_reference()
+    reference = _keras_reference()
     amp = {"amp.level": "O1", "amp.dtype": "float16", "amp.loss_scale": 128}
     differences = {}
     for synchronized in (True, False):
