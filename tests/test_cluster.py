@@ -208,3 +208,60 @@ def test_a_worker_whose_peer_never_starts_stops_naming_it():
         "worker 0 waited cluster.startup_timeout_seconds=4 for the job's workers to start; "
         f"worker 1 (127.0.0.1:{ports[1]}) never listened"
     ) in result.stderr
+
+
+def _two_worker_cluster():
+    from epl_trainer.runtime.cluster import Cluster
+
+    tasks = [f"/job:worker/replica:0/task:{w}" for w in range(2)]
+    return Cluster(
+        worker_num=2,
+        worker_index=0,
+        local_devices=(f"{tasks[0]}/device:CPU:0",),
+        devices_by_worker=tuple((f"{task}/device:CPU:0",) for task in tasks),
+        host_device=f"{tasks[0]}/device:CPU:0",
+        device_type="CPU",
+        addresses=("10.0.0.1:2222", "10.0.0.2:2222"),
+    )
+
+
+def test_a_peer_the_watchdog_found_unreachable_is_named_without_probing_it_again(monkeypatch):
+    """The watchdog probes the peer of a stalled step (5 s for a peer that does not answer)
+    and aborts the collectives; the error that abort raises names the peer from that probe.
+    Probing again cost every lost peer another 5 s before the job stopped (two-host tests:
+    ~15 s from a cut cable to the survivor's exit, where the poll and one probe take ~7)."""
+    import threading
+
+    import tensorflow as tf
+    from tensorflow.python.eager import context
+
+    from epl_trainer.runtime import watchdog as watchdog_lib
+    from epl_trainer.runtime.cluster import Cluster, WorkerLostError
+
+    cluster = _two_worker_cluster()
+    probes = []
+
+    def probe(self, probe_seconds=5.0):
+        probes.append(probe_seconds)
+        return {1: "DeadlineExceededError: the peer did not answer"}
+
+    aborted = threading.Event()
+
+    class Context:  # the collective executor's abort, without aborting this process's
+        def abort_collective_ops(self, code, message):
+            aborted.set()
+
+    monkeypatch.setattr(Cluster, "unreachable_workers", probe)
+    monkeypatch.setattr(context, "context", Context)
+    watchdog = watchdog_lib.CollectiveWatchdog(cluster, timeout_seconds=60, poll_seconds=0.05)
+    key = tuple(cluster.task_name(w) for w in range(2))
+    monkeypatch.setitem(watchdog_lib._watchdogs, key, watchdog)
+    try:
+        with pytest.raises(WorkerLostError) as raised, watchdog_lib.bounded(cluster, 60):
+            assert aborted.wait(10), "the watchdog never aborted the stalled step"
+            raise tf.errors.UnavailableError(None, None, watchdog.aborted)
+    finally:
+        watchdog.stop()
+    assert "peer worker(s) are unreachable: worker 1 (10.0.0.2:2222" in str(raised.value)
+    assert raised.value.workers == (1,)
+    assert len(probes) == 1, f"{len(probes)} probes of the lost peer"

@@ -18,7 +18,7 @@ import dataclasses
 import json
 import logging
 import os
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 
 import tensorflow as tf
 
@@ -343,19 +343,28 @@ _PEER_FAILURES = (
 
 
 @contextlib.contextmanager
-def detect_lost_workers(cluster: Cluster, timeout_seconds: float) -> Iterator[None]:
+def detect_lost_workers(
+    cluster: Cluster,
+    timeout_seconds: float,
+    found: Callable[[], Mapping[int, str]] | None = None,
+) -> Iterator[None]:
     """Turns a collective failure in a multi-worker job into a `WorkerLostError`.
 
     The error names each peer that no longer answers, so a user sees "worker 1
     (127.0.0.1:4321) is unreachable" instead of a bare DeadlineExceededError. Single-
     worker jobs, and errors other than peer failures, pass through unchanged.
+
+    `found`: the peers already found unreachable when the failure was raised (the
+    watchdog's probe, whose abort raised it): named without probing them again, which
+    would cost each of them the probe's 5 s before the job stops. Without such a finding
+    every peer is probed.
     """
     try:
         yield
     except _PEER_FAILURES as e:
         if cluster.worker_num == 1:
             raise
-        lost = cluster.unreachable_workers()
+        lost = dict(found() if found is not None else {}) or cluster.unreachable_workers()
         cause = _first_message_line(str(e))
         if lost:
             names = "; ".join(

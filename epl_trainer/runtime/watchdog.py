@@ -32,7 +32,7 @@ from collections.abc import Iterator
 
 import tensorflow as tf
 
-from epl_trainer.runtime.cluster import Cluster
+from epl_trainer.runtime.cluster import Cluster, detect_lost_workers
 
 logger = logging.getLogger(__name__)
 
@@ -57,6 +57,18 @@ def watchdog_for(cluster: Cluster, timeout_seconds: float) -> CollectiveWatchdog
         return watchdog
 
 
+@contextlib.contextmanager
+def bounded(cluster: Cluster, timeout_seconds: float, what: str = "a training step"):
+    """Bounds the collectives run inside the block by the process's watchdog, and turns
+    their failure into a `WorkerLostError` naming the lost peers
+    (`cluster.detect_lost_workers`): from the watchdog's own probe when its abort is what
+    failed them, so the job stops without probing each lost peer a second time."""
+    watchdog = watchdog_for(cluster, timeout_seconds)
+    found = watchdog.found_unreachable
+    with detect_lost_workers(cluster, timeout_seconds, found), watchdog.watch(what):
+        yield
+
+
 class CollectiveWatchdog:
     """Aborts this process's collectives when a watched phase stops making progress.
 
@@ -76,6 +88,7 @@ class CollectiveWatchdog:
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
         self.aborted: str | None = None  # why the collectives were aborted, once they were
+        self._lost: dict[int, str] = {}  # {worker: why} of the probe behind that abort
 
     @property
     def poll_seconds(self) -> float:
@@ -97,6 +110,12 @@ class CollectiveWatchdog:
         finally:
             with self._lock:
                 self._phase = None
+
+    def found_unreachable(self) -> dict[int, str]:
+        """The peers the probe behind this watchdog's abort found unreachable ({} before
+        an abort, or after one for a stuck peer): the error that the abort raises names
+        them from here (cluster.detect_lost_workers) instead of probing them again."""
+        return self._lost
 
     def stop(self) -> None:
         """Stops the thread (tests; the thread is a daemon and dies with the process)."""
@@ -129,21 +148,25 @@ class CollectiveWatchdog:
                 self._abort(*reason)
 
     def _check(self, what: str, elapsed: float):
-        """(error code, message) when the phase must be aborted, else None."""
+        """(error code, message, unreachable peers) when the phase must be aborted, else
+        None."""
         lost = self.cluster.unreachable_workers(_PROBE_SECONDS)
         if lost:
             names = ", ".join(f"worker {w}" for w in sorted(lost))
-            return tf.errors.UNAVAILABLE, f"epl watchdog: {names} unreachable during {what}"
+            message = f"epl watchdog: {names} unreachable during {what}"
+            return tf.errors.UNAVAILABLE, message, lost
         if elapsed > self.timeout_seconds:
-            return tf.errors.DEADLINE_EXCEEDED, (
+            message = (
                 f"epl watchdog: {what} made no progress for {elapsed:.0f} s "
                 f"(communication.timeout_seconds={self.timeout_seconds:g})"
             )
+            return tf.errors.DEADLINE_EXCEEDED, message, {}
         return None
 
-    def _abort(self, code: int, message: str) -> None:
+    def _abort(self, code: int, message: str, lost: dict[int, str]) -> None:
         from tensorflow.python.eager import context  # what MWMS's health check calls
 
         logger.error("%s; aborting this worker's collectives.", message)
+        self._lost = dict(lost)  # before the abort raises in the step
         self.aborted = message
         context.context().abort_collective_ops(code, message)

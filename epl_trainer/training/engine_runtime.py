@@ -17,8 +17,7 @@ import tensorflow as tf
 
 from epl_trainer.annotations import checkpoints
 from epl_trainer.core import engine
-from epl_trainer.runtime.cluster import detect_lost_workers
-from epl_trainer.runtime.watchdog import watchdog_for
+from epl_trainer.runtime.watchdog import bounded
 from epl_trainer.training import data as data_lib
 from epl_trainer.training import fit_inputs, model_setup, optimizers, start_state
 from epl_trainer.training.context import TrainerContext
@@ -137,10 +136,8 @@ class EngineRuntime:
     @contextlib.contextmanager
     def watch(self, what: str = "a training step"):
         """Bounds the collectives inside the block and names a lost peer if one failed."""
-        cluster = self._context.cluster
         timeout = self._context.config.communication.timeout_seconds
-        watchdog = watchdog_for(cluster, timeout)
-        with detect_lost_workers(cluster, timeout), watchdog.watch(what):
+        with bounded(self._context.cluster, timeout, what):
             yield
 
     def memory_report(self):
