@@ -265,3 +265,41 @@ def test_a_peer_the_watchdog_found_unreachable_is_named_without_probing_it_again
     assert "peer worker(s) are unreachable: worker 1 (10.0.0.2:2222" in str(raised.value)
     assert raised.value.workers == (1,)
     assert len(probes) == 1, f"{len(probes)} probes of the lost peer"
+
+
+def test_a_failure_during_the_watchdogs_probe_names_the_peers_that_probe_finds(monkeypatch):
+    """TF's coordination service may fail the step first ("tasks are unhealthy") while the
+    watchdog's probe of the silent peer is still waiting for an answer: the error waits for
+    that probe instead of starting another (two-host link cut: 14.6-14.7 s from the fault
+    to the survivor's exit with a second probe, where one takes ~9.6)."""
+    import threading
+
+    import tensorflow as tf
+
+    from epl_trainer.runtime import watchdog as watchdog_lib
+    from epl_trainer.runtime.cluster import Cluster, WorkerLostError
+
+    cluster = _two_worker_cluster()
+    probes, probing, answer = [], threading.Event(), threading.Event()
+
+    def probe(self, probe_seconds=5.0):
+        probes.append(probe_seconds)
+        probing.set()
+        answer.wait(10)  # the silent peer: the probe waits out its timeout
+        return {1: "DeadlineExceededError: the peer did not answer"}
+
+    monkeypatch.setattr(Cluster, "unreachable_workers", probe)
+    watchdog = watchdog_lib.CollectiveWatchdog(cluster, timeout_seconds=60, poll_seconds=0.05)
+    key = tuple(cluster.task_name(w) for w in range(2))
+    monkeypatch.setitem(watchdog_lib._watchdogs, key, watchdog)
+    threading.Timer(0.5, answer.set).start()
+    try:
+        with pytest.raises(WorkerLostError) as raised, watchdog_lib.bounded(cluster, 60):
+            assert probing.wait(10), "the watchdog never probed the stalled step's peer"
+            raise tf.errors.UnavailableError(None, None, "tasks are unhealthy")
+    finally:
+        answer.set()
+        watchdog.stop()
+    assert "peer worker(s) are unreachable: worker 1 (10.0.0.2:2222" in str(raised.value)
+    assert len(probes) == 1, f"{len(probes)} probes of the lost peer"
+    assert watchdog.aborted is None  # the phase had failed already: nothing left to abort

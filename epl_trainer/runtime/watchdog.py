@@ -61,8 +61,9 @@ def watchdog_for(cluster: Cluster, timeout_seconds: float) -> CollectiveWatchdog
 def bounded(cluster: Cluster, timeout_seconds: float, what: str = "a training step"):
     """Bounds the collectives run inside the block by the process's watchdog, and turns
     their failure into a `WorkerLostError` naming the lost peers
-    (`cluster.detect_lost_workers`): from the watchdog's own probe when its abort is what
-    failed them, so the job stops without probing each lost peer a second time."""
+    (`cluster.detect_lost_workers`): from the watchdog's own probe when one ran as they
+    failed (`CollectiveWatchdog.found_unreachable`), so the job stops without probing each
+    lost peer a second time."""
     watchdog = watchdog_for(cluster, timeout_seconds)
     found = watchdog.found_unreachable
     with detect_lost_workers(cluster, timeout_seconds, found), watchdog.watch(what):
@@ -89,6 +90,9 @@ class CollectiveWatchdog:
         self._stop = threading.Event()
         self.aborted: str | None = None  # why the collectives were aborted, once they were
         self._lost: dict[int, str] = {}  # {worker: why} of the probe behind that abort
+        self._probe_done = threading.Event()  # clear while a probe is in flight
+        self._probe_done.set()
+        self._probed: dict[int, str] = {}  # what the last probe found unreachable
 
     @property
     def poll_seconds(self) -> float:
@@ -112,10 +116,17 @@ class CollectiveWatchdog:
                 self._phase = None
 
     def found_unreachable(self) -> dict[int, str]:
-        """The peers the probe behind this watchdog's abort found unreachable ({} before
-        an abort, or after one for a stuck peer): the error that the abort raises names
-        them from here (cluster.detect_lost_workers) instead of probing them again."""
-        return self._lost
+        """The peers this watchdog found unreachable when a watched phase failed, for the
+        error to name them (cluster.detect_lost_workers) without probing them again: those
+        of the probe behind its abort, else, when something else failed the phase during a
+        probe (TF's coordination service also notices a silent peer), that probe's once it
+        ends. {} otherwise: the caller probes."""
+        if self._lost:
+            return self._lost
+        if self._probe_done.is_set():
+            return {}
+        self._probe_done.wait(_PROBE_SECONDS + 1)
+        return dict(self._probed)
 
     def stop(self) -> None:
         """Stops the thread (tests; the thread is a daemon and dies with the process)."""
@@ -150,7 +161,7 @@ class CollectiveWatchdog:
     def _check(self, what: str, elapsed: float):
         """(error code, message, unreachable peers) when the phase must be aborted, else
         None."""
-        lost = self.cluster.unreachable_workers(_PROBE_SECONDS)
+        lost = self._probe()
         if lost:
             names = ", ".join(f"worker {w}" for w in sorted(lost))
             message = f"epl watchdog: {names} unreachable during {what}"
@@ -162,6 +173,15 @@ class CollectiveWatchdog:
             )
             return tf.errors.DEADLINE_EXCEEDED, message, {}
         return None
+
+    def _probe(self) -> dict[int, str]:
+        self._probed = {}
+        self._probe_done.clear()
+        try:
+            self._probed = self.cluster.unreachable_workers(_PROBE_SECONDS)
+        finally:
+            self._probe_done.set()
+        return self._probed
 
     def _abort(self, code: int, message: str, lost: dict[int, str]) -> None:
         from tensorflow.python.eager import context  # what MWMS's health check calls
