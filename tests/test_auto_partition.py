@@ -331,10 +331,40 @@ def test_a_stage_never_reads_the_output_of_a_layer_it_calls_again():
     assert candidates.excluded_shared == 1
     result = auto_partition(model, 3)
     assert result.num_stages == 3
-    with pytest.raises(ValueError, match=r"Cannot cut 6 stages.*a layer it calls again"):
+    with pytest.raises(
+        ValueError,
+        match=r"Cannot cut 6 stages.*a layer it calls again.*: layer 'shared' \(called 2 times\)",
+    ):
         auto_partition(model, 6)
     x = np.random.default_rng(3).normal(size=(2, 8)).astype("float32")
     assert_forward_matches(model, result, 3, x)
+
+
+def test_a_layer_called_for_every_block_is_named_when_no_cut_is_left():
+    """ALBERT (KerasHub's AlbertBackbone) calls one transformer layer for every block, so
+    no cut between its blocks can be made: the error names that layer. Before, it only
+    said that cuts 'would give a stage the output of a layer it calls again, or split the
+    users of a non-trainable weight (BatchNorm statistics)', of a model without one."""
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((5,))
+    x = keras.layers.Dense(8, name="embed")(inputs)  # not a block: another kernel shape
+    shared = keras.layers.Dense(8, activation="tanh", name="shared_block")
+    for _ in range(3):
+        x = shared(x)
+    model = keras.Model(inputs, keras.layers.Dense(2, name="out")(x))
+    nodes = compute_nodes(model)
+    candidates = cut_candidates(nodes, nodes_cost(nodes))
+    assert candidates.positions == () and candidates.excluded_shared == 2
+    assert candidates.excluded_layers == ("layer 'shared_block' (called 3 times)",)
+    assert candidates.excluded_weights == ()
+    with pytest.raises(ValueError, match=r"Cannot cut 2 stages") as error:
+        auto_partition(model, 2)
+    message = str(error.value)
+    assert "a layer it calls again, which Keras cannot cut: layer 'shared_block'" in message
+    assert "non-trainable" not in message
+    # The hints hold (KerasHub's ALBERT, 2 stages by `stages=`, ended 0.0 from Keras).
+    assert "cut_at='nodes'" in message and "EPLTrainer stages=" in message
+    assert auto_partition(model, 2, cut_at="nodes").num_stages == 2
 
 
 def test_users_of_a_tied_weight_may_be_cut_apart():
@@ -372,6 +402,7 @@ def test_users_of_a_non_trainable_weight_stay_in_one_stage():
     nodes = compute_nodes(model)
     candidates = cut_candidates(nodes, nodes_cost(nodes))
     assert candidates.positions == (4,)  # before "out" only
+    assert "non-trainable weight 'bn/moving_mean'" in candidates.excluded_weights
     assert auto_partition(model, 2).cut_names == ("out",)
 
 

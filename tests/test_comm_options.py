@@ -150,6 +150,45 @@ def test_sparse_embedding_gradients_are_gathered_as_slices(optimizer):
         assert op.inputs[0].shape.num_elements() < vocabulary_size  # no dense embedding grad
 
 
+class AddPositions(keras.layers.Layer):
+    """KerasHub ViT's position embedding: an Embedding looked up at `arange(n)` for the
+    whole batch, so one device's gradient holds each position's row once, summed over
+    the batch."""
+
+    def __init__(self, num_positions, dim, **kwargs):
+        super().__init__(**kwargs)
+        self.embedding = keras.layers.Embedding(num_positions, dim, name="table")
+        self.positions = keras.ops.expand_dims(keras.ops.arange(num_positions), 0)
+
+    def call(self, x):
+        return x + self.embedding(self.positions)
+
+
+def position_model(seed=0):
+    keras.utils.set_random_seed(seed)
+    inputs = keras.Input((5, 4), name="x")
+    h = keras.layers.Flatten()(AddPositions(5, 4, name="positions")(inputs))
+    return keras.Model(inputs, keras.layers.Dense(3, name="logits")(h))
+
+
+@pytest.mark.parametrize("config", [{}, {"zero.level": "v1"}], ids=["data_parallel", "zero_v1"])
+def test_rows_looked_up_at_constant_positions_are_all_reduced_as_one_device_sums_them(config):
+    """Gathered, each replica's copy of a summed row was a row of its own, and Keras's
+    Adam squares rows before it sums repeated ones: the table ended 5.2e-3 from Keras
+    after two steps, data parallel and ZeRO v1 (SGD, linear in the rows, matched)."""
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(32, 5, 4)).astype("float32")
+    y = rng.integers(0, 3, 32).astype("int32")
+    reference = position_model()
+    keras_reference(reference, x, y, keras.optimizers.Adam(0.01), batch_size=16, steps=2)
+    model = position_model()
+    trainer = trainer_for(model, keras.optimizers.Adam(0.01), **config)
+    trainer.fit(x, y, batch_size=16, steps_per_epoch=2, verbose=0, shuffle=False)
+    assert max_weight_difference(reference, model) < 1e-6
+    if not config:  # (ZeRO gathers its updated parameter pieces)
+        assert not collectives(step_graph(trainer, x, y), "CollectiveGatherV2")
+
+
 def test_sparse_as_dense_reduces_the_embedding_dense():
     x, y = token_data()
     reference = embedding_model()

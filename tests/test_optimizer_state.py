@@ -115,6 +115,39 @@ def test_trainer_then_keras_in_the_same_process_equals_keras():
     _assert_same_state(reference, model)
 
 
+def _twin_towers(seed=0):
+    """Two nested models built by one function: their layers have the same names, so
+    their variables the same paths ("fc/kernel" twice), and Keras names both momentum
+    slots "fc_kernel_momentum" (T5's encoder and decoder attention-bias tables do too)."""
+    keras.utils.set_random_seed(seed)
+
+    def tower(name):
+        inputs = keras.Input((6,))
+        return keras.Model(inputs, keras.layers.Dense(3, name="fc")(inputs), name=name)
+
+    inputs = keras.Input((6,), name="x")
+    outputs = keras.layers.Add()([tower("left")(inputs), tower("right")(inputs)])
+    model = keras.Model(inputs, outputs)
+    model.compile(optimizer=_sgd(), loss=LOSS)
+    return model
+
+
+def test_variables_sharing_a_path_take_and_give_back_their_own_slots():
+    """Before, such slots were matched by name only, so neither went in or came back
+    (a warning named them): the trainer restarted their momentum from zero and Keras
+    continued from its stale one: weights 0.16 from Keras alone after three epochs."""
+    x, y = mlp_data()
+    reference = _twin_towers()
+    paths = [v.path for v in reference.trainable_variables]
+    assert paths == ["fc/kernel", "fc/bias"] * 2
+    _keras_fit(reference, x, y, epochs=3)
+    model = _twin_towers()
+    _keras_fit(model, x, y)
+    _trainer(model).fit(x, y, batch_size=BATCH, shuffle=False, verbose=0)
+    _keras_fit(model, x, y)
+    _assert_same_state(reference, model)
+
+
 @pytest.mark.parametrize("save_freq", ["epoch", 2])
 def test_model_checkpoint_during_fit_saves_the_current_slots(save_freq, tmp_path):
     """ModelCheckpoint(save_weights_only=False) saves the model with its optimizer: at an

@@ -122,16 +122,26 @@ def reduce_scatter(
 def all_gather_slices(
     group: CollectiveGroup, per_member: Sequence[tf.IndexedSlices], reduction: str
 ) -> list[tf.IndexedSlices]:
-    """Reduces sparse (IndexedSlices) gradients by gathering every member's rows.
+    """Reduces sparse (IndexedSlices) gradients as one device would hold them.
 
-    The result holds every member's (index, row) pairs; repeated indices are summed by
-    whoever applies it (Keras optimizers do), so it equals the dense all-reduce without
-    moving a dense [vocabulary, dim] tensor. "mean" divides the rows by the group size.
+    Rows looked up per sample (token ids): the result holds every member's (index, row)
+    pairs, as one device's gradient of the whole batch holds every sample's, without
+    moving a dense [vocabulary, dim] tensor. Rows looked up at indices that do not
+    depend on the batch (ViT's position embedding at `arange(num_positions)`): one
+    device holds each of those rows once, summed over the batch, so the members' rows
+    are all-reduced. The two differ for an optimizer that is not linear in the rows:
+    Keras's Adam squares each row before repeated indices are summed, so gathered
+    copies of a summed row gave it a different second moment than one device's
+    (tests/test_comm_options.py: 5.2e-3 after two steps). "mean" divides the rows by the
+    group size.
     """
     if reduction not in ("mean", "sum"):
         raise ValueError(f"reduction must be 'mean' or 'sum'. Received: {reduction!r}")
     if group.size == 1:
         return list(per_member)
+    if batch_independent(per_member[0].indices):
+        values = group.all_reduce([g.values for g in per_member], reduction)
+        return [tf.IndexedSlices(v, g.indices, g.dense_shape) for v, g in zip(values, per_member)]
     row_shape = per_member[0].values.shape[1:]
     flat_values = []
     for device, g in zip(group.local_devices, per_member):
@@ -166,3 +176,41 @@ def _split_sizes(tensors):
     if all(n is not None for n in static):
         return static
     return tf.stack([tf.size(t, out_type=tf.int64) for t in tensors])
+
+
+def batch_independent(tensor) -> bool:
+    """Whether a traced tensor is computed from constants only: no function argument (the
+    batch), no variable, no random op reaches it. Captured eager constants count as
+    constants (a layer's `arange` made at build time). False outside a traced function."""
+    if tf.executing_eagerly() or not hasattr(tensor, "op"):
+        return False
+    seen, stack = set(), [tensor]
+    while stack:
+        t = stack.pop()
+        if id(t) in seen:
+            continue
+        seen.add(id(t))
+        if t.dtype == tf.resource or t.dtype == tf.variant:
+            return False
+        op = t.op
+        if op.type == "Placeholder":
+            external = _captured_from(t)
+            if external is None:  # an argument of the function
+                return False
+            if isinstance(external, tf.Tensor) and not hasattr(external, "op"):
+                continue  # an eager constant
+            stack.append(external)
+            continue
+        stateful = op.type.startswith(("Random", "Stateless", "ReadVariable"))
+        if op.type != "Const" and (stateful or not op.inputs):
+            return False
+        stack.extend(op.inputs)
+    return True
+
+
+def _captured_from(placeholder):
+    """The outer tensor a function graph's placeholder captures, or None."""
+    for external, internal in getattr(placeholder.graph, "captures", ()):
+        if internal is placeholder:
+            return external
+    return None

@@ -100,6 +100,10 @@ class CutCandidates:
     runs: tuple[RepeatedRun, ...]  # the blocks the positions come from (empty: nodes)
     num_nodes: int
     excluded_shared: int = 0  # positions dropped by `_outside_shared_layers`
+    # What dropped them: layers called again ("layer 'x' (called 3 times)"), and
+    # non-trainable weights whose users would be split ("non-trainable weight 'bn/mean'").
+    excluded_layers: tuple[str, ...] = ()
+    excluded_weights: tuple[str, ...] = ()
 
     @property
     def max_stages(self) -> int:
@@ -115,11 +119,28 @@ class CutCandidates:
         else:
             text = "; ".join(run.describe() for run in self.runs) + "; cuts only between blocks"
         if self.excluded_shared:
-            text += (
-                f" ({self.excluded_shared} cut(s) excluded: a stage would read the output of "
-                "a layer it calls again, or split the users of a non-trainable weight)"
-            )
+            text += f" ({self.excluded_shared} cut(s) excluded: {self.exclusions()})"
         return text
+
+    def exclusions(self) -> str:
+        """Why the excluded cuts are, naming the layers and weights."""
+        reasons = []
+        if self.excluded_layers:
+            reasons.append(
+                "a stage would read the output of a layer it calls again, which Keras "
+                f"cannot cut: {_listed(self.excluded_layers)}"
+            )
+        if self.excluded_weights:
+            reasons.append(
+                "the users of a non-trainable weight (BatchNorm statistics) would be split, "
+                f"which must live in one stage: {_listed(self.excluded_weights)}"
+            )
+        return "; ".join(reasons)
+
+
+def _listed(names: Sequence[str], limit: int = 3) -> str:
+    more = f" and {len(names) - limit} more" if len(names) > limit else ""
+    return ", ".join(names[:limit]) + more
 
 
 @dataclass(frozen=True, eq=False)
@@ -323,17 +344,16 @@ def _too_many_stages(name: str, num_stages: int, candidates: CutCandidates) -> s
     if candidates.runs:
         what = f"{candidates.num_blocks} blocks"
         why = f"cuts fall only between blocks ({candidates.describe()})"
-        hint = "; cut_at='nodes' also cuts inside blocks"
+        hint = "; auto_partition(..., cut_at='nodes') also cuts inside blocks"
     else:
         what = f"{candidates.num_nodes} compute nodes"
         why = "a stage needs at least one node"
         hint = ""
-    if candidates.excluded_shared:
-        why += (
-            f", and {candidates.excluded_shared} cut point(s) would give a stage the output "
-            "of a layer it calls again, or split the users of a non-trainable weight "
-            "(BatchNorm statistics), which must live in one stage"
-        )
+    # The trainer cuts between blocks; its users place layers by hand instead.
+    hint += "; or give EPLTrainer stages={layer name pattern: stage}"
+    if candidates.excluded_shared and not candidates.runs:  # else in describe()
+        why += f", and {candidates.excluded_shared} cut point(s) are excluded: "
+        why += candidates.exclusions()
     return (
         f"Cannot cut {num_stages} stages from model {name!r} with {what}: {why}, so at "
         f"most {candidates.max_stages} stage(s). Use pipeline.num_stages <= "
@@ -439,13 +459,27 @@ def cut_candidates(
     else:
         positions = set(range(1, n))
     valid = [p for p in sorted(positions) if 0 < p < n]
-    allowed = _outside_shared_layers(nodes)
+    allowed, layers, weights = _outside_shared_layers(nodes)
     kept = tuple(p for p in valid if allowed[p])
-    return CutCandidates(kept, runs, n, excluded_shared=len(valid) - len(kept))
+    excluded = [p for p in valid if not allowed[p]]
+
+    def names(by_position: dict) -> tuple[str, ...]:
+        return tuple(dict.fromkeys(name for p in excluded for name in by_position.get(p, ())))
+
+    return CutCandidates(
+        kept,
+        runs,
+        n,
+        excluded_shared=len(excluded),
+        excluded_layers=names(layers),
+        excluded_weights=names(weights),
+    )
 
 
-def _outside_shared_layers(nodes: Sequence) -> np.ndarray:
-    """allowed[p]: a stage may start at node p (see `partition._build_stage`).
+def _outside_shared_layers(nodes: Sequence) -> tuple[np.ndarray, dict, dict]:
+    """allowed[p]: a stage may start at node p (see `partition._build_stage`); and, by
+    position, the layers ("layer 'x' (called 3 times)") and the non-trainable weights
+    that forbid starting there.
 
     A trainable weight may have users on both sides (tied input and output embeddings:
     each stage holds a copy, state.py). Two things must stay in one stage:
@@ -456,19 +490,25 @@ def _outside_shared_layers(nodes: Sequence) -> np.ndarray:
       superset of the stage starting at p, so every stage of a cut passes.
     """
     allowed = np.ones(len(nodes) + 1, dtype=bool)
-    span: dict[int, list[int]] = {}
+    layers: dict[int, list[str]] = {}
+    weights: dict[int, list[str]] = {}
+    span: dict[int, list] = {}
     for i, node in enumerate(nodes):
         for weight in getattr(node.operation, "non_trainable_weights", ()):
-            span.setdefault(id(weight), [i, i])[1] = i
-    for first, last in span.values():
+            span.setdefault(id(weight), [i, i, weight])[1] = i
+    for first, last, weight in span.values():
         allowed[first + 1 : last + 1] = False
+        for p in range(first + 1, last + 1):
+            weights.setdefault(p, []).append(f"non-trainable weight {weight.path!r}")
     producer: dict = {}  # tensor key -> (node position, id(layer))
     for i, node in enumerate(nodes):
         for tensor in node.output_tensors:
             producer[tensor_key(tensor)] = (i, id(node.operation))
     last_call: dict[int, int] = {}
+    calls: dict[int, int] = {}
     for i, node in enumerate(nodes):
         last_call[id(node.operation)] = i
+        calls[id(node.operation)] = calls.get(id(node.operation), 0) + 1
     for j, node in enumerate(nodes):
         for tensor in node.input_tensors:
             made = producer.get(tensor_key(tensor))
@@ -480,7 +520,10 @@ def _outside_shared_layers(nodes: Sequence) -> np.ndarray:
             again = last_call[layer]
             if again > i:
                 allowed[i + 1 : min(j, again) + 1] = False
-    return allowed
+                name = f"layer {nodes[i].operation.name!r} (called {calls[layer]} times)"
+                for p in range(i + 1, min(j, again) + 1):
+                    layers.setdefault(p, []).append(name)
+    return allowed, layers, weights
 
 
 def boundary_bytes(nodes: Sequence) -> np.ndarray:

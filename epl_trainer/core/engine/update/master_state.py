@@ -28,9 +28,11 @@ variables. Keras reads the optimizer of the model, `model.optimizer` (the "maste
 
 Slots are matched to the master's by their model variable and slot name: the engine's
 copies record both as they make each slot (slots.py), and Keras names the master's
-`<variable path with "_" for "/">_<slot name>` (`add_variable_from_reference`);
-Adafactor's factored moments are found in its lists (slots.FACTORED_STATE). A slot the
-master has no counterpart for is named once in a warning and left out.
+`<variable path with "_" for "/">_<slot name>` (`add_variable_from_reference`), in the
+order of the variables it is built on, which tells apart the slots of variables sharing a
+path (`master_slot`); Adafactor's factored moments are found in its lists
+(slots.FACTORED_STATE). A slot the master has no counterpart for is named once in a
+warning and left out.
 
 Cost: a write copies the optimizer state once (Adam: twice the weights' bytes), as one
 compiled function, about ten times faster than eager ops
@@ -212,13 +214,32 @@ def build_master(model) -> None:
         (scaler_holder or master).build(model.trainable_variables)
 
 
-def master_slot(master, model_variable, position: int, name: str, by_name: dict):
-    """The master's slot `name` of `model_variable` (at `position` in its variables), or
-    None if it has none."""
+def _slot_prefix(variable) -> str:
+    """What Keras's `add_variable_from_reference` names a variable's slots after."""
+    return variable.path.replace("/", "_")
+
+
+def master_slot(master, model_variables: Sequence, position: int, name: str, by_name: dict):
+    """The master's slot `name` of `model_variables[position]` (the variables the master
+    was built on), or None if it has none.
+
+    `by_name`: the master's variables by name, each name's in the order the master made
+    them. Keras names a slot `<prefix>_<slot name>`, and variables may share a prefix
+    (two nested models with the same layer names: twin towers, T5's encoder and decoder
+    attention-bias tables), so a name may be several slots' name. The master makes each
+    slot name's variables in the order of the variables it is built on, so among the
+    variables sharing a prefix the k-th (by position) has the k-th slot of that name;
+    when the counts differ (not every one of them has such a slot) which is whose is not
+    known, and None is returned."""
     attribute = factored_attribute(type(master), name)
     if attribute is not None:
         return getattr(master, attribute)[position]
-    return by_name.get(f"{model_variable.path.replace('/', '_')}_{name}")
+    prefix = _slot_prefix(model_variables[position])
+    found = by_name.get(f"{prefix}_{name}", [])
+    sharing = [i for i, v in enumerate(model_variables) if _slot_prefix(v) == prefix]
+    if len(found) != len(sharing):
+        return None
+    return found[sharing.index(position)]
 
 
 class MasterState:
@@ -364,15 +385,14 @@ class MasterState:
         return targets
 
     def _match(self, master, model_trainable) -> list[tuple[SlotParts, object]]:
-        names: dict[str, list] = {}
+        by_name: dict[str, list] = {}
         for v in master.variables:
-            names.setdefault(v.name, []).append(v)
-        by_name = {name: found[0] for name, found in names.items() if len(found) == 1}
+            by_name.setdefault(v.name, []).append(v)
         targets, missing = [], []
         for slot in self.slots:
             variable = model_trainable[slot.index]
             position = master._get_variable_index(variable)
-            target = master_slot(master, variable, position, slot.name, by_name)
+            target = master_slot(master, model_trainable, position, slot.name, by_name)
             if target is None or list(target.shape) != slot_shape(slot.name, variable.shape):
                 missing.append(f"{variable.path} ({slot.name})")
                 continue
