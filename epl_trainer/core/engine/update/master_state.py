@@ -388,11 +388,14 @@ class MasterState:
         by_name: dict[str, list] = {}
         for v in master.variables:
             by_name.setdefault(v.name, []).append(v)
+        # Positions index the variables the master was built on (its own list: a master
+        # built by Keras before may order them otherwise than the model does now).
+        built_on = master._trainable_variables
         targets, missing = [], []
         for slot in self.slots:
             variable = model_trainable[slot.index]
             position = master._get_variable_index(variable)
-            target = master_slot(master, model_trainable, position, slot.name, by_name)
+            target = master_slot(master, built_on, position, slot.name, by_name)
             if target is None or list(target.shape) != slot_shape(slot.name, variable.shape):
                 missing.append(f"{variable.path} ({slot.name})")
                 continue
