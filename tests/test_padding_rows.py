@@ -1,5 +1,6 @@
 """Rows added to fill an odd batch (weight-0 copies of real rows, objective.py) stay out
-of BatchNorm's batch statistics (sync_batch_norm.RealRowBatchNorm).
+of BatchNorm's batch statistics (sync_batch_norm.RealRowBatchNorm), and out of the losses a
+model adds of its own data (activity regularizers, `add_loss`).
 
 Before, the copies entered each lane's batch moments, so the normalisation of the real
 rows and the moving statistics: the moving mean after one step of 9 rows on 2 lanes was
@@ -81,3 +82,47 @@ def test_pipeline_micro_batches_normalise_their_real_rows():
     after_first = (1 - MOMENTUM) * x[:5].mean(0)
     expected = MOMENTUM * after_first + (1 - MOMENTUM) * x[5:].mean(0)
     np.testing.assert_allclose(_moving_mean(model), expected, atol=1e-6)
+
+
+class _MeanSquare(keras.layers.Layer):
+    """Adds its input's mean square as a loss: an `add_loss` of activations."""
+
+    def call(self, x):
+        self.add_loss(0.1 * keras.ops.mean(keras.ops.square(x)))
+        return x
+
+
+def _model_adding_losses():
+    keras.utils.set_random_seed(6)
+    inputs = keras.Input((4,))
+    h = keras.layers.Dense(
+        8, activation="relu", activity_regularizer=keras.regularizers.l1(0.05), name="hidden"
+    )(inputs)
+    h = _MeanSquare()(h)
+    return keras.Model(inputs, keras.layers.Dense(3, name="logits")(h))
+
+
+def test_losses_of_the_data_count_each_real_row_once():
+    """Keras's activity regularizer and an `add_loss` of activations are means over the
+    batch's rows. 9 rows on 2 lanes: lane 0 trains on rows 0-5, lane 1 on rows 6-8 twice,
+    weighed 6 : 3 (objective.fill_rows); evaluating batches of 4, 4 and 1 row fills the
+    last one with whole copies too, not up to 4 rows. Before, the copies entered those
+    means: after one step the weights were 9.7e-4 from Keras's and the reported loss
+    4.5e-3, the evaluated loss 1.8e-2."""
+    x, y = _data(9)
+    reference = _model_adding_losses()
+    reference.compile(keras.optimizers.SGD(0.1, momentum=0.9), LOSS)
+    expected = reference.fit(x, y, batch_size=9, epochs=1, shuffle=False, verbose=0)
+    model = _model_adding_losses()
+    trainer = epl.EPLTrainer(
+        model, LOSS, keras.optimizers.SGD(0.1, momentum=0.9), config={"cluster.virtual_devices": 2}
+    )
+    history = trainer.fit(x, y, batch_size=9, epochs=1, shuffle=False, verbose=0)
+    np.testing.assert_allclose(history.history["loss"], expected.history["loss"], rtol=1e-6)
+    for a, b in zip(reference.get_weights(), model.get_weights()):
+        np.testing.assert_allclose(a, b, atol=1e-6)
+    np.testing.assert_allclose(
+        trainer.evaluate(x, y, batch_size=4, verbose=0),
+        reference.evaluate(x, y, batch_size=4, verbose=0),
+        rtol=1e-6,
+    )

@@ -256,10 +256,16 @@ def _term_report(term, total, padded_rows, real_rows, rows: StepRows):
     return tf.math.divide_no_nan(total, tf.cast(term.divisor, tf.float32))
 
 
-def pad_to_multiple(structures: tuple, sample_weight, multiple: int, minimum=0):
+def pad_to_multiple(
+    structures: tuple, sample_weight, multiple: int, minimum=0, whole_copies: bool = False
+):
     """Pads axis 0 of every tensor to a multiple of `multiple`, and to at least `minimum`
     rows, by repeating the batch's rows (copies, not zeros, so that layers computing
     batch statistics see real data); the added rows get weight 0.
+
+    Args:
+      whole_copies: fill each of the `multiple` parts with whole copies of its own real
+        rows (`fill_rows`), as auxiliary losses computed from the data need.
 
     Returns:
       (padded structures, weights [rows] float32: the given sample weights, or 1, on real
@@ -267,17 +273,47 @@ def pad_to_multiple(structures: tuple, sample_weight, multiple: int, minimum=0):
     """
     flat = tree.flatten(structures)
     batch = tf.shape(flat[0])[0]
-    target = tf.maximum(batch, minimum)
-    pad = target - batch + (multiple - target % multiple) % multiple
-    rows = tf.range(batch + pad) % batch
+    rows = fill_rows(batch, multiple, minimum, whole_copies)
     padded = tree.map_structure(lambda x: tf.gather(x, rows), structures)
-    real = tf.cast(tf.range(batch + pad) < batch, tf.float32)
+    real = tf.cast(tf.range(tf.shape(rows)[0]) < batch, tf.float32)
     if sample_weight is None:
         weights = real
     else:
         weight = tf.cast(sample_weight, tf.float32)
         weights = tf.gather(weight, rows) * per_row(real, weight)
     return padded, weights, batch
+
+
+def fill_rows(batch, multiple: int, minimum=0, whole_copies: bool = False):
+    """Which row of a batch of `batch` rows each row of the filled batch is: the real rows
+    first, in order, then copies, up to a multiple of `multiple` rows and at least
+    `minimum`.
+
+    Plain filling repeats the batch from its start. An auxiliary loss computed from the
+    data (an `activity_regularizer`, an `add_loss` of activations) is Keras's mean over
+    the batch's rows, and a part holding copies of rows of other parts would count those
+    rows twice in it. With `whole_copies`, every part holds its real rows an equal number
+    of times (or none: a part without real rows, whose share is 0), so its auxiliary
+    losses are its real rows' mean, weighed by its real rows (pipeline/executor.py): the
+    part size grows to the smallest one the remainder divides (9 rows in 2 parts: 6 and
+    3 + 3 copies). With a fixed shape (`minimum`), the part size cannot grow: each part
+    then repeats its own rows as far as they go.
+    """
+    target = tf.maximum(batch, minimum)
+    size = target + (multiple - target % multiple) % multiple
+    if not whole_copies or (multiple == 1 and isinstance(minimum, int) and minimum == 0):
+        return tf.range(size) % batch
+    part = size // multiple
+    if isinstance(minimum, int) and minimum == 0:
+        candidates = tf.range(part, tf.maximum(batch, part) + 1)
+        remainder = batch % candidates
+        divides = tf.equal(candidates % tf.maximum(remainder, 1), 0)
+        fits = (batch + candidates - 1) // candidates <= multiple
+        part = tf.reduce_min(tf.boolean_mask(candidates, divides & fits))
+    index = tf.range(multiple * part)
+    start = index // part * part
+    real = tf.clip_by_value(batch - start, 0, part)
+    return tf.where(real > 0, start + index % part % tf.maximum(real, 1), index % batch)
 
 
 def per_row(row_values, like):

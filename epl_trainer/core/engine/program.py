@@ -35,6 +35,7 @@ from epl_trainer.core.engine.program_loops import InferenceLoops
 from epl_trainer.core.engine.state import EngineState
 from epl_trainer.core.engine.step_batch import (
     StepBatch,
+    adds_losses,
     open_batch_spec,
     pad_batch,
     split_batch,
@@ -113,6 +114,7 @@ class Program(InferenceLoops):
         if hooks.update_metrics is None:
             hooks.update_metrics = self.update_metrics
         self._widest_batch = None
+        self._whole_copies = None  # `adds_losses`, found on the first trace
         if hooks.fixed_batch_shape:
             with tf.init_scope(), tf.device(layout.host):
                 self._widest_batch = tf.Variable(0, dtype=tf.int32, trainable=False)
@@ -318,7 +320,13 @@ class Program(InferenceLoops):
         num_lanes, num_micro = len(layout.lanes), self.num_micro_batch
         with tf.device(layout.host):
             batch = StepBatch.split(
-                features, labels, sample_weight, num_lanes, num_micro, self._widest_batch
+                features,
+                labels,
+                sample_weight,
+                num_lanes,
+                num_micro,
+                self._widest_batch,
+                self._fills_whole_copies(features),
             )
             rows = objective.StepRows(
                 real_rows=tf.cast(batch.rows, tf.float32),
@@ -474,6 +482,14 @@ class Program(InferenceLoops):
             *((t.name, t) for t in self.output_loss_trackers),
         ]
 
+    def _fills_whole_copies(self, features) -> bool:
+        """Whether a batch that must be filled up gets whole copies of each part's real
+        rows (`objective.fill_rows`): the model adds losses of its own, which Keras
+        computes over the batch's real rows. Found on the first trace, from its features."""
+        if self._whole_copies is None:
+            self._whole_copies = adds_losses(self.layout.staged.model, features)
+        return self._whole_copies
+
     def _update_loss_trackers(self, reported, batch) -> None:
         """`reported`: [the loss, the micro-batch's share of the step's rows (over all
         workers), each output's own loss] (pipeline.py's `_loss`).
@@ -507,7 +523,7 @@ class Program(InferenceLoops):
         the stages work on different micro-batches at once (a forward-only pipeline)."""
         return self.num_micro_batch if self.layout.num_stages > 1 else 1
 
-    def _forward(self, li: int, features, share_outputs: bool = False):
+    def _forward(self, li: int, features, share_outputs: bool = False, mask=None):
         """The lane's outputs and auxiliary losses (averaged over micro-batches, as the
         training objective weighs them) for `features`, in `_eval_pieces` micro-batches:
         stage k of micro-batch j needs only stage k-1 of micro-batch j, so stages on
@@ -521,6 +537,11 @@ class Program(InferenceLoops):
         boundaries = self.boundaries[li]
         pieces = split_batch(features, self._eval_pieces)
         values = [dict(zip(staged.input_keys, staged.flatten_inputs(f))) for f in pieces]
+        # Each piece's auxiliary losses are its real rows' mean: weighed by its real rows.
+        shares = [1.0 / len(values)] * len(values)
+        if mask is not None and len(values) > 1:
+            rows = [tf.reduce_sum(m) for m in split_batch(mask, len(values))]
+            shares = [tf.math.divide_no_nan(r, tf.add_n(rows)) for r in rows]
         aux_total = []
         for k, stage in enumerate(staged.stages):
             if not lane.is_local(k):
@@ -532,16 +553,18 @@ class Program(InferenceLoops):
                 non_trainable = [
                     state.non_trainable[li][i].value for i in layout.non_trainable_idx[k]
                 ]
-                for piece in values:
+                for piece, scale in zip(values, shares):
                     outputs, _, aux = hooks.eval_stage_calls[k](
                         variables, non_trainable, staged.stage_arguments(stage, piece), False
                     )
                     piece.update(staged.stage_results(stage, outputs))
                     if boundaries is not None:
                         boundaries.forward_sends(k, piece)
-                    scale = 1.0 / len(values)
-                    aux_total.extend(tf.identity(a) * scale if scale != 1 else tf.identity(a)
-                                     for a in aux)  # fmt: skip
+                    aux_total.extend(
+                        tf.identity(a) if isinstance(scale, float) and scale == 1
+                        else tf.identity(a) * tf.cast(scale, a.dtype)
+                        for a in aux
+                    )  # fmt: skip
         if boundaries is not None and share_outputs:
             for piece in values:
                 if lane.is_local(layout.num_stages - 1):
@@ -563,7 +586,16 @@ class Program(InferenceLoops):
             real_rows = tf.cast(tf.shape(tree.flatten(features)[0])[0], tf.float32)
             structures = (features, labels) if sample_weight is None else (
                 features, labels, tf.cast(sample_weight, tf.float32))  # fmt: skip
-            *padded, mask = pad_batch(structures, num_lanes * self._eval_pieces, minimum=pad_to)
+            # The full batches' shape only where collectives fix it (split layers, a lane
+            # across workers): a batch filled up to it cannot always hold whole copies.
+            fixed = self.hooks.fixed_batch_shape or any(b is not None for b in self.boundaries)
+            whole = self._fills_whole_copies(features)
+            *padded, mask = pad_batch(
+                structures,
+                num_lanes * self._eval_pieces,
+                minimum=pad_to if fixed or not whole else 0,
+                whole_copies=whole,
+            )
             parts = split_batch((*padded, mask), num_lanes)
             if sample_weight is None:
                 parts = [(f, y, None, w) for f, y, w in parts]
@@ -571,12 +603,13 @@ class Program(InferenceLoops):
         hooks.lanes.begin_trace()
         for li, (f, y, sw, w) in enumerate(parts):
             with hooks.lanes.lane(li):
-                y_pred, aux = self._forward(li, f)
+                y_pred, aux = self._forward(li, f, mask=w)
                 if y_pred is None:  # the loss and metrics are computed where y_pred is
                     continue
                 with tf.device(layout.lanes[li].devices[-1]):
                     count = tf.reduce_sum(w)
-                    weights = w if sw is None else sw
+                    # (copies that fill the batch up carry their row's sample weight)
+                    weights = w if sw is None else sw * objective.per_row(w, sw)
                     real_rows = tf.cast(count, tf.int32)
                     terms = hooks.loss_fn.terms(y, y_pred, weights, real_rows=real_rows)
                     if not (terms or aux):

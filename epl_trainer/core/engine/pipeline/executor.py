@@ -379,8 +379,10 @@ class LaneExecutor:
                     if not last:
                         mb.earlier_aux.append(objective)
                     # Auxiliary losses count once per batch, as in Keras: their mean over
-                    # the micro-batches (and, by the reduction, the lanes).
-                    objective = tf.cast(objective, tf.float32) * (1.0 / self.num_micro_batch)
+                    # the micro-batches (and, by the reduction, the lanes), each weighed
+                    # by its real rows (a micro-batch holds whole copies of them when the
+                    # batch was filled up: objective.fill_rows).
+                    objective = tf.cast(objective, tf.float32) * self._auxiliary_share(mb)
                 if last:
                     table = {**mb.values, **results}
                     mb.y_pred = self.hooks.output_cast(
@@ -402,6 +404,15 @@ class LaneExecutor:
         mb.runs[k] = _StageRun(tape, variables, input_keys, inputs, results, objective, positions)
         markers = list(_flat_tensors(results)) + ([objective] if objective is not None else [])
         return markers
+
+    def _auxiliary_share(self, mb: MicroBatch):
+        """The factor of a micro-batch's auxiliary losses: its real rows' share of the
+        job's batch, times the lanes the gradient reduction averages over (1 /
+        num_micro_batch when every micro-batch is full)."""
+        if mb.rows is None:
+            return 1.0 / self.num_micro_batch
+        rows = self.rows
+        return tf.cast(mb.rows, tf.float32) * float(rows.lanes) / rows.global_rows
 
     def _loss(self, mb: MicroBatch, aux: list):
         """The micro-batch's share of the global batch's loss (differentiated), and its
