@@ -12,6 +12,8 @@ The names below are the package's interface; the engine uses them as `comm.<name
 
 from epl_trainer.core.comm.fusion import (
     all_gather_slices,
+    batch_independent,
+    constant_value,
     fused_all_reduce,
     plan_buckets,
     reduce_scatter,
@@ -38,7 +40,9 @@ __all__ = [
     "LaneCollectives",
     "PairTransfer",
     "all_gather_slices",
+    "batch_independent",
     "collective_rank_order",
+    "constant_value",
     "fused_all_reduce",
     "group_key",
     "length_keyed_instance",

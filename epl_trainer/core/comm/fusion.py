@@ -208,6 +208,55 @@ def batch_independent(tensor) -> bool:
     return True
 
 
+def constant_value(tensor):
+    """The value of a traced tensor computed from constants only (`batch_independent`),
+    evaluated while tracing, or None (not provably constant, or not evaluable here).
+
+    Two micro-batches' lookups at such indices hold the same rows, so their gradients
+    can be summed row by row (pipeline/executor.py's `accumulate`); a tensor made from
+    the value (`tf.constant`) stays provably constant where the original's graph (a
+    loop's body) is out of reach.
+    """
+    if not batch_independent(tensor):
+        return None
+    try:
+        return _evaluate(tensor)
+    except (tf.errors.OpError, ValueError, TypeError, KeyError):  # e.g. a function call
+        return None
+
+
+def _evaluate(tensor):
+    """Runs the constant subgraph that computes `tensor` in a graph of its own; a
+    captured tensor is replaced by its value (evaluated in its own graph first)."""
+    nodes: dict = {}
+    stack = [tensor.op]
+    while stack:
+        op = stack.pop()
+        if op.name in nodes:
+            continue
+        if op.type == "Placeholder":
+            external = _captured_from(op.outputs[0])
+            value = external.numpy() if not hasattr(external, "op") else _evaluate(external)
+            node = tf.compat.v1.NodeDef(name=op.name, op="Const")
+            node.attr["dtype"].type = op.outputs[0].dtype.as_datatype_enum
+            node.attr["value"].tensor.CopyFrom(tf.make_tensor_proto(value))
+        else:
+            node = tf.compat.v1.NodeDef()
+            node.CopyFrom(op.node_def)
+            node.ClearField("device")
+            kept = [name for name in node.input if not name.startswith("^")]
+            del node.input[:]
+            node.input.extend(kept)
+            stack.extend(t.op for t in op.inputs)
+        nodes[op.name] = node
+    graph_def = tf.compat.v1.GraphDef()
+    graph_def.node.extend(nodes.values())
+    with tf.Graph().as_default() as graph:
+        tf.graph_util.import_graph_def(graph_def, name="")
+        with tf.compat.v1.Session(graph=graph) as session:
+            return session.run(tensor.name)
+
+
 def _captured_from(placeholder):
     """The outer tensor a function graph's placeholder captures, or None."""
     for external, internal in getattr(placeholder.graph, "captures", ()):

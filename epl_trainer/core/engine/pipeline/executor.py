@@ -28,6 +28,7 @@ import typing
 import tensorflow as tf
 from keras import tree
 
+from epl_trainer.core import comm
 from epl_trainer.core.engine import objective as objective_lib
 from epl_trainer.core.engine.pipeline.split_backward import release, split_gradient
 from epl_trainer.core.graph.partition import StagedModel
@@ -164,6 +165,11 @@ class LaneExecutor:
         self.one_chain_idx = _accumulated_by_one_chain(
             self.trainable_idx, self.unread_idx, self.chains
         )
+        # Read by one stage: each gradient added to the running sum is the same lookups'
+        # of another micro-batch (a tied weight's also holds other stages' lookups).
+        self.one_stage_idx = _accumulated_by_one_chain(
+            self.trainable_idx, self.unread_idx, range(len(staged.stages))
+        )
 
     def run(self, parts: list, non_trainable: list, rows, task_scope=None):
         """Emits every task of the schedule for this lane.
@@ -269,7 +275,9 @@ class LaneExecutor:
         reductions that follow can start while its backward still computes the earlier
         layers. An Embedding's sparse gradient is carried as rows in TensorArrays: the step
         gets the same IndexedSlices as unrolled (Keras's global norm counts repeated rows
-        separately, so merging them would change the clipping). The losses and metrics of
+        separately, so merging them would change the clipping); rows looked up at constant
+        indices (a position embedding) are summed over the micro-batches after the loop,
+        as `accumulate` sums them unrolled. The losses and metrics of
         the looped micro-batches are updated inside the loop, by `hooks.update_metrics`.
 
         Returns:
@@ -290,6 +298,9 @@ class LaneExecutor:
             rows = [_RowArrays.empty(values[i]) for i in sparse]
         carried = [i for i, v in enumerate(non_trainable) if v is not None]
         name = f"{task_scope or 'lane'}_stage0"
+        # Per sparse table, its rows' indices when the body (traced once) proves them
+        # constant: the same rows in every micro-batch.
+        constant_rows: dict = {}
 
         def micro_batch(step, state: list, grads: list) -> MicroBatch:
             part = tf.nest.map_structure(lambda x: None if x is None else x[step], stacked)
@@ -310,6 +321,9 @@ class LaneExecutor:
             with tf.device(self.devices[0]):
                 sums = [total + tf.convert_to_tensor(grads[i]) for total, i in zip(sums, dense)]
                 row_arrays = [r.write(step, grads[i]) for r, i in zip(row_arrays, sparse)]
+                for i in sparse:
+                    if _is_slices(grads[i]):
+                        constant_rows[i] = comm.constant_value(grads[i].indices)
                 if mb.data_share is not None:
                     data_share += mb.data_share
             return step + 1, sums, row_arrays, [state[index] for index in carried], data_share
@@ -329,7 +343,10 @@ class LaneExecutor:
             grads[i] = total
         with tf.device(self.devices[0]):
             for i, r in zip(sparse, rows):
-                grads[i] = r.slices(values[i].shape)
+                if constant_rows.get(i) is None:
+                    grads[i] = r.slices(values[i].shape)
+                else:  # the micro-batches' rows summed, with indices provably constant
+                    grads[i] = r.summed(constant_rows[i], values[i].shape)
         non_trainable = list(non_trainable)
         for index, value in zip(carried, carried_values):
             non_trainable[index] = value
@@ -526,7 +543,7 @@ class LaneExecutor:
             elif grads[i] is None:
                 grads[i] = g
             else:
-                grads[i] = accumulate(grads[i], g)
+                grads[i] = accumulate(grads[i], g, same_lookups=i in self.one_stage_idx)
                 if i in self.one_chain_idx:
                     chain = self.chains[k]
                     self._running_sums.setdefault(chain, []).extend(_sum_tensors(grads[i]))
@@ -573,6 +590,15 @@ class _RowArrays(typing.NamedTuple):
     def slices(self, shape) -> tf.IndexedSlices:
         return tf.IndexedSlices(
             self.values.concat(), self.indices.concat(), tf.constant(shape.as_list(), tf.int64)
+        )
+
+    def summed(self, indices, shape) -> tf.IndexedSlices:
+        """The iterations' rows summed, every iteration's indices being `indices` (a
+        value): one row per index, as one device's gradient of all of them holds."""
+        rows = tf.reduce_sum(self.values.stack(), axis=0)
+        rows = tf.reshape(rows, [indices.size, *shape[1:]])
+        return tf.IndexedSlices(
+            rows, tf.constant(indices.reshape(-1), tf.int64), tf.constant(shape.as_list(), tf.int64)
         )
 
 
@@ -624,9 +650,22 @@ def _sum_tensors(total) -> list:
     return [total.values, total.indices] if _is_slices(total) else [total]
 
 
-def accumulate(total, gradient):
-    """Sum of two gradients; two IndexedSlices stay slices (their rows concatenated)."""
+def accumulate(total, gradient, same_lookups: bool = False):
+    """Sum of two gradients; two IndexedSlices stay slices, their rows concatenated.
+
+    With `same_lookups` (two micro-batches' gradients of the same stage's lookups), rows
+    looked up at the same constant indices in both (a position embedding at
+    `arange(n)`: each row once, summed over the micro-batch) are summed row by row
+    instead: one device's gradient of both micro-batches holds each of them once, and
+    Keras's Adam, which squares each row before it sums repeated indices, would give
+    stacked copies another second moment (tests/test_comm_options.py). Per-sample
+    lookups (token ids) stay concatenated, as one device's gradient holds every sample's.
+    """
     if _is_slices(total) and _is_slices(gradient):
+        if same_lookups and _same_constant(total.indices, gradient.indices):
+            return tf.IndexedSlices(
+                total.values + gradient.values, total.indices, total.dense_shape
+            )
         return tf.IndexedSlices(
             tf.concat([total.values, gradient.values], axis=0),
             # The rows a micro-batch loop carries are int64 (`_RowArrays`).
@@ -634,6 +673,17 @@ def accumulate(total, gradient):
             total.dense_shape,
         )
     return tf.convert_to_tensor(total) + tf.convert_to_tensor(gradient)
+
+
+def _same_constant(a, b) -> bool:
+    """Whether two index tensors are provably constant and equal (comm.constant_value)."""
+    if a is b:
+        return comm.batch_independent(a)
+    first = comm.constant_value(a)
+    if first is None:
+        return False
+    second = comm.constant_value(b)
+    return second is not None and first.shape == second.shape and bool((first == second).all())
 
 
 def stateless_stage_call(model):
