@@ -171,16 +171,23 @@ def position_model(seed=0):
     return keras.Model(inputs, keras.layers.Dense(3, name="logits")(h))
 
 
-@pytest.mark.parametrize("config", [{}, {"zero.level": "v1"}], ids=["data_parallel", "zero_v1"])
-def test_rows_looked_up_at_constant_positions_are_all_reduced_as_one_device_sums_them(config):
-    """Gathered, each replica's copy of a summed row was a row of its own, and Keras's
-    Adam squares rows before it sums repeated ones: the table ended 5.2e-3 from Keras
-    after two steps, data parallel and ZeRO v1 (SGD, linear in the rows, matched)."""
+def position_data_and_reference():
+    """32 rows for `position_model`, and the model Keras's Adam trained on them (2 steps of
+    16)."""
     rng = np.random.default_rng(0)
     x = rng.normal(size=(32, 5, 4)).astype("float32")
     y = rng.integers(0, 3, 32).astype("int32")
     reference = position_model()
     keras_reference(reference, x, y, keras.optimizers.Adam(0.01), batch_size=16, steps=2)
+    return x, y, reference
+
+
+@pytest.mark.parametrize("config", [{}, {"zero.level": "v1"}], ids=["data_parallel", "zero_v1"])
+def test_rows_looked_up_at_constant_positions_are_all_reduced_as_one_device_sums_them(config):
+    """Gathered, each replica's copy of a summed row was a row of its own, and Keras's
+    Adam squares rows before it sums repeated ones: the table ended 5.2e-3 from Keras
+    after two steps, data parallel and ZeRO v1 (SGD, linear in the rows, matched)."""
+    x, y, reference = position_data_and_reference()
     model = position_model()
     trainer = trainer_for(model, keras.optimizers.Adam(0.01), **config)
     trainer.fit(x, y, batch_size=16, steps_per_epoch=2, verbose=0, shuffle=False)
@@ -210,11 +217,7 @@ def test_rows_at_constant_positions_are_summed_over_micro_batches(case):
     linear in the rows, matched); with replicas the stacked rows' indices were no longer
     provably constant, so they were gathered as well."""
     devices, config, stages, unrolled = MICRO_BATCH_CASES[case]
-    rng = np.random.default_rng(0)
-    x = rng.normal(size=(32, 5, 4)).astype("float32")
-    y = rng.integers(0, 3, 32).astype("int32")
-    reference = position_model()
-    keras_reference(reference, x, y, keras.optimizers.Adam(0.01), batch_size=16, steps=2)
+    x, y, reference = position_data_and_reference()
     model = position_model()
     trainer = epl.EPLTrainer(
         model,
