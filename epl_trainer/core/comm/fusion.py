@@ -181,30 +181,40 @@ def _split_sizes(tensors):
 def batch_independent(tensor) -> bool:
     """Whether a traced tensor is computed from constants only: no function argument (the
     batch), no variable, no random op reaches it. Captured eager constants count as
-    constants (a layer's `arange` made at build time). False outside a traced function."""
+    constants (a layer's `arange` made at build time). False outside a traced function.
+
+    The walk goes through function calls: an output of a call (an XLA-compiled stage's
+    backward, a compiled lane) is followed to the function graph's output, and that
+    graph's inputs back to the call's. Gradients that leave a compiled function are such
+    outputs, and their indices are as constant as they were inside it."""
     if tf.executing_eagerly() or not hasattr(tensor, "op"):
         return False
-    seen, stack = set(), [tensor]
+    seen, stack = set(), [(tensor, ())]
     while stack:
-        t = stack.pop()
-        if id(t) in seen:
+        t, calls = stack.pop()
+        key = (id(t), tuple(id(call) for call in calls))
+        if key in seen:
             continue
-        seen.add(id(t))
+        seen.add(key)
         if t.dtype == tf.resource or t.dtype == tf.variant:
             return False
         op = t.op
         if op.type == "Placeholder":
-            external = _captured_from(t)
-            if external is None:  # an argument of the function
+            source = _placeholder_source(t, calls)
+            if source is None:  # an argument of the function
                 return False
-            if isinstance(external, tf.Tensor) and not hasattr(external, "op"):
+            if not hasattr(source[0], "op"):
                 continue  # an eager constant
-            stack.append(external)
+            stack.append(source)
+            continue
+        inner = _call_output(t, calls)
+        if inner is not None:
+            stack.append(inner)
             continue
         stateful = op.type.startswith(("Random", "Stateless", "ReadVariable"))
         if op.type != "Const" and (stateful or not op.inputs):
             return False
-        stack.extend(op.inputs)
+        stack.extend((i, calls) for i in op.inputs)
     return True
 
 
@@ -220,34 +230,46 @@ def constant_value(tensor):
     if not batch_independent(tensor):
         return None
     try:
-        return _evaluate(tensor)
-    except (tf.errors.OpError, ValueError, TypeError, KeyError):  # e.g. a function call
+        return _evaluate(tensor, ())
+    except (tf.errors.OpError, ValueError, TypeError, KeyError):  # e.g. a loop inside
         return None
 
 
-def _evaluate(tensor):
-    """Runs the constant subgraph that computes `tensor` in a graph of its own; a
-    captured tensor is replaced by its value (evaluated in its own graph first)."""
+def _evaluate(tensor, calls: tuple):
+    """Runs the constant subgraph that computes `tensor` in a graph of its own. Where it
+    crosses a function boundary (a captured tensor, a function's argument, a call's
+    output) the tensor beyond is evaluated first, in its own graph, and enters as a
+    constant."""
+    if tensor.op.type == "Placeholder":
+        source, outer_calls = _placeholder_source(tensor, calls)
+        return source.numpy() if not hasattr(source, "op") else _evaluate(source, outer_calls)
+    inner = _call_output(tensor, calls)
+    if inner is not None:
+        return _evaluate(*inner)
     nodes: dict = {}
     stack = [tensor.op]
     while stack:
         op = stack.pop()
         if op.name in nodes:
             continue
-        if op.type == "Placeholder":
-            external = _captured_from(op.outputs[0])
-            value = external.numpy() if not hasattr(external, "op") else _evaluate(external)
-            node = tf.compat.v1.NodeDef(name=op.name, op="Const")
-            node.attr["dtype"].type = op.outputs[0].dtype.as_datatype_enum
-            node.attr["value"].tensor.CopyFrom(tf.make_tensor_proto(value))
-        else:
-            node = tf.compat.v1.NodeDef()
-            node.CopyFrom(op.node_def)
-            node.ClearField("device")
-            kept = [name for name in node.input if not name.startswith("^")]
-            del node.input[:]
-            node.input.extend(kept)
-            stack.extend(t.op for t in op.inputs)
+        node = tf.compat.v1.NodeDef()
+        node.CopyFrom(op.node_def)
+        node.ClearField("device")
+        if "_class" in node.attr:  # colocation with ops left out of this graph
+            del node.attr["_class"]
+        del node.input[:]  # control inputs dropped; data inputs in `op.inputs` order
+        for t in op.inputs:
+            if t.op.type == "Placeholder" or _call_output(t, calls) is not None:
+                name = f"epl.boundary.{len(nodes)}"  # not a name TF gives (a clash: None)
+                value = _evaluate(t, calls)
+                constant = tf.compat.v1.NodeDef(name=name, op="Const")
+                constant.attr["dtype"].type = t.dtype.as_datatype_enum
+                constant.attr["value"].tensor.CopyFrom(tf.make_tensor_proto(value))
+                nodes[name] = constant
+                node.input.append(name)
+            else:
+                node.input.append(t.name[:-2] if t.name.endswith(":0") else t.name)
+                stack.append(t.op)
         nodes[op.name] = node
     graph_def = tf.compat.v1.GraphDef()
     graph_def.node.extend(nodes.values())
@@ -255,6 +277,56 @@ def _evaluate(tensor):
         tf.graph_util.import_graph_def(graph_def, name="")
         with tf.compat.v1.Session(graph=graph) as session:
             return session.run(tensor.name)
+
+
+_CALLS = ("PartitionedCall", "StatefulPartitionedCall")
+
+
+def _called_graph(op):
+    """The function graph a call op runs, or None (not a call, or its graph is not kept:
+    a function loaded from a definition)."""
+    if op.type not in _CALLS:
+        return None
+    name = op.get_attr("f").name
+    graph = op.graph
+    while graph is not None:  # a function called in a loop's body may be the outer's
+        function = graph._get_function(name)  # no public lookup of a graph's functions
+        if function is not None:
+            return getattr(function, "graph", None)
+        graph = getattr(graph, "outer_graph", None)
+    return None
+
+
+def _call_output(tensor, calls: tuple):
+    """(The function graph's output that `tensor`, an output of a call op, is; the
+    calls it is inside), or None when `tensor` is not the output of a known call."""
+    graph = _called_graph(tensor.op)
+    if graph is None or len(graph.outputs) != len(tensor.op.outputs):
+        return None
+    return graph.outputs[tensor.value_index], (*calls, tensor.op)
+
+
+def _placeholder_source(placeholder, calls: tuple):
+    """(What a function graph's placeholder stands for, the calls that is inside): the
+    input of the call being walked through, else the captured outer tensor (an eager
+    tensor has no `op`). None: an argument of a function not entered through its call
+    (the traced step's own inputs)."""
+    if calls:
+        call = calls[-1]
+        inputs = _called_graph(call).inputs
+        for position, internal in enumerate(inputs):
+            if internal is placeholder and len(inputs) == len(call.inputs):
+                return call.inputs[position], calls[:-1]
+    external = _captured_from(placeholder)
+    if external is None:
+        return None
+    if not hasattr(external, "op"):
+        return external, ()
+    # The captured tensor's graph is the function graph of one of the calls (a loop's
+    # body captures from the function it is in) or one outside them all.
+    while calls and _called_graph(calls[-1]) is not external.graph:
+        calls = calls[:-1]
+    return external, calls
 
 
 def _captured_from(placeholder):
