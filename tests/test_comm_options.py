@@ -176,13 +176,34 @@ def position_model(seed=0):
     return keras.Model(inputs, keras.layers.Dense(3, name="logits")(h))
 
 
-def position_data_and_reference():
-    """32 rows for `position_model`, and the model Keras's Adam trained on them (2 steps of
-    16)."""
+class AddPositionsAgain(keras.layers.Layer):
+    """Adds another layer's position embedding: a table two layers read (tied)."""
+
+    def __init__(self, embedding, **kwargs):
+        super().__init__(**kwargs)
+        self.embedding = embedding
+        self.positions = keras.ops.expand_dims(keras.ops.arange(embedding.input_dim), 0)
+
+    def call(self, x):
+        return x + self.embedding(self.positions)
+
+
+def tied_position_model(seed=0):
+    keras.utils.set_random_seed(seed)
+    inputs = keras.Input((5, 4), name="x")
+    positions = AddPositions(5, 4, name="positions")
+    h = keras.layers.Dense(4, activation="tanh", name="mix")(positions(inputs))
+    h = keras.layers.Flatten()(AddPositionsAgain(positions.embedding, name="again")(h))
+    return keras.Model(inputs, keras.layers.Dense(3, name="logits")(h))
+
+
+def position_data_and_reference(build=position_model):
+    """32 rows for `position_model` (or `build`), and the model Keras's Adam trained on
+    them (2 steps of 16)."""
     rng = np.random.default_rng(0)
     x = rng.normal(size=(32, 5, 4)).astype("float32")
     y = rng.integers(0, 3, 32).astype("int32")
-    reference = position_model()
+    reference = build()
     keras_reference(reference, x, y, keras.optimizers.Adam(0.01), batch_size=16, steps=2)
     return x, y, reference
 
@@ -269,6 +290,32 @@ def test_rows_at_constant_positions_are_reduced_as_one_device_sums_them_under_xl
     )
     jit = trainer.engine_plan.jit
     assert jit.per_lane if num_micro_batch == 1 else jit.per_stage
+    trainer.fit(x, y, batch_size=16, steps_per_epoch=2, verbose=0, shuffle=False)
+    assert max_weight_difference(reference, model) < 1e-6
+
+
+# A position table read by both stages: (devices, jit_compile)
+TIED_POSITION_CASES = {"2_stages": (2, False), "2_stages_xla": (2, True), "2x2_stages": (4, False)}
+
+
+@pytest.mark.parametrize("case", sorted(TIED_POSITION_CASES))
+def test_rows_at_constant_positions_of_a_table_two_stages_read_are_summed_per_stage(case):
+    """One device's gradient of a table read twice at `arange(n)` holds each use's rows
+    once, summed over the batch (the tape concatenates the two uses). The lane's one
+    running sum stacked both stages' rows of every micro-batch: Adam ended 5.9e-3 from
+    Keras after two steps (6.4e-3 with 2 replicas); each stage's are now summed over the
+    micro-batches, then the stages' concatenated."""
+    devices, jit_compile = TIED_POSITION_CASES[case]
+    x, y, reference = position_data_and_reference(tied_position_model)
+    model = tied_position_model()
+    trainer = epl.EPLTrainer(
+        model,
+        LOSS,
+        keras.optimizers.Adam(0.01),
+        stages={"positions": 0, "mix|again|flatten.*|logits": 1},
+        jit_compile=jit_compile,
+        config={"cluster.virtual_devices": devices, "pipeline.num_micro_batch": 2},
+    )
     trainer.fit(x, y, batch_size=16, steps_per_epoch=2, verbose=0, shuffle=False)
     assert max_weight_difference(reference, model) < 1e-6
 

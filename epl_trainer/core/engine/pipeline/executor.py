@@ -166,7 +166,7 @@ class LaneExecutor:
             self.trainable_idx, self.unread_idx, self.chains
         )
         # Read by one stage: each gradient added to the running sum is the same lookups'
-        # of another micro-batch (a tied weight's also holds other stages' lookups).
+        # of another micro-batch (a tied weight's are summed per stage: _TiedSums).
         self.one_stage_idx = _accumulated_by_one_chain(
             self.trainable_idx, self.unread_idx, range(len(staged.stages))
         )
@@ -203,6 +203,7 @@ class LaneExecutor:
         # Per chain: the running sums its last accumulation made, which its next one
         # waits for (the module docstring: no AddN over every micro-batch's gradients).
         self._running_sums: dict = {}
+        self._tied_sums: dict = {}  # variable -> _TiedSums (a weight several stages read)
         previous: dict = {}  # per chain (a device of the schedule): tensors ending its last task
         sent_since_w: dict = {}  # per chain: its sends to other workers since its last W
         collecting = self.boundaries is not None and self.splits_backward  # for Ws to wait
@@ -540,10 +541,17 @@ class LaneExecutor:
                 continue
             if sink is not None and i in sink.covered and not _is_slices(g):
                 handed[i] = g  # reduced per micro-batch (ZeRO v1), never accumulated
+            elif i not in self.one_stage_idx:  # a tied weight: other stages add to it
+                tied = self._tied_sums.setdefault(i, _TiedSums())
+                summed = tied.add(k, g)
+                grads[i] = tied.total()
+                if i in self.one_chain_idx and summed is not g:
+                    chain = self.chains[k]
+                    self._running_sums.setdefault(chain, []).extend(_sum_tensors(summed))
             elif grads[i] is None:
                 grads[i] = g
             else:
-                grads[i] = accumulate(grads[i], g, same_lookups=i in self.one_stage_idx)
+                grads[i] = accumulate(grads[i], g, same_lookups=True)
                 if i in self.one_chain_idx:
                     chain = self.chains[k]
                     self._running_sums.setdefault(chain, []).extend(_sum_tensors(grads[i]))
@@ -562,6 +570,45 @@ class LaneExecutor:
                 variable = self.variables[self.trainable_idx[k][p]]
                 by_position[p] = tf.zeros(variable.shape, variable.dtype)
         return by_position
+
+
+class _TiedSums:
+    """The gradients of a weight several stages read (a tied weight), over a lane's
+    micro-batches.
+
+    Rows a stage looks up at constant indices (a position table read by two stages) are
+    summed per stage over the micro-batches, `accumulate(..., same_lookups=True)`: one
+    device's gradient holds each stage's lookups once, summed over the batch, and the
+    stages' as rows of their own (the tape concatenates two uses' rows), which Keras's
+    Adam squares one by one (tests/test_comm_options.py). Every other gradient (rows of
+    token ids, a dense use such as tied logits) goes to one running sum (`accumulate`:
+    rows concatenated, or added dense).
+    """
+
+    def __init__(self):
+        self.by_stage: dict = {}  # stage -> its constant-index rows, summed
+        self.rest = None
+
+    def add(self, stage: int, gradient):
+        """Adds one (stage, micro-batch)'s gradient; returns the sum it went into."""
+        if _is_slices(gradient) and comm.batch_independent(gradient.indices):
+            total = self.by_stage.get(stage)
+            summed = gradient if total is None else accumulate(total, gradient, True)
+            self.by_stage[stage] = summed
+        else:
+            summed = gradient if self.rest is None else accumulate(self.rest, gradient)
+            self.rest = summed
+        return summed
+
+    def total(self):
+        """The sum of every stage's gradients (only the last one made is computed)."""
+        parts = [self.by_stage[k] for k in sorted(self.by_stage)]
+        if self.rest is not None:
+            parts.insert(0, self.rest)
+        total = parts[0]
+        for part in parts[1:]:
+            total = accumulate(total, part)
+        return total
 
 
 class _RowArrays(typing.NamedTuple):
