@@ -247,6 +247,7 @@ def _evaluate(tensor, calls: tuple):
     if inner is not None:
         return _evaluate(*inner)
     nodes: dict = {}
+    boundaries: dict = {}  # id of a tensor beyond a boundary -> its constant's name
     stack = [tensor.op]
     while stack:
         op = stack.pop()
@@ -259,13 +260,15 @@ def _evaluate(tensor, calls: tuple):
             del node.attr["_class"]
         del node.input[:]  # control inputs dropped; data inputs in `op.inputs` order
         for t in op.inputs:
-            if t.op.type == "Placeholder" or _call_output(t, calls) is not None:
+            if id(t) in boundaries:
+                node.input.append(boundaries[id(t)])
+            elif t.op.type == "Placeholder" or _call_output(t, calls) is not None:
                 name = f"epl.boundary.{len(nodes)}"  # not a name TF gives (a clash: None)
-                value = _evaluate(t, calls)
                 constant = tf.compat.v1.NodeDef(name=name, op="Const")
                 constant.attr["dtype"].type = t.dtype.as_datatype_enum
-                constant.attr["value"].tensor.CopyFrom(tf.make_tensor_proto(value))
+                constant.attr["value"].tensor.CopyFrom(tf.make_tensor_proto(_evaluate(t, calls)))
                 nodes[name] = constant
+                boundaries[id(t)] = name
                 node.input.append(name)
             else:
                 node.input.append(t.name[:-2] if t.name.endswith(":0") else t.name)
@@ -290,7 +293,8 @@ def _called_graph(op):
     name = op.get_attr("f").name
     graph = op.graph
     while graph is not None:  # a function called in a loop's body may be the outer's
-        function = graph._get_function(name)  # no public lookup of a graph's functions
+        lookup = getattr(graph, "_get_function", None)  # no public lookup of a graph's
+        function = lookup(name) if lookup is not None else None  # functions
         if function is not None:
             return getattr(function, "graph", None)
         graph = getattr(graph, "outer_graph", None)
