@@ -698,14 +698,26 @@ def stateless_stage_call(model):
     return call
 
 
-def compiled_stage_call(call):
+def compiled_stage_call(call, stage: int, statistics):
     """`call` (a stage call, as above) with its forward compiled by XLA, once for
     training and once for inference. The tape differentiates the compiled function, and
-    TensorFlow compiles its backward as well, as `Model.compile(jit_compile=True)` does."""
+    TensorFlow compiles its backward as well, as `Model.compile(jit_compile=True)` does.
+
+    Every tensor the function reads is an argument: its traces are shared by every
+    micro-batch and lane calling it with the same shapes, so a tensor captured by
+    closure would be the first caller's. BatchNorm's real rows of the micro-batch
+    (`statistics`, the step's `batch_statistics`: `traced_mask`) are taken as an
+    argument and installed again inside.
+    """
+
+    def traced(variables, non_trainable, args, row_mask, training):
+        with statistics.installed_mask(stage, row_mask):
+            return call(variables, non_trainable, args, training)
+
     compiled = {
         training: tf.function(
-            lambda variables, non_trainable, args, training=training: call(
-                variables, non_trainable, args, training
+            lambda variables, non_trainable, args, row_mask, training=training: traced(
+                variables, non_trainable, args, row_mask, training
             ),
             jit_compile=True,
             autograph=False,
@@ -714,7 +726,8 @@ def compiled_stage_call(call):
     }
 
     def run(variables, non_trainable, args, training):
-        return compiled[bool(training)](variables, non_trainable, args)
+        row_mask = statistics.traced_mask(stage) if training else None
+        return compiled[bool(training)](variables, non_trainable, args, row_mask)
 
     return run
 
