@@ -147,12 +147,19 @@ def build_engine(
         )
     if config.gradient_checkpoint.type:
         apply_recompute(hooks, staged, config.gradient_checkpoint, checkpoint_marks)
+    # Before compiling: a compiled stage takes the rows its BatchNorm layers count.
+    apply_sync_batch_norm(hooks, layout, config.batch_norm.synchronized)
+    statistics = hooks.batch_statistics
     xla = engine_plan.jit
     if xla.per_stage:
-        hooks.stage_calls = [compiled_stage_call(call) for call in hooks.stage_calls]
+        hooks.stage_calls = [
+            compiled_stage_call(call, k, statistics) for k, call in enumerate(hooks.stage_calls)
+        ]
     if xla.compile:
-        hooks.eval_stage_calls = [compiled_stage_call(call) for call in hooks.eval_stage_calls]
-    apply_sync_batch_norm(hooks, layout, config.batch_norm.synchronized)
+        hooks.eval_stage_calls = [
+            compiled_stage_call(call, k, statistics)
+            for k, call in enumerate(hooks.eval_stage_calls)
+        ]
     reduction = GradientReduction(layout, config.communication, hooks.lanes, clip_global_norm)
 
     def make_state_optimizer(device, variables):

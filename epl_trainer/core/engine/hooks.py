@@ -76,6 +76,18 @@ class LocalBatchStatistics:
         """A context around the matching backward (a recomputed forward runs in it)."""
         return contextlib.nullcontext()
 
+    def traced_mask(self, stage: int):
+        """The row mask that the open forward context of `stage` makes its layers read
+        (None: they read none). An XLA-compiled stage (`compiled_stage_call`) takes it as
+        an argument and installs it again inside its function (`installed_mask`): the
+        function's traces are shared by every micro-batch and lane, so a mask its first
+        trace captured would stand for all of them."""
+        return None
+
+    def installed_mask(self, stage: int, mask):
+        """A context in which `stage`'s layers read `mask` (see `traced_mask`)."""
+        return contextlib.nullcontext()
+
 
 @dataclasses.dataclass
 class StepHooks:

@@ -104,6 +104,7 @@ class RealRowBatchNorm(LocalBatchStatistics):
 
     def __init__(self, layers: list[list]):
         self.layers = layers
+        self._open_masks: dict = {}  # stage -> the row mask of its open context
 
     def forward(self, li: int, stage: int, micro_batch, mask):
         return self._installed(stage, mask)
@@ -111,16 +112,30 @@ class RealRowBatchNorm(LocalBatchStatistics):
     def backward(self, li: int, stage: int, micro_batch, mask):
         return self._installed(stage, mask)  # a recomputed forward: the same moments
 
+    def traced_mask(self, stage: int):
+        return self._open_masks.get(stage) if self.layers[stage] else None
+
+    def installed_mask(self, stage: int, mask):
+        return self._installed(stage, mask)
+
     @contextlib.contextmanager
     def _installed(self, stage: int, row_mask):
         layers = self.layers[stage] if row_mask is not None else []
+        # A compiled stage installs its own mask inside the context its caller opened:
+        # on leaving, the caller's comes back.
+        previous = [layer.__dict__.get("_moments") for layer in layers]
+        previous_mask = self._open_masks.get(stage)
         try:
+            self._open_masks[stage] = row_mask
             for layer in layers:
                 object.__setattr__(layer, "_moments", _real_row_moments(layer, row_mask))
             yield
         finally:
-            for layer in layers:
-                if "_moments" in layer.__dict__:
+            self._open_masks[stage] = previous_mask
+            for layer, moments in zip(layers, previous):
+                if moments is not None:
+                    object.__setattr__(layer, "_moments", moments)
+                elif "_moments" in layer.__dict__:
                     object.__delattr__(layer, "_moments")
 
 

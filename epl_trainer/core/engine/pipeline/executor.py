@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
 import typing
 
 import tensorflow as tf
@@ -33,6 +34,8 @@ from epl_trainer.core.engine import objective as objective_lib
 from epl_trainer.core.engine.pipeline.split_backward import release, split_gradient
 from epl_trainer.core.graph.partition import StagedModel
 from epl_trainer.core.plan.schedule import BACKWARD, FORWARD, WEIGHT, Task
+
+logger = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass
@@ -745,14 +748,31 @@ def stateless_stage_call(model):
     return call
 
 
-def compiled_stage_call(call):
+def compiled_stage_call(call, stage: int, statistics):
     """`call` (a stage call, as above) with its forward compiled by XLA, once for
     training and once for inference. The tape differentiates the compiled function, and
-    TensorFlow compiles its backward as well, as `Model.compile(jit_compile=True)` does."""
+    TensorFlow compiles its backward as well, as `Model.compile(jit_compile=True)` does.
+
+    Every tensor the function reads is an argument: its traces are shared by every
+    micro-batch and lane calling it with the same shapes, so a tensor captured by
+    closure would be the first caller's. BatchNorm's real rows of the micro-batch
+    (`statistics`, the step's `batch_statistics`: `traced_mask`) are taken as an
+    argument and installed again inside.
+
+    A training forward with a loop (an RNN layer's `while`) runs as plain ops, with a
+    warning: TensorFlow differentiates a loop from its intermediates (TensorLists),
+    which cannot leave an XLA function ("Support for TensorList crossing the XLA/TF
+    boundary is not implemented"); Keras's compiled step keeps the backward inside.
+    """
+
+    def traced(variables, non_trainable, args, row_mask, training):
+        with statistics.installed_mask(stage, row_mask):
+            return call(variables, non_trainable, args, training)
+
     compiled = {
         training: tf.function(
-            lambda variables, non_trainable, args, training=training: call(
-                variables, non_trainable, args, training
+            lambda variables, non_trainable, args, row_mask, training=training: traced(
+                variables, non_trainable, args, row_mask, training
             ),
             jit_compile=True,
             autograph=False,
@@ -760,10 +780,40 @@ def compiled_stage_call(call):
         for training in (True, False)
     }
 
+    warned = []  # once per stage, not per lane and trace
+
     def run(variables, non_trainable, args, training):
-        return compiled[bool(training)](variables, non_trainable, args)
+        row_mask = statistics.traced_mask(stage) if training else None
+        function = compiled[bool(training)]
+        if training:
+            traced_graph = function.get_concrete_function(
+                variables, non_trainable, args, row_mask
+            ).graph
+            loops = [op.name for op in traced_graph.get_operations() if op.type in _LOOPS]
+            if loops:
+                if not warned:
+                    warned.append(loops)
+                    _warn_plain_stage(stage, loops)
+                return call(variables, non_trainable, args, training)
+        return function(variables, non_trainable, args, row_mask)
 
     return run
+
+
+_LOOPS = ("While", "StatelessWhile")
+
+
+def _warn_plain_stage(stage: int, loops: list) -> None:
+    logger.warning(
+        "jit_compile: stage %d's forward has loops %s (an RNN layer's, for one); TensorFlow "
+        "cannot take a loop's gradient from outside an XLA function (TensorList crossing the "
+        "XLA/TF boundary), and a compiled stage's backward runs outside its forward's, so "
+        "this stage trains as plain TensorFlow ops. A layout compiled whole (one stage and "
+        "one micro-batch per lane, without ZeRO or gradient checkpointing) keeps the "
+        "backward inside.",
+        stage,
+        loops,
+    )
 
 
 def training_kwargs(model, training: bool) -> dict:
