@@ -132,12 +132,40 @@ def _lstm(seed=0):
     return keras.Model(inputs, keras.layers.Dense(3, name="logits")(h))
 
 
-def test_a_compiled_stage_with_a_loop_runs_as_plain_ops(caplog):
+class _LoopInBranch(keras.layers.Layer):
+    """A loop inside a `tf.cond` branch: the loop is in a branch function, not among the
+    stage graph's own ops."""
+
+    def build(self, shape):
+        self.kernel = self.add_weight((shape[-1], shape[-1]), name="kernel")
+
+    def call(self, x):
+        def body(i, h):
+            return i + 1, tf.tanh(tf.matmul(h, self.kernel))
+
+        def looped():
+            return tf.while_loop(lambda i, _: i < 3, body, (tf.constant(0), x))[1]
+
+        return tf.cond(tf.reduce_sum(x) > -1e9, looped, lambda: x)
+
+
+def _loop_in_branch(seed=0):
+    keras.utils.set_random_seed(seed)
+    inputs = keras.Input((5,), dtype="int32", name="tokens")
+    h = keras.layers.Embedding(20, 4, name="embed")(inputs)
+    h = keras.layers.Flatten(name="flatten")(h)
+    h = _LoopInBranch(name="branch_loop")(h)
+    return keras.Model(inputs, keras.layers.Dense(3, name="logits")(h))
+
+
+@pytest.mark.parametrize("build", [_lstm, _loop_in_branch], ids=["lstm", "loop_in_a_branch"])
+def test_a_compiled_stage_with_a_loop_runs_as_plain_ops(build, caplog):
     """TensorFlow cannot differentiate a loop (an LSTM's) inside an XLA function from
     outside it (its intermediates, TensorLists, do not cross the function's boundary);
     Keras's compiled step has the backward inside. A compiled stage with a loop runs as
     plain ops, with a warning naming the loop, where the step failed in TensorFlow with
-    "Support for TensorList crossing the XLA/TF boundary is not implemented"."""
+    "Support for TensorList crossing the XLA/TF boundary is not implemented". A loop
+    inside a `tf.cond` branch is found in the graph's function library."""
     caplog.set_level(logging.WARNING, logger="epl_trainer")
     rng = np.random.default_rng(0)
     x = rng.integers(0, 20, size=(16, 5)).astype("int32")
@@ -145,13 +173,13 @@ def test_a_compiled_stage_with_a_loop_runs_as_plain_ops(caplog):
     y = rng.integers(0, 3, 16).astype("int32")
     models = {}
     for jit in (False, True):
-        models[jit] = _lstm()
+        models[jit] = build()
         trainer = _trainer(models[jit], keras.optimizers.SGD(0.1),
                            config={"pipeline.num_micro_batch": 2}, jit_compile=jit)  # fmt: skip
         trainer.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)
     assert trainer.engine_plan.jit.per_stage
     assert max_weight_difference(models[False], models[True]) < ATOL
-    assert "stage 0" in caplog.text and "lstm" in caplog.text
+    assert "stage 0" in caplog.text and "while" in caplog.text
 
 
 @pytest.mark.parametrize("devices", [1, 2])

@@ -789,7 +789,7 @@ def compiled_stage_call(call, stage: int, statistics):
             traced_graph = function.get_concrete_function(
                 variables, non_trainable, args, row_mask
             ).graph
-            loops = [op.name for op in traced_graph.get_operations() if op.type in _LOOPS]
+            loops = _loops_in(traced_graph)
             if loops:
                 if not warned:
                     warned.append(loops)
@@ -801,6 +801,16 @@ def compiled_stage_call(call, stage: int, statistics):
 
 
 _LOOPS = ("While", "StatelessWhile")
+
+
+def _loops_in(graph) -> list[str]:
+    """The names of the loops in `graph` and in the functions it calls (a loop inside
+    a `tf.cond` branch or a nested `tf.function`: the graph's function library)."""
+    graph_def = graph.as_graph_def()
+    nodes = list(graph_def.node)
+    for function in graph_def.library.function:
+        nodes.extend(function.node_def)
+    return [node.name for node in nodes if node.op in _LOOPS]
 
 
 def _warn_plain_stage(stage: int, loops: list) -> None:
