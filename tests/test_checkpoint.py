@@ -264,6 +264,50 @@ def test_fit_with_checkpoint_dir_resumes_mid_epoch_like_an_uninterrupted_run(tmp
     assert max_weight_difference(uninterrupted, resumed_model) == 0.0
 
 
+def test_a_resumed_epoch_logs_the_metrics_of_all_its_batches(tmp_path):
+    """The running loss and metrics of the epoch in progress are in a checkpoint saved
+    mid-epoch: the resumed epoch's batch and epoch logs cover its batches before the
+    checkpoint too, as the uninterrupted run's do (before: they restarted at the resume,
+    and the epoch's logged loss was 0.07 off with SGD, the batch logs 0.3)."""
+
+    def fit(callbacks=(), **config):
+        trainer = epl.EPLTrainer(
+            mlp(dropout=0.3),
+            LOSS,
+            keras.optimizers.SGD(0.05, momentum=0.9),
+            metrics=["sparse_categorical_accuracy"],
+            config={"cluster.virtual_devices": 2, **config},
+        )
+        seen = keras.callbacks.LambdaCallback(
+            on_train_batch_end=lambda batch, logs: batch_logs.append(dict(logs))
+        )
+        return trainer.fit(_dataset(), epochs=2, callbacks=[seen, *callbacks], verbose=0)
+
+    batch_logs = []
+    uninterrupted = fit().history
+    uninterrupted_batches, batch_logs = batch_logs[-2:], []
+
+    class InterruptAtStep7(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            if int(self.model.optimizer.iterations.numpy()) == 7:
+                raise _Interrupt()
+
+    config = {"checkpoint.dir": str(tmp_path), "checkpoint.save_steps": 3}
+    with pytest.raises(_Interrupt):
+        fit([InterruptAtStep7()], **config)
+    batch_logs = []
+    resumed = fit(**config).history  # from step 6: the second epoch's last 2 batches
+    assert len(batch_logs) == 2
+    for key in ("loss", "sparse_categorical_accuracy"):
+        np.testing.assert_allclose(resumed[key], uninterrupted[key][1:], rtol=0, atol=1e-6)
+        np.testing.assert_allclose(
+            [logs[key] for logs in batch_logs],
+            [logs[key] for logs in uninterrupted_batches],
+            rtol=0,
+            atol=1e-6,
+        )
+
+
 def test_damaged_newest_checkpoint_stops_auto_resume_and_is_kept(tmp_path):
     trainer = _trainer(mlp())
     trainer.fit(_dataset(), epochs=1, verbose=0)

@@ -190,6 +190,33 @@ def test_backup_and_restore_resumes_with_the_optimizer_state(tmp_path):
     _assert_same_state(reference, resumed)
 
 
+def test_the_model_holds_the_dropout_seed_counters_and_a_new_trainer_continues_them():
+    """The write-back gives the model's seed states the lanes' counters (each lane's seed
+    offset taken off), and a trainer taking the model takes them (offset again): two
+    trainers of one epoch each draw the masks one trainer of two epochs draws (before:
+    the model's seed states stayed as built, [seed, 0], and the second trainer drew the
+    first epoch's masks again: weights 3.9e-2 apart)."""
+    x, y = mlp_data()
+
+    def compiled():
+        model = mlp(dropout=0.5)
+        model.compile(optimizer=_adam(), loss=LOSS)
+        return model
+
+    def fit(model):
+        _trainer(model).fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
+
+    reference = compiled()
+    _trainer(reference).fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0)
+    continued = compiled()
+    fit(continued)
+    fit(continued)
+    _assert_same_state(reference, continued, atol=0)
+    seeds = [[v.numpy() for v in m.non_trainable_variables] for m in (reference, continued)]
+    np.testing.assert_array_equal(*seeds)
+    assert seeds[0][0][1] == 2 * len(x) // BATCH  # the counter: one draw per step
+
+
 @pytest.mark.combines("ema+data_parallel")
 def test_use_ema_is_built_on_the_users_optimizer_and_holds_the_averages(tmp_path):
     """The user's optimizer gets its moving averages (built on the model's variables,

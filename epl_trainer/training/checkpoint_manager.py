@@ -24,11 +24,13 @@ from epl_trainer.runtime import elastic
 from epl_trainer.training import checkpoint as ckpt
 from epl_trainer.training import input_state, shard_file
 from epl_trainer.training import model_fn as model_fn_lib
+from epl_trainer.training import objectives as objectives_lib
 from epl_trainer.training.checkpoint_writer import BackgroundWriter, SaveInFlight
 from epl_trainer.training.context import TrainerContext
 from epl_trainer.training.engine_runtime import EngineRuntime
 from epl_trainer.training.host_agreement import HostAgreement
 from epl_trainer.training.model_planning import ModelPlanner
+from epl_trainer.training.objectives import Objectives
 from epl_trainer.training.progress import TrainingProgress
 
 logger = logging.getLogger(__name__)
@@ -63,6 +65,7 @@ class CheckpointManager:
       agreement: the workers' agreement on the step, the folder and the checkpoint.
       planner: plans an Estimator-style model_fn's model from `features` (a restore
         before the first fit).
+      objectives: the loss and metrics, whose running state a save mid-epoch holds.
     """
 
     def __init__(
@@ -72,8 +75,10 @@ class CheckpointManager:
         progress: TrainingProgress,
         agreement: HostAgreement,
         planner: ModelPlanner,
+        objectives: Objectives,
     ):
         self._context = context
+        self._objectives = objectives
         self._runtime = runtime
         self._progress = progress
         self._agreement = agreement
@@ -172,6 +177,7 @@ class CheckpointManager:
         with self._runtime.engine.state.gathered_reads():  # every worker, same order
             # Read now: an entry may be the variable itself, which training goes on updating.
             values = [(e.key, e.name, tf.convert_to_tensor(e.read())) for e in entries]
+        values += self._objectives.state_entries()  # the epoch's running metrics
         if to_host:
             values = [(key, name, _on_host(value)) for key, name, value in values]
         return values
@@ -373,11 +379,13 @@ class CheckpointManager:
         content = self._content()
         expected = content.expected()
         unexpected = content.unexpected(manifest["entries"], expected)
-        values = ckpt.read_entries(path, manifest, expected, unexpected)
+        metrics = objectives_lib.saved_state(manifest["entries"])  # the epoch's running metrics
+        values = ckpt.read_entries(path, manifest, {**expected, **metrics}, unexpected)
         content.assign({k: np.asarray(v) for k, v in values.items()}, expected)
         self._runtime.write_back()  # the Keras model holds the restored state too
         self._progress.restored_from(manifest)  # the next fit continues from there
         self._progress.resume_input = self._input_to_restore(path, manifest)
+        self._progress.resume_metrics = {k: np.asarray(values[k]) for k in metrics if k in values}
         return path
 
     def auto_resume(self, dataset) -> bool:

@@ -165,6 +165,9 @@ class FitLoop:
         # Workers that agree on the end of the data (end_of_data.py) all take each step.
         known = fit_lib.num_batches(dataset) if context.end_of_data is None else None
         restore_input = progress.take_resume_input()
+        # A checkpoint mid-epoch holds the epoch's running metrics: the resumed epoch's
+        # logs then cover its batches before the checkpoint too, as the uninterrupted run's.
+        resume_metrics = progress.take_resume_metrics() if first_step else None
         if isinstance(restore_input, str):  # why the checkpoint has no input state for it
             if passes is None and (position or progress.epochs_done):
                 logger.warning(
@@ -189,8 +192,10 @@ class FitLoop:
             for epoch in epochs_run:
                 batches.last_epoch = epoch == epochs_run[-1]
                 self._runtime.run_hook(callback_list, "on_epoch_begin", epoch)
-                logs = self._run_epoch(batches, callback_list, write_back_each_step, first_step)
-                first_step = 0
+                logs = self._run_epoch(
+                    batches, callback_list, write_back_each_step, first_step, resume_metrics
+                )
+                first_step, resume_metrics = 0, None
                 if validation is not None and fit_lib.should_validate(epoch, validation_freq):
                     val_logs = self._inference.evaluate_dataset(validation, callback_list)
                     logs.update({f"val_{k}": v for k, v in val_logs.items()})
@@ -222,10 +227,14 @@ class FitLoop:
         if self._context.config.checkpoint.dir:
             self._checkpoints.save_periodic()
 
-    def _run_epoch(self, batches, callback_list, write_back_each_step, first_step=0) -> dict:
+    def _run_epoch(
+        self, batches, callback_list, write_back_each_step, first_step=0, resume_metrics=None
+    ) -> dict:
         context, runtime, progress = self._context, self._runtime, self._progress
         program = runtime.ensure_for(batches.dataset)
         self._objectives.reset()
+        if resume_metrics:
+            self._objectives.load_state(resume_metrics)
         log_names = None if context.runs_user_steps else self._objectives.log_names()
         chunk = {"last": -1, "end": 0, "ran": 0}  # the last call's step indices and iterations
         end_of_data, per_call = context.end_of_data, context.steps_per_execution

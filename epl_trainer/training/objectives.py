@@ -5,7 +5,10 @@ shapes as Keras's first `fit` builds them, and the logs under Keras's keys."""
 from __future__ import annotations
 
 import keras
+import numpy as np
+import tensorflow as tf
 
+from epl_trainer.core.engine.checkpoint_content import Expected
 from epl_trainer.training import compiled
 from epl_trainer.training import fit_inputs as fit_lib
 from epl_trainer.training.context import TrainerContext
@@ -98,6 +101,44 @@ class Objectives:
         for _, metric in self.named():
             metric.reset_state()
 
+    def state_entries(self) -> list[tuple[str, str, tf.Tensor]]:
+        """This worker's running state of the metrics as checkpoint entries [(key, name,
+        value)]: `metric/<log key>/<j>@worker<w>` is the j-th variable of the metric
+        logged as `<log key>` on worker w. Each worker writes its own (no collective: a
+        save that fails on one worker must not leave the others waiting in one)."""
+        worker = self._context.cluster.worker_index
+        return [
+            (
+                f"{METRIC_KEY}{name}/{j}{WORKER_MARK}{worker}",
+                f"{name} ({variable.path}) of worker {worker}",
+                tf.convert_to_tensor(variable.value),
+            )
+            for name, metric in self.named()
+            for j, variable in enumerate(metric.variables)
+        ]
+
+    def load_state(self, values: dict) -> None:
+        """Puts back the running state `state_entries` saved (a resume mid-epoch), so the
+        epoch's logs cover every batch of it, the ones before the checkpoint included.
+        The chief takes the sum over the saved job's workers and the other workers zeros,
+        as the epoch's logs sum the workers' states (metric_sync.py): the logs are then
+        the saved job's, whatever the worker count. A metric the checkpoint lacks, or
+        holds in other shapes, stays reset."""
+        summed = {}
+        for key, value in values.items():
+            base = key.split(WORKER_MARK)[0]
+            summed[base] = summed[base] + value if base in summed else np.asarray(value)
+        chief = self._context.cluster.is_chief
+        for name, metric in self.named():
+            saved = [summed.get(f"{METRIC_KEY}{name}/{j}") for j in range(len(metric.variables))]
+            if not saved or any(
+                value is None or tuple(value.shape) != tuple(variable.shape)
+                for value, variable in zip(saved, metric.variables)
+            ):
+                continue
+            for value, variable in zip(saved, metric.variables):
+                variable.assign(value if chief else np.zeros_like(value))
+
     def logs(self, step_logs: dict | None = None) -> dict:
         """The metrics' results, over every worker's rows. With the model's own steps,
         Keras's rule (`Trainer._get_metrics_result_or_logs`): the model's metrics when
@@ -131,3 +172,17 @@ class Objectives:
         # prefixed name (several outputs) is placed by sorting, as in Keras.
         names = [metric.name for _, metric in self.named()]
         return fit_lib.flatten_logs_in_order(logs, names)
+
+
+METRIC_KEY = "metric/"  # checkpoint entries of the metrics' running state
+WORKER_MARK = "@worker"  # ... one per worker: metric/<log key>/<j>@worker<w>
+
+
+def saved_state(entries: dict) -> dict[str, Expected]:
+    """{key: Expected} of a manifest's metric entries (`Objectives.state_entries`), read
+    as they were saved: none in a checkpoint written before they were."""
+    return {
+        key: Expected(entry["name"], list(entry["shape"]), entry["dtype"], [], optional=True)
+        for key, entry in entries.items()
+        if key.startswith(METRIC_KEY)
+    }

@@ -21,6 +21,8 @@ class TrainingProgress:
       epoch count up to `epochs`).
     resume_input: what a restore left for the first pass of the next fit: a callable
       restoring the saved tf.data iterator state, or why there is none (a str).
+    resume_metrics: the running metrics a restore left for the rest of its epoch
+      ({checkpoint key: value}), else None.
     shuffle_seed: the job's seed for the order of shuffled numpy passes (DataFeeder draws
       it once); a checkpoint carries it, so a restored run reshuffles as the saved one
       did whatever the restoring process's random state.
@@ -35,6 +37,7 @@ class TrainingProgress:
     # What a restore left for the next fit's first pass: `restore(iterator)` putting back
     # the saved input state (input_state.py), or why the checkpoint cannot (a str).
     resume_input: object = None
+    resume_metrics: dict | None = None
 
     @property
     def input_position(self) -> int:
@@ -60,6 +63,11 @@ class TrainingProgress:
         position, self.resume_position = self.resume_position, (0, 0)
         restored, self.restored = self.restored, False
         return position, restored
+
+    def take_resume_metrics(self) -> dict | None:
+        """`resume_metrics` for the fit beginning now (consumed)."""
+        taken, self.resume_metrics = self.resume_metrics, None
+        return taken
 
     def take_resume_input(self):
         """`resume_input` for the fit beginning now (consumed)."""

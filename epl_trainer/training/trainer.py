@@ -175,7 +175,7 @@ class EPLTrainer:
         agreement = HostAgreement(cluster, self.runtime.watch)
         self.feeder = DataFeeder(context, self.planner, self.objectives, self.progress, agreement)
         self.checkpoints = CheckpointManager(
-            context, self.runtime, self.progress, agreement, self.planner
+            context, self.runtime, self.progress, agreement, self.planner, self.objectives
         )
         self.inference = InferenceRunner(context, self.runtime, self.objectives, self.feeder)
         self.fit_loop = FitLoop(

@@ -279,6 +279,13 @@ class EngineState:
         copies = self.trainable if trainable else self.non_trainable
         return next((lane[index] for lane in copies if lane[index] is not None), None)
 
+    def _first_local_copy(self, index: int):
+        """(copy, lane) of `local_copy(index, trainable=False)`, or (None, None)."""
+        for lane, copies in zip(self.lanes, self.non_trainable):
+            if copies[index] is not None:
+                return copies[index], lane
+        return None, None
+
     def full_value(self, index: int):
         """Trainable variable `index` as the model sees it: sharded ones are joined from
         the lanes of this worker's first replica (laid out over the batch axis too: from
@@ -329,8 +336,14 @@ class EngineState:
                 if value is not None:
                     target.assign(value)
         for i, target in enumerate(self.model_non_trainable):
-            source = self.local_copy(i, trainable=False)
-            if source is not None and not is_seed_state(target):
+            source, lane = self._first_local_copy(i)
+            if source is None or source is target:  # target: the lane computes on it
+                continue
+            if is_seed_state(target):
+                # The model's seed, the lane's counter: a Keras save of the model
+                # (BackupAndRestore, ModelCheckpoint) goes on drawing where training is.
+                target.assign(seed_of_lane(source.numpy(), lane.index, sign=-1))
+            else:
                 target.assign(source.value)
         if self.exchange is not None:
             self.exchange()
@@ -343,10 +356,20 @@ class EngineState:
                     continue
                 value = source.value
                 target.assign(self._shard_of(i, value, lane) if i in self.sharded else value)
-        for lane_vars in self.non_trainable:
-            for target, source in zip(lane_vars, self.model_non_trainable):
-                if target is not None and not is_seed_state(source):
-                    target.assign(source.value)
+        for i, source in enumerate(self.model_non_trainable):
+            copies = [
+                (lane, lane_vars[i]) for lane, lane_vars in zip(self.lanes, self.non_trainable)
+            ]
+            seed = is_seed_state(source)
+            if seed and any(copy is source for _, copy in copies):
+                continue  # a lane computes on the model's seed state (own_first_lane)
+            for lane, copy in copies:
+                if copy is None or copy is source:
+                    continue
+                if seed:  # e.g. BackupAndRestore's loaded state: each lane its offset
+                    copy.assign(seed_of_lane(source.numpy(), lane.index))
+                else:
+                    copy.assign(source.value)
         self.sync_stage_copies()
 
     def load_sharded_from_model(self) -> None:
