@@ -780,20 +780,23 @@ def compiled_stage_call(call, stage: int, statistics):
         for training in (True, False)
     }
 
-    warned = []  # once per stage, not per lane and trace
+    # Whether the training forward runs as plain ops (it has loops): decided once, at
+    # the first trace, for every lane, micro-batch and later trace of the stage.
+    plain_training: list[bool] = []
 
     def run(variables, non_trainable, args, training):
         row_mask = statistics.traced_mask(stage) if training else None
         function = compiled[bool(training)]
         if training:
-            traced_graph = function.get_concrete_function(
-                variables, non_trainable, args, row_mask
-            ).graph
-            loops = _loops_in(traced_graph)
-            if loops:
-                if not warned:
-                    warned.append(loops)
+            if not plain_training:
+                traced_graph = function.get_concrete_function(
+                    variables, non_trainable, args, row_mask
+                ).graph
+                loops = _loops_in(traced_graph)
+                if loops:
                     _warn_plain_stage(stage, loops)
+                plain_training.append(bool(loops))
+            if plain_training[0]:
                 return call(variables, non_trainable, args, training)
         return function(variables, non_trainable, args, row_mask)
 
