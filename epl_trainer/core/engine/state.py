@@ -276,12 +276,11 @@ class EngineState:
     def local_copy(self, index: int, trainable: bool = True):
         """This worker's first copy of variable `index`, or None if another worker holds
         its stage."""
-        copies = self.trainable if trainable else self.non_trainable
-        return next((lane[index] for lane in copies if lane[index] is not None), None)
+        return self._first_local_copy(index, trainable)[0]
 
-    def _first_local_copy(self, index: int):
-        """(copy, lane) of `local_copy(index, trainable=False)`, or (None, None)."""
-        for lane, copies in zip(self.lanes, self.non_trainable):
+    def _first_local_copy(self, index: int, trainable: bool = False):
+        """(`local_copy(index, trainable)`, the lane holding it), or (None, None)."""
+        for lane, copies in zip(self.lanes, self.trainable if trainable else self.non_trainable):
             if copies[index] is not None:
                 return copies[index], lane
         return None, None
