@@ -66,6 +66,11 @@ def _weights(out, worker=0):
     return [loaded[f"arr_{i}"] for i in range(len(loaded.files))]
 
 
+def _logs(out, worker=0, attempt=0) -> dict:
+    """{"batches": the batch logs, "epochs": the History} of a worker's attempt."""
+    return json.loads((out / f"logs_{worker}_attempt{attempt}.json").read_text())
+
+
 def _samples(out, worker=0, attempt=0) -> list[list[int]]:
     """The sample ids of each training step, as the compiled step printed them."""
     path = out / f"samples_{worker}_attempt{attempt}.txt"
@@ -170,6 +175,14 @@ def _killed_once_and_restarted(tmp_path, reference, *args, resumed_step=4):
     for worker in range(2):
         for got, want in zip(_weights(faulty, worker), _weights(reference, worker)):
             np.testing.assert_array_equal(got, want)
+        # The logs of the resumed epoch and the next, bit for bit: the epoch's (the metrics
+        # summed over the workers) and each worker's batch logs (its own rows). Before, the
+        # chief resumed with the sum of both workers' running metrics and worker 1 with
+        # none: the chief's first batch log after the resume was 0.045 off in the loss,
+        # 0.078 in the accuracy (1.2526 / 0.278 for 1.2974 / 0.200).
+        got, want = _logs(faulty, worker, attempt=1), _logs(reference, worker)
+        assert got["batches"] == want["batches"][-len(got["batches"]) :]
+        assert got["epochs"] == {k: v[-len(got["epochs"][k]) :] for k, v in want["epochs"].items()}
     return faulty
 
 

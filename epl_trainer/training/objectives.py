@@ -120,15 +120,22 @@ class Objectives:
     def load_state(self, values: dict) -> None:
         """Puts back the running state `state_entries` saved (a resume mid-epoch), so the
         epoch's logs cover every batch of it, the ones before the checkpoint included.
-        The chief takes the sum over the saved job's workers and the other workers zeros,
-        as the epoch's logs sum the workers' states (metric_sync.py): the logs are then
+        Saved by as many workers as this job has, each worker takes its own state: its
+        batch logs (this worker's rows) go on as the uninterrupted run's. Else the chief
+        takes the sum over the saved job's workers and the other workers zeros, as the
+        epoch's logs sum the workers' states (metric_sync.py): the epoch's logs are then
         the saved job's, whatever the worker count. A metric the checkpoint lacks, or
         holds in other shapes, stays reset."""
+        cluster = self._context.cluster
+        saved_workers = {key.split(WORKER_MARK)[1] for key in values if WORKER_MARK in key}
+        own = saved_workers == {str(w) for w in range(cluster.worker_num)}
         summed = {}
         for key, value in values.items():
-            base = key.split(WORKER_MARK)[0]
+            base, _, worker = key.partition(WORKER_MARK)
+            if own and worker != str(cluster.worker_index):
+                continue
             summed[base] = summed[base] + value if base in summed else np.asarray(value)
-        chief = self._context.cluster.is_chief
+        takes_state = own or cluster.is_chief
         for name, metric in self.named():
             saved = [summed.get(f"{METRIC_KEY}{name}/{j}") for j in range(len(metric.variables))]
             if not saved or any(
@@ -137,7 +144,7 @@ class Objectives:
             ):
                 continue
             for value, variable in zip(saved, metric.variables):
-                variable.assign(value if chief else np.zeros_like(value))
+                variable.assign(value if takes_state else np.zeros_like(value))
 
     def logs(self, step_logs: dict | None = None) -> dict:
         """The metrics' results, over every worker's rows. With the model's own steps,

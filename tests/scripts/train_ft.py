@@ -11,6 +11,7 @@ command resumes the first. Worker w writes:
   OUTPUT_DIR/samples_<w>_attempt<a>.txt      the sample ids of every batch, as the compiled
                                              training step consumed them (one line per step)
   OUTPUT_DIR/paused_<w>                      its pid, when it pauses (--pause_at_step)
+  OUTPUT_DIR/logs_<w>_attempt<a>.json        the logs of its batches and epochs (fit's)
 Fault injection, on the first attempt only (EPL_RESTART_ATTEMPT unset or 0):
   --pause_worker W --pause_at_step N   worker W sleeps after step N (a test kills it)
   --timeout_after_pause T2             after step N, every worker's trainer runs with
@@ -27,6 +28,7 @@ shows them to worker 1:
 """
 
 import argparse
+import json
 import os
 import signal
 import sys
@@ -155,6 +157,7 @@ def main():
         make_model(record),
         keras.losses.SparseCategoricalCrossentropy(from_logits=True),
         keras.optimizers.Adam(0.01),
+        metrics=["sparse_categorical_accuracy"],
     )
 
     if first_attempt and args.kill_in_save >= 0 and worker == 0:
@@ -194,12 +197,18 @@ def main():
                     f.write(str(os.getpid()))
                 time.sleep(300)
 
-    trainer.fit(
+    batch_logs = []
+    seen = keras.callbacks.LambdaCallback(
+        on_train_batch_end=lambda _, logs: batch_logs.append({k: float(v) for k, v in logs.items()})
+    )
+    history = trainer.fit(
         make_dataset(worker, cluster.worker_num),
         epochs=args.epochs,
-        callbacks=[Faults()],
+        callbacks=[Faults(), seen],
         verbose=0,
     )
+    with open(os.path.join(args.output_dir, f"logs_{worker}_attempt{attempt}.json"), "w") as f:
+        json.dump({"batches": batch_logs, "epochs": history.history}, f)
     np.savez(os.path.join(args.output_dir, f"weights_{worker}.npz"), *trainer.model.get_weights())
     print(f"worker {worker} attempt {attempt} done", flush=True)
 
