@@ -280,6 +280,18 @@ def test_the_models_own_step_across_two_workers(tmp_path):
                 np.testing.assert_allclose(saved[f"{name}_{i}"], value, atol=1e-5)
             # The epoch's loss: the model's metric summed over both workers' lanes.
             np.testing.assert_allclose(saved[f"{name}_loss"], history.history["loss"], rtol=1e-5)
+    # A loss tensor the step returns (no metric): the global batch's on both workers, as
+    # Keras logs it (before: each worker logged its own rows' loss times its share of the
+    # job's rows, 0.997 on one worker where Keras logged 2.110).
+    reference = script.loss_tensor_model()
+    reference.compile(keras.optimizers.SGD(0.1), LOSS)
+    history = reference.fit(
+        x, y, batch_size=2 * script.PER_WORKER_BATCH, steps_per_epoch=script.STEPS,
+        shuffle=False, verbose=0,
+    )  # fmt: skip
+    for worker in range(2):
+        saved = np.load(tmp_path / "out" / f"worker_{worker}.npz")
+        np.testing.assert_allclose(saved["step_loss"], history.history["step_loss"], rtol=1e-5)
 
 
 def _distiller(optimizer):

@@ -24,8 +24,9 @@ method, called once per lane on the lane's rows:
 * **Metrics** are shared by the lanes (one set of variables on the host): each lane's
   `update_state` adds its rows, so after the step the metrics hold the global batch as on
   one device. A returned value read from a metric is taken from the last lane (which reads
-  after every lane's update); any other returned value (a loss tensor) is the lanes'
-  row-weighted mean, as Keras's `reduce_per_replica` means them.
+  after every lane's update, so it covers this worker's rows); any other returned value
+  (a loss tensor) is the row-weighted mean over every lane of the job, the same on every
+  worker, as Keras's `reduce_per_replica` means them.
 * **Non-trainable floats** (BatchNorm's moving statistics) are averaged over the lanes
   after the step, as in the engine's own step.
 
@@ -593,13 +594,25 @@ class UserSteps:
         metric_handles = {id(v.value.handle) for m in self.model.metrics for v in m.variables}
         reads_metric = _reads_variables(metric_handles)
         logs = {}
+        # The shares are of the job's rows: with lanes on other workers, the weighted
+        # values are summed over the job's lanes (a local sum was this worker's part of
+        # the mean only: half the loss on each of 2 workers, different on each).
+        across_job = len(self._reduction.group.devices) > len(self.lanes)
         with tf.device(self.host):
             for name, last in flat[-1].items():
                 if reads_metric(last):
                     logs[name] = last
                     continue
                 values = [tf.cast(lane[name], tf.float32) for lane in flat]
-                logs[name] = tf.add_n([v * s for v, s in zip(values, shares)])
+                if not across_job:
+                    logs[name] = tf.add_n([v * s for v, s in zip(values, shares)])
+                    continue
+                summed = []
+                for li, (value, share) in enumerate(zip(values, shares)):
+                    device = self.lanes[li].devices[0]
+                    with tf.device(device):
+                        summed.append(self._reduction.sum(li, device, value * share))
+                logs[name] = tf.identity(summed[0])
         return logs
 
 
