@@ -142,6 +142,36 @@ def test_batchnorm_statistics_are_averaged_over_lanes():
     np.testing.assert_allclose(mean.numpy(), expected.numpy(), atol=1e-6)
 
 
+def test_validation_with_compiled_metrics_and_the_models_own_loss_logs_as_keras():
+    """Its own compute_loss, compiled metrics, validation_data: the evaluation's batch logs
+    hold the compiled metrics' items, as Keras's (before: TypeError, their result is a
+    dict that the batch logs took for one value)."""
+    x, y = _data(48)
+    validation = _data(16, seed=1)
+
+    def fit(trainer_of):
+        model = _model(L2Loss)
+        model.compile(OPTIMIZERS["sgd"](), LOSS, metrics=["accuracy"])
+        batch_logs = []
+        seen = keras.callbacks.LambdaCallback(
+            on_test_batch_end=lambda _, logs: batch_logs.append(dict(logs))
+        )
+        history = trainer_of(model).fit(
+            x, y, batch_size=16, validation_data=validation, callbacks=[seen], shuffle=False,
+            verbose=0,
+        )  # fmt: skip
+        return history.history, batch_logs
+
+    expected, expected_logs = fit(lambda model: model)
+    got, got_logs = fit(lambda model: epl.EPLTrainer(model, config={"cluster.virtual_devices": 2}))
+    assert sorted(got) == sorted(expected)
+    for key in expected:
+        np.testing.assert_allclose(got[key], expected[key], rtol=0, atol=ATOL)
+    assert [sorted(logs) for logs in got_logs] == [sorted(logs) for logs in expected_logs]
+    for key in expected_logs[-1]:
+        np.testing.assert_allclose(got_logs[-1][key], expected_logs[-1][key], rtol=0, atol=ATOL)
+
+
 def test_own_test_step_and_predict_step():
     x, y = _data()
     reference = _model(OwnTestAndPredict)

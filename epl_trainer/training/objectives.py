@@ -167,8 +167,17 @@ class Objectives:
         return {name: fit_lib.log_value(m.result()) for name, m in named}
 
     def local_logs(self) -> dict:
-        """This worker's loss and metrics so far (a batch callback's logs)."""
-        return {name: fit_lib.log_value(metric.result()) for name, metric in self.named()}
+        """This worker's loss and metrics so far (a batch callback's logs), flattened as
+        Keras flattens them: a metric whose result is a dict (a compiled model's
+        `CompileMetrics`, which a model's own steps log) gives its items."""
+        logs = {}
+        for name, metric in self.named():
+            result = metric.result()
+            if isinstance(result, dict):
+                logs.update({key: fit_lib.log_value(value) for key, value in result.items()})
+            else:
+                logs[name] = fit_lib.log_value(result)
+        return logs
 
     def returned(self, logs: dict, return_dict: bool):
         """`logs` as Keras's evaluate / *_on_batch return them: the dict itself, or
