@@ -64,6 +64,8 @@ ONE_DEVICE_RUNS = {
     "evaluated_then_trained": "--evaluate_first",
     "uneven_1": "--uneven --steps_per_execution 1",
     "uneven_3": "--uneven --steps_per_execution 3",
+    "evaluate_rows": "--evaluate_rows 20",
+    "evaluate_rows_global": "--global_batches --evaluate_rows 12",
 }
 TWO_DEVICE_RUNS = {
     "two_stages": "--two_stages --num_micro_batch 2",
@@ -98,6 +100,33 @@ def test_two_workers_end_with_identical_weights_equal_to_one_process(one_device_
             np.testing.assert_allclose(weights[w][f"arr_{i}"], value, atol=1e-5)
     for key in weights[0]:
         np.testing.assert_array_equal(weights[0][key], weights[1][key])
+
+
+@pytest.mark.parametrize(
+    "run, rows", [("evaluate_rows", 20), ("evaluate_rows_global", 12)], ids=["per_worker", "global"]
+)
+@pytest.mark.timeout(360)
+def test_evaluate_counts_every_row_once_as_one_process(one_device_job, run, rows):
+    """evaluate(x[:rows]) after fit on both workers: the loss of every row, as Keras's on the
+    trained weights. 20 rows in per-worker batches of 8 (global batches of 16, then 4):
+    before, dealt in whole batches, the third could not go to both workers and was
+    skipped (the loss of 16 rows, 1.1231 for 1.1597). With io.global_batches, 12 rows in
+    global batches of 16: before, the one batch was skipped and both workers reported a
+    loss of 0.0 (for 1.0836)."""
+    out, lines, _ = _run(one_device_job, run)
+    losses = [
+        float(line.split("loss=")[1])
+        for line in lines.splitlines()
+        if " evaluate_rows loss=" in line
+    ]
+    assert len(losses) == 2, lines
+    weights = np.load(out / "weights_0.npz")
+    model = train_dp.make_model()
+    model.set_weights([weights[f"arr_{i}"] for i in range(len(weights.files))])
+    model.compile(loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    x, y = train_dp.make_data()
+    expected = model.evaluate(x[:rows], y[:rows], batch_size=rows, verbose=0)
+    np.testing.assert_allclose(losses, [expected, expected], rtol=0, atol=1e-6)
 
 
 @pytest.mark.timeout(360)

@@ -51,7 +51,7 @@ def as_dataset(
     if preprocessing is not None:
         x, y = preprocessing.raw_arrays(x), preprocessing.raw_arrays(y)
     arrays, total = _array_inputs(x, y, sample_weight)
-    batch_size = _checked_batch_size(batch_size)
+    batch_size = checked_batch_size(batch_size)
     dataset = tf.data.Dataset.from_tensor_slices(arrays)
     dataset = dataset.batch(batch_size, drop_remainder=drop_remainder)
     if deal_rows:
@@ -99,7 +99,7 @@ class ReshuffledArrays:
         arrays, self.total = _array_inputs(x, y, sample_weight)
         with tf.device("/CPU:0"):
             self._tensors = tree.map_structure(tf.convert_to_tensor, arrays)
-        self.batch_size = _checked_batch_size(batch_size)
+        self.batch_size = checked_batch_size(batch_size)
         self.seed, self.mode = seed, mode
         self.drop_remainder, self.worker = drop_remainder, (worker_index, worker_num)
         self.deal_rows = deal_rows
@@ -147,7 +147,7 @@ def _check_dataset_arguments(y, batch_size, sample_weight) -> None:
         )
 
 
-def _checked_batch_size(batch_size) -> int:
+def checked_batch_size(batch_size) -> int:
     batch_size = DEFAULT_BATCH_SIZE if batch_size is None else batch_size
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"batch_size must be a positive int. Received: batch_size={batch_size!r}")

@@ -174,6 +174,15 @@ class DataFeeder:
         """This worker's evaluation batches (the model planned from them first if needed)."""
         x = self.arrays_for_model(x, y, sample_weight, mode)
         context = self._context
+        # Arrays are dealt in rows of each global batch, as fit's with io.global_batches:
+        # every row is evaluated once and every worker runs as many batches, a short last
+        # one included. (Dealt in whole batches, those that could not go to every worker
+        # were skipped: the logs left rows out, or, with fewer batches than workers,
+        # reported a loss of 0 from no rows at all.) `batch_size` is per worker, the
+        # global batch with io.global_batches, as fit's.
+        rows = context.data_shards > 1 and not isinstance(x, tf.data.Dataset)
+        if rows and not context.config.io.global_batches:
+            batch_size = data_lib.checked_batch_size(batch_size) * context.data_shards
         dataset = data_lib.as_dataset(
             x,
             y,
@@ -182,6 +191,7 @@ class DataFeeder:
             worker_index=context.data_shard,
             worker_num=context.data_shards,
             preprocessing=pipeline_models.preprocessing(context.model),
+            deal_rows=rows,
         )
         return self.labelled_for_model(dataset)
 

@@ -175,6 +175,15 @@ def make_parser():
     parser.add_argument("--adam", action="store_true", help="Adam(0.01) instead of SGD(0.1)")
     parser.add_argument("--own_step", action="store_true", help="the model's own train_step")
     parser.add_argument("--checkpoint_dir", default="", help="save_checkpoint there at the end")
+    parser.add_argument(
+        "--global_batches", action="store_true", help="io.global_batches (batch sizes global)"
+    )
+    parser.add_argument(
+        "--evaluate_rows",
+        type=int,
+        default=0,
+        help="after fit, evaluate the first N samples (the fit's batch size) and print the loss",
+    )
     return parser
 
 
@@ -185,6 +194,7 @@ def run_config(args) -> dict:
         "pipeline.num_micro_batch": args.num_micro_batch,
         "cluster.colocate_split_and_replicate": args.split,
         "io.auto_shard": "off",  # --uneven / --short_last build each worker's own batches
+        "io.global_batches": args.global_batches,
         # A step that hangs fails within a minute (the test's bound), not 600 s.
         **({"communication.timeout_seconds": 60} if args.short_last else {}),
     }
@@ -226,6 +236,8 @@ def train(args, cluster, output_dir, label="", config=None):
     tokens = args.tied or args.keras_gathered or args.keras_batch_blocks
     x, y = make_tied_data() if tokens else make_data()
     per_worker = args.global_batch // cluster.worker_num
+    if args.global_batches:
+        per_worker = args.global_batch  # every worker takes its rows of each global batch
     if args.evaluate_first:
         import tensorflow as tf
 
@@ -270,6 +282,11 @@ def train(args, cluster, output_dir, label="", config=None):
             verbose=0,
             shuffle=False,
         )
+    if args.evaluate_rows:
+        logs = trainer.evaluate(
+            x[: args.evaluate_rows], y[: args.evaluate_rows], batch_size=per_worker, verbose=0
+        )
+        print(f"{label}worker {cluster.worker_index} evaluate_rows loss={logs:.8f}", flush=True)
     if args.checkpoint_dir:
         trainer.save_checkpoint(args.checkpoint_dir)
     os.makedirs(output_dir, exist_ok=True)
