@@ -143,6 +143,30 @@ def test_groups_over_the_full_batch_equal_groups_per_contiguous_shard(top_k):
     assert aux_full == pytest.approx(np.mean(aux_parts), rel=1e-6)
 
 
+@pytest.mark.parametrize(
+    "initializer",
+    [
+        "glorot_uniform",
+        keras.initializers.GlorotUniform(seed=5),
+        keras.initializers.HeNormal(),
+        keras.initializers.GlorotUniform(seed=keras.random.SeedGenerator(5)),
+    ],
+)
+def test_experts_start_different_with_one_experts_scale(initializer):
+    """Keras's unseeded initializers hold an int seed drawn when they are made and
+    repeat their values on every call, as seeded ones do: each expert needs its own. A
+    SeedGenerator seed draws new values on each call (its config is a dict, not an int)."""
+    layer = MoE(4, 64, kernel_initializer=initializer)
+    layer.build((None, 32))
+    for weight in (layer.w_in, layer.w_out):
+        w = np.asarray(weight)
+        for e in range(1, 4):
+            assert not np.allclose(w[0], w[e]), (weight.name, e)
+    # Glorot over one expert's [32, 64] fans: limit sqrt(6 / 96) = 0.25.
+    if "glorot" in str(initializer).lower():
+        assert 0.2 < np.abs(np.asarray(layer.w_in)).max() <= 0.25
+
+
 def test_expert_ffn_uses_only_the_given_weight_slices():
     layer = MoE(4, 6)
     layer.build((None, 3))

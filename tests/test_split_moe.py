@@ -19,14 +19,14 @@ ATOL = 1e-5
 SEQ, DIM, CLASSES = 4, 8, 3
 
 
-def moe_model(num_groups, top_k=2, num_experts=4, capacity_factor=1.0, seed=3):
+def moe_model(num_groups, top_k=2, num_experts=4, capacity_factor=1.0, seed=3, width=None):
     keras.utils.set_random_seed(seed)
     # EPL's MoE recipe: everything replicated (on the split's devices when colocated)
     # except the experts.
     epl.set_default_strategy(epl.replicate())
     tokens = keras.Input((SEQ, DIM), name="tokens")
     h = keras.layers.Dense(DIM, activation="tanh", name="proj")(tokens)
-    with epl.split():
+    with epl.split(width):
         moe = MoE(
             num_experts,
             16,
@@ -49,12 +49,13 @@ def data(n=48, seed=0):
     return x, rng.integers(0, CLASSES, n).astype("int32")
 
 
-def split_trainer(model, devices):
+def split_trainer(model, devices, optimizer=None, **config):
     config = {
         "cluster.virtual_devices": devices,
         "cluster.colocate_split_and_replicate": True,
+        **config,
     }
-    return epl.EPLTrainer(model, LOSS, keras.optimizers.SGD(0.1), config=config)
+    return epl.EPLTrainer(model, LOSS, optimizer or keras.optimizers.SGD(0.1), config=config)
 
 
 @pytest.mark.parametrize("devices", [2, 4])
@@ -79,6 +80,30 @@ def test_split_moe_trains_like_the_unsplit_layer(devices, top_k):
     np.testing.assert_allclose(
         trainer.predict(x[:16], batch_size=16), reference.predict(x[:16], verbose=0), atol=ATOL
     )
+
+
+@pytest.mark.parametrize(
+    "devices, width, config, groups",
+    [
+        (4, 2, {}, 4),  # 2 replicas x 2 lanes
+        (2, None, {"pipeline.num_micro_batch": 2}, 4),  # 2 lanes x 2 micro-batches
+        (4, 2, {"pipeline.num_micro_batch": 2, "zero.level": "v2"}, 8),
+    ],
+)
+def test_replicas_and_micro_batches_route_one_group_each(devices, width, config, groups):
+    """Each replica's lane routes each micro-batch as the layer's num_groups groups: the
+    step equals Keras routing the global batch as replicas x lanes x micro-batches
+    contiguous groups. Adam (3 steps), a capacity that drops tokens, top-2."""
+    epl.init()
+    x, y = data()
+    reference = moe_model(num_groups=groups, capacity_factor=0.5)
+    keras_reference(reference, x, y, keras.optimizers.Adam(0.01), batch_size=16, steps=3)
+    epl.init()
+    model = moe_model(num_groups=1, capacity_factor=0.5, width=width)
+    trainer = split_trainer(model, devices, keras.optimizers.Adam(0.01), **config)
+    assert [tg.kind for tg in trainer.plan.taskgraphs] == ["replicate", "split"]
+    trainer.fit(x, y, batch_size=16, epochs=1, steps_per_epoch=3, verbose=0, shuffle=False)
+    assert max_weight_difference(reference, model) < ATOL
 
 
 def test_each_lane_holds_its_experts_only():

@@ -276,21 +276,25 @@ class _PerExpert:
     """Initialises a stacked `[E, a, b]` weight as E independent `[a, b]` matrices.
 
     Keras computes fans of a 3-D shape as if the leading axis were a convolution window,
-    which would shrink a Glorot init by ~sqrt(E). A seeded initializer repeats its values
-    on every call, so expert e gets seed + e (otherwise all experts would start equal).
+    which would shrink a Glorot init by ~sqrt(E). A Keras initializer with an int seed
+    repeats its values on every call, so expert e gets seed + e (otherwise all experts
+    would start equal). An unseeded one holds an int seed too (drawn when it was made,
+    `make_default_seed`), so it is treated the same way; one given a `SeedGenerator`
+    draws new values on each call.
     """
 
     def __init__(self, initializer):
         self.initializer = initializer
 
     def __call__(self, shape, dtype=None):
-        config = self.initializer.get_config()
+        seed = getattr(self.initializer, "seed", None)
+        repeats = isinstance(seed, int) and not isinstance(seed, bool)
+        config = self.initializer.get_config() if repeats else {}
         values = []
         for expert in range(shape[0]):
             init = self.initializer
-            if config.get("seed") is not None:
-                seed = config["seed"] + expert
-                init = type(self.initializer).from_config({**config, "seed": seed})
+            if repeats:
+                init = type(self.initializer).from_config({**config, "seed": seed + expert})
             values.append(init(tuple(shape[1:]), dtype=dtype))
         return keras.ops.stack(values)
 
