@@ -381,6 +381,18 @@ def test_layout_map_lookups_are_keras_own():
     epl.EPLTrainer(mlp(), LOSS, "sgd", strategy=strategy)
 
 
+def test_a_layout_map_key_that_lays_out_nothing_is_named(caplog):
+    """Keras leaves a variable no key matches replicated without a word: a misspelt key
+    ('dense-in', 'kernels') trained another layout than the one written, silently."""
+    layout_map = keras.distribution.LayoutMap(_mesh((1, 2)))
+    layout_map["dense-in/kernel"] = (None, "model")
+    layout_map["logits/kernels"] = ("model", None)
+    layout_map["dense_in/bias"] = ("model",)
+    strategy = keras.distribution.ModelParallel(layout_map=layout_map)
+    epl.EPLTrainer(mlp(), LOSS, "sgd", strategy=strategy)
+    assert "Layout map keys ['dense-in/kernel', 'logits/kernels'] lay out no" in caplog.text
+
+
 def test_a_layout_of_layer_outputs_is_refused():
     layout_map = keras.distribution.LayoutMap(_mesh((2, 1)))
     layout_map["dense_in/output"] = ("batch", None)
