@@ -20,6 +20,8 @@ import tensorflow as tf
 from _models import LOSS, keras_reference, max_weight_difference, mlp, mlp_data
 
 import epl_trainer as epl
+from epl_trainer.core.engine import jit_choice
+from epl_trainer.core.plan.ir import SplitError
 
 ATOL = 1e-6
 # Adam turns the last bits of a gradient (another summation order) into whole steps of
@@ -331,6 +333,30 @@ def test_storage_over_the_batch_axis_follows_the_layout(shape, layout, optimizer
     assert set(trainer.placement().values()) == {(kernels // parts + biases) * 4}
 
 
+@pytest.mark.parametrize("optimizer", sorted(OPTIMIZERS))
+def test_storage_over_the_batch_axis_alone_keeps_plain_ops_under_auto(monkeypatch, optimizer):
+    """A (2, 1) mesh (KerasHub's maps on an (N, 1) mesh) leaves one device per replica,
+    but the blocks are gathered inside the lanes. Without oneDNN (GPUs) "auto" compiled
+    each lane with XLA and then refused its own choice ("XLA cannot compile ... Received:
+    jit_compile=True") to a user who never asked for XLA; jit_compile=True is refused."""
+    monkeypatch.setattr(jit_choice, "onednn_enabled", lambda: False)
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(BATCH * STEPS, 8)).astype("float32")
+    y = rng.integers(0, 4, BATCH * STEPS)
+    reference = _square_mlp()
+    keras_reference(reference, x, y, OPTIMIZERS[optimizer](), BATCH, STEPS)
+    layout_map = keras.distribution.LayoutMap(_mesh((2, 1)))
+    layout_map["dense_in/kernel"] = ("batch", None)
+    strategy = keras.distribution.ModelParallel(layout_map=layout_map)
+    model = _square_mlp()
+    trainer = epl.EPLTrainer(model, LOSS, OPTIMIZERS[optimizer](), strategy=strategy)
+    assert "gathered in the lanes" in trainer.engine_plan.jit.reason
+    _fit(trainer, x, y)
+    assert max_weight_difference(reference, model) < (ATOL_ADAM if optimizer == "adam" else ATOL)
+    with pytest.raises(SplitError, match="XLA cannot compile"):
+        epl.EPLTrainer(_square_mlp(), LOSS, "sgd", strategy=strategy, jit_compile=True)
+
+
 def test_an_indivisible_dimension_names_the_variable_shape_axis_and_size():
     layout_map = keras.distribution.LayoutMap(_mesh((1, 2)))
     layout_map["logits/kernel"] = (None, "model")  # 3 logits over 2 devices
@@ -353,6 +379,18 @@ def test_layout_map_lookups_are_keras_own():
     # An exact key wins over the patterns, as in Keras.
     layout_map["dense_in/kernel"] = (None, None)
     epl.EPLTrainer(mlp(), LOSS, "sgd", strategy=strategy)
+
+
+def test_a_layout_map_key_that_lays_out_nothing_is_named(caplog):
+    """Keras leaves a variable no key matches replicated without a word: a misspelt key
+    ('dense-in', 'kernels') trained another layout than the one written, silently."""
+    layout_map = keras.distribution.LayoutMap(_mesh((1, 2)))
+    layout_map["dense-in/kernel"] = (None, "model")
+    layout_map["logits/kernels"] = ("model", None)
+    layout_map["dense_in/bias"] = ("model",)
+    strategy = keras.distribution.ModelParallel(layout_map=layout_map)
+    epl.EPLTrainer(mlp(), LOSS, "sgd", strategy=strategy)
+    assert "Layout map keys ['dense-in/kernel', 'logits/kernels'] lay out no" in caplog.text
 
 
 def test_a_layout_of_layer_outputs_is_refused():

@@ -197,6 +197,19 @@ def output_layouts(distribution, model) -> dict[str, object]:
     return found
 
 
+def unmatched_keys(distribution, model) -> list[str]:
+    """The layout map's keys that lay out nothing of `model`: no variable path equal to
+    the key or fully matching it as a regex, and no layer's `"<layer>/output"`. Keras
+    leaves such a variable replicated without a word, so a misspelt key would train a
+    layout other than the one written."""
+    layout_map = getattr(distribution, "_layout_map", None)
+    if layout_map is None:
+        return []
+    paths = [v.path for v in model.variables]
+    paths += [f"{layer.path}/output" for layer in model._flatten_layers(include_self=False)]
+    return [key for key in layout_map if not any(p == key or re.fullmatch(key, p) for p in paths)]
+
+
 @dataclasses.dataclass(frozen=True)
 class TensorParallel:
     """What a layout map's sharded variables run as, over the model axis.

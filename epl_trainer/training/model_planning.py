@@ -204,6 +204,15 @@ class ModelPlanner:
         become batch x model x stages: `keras_distribution.stage_cluster`)."""
         context = self._context
         own_steps = bool(user_steps.overridden_steps(model))
+        unmatched = keras_distribution.unmatched_keys(context.distribution, model)
+        if unmatched:
+            logger.warning(
+                "Layout map keys %s lay out no variable of model %r (no path equals or fully "
+                "matches them): what they name trains replicated. Its variables: %s",
+                unmatched,
+                model.name,
+                [v.path for v in model.variables][:12],
+            )
         tensor_parallel = keras_distribution.plan(context.distribution, model, own_steps)
         if tensor_parallel is None:
             return strategy, None, False

@@ -159,7 +159,7 @@ def plan_engine(
         jit_compile = False
     synchronized = bool(synchronized_layers(model, config.batch_norm.synchronized))
     without_xla = jit_choice.layers_without_xla(model) if jit_compile == jit_choice.AUTO else []
-    jit = jit_choice.choose(jit_compile, plan, config, synchronized, without_xla)
+    jit = jit_choice.choose(jit_compile, plan, config, synchronized, without_xla, in_split)
     _announce(jit, chosen_by_user=jit_compile != jit_choice.AUTO)
     rules.check_plan(plan, config, clip_global_norm, steps_per_execution, jit.compile, in_split)
     check_sync_batch_norm(

@@ -56,18 +56,20 @@ class JitChoice:
 NO_XLA = JitChoice(False, False, False, "jit_compile=False")
 
 
-def compiles_lanes(plan, config, synchronized: bool = False) -> bool:
+def compiles_lanes(plan, config, synchronized: bool = False, sharded=()) -> bool:
     """Whether each lane's forward and backward runs on one device, whole: one worker,
     one replicated TaskGraph on one device per replica, one micro-batch, nothing that
     needs a lane's step cut into parts (ZeRO's per-micro-batch reduction,
     recomputation, synchronized BatchNorm's collectives: `synchronized`, the model has
-    such layers)."""
-    return not lanes_cut_because(plan, config, synchronized)
+    such layers; a Keras layout's sharded variables, gathered or looked up with
+    collectives inside the lane: `sharded`, their paths)."""
+    return not lanes_cut_because(plan, config, synchronized, sharded)
 
 
-def lanes_cut_because(plan, config, synchronized: bool = False) -> str:
+def lanes_cut_because(plan, config, synchronized: bool = False, sharded=()) -> str:
     """Why a lane's step is cut into parts that are not compiled as one ("" if it is
     not): the first reason `compiles_lanes` finds, for the logged choice."""
+    sharded = list(sharded)
     reasons = (
         (plan.worker_num > 1, f"the job has {plan.worker_num} workers"),
         (len(plan.taskgraphs) > 1, f"the lanes have {len(plan.taskgraphs)} stages"),
@@ -77,6 +79,9 @@ def lanes_cut_because(plan, config, synchronized: bool = False) -> str:
         (bool(config.zero.level), f"ZeRO {config.zero.level} reduces per micro-batch"),
         (bool(config.gradient_checkpoint.type), "gradient checkpointing cuts the lanes"),
         (synchronized, "synchronized BatchNorm's collectives run inside the lanes"),
+        # A layout sharding only over the batch axis (KerasHub's maps on an (N, 1) mesh)
+        # leaves one device per replica, but its blocks are gathered inside the lanes.
+        (bool(sharded), f"variables laid out sharded {sharded[:4]} are gathered in the lanes"),
     )
     return next((why for cut, why in reasons if cut), "")
 
@@ -96,15 +101,17 @@ def layers_without_xla(model) -> list[str]:
 
 
 def choose(
-    jit_compile, plan, config, synchronized: bool = False, without_xla: list = ()
+    jit_compile, plan, config, synchronized: bool = False, without_xla: list = (), sharded=()
 ) -> JitChoice:
     """The trainer's `jit_compile` (True, False or "auto") for this plan.
 
     Args:
       synchronized: the model has synchronized BatchNorm layers (which XLA refuses).
       without_xla: `layers_without_xla(model)`: "auto" then keeps plain ops.
+      sharded: the paths of variables a Keras layout holds sharded, read through
+        collectives in the step (which XLA refuses: "auto" keeps plain ops).
     """
-    cut_because = lanes_cut_because(plan, config, synchronized)
+    cut_because = lanes_cut_because(plan, config, synchronized, sharded)
     lanes = not cut_because
     whole = lanes and plan.num_replicas == 1
     if jit_compile != AUTO:
