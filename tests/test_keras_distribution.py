@@ -588,6 +588,49 @@ def test_an_embedding_laid_out_by_vocabulary_looks_up_in_place(shape, optimizer,
     assert set(trainer.placement().values()) == {(16 * 8 // shape[1] + 8 * 3 + 3) * 4}
 
 
+def _token_pair_model():
+    """ids -> Embedding -> a Megatron pair (up, down) -> logits over the vocabulary."""
+    keras.utils.set_random_seed(0)
+    tokens = keras.Input((8,), dtype="int32")
+    h = keras.layers.Embedding(64, 16, name="token_embedding")(tokens)
+    h = keras.layers.Dense(32, activation="relu", name="up")(h)
+    h = keras.layers.Dense(16, name="down")(h)
+    return keras.Model(tokens, keras.layers.Dense(64, name="logits")(h))
+
+
+@pytest.mark.parametrize(
+    "shape, table, optimizer",
+    [((1, 2), None, "sgd"), ((1, 2), (None, "model"), "adam"), ((2, 2), ("model", None), "sgd")],
+)
+def test_micro_batches_of_a_sharded_map_under_a_keras_loss_train_as_keras(shape, table, optimizer):
+    """Two micro-batches of a model whose Keras loss asserts its shapes (sparse
+    cross-entropy): TF runs such asserts in program order, so with each lane's tasks
+    emitted in turn lane 1's first forward waited for lane 0's second, which waited for
+    lane 0's first backward and its collective with lane 1: the first step hung with no
+    error (KerasHub's Llama too). The lanes now emit their tasks together; a hang would
+    end in the watchdog's error after `communication.timeout_seconds`."""
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(1, 64, (32, 9)).astype("int32")
+    x, y = tokens[:, :-1], tokens[:, 1:]
+    reference = _token_pair_model()
+    keras_reference(reference, x, y, OPTIMIZERS[optimizer](), 8, 4)
+    layout_map = keras.distribution.LayoutMap(_mesh(shape))
+    layout_map["up/kernel"] = (None, "model")
+    layout_map["down/kernel"] = ("model", None)
+    if table is not None:
+        layout_map["token_embedding/embeddings"] = table
+    model = _token_pair_model()
+    trainer = epl.EPLTrainer(
+        model,
+        LOSS,
+        OPTIMIZERS[optimizer](),
+        strategy=keras.distribution.ModelParallel(layout_map=layout_map),
+        config={"pipeline.num_micro_batch": 2, "communication.timeout_seconds": 60},
+    )
+    trainer.fit(x, y, batch_size=8, steps_per_epoch=4, shuffle=False, verbose=0)
+    assert max_weight_difference(reference, model) < (ATOL_ADAM if optimizer == "adam" else ATOL)
+
+
 def _causal_lm_data(rows=32, length=8, vocabulary=64):
     rng = np.random.default_rng(0)
     tokens = rng.integers(1, vocabulary, (rows, length + 1)).astype("int32")
