@@ -267,6 +267,59 @@ def test_a_peer_the_watchdog_found_unreachable_is_named_without_probing_it_again
     assert len(probes) == 1, f"{len(probes)} probes of the lost peer"
 
 
+@pytest.mark.parametrize("local_collectives", [True, False])
+def test_one_worker_whose_step_spans_its_devices_is_watched_for_progress(
+    monkeypatch, local_collectives
+):
+    """A single worker's devices wait on each other in their collectives: a step that
+    stops making progress there is aborted after timeout_seconds with an error saying so
+    (a deadlock among lanes hung a KerasHub Llama's first step for good before). A job
+    on one device (no collectives) runs no watchdog thread."""
+    import threading
+    import time
+
+    import tensorflow as tf
+    from tensorflow.python.eager import context
+
+    from epl_trainer.runtime import watchdog as watchdog_lib
+    from epl_trainer.runtime.cluster import Cluster
+
+    device = "/job:localhost/replica:0/task:0/device:CPU:0"
+    cluster = Cluster(
+        worker_num=1,
+        worker_index=0,
+        local_devices=(device, device[:-1] + "1"),
+        devices_by_worker=((device, device[:-1] + "1"),),
+        host_device=device,
+        device_type="CPU",
+    )
+    aborted, codes = threading.Event(), []
+
+    class Context:  # the collective executor's abort, without aborting this process's
+        def abort_collective_ops(self, code, message):
+            codes.append((code, message))
+            aborted.set()
+
+    monkeypatch.setattr(context, "context", Context)
+    watchdog = watchdog_lib.CollectiveWatchdog(cluster, timeout_seconds=0.3, poll_seconds=0.05)
+    monkeypatch.setitem(watchdog_lib._watchdogs, (cluster.task_name(0),), watchdog)
+    try:
+        with watchdog_lib.bounded(cluster, 0.3, local_collectives=local_collectives):
+            if local_collectives:
+                assert aborted.wait(10), "the watchdog never aborted the stalled step"
+            else:
+                time.sleep(0.6)
+    finally:
+        watchdog.stop()
+    if not local_collectives:
+        assert not codes and watchdog._thread is None
+        return
+    code, message = codes[0]
+    assert code == tf.errors.DEADLINE_EXCEEDED
+    assert "made no progress" in message and "communication.timeout_seconds=0.3" in message
+    assert "a collective among this process's devices did not complete" in message
+
+
 def test_a_failure_during_the_watchdogs_probe_names_the_peers_that_probe_finds(monkeypatch):
     """TF's coordination service may fail the step first ("tasks are unhealthy") while the
     watchdog's probe of the silent peer is still waiting for an answer: the error waits for

@@ -19,7 +19,11 @@ into a `WorkerLostError` naming the unreachable workers (or saying that they are
 Aborting leaves the process's collective executor unusable: the job stops, and
 `epl-launch --max_restarts` restarts it from the newest checkpoint.
 
-Single-worker jobs have no peer that can die, so they run no thread at all.
+A single worker has no peer that can die, but its devices still wait on each other in
+the collectives among them (replicas, stages, split layers): one that never issues its
+part (an ordering bug, TF running a stateful op in program order) would hang the step
+with no error. So a single-worker job whose step spans several devices is watched too,
+for progress alone (`watch(local_collectives=True)`); a job on one device runs no thread.
 """
 
 from __future__ import annotations
@@ -58,15 +62,24 @@ def watchdog_for(cluster: Cluster, timeout_seconds: float) -> CollectiveWatchdog
 
 
 @contextlib.contextmanager
-def bounded(cluster: Cluster, timeout_seconds: float, what: str = "a training step"):
+def bounded(
+    cluster: Cluster,
+    timeout_seconds: float,
+    what: str = "a training step",
+    local_collectives: bool = False,
+):
     """Bounds the collectives run inside the block by the process's watchdog, and turns
     their failure into a `WorkerLostError` naming the lost peers
     (`cluster.detect_lost_workers`): from the watchdog's own probe when one ran as they
     failed (`CollectiveWatchdog.found_unreachable`), so the job stops without probing each
-    lost peer a second time."""
+    lost peer a second time. `local_collectives`: the block runs collectives among this
+    worker's devices (watched in a single-worker job too)."""
     watchdog = watchdog_for(cluster, timeout_seconds)
     found = watchdog.found_unreachable
-    with detect_lost_workers(cluster, timeout_seconds, found), watchdog.watch(what):
+    with (
+        detect_lost_workers(cluster, timeout_seconds, found),
+        watchdog.watch(what, local_collectives=local_collectives),
+    ):
         yield
 
 
@@ -101,9 +114,13 @@ class CollectiveWatchdog:
         return min(max(self.timeout_seconds / 4, 0.5), _MAX_POLL_SECONDS)
 
     @contextlib.contextmanager
-    def watch(self, what: str = "a training step") -> Iterator[None]:
-        """Bounds the collectives run inside the block (no-op for a single worker)."""
-        if self.cluster.worker_num == 1:
+    def watch(
+        self, what: str = "a training step", local_collectives: bool = False
+    ) -> Iterator[None]:
+        """Bounds the collectives run inside the block; a no-op for a single worker
+        unless `local_collectives` (the block's collectives join several of its devices).
+        """
+        if self.cluster.worker_num == 1 and not local_collectives:
             yield
             return
         self._ensure_thread()
@@ -171,6 +188,14 @@ class CollectiveWatchdog:
                 f"epl watchdog: {what} made no progress for {elapsed:.0f} s "
                 f"(communication.timeout_seconds={self.timeout_seconds:g})"
             )
+            if self.cluster.worker_num == 1:
+                message += (
+                    ": a collective among this process's devices did not complete, so one "
+                    "device waits for another that never joins it (a deadlock; please "
+                    "report it with the model and config). A step that legitimately takes "
+                    "longer needs a larger communication.timeout_seconds. This process's "
+                    "collectives are aborted: restart it"
+                )
             return tf.errors.DEADLINE_EXCEEDED, message, {}
         return None
 

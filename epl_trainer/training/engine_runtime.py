@@ -135,9 +135,15 @@ class EngineRuntime:
 
     @contextlib.contextmanager
     def watch(self, what: str = "a training step"):
-        """Bounds the collectives inside the block and names a lost peer if one failed."""
+        """Bounds the collectives inside the block and names a lost peer if one failed;
+        one worker's step is bounded too when it spans several of its devices (their
+        collectives could wait on each other forever: watchdog.py)."""
         timeout = self._context.config.communication.timeout_seconds
-        with bounded(self._context.cluster, timeout, what):
+        planned = self._context.engine_plan
+        local = planned is not None and (
+            len({device for lane in planned.lanes for device in lane.devices}) > 1
+        )
+        with bounded(self._context.cluster, timeout, what, local_collectives=local):
             yield
 
     def memory_report(self):
