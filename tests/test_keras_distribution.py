@@ -631,6 +631,49 @@ def test_micro_batches_of_a_sharded_map_under_a_keras_loss_train_as_keras(shape,
     assert max_weight_difference(reference, model) < (ATOL_ADAM if optimizer == "adam" else ATOL)
 
 
+class _CheckedInput(keras.layers.Layer):
+    """Passes its input on once a tf.debugging assert on it ran (a stateful op that
+    touches no resource, gating the data)."""
+
+    def call(self, x):
+        check = tf.debugging.assert_less(tf.reduce_max(tf.abs(x)), 1e6)
+        with tf.control_dependencies([check]):
+            return tf.identity(x)
+
+
+def _checked_pair_model():
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((6,))
+    h = keras.layers.Dense(16, activation="relu", name="up")(_CheckedInput()(inputs))
+    h = _CheckedInput()(keras.layers.Dense(8, name="down")(h))
+    return keras.Model(inputs, keras.layers.Dense(3, name="logits")(h))
+
+
+@pytest.mark.parametrize("micro_batches, optimizer", [(1, "sgd"), (2, "adam")])
+def test_asserts_around_a_megatron_pair_do_not_order_one_lane_after_another(
+    micro_batches, optimizer
+):
+    """A check gating the pair's input and another after its all-reduce: TF ran such
+    asserts in one program order over the lanes, so lane 1's input check waited for lane
+    0's second check, which waited for the all-reduce with lane 1: the first step hung,
+    one micro-batch or two. Each lane's asserts are now ordered among its own
+    (core/engine/lane_order.py)."""
+    x, y = mlp_data(BATCH * STEPS)
+    reference = _checked_pair_model()
+    keras_reference(reference, x, y, OPTIMIZERS[optimizer](), BATCH, STEPS)
+    model = _checked_pair_model()
+    trainer = epl.EPLTrainer(
+        model,
+        LOSS,
+        OPTIMIZERS[optimizer](),
+        strategy=keras.distribution.ModelParallel(layout_map=_pair_layouts(_mesh((1, 2)))),
+        config={"pipeline.num_micro_batch": micro_batches, "communication.timeout_seconds": 60},
+    )
+    assert "computed sharded (Megatron pairs): up, down" in trainer.plan.layouts_description
+    _fit(trainer, x, y)
+    assert max_weight_difference(reference, model) < (ATOL_ADAM if optimizer == "adam" else ATOL)
+
+
 def _causal_lm_data(rows=32, length=8, vocabulary=64):
     rng = np.random.default_rng(0)
     tokens = rng.integers(1, vocabulary, (rows, length + 1)).astype("int32")

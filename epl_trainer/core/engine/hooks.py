@@ -24,6 +24,8 @@ from collections.abc import Callable
 import tensorflow as tf
 from keras import tree
 
+from epl_trainer.core.engine.lane_order import traced_as_lane
+
 
 def identity(x):
     return x
@@ -33,8 +35,8 @@ class ReplicatedLanes:
     """Lane hooks of a program without split layers: nothing is sharded."""
 
     def lane(self, li: int):
-        """A context in which lane li's ops are traced."""
-        return contextlib.nullcontext()
+        """A context in which lane li's ops are traced (lane_order.py)."""
+        return traced_as_lane(li)
 
     def begin_trace(self) -> None:
         """Called once at the start of every traced step."""

@@ -69,6 +69,7 @@ from keras.src.backend.common.stateless_scope import StatelessScope
 
 from epl_trainer.core import comm
 from epl_trainer.core.engine import objective
+from epl_trainer.core.engine.lane_order import traced_as_lane
 from epl_trainer.core.engine.split import decoder_blocks
 from epl_trainer.core.engine.split.blocks import LaidOutVariable, ShardedVariable
 from epl_trainer.core.plan.ir import SplitError
@@ -580,7 +581,8 @@ class SplitRuntime:
     def lane(self, li: int):
         previous, self._active = self._active, li
         try:
-            yield
+            with traced_as_lane(li):
+                yield
         finally:
             self._active = previous
 
