@@ -18,8 +18,8 @@ import tensorflow as tf
 from epl_trainer.annotations import checkpoints
 from epl_trainer.core import engine
 from epl_trainer.runtime.watchdog import bounded
+from epl_trainer.training import compiled, fit_inputs, model_setup, optimizers, start_state
 from epl_trainer.training import data as data_lib
-from epl_trainer.training import fit_inputs, model_setup, optimizers, start_state
 from epl_trainer.training.context import TrainerContext
 from epl_trainer.training.memory import build_report
 from epl_trainer.training.objectives import Objectives
@@ -107,6 +107,27 @@ class EngineRuntime:
         return replica
 
     # ---- the Keras model in step with the engine -----------------------------------------
+
+    def check_model_optimizer(self, call: str) -> None:
+        """Refuses to train when `model.optimizer` is no longer the trainer's optimizer
+        (`model.compile(optimizer=...)` or an assignment after the trainer took the
+        model): the engine would go on with the old one while Keras's callbacks set the
+        new one's learning rate and `model.save` saved its untouched state."""
+        context = self._context
+        model = context.model
+        if context.engine_plan is None or not isinstance(model, keras.Model):
+            return
+        current = compiled.unwrapped_optimizer(getattr(model, "optimizer", None))
+        if current is context.optimizer:
+            return
+        raise ValueError(
+            f"{call}: the model's optimizer is not the one this EPLTrainer trains with "
+            "(the model was compiled again, or `model.optimizer` assigned, after the "
+            "trainer took it). Build a new `EPLTrainer(model)` to train with the model's "
+            "optimizer (it takes the compiled model's), or give the model back the "
+            f"trainer's (`model.optimizer = trainer.optimizer`). Received: "
+            f"model.optimizer={current!r}, trainer.optimizer={context.optimizer!r}"
+        )
 
     def write_back(self) -> None:
         """The Keras model gets the trained values. With a replica whose stages are on
