@@ -165,6 +165,34 @@ def test_compiling_a_new_optimizer_after_fit_is_refused_and_a_new_trainer_follow
     _assert_same_state(reference, model)
 
 
+def test_a_layer_frozen_between_fits_is_refused_and_a_new_trainer_goes_on_as_keras():
+    """Keras's fine-tuning step: freeze a layer, compile again with the same optimizer,
+    fit on; Keras keeps the slots of the variables still trained. Before, the trainer's
+    second fit went on training the frozen layer (weights 3.7e-2 from Keras with Adam,
+    1.2e-1 with SGD with momentum); a new EPLTrainer trained only the others but took no
+    slot from an optimizer built on more variables than the model now trains (a warning)
+    and restarted them from zero (2.0e-2 from Keras, slots 1.5e-2). Now the first is
+    refused by name and the second equals Keras."""
+    x, y = mlp_data()
+
+    def freeze(model):
+        model.get_layer("dense_in").trainable = False
+        model.compile(optimizer=model.optimizer, loss=LOSS)
+
+    reference = _compiled(_adam)
+    _keras_fit(reference, x, y)
+    freeze(reference)
+    _keras_fit(reference, x, y)
+    model = _compiled(_adam)
+    trainer = _trainer(model)
+    trainer.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0)
+    freeze(model)
+    with pytest.raises(ValueError, match="trainable variables changed"):
+        trainer.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0)
+    _trainer(model).fit(x, y, batch_size=BATCH, shuffle=False, verbose=0)
+    _assert_same_state(reference, model)
+
+
 def _twin_towers(seed=0):
     """Two nested models built by one function: their layers have the same names, so
     their variables the same paths ("fc/kernel" twice), and Keras names both momentum

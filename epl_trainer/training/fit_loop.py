@@ -90,7 +90,7 @@ class FitLoop:
             x, sample_weight = fit_lib.with_class_weight(x, y, sample_weight, class_weight)
         feeder.plan_from(x, y, sample_weight, model_fn_lib.TRAIN, parse_fn, file_format)
         self._objectives.require_loss("fit")
-        self._runtime.check_model_optimizer("fit")
+        self._runtime.check_model_unchanged("fit")
         model = context.model
         if not files:
             x = model_inputs.arrays_for_model(model, x)

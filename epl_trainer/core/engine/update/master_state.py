@@ -369,8 +369,10 @@ class MasterState:
         if self._targets_of is master:
             return self._targets
         model_trainable = self.state.model_trainable
-        built_on = [id(v) for v in getattr(master, "_trainable_variables", [])]
-        if built_on != [id(v) for v in model_trainable]:
+        # Built on more variables than the model trains now (a layer frozen since Keras
+        # built it) is fine: Keras's optimizer goes on with the slots of the others.
+        built_on = {id(v) for v in getattr(master, "_trainable_variables", [])}
+        if not all(id(v) in built_on for v in model_trainable):
             _warn_once(
                 (id(master), "variables"),
                 "%s was built on other variables than the model's trainable ones, so it "
