@@ -364,6 +364,24 @@ def test_loss_scale_optimizer_state_goes_in_and_back(mixed_float16, tmp_path):
         np.testing.assert_array_equal(b, a)
 
 
+@pytest.mark.combines("amp+data_parallel")
+def test_a_loss_scale_optimizer_compiled_around_a_built_one_gets_the_loss_scale(mixed_float16):
+    """Compiled again under mixed_float16 with its built optimizer, a model holds a new,
+    unbuilt LossScaleOptimizer around it (as after freezing a layer). Before, the first
+    write-back failed: AttributeError, 'LossScaleOptimizer' object has no attribute
+    'dynamic_scale'. Now it is built as Keras's fit builds it and holds the scale."""
+    x, y = mlp_data()
+    model = _compiled(_adam)
+    _keras_fit(model, x, y)
+    model.compile(optimizer=model.optimizer.inner_optimizer, loss=LOSS)
+    assert not model.optimizer.built and model.optimizer.inner_optimizer.built
+    trainer = _trainer(model)
+    trainer.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0)
+    assert model.optimizer.built
+    assert model.optimizer.dynamic_scale.numpy() == trainer.stats_history["loss_scale"][-1]
+    assert model.optimizer.iterations.numpy() == 8
+
+
 @pytest.fixture(scope="module")
 def workers_job(tmp_path_factory):
     """One job of 2 workers of one device (epl-launch) that trains each run of

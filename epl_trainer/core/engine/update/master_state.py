@@ -212,6 +212,11 @@ def build_master(model) -> None:
     master, scaler_holder = master_of(model)
     if master is not None and not master.built:
         (scaler_holder or master).build(model.trainable_variables)
+    elif scaler_holder is not None and not scaler_holder.built:
+        # A LossScaleOptimizer compiled around an optimizer already built (a model
+        # compiled again under a mixed policy): Keras's fit builds the wrapper, whose
+        # build leaves the built optimizer inside as it is; its loss scale needs a home.
+        scaler_holder.build(model.trainable_variables)
 
 
 def _slot_prefix(variable) -> str:
