@@ -115,6 +115,84 @@ def test_trainer_then_keras_in_the_same_process_equals_keras():
     _assert_same_state(reference, model)
 
 
+def test_a_new_trainer_on_a_model_another_trainer_trained_continues_its_optimizer():
+    """A model never compiled gets its optimizer from the trainer (`model.optimizer`, the
+    home of the state); a second EPLTrainer given no optimizer takes that one, here in
+    another mode (2 stages of 2 micro-batches). Before, it took a fresh SGD(0.01): after
+    the second epoch the weights were 3.6e-2 from two epochs of Keras's Adam, the
+    optimizer held 2 variables instead of Adam's 10 and `iterations` was 4 instead of 8."""
+    x, y = mlp_data()
+    reference = _compiled(_adam)
+    _keras_fit(reference, x, y, epochs=2)
+    model = mlp()
+    first = epl.EPLTrainer(model, LOSS, _adam(), config={"cluster.virtual_devices": 2})
+    first.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0)
+    second = epl.EPLTrainer(
+        model,
+        LOSS,
+        stages={"dense_in": 0, "logits": 1},
+        config={"cluster.virtual_devices": 2, "pipeline.num_micro_batch": 2},
+    )
+    assert second.optimizer is first.optimizer
+    second.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0)
+    _assert_same_state(reference, model)
+
+
+def test_compiling_a_new_optimizer_after_fit_is_refused_and_a_new_trainer_follows_it():
+    """`model.compile(optimizer=...)` between two fits of one trainer: Keras trains on with
+    the new optimizer. Before, the trainer went on with its old one while the model held
+    the new one (what callbacks set the learning rate of and `model.save` saves): the
+    weights ended 3.9e-2 from Keras's and the model's optimizer was at iteration 0 after
+    4 steps. Now that fit is refused by name, and a new EPLTrainer takes the new
+    optimizer and trains as Keras does."""
+    x, y = mlp_data()
+    reference = _compiled(_adam)
+    _keras_fit(reference, x, y)
+    reference.compile(optimizer=_adam(), loss=LOSS)
+    _keras_fit(reference, x, y)
+    model = _compiled(_adam)
+    trainer = _trainer(model)
+    trainer.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0)
+    model.compile(optimizer=_adam(), loss=LOSS)
+    for call in (
+        lambda: trainer.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0),
+        lambda: trainer.train_on_batch(x[:BATCH], y[:BATCH]),
+    ):
+        with pytest.raises(ValueError, match="not the one this EPLTrainer trains with"):
+            call()
+    assert int(model.optimizer.iterations.numpy()) == 0
+    _trainer(model).fit(x, y, batch_size=BATCH, shuffle=False, verbose=0)
+    _assert_same_state(reference, model)
+
+
+def test_a_layer_frozen_between_fits_is_refused_and_a_new_trainer_goes_on_as_keras():
+    """Keras's fine-tuning step: freeze a layer, compile again with the same optimizer,
+    fit on; Keras keeps the slots of the variables still trained. Before, the trainer's
+    second fit went on training the frozen layer (weights 3.7e-2 from Keras with Adam,
+    1.2e-1 with SGD with momentum); a new EPLTrainer trained only the others but took no
+    slot from an optimizer built on more variables than the model now trains (a warning)
+    and restarted them from zero (2.0e-2 from Keras, slots 1.5e-2). Now the first is
+    refused by name and the second equals Keras."""
+    x, y = mlp_data()
+
+    def freeze(model):
+        model.get_layer("dense_in").trainable = False
+        model.compile(optimizer=model.optimizer, loss=LOSS)
+
+    reference = _compiled(_adam)
+    _keras_fit(reference, x, y)
+    freeze(reference)
+    _keras_fit(reference, x, y)
+    model = _compiled(_adam)
+    trainer = _trainer(model)
+    trainer.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0)
+    freeze(model)
+    with pytest.raises(ValueError, match="trainable variables changed"):
+        trainer.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0)
+    _trainer(model).fit(x, y, batch_size=BATCH, shuffle=False, verbose=0)
+    _assert_same_state(reference, model)
+
+
 def _twin_towers(seed=0):
     """Two nested models built by one function: their layers have the same names, so
     their variables the same paths ("fc/kernel" twice), and Keras names both momentum
@@ -284,6 +362,24 @@ def test_loss_scale_optimizer_state_goes_in_and_back(mixed_float16, tmp_path):
     assert isinstance(loaded.optimizer, keras.optimizers.LossScaleOptimizer)
     for a, b in zip(_optimizer_values(model.optimizer), _optimizer_values(loaded.optimizer)):
         np.testing.assert_array_equal(b, a)
+
+
+@pytest.mark.combines("amp+data_parallel")
+def test_a_loss_scale_optimizer_compiled_around_a_built_one_gets_the_loss_scale(mixed_float16):
+    """Compiled again under mixed_float16 with its built optimizer, a model holds a new,
+    unbuilt LossScaleOptimizer around it (as after freezing a layer). Before, the first
+    write-back failed: AttributeError, 'LossScaleOptimizer' object has no attribute
+    'dynamic_scale'. Now it is built as Keras's fit builds it and holds the scale."""
+    x, y = mlp_data()
+    model = _compiled(_adam)
+    _keras_fit(model, x, y)
+    model.compile(optimizer=model.optimizer.inner_optimizer, loss=LOSS)
+    assert not model.optimizer.built and model.optimizer.inner_optimizer.built
+    trainer = _trainer(model)
+    trainer.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0)
+    assert model.optimizer.built
+    assert model.optimizer.dynamic_scale.numpy() == trainer.stats_history["loss_scale"][-1]
+    assert model.optimizer.iterations.numpy() == 8
 
 
 @pytest.fixture(scope="module")

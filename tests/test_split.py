@@ -392,6 +392,15 @@ def test_a_split_megatron_pair_matches_keras_and_holds_column_and_row_shards():
     assert tuple(state.trainable[0][index[id(down.bias)]].shape) == (8,)  # whole
 
 
+def test_a_frozen_split_layer_is_refused_by_name():
+    """A layer of the split scope frozen (Keras's fine-tuning) has no trainable variables
+    to shard: before, EPLTrainer failed with a bare KeyError (the kernel's id)."""
+    model = pair_model()
+    model.get_layer("up").trainable = False
+    with pytest.raises(SplitError, match=r"Non-trainable variables in a split TaskGraph.*up/"):
+        pair_trainer(model, devices=2, width=2)
+
+
 def test_a_megatron_pair_sends_one_gather_and_one_reduce_scatter_of_rows_each_way():
     """Per lane and step (one micro-batch): the rows gathered into the pair and the
     partial sums reduce-scattered out of it forward; the adjoint of the reduce-scatter

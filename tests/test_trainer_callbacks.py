@@ -186,6 +186,47 @@ def test_a_batch_callback_reads_the_model_state_of_that_step():
     assert seen == [1, 2, 3, 4]  # each replica's copy counts one call per step
 
 
+class _ShrinkBeforeStep(keras.callbacks.Callback):
+    """Scales the weights before the third step of each epoch (a set_weights at batch begin)."""
+
+    def on_train_batch_begin(self, batch, logs=None):
+        if batch == 2:
+            self.model.set_weights([w * 0.9 for w in self.model.get_weights()])
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        pytest.param({}, id="data_parallel"),
+        pytest.param({"pipeline.num_micro_batch": 2}, id="stages"),
+    ],
+)
+def test_weights_set_before_a_step_are_the_ones_the_step_trains(config):
+    """Keras runs the step on what `on_train_batch_begin` set. Before, the engine took
+    the model's variables back only after `on_train_batch_end`: the step trained on the
+    old weights and the next write-back overwrote the set ones (2 epochs of Adam: 1.1e-1
+    from Keras)."""
+    x, y = mlp_data()
+    reference = mlp()
+    keras_reference(
+        reference, x, y, keras.optimizers.Adam(0.01), 16, 4, epochs=2,
+        callbacks=[_ShrinkBeforeStep()],
+    )  # fmt: skip
+    model = mlp()
+    stages = {"dense_in": 0, "logits": 1} if config else None
+    trainer = epl.EPLTrainer(
+        model,
+        LOSS,
+        keras.optimizers.Adam(0.01),
+        stages=stages,
+        config={"cluster.virtual_devices": 2, **config},
+    )
+    trainer.fit(
+        x, y, batch_size=16, epochs=2, shuffle=False, verbose=0, callbacks=[_ShrinkBeforeStep()]
+    )
+    assert max_weight_difference(reference, model) < 1e-5
+
+
 @pytest.mark.parametrize("reads_logs_only", [False, True])
 def test_a_callback_that_reads_only_logs_spares_the_per_step_write_back(reads_logs_only, caplog):
     """A callback with batch hooks makes the trainer write the weights back after every

@@ -18,8 +18,8 @@ import tensorflow as tf
 from epl_trainer.annotations import checkpoints
 from epl_trainer.core import engine
 from epl_trainer.runtime.watchdog import bounded
+from epl_trainer.training import compiled, fit_inputs, model_setup, optimizers, start_state
 from epl_trainer.training import data as data_lib
-from epl_trainer.training import fit_inputs, model_setup, optimizers, start_state
 from epl_trainer.training.context import TrainerContext
 from epl_trainer.training.memory import build_report
 from epl_trainer.training.objectives import Objectives
@@ -41,6 +41,7 @@ class EngineRuntime:
         self._build_model_from = build_model_from
         self.engine: engine.Engine | None = None
         self._start_state: start_state.StartState | None = None
+        self._trained: set[int] = set()  # ids of the model's trainable variables at the build
 
     def take_start_state(self) -> None:
         """Every worker takes worker 0's model and optimizer (start_state.py): as the
@@ -91,6 +92,7 @@ class EngineRuntime:
             if end_of_data is None
             else end_of_data.in_graph(context.engine_plan.data_shards[1]),
         )
+        self._trained = {id(v) for v in context.model.trainable_variables}
         if context.config.gradient_checkpoint.check_gradients:
             self.engine.check_recompute_gradients(features)
         return self.engine
@@ -107,6 +109,39 @@ class EngineRuntime:
         return replica
 
     # ---- the Keras model in step with the engine -----------------------------------------
+
+    def check_model_unchanged(self, call: str) -> None:
+        """Refuses to train when `model.optimizer` is no longer the trainer's optimizer
+        (`model.compile(optimizer=...)` or an assignment after the trainer took the
+        model): the engine would go on with the old one while Keras's callbacks set the
+        new one's learning rate and `model.save` saved its untouched state. Refuses too
+        when the model's trainable variables changed since the engine was built (a layer
+        frozen or unfrozen): the engine would go on training what it was built to."""
+        context = self._context
+        model = context.model
+        if context.engine_plan is None or not isinstance(model, keras.Model):
+            return
+        if self.engine is not None and {id(v) for v in model.trainable_variables} != (
+            self._trained
+        ):
+            raise ValueError(
+                f"{call}: the model's trainable variables changed since this EPLTrainer "
+                "built its engine (a layer's `trainable` set), and the engine trains what "
+                "it was built to. Build a new `EPLTrainer(model)` to train the model as it "
+                f"is now. Received: {len(model.trainable_variables)} trainable variables, "
+                f"{len(self._trained)} at the build."
+            )
+        current = compiled.unwrapped_optimizer(getattr(model, "optimizer", None))
+        if current is context.optimizer:
+            return
+        raise ValueError(
+            f"{call}: the model's optimizer is not the one this EPLTrainer trains with "
+            "(the model was compiled again, or `model.optimizer` assigned, after the "
+            "trainer took it). Build a new `EPLTrainer(model)` to train with the model's "
+            "optimizer (it takes the compiled model's), or give the model back the "
+            f"trainer's (`model.optimizer = trainer.optimizer`). Received: "
+            f"model.optimizer={current!r}, trainer.optimizer={context.optimizer!r}"
+        )
 
     def write_back(self) -> None:
         """The Keras model gets the trained values. With a replica whose stages are on

@@ -324,6 +324,24 @@ def needs_fresh_weights_per_step(callback_list, mode: str = "train") -> bool:
     return False
 
 
+def may_set_weights_at_batch_begin(callback_list) -> bool:
+    """Whether a callback may set the Keras model's variables in `on_train_batch_begin`
+    (or its alias `on_batch_begin`): the step then computes on what it set, as Keras's
+    does, so the engine takes them back before the step."""
+    names = ("on_train_batch_begin", "on_batch_begin")
+    return any(
+        not _reads_no_weights(callback)
+        and any(not getattr(getattr(callback, name), "_is_default", False) for name in names)
+        for callback in callback_list.callbacks
+    )
+
+
+def _reads_no_weights(callback) -> bool:
+    return isinstance(callback, _LOGS_ONLY + _READS_AT_EPOCH_END + _SAVERS) or getattr(
+        callback, "reads_logs_only", False
+    )
+
+
 _ANNOUNCED_PER_STEP_WRITE_BACK: set = set()
 
 

@@ -90,6 +90,7 @@ class FitLoop:
             x, sample_weight = fit_lib.with_class_weight(x, y, sample_weight, class_weight)
         feeder.plan_from(x, y, sample_weight, model_fn_lib.TRAIN, parse_fn, file_format)
         self._objectives.require_loss("fit")
+        self._runtime.check_model_unchanged("fit")
         model = context.model
         if not files:
             x = model_inputs.arrays_for_model(model, x)
@@ -143,6 +144,11 @@ class FitLoop:
             add_history=True,
         )
         write_back_each_step = fit_lib.needs_fresh_weights_per_step(callback_list)
+        # A batch-begin hook that may set the weights (set_weights before a step): the
+        # step computes on them, as Keras's does.
+        reload_after_begin = write_back_each_step and fit_lib.may_set_weights_at_batch_begin(
+            callback_list
+        )
         model.stop_training = False
         self._stats.history = {}
         callback_list.on_train_begin()
@@ -193,7 +199,12 @@ class FitLoop:
                 batches.last_epoch = epoch == epochs_run[-1]
                 self._runtime.run_hook(callback_list, "on_epoch_begin", epoch)
                 logs = self._run_epoch(
-                    batches, callback_list, write_back_each_step, first_step, resume_metrics
+                    batches,
+                    callback_list,
+                    write_back_each_step,
+                    first_step,
+                    resume_metrics,
+                    reload_after_begin,
                 )
                 first_step, resume_metrics = 0, None
                 if validation is not None and fit_lib.should_validate(epoch, validation_freq):
@@ -228,7 +239,13 @@ class FitLoop:
             self._checkpoints.save_periodic()
 
     def _run_epoch(
-        self, batches, callback_list, write_back_each_step, first_step=0, resume_metrics=None
+        self,
+        batches,
+        callback_list,
+        write_back_each_step,
+        first_step=0,
+        resume_metrics=None,
+        reload_after_begin=False,
     ) -> dict:
         context, runtime, progress = self._context, self._runtime, self._progress
         program = runtime.ensure_for(batches.dataset)
@@ -241,6 +258,8 @@ class FitLoop:
 
         def step(index, iterator, count):
             callback_list.on_train_batch_begin(index)
+            if reload_after_begin:  # the model's variables, as the hook left them
+                runtime.load_from_model(optimizer=False)
             start = time.perf_counter()
             with runtime.watch():
                 if end_of_data is not None and per_call == 1:

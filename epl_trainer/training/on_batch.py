@@ -70,6 +70,7 @@ class OnBatchRunner:
         x, sample_weight = fit_inputs.with_class_weight(x, y, sample_weight, class_weight)
         dataset = self._one_batch("train_on_batch", x, y, sample_weight, model_fn_lib.TRAIN)
         self._objectives.require_loss("train_on_batch")
+        self._runtime.check_model_unchanged("train_on_batch")
         program = self._runtime.ensure_for(dataset)
         self._objectives.reset()
         self._train_step_on(program, dataset)

@@ -71,7 +71,8 @@ class EPLTrainer:
         `CompileLoss` at the first data (losses.py).
       optimizer: a Keras optimizer or its name. It stays the "master": its learning rate
         (settable by callbacks) drives every replica's copy. Default: the compiled
-        model's optimizer, else SGD.
+        model's optimizer, else the model's `optimizer` (set by an earlier EPLTrainer,
+        with that trainer's state), else SGD.
       metrics: Keras metrics or names, in `Model.compile`'s structures (a list for one
         output, a list or dict per output); resolved by Keras's own `CompileMetrics`
         ("accuracy" from the shapes) and logged under Keras's names (metrics.py).
@@ -123,8 +124,12 @@ class EPLTrainer:
         model_setup.check_no_distribution_strategy(model)
         keras_scaler = optimizer
         if optimizer is None and isinstance(model, keras.Model):
-            keras_scaler = getattr(model, "optimizer", None) if model.compiled else None
-            optimizer = compiled.settings(model).get("optimizer")
+            # The compiled model's optimizer; else the one an earlier EPLTrainer left on the
+            # model, which holds that trainer's optimizer state (update/master_state.py).
+            keras_scaler = getattr(model, "optimizer", None)
+            optimizer = compiled.settings(model).get("optimizer") or (
+                compiled.unwrapped_optimizer(keras_scaler)
+            )
         optimizer_given = optimizer is not None
         config, optimizer, deepspeed = deepspeed_run.trainer_setup(config, optimizer or "sgd")
         # The trainer's keys go over epl.init()'s (a DeepSpeed config is translated on top

@@ -108,6 +108,18 @@ def find_split_layers(model, node_taskgraph, taskgraphs, width: int) -> list[Spl
         if tg in split_tgs and isinstance(node.operation, keras.layers.Layer):
             layers.setdefault(id(node.operation), node.operation)
     index_of = {id(v): i for i, v in enumerate(model.trainable_variables)}
+    # The sharded layers' variables (a Dense's kernel and bias, an MoE's gate and experts)
+    # are trainable ones; a layer frozen (`trainable=False`) has none of them.
+    sharded = [
+        layer for layer in layers.values() if is_moe(layer) or isinstance(layer, keras.layers.Dense)
+    ]
+    frozen = sorted(v.path for layer in sharded for v in layer.weights if id(v) not in index_of)
+    if frozen:
+        raise SplitError(
+            "Non-trainable variables in a split TaskGraph (a layer's `trainable` set to "
+            f"False): {frozen[:6]}; only trainable variables are held sharded in this "
+            "version. Keep the frozen layers out of the split scope (replicated)."
+        )
     pairs = megatron_pairs(list(layers.values()))
     paired = {id(layer) for columns, row in pairs for layer in (*columns, row)}
     found = []

@@ -212,6 +212,11 @@ def build_master(model) -> None:
     master, scaler_holder = master_of(model)
     if master is not None and not master.built:
         (scaler_holder or master).build(model.trainable_variables)
+    elif scaler_holder is not None and not scaler_holder.built:
+        # A LossScaleOptimizer compiled around an optimizer already built (a model
+        # compiled again under a mixed policy): Keras's fit builds the wrapper, whose
+        # build leaves the built optimizer inside as it is; its loss scale needs a home.
+        scaler_holder.build(model.trainable_variables)
 
 
 def _slot_prefix(variable) -> str:
@@ -369,8 +374,10 @@ class MasterState:
         if self._targets_of is master:
             return self._targets
         model_trainable = self.state.model_trainable
-        built_on = [id(v) for v in getattr(master, "_trainable_variables", [])]
-        if built_on != [id(v) for v in model_trainable]:
+        # Built on more variables than the model trains now (a layer frozen since Keras
+        # built it) is fine: Keras's optimizer goes on with the slots of the others.
+        built_on = {id(v) for v in getattr(master, "_trainable_variables", [])}
+        if not all(id(v) in built_on for v in model_trainable):
             _warn_once(
                 (id(master), "variables"),
                 "%s was built on other variables than the model's trainable ones, so it "
