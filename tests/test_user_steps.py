@@ -114,6 +114,48 @@ def test_the_models_own_step_runs_on_two_devices(cls, optimizer):
         np.testing.assert_allclose(got[name], expected[name], rtol=1e-5, atol=1e-6)
 
 
+class MetricsAfterTheUpdate(keras.Model):
+    """Keras's guide's train_step, its metrics computed on a forward after the update."""
+
+    def train_step(self, data):
+        x, y = data
+        with tf.GradientTape() as tape:
+            loss = self.compute_loss(x=x, y=y, y_pred=self(x, training=True))
+        grads = tape.gradient(loss, self.trainable_variables)
+        self.optimizer.apply_gradients(zip(grads, self.trainable_variables))
+        return self.compute_metrics(x, y, self(x), sample_weight=None)
+
+
+@pytest.mark.parametrize("optimizer", sorted(OPTIMIZERS))
+def test_asserts_of_the_loss_and_of_a_metric_after_the_update_do_not_deadlock(optimizer):
+    """The sparse cross-entropy's shape asserts, in the loss before the update and in a
+    metric after it: TF ran them in one program order over the lanes, so lane 1's loss
+    waited for lane 0's metric, which waited for lane 0's update and its all-reduce with
+    lane 1: the first step hung (now: each lane's asserts in its own order)."""
+    rng = np.random.default_rng(0)  # a label per position: the asserts check the shapes
+    x, y = rng.normal(size=(64, 4, 8)).astype("float32"), rng.integers(0, 3, (64, 4))
+    metric = lambda: keras.metrics.SparseCategoricalCrossentropy(from_logits=True)  # noqa: E731
+
+    def sequence_model():
+        keras.utils.set_random_seed(1)
+        inputs = keras.Input((4, 8))
+        h = keras.layers.Dense(16, activation="relu")(inputs)
+        return MetricsAfterTheUpdate(inputs, keras.layers.Dense(3)(h))
+
+    reference = sequence_model()
+    reference.compile(OPTIMIZERS[optimizer](), LOSS, metrics=[metric()])
+    expected = reference.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0).history
+    model = sequence_model()
+    model.compile(OPTIMIZERS[optimizer](), LOSS, metrics=[metric()])
+    config = {"cluster.virtual_devices": 2, "communication.timeout_seconds": 60}
+    got = epl.EPLTrainer(model, config=config).fit(
+        x, y, batch_size=16, epochs=2, shuffle=False, verbose=0
+    )
+    assert _max_difference(reference.get_weights(), model.get_weights()) < ATOL
+    for name in expected:
+        np.testing.assert_allclose(got.history[name], expected[name], rtol=1e-5, atol=1e-6)
+
+
 def test_the_default_step_would_have_trained_another_model():
     """The halved step differs measurably from Keras's default (the test above can fail)."""
     x, y = _data()

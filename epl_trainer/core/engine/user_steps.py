@@ -61,6 +61,7 @@ from keras import tree
 from epl_trainer.core import comm
 from epl_trainer.core.comm.keys import next_instance_key, ordering_token
 from epl_trainer.core.engine import split
+from epl_trainer.core.engine.lane_order import traced_as_lane
 from epl_trainer.core.engine.step_batch import unpack_element
 from epl_trainer.core.engine.update import is_factored, recording_class, slots_of
 
@@ -338,6 +339,7 @@ class UserSteps:
         """Lane li's variables, device and reducing optimizers for the block."""
         with contextlib.ExitStack() as stack:
             stack.enter_context(tf.device(self.lanes[li].devices[0]))
+            stack.enter_context(traced_as_lane(li))  # its asserts wait for its own alone
             if li > 0:
                 stack.enter_context(_lane_storage(self._variable_pairs(li)))
                 stack.enter_context(_lane_storage(self._optimizer_pairs(li)))
