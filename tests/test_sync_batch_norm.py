@@ -92,6 +92,38 @@ def test_two_replicas_equal_keras_on_one_device(optimizer):
     assert _moving_difference(reference, unsynchronized) > 1e-2
 
 
+class _CheckedFinite(keras.layers.Layer):
+    """Returns its input through tf.debugging.check_numerics: a stateful op that touches
+    no resource, which the next layer's input waits on."""
+
+    def call(self, x):
+        return tf.debugging.check_numerics(x, "not finite")
+
+
+def _checked_bn_model():
+    keras.utils.set_random_seed(7)
+    inputs = keras.Input((6, 6, 2))
+    h = keras.layers.Flatten()(_CheckedFinite()(inputs))
+    h = keras.layers.Dense(8, use_bias=False)(h)
+    h = keras.layers.BatchNormalization(momentum=0.8, synchronized=True)(h)
+    h = _CheckedFinite()(keras.layers.Activation("tanh")(h))
+    return keras.Model(inputs, keras.layers.Dense(3)(h))
+
+
+def test_checks_around_a_synchronized_batch_norm_do_not_deadlock():
+    """A check of the input before the synchronized BatchNorm and another after it: TF ran
+    them in one program order over the replicas, so replica 1's input check waited for
+    replica 0's second check, which waited for the statistics' all-reduce with replica
+    1: the first step hung (core/engine/lane_order.py)."""
+    x, y = _data()
+    reference = _checked_bn_model()
+    _keras_fit(reference, x, y, OPTIMIZERS["sgd"]())
+    model = _checked_bn_model()
+    config = {**SYNC, "communication.timeout_seconds": 60}
+    _epl_fit(model, x, y, OPTIMIZERS["sgd"](), config)
+    assert max_weight_difference(reference, model) < ATOL
+
+
 def test_layer_argument_synchronizes_that_layer():
     """Keras's own `synchronized=True` is honoured without the config key."""
     x, y = _data()
