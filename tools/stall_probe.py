@@ -7,7 +7,7 @@ switches, block I/O, the machine's busy/iowait/steal CPU seconds (/proc/stat) an
 stall seconds (/proc/pressure), and the thread count before and after. A test still
 running after `$STALL_PROBE_DUMP_S` seconds (default 20) has every thread's Python stack
 written to `$STALL_PROBE_OUT.<pid>.stacks` (faulthandler), once per test. That dump reads
-the other threads' frames without the GIL and can kill the process: once in three `.ci/run`
+the other threads' frames without the GIL and can kill the process: once in four `.ci/run`
 runs (2026-11-30) an xdist worker died in the middle of writing the main thread's stack
 ("node down: Not properly terminated", the file cut after its first frame). A failure of
 that kind under the probe is the probe's; set `STALL_PROBE_DUMP_S` high to keep only the
