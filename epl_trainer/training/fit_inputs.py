@@ -315,10 +315,7 @@ def needs_fresh_weights_per_step(callback_list, mode: str = "train") -> bool:
             if callback.save_freq != "epoch":
                 return True
             continue
-        reads_no_weights = isinstance(callback, _LOGS_ONLY + _READS_AT_EPOCH_END) or getattr(
-            callback, "reads_logs_only", False
-        )
-        if not reads_no_weights and implements_batch_hooks(callback, mode):
+        if not _reads_no_weights_per_batch(callback) and implements_batch_hooks(callback, mode):
             _say_why_weights_go_back_per_step(type(callback))
             return True
     return False
@@ -330,14 +327,16 @@ def may_set_weights_at_batch_begin(callback_list) -> bool:
     does, so the engine takes them back before the step."""
     names = ("on_train_batch_begin", "on_batch_begin")
     return any(
-        not _reads_no_weights(callback)
+        not (isinstance(callback, _SAVERS) or _reads_no_weights_per_batch(callback))
         and any(not getattr(getattr(callback, name), "_is_default", False) for name in names)
         for callback in callback_list.callbacks
     )
 
 
-def _reads_no_weights(callback) -> bool:
-    return isinstance(callback, _LOGS_ONLY + _READS_AT_EPOCH_END + _SAVERS) or getattr(
+def _reads_no_weights_per_batch(callback) -> bool:
+    """Keras's log-only callbacks, those that read the model at epoch ends only, and a
+    callback that says its batch hooks read only their logs."""
+    return isinstance(callback, _LOGS_ONLY + _READS_AT_EPOCH_END) or getattr(
         callback, "reads_logs_only", False
     )
 

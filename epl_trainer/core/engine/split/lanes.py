@@ -157,11 +157,6 @@ def apply_split(
     # A split layer's collectives get their instance keys while tracing (split.py), one
     # per traced call: a loop over micro-batches would reuse them on every iteration.
     hooks.micro_batch_loop = False
-    # Lane li's split layers wait for every other lane's same collective: the lanes'
-    # tasks are emitted together, or a stateful op TF runs in program order (a Keras
-    # loss's shape assert) makes lane 1's first forward wait for lane 0's second, which
-    # waits for lane 0's first backward and its collective with lane 1: a deadlock.
-    hooks.lanes_in_lockstep = True
     hooks.fixed_batch_shape = True  # the lanes gather rows: one shape per collective key
     # A subclassed model has no `outputs` (and no split output: those need its graph).
     outputs = getattr(layout.staged.model, "outputs", None)
