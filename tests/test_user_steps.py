@@ -339,13 +339,18 @@ def test_the_models_own_step_across_two_workers(tmp_path):
     result = run_launch(os.path.join(SCRIPTS, "train_user_step.py"), tmp_path, 2, 2, timeout=280)
     assert result.returncode == 0, result.stdout + result.stderr
     x, y = train_dp.make_data()
-    for name, (cls, rate) in script.OPTIMIZERS.items():
-        reference = script.halved_gradients_model()
-        reference.compile(getattr(keras.optimizers, cls)(rate), LOSS)
-        history = reference.fit(
+
+    def keras_fit(reference, optimizer):
+        """Keras on one device, on the global batches the workers shared."""
+        reference.compile(optimizer, LOSS)
+        return reference.fit(
             x, y, batch_size=2 * script.PER_WORKER_BATCH, steps_per_epoch=script.STEPS,
             shuffle=False, verbose=0,
         )  # fmt: skip
+
+    for name, (cls, rate) in script.OPTIMIZERS.items():
+        reference = script.halved_gradients_model()
+        history = keras_fit(reference, getattr(keras.optimizers, cls)(rate))
         for worker in range(2):
             saved = np.load(tmp_path / "out" / f"worker_{worker}.npz")
             for i, value in enumerate(reference.get_weights()):
@@ -355,12 +360,7 @@ def test_the_models_own_step_across_two_workers(tmp_path):
     # A loss tensor the step returns (no metric): the global batch's on both workers, as
     # Keras logs it (before: each worker logged its own rows' loss times its share of the
     # job's rows, 0.997 on one worker where Keras logged 2.110).
-    reference = script.loss_tensor_model()
-    reference.compile(keras.optimizers.SGD(0.1), LOSS)
-    history = reference.fit(
-        x, y, batch_size=2 * script.PER_WORKER_BATCH, steps_per_epoch=script.STEPS,
-        shuffle=False, verbose=0,
-    )  # fmt: skip
+    history = keras_fit(script.loss_tensor_model(), keras.optimizers.SGD(0.1))
     for worker in range(2):
         saved = np.load(tmp_path / "out" / f"worker_{worker}.npz")
         np.testing.assert_allclose(saved["step_loss"], history.history["step_loss"], rtol=1e-5)
