@@ -25,6 +25,16 @@ all-reduced during the backward) for the rows without a pipeline, Megatron's own
 scatter / gather optimization (on by default there). The 1F1B prediction of an
 interleaved row is in a column of its own.
 
+The same code base a year later (Korthikanti et al. 2022, arXiv 2205.05198, "Reducing
+Activation Recomputation in Large Transformer Models", section 6): the same authors'
+Megatron-LM on the same machines (Selene: DGX A100 80GB, 8 HDR adapters per node), mixed
+precision, without data parallelism. Table 3 gives each run's layout (three interleaved
+chunks for 175B and 530B), Table 5 its iteration time with full activation
+recomputation (the method of the 2021 runs), Table 4 the time of one layer of the 22B
+model with and without it. Its software is a year newer; among what the paper names, its
+backward overlaps the tensor-parallel all-reduce with the weight gradients' matmuls
+(section 6.2), which this model does not (it would predict those runs faster still).
+
 ZeRO (Rajbhandari et al. 2020, arXiv 1910.02054, section 10): a 100B-parameter GPT-2-like
 model (125 layers, hidden 8192, 64 heads, sequence 1024, vocabulary 50,257) on 400 V100s
 (25 DGX-2 nodes of 16, 800 Gb/s between nodes) with Megatron tensor parallelism 16 inside a
@@ -63,6 +73,22 @@ MEGATRON = [
     (529.6, 128, 20480, 105, 8, 35, 2520, 2520, 163, 1, 1, "local"),
     (1008.0, 160, 25600, 128, 8, 64, 3072, 3072, 163, 1, None, "local"),
 ]
+# Korthikanti et al. 2022, Tables 3 and 5: (model, heads, hidden, layers, tensor,
+# pipeline, batch, micro-batch, interleaved chunks per device, iteration seconds with
+# full recomputation).
+KORTHIKANTI = [
+    ("22B", 64, 6144, 48, 8, 1, 4, 4, 1, 1.42),
+    ("175B", 96, 12288, 96, 8, 8, 64, 1, 3, 18.13),
+    ("530B", 128, 20480, 105, 8, 35, 280, 1, 3, 49.05),
+    ("1T", 160, 25600, 128, 8, 64, 512, 1, 1, 94.42),
+]
+# Table 4: forward + backward of one layer of the 22B model (ms), without and with
+# recomputing it.
+KORTHIKANTI_LAYER_MS = {False: 19.6, True: 27.2}
+# Section 6.3: the 530B run on 8 replicas (2240 GPUs, the batch per replica kept) took
+# 39.15 s where one replica took 37.83 (its own method, sequence parallelism and
+# selective recomputation), "due to the gradient all-reduce", not overlapped.
+KORTHIKANTI_REPLICAS = (8, 39.15 - 37.83)
 ZERO_100B = {"layers": 125, "hidden": 8192, "heads": 64, "seq": 1024, "vocab": 50257,
              "tensor": 16, "replicas": 25, "replica_batch": 32, "tflops": 38}  # fmt: skip
 # What the search may choose for these rows: our engine's ZeRO levels without v0/v2 (the
@@ -119,6 +145,80 @@ def zero_case():
     )  # fmt: skip
     flops = megatron_flops(batch, z["layers"], z["hidden"], z["seq"], z["vocab"])
     return model, layout, devices.device_by_name("v100"), flops, z["tflops"]
+
+
+def korthikanti_case(row):
+    """(model, layout, device with 8 per node, the paper's FLOPs, published seconds) of
+    a row of `KORTHIKANTI`."""
+    name, heads, hidden, layers, t, p, batch, mbs, chunks, seconds = row
+    model = analytic.transformer(
+        layers, hidden, heads, VOCAB, SEQUENCE, activation="gelu_tanh", fused=True,
+        name=f"GPT {name}",
+    )  # fmt: skip
+    layout = step_time.Layout(
+        tensor_parallel=t, pipeline_parallel=p, num_micro_batch=batch // mbs,
+        micro_batch_size=mbs, amp="master", gc=True, overlap_grad_reduce=False,
+        rank_order="tp,dp,pp",
+    )  # fmt: skip
+    if chunks > 1:
+        layout = dataclasses.replace(layout, schedule="Interleaved1F1B", virtual_stages=chunks)
+    device = dataclasses.replace(devices.device_by_name("a100-80gb"), devices_per_node=8)
+    return model, layout, device, megatron_flops(batch, layers, hidden), seconds
+
+
+def layer_seconds(row, gc):
+    """Predicted forward + backward seconds of one transformer layer of a `KORTHIKANTI`
+    row's model on its tensor group and micro-batch (Table 4's measurement): a step of
+    two such layers less a step of one, the update left out (the table times the layer
+    alone)."""
+    _name, heads, hidden, _layers, t, _p, _batch, mbs, _chunks, _seconds = row
+    device = dataclasses.replace(devices.device_by_name("a100-80gb"), devices_per_node=8)
+    layout = step_time.Layout(tensor_parallel=t, micro_batch_size=mbs, amp="master", gc=gc,
+                              rank_order="tp,dp,pp")  # fmt: skip
+
+    def step_without_update(layers):
+        model = analytic.transformer(layers, hidden, heads, VOCAB, SEQUENCE,
+                                     activation="gelu_tanh", fused=True)  # fmt: skip
+        prediction = step_time.predict(model, layout, device)
+        return prediction.step_time_s - prediction.terms["optimizer"]
+
+    return step_without_update(2) - step_without_update(1)
+
+
+def korthikanti_tables():
+    """The iteration table and the layer table of Korthikanti et al. 2022."""
+    runs = [["model", "GPUs", "layout", "published s", "predicted s", "error",
+             "published TFLOP/s", "predicted TFLOP/s"]]  # fmt: skip
+    for row in KORTHIKANTI:
+        model, layout, device, flops, seconds = korthikanti_case(row)
+        predicted = step_time.predict(model, layout, device).step_time_s
+        error = seconds / predicted - 1  # in throughput, as the tables above
+        runs.append([
+            model.name, str(layout.devices),
+            f"tp {layout.tensor_parallel} pp {layout.pipeline_parallel} dp 1, mb "
+            f"{layout.micro_batch_size} x {layout.num_micro_batch}"
+            + (f" v {layout.virtual_stages}" if layout.virtual_stages > 1 else ""),
+            f"{seconds:.2f}", f"{predicted:.2f}",
+            f"{error:+.0%}" + ("" if abs(error) <= TOLERANCE else " !"),
+            f"{flops / seconds / layout.devices / 1e12:.0f}",
+            f"{flops / predicted / layout.devices / 1e12:.0f}",
+        ])  # fmt: skip
+    layers = [["one layer of GPT 22B (tp 8, mb 4), ms", "published", "predicted", "error"]]
+    for gc, published_ms in KORTHIKANTI_LAYER_MS.items():
+        predicted_ms = layer_seconds(KORTHIKANTI[0], gc) * 1e3
+        layers.append([
+            "with recompute" if gc else "no recompute", f"{published_ms:.1f}",
+            f"{predicted_ms:.1f}", f"{published_ms / predicted_ms - 1:+.0%}",
+        ])  # fmt: skip
+    replicas, published_s = KORTHIKANTI_REPLICAS
+    model, layout, device, _flops, _seconds = korthikanti_case(KORTHIKANTI[2])
+    wider = dataclasses.replace(layout, data_parallel=replicas)
+    added = (step_time.predict(model, wider, device).step_time_s
+             - step_time.predict(model, layout, device).step_time_s)  # fmt: skip
+    layers.append([f"GPT 530B on {replicas} replicas: time added per iteration (s)",
+                   f"{published_s:.2f}", f"{added:.2f}",
+                   f"{published_s / added:.1f}x the prediction"])  # fmt: skip
+    return runs, layers
 
 
 def implied_efficiency(prediction, device, flops, published):
@@ -191,6 +291,13 @@ def main():
             print(f"row {index} searched ({found.evaluated} predictions)", file=sys.stderr)
     print("Predicted TFLOP/s per GPU (the paper's FLOP count) against the published runs:")
     _print(table)
+    if not args.rows:
+        runs, layers = korthikanti_tables()
+        print("\nThe same code base a year later (Korthikanti et al. 2022, Tables 5 and 4; "
+              "full recomputation, no data parallelism):")  # fmt: skip
+        _print(runs)
+        print()
+        _print(layers)
     if searches:
         print("\nThe search on the same GPUs and batch (space: tp 1-8 within a node, any pipeline"
               " depth, micro-batch 1-16, every schedule (2 or 3 interleaved chunks), zero none /"
