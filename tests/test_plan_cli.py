@@ -37,6 +37,23 @@ def test_reproduces_the_zero_paper_per_device_model_states(capsys):
     assert {k: round(v, 1) for k, v in table.items()} == paper
 
 
+@pytest.mark.parametrize(
+    "level, collective",
+    [
+        ("none", "all-reduce"),
+        ("v0", "all-reduce + all-gather"),
+        ("v1", "reduce-scatter + all-gather"),
+        ("v2", "reduce-scatter per micro-batch + all-gathers of the weights"),
+    ],
+)
+def test_the_text_report_names_each_zero_levels_collectives(capsys, level, collective):
+    # The JSON report skipped the text renderer: `--zero v2` without --json raised
+    # KeyError: 'v2' in its traffic section.
+    args = ["--params", "7e9", "--num_workers", "1", "--gpu_per_worker", "8", "--zero", level]
+    assert plan_cli.main(args) == 0
+    assert f"data-parallel ({collective})" in capsys.readouterr().out
+
+
 def test_bert_large_on_64_workers_x_8_gpus(capsys):
     args = ["--model", "bert", "--size", "large", "--num_workers", "64", "--gpu_per_worker", "8"]
     args += ["--num_stages", "4", "--num_micro_batch", "8", "--micro_batch_size", "4"]

@@ -557,6 +557,9 @@ def _traffic_section(result: estimate.Estimate) -> list[str]:
         "": "all-reduce",
         "v0": "all-reduce + all-gather",
         "v1": "reduce-scatter + all-gather",
+        # estimate._stage: each micro-batch's gradients reduce-scattered, the weights
+        # gathered once per step (with checkpointing, twice per micro-batch).
+        "v2": "reduce-scatter per micro-batch + all-gathers of the weights",
     }[result.options.zero]
     rows = [
         [str(s.index), fmt(s.comm_data_parallel), fmt(s.comm_pipeline), fmt(s.comm)]
