@@ -224,11 +224,21 @@ def _assert_as_one_f_one_b(stages, replicas, num_micro_batch, batch, v=2, **kwar
     return trainer
 
 
-@pytest.mark.parametrize("optimizer", ["sgd", "adam"])
 @pytest.mark.parametrize(
-    ("stages", "v", "num_micro_batch", "batch"),
+    ("stages", "v", "num_micro_batch", "batch", "optimizer"),
     # 5 micro-batches on p = 2 devices (not a multiple); one micro-batch; M < p = 4.
-    [(4, 2, 4, 16), (4, 2, 5, 15), (4, 2, 1, 16), (4, 2, 3, 15)],
+    # SGD at every size: equal weights are equal gradients, whatever the order the
+    # schedule ran the micro-batches in. Adam adds nothing to that order (it applies the
+    # same summed gradients once per step), so it runs at one size only; Adam over the
+    # 4-micro-batch schedule runs in test_interleaved_with_zero and test_interleaved_with
+    # (2 replicas). Trimmed for the suite's time: Adam at the other three sizes.
+    [
+        (4, 2, 4, 16, "sgd"),
+        (4, 2, 5, 15, "sgd"),
+        (4, 2, 5, 15, "adam"),
+        (4, 2, 1, 16, "sgd"),
+        (4, 2, 3, 15, "sgd"),
+    ],
 )
 def test_interleaved_trains_as_one_f_one_b(stages, v, num_micro_batch, batch, optimizer):
     _assert_as_one_f_one_b(stages, 1, num_micro_batch, batch, v, optimizer=optimizer)

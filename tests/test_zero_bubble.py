@@ -75,10 +75,15 @@ def _assert_as_one_f_one_b(stages, devices, num_micro_batch, batch, **kwargs):
     return trainer
 
 
-@pytest.mark.parametrize("optimizer", ["sgd", "adam"])
 @pytest.mark.parametrize(
-    ("stages", "num_micro_batch", "batch"),
-    [(2, 4, 16), (3, 5, 15), (2, 1, 16)],  # 5 micro-batches on 3 stages; one micro-batch
+    ("stages", "num_micro_batch", "batch", "optimizer"),
+    # 5 micro-batches on 3 stages; one micro-batch. SGD at every size: equal weights are
+    # equal gradients, however the schedule split and ordered the backward (B, then W).
+    # Adam adds nothing to that order (it applies the same summed gradients once per
+    # step), so it runs at one size only; Adam over 2 stages x 4 micro-batches runs in
+    # test_zero_bubble_h1_with_zero and test_zero_bubble_h1_with (2 replicas). Trimmed
+    # for the suite's time: Adam at the other two sizes.
+    [(2, 4, 16, "sgd"), (3, 5, 15, "sgd"), (3, 5, 15, "adam"), (2, 1, 16, "sgd")],
 )
 def test_zero_bubble_h1_trains_as_one_f_one_b(stages, num_micro_batch, batch, optimizer):
     _assert_as_one_f_one_b(stages, stages, num_micro_batch, batch, optimizer=optimizer)
