@@ -43,9 +43,20 @@ def _data(n):
     return rng.normal(size=(n, 6)).astype("float32"), rng.integers(0, 3, n)
 
 
-@pytest.mark.parametrize("optimizer", sorted(OPTIMIZERS))
-@pytest.mark.parametrize("loss", [CalledMean, CalledSum])
-@pytest.mark.parametrize("batch_size", [16, 9], ids=["even", "odd"])
+# SGD in every cell: a loss scaled wrongly over the replicas or the filled-up odd batch
+# moves SGD's weights, where Adam's normalisation would hide it. Adam once, on the odd
+# batch with the summing loss; its other three cells re-ran SGD's with another update
+# rule (trimmed for the suite's time).
+@pytest.mark.parametrize(
+    "batch_size, loss, optimizer",
+    [
+        pytest.param(16, CalledMean, "sgd", id="even-CalledMean-sgd"),
+        pytest.param(16, CalledSum, "sgd", id="even-CalledSum-sgd"),
+        pytest.param(9, CalledMean, "sgd", id="odd-CalledMean-sgd"),
+        pytest.param(9, CalledSum, "sgd", id="odd-CalledSum-sgd"),
+        pytest.param(9, CalledSum, "adam", id="odd-CalledSum-adam"),
+    ],
+)
 def test_a_loss_overriding_call_trains_as_in_keras(loss, optimizer, batch_size):
     x, y = _data(36)
     reference = _model()

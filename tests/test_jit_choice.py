@@ -51,8 +51,13 @@ def _fit(trainer, x, y, steps=4, **kwargs):
 
 @pytest.mark.combines("jit_compile+one_device", "jit_compile+data_parallel")
 @pytest.mark.parametrize("devices", [1, 2])
-@pytest.mark.parametrize("optimizer", ["sgd", "adam"])
-@pytest.mark.parametrize("steps_per_execution", [1, 3])
+@pytest.mark.parametrize(
+    "optimizer, steps_per_execution",
+    # Adam with 3 steps a call only: the update runs outside the compiled step, so Adam
+    # adds its step count advancing 3 times a call; with one step a call it re-ran what
+    # SGD shows (trimmed for the suite's time).
+    [("sgd", 1), ("sgd", 3), ("adam", 3)],
+)
 def test_whole_step_in_xla_matches_keras(devices, optimizer, steps_per_execution):
     """SGD shows a wrong gradient scale that Adam's normalisation would hide."""
     make = {"sgd": lambda: keras.optimizers.SGD(0.1), "adam": lambda: keras.optimizers.Adam(0.01)}

@@ -46,9 +46,11 @@ def _fit(trainer, x, y):
     trainer.fit(x, y, batch_size=BATCH, steps_per_epoch=STEPS, shuffle=False, verbose=0)
 
 
-def _reference(x, y, optimizer):
+@functools.cache  # the same model for every test that asks for it (read only)
+def _reference(optimizer):
+    """mlp() after plain one-device Keras `fit` on mlp_data(BATCH * STEPS)."""
     model = mlp()
-    keras_reference(model, x, y, OPTIMIZERS[optimizer](), BATCH, STEPS)
+    keras_reference(model, *mlp_data(BATCH * STEPS), OPTIMIZERS[optimizer](), BATCH, STEPS)
     return model
 
 
@@ -59,7 +61,7 @@ def _mesh(shape, names=("batch", "model")):
 @pytest.mark.parametrize("optimizer", sorted(OPTIMIZERS))
 def test_data_parallel_as_strategy_equals_keras_and_our_data_parallelism(optimizer):
     x, y = mlp_data(BATCH * STEPS)
-    reference = _reference(x, y, optimizer)
+    reference = _reference(optimizer)
     model = mlp()
     distribution = keras.distribution.DataParallel(devices=_devices(2))
     trainer = epl.EPLTrainer(model, LOSS, OPTIMIZERS[optimizer](), strategy=distribution)
@@ -93,7 +95,7 @@ def test_the_meshs_devices_are_the_runs_in_its_order():
     assert [d.rsplit("/device:", 1)[1] for d in devices] == ["CPU:3", "CPU:2"]
     x, y = mlp_data(BATCH * STEPS)
     _fit(trainer, x, y)
-    reference = _reference(x, y, "sgd")
+    reference = _reference("sgd")
     assert max_weight_difference(reference, trainer.model) < ATOL
 
 
@@ -101,7 +103,7 @@ def test_the_meshs_devices_are_the_runs_in_its_order():
 def test_model_parallel_that_shards_nothing_trains_as_data_parallel(optimizer):
     """A (2, 1) mesh: the map lays the kernels out over 'model', an axis of size 1."""
     x, y = mlp_data(BATCH * STEPS)
-    reference = _reference(x, y, optimizer)
+    reference = _reference(optimizer)
     layout_map = keras.distribution.LayoutMap(_mesh((2, 1)))
     layout_map["dense_in/kernel"] = (None, "model")
     layout_map["logits/kernel"] = ("model", None)
@@ -123,6 +125,14 @@ def _mlp_pair(seed=0):
     return keras.Model(inputs, keras.layers.Dense(3, name="logits")(h))
 
 
+@functools.cache  # the same model for every test that asks for it (read only)
+def _pair_reference(optimizer):
+    """_mlp_pair() after plain one-device Keras `fit` on mlp_data(BATCH * STEPS)."""
+    model = _mlp_pair()
+    keras_reference(model, *mlp_data(BATCH * STEPS), OPTIMIZERS[optimizer](), BATCH, STEPS)
+    return model
+
+
 def _pair_layouts(mesh):
     layout_map = keras.distribution.LayoutMap(mesh)
     layout_map["up/kernel"] = (None, "model")
@@ -131,12 +141,16 @@ def _pair_layouts(mesh):
     return layout_map
 
 
-@pytest.mark.parametrize("shape", [(1, 2), (2, 2), (1, 4)])
-@pytest.mark.parametrize("optimizer", sorted(OPTIMIZERS))
+@pytest.mark.parametrize(
+    "shape, optimizer",
+    # SGD on every mesh; Adam (its slots held in the pair's shards) on 2 and 4 lanes. Adam
+    # on (1, 2) re-ran the (2, 2) cell's lanes without its replicas (trimmed for the
+    # suite's time).
+    [((1, 2), "sgd"), ((2, 2), "sgd"), ((1, 4), "sgd"), ((2, 2), "adam"), ((1, 4), "adam")],
+)
 def test_a_megatron_pair_of_dense_layers_trains_tensor_parallel_as_keras(shape, optimizer):
     x, y = mlp_data(BATCH * STEPS)
-    reference = _mlp_pair()
-    keras_reference(reference, x, y, OPTIMIZERS[optimizer](), BATCH, STEPS)
+    reference = _pair_reference(optimizer)
     model = _mlp_pair()
     strategy = keras.distribution.ModelParallel(layout_map=_pair_layouts(_mesh(shape)))
     trainer = epl.EPLTrainer(model, LOSS, OPTIMIZERS[optimizer](), strategy=strategy)
@@ -156,8 +170,7 @@ def test_a_pair_followed_by_a_row_laid_out_layer_stays_a_pair(caplog):
     pair's row, not a column of another pair, so up -> down still computes sharded and
     logits' kernel is gathered on use (everything was gathered before)."""
     x, y = mlp_data(BATCH * STEPS)
-    reference = _mlp_pair()
-    keras_reference(reference, x, y, OPTIMIZERS["sgd"](), BATCH, STEPS)
+    reference = _pair_reference("sgd")
     layout_map = _pair_layouts(_mesh((1, 2)))
     layout_map["logits/kernel"] = ("model", None)
     model = _mlp_pair()
@@ -180,8 +193,7 @@ def test_zero_shards_over_the_batch_axis_of_a_tensor_parallel_mesh(level):
     and ZeRO shards the rest over 'batch' (the replicas); the step is Keras's. v2 holds
     the replicated biases in pieces too: fewer bytes per device than v1's 572."""
     x, y = mlp_data(BATCH * STEPS)
-    reference = _mlp_pair()
-    keras_reference(reference, x, y, OPTIMIZERS["sgd"](), BATCH, STEPS)
+    reference = _pair_reference("sgd")
     layout_map = _pair_layouts(_mesh((2, 2)))
     layout_map["logits/kernel"] = ("model", None)
     model = _mlp_pair()
@@ -201,8 +213,7 @@ def test_stages_with_a_data_parallel_mesh_train():
     equal to Keras. (A map that shards variables with stages trains on batch x model x
     stages devices: test_keras_distribution_stages.py.)"""
     x, y = mlp_data(BATCH * STEPS)
-    reference = _mlp_pair()
-    keras_reference(reference, x, y, OPTIMIZERS["sgd"](), BATCH, STEPS)
+    reference = _pair_reference("sgd")
     model = _mlp_pair()
     stages = {"up": 0, "down|logits": 1}
     strategy = keras.distribution.DataParallel(devices=_devices(4))
@@ -241,7 +252,7 @@ def test_a_sharded_layout_outside_a_pair_is_gathered_on_use(shape, caplog):
     """dense_in's kernel laid out (None, 'model') with its bias whole makes no Megatron
     pair: each device holds its slice, gathered whole on use; the step is Keras's."""
     x, y = mlp_data(BATCH * STEPS)
-    reference = _reference(x, y, "sgd")
+    reference = _reference("sgd")
     layout_map = keras.distribution.LayoutMap(_mesh(shape))
     layout_map["dense_in/kernel"] = (None, "model")
     layout_map["logits/kernel"] = ("model", None)
@@ -941,13 +952,19 @@ def test_a_block_whose_heads_the_axis_does_not_divide_is_computed_whole():
     assert _difference_from(reference, model) < 1e-5
 
 
-@pytest.mark.parametrize("saved_on, restored_as", [((1, 2), "data_parallel"), ((2, 2), (1, 2))])
-def test_a_kerashub_tensor_parallel_checkpoint_restores_into_another_layout(
-    saved_on, restored_as, tmp_path
-):
-    """Llama with its layout map, Adam, 2 steps, saved (the blocks and their Adam slots
-    joined); restored into 2-device data parallelism or another mesh, 2 more steps: where
-    4 uninterrupted Keras steps end."""
+def test_a_kerashub_tensor_parallel_checkpoint_restores_into_another_layout(tmp_path):
+    """Llama with its layout map on (2, 2), Adam, 2 steps, saved (the blocks and their
+    Adam slots joined from 4 devices); restored on (1, 2) (cut again for 2), 2 more steps:
+    where 4 uninterrupted Keras steps end.
+
+    Restored into 2-device data parallelism from (1, 2), a cell of its own before, is
+    trimmed for the suite's time: joining Llama's blocks at the save is this test's, and a
+    layout map's checkpoint restoring into Keras's DataParallel is
+    test_keras_distribution_stages.py's
+    test_a_checkpoint_of_stages_over_a_layout_map_restores_into_data_parallelism (a
+    Megatron pair's: test_split.py's
+    test_a_tensor_parallel_checkpoint_restores_into_data_parallelism)."""
+    saved_on, restored_as = (2, 2), (1, 2)
     keras_hub = pytest.importorskip("keras_hub")
     x, y = _causal_lm_data()
     reference = _causal_lm_reference("llama", optimizer="adam")  # 4 uninterrupted steps
@@ -962,10 +979,7 @@ def test_a_kerashub_tensor_parallel_checkpoint_restores_into_another_layout(
     first.fit(half, y[:16], batch_size=8, shuffle=False, verbose=0)
     first.save_checkpoint(str(tmp_path))
     model = _causal_lm("llama")
-    if restored_as == "data_parallel":
-        strategy = keras.distribution.DataParallel(devices=_devices(2))
-    else:
-        strategy = keras.distribution.ModelParallel(layout_map=layout_map(_mesh(restored_as)))
+    strategy = keras.distribution.ModelParallel(layout_map=layout_map(_mesh(restored_as)))
     second = epl.EPLTrainer(model, LM_LOSS, OPTIMIZERS["adam"](), strategy=strategy)
     second.restore_checkpoint(str(tmp_path))
     rest = {k: v[16:] for k, v in x.items()}

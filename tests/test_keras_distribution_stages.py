@@ -13,7 +13,7 @@ Keras `fit` on one device ends (SGD within 1e-6); before, every such run was ref
 
 import keras
 import pytest
-from _models import LOSS, keras_reference, max_weight_difference, mlp_data
+from _models import LOSS, max_weight_difference, mlp_data
 from test_keras_distribution import (
     ATOL,
     ATOL_ADAM,
@@ -30,6 +30,7 @@ from test_keras_distribution import (
     _mesh,
     _mlp_pair,
     _pair_layouts,
+    _pair_reference,
 )
 
 import epl_trainer as epl
@@ -89,8 +90,7 @@ CUT = {0: (48 + 8) * 4, 1: (64 + 8 + 12 + 3) * 4}
 def test_a_layout_map_trains_in_pipeline_stages_as_keras(annotation, optimizer, held):
     """A (1, 2) mesh cut in 2 stages: 4 devices, 2 micro-batches, 1F1B."""
     x, y = mlp_data(BATCH * STEPS)
-    reference = _mlp_pair()
-    keras_reference(reference, x, y, OPTIMIZERS[optimizer](), BATCH, STEPS)
+    reference = _pair_reference(optimizer)  # Keras on x, y
     model = _scoped_mlp_pair() if annotation == "scopes" else _mlp_pair()
     stages = {
         "stage_map": {"up|down": 0, "logits": 1},
@@ -169,8 +169,7 @@ def test_a_checkpoint_of_stages_over_a_layout_map_restores_into_data_parallelism
     slots joined); restored into 2-device data parallelism, 2 more steps: where 4
     uninterrupted Keras steps end."""
     x, y = mlp_data(BATCH * STEPS)
-    reference = _mlp_pair()
-    keras_reference(reference, x, y, OPTIMIZERS["adam"](), BATCH, STEPS)
+    reference = _pair_reference("adam")  # Keras on x, y
     first = epl.EPLTrainer(
         _mlp_pair(),
         LOSS,

@@ -133,10 +133,12 @@ def test_reduction_sum_with_sgd(layout):
     np.testing.assert_allclose(reported, expected, rtol=1e-5)
 
 
-@pytest.mark.parametrize("batch", [5, 1, 7])
+# 7 rows (4 + 3 over the replicas, a short last batch of 4) re-ran what 5 rows show (3 + 2,
+# a short last batch of 2): trimmed for the suite's time.
+@pytest.mark.parametrize("batch", [5, 1])
 @pytest.mark.parametrize("layout", ["dp2", "pipeline"])
 def test_batches_that_do_not_split_evenly(layout, batch):
-    """5, 1 and 7 rows over 2 replicas (or 2 stages x 2 micro-batches): the missing rows
+    """5 and 1 rows over 2 replicas (or 2 stages x 2 micro-batches): the missing rows
     are repeated with weight 0, so the step equals Keras's on exactly the real rows; the
     epoch's last batch is short too (32 = 6 x 5 + 2)."""
     x, y, _ = _dense_data()

@@ -73,8 +73,13 @@ def _train_both(reference, trainer, batches, **arguments):
         )
 
 
-@pytest.mark.parametrize("returns", list(RETURNS))
-@pytest.mark.parametrize("optimizer", list(OPTIMIZERS))
+@pytest.mark.parametrize(
+    "optimizer, returns",
+    # SGD with each of Keras's return kinds; Adam (its step count in every update) with
+    # one. Adam with the scalar and the list re-ran the same steps for the same returns
+    # (trimmed for the suite's time).
+    [("sgd", "scalar"), ("sgd", "list"), ("sgd", "dict"), ("adam", "dict")],
+)
 def test_train_on_batch_matches_keras(optimizer, returns):
     metrics, return_dict = RETURNS[returns]
     x, y = mlp_data(48)
@@ -87,12 +92,14 @@ def test_train_on_batch_matches_keras(optimizer, returns):
     assert int(trainer.optimizer.iterations.numpy()) == 3
 
 
-@pytest.mark.parametrize("optimizer", list(OPTIMIZERS))
-def test_test_and_predict_on_batch_match_keras_after_training(optimizer):
+def test_test_and_predict_on_batch_match_keras_after_training():
+    # SGD only: test_on_batch and predict_on_batch read the trained weights, whichever
+    # optimizer trained them (Adam's training on batches: test_train_on_batch_matches_keras
+    # [adam-dict]). Its Adam cell is trimmed for the suite's time.
     x, y = mlp_data(48)
     weights = np.random.default_rng(1).uniform(0.2, 2.0, 48).astype("float32")
-    reference = _keras(mlp(), OPTIMIZERS[optimizer](), ["accuracy"])
-    trainer = _trainer(mlp(), OPTIMIZERS[optimizer](), ["accuracy"])
+    reference = _keras(mlp(), OPTIMIZERS["sgd"](), ["accuracy"])
+    trainer = _trainer(mlp(), OPTIMIZERS["sgd"](), ["accuracy"])
     _train_both(reference, trainer, _batches(x, y, weights))
     for rows in (16, 7):  # 7: does not split evenly over the lanes
         for return_dict in (False, True):

@@ -76,12 +76,50 @@ def _check_workers(out, num_workers, reference, data_shards=1):
         np.testing.assert_allclose(result["predict"], reference["predict"], atol=1e-5)
 
 
-def test_two_stages_on_two_workers_equal_single_device_keras(tmp_path):
+def _plan_lines(job, run):
+    """The plan summary worker 0 printed for `run` (its lines begin with [run])."""
+    logs = "".join(p.read_text() for p in (job / "logs").rglob("worker_0.log"))
+    return [line for line in logs.splitlines() if line.startswith(f"[{run}] ")]
+
+
+# The runs of one_device_job: name -> train_span.py flags.
+ONE_DEVICE_RUNS = {
+    "two_stages": "--optimizer adam --schedule PreferBackward",
+    "interleaved": (
+        "--stages 4 --optimizer adam --num_micro_batch 4 --schedule Interleaved1F1B "
+        "--virtual_stages 2"
+    ),
+}
+
+
+@pytest.fixture(scope="module")
+def one_device_job(tmp_path_factory):
+    """One job of 2 workers x 1 device (epl-launch) that trains each of ONE_DEVICE_RUNS in
+    turn, a trainer each with its flags' config (one job, not one per run: each job's
+    start is most of its time). Returns its folder: run NAME's results in out/NAME/."""
+    tmp_path = tmp_path_factory.mktemp("span_one_device_runs")
+    runs = [f"--run={name}={flags}" for name, flags in ONE_DEVICE_RUNS.items()]
+    result = run_launch(SCRIPT, tmp_path, 2, 1, *runs, timeout=400)
+    assert result.returncode == 0, result.stdout + result.stderr
+    return tmp_path
+
+
+def test_two_stages_on_two_workers_equal_single_device_keras(one_device_job):
     """2 workers x 1 device: stage 0 on worker 0, stage 1 on worker 1; Adam, 1F1B (SGD
     and GPipe: the hand-started workers below)."""
-    result = _launch(tmp_path, 2, 1, "--optimizer", "adam", "--schedule", "PreferBackward")
-    assert result.returncode == 0, result.stdout + result.stderr
-    _check_workers(tmp_path / "out", 2, _keras_reference("adam"))
+    _check_workers(one_device_job / "out" / "two_stages", 2, _keras_reference("adam"))
+
+
+@pytest.mark.combines("stages_across_workers+pipeline")
+def test_interleaved_with_stages_on_two_workers(one_device_job):
+    """Interleaved 1F1B (test_interleaved.py), 4 stages over 2 worker processes x 1
+    device, v = 2: worker 0 holds stages 0 and 2, worker 1 stages 1 and 3, so every
+    boundary crosses workers, both ways, and a worker's two stages are not adjacent (stage
+    3 also reads stage 0's output: the skip connection). Adam, 4 micro-batches; every
+    worker's weights, loss, evaluate and predict equal single-device Keras's."""
+    lines = _plan_lines(one_device_job, "interleaved")
+    assert any("4 TaskGraphs on 2 device slot(s)" in line for line in lines), lines
+    _check_workers(one_device_job / "out" / "interleaved", 2, _keras_reference("adam"))
 
 
 # The runs of two_device_job: name -> train_span.py flags.
@@ -91,6 +129,7 @@ TWO_DEVICE_RUNS = {
     "zero_v2_sgd": "--zero v2 --optimizer sgd",
     "zero_v2_adam": "--zero v2 --optimizer adam",
     "zero_v2_adam_offload": "--zero v2 --optimizer adam --offload",
+    "zero_bubble_h1": "--stages 4 --optimizer adam --num_micro_batch 4 --schedule ZeroBubbleH1",
 }
 
 
@@ -111,11 +150,19 @@ def two_device_job(tmp_path_factory):
 @pytest.mark.combines("gradient_checkpoint+pipeline+stages_across_workers")
 def test_one_four_stage_replica_over_two_workers_of_two_devices(two_device_job):
     """Stages 0-1 on worker 0, 2-3 on worker 1, each with gradient checkpointing."""
-    logs = "".join(p.read_text() for p in (two_device_job / "logs").rglob("worker_0.log"))
-    lines = [line for line in logs.splitlines() if line.startswith("[four_stages] ")]
-    assert any("w0:CPU:0" in line for line in lines), logs
-    assert any("w1:CPU:1" in line for line in lines), logs
+    lines = _plan_lines(two_device_job, "four_stages")
+    assert any("w0:CPU:0" in line for line in lines), lines
+    assert any("w1:CPU:1" in line for line in lines), lines
     _check_workers(two_device_job / "out" / "four_stages", 2, _keras_reference("adam"))
+
+
+@pytest.mark.timeout(480)
+def test_zero_bubble_h1_with_stages_on_two_workers(two_device_job):
+    """ZB-H1 (test_zero_bubble.py), 4 stages over 2 worker processes x 2 devices (Adam, 4
+    micro-batches): a W sends nothing, a B sends its input gradients to the other worker;
+    every worker's weights, loss, evaluate and predict equal single-device Keras's, as
+    the four_stages run checks for 1F1B."""
+    _check_workers(two_device_job / "out" / "zero_bubble_h1", 2, _keras_reference("adam"))
 
 
 @pytest.mark.timeout(480)

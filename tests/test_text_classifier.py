@@ -69,28 +69,34 @@ def test_vocabulary_has_the_special_tokens_then_words_by_frequency(tmp_path):
     assert Path(path).read_text().split("\n")[:-1] == [*data_lib.SPECIAL_TOKENS, "b", "a", "c", "d"]
 
 
-# Parses the flags as main() does and prints what the test checks.
+# Parses each command line (a JSON list of them) as main() does, from the defaults each
+# time, and prints what the test checks.
 _PARSE = """
 import json, sys
 from absl import flags
 from model_zoo.text_classifier import __main__ as main_module
-flags.FLAGS(["text_classifier", *sys.argv[1:]])
-options = main_module.options_from_flags()
-print(json.dumps({
-    "epochs": options.epochs, "hidden_dim": options.hidden_dim, "trainer": options.trainer,
-    "zero": options.config.zero.level, "devices": options.config.cluster.virtual_devices,
-}))
+parsed = []
+for argv in json.loads(sys.argv[1]):
+    flags.FLAGS.unparse_flags()  # the defaults again: each command line on its own
+    flags.FLAGS(["text_classifier", *argv])
+    options = main_module.options_from_flags()
+    parsed.append({
+        "epochs": options.epochs, "hidden_dim": options.hidden_dim, "trainer": options.trainer,
+        "zero": options.config.zero.level, "devices": options.config.cluster.virtual_devices,
+    })
+print(json.dumps(parsed))
 """
 
 
-def _parsed_options(argv) -> dict:
-    """The options main() would use, parsed in a fresh process: the zoo entries define
-    their flags in absl's global registry, and another entry's flags of the same names
-    (test_resnet50 imports model_zoo.resnet50's __main__) would clash in this one."""
+def _parsed_options(*argvs) -> list:
+    """The options main() would use for each command line, parsed in one fresh process:
+    the zoo entries define their flags in absl's global registry, and another entry's
+    flags of the same names (test_resnet50 imports model_zoo.resnet50's __main__) would
+    clash in this one. (One process for all: each takes ~3.5 s to import the entry.)"""
     env = {**os.environ, "PYTHONPATH": str(ROOT), "TF_CPP_MIN_LOG_LEVEL": "2"}
     env.pop("EPL_CLUSTER_VIRTUAL_DEVICES", None)
     result = subprocess.run(
-        [sys.executable, "-c", _PARSE, *argv],
+        [sys.executable, "-c", _PARSE, json.dumps(argvs)],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-2000:]
@@ -98,12 +104,15 @@ def _parsed_options(argv) -> dict:
 
 
 def test_flags_reach_the_options_and_the_default_recipe_is_zero_v1():
-    options = _parsed_options(["--epochs=5", "--hidden_dim=32", "--trainer=keras"])
+    options, given = _parsed_options(
+        ["--epochs=5", "--hidden_dim=32", "--trainer=keras"],
+        [f"--epl_config={ROOT / 'configs/dp.json'}"],
+    )
     assert (options["epochs"], options["hidden_dim"], options["trainer"]) == (5, 32, "keras")
     assert options["zero"] == "v1"
     assert options["devices"] == 2
-    given = _parsed_options([f"--epl_config={ROOT / 'configs/dp.json'}"])
     assert given["zero"] == ""
+    assert (given["epochs"], given["hidden_dim"], given["trainer"]) == (3, 64, "epl")
 
 
 def test_one_of_train_and_dev_files_is_an_error(tmp_path):
