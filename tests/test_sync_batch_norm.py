@@ -76,11 +76,7 @@ OPTIMIZERS = {
 SYNC = {"cluster.virtual_devices": 2, "batch_norm.synchronized": True}
 
 
-# SGD only: the statistics are synchronized in the forward, whichever optimizer applies
-# the gradients, and SGD's weights show a wrong gradient directly (Adam's normalisation
-# would hide its scale). The Adam cell re-ran the same forward and backward (trimmed for
-# the suite's time).
-@pytest.mark.parametrize("optimizer", ["sgd"])
+@pytest.mark.parametrize("optimizer", sorted(OPTIMIZERS))
 @pytest.mark.combines("sync_batch_norm+data_parallel")
 def test_two_replicas_equal_keras_on_one_device(optimizer):
     """Synchronized: equal to one-device Keras. The default normalises over each
