@@ -410,6 +410,34 @@ def test_zero_errors(zero, error, match):
         _translate({"zero_optimization": zero})
 
 
+def test_zero_keys_by_their_pydantic_names_are_accepted():
+    """DeepSpeed reads `prefetch_bucket_size` & co. by name or by their `stage3_` alias;
+    both spellings are tuning keys here (the names were refused as unknown keys)."""
+    names = {
+        "prefetch_bucket_size": 5e7,
+        "param_persistence_threshold": 1e5,
+        "model_persistence_threshold": 1e9,
+        "max_live_parameters": 1e9,
+        "max_reuse_distance": 1e9,
+        "gather_16bit_weights_on_model_save": True,
+        "memory_efficient_linear": True,
+    }
+    config = _translate({"zero_optimization": {"stage": 3, **names}}).config
+    assert config.zero.level == "v2"
+
+
+@pytest.mark.parametrize("dtype", ["fp32", None])
+def test_float32_gradient_accumulation_is_accepted(dtype):
+    """data_types.grad_accum_dtype "fp32" is what the engine does (bf16 configs write it);
+    the whole section used to be refused as an unbuilt feature."""
+    values = {"bf16": {"enabled": True}, "data_types": {"grad_accum_dtype": dtype}}
+    assert _translate(values).config.amp.dtype == "bfloat16"
+    with pytest.raises(DeepSpeedConfigError, match="grad_accum_dtype='bf16' is not supported"):
+        _translate({**values, "data_types": {"grad_accum_dtype": "bf16"}})
+    with pytest.raises(DeepSpeedConfigError, match="did you mean 'grad_accum_dtype'"):
+        _translate({**values, "data_types": {"grad_acum_dtype": "fp32"}})
+
+
 def test_activation_checkpointing_turns_on_gradient_checkpointing():
     assert _translate({}).config.gradient_checkpoint.type == ""
     on = _translate({"activation_checkpointing": {"partition_activations": False}})
