@@ -429,8 +429,12 @@ def test_zero_keys_by_their_pydantic_names_are_accepted():
 @pytest.mark.parametrize("dtype", ["fp32", None])
 def test_float32_gradient_accumulation_is_accepted(dtype):
     """data_types.grad_accum_dtype "fp32" is what the engine does (bf16 configs write it);
-    the whole section used to be refused as an unbuilt feature."""
-    values = {"bf16": {"enabled": True}, "data_types": {"grad_accum_dtype": dtype}}
+    the whole section used to be refused as an unbuilt feature. bf16.immediate_grad_update
+    (when DeepSpeed moves gradients into float32) was refused as an unknown key."""
+    values = {
+        "bf16": {"enabled": True, "immediate_grad_update": False},
+        "data_types": {"grad_accum_dtype": dtype},
+    }
     assert _translate(values).config.amp.dtype == "bfloat16"
     with pytest.raises(DeepSpeedConfigError, match="grad_accum_dtype='bf16' is not supported"):
         _translate({**values, "data_types": {"grad_accum_dtype": "bf16"}})
