@@ -410,6 +410,24 @@ def test_zero_errors(zero, error, match):
         _translate({"zero_optimization": zero})
 
 
+def test_a_trainer_optimizer_with_a_keras_schedule_needs_no_number_unless_read():
+    """Without an optimizer section, the trainer's optimizer may have a Keras schedule:
+    its rate is read only by an "auto" warmup_max_lr or WarmupCosineLR. (Any config
+    without an optimizer section was refused, naming an 'auto' the config did not hold.)"""
+    decay = keras.optimizers.schedules.ExponentialDecay(0.01, 10, 0.9)
+    trainer_optimizer = lambda: keras.optimizers.AdamW(decay)  # noqa: E731
+    kept = _translate({"train_batch_size": 8}, trainer_optimizer()).optimizer
+    assert isinstance(kept._learning_rate, keras.optimizers.schedules.ExponentialDecay)
+    warmup = {"type": "WarmupLR", "params": {"warmup_max_lr": 0.01, "warmup_num_steps": 3}}
+    replaced = _translate({"scheduler": warmup}, trainer_optimizer()).optimizer
+    assert isinstance(replaced._learning_rate, schedules.WarmupLR)
+    cosine = {"type": "WarmupCosineLR", "params": {"total_num_steps": 10}}
+    auto = {"type": "WarmupLR", "params": {"warmup_max_lr": "auto"}}
+    for section in (cosine, auto):
+        with pytest.raises(DeepSpeedConfigError, match="which is a schedule"):
+            _translate({"scheduler": section}, trainer_optimizer())
+
+
 def test_zero_keys_by_their_pydantic_names_are_accepted():
     """DeepSpeed reads `prefetch_bucket_size` & co. by name or by their `stage3_` alias;
     both spellings are tuning keys here (the names were refused as unknown keys)."""

@@ -591,7 +591,10 @@ def _optimizer(
         optimizer, lr = optim.build_optimizer(values["optimizer"], trainer)
     else:
         optimizer = OptimizerSpec(rule=None)  # the trainer's own
-        lr = optim.trainer_value(trainer, "lr", "scheduler (learning rate)")
+        # Read only if a scheduler needs it: a trainer optimizer whose rate is a Keras
+        # schedule is refused there, not for every config without an optimizer section
+        # (that failed configs with no scheduler, or one given every value).
+        lr = lambda: optim.trainer_value(trainer, "lr", "scheduler (learning rate)")  # noqa: E731
     schedule = None
     if "scheduler" in values:
         schedule = optim.build_schedule(
