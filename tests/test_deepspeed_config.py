@@ -428,6 +428,17 @@ def test_a_trainer_optimizer_with_a_keras_schedule_needs_no_number_unless_read()
             _translate({"scheduler": section}, trainer_optimizer())
 
 
+@pytest.mark.parametrize("clipping", [{"clipnorm": 1.0}, {"clipvalue": 0.5}])
+def test_gradient_clipping_and_the_trainer_optimizers_own_clipping_are_refused(clipping):
+    """Keras optimizers take one kind of clipping; both failed inside Keras ("Only one
+    of `clipnorm`, `clipvalue` and `global_clipnorm` can be set"), naming neither side."""
+    with pytest.raises(DeepSpeedConfigError, match=r"gradient_clipping=1.0, clip"):
+        _translate({"gradient_clipping": 1.0}, keras.optimizers.SGD(0.1, **clipping))
+    # Without gradient_clipping (DeepSpeed's default 0) the optimizer's own clipping stays.
+    kept = _translate({"train_batch_size": 8}, keras.optimizers.SGD(0.1, **clipping))
+    assert [getattr(kept.optimizer, k) for k in clipping] == list(clipping.values())
+
+
 def test_zero_keys_by_their_pydantic_names_are_accepted():
     """DeepSpeed reads `prefetch_bucket_size` & co. by name or by their `stage3_` alias;
     both spellings are tuning keys here (the names were refused as unknown keys)."""
