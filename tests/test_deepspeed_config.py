@@ -410,6 +410,67 @@ def test_zero_errors(zero, error, match):
         _translate({"zero_optimization": zero})
 
 
+def test_a_trainer_optimizer_with_a_keras_schedule_needs_no_number_unless_read():
+    """Without an optimizer section, the trainer's optimizer may have a Keras schedule:
+    its rate is read only by an "auto" warmup_max_lr or WarmupCosineLR. (Any config
+    without an optimizer section was refused, naming an 'auto' the config did not hold.)"""
+    decay = keras.optimizers.schedules.ExponentialDecay(0.01, 10, 0.9)
+    trainer_optimizer = lambda: keras.optimizers.AdamW(decay)  # noqa: E731
+    kept = _translate({"train_batch_size": 8}, trainer_optimizer()).optimizer
+    assert isinstance(kept._learning_rate, keras.optimizers.schedules.ExponentialDecay)
+    warmup = {"type": "WarmupLR", "params": {"warmup_max_lr": 0.01, "warmup_num_steps": 3}}
+    replaced = _translate({"scheduler": warmup}, trainer_optimizer()).optimizer
+    assert isinstance(replaced._learning_rate, schedules.WarmupLR)
+    cosine = {"type": "WarmupCosineLR", "params": {"total_num_steps": 10}}
+    auto = {"type": "WarmupLR", "params": {"warmup_max_lr": "auto"}}
+    for section in (cosine, auto):
+        with pytest.raises(DeepSpeedConfigError, match="which is a schedule"):
+            _translate({"scheduler": section}, trainer_optimizer())
+
+
+@pytest.mark.parametrize("clipping", [{"clipnorm": 1.0}, {"clipvalue": 0.5}])
+def test_gradient_clipping_and_the_trainer_optimizers_own_clipping_are_refused(clipping):
+    """Keras optimizers take one kind of clipping; both failed inside Keras ("Only one
+    of `clipnorm`, `clipvalue` and `global_clipnorm` can be set"), naming neither side."""
+    with pytest.raises(DeepSpeedConfigError, match=r"gradient_clipping=1.0, clip"):
+        _translate({"gradient_clipping": 1.0}, keras.optimizers.SGD(0.1, **clipping))
+    # Without gradient_clipping (DeepSpeed's default 0) the optimizer's own clipping stays.
+    kept = _translate({"train_batch_size": 8}, keras.optimizers.SGD(0.1, **clipping))
+    assert [getattr(kept.optimizer, k) for k in clipping] == list(clipping.values())
+
+
+def test_zero_keys_by_their_pydantic_names_are_accepted():
+    """DeepSpeed reads `prefetch_bucket_size` & co. by name or by their `stage3_` alias;
+    both spellings are tuning keys here (the names were refused as unknown keys)."""
+    names = {
+        "prefetch_bucket_size": 5e7,
+        "param_persistence_threshold": 1e5,
+        "model_persistence_threshold": 1e9,
+        "max_live_parameters": 1e9,
+        "max_reuse_distance": 1e9,
+        "gather_16bit_weights_on_model_save": True,
+        "memory_efficient_linear": True,
+    }
+    config = _translate({"zero_optimization": {"stage": 3, **names}}).config
+    assert config.zero.level == "v2"
+
+
+@pytest.mark.parametrize("dtype", ["fp32", None])
+def test_float32_gradient_accumulation_is_accepted(dtype):
+    """data_types.grad_accum_dtype "fp32" is what the engine does (bf16 configs write it);
+    the whole section used to be refused as an unbuilt feature. bf16.immediate_grad_update
+    (when DeepSpeed moves gradients into float32) was refused as an unknown key."""
+    values = {
+        "bf16": {"enabled": True, "immediate_grad_update": False},
+        "data_types": {"grad_accum_dtype": dtype},
+    }
+    assert _translate(values).config.amp.dtype == "bfloat16"
+    with pytest.raises(DeepSpeedConfigError, match="grad_accum_dtype='bf16' is not supported"):
+        _translate({**values, "data_types": {"grad_accum_dtype": "bf16"}})
+    with pytest.raises(DeepSpeedConfigError, match="did you mean 'grad_accum_dtype'"):
+        _translate({**values, "data_types": {"grad_acum_dtype": "fp32"}})
+
+
 def test_activation_checkpointing_turns_on_gradient_checkpointing():
     assert _translate({}).config.gradient_checkpoint.type == ""
     on = _translate({"activation_checkpointing": {"partition_activations": False}})

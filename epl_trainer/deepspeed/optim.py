@@ -24,7 +24,7 @@ wd * w before the update), which is what DeepSpeed's AdamW, Lion and `Adam` (def
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from epl_trainer.deepspeed.keys import (
@@ -273,12 +273,14 @@ _INT_PARAMS = {
 }
 
 
-def _auto_scheduler_value(key: str, lr: float, warmup_num_steps: int, total_num_steps: int | None):
+def _auto_scheduler_value(
+    key: str, rate: Callable[[], float], warmup_num_steps: int, total_num_steps: int | None
+):
     """Hugging Face's fill-ins: warmup from 0 to the optimizer's lr over the warmup steps."""
     if key == "warmup_min_lr":
         return 0.0
     if key == "warmup_max_lr":
-        return lr
+        return rate()
     if key == "warmup_num_steps":
         return warmup_num_steps
     if key == "total_num_steps":
@@ -296,12 +298,21 @@ def _auto_scheduler_value(key: str, lr: float, warmup_num_steps: int, total_num_
 
 def build_schedule(
     section: Mapping,
-    learning_rate: float,
+    learning_rate: float | Callable[[], float],
     *,
     warmup_num_steps: int = 0,
     total_num_steps: int | None = None,
 ) -> ScheduleSpec:
-    """The schedule of DeepSpeed's `scheduler` section, for an optimizer at `learning_rate`."""
+    """The schedule of DeepSpeed's `scheduler` section, for an optimizer at `learning_rate`.
+
+    `learning_rate` may be a function giving it (the trainer's optimizer, which raises
+    when its rate is a Keras schedule): it is called only when the section needs the
+    rate, an "auto" `warmup_max_lr` or `WarmupCosineLR` (a ratio of it).
+    """
+
+    def rate() -> float:
+        return learning_rate() if callable(learning_rate) else learning_rate
+
     check_keys(section, {"type", "params"}, "'scheduler'")
     name = as_str(section.get("type"), "scheduler.type", choices=SCHEDULERS)
     given = section.get("params") or {}
@@ -309,7 +320,7 @@ def build_schedule(
     params = {}
     for key, value in given.items():
         if is_auto(value):
-            value = _auto_scheduler_value(key, learning_rate, warmup_num_steps, total_num_steps)
+            value = _auto_scheduler_value(key, rate, warmup_num_steps, total_num_steps)
         where = f"scheduler.params.{key}"
         if key in _INT_PARAMS or key.endswith("stair_count"):
             value = None if value is None else as_int(value, where)
@@ -330,4 +341,5 @@ def build_schedule(
     for key in _REQUIRED_PARAMS.get(name, ()):
         if key not in params:
             raise DeepSpeedConfigError(f"DeepSpeed config scheduler {name} needs params.{key}.")
-    return ScheduleSpec(name, params, learning_rate)
+    base_rate = rate() if name == "WarmupCosineLR" or not callable(learning_rate) else None
+    return ScheduleSpec(name, params, base_rate)

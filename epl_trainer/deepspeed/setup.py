@@ -50,12 +50,14 @@ class ScheduleSpec:
         the schedule of each name (OneCycle's momentum cycling is `OneCycleMomentum`).
       params: its params typed, "auto" filled in, `last_batch_iteration` left out (the
         optimizer's restored step count resumes a schedule).
-      learning_rate: the optimizer's learning rate (WarmupCosineLR is a ratio of it).
+      learning_rate: the optimizer's learning rate (WarmupCosineLR is a ratio of it);
+        None when the schedule does not read it and the trainer's optimizer has a Keras
+        schedule instead of a number.
     """
 
     type: str
     params: Mapping[str, Any]
-    learning_rate: float
+    learning_rate: float | None
 
 
 @dataclasses.dataclass(frozen=True)

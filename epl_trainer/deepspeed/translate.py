@@ -76,6 +76,22 @@ _ZERO_TUNING = {
     "stage3_max_reuse_distance",
     "stage3_gather_16bit_weights_on_model_save",
     "stage3_gather_fp16_weights_on_model_save",
+    "stage3_module_granularity_threshold",
+    "stage3_use_all_reduce_for_fetch_params",
+    # DeepSpeed's pydantic model accepts each field by its name as well as by its
+    # `stage3_` alias (populate_by_name), and newer configs use the names: refusing them
+    # as unknown made a valid config fail.
+    "prefetch_bucket_size",
+    "param_persistence_threshold",
+    "model_persistence_threshold",
+    "max_live_parameters",
+    "max_reuse_distance",
+    "gather_16bit_weights_on_model_save",
+    "module_granularity_threshold",
+    "use_all_reduce_for_fetch_params",
+    "use_multi_rank_bucket_allreduce",
+    "memory_efficient_linear",
+    "override_module_apply",
 }
 # Keys accepted only at the value that needs no feature we lack.
 _ZERO_DEFAULT_ONLY = {
@@ -153,7 +169,6 @@ _TOP_UNSUPPORTED = {
     "pipeline",
     "tensor_parallel",
     "compile",
-    "data_types",
 }
 _TRANSLATED = {
     TRAIN,
@@ -176,6 +191,7 @@ _TRANSLATED = {
     "prescale_gradients",
     "gradient_predivide_factor",
     "checkpoint",
+    "data_types",
 }
 TOP_LEVEL_KEYS = frozenset(_TRANSLATED | set(_TOP_DEFAULT_ONLY) | _TOP_NO_EFFECT | _TOP_UNSUPPORTED)
 
@@ -308,6 +324,25 @@ def _check_top_level(values: Mapping) -> None:
             as_bool(values[key], key)
     if "bf16" in values and "bfloat16" in values:
         raise DeepSpeedConfigError("DeepSpeed config sets both 'bf16' and its alias 'bfloat16'.")
+    _check_data_types(values.get("data_types"))
+
+
+def _check_data_types(section) -> None:
+    """`data_types.grad_accum_dtype`: gradients are accumulated in float32 here (they are
+    gradients of the float32 weights, under AMP too), which is DeepSpeed's default and what
+    configs write for bf16 ("grad_accum_dtype": "fp32"); that value and null are accepted,
+    a reduced-precision accumulation is refused. (The whole section used to be refused as
+    an unbuilt feature, so the recommended fp32 setting failed a valid config.)"""
+    if section is None:
+        return
+    check_keys(section, {"grad_accum_dtype"}, "'data_types'")
+    dtype = section.get("grad_accum_dtype")
+    if dtype is not None and as_str(dtype, "data_types.grad_accum_dtype") != "fp32":
+        raise unsupported(
+            "data_types.grad_accum_dtype",
+            dtype,
+            "gradients are accumulated in float32 (accepted: 'fp32' or null)",
+        )
 
 
 _CHECKPOINT_KEYS = {"writer", "load_universal", "tag_validation"}
@@ -367,7 +402,12 @@ def _precision(values: Mapping, base: Config) -> dict:
     fp16 = values.get("fp16") or {}
     bf16 = values.get("bf16", values.get("bfloat16")) or {}
     check_keys(fp16, _FP16_KEYS, "'fp16'")
-    check_keys(bf16, {"enabled"}, "'bf16'")
+    # immediate_grad_update only chooses when DeepSpeed's BF16 optimizer moves each
+    # gradient into its float32 accumulator (DeepSpeed's tests: trains identically); the
+    # gradients here are float32 from the start. Refused as unknown, it failed valid configs.
+    check_keys(bf16, {"enabled", "immediate_grad_update"}, "'bf16'")
+    if "immediate_grad_update" in bf16:
+        as_bool(bf16["immediate_grad_update"], "bf16.immediate_grad_update")
     base_amp = base.amp.level == "O1"
     fp16_on = _enabled(fp16, "fp16", base_amp and base.amp.dtype == "float16")
     bf16_on = _enabled(bf16, "bf16", base_amp and base.amp.dtype == "bfloat16")
@@ -551,7 +591,10 @@ def _optimizer(
         optimizer, lr = optim.build_optimizer(values["optimizer"], trainer)
     else:
         optimizer = OptimizerSpec(rule=None)  # the trainer's own
-        lr = optim.trainer_value(trainer, "lr", "scheduler (learning rate)")
+        # Read only if a scheduler needs it: a trainer optimizer whose rate is a Keras
+        # schedule is refused there, not for every config without an optimizer section
+        # (that failed configs with no scheduler, or one given every value).
+        lr = lambda: optim.trainer_value(trainer, "lr", "scheduler (learning rate)")  # noqa: E731
     schedule = None
     if "scheduler" in values:
         schedule = optim.build_schedule(

@@ -99,6 +99,19 @@ def build_optimizer(spec: OptimizerSpec, trainer_optimizer) -> keras.optimizers.
     config has no optimizer section), schedule, momentum cycling and global-norm clipping.
     """
     optimizer = trainer_optimizer if spec.rule is None else _new_optimizer(spec)
+    own = {k: getattr(optimizer, k, None) for k in ("clipnorm", "clipvalue")}
+    own = {k: v for k, v in own.items() if v}
+    if spec.global_clipnorm and own:
+        # Keras optimizers take one kind of clipping; rebuilding with both failed inside
+        # Keras ("Only one of `clipnorm`, `clipvalue` and `global_clipnorm`"), naming
+        # neither the DeepSpeed key nor the trainer's optimizer.
+        terms = ", ".join(f"{k}={v}" for k, v in own.items())
+        raise DeepSpeedConfigError(
+            "DeepSpeed config gradient_clipping clips by the global norm, and the trainer's "
+            f"optimizer already clips ({terms}); a Keras optimizer takes one kind of "
+            "clipping: drop gradient_clipping (or set it to 0) or the optimizer's. "
+            f"Received: gradient_clipping={spec.global_clipnorm}, {terms}"
+        )
     schedule = momentum = None
     if spec.schedule is not None:
         schedule, momentum = build_schedule(spec.schedule)

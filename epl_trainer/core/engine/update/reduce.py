@@ -155,8 +155,15 @@ def sum_of_squares(gradient):
 
 
 def scaled(gradient, factor):
-    """`gradient * factor`, keeping IndexedSlices sparse."""
+    """`gradient * factor`; IndexedSlices come out dense, as from Keras's clipping.
+
+    Keras's `clip_by_global_norm` multiplies each gradient by the scale, which turns an
+    Embedding's IndexedSlices into a dense tensor (repeated rows summed), so under
+    `global_clipnorm` `Model.fit`'s optimizer always updates from a dense gradient. Kept as
+    slices, Keras's Adam squares each repeated row's slice separately (its `square` of
+    IndexedSlices), so the second moment and the embedding update differed from
+    `Model.fit`: 1.3e-2 on the table after one Adam step of 16 rows of 5 tokens.
+    """
     if _is_slices(gradient):
-        values = gradient.values * tf.cast(factor, gradient.values.dtype)
-        return tf.IndexedSlices(values, gradient.indices, gradient.dense_shape)
+        gradient = tf.convert_to_tensor(gradient)
     return gradient * tf.cast(factor, gradient.dtype)
