@@ -9,6 +9,7 @@ __getattr__, __dir__, __all__ = lazy_surface(
     __name__,
     {
         "GradientReduction": "reduce",
+        "clipped_by": "reduce",
         "scaled": "reduce",
         "sum_of_squares": "reduce",
         "sum_over_lane": "reduce",

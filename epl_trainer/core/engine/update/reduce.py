@@ -122,7 +122,7 @@ class GradientReduction:
                 clipped.append(None)
                 continue
             with tf.device(lane.devices[stage]):
-                clipped.append(scaled(g, factor))
+                clipped.append(clipped_by(g, factor))
         return clipped
 
     def clip_each(self, lane_grads: list[list]) -> list[list]:
@@ -155,7 +155,17 @@ def sum_of_squares(gradient):
 
 
 def scaled(gradient, factor):
-    """`gradient * factor`; IndexedSlices come out dense, as from Keras's clipping.
+    """`gradient * factor`, keeping IndexedSlices sparse (a mean over replicas, a
+    divisor's correction: Keras's own step hands the optimizer an Embedding's gradient as
+    slices there too)."""
+    if _is_slices(gradient):
+        values = gradient.values * tf.cast(factor, gradient.values.dtype)
+        return tf.IndexedSlices(values, gradient.indices, gradient.dense_shape)
+    return gradient * tf.cast(factor, gradient.dtype)
+
+
+def clipped_by(gradient, factor):
+    """`gradient * factor` as global-norm clipping gives it: IndexedSlices come out dense.
 
     Keras's `clip_by_global_norm` multiplies each gradient by the scale, which turns an
     Embedding's IndexedSlices into a dense tensor (repeated rows summed), so under

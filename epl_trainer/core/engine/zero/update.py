@@ -40,6 +40,7 @@ from epl_trainer.core.engine.precision import unscale_gradients
 from epl_trainer.core.engine.update import (
     OptimizerStep,
     balanced_groups,
+    clipped_by,
     scaled,
     sum_over_lane,
     written,
@@ -444,7 +445,7 @@ class ZeroUpdate:
                 factor = limit / tf.maximum(tf.sqrt(total), limit)
             for k in local_stages:
                 with tf.device(lane.devices[k]):
-                    clipped[k][li] = [scaled(g, factor) for g in owned_grads[k][li]]
+                    clipped[k][li] = [clipped_by(g, factor) for g in owned_grads[k][li]]
         return clipped
 
     def _piece_part(self, k: int, li: int, grads: list) -> list:
