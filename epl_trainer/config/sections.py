@@ -127,8 +127,12 @@ class GradientCheckpointConfig(_Section):
         "How checkpoints are chosen: off, tensors tagged by the user, or automatically.",
         choices=("", "collection", "auto"),
     )
-    end_taskgraph: int = _int(-1, "With auto checkpointing, the taskgraph where it ends.")
-    check_gradients: bool = _bool(False, "Verify the gradients produced with checkpointing.")
+    end_taskgraph: int = _int(
+        -1, "Last taskgraph checkpointed (-1: every one); needs type set.", minimum=-1
+    )
+    check_gradients: bool = _bool(
+        False, "Verify the gradients produced with checkpointing; needs type set."
+    )
 
 
 @_register("zero")

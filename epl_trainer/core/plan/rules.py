@@ -205,6 +205,20 @@ def check_config(config) -> None:
             "(auto.auto_parallel=True); give stages with epl.replicate scopes or stages=. "
             f"Received: pipeline.num_stages={config.pipeline.num_stages}"
         )
+    # The two keys below only tune gradient checkpointing: without a type nothing is
+    # checkpointed, so they would be accepted and do nothing.
+    checkpointing = config.gradient_checkpoint
+    for key, is_set in (
+        ("end_taskgraph", checkpointing.end_taskgraph != -1),
+        ("check_gradients", checkpointing.check_gradients),
+    ):
+        if is_set and not checkpointing.type:
+            raise ValueError(
+                f"gradient_checkpoint.{key} only applies with gradient checkpointing on; "
+                "set gradient_checkpoint.type to 'auto' or 'collection' too. Received: "
+                f"gradient_checkpoint.{key}={getattr(checkpointing, key)!r}, "
+                "gradient_checkpoint.type=''"
+            )
     if config.auto.auto_parallel and config.pipeline.num_stages is None:
         raise ValueError(
             "auto.auto_parallel=True needs pipeline.num_stages (how many stages to cut). "
