@@ -286,7 +286,11 @@ def check_plan(
     split_taskgraphs = any(tg.kind == "split" for tg in plan.taskgraphs)
     # A Keras layout's sharded variables under pipeline stages run on each stage's
     # devices: only split TaskGraphs need the replicated ones' devices.
-    if split_taskgraphs and not plan.colocate_split_and_replicate:
+    # Only split TaskGraphs next to others need the flag: a model split whole (EPL's
+    # `with epl.split(8): model()`) has nothing to share devices with, and its devices
+    # are the same either way (refused before, naming replicated TaskGraphs it had not).
+    separate = split_taskgraphs and len(plan.taskgraphs) > 1
+    if separate and not plan.colocate_split_and_replicate:
         raise SplitError(
             f"split TaskGraphs {split} need cluster.colocate_split_and_replicate=True (the "
             "split layers then share the devices of the replicated ones, EPL's documented "
