@@ -178,6 +178,27 @@ def test_add_to_collection_accepts_keras_tensors_and_regexes_once():
     assert collection.get_collection() == []
 
 
+def test_checkpoints_marked_as_epl_documents_them_cut_the_same_segments():
+    """EPL marks with TF1's `tf.add_to_collection("checkpoints", tensor)`: name first.
+    `epl.add_to_collection("checkpoints", x)` was refused (the KerasTensor taken for a
+    collection name) and `tf.compat.v1.add_to_collection` was ignored (one segment)."""
+    expected = segment_names(recomputed(dense_stack(depth=6, marks=(1, 3))))
+    for mark in (
+        lambda x: collection.add_to_collection("checkpoints", x),
+        lambda x: tf.compat.v1.add_to_collection("checkpoints", x),
+    ):
+        collection.clear_collections()
+        keras.utils.set_random_seed(0)
+        x = inputs = keras.Input((8,), name="x")
+        for i in range(6):
+            x = keras.layers.Dense(8, activation="tanh", name=f"dense_{i}")(x)
+            if i in (1, 3):
+                mark(x)
+        assert segment_names(recomputed(keras.Model(inputs, x))) == expected
+    collection.clear_collections()
+    assert collection.get_collection() == [] == tf.compat.v1.get_collection("checkpoints")
+
+
 def test_add_to_collection_errors():
     with pytest.raises(ValueError, match=r"Only the 'checkpoints' collection.*name='activations'"):
         collection.add_to_collection(keras.Input((3,)), "activations")
