@@ -597,6 +597,11 @@ class Config:
         ]
         return self._from_layers([*current, *given])
 
+    def given_keys(self) -> frozenset[str]:
+        """The keys a source set (environment, file, dict; a spelling set through the
+        other one too), as opposed to those left at their defaults."""
+        return frozenset(key for key in _KEYS if self._source_of(key) != "default")
+
     def to_dict(self) -> dict[str, Any]:
         """Returns {dotted key: value} for every known key."""
         return dict(self._values)
