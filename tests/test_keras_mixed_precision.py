@@ -85,3 +85,10 @@ def test_loss_scale_keys_the_user_sets_win_over_keras_schedule(policy):
     trainer.fit(x, y, batch_size=8, shuffle=False, verbose=0)
     assert trainer.config.amp.level == "O1" and trainer.config.amp.loss_scale == 128
     assert trainer.stats_history["loss_scale"][-1] == 128
+
+
+def test_amp_keys_given_while_amp_is_off_are_refused():
+    """amp.loss_scale / amp.debug_log with amp.level '' trained in float32 and did
+    nothing (EPL's table lists them under AMP)."""
+    with pytest.raises(ValueError, match=r"amp\.loss_scale only apply with AMP on.*128"):
+        epl.EPLTrainer(_model(), config={"amp.loss_scale": 128}).fit(*_data(), verbose=0)

@@ -219,6 +219,23 @@ def check_config(config) -> None:
                 f"gradient_checkpoint.{key}={getattr(checkpointing, key)!r}, "
                 "gradient_checkpoint.type=''"
             )
+    # AMP's other keys only tune AMP: given while it is off they would do nothing.
+    if not config.amp.level:
+        given = config.given_keys()
+        tuned = {
+            f"amp.{field.name}": getattr(config.amp, field.name)
+            for field in dataclasses.fields(config.amp)
+            if field.name != "level"
+            and f"amp.{field.name}" in given
+            and getattr(config.amp, field.name) != field.default
+        }
+        if tuned:
+            raise ValueError(
+                f"{', '.join(tuned)} only apply with AMP on; set amp.level='O1' too, or "
+                "drop them. Received: "
+                + ", ".join(f"{key}={value!r}" for key, value in tuned.items())
+                + ", amp.level=''"
+            )
     if config.auto.auto_parallel and config.pipeline.num_stages is None:
         raise ValueError(
             "auto.auto_parallel=True needs pipeline.num_stages (how many stages to cut). "
