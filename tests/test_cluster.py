@@ -152,6 +152,22 @@ def test_thread_keys_set_after_tensorflow_started_are_reported(caplog):
     assert "cluster.intra_op_threads=3 is not applied" in caplog.text
 
 
+def test_visible_gpus_set_after_tensorflow_started_are_checked_not_ignored(monkeypatch):
+    """cluster.run_visible_devices was read only before TensorFlow started: afterwards
+    any value was accepted without a word (here "0" on a machine without GPUs, or "1"
+    while both GPUs stayed in the job)."""
+    import tensorflow as tf
+
+    with pytest.raises(ClusterError, match=r"'0' does not name visible GPUs \(this machine"):
+        epl.init({"cluster.run_visible_devices": "0"})
+    gpus = [tf.config.PhysicalDevice(f"/physical_device:GPU:{i}", "GPU") for i in range(2)]
+    monkeypatch.setattr(tf.config, "list_physical_devices", lambda kind=None: gpus)
+    monkeypatch.setattr(tf.config, "get_visible_devices", lambda kind=None: gpus)
+    configure_tensorflow(1, visible_gpus="0,1")  # what runs already: nothing to change
+    with pytest.raises(ClusterError, match=r"run_visible_devices='1' cannot be applied"):
+        configure_tensorflow(1, visible_gpus="1")
+
+
 # These two run in this order: the first leaves a process-wide config behind.
 def test_init_sets_the_process_wide_config():
     assert epl.init({"cluster.virtual_devices": 2}).config.cluster.virtual_devices == 2

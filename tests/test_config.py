@@ -630,3 +630,18 @@ def test_a_later_source_of_either_zero_spelling_wins():
     assert make({"zero.stage": 3}).replace({"zero.level": "v0"}).zero.stage == 1
     assert make({"zero.stage": 1}).merge(make({"zero.level": "v2"})).zero.stage == 3
     assert make({"zero.stage": 2}, EPL_ZERO_LEVEL="v2").zero.level == "v1"
+
+
+def test_merge_keeps_keys_set_above_the_environment():
+    """A trainer's config= read the same EPL_* variables as epl.init's config; its
+    environment values went over init's dict (num_micro_batch 4 became 2)."""
+    environ = {"EPL_PIPELINE_NUM_MICRO_BATCH": "2", "EPL_ZERO_STAGE": "3"}
+    base = Config({"pipeline.num_micro_batch": 4, "zero.level": "v1"}, environ=environ)
+    merged = base.merge(Config({"amp.level": "O1"}, environ=environ))
+    assert merged.pipeline.num_micro_batch == 4 and merged.zero.level == "v1"
+    assert merged.amp.level == "O1"
+    # Where init set nothing above it, the environment still applies, and a key the
+    # trainer's dict sets goes over init's.
+    merged = Config({}, environ={}).merge(Config({}, environ=environ))
+    assert merged.pipeline.num_micro_batch == 2 and merged.zero.level == "v2"
+    assert base.merge(Config({"pipeline.num_micro_batch": 8})).pipeline.num_micro_batch == 8

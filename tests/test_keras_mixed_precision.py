@@ -73,3 +73,22 @@ def test_an_overflowing_float16_step_is_skipped_and_the_scale_halved_as_keras(po
     for before, after, keras_after in zip(start, model.get_weights(), reference.get_weights()):
         np.testing.assert_array_equal(after, before)
         np.testing.assert_array_equal(keras_after, before)
+
+
+def test_loss_scale_keys_the_user_sets_win_over_keras_schedule(policy):
+    """A mixed_float16 model with config amp.loss_scale=128 trained at Keras's dynamic
+    2**15: the compiled model's keys replaced the user's silently."""
+    policy("mixed_float16")
+    x, y = _data()
+    config = {"cluster.virtual_devices": 2, "amp.loss_scale": 128}
+    trainer = epl.EPLTrainer(_model(), config=config)
+    trainer.fit(x, y, batch_size=8, shuffle=False, verbose=0)
+    assert trainer.config.amp.level == "O1" and trainer.config.amp.loss_scale == 128
+    assert trainer.stats_history["loss_scale"][-1] == 128
+
+
+def test_amp_keys_given_while_amp_is_off_are_refused():
+    """amp.loss_scale / amp.debug_log with amp.level '' trained in float32 and did
+    nothing (EPL's table lists them under AMP)."""
+    with pytest.raises(ValueError, match=r"amp\.loss_scale only apply with AMP on.*128"):
+        epl.EPLTrainer(_model(), config={"amp.loss_scale": 128}).fit(*_data(), verbose=0)

@@ -156,3 +156,18 @@ def test_steps_per_execution_stops_at_the_first_nonfinite_step_and_keeps_the_wei
     reference = mlp()
     _trainer(reference, **amp).fit(_data(poisoned=False).take(BAD_BATCH), verbose=0)
     assert max_weight_difference(model, reference) == 0.0
+
+
+def test_an_overflow_on_the_float16_wire_is_named():
+    """A finite loss whose gradients times communication.fp16_scale pass float16's 65504
+    overflows on the wire; the error pointed only at the learning rate and the data."""
+    x, _ = mlp_data(16)
+    y = np.full((16, 3), 3000.0, "float32")  # MSE gradients of ~1e3, x 128 > 65504
+    trainer = epl.EPLTrainer(
+        mlp(),
+        keras.losses.MeanSquaredError(),
+        keras.optimizers.SGD(1e-9),
+        config={"cluster.virtual_devices": 2, "communication.fp16": True},
+    )
+    with pytest.raises(NonFiniteLossError, match=r"fp16_scale=128: a gradient above 511\.75"):
+        trainer.fit(x, y, batch_size=16, verbose=0)

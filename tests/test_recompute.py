@@ -178,6 +178,27 @@ def test_add_to_collection_accepts_keras_tensors_and_regexes_once():
     assert collection.get_collection() == []
 
 
+def test_checkpoints_marked_as_epl_documents_them_cut_the_same_segments():
+    """EPL marks with TF1's `tf.add_to_collection("checkpoints", tensor)`: name first.
+    `epl.add_to_collection("checkpoints", x)` was refused (the KerasTensor taken for a
+    collection name) and `tf.compat.v1.add_to_collection` was ignored (one segment)."""
+    expected = segment_names(recomputed(dense_stack(depth=6, marks=(1, 3))))
+    for mark in (
+        lambda x: collection.add_to_collection("checkpoints", x),
+        lambda x: tf.compat.v1.add_to_collection("checkpoints", x),
+    ):
+        collection.clear_collections()
+        keras.utils.set_random_seed(0)
+        x = inputs = keras.Input((8,), name="x")
+        for i in range(6):
+            x = keras.layers.Dense(8, activation="tanh", name=f"dense_{i}")(x)
+            if i in (1, 3):
+                mark(x)
+        assert segment_names(recomputed(keras.Model(inputs, x))) == expected
+    collection.clear_collections()
+    assert collection.get_collection() == [] == tf.compat.v1.get_collection("checkpoints")
+
+
 def test_add_to_collection_errors():
     with pytest.raises(ValueError, match=r"Only the 'checkpoints' collection.*name='activations'"):
         collection.add_to_collection(keras.Input((3,)), "activations")
@@ -498,6 +519,48 @@ def test_engine_trains_to_the_same_weights_with_recompute():
         weights.append(model.get_weights())
     assert sorted(trainer.engine.program.recomputed) == [0, 1]
     assert max(float(np.abs(a - b).max()) for a, b in zip(*weights)) < ATOL
+
+
+def _two_stage_trainer(**gc):
+    """A 2-stage pipeline trained one step with the given checkpointing keys."""
+    import epl_trainer as epl
+
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    config = {"cluster.virtual_devices": 2, "pipeline.num_micro_batch": 2, **gc}
+    stages = {"dense_0|drop": 0, "dense_1|drop_2|head": 1}
+    trainer = epl.EPLTrainer(
+        dropout_model(), loss, keras.optimizers.SGD(0.1), stages=stages, config=config
+    )
+    y = np.random.default_rng(1).integers(0, 3, 8).astype("int32")
+    trainer.fit(data(8, 8), y, batch_size=8, verbose=0)  # builds the engine
+    return trainer
+
+
+def test_end_taskgraph_checkpoints_the_stages_up_to_it():
+    trainer = _two_stage_trainer(
+        **{"gradient_checkpoint.type": "auto", "gradient_checkpoint.end_taskgraph": 0}
+    )
+    assert sorted(trainer.engine.program.recomputed) == [0]
+
+
+@pytest.mark.parametrize(
+    "keys, message",
+    [
+        # Each was accepted and did nothing: every stage was checkpointed (end_taskgraph
+        # past the last stage, or below -1), or none was and nothing was checked.
+        ({"gradient_checkpoint.type": "auto", "gradient_checkpoint.end_taskgraph": 2},
+         r"end_taskgraph=2 names no taskgraph: the model has 2 \(0\.\.1\)"),
+        ({"gradient_checkpoint.end_taskgraph": 0},
+         r"gradient_checkpoint\.end_taskgraph only applies with gradient checkpointing on"),
+        ({"gradient_checkpoint.check_gradients": True},
+         r"gradient_checkpoint\.check_gradients only applies with gradient checkpointing"),
+        ({"gradient_checkpoint.type": "auto", "gradient_checkpoint.end_taskgraph": -2},
+         r"'gradient_checkpoint\.end_taskgraph' must be >= -1\. Received: -2"),
+    ],
+)  # fmt: skip
+def test_checkpointing_keys_that_would_do_nothing_are_refused(keys, message):
+    with pytest.raises(ValueError, match=message):
+        _two_stage_trainer(**keys)
 
 
 # ------------------------------------------------------------------ memory and time

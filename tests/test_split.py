@@ -4,6 +4,7 @@ Tolerance: weights after 3 SGD steps agree with single-device Keras to atol 1e-5
 only differences are float summation orders across lanes and shards).
 """
 
+import contextlib
 import functools
 
 import keras
@@ -297,6 +298,33 @@ def test_split_without_colocation_is_refused():
             config={"cluster.virtual_devices": 4},
             strategy=epl.Strategy(default=epl.replicate(2)),
         )
+
+
+@pytest.mark.combines("split+data_parallel")
+def test_a_model_split_whole_needs_no_colocation():
+    """EPL's `with epl.split(2): model()` with the default config: one split TaskGraph has
+    nothing to share devices with. It was refused ("need
+    cluster.colocate_split_and_replicate=True (the split layers then share the devices of
+    the replicated ones") though the model had no replicated TaskGraph."""
+
+    def split_whole(scope):
+        keras.utils.set_random_seed(0)
+        inputs = keras.Input((6,), name="x")
+        with scope:
+            h = keras.layers.Dense(16, activation="tanh", name="up")(inputs)
+            outputs = keras.layers.Dense(4, name="logits")(h)
+        return keras.Model(inputs, outputs)
+
+    x, y = data(classes=4)
+    reference = split_whole(contextlib.nullcontext())
+    optimizer = keras.optimizers.SGD(0.1, momentum=0.9)
+    keras_reference(reference, x, y, optimizer, batch_size=16, steps=3)
+    epl.init({"cluster.virtual_devices": 4})  # 2 replicas of a 2-way split
+    model = split_whole(epl.split(2))
+    trainer = epl.EPLTrainer(model, LOSS, keras.optimizers.SGD(0.1, momentum=0.9))
+    trainer.fit(x, y, batch_size=16, steps_per_epoch=3, verbose=0, shuffle=False)
+    assert max_weight_difference(reference, model) < ATOL
+    assert "Split: split layers are sharded across the devices" in trainer.plan.summary()
 
 
 @pytest.mark.parametrize(

@@ -335,6 +335,58 @@ def test_stages_given_twice_is_an_error():
         resolve_annotation(plain_model(), Strategy(stages={".*": 0}), stages={".*": 0})
 
 
+def two_scoped_submodels():
+    """EPL's `with replicate(...): model_part1()` in Keras: a sub-model built per scope."""
+    with replicate(1, name="s0"):
+        part1 = keras.Sequential([keras.Input((4,)), dense("a"), dense("b")], name="part1")
+    with replicate(1, name="s1"):
+        part2 = keras.Sequential([keras.Input((4,)), dense("c", 2)], name="part2")
+    return part1, part2
+
+
+def test_submodels_built_in_scopes_and_composed_outside_keep_their_taskgraphs():
+    """Composed outside any scope, both calls inherited the last replicate TaskGraph: the
+    model resolved to one TaskGraph 's1' and trained data parallel, the two stages
+    silently dropped (before: taskgraphs == (s1,), nodes {'part1': [0], 'part2': [0]})."""
+    part1, part2 = two_scoped_submodels()
+    annotation = resolve_annotation(keras.Sequential([part1, part2]))
+    assert [spec.name for spec in annotation.taskgraphs] == ["s0", "s1"]
+    assert by_name(annotation) == {"part1": [0], "part2": [1]}
+    # A call made inside a scope stays in that scope's TaskGraph.
+    part1, part2 = two_scoped_submodels()
+    inputs = keras.Input((4,))
+    with replicate(1, name="s1"):
+        outputs = part2(part1(inputs))
+    assert by_name(resolve_annotation(keras.Model(inputs, outputs))) == {
+        "part1": [0],
+        "part2": [0],
+    }
+
+
+def test_a_nested_model_built_over_several_scopes_and_called_outside_is_refused():
+    inputs = keras.Input((4,))
+    with replicate(1, name="s0"):
+        h = dense("a")(inputs)
+    with replicate(1, name="s1"):
+        inner = keras.Model(inputs, dense("b")(h), name="inner")
+    outer_inputs = keras.Input((4,))
+    outer = keras.Model(outer_inputs, inner(outer_inputs))
+    with pytest.raises(ValueError, match=r"Nested model 'inner' .* several TaskGraphs"):
+        resolve_annotation(outer)
+
+
+def test_layers_constructed_in_a_scope_but_called_outside_warn(caplog):
+    with replicate(1, name="s0"):
+        a = dense("a")
+    with replicate(1, name="s1"):
+        b = dense("b")
+    model = keras.Sequential([keras.Input((4,)), a, b])  # both called here: in s1
+    with caplog.at_level(logging.WARNING, logger="epl_trainer.annotations.strategies"):
+        annotation = resolve_annotation(model)
+    assert [spec.name for spec in annotation.taskgraphs] == ["s1"]
+    assert "name='s0')> were opened by replicate/split scopes but hold no layer" in caplog.text
+
+
 def test_data_form_wins_over_scope_tags_with_a_warning(caplog):
     inputs = keras.Input((4,))
     with replicate(1, name="s0"):

@@ -22,6 +22,10 @@ Recording rules (EPL's):
   `replicate` TaskGraph (EPL does the same, so a loss written after the last stage's
   block stays in the last stage).
 * Strategies do not nest.
+* A node made outside any scope and default that calls a nested Keras model (a model
+  built inside a scope, called by the model passed to the trainer) joins the TaskGraph
+  of the nested model's own layers (strategies.py): their nodes were made in the scope,
+  as EPL's ops of `model_part1()` are.
 
 The recording state is process-global, like EPL's `Env`; `reset_annotations()` clears it
 (`epl.init()` calls it). Tags already attached to nodes survive a reset.
@@ -40,6 +44,9 @@ from epl_trainer.core.plan.ir import StrategySpec
 logger = logging.getLogger(__name__)
 
 NODE_ATTR = "_epl_taskgraph"  # attribute holding a Node's TaskGraphRecord (or None)
+# True on a Node made outside any scope and default: its TaskGraph (the last replicate
+# one, or None) was inherited, not chosen where the node was made.
+INHERITED_ATTR = "_epl_taskgraph_inherited"
 
 
 # --------------------------------------------------------------------- strategies
@@ -153,6 +160,10 @@ class _Recording:
     def current(self) -> TaskGraphRecord | None:
         return self.scope_record or self.default_record or self.last_replicate
 
+    def inherited(self) -> bool:
+        """Whether a node made now gets its TaskGraph by inheritance (no scope or default)."""
+        return self.scope_record is None and self.default_record is None
+
     def open(self, strategy: _StrategyBase, reuse_object: bool) -> TaskGraphRecord:
         """The TaskGraph `strategy` stands for: an existing one, or a new one."""
         name = strategy.name
@@ -184,6 +195,11 @@ def reset_annotations() -> None:
     """Forgets every scope, default strategy and TaskGraph recorded so far."""
     global _RECORDING
     _RECORDING = _Recording(next(_SESSIONS))
+
+
+def recording_session() -> tuple[int, tuple[TaskGraphRecord, ...]]:
+    """The current recording session and the TaskGraphs opened in it so far."""
+    return _RECORDING.session, tuple(_RECORDING.records)
 
 
 def current_taskgraph() -> TaskGraphRecord | None:
@@ -268,6 +284,7 @@ def _install_node_hook() -> None:
         def init(self, *args, **kwargs):
             original_init(self, *args, **kwargs)
             setattr(self, NODE_ATTR, _RECORDING.current())
+            setattr(self, INHERITED_ATTR, _RECORDING.inherited())
 
         init._epl_hook = True
         Node.__init__ = init
@@ -304,6 +321,7 @@ def _copy_tags(original_tensors: list, cloned_tensors: list) -> None:
             continue
         seen.add(id(target))
         setattr(target, NODE_ATTR, getattr(source, NODE_ATTR, None))
+        setattr(target, INHERITED_ATTR, getattr(source, INHERITED_ATTR, True))
         pending.extend(
             zip(source.arguments.keras_tensors, target.arguments.keras_tensors, strict=False)
         )

@@ -29,11 +29,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from epl_trainer.annotations.scopes import (
+    INHERITED_ATTR,
     NODE_ATTR,
     TaskGraphRecord,
     _StrategyBase,
     current_scope,
     current_taskgraph,
+    recording_session,
     replicate,
     reset_annotations,
     set_default_strategy,
@@ -320,7 +322,7 @@ def resolve_annotation(model, strategy=None, stages=None, split=None) -> ModelAn
         return ModelAnnotation(data_form.taskgraph_specs(), {}, source="strategy")
     nodes = model_nodes(model)
     if data_form is None:
-        return _from_scope_tags(nodes)
+        return _from_scope_tags(nodes, model.name)
     if any(getattr(node, NODE_ATTR, None) is not None for node in nodes):
         logger.warning(
             "Model %r was built inside replicate/split scopes and a %r was also "
@@ -360,17 +362,70 @@ def _data_form(strategy, stages, split_patterns) -> Strategy | None:
     )
 
 
-def _from_scope_tags(nodes: list) -> ModelAnnotation:
-    tags = {node: getattr(node, NODE_ATTR, None) for node in nodes}
+def _from_scope_tags(nodes: list, model_name: str) -> ModelAnnotation:
+    tags = {node: _node_tag(node) for node in nodes}
     unique = {id(r): r for r in tags.values() if r is not None}
     records = sorted(unique.values(), key=lambda r: (r.session, r.index))
     if not records:
         return ModelAnnotation(
             (StrategySpec("replicate", 1, None),), dict.fromkeys(nodes, 0), source="default"
         )
+    _warn_unused_taskgraphs(records, model_name)
     index = {id(r): i for i, r in enumerate(records)}
     assignment = {node: 0 if tag is None else index[id(tag)] for node, tag in tags.items()}
     return ModelAnnotation(tuple(r.spec for r in records), assignment, source="scopes")
+
+
+def _node_tag(node) -> TaskGraphRecord | None:
+    """The TaskGraph of a node: the one current where it was made, except for a call of
+    a nested model made outside any scope and default, which joins the TaskGraph its own
+    layers were built in. Before, `keras.Sequential([part1, part2])` of two sub-models
+    built in two stage scopes trained as one data-parallel TaskGraph (the last stage's,
+    which both calls inherited), silently dropping the pipeline.
+
+    Raises:
+      ValueError: such a nested model's layers were built in several TaskGraphs (one
+        node cannot be cut into stages).
+    """
+    tag = getattr(node, NODE_ATTR, None)
+    if tag is not None and not getattr(node, INHERITED_ATTR, False):
+        return tag
+    model = node.operation
+    if not _has_layer_graph(model) or getattr(model, "_functional", True) is None:
+        return tag  # a layer, or an unbuilt Sequential
+    session = tag.session if tag is not None else recording_session()[0]
+    inner = {id(r): r for r in map(_node_tag, model_nodes(model)) if r is not None}
+    inner = [r for r in inner.values() if r.session == session]
+    if len(inner) > 1:
+        raise ValueError(
+            f"Nested model {model.name!r} is called outside any replicate/split scope, and "
+            f"its layers were built in several TaskGraphs ({', '.join(map(repr, inner))}). "
+            "A nested model is one node of the model calling it and is not cut into "
+            f"TaskGraphs: pass {model.name!r} itself to the trainer, or call each part "
+            "inside its scope."
+        )
+    return inner[0] if inner else tag
+
+
+def _warn_unused_taskgraphs(records: list, model_name: str) -> None:
+    """Warns when this session opened TaskGraphs that hold none of the model's nodes: a
+    layer joins the TaskGraph current where it is *called*, so layers only constructed
+    in a scope (and called later, e.g. by `keras.Sequential([...])`) are not in it."""
+    session, opened = recording_session()
+    if not any(r.session == session for r in records):
+        return  # the model was annotated in an earlier session
+    used = {id(r) for r in records}
+    unused = [r for r in opened if id(r) not in used]
+    if unused:
+        logger.warning(
+            "TaskGraph(s) %s were opened by replicate/split scopes but hold no layer call "
+            "of model %r, which uses %s. A layer joins the TaskGraph where it is called "
+            "(where its node is made), not where it is constructed: call the layers inside "
+            "the scopes.",
+            ", ".join(map(repr, unused)),
+            model_name,
+            ", ".join(map(repr, records)),
+        )
 
 
 def _from_strategy(nodes: list, strategy: Strategy, model_name: str) -> ModelAnnotation:

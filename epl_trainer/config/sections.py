@@ -127,8 +127,12 @@ class GradientCheckpointConfig(_Section):
         "How checkpoints are chosen: off, tensors tagged by the user, or automatically.",
         choices=("", "collection", "auto"),
     )
-    end_taskgraph: int = _int(-1, "With auto checkpointing, the taskgraph where it ends.")
-    check_gradients: bool = _bool(False, "Verify the gradients produced with checkpointing.")
+    end_taskgraph: int = _int(
+        -1, "Last taskgraph checkpointed (-1: every one); needs type set.", minimum=-1
+    )
+    check_gradients: bool = _bool(
+        False, "Verify the gradients produced with checkpointing; needs type set."
+    )
 
 
 @_register("zero")
@@ -574,14 +578,29 @@ class Config:
 
     def merge(self, other: Config) -> Config:
         """Returns this config with every key `other` sets (any key not at its default
-        source) taken from `other`: a trainer's `config=` on top of `epl.init()`'s."""
+        source) taken from `other`: a trainer's `config=` on top of `epl.init()`'s.
+
+        A key `other` read from the environment is taken only where this config has
+        nothing above the environment for it: both read the same variables, and the
+        environment is the lowest source. Before, `epl.init({"pipeline.num_micro_batch":
+        4})` with `EPL_PIPELINE_NUM_MICRO_BATCH=2` set trained with 2 as soon as the
+        trainer got a `config=` of other keys."""
         current = [(source, {key: self._values[key]}) for key, source in self._sources.items()]
+
+        def below_env(key: str) -> bool:
+            return all(self._sources[k] in ("default", "env") for k in spellings(key))
+
         given = [
             (source, {key: other._values[key]})
             for key, source in other._sources.items()
-            if source != "default"
+            if source != "default" and (source != "env" or below_env(key))
         ]
         return self._from_layers([*current, *given])
+
+    def given_keys(self) -> frozenset[str]:
+        """The keys a source set (environment, file, dict; a spelling set through the
+        other one too), as opposed to those left at their defaults."""
+        return frozenset(key for key in _KEYS if self._source_of(key) != "default")
 
     def to_dict(self) -> dict[str, Any]:
         """Returns {dotted key: value} for every known key."""

@@ -194,6 +194,7 @@ def configure_tensorflow(
                 f"already initialised with {available}. Configure the device count before "
                 "TensorFlow starts (epl.init() first, or conftest.py in tests)."
             )
+        _check_visible_gpus_unchanged(visible_gpus)
         return
     # Memory statistics (peak bytes) on every CPU: TensorFlow's default CPU allocator
     # keeps none, and it picks its BFC allocator, which does, only where oneDNN is on (by
@@ -201,15 +202,7 @@ def configure_tensorflow(
     # is created, so before TensorFlow starts; an explicit user setting wins.
     os.environ.setdefault("TF_CPU_ALLOCATOR_USE_BFC", "true")
     if visible_gpus:
-        gpus = tf.config.list_physical_devices("GPU")
-        try:
-            chosen = [gpus[int(i)] for i in visible_gpus.split(",") if i.strip()]
-        except (ValueError, IndexError) as e:
-            raise ClusterError(
-                f"cluster.run_visible_devices={visible_gpus!r} does not name visible GPUs "
-                f"(this machine has {len(gpus)})."
-            ) from e
-        tf.config.set_visible_devices(chosen, "GPU")
+        tf.config.set_visible_devices(_chosen_gpus(visible_gpus), "GPU")
     cpus = tf.config.list_physical_devices("CPU")
     tf.config.set_logical_device_configuration(
         cpus[0], [tf.config.LogicalDeviceConfiguration() for _ in range(num_cpu_devices)]
@@ -219,6 +212,34 @@ def configure_tensorflow(
     if inter_op_threads:
         tf.config.threading.set_inter_op_parallelism_threads(inter_op_threads)
     _CONFIGURED_CPU_DEVICES = num_cpu_devices
+
+
+def _chosen_gpus(visible_gpus: str) -> list:
+    """The physical GPUs `cluster.run_visible_devices` ("0,2") names."""
+    gpus = tf.config.list_physical_devices("GPU")
+    try:
+        return [gpus[int(i)] for i in visible_gpus.split(",") if i.strip()]
+    except (ValueError, IndexError) as e:
+        raise ClusterError(
+            f"cluster.run_visible_devices={visible_gpus!r} does not name visible GPUs "
+            f"(this machine has {len(gpus)})."
+        ) from e
+
+
+def _check_visible_gpus_unchanged(visible_gpus: str) -> None:
+    """`cluster.run_visible_devices` once TensorFlow runs: the visible GPUs are fixed by
+    then, so a value naming others is refused rather than ignored (before, it was
+    ignored without a word: every GPU stayed in the job, or none existed)."""
+    if not visible_gpus:
+        return
+    chosen = _chosen_gpus(visible_gpus)
+    visible = tf.config.get_visible_devices("GPU")
+    if [d.name for d in chosen] != [d.name for d in visible]:
+        raise ClusterError(
+            f"cluster.run_visible_devices={visible_gpus!r} cannot be applied: TensorFlow "
+            f"already runs with GPUs {[d.name for d in visible]} visible. Set it before "
+            "TensorFlow starts (the first epl.init), or set CUDA_VISIBLE_DEVICES."
+        )
 
 
 def available_cores() -> int:

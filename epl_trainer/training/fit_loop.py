@@ -300,7 +300,7 @@ class FitLoop:
                 runtime.load_from_model(optimizer=False)
             if nonfinite_at is not None and not context.model.stop_training:
                 # The callbacks saw the NaN loss first (TerminateOnNaN stops or raises).
-                raise nonfinite_loss_error(nonfinite_at)
+                raise nonfinite_loss_error(nonfinite_at, context.config.communication)
             return ran, context.model.stop_training
 
         def after_step(index):

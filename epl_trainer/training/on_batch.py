@@ -77,7 +77,7 @@ class OnBatchRunner:
         self._runtime.write_back()
         where = self._stats.nonfinite_step(self._progress.epochs_done, None)
         if where is not None:
-            raise nonfinite_loss_error(where)
+            raise nonfinite_loss_error(where, self._context.config.communication)
         with self._runtime.watch("the step's metric sync"):
             return self._objectives.returned(self._objectives.logs(), return_dict)
 

@@ -152,6 +152,10 @@ class EPLTrainer:
             # Keras's mixed precision (a mixed dtype policy, a LossScaleOptimizer) becomes
             # the engine's AMP with Keras's loss-scale schedule, not a silent float16 run.
             amp_keys = compiled.mixed_precision_keys(model, keras_scaler)
+            # The model's policy decides amp.level / amp.dtype; a loss-scaler key the user
+            # set wins over Keras's schedule (amp.loss_scale=128 ran at 2**15 before).
+            given = resolved.given_keys() - {"amp.level", "amp.dtype"}
+            amp_keys = {key: value for key, value in amp_keys.items() if key not in given}
             if amp_keys:
                 resolved = resolved.replace(amp_keys)
         if steps_per_execution is None and isinstance(model, keras.Model):

@@ -218,8 +218,17 @@ def apply_recompute(
       config: the `gradient_checkpoint` config section (type, end_taskgraph).
       marks: the user's checkpoint marks (for type "collection").
       recompute_last: see `RecomputedStage`.
+
+    Raises:
+      ValueError: `end_taskgraph` is past the last stage.
     """
-    for k in range(len(staged.stages)):
+    num_stages = len(staged.stages)
+    if config.end_taskgraph >= num_stages:  # it would checkpoint every stage, as -1 does
+        raise ValueError(
+            f"gradient_checkpoint.end_taskgraph={config.end_taskgraph} names no taskgraph: "
+            f"the model has {num_stages} (0..{num_stages - 1}); -1 checkpoints every one."
+        )
+    for k in range(num_stages):
         if 0 <= config.end_taskgraph < k:
             break
         stage = recompute_stage(staged, k, config.type, marks, recompute_last=recompute_last)

@@ -248,11 +248,10 @@ class Plan:
             _format_row(["-" * w for w in widths], widths),
         ]
         lines += [_format_row(row, widths) for row in rows]
-        if any(tg.kind == "split" for tg in self.taskgraphs) and self.colocate_split_and_replicate:
-            lines.append(
-                "Split: the TaskGraphs share each lane's device; split layers are sharded "
-                "across the devices of a replica"
-            )
+        split = any(tg.kind == "split" for tg in self.taskgraphs)
+        if split and (self.colocate_split_and_replicate or self.num_taskgraphs == 1):
+            shared = "the TaskGraphs share each lane's device; " if self.num_taskgraphs > 1 else ""
+            lines.append(f"Split: {shared}split layers are sharded across the devices of a replica")
         elif self.virtual_stages > 1:
             lines.append(
                 f"Pipeline: {self.num_taskgraphs} TaskGraphs on {self.pipeline_devices} device "

@@ -205,6 +205,37 @@ def check_config(config) -> None:
             "(auto.auto_parallel=True); give stages with epl.replicate scopes or stages=. "
             f"Received: pipeline.num_stages={config.pipeline.num_stages}"
         )
+    # The two keys below only tune gradient checkpointing: without a type nothing is
+    # checkpointed, so they would be accepted and do nothing.
+    checkpointing = config.gradient_checkpoint
+    for key, is_set in (
+        ("end_taskgraph", checkpointing.end_taskgraph != -1),
+        ("check_gradients", checkpointing.check_gradients),
+    ):
+        if is_set and not checkpointing.type:
+            raise ValueError(
+                f"gradient_checkpoint.{key} only applies with gradient checkpointing on; "
+                "set gradient_checkpoint.type to 'auto' or 'collection' too. Received: "
+                f"gradient_checkpoint.{key}={getattr(checkpointing, key)!r}, "
+                "gradient_checkpoint.type=''"
+            )
+    # AMP's other keys only tune AMP: given while it is off they would do nothing.
+    if not config.amp.level:
+        given = config.given_keys()
+        tuned = {
+            f"amp.{field.name}": getattr(config.amp, field.name)
+            for field in dataclasses.fields(config.amp)
+            if field.name != "level"
+            and f"amp.{field.name}" in given
+            and getattr(config.amp, field.name) != field.default
+        }
+        if tuned:
+            raise ValueError(
+                f"{', '.join(tuned)} only apply with AMP on; set amp.level='O1' too, or "
+                "drop them. Received: "
+                + ", ".join(f"{key}={value!r}" for key, value in tuned.items())
+                + ", amp.level=''"
+            )
     if config.auto.auto_parallel and config.pipeline.num_stages is None:
         raise ValueError(
             "auto.auto_parallel=True needs pipeline.num_stages (how many stages to cut). "
@@ -272,7 +303,11 @@ def check_plan(
     split_taskgraphs = any(tg.kind == "split" for tg in plan.taskgraphs)
     # A Keras layout's sharded variables under pipeline stages run on each stage's
     # devices: only split TaskGraphs need the replicated ones' devices.
-    if split_taskgraphs and not plan.colocate_split_and_replicate:
+    # Only split TaskGraphs next to others need the flag: a model split whole (EPL's
+    # `with epl.split(8): model()`) has nothing to share devices with, and its devices
+    # are the same either way (refused before, naming replicated TaskGraphs it had not).
+    separate = split_taskgraphs and len(plan.taskgraphs) > 1
+    if separate and not plan.colocate_split_and_replicate:
         raise SplitError(
             f"split TaskGraphs {split} need cluster.colocate_split_and_replicate=True (the "
             "split layers then share the devices of the replicated ones, EPL's documented "
