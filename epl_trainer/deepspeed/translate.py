@@ -416,7 +416,10 @@ def _precision(values: Mapping, base: Config) -> dict:
     if bf16_on:
         return {"amp.level": "O1", "amp.dtype": "bfloat16"}
     if not fp16_on:
-        return {"amp.level": "", "amp.dtype": base.amp.dtype}
+        # Off: every amp key back to its default. A base config's AMP tuning (its dtype,
+        # loss scale) would otherwise stay set with AMP off, which the config rules refuse
+        # as a key that does nothing (rules.py), naming keys this config never gave.
+        return {f"amp.{field.name}": field.default for field in dataclasses.fields(base.amp)}
     require_value(fp16, "consecutive_hysteresis", (False,), "fp16", "hysteresis resets on growth")
     require_value(
         fp16, "fp16_master_weights_and_grads", (False,), "fp16", "weights stay float32 here"
