@@ -162,8 +162,12 @@ def korthikanti_case(row):
     )  # fmt: skip
     if chunks > 1:
         layout = dataclasses.replace(layout, schedule="Interleaved1F1B", virtual_stages=chunks)
-    device = dataclasses.replace(devices.device_by_name("a100-80gb"), devices_per_node=8)
-    return model, layout, device, megatron_flops(batch, layers, hidden), seconds
+    return model, layout, _selene_a100(), megatron_flops(batch, layers, hidden), seconds
+
+
+def _selene_a100():
+    """The A100 of the table in a DGX A100 node (8 per node), Selene's."""
+    return dataclasses.replace(devices.device_by_name("a100-80gb"), devices_per_node=8)
 
 
 def layer_seconds(row, gc):
@@ -172,7 +176,7 @@ def layer_seconds(row, gc):
     two such layers less a step of one, the update left out (the table times the layer
     alone)."""
     _name, heads, hidden, _layers, t, _p, _batch, mbs, _chunks, _seconds = row
-    device = dataclasses.replace(devices.device_by_name("a100-80gb"), devices_per_node=8)
+    device = _selene_a100()
     layout = step_time.Layout(tensor_parallel=t, micro_batch_size=mbs, amp="master", gc=gc,
                               rank_order="tp,dp,pp")  # fmt: skip
 

@@ -25,6 +25,7 @@ communication, io) come from the base config: `epl.init()`'s, or `base=`.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import logging
 import os
@@ -597,7 +598,7 @@ def _optimizer(
         # Read only if a scheduler needs it: a trainer optimizer whose rate is a Keras
         # schedule is refused there, not for every config without an optimizer section
         # (that failed configs with no scheduler, or one given every value).
-        lr = lambda: optim.trainer_value(trainer, "lr", "scheduler (learning rate)")  # noqa: E731
+        lr = functools.partial(optim.trainer_value, trainer, "lr", "scheduler (learning rate)")
     schedule = None
     if "scheduler" in values:
         schedule = optim.build_schedule(
