@@ -184,7 +184,7 @@ def test_trainer_applies_accumulation_and_checks_fit_batch(env_with_two_devices)
         ({"amp.level": "O1", "amp.loss_scale": 128}, {"fp16": {"enabled": False}}),
     ],
 )
-def test_a_config_that_turns_amp_off_drops_the_base_configs_amp_tuning(base_amp, precision):
+def test_a_config_that_turns_amp_off_drops_the_base_configs_amp_tuning(base_amp, precision, caplog):
     """The DeepSpeed config decides the precision. With AMP off it left the base config's
     dtype or loss scale set, which the config rules refuse as keys that do nothing:
     "ValueError: amp.dtype only apply with AMP on; set amp.level='O1' too", naming keys
@@ -192,7 +192,9 @@ def test_a_config_that_turns_amp_off_drops_the_base_configs_amp_tuning(base_amp,
     epl.init(epl.Config({"cluster.virtual_devices": 2, **base_amp}))
     x, y = mlp_data()
     ds = {"train_batch_size": 32, **precision}
-    trainer = epl.EPLTrainer(mlp(), LOSS, keras.optimizers.SGD(0.1), config=ds)
+    with caplog.at_level("WARNING", logger="epl_trainer.deepspeed.translate"):
+        trainer = epl.EPLTrainer(mlp(), LOSS, keras.optimizers.SGD(0.1), config=ds)
+    assert "the base config's amp.level='O1'" in caplog.text  # the replacement is named
     assert (trainer.config.amp.level, trainer.config.amp.dtype) == ("", "float16")
     assert trainer.config.amp.loss_scale == "dynamic"
     trainer.fit(x, y, steps_per_epoch=1, verbose=0, shuffle=False)

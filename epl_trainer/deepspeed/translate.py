@@ -420,6 +420,13 @@ def _precision(values: Mapping, base: Config) -> dict:
         # Off: every amp key back to its default. A base config's AMP tuning (its dtype,
         # loss scale) would otherwise stay set with AMP off, which the config rules refuse
         # as a key that does nothing (rules.py), naming keys this config never gave.
+        if base_amp:  # the user's AMP is replaced: say so
+            logger.warning(
+                "The DeepSpeed config enables neither fp16 nor bf16, so training runs in "
+                "float32: the base config's amp.level='O1' (amp.dtype=%r) is not used. "
+                'Add "fp16" or "bf16": {"enabled": "auto"} to keep it.',
+                base.amp.dtype,
+            )
         return {f"amp.{field.name}": field.default for field in dataclasses.fields(base.amp)}
     require_value(fp16, "consecutive_hysteresis", (False,), "fp16", "hysteresis resets on growth")
     require_value(
